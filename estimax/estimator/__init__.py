@@ -1,0 +1,1 @@
+"""The Estimator contract and its loops; knows nothing of images."""

@@ -1,0 +1,114 @@
+"""Export for serving: the PREDICT computation as a ``jax.export`` (StableHLO) artifact.
+
+An export directory holds ``model.jaxexport`` (the serialized computation, batch dimension
+symbolic, lowered for several platforms), ``variables.msgpack`` (the weights it takes) and
+``signature.json`` (input and output names, shapes, dtypes, the global step). Serving it needs
+JAX, not the model's Python code (``estimax.serving.load``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from flax import serialization
+
+from estimax.estimator.spec import ModeKeys
+
+if TYPE_CHECKING:
+    from estimax.estimator.estimator import Estimator
+
+DEFAULT_PLATFORMS = ("cpu", "cuda", "tpu")
+MODEL_FILE = "model.jaxexport"
+VARIABLES_FILE = "variables.msgpack"
+SIGNATURE_FILE = "signature.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """The shape and dtype of one serving input; ``shape[0]`` is None (the batch).
+
+    Example: ``TensorSpec((None, 28, 28), np.uint8)``.
+    """
+
+    shape: tuple[int | None, ...]
+    dtype: Any
+    name: str | None = None
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, TensorSpec)
+
+
+def _describe(tree: Any) -> Any:
+    return jax.tree.map(lambda s: {"shape": list(s.shape), "dtype": str(np.dtype(s.dtype))}, tree,
+                        is_leaf=lambda x: isinstance(x, (TensorSpec, jax.ShapeDtypeStruct)))
+
+
+def export_saved_model(estimator: "Estimator", export_dir_base: str,
+                       serving_input_receiver_fn: Callable[[], Any],
+                       checkpoint_path: str | None = None,
+                       platforms: tuple[str, ...] | None = None) -> str:
+    """Writes ``export_dir_base/<timestamp>/`` and returns its path (see module docstring)."""
+    spec_tree = serving_input_receiver_fn()
+    leaves = jax.tree.leaves(spec_tree, is_leaf=_is_spec)
+    if not leaves or not all(_is_spec(s) for s in leaves):
+        raise TypeError("serving_input_receiver_fn must return a TensorSpec or a dict of them, "
+                        f"got {spec_tree!r}.")
+    for s in leaves:
+        if not s.shape or s.shape[0] is not None or any(d is None for d in s.shape[1:]):
+            raise ValueError(f"Serving input {s} must have shape (None, d1, d2, ...): only the "
+                             "batch dimension may be None.")
+    example = jax.tree.map(lambda s: np.zeros((1, *s.shape[1:]), s.dtype), spec_tree,
+                           is_leaf=_is_spec)
+    variables, step = estimator._load_variables(example, None, ModeKeys.PREDICT, checkpoint_path)
+    variables = jax.device_get(variables)
+    module = estimator._module(ModeKeys.PREDICT)
+
+    def serve(variables, features):
+        spec = module.apply(variables, features, None, jnp.asarray(step, jnp.int32))
+        if spec.export_outputs:
+            return next(iter(spec.export_outputs.values()))
+        return spec.predictions
+
+    (batch,) = jax.export.symbolic_shape("batch")
+    feature_specs = jax.tree.map(lambda s: jax.ShapeDtypeStruct((batch, *s.shape[1:]), s.dtype),
+                                 spec_tree, is_leaf=_is_spec)
+    variable_specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
+                                  variables)
+    platforms = tuple(platforms or DEFAULT_PLATFORMS)
+    exported = jax.export.export(jax.jit(serve), platforms=platforms)(variable_specs,
+                                                                     feature_specs)
+    timestamp = int(time.time())
+    while os.path.exists(os.path.join(export_dir_base, str(timestamp))):
+        timestamp += 1
+    final = os.path.join(export_dir_base, str(timestamp))
+    staging = final + ".tmp"
+    os.makedirs(staging, exist_ok=True)
+    with open(os.path.join(staging, MODEL_FILE), "wb") as f:
+        f.write(exported.serialize())
+    with open(os.path.join(staging, VARIABLES_FILE), "wb") as f:
+        f.write(serialization.msgpack_serialize(jax.tree.map(np.asarray, variables)))
+    signature = {
+        "format": "estimax.jax_export/1",
+        "global_step": int(step),
+        "platforms": list(platforms),
+        "inputs": _describe(spec_tree),
+        "outputs": jax.tree.unflatten(exported.out_tree, [
+            {"shape": [d if isinstance(d, int) else None for d in a.shape],
+             "dtype": str(np.dtype(a.dtype))} for a in exported.out_avals]),
+    }
+    with open(os.path.join(staging, SIGNATURE_FILE), "w") as f:
+        json.dump(signature, f, indent=2)
+    # The directory appears under its final name only when complete.
+    shutil.move(staging, final)
+    logging.info("Exported the model at step %d to %s", step, final)
+    return final

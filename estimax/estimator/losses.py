@@ -1,0 +1,28 @@
+"""Losses that return per-example values, so the Estimator can average them exactly."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+def softmax_cross_entropy(logits: jax.Array, labels: jax.Array, *,
+                          label_smoothing: float = 0.0) -> jax.Array:
+    """Softmax cross-entropy per example (``tf.losses.softmax_cross_entropy`` without the mean).
+
+    Args:
+      logits: [B, C] unnormalised scores (computed in any dtype; the loss is float32).
+      labels: [B] integer class ids in ``[0, C)``.
+      label_smoothing: as the original: targets become ``(1 - s) * one_hot + s / C``.
+
+    Returns:
+      [B] float32 losses. Return them as ``EstimatorSpec.loss``; the Estimator takes the mean,
+      and in evaluation leaves padding rows out of it.
+    """
+    logits = jnp.asarray(logits, jnp.float32)
+    num_classes = logits.shape[-1]
+    targets = jax.nn.one_hot(labels, num_classes, dtype=jnp.float32)
+    if label_smoothing:
+        targets = optax.smooth_labels(targets, label_smoothing)
+    return optax.softmax_cross_entropy(logits, targets)

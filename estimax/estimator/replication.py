@@ -1,0 +1,99 @@
+"""The device mesh, batch-size arithmetic, and moving batches between hosts and devices."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+# The mesh axis replicas are laid along. Pass it as ``axis_name`` to ``nn.BatchNorm`` (or to any
+# ``lax`` collective) inside a ``model_fn`` for cross-replica batch norm.
+REPLICA_AXIS = "data"
+
+
+def make_mesh(num_shards: int | None = None) -> Mesh:
+    """Returns a 1-D mesh over ``num_shards`` devices (all devices when None)."""
+    devices = jax.devices()
+    if num_shards is None:
+        num_shards = len(devices)
+    if not 1 <= num_shards <= len(devices):
+        raise ValueError(
+            f"num_shards={num_shards} but this job sees {len(devices)} device(s) "
+            f"({devices[0].platform}). Use a value from 1 to {len(devices)}, or None for all.")
+    return Mesh(np.array(devices[:num_shards]), (REPLICA_AXIS,))
+
+
+def per_replica_batch(global_batch: int, num_replicas: int, what: str) -> int:
+    """Returns the per-replica batch size, or raises naming the batch size and replica count."""
+    if global_batch is None or global_batch < 1:
+        raise ValueError(f"{what} must be a positive global batch size, got {global_batch}.")
+    if global_batch % num_replicas:
+        raise ValueError(
+            f"{what}={global_batch} is not divisible by the number of replicas "
+            f"({num_replicas}): each replica must get the same number of examples. "
+            f"Use a multiple of {num_replicas}, e.g. {global_batch - global_batch % num_replicas or num_replicas}.")
+    return global_batch // num_replicas
+
+
+def per_host_batch(global_batch: int) -> int:
+    """Returns how many examples of a global batch this host's input_fn must produce."""
+    hosts = jax.process_count()
+    if global_batch % hosts:
+        raise ValueError(f"Global batch size {global_batch} is not divisible by the {hosts} hosts.")
+    return global_batch // hosts
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """The sharding of values every replica holds whole (parameters, optimizer state)."""
+    return NamedSharding(mesh, P())
+
+
+def to_device(tree: Any, mesh: Mesh, spec: P) -> Any:
+    """Assembles global arrays from this host's numpy pieces, sharded by ``spec`` on ``mesh``."""
+    sharding = NamedSharding(mesh, spec)
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), tree)
+
+
+def to_local_numpy(x: jax.Array) -> np.ndarray:
+    """Returns this host's rows of a batch-sharded array, in order (all rows on one host)."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    pieces = {}
+    for shard in x.addressable_shards:
+        start = shard.index[0].start or 0
+        pieces.setdefault(start, np.asarray(shard.data))
+    return np.concatenate([pieces[k] for k in sorted(pieces)], axis=0)
+
+
+def pad_batch(tree: Any, size: int) -> tuple[Any, np.ndarray, int]:
+    """Pads a host batch to ``size`` rows by repeating its first row.
+
+    Returns:
+      (padded tree, mask [size] float32 with 1 for real rows, number of real rows). Repeating a
+      real row (instead of zeros) keeps padded rows valid inputs (no NaN, labels in range).
+    """
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+        raise ValueError("The input batch has no arrays.")
+    n = int(np.shape(leaves[0])[0])
+    for leaf in leaves:
+        if np.shape(leaf)[0] != n:
+            raise ValueError(
+                "All arrays of a batch must have the same leading (batch) size; got "
+                f"{[np.shape(l) for l in leaves]}.")
+    if n > size:
+        raise ValueError(f"input_fn yielded a batch of {n} examples, more than the per-host "
+                         f"batch size {size}.")
+    mask = np.zeros([size], np.float32)
+    mask[:n] = 1.0
+    if n == size:
+        return tree, mask, n
+
+    def pad(x):
+        x = np.asarray(x)
+        fill = np.repeat(x[:1], size - n, axis=0)
+        return np.concatenate([x, fill], axis=0)
+
+    return jax.tree.map(pad, tree), mask, n

@@ -1,0 +1,161 @@
+"""The user-facing contract: modes, the spec a ``model_fn`` returns, and run configuration."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+import optax
+
+
+class ModeKeys:
+    """The three modes a ``model_fn`` is called in; the values are the original's strings."""
+
+    TRAIN = "train"
+    EVAL = "eval"
+    PREDICT = "infer"
+
+
+@dataclasses.dataclass(frozen=True)
+class InputContext:
+    """What an ``input_fn`` learns about its place in the job (``params["context"]``).
+
+    Attributes:
+      host_index: index of this host (process) among ``num_hosts``; read this host's shard of files.
+      num_hosts: number of hosts feeding the job.
+      num_replicas: number of accelerator replicas the global batch is split over.
+      global_batch_size: the batch size the Estimator was given for this mode.
+    """
+
+    host_index: int = 0
+    num_hosts: int = 1
+    num_replicas: int = 1
+    global_batch_size: int = 0
+
+    # tf.distribute.InputContext names, for input functions written against those.
+    @property
+    def input_pipeline_id(self) -> int:
+        """Alias of ``host_index`` (``tf.distribute.InputContext`` name)."""
+        return self.host_index
+
+    @property
+    def num_input_pipelines(self) -> int:
+        """Alias of ``num_hosts`` (``tf.distribute.InputContext`` name)."""
+        return self.num_hosts
+
+
+@dataclasses.dataclass
+class EstimatorSpec:
+    """What ``model_fn(features, labels, mode, params)`` returns.
+
+    Replaces ``TPUEstimatorSpec``: the optimizer stands in for ``train_op`` (the Estimator
+    differentiates ``loss`` and applies it), ``eval_metrics`` is a dict of metric objects from
+    ``estimax.metrics`` (no ``(metric_fn, tensors)`` tuple), and ``scalars`` stands in for the
+    ``host_call`` that wrote summaries.
+
+    Attributes:
+      mode: the mode the spec was built for.
+      loss: the training/eval loss: a scalar, or per-example losses ``[B]`` (then the Estimator
+        averages them, and in eval masks padding rows so the eval loss is exact).
+      optimizer: an ``optax.GradientTransformation``; required in TRAIN.
+      eval_metrics: ``{name: Metric}`` computed in EVAL, streamed over the whole eval input.
+      predictions: an array ``[B, ...]`` or a dict of them; required in PREDICT.
+      export_outputs: optional ``{signature_name: predictions_dict}`` for export; the first entry
+        (or ``predictions``) is what the exported function returns.
+      scalars: ``{name: scalar}`` written to TensorBoard every summary step in TRAIN (e.g. the
+        learning rate, the epoch), like the original's ``host_call``.
+      weight_decay: if set, ``weight_decay * sum(l2 of kernels)`` is added to the loss, excluding
+        batch-norm parameters (as the original ResNet did by name).
+      ema_decay: if set, an exponential moving average of the parameters is kept and used for
+        evaluation, prediction and export (Inception's ``moving_average``).
+      gradient_clip_norm: if set, gradients are clipped to this global norm before the optimizer.
+    """
+
+    mode: str
+    loss: Any = None
+    optimizer: optax.GradientTransformation | None = None
+    eval_metrics: Mapping[str, Any] | None = None
+    predictions: Any = None
+    export_outputs: Mapping[str, Any] | None = None
+    scalars: Mapping[str, Any] | None = None
+    weight_decay: float | None = None
+    ema_decay: float | None = None
+    gradient_clip_norm: float | None = None
+
+
+@dataclasses.dataclass
+class RunConfig:
+    """Where and how a job runs: the original ``RunConfig`` + ``TPUConfig`` in one.
+
+    Attributes:
+      model_dir: directory (local or any path Orbax/fsspec accepts) for checkpoints and summaries.
+      iterations_per_loop: training steps compiled into one device call. The last loop of a
+        ``train`` call is shortened so ``steps``/``max_steps`` are hit exactly.
+      num_shards: number of replicas (devices) to use; ``None`` means every device.
+      save_checkpoints_steps: save every N steps (at loop boundaries).
+      save_checkpoints_secs: save every N seconds; the default (600) applies when neither is set,
+        as in the original.
+      keep_checkpoint_max: how many recent checkpoints to keep (``None`` keeps all).
+      save_summary_steps: write training scalars every N steps.
+      log_step_count_steps: log ``loss = X, step = N`` and the speed every N steps.
+      seed: seed of parameter initialisation and of the dropout streams.
+      cross_replica_batch_stats_mean: average mutable collections such as ``batch_stats`` over
+        replicas after each step (keeps one consistent copy to checkpoint). Per-replica batch
+        statistics are still computed per replica, as on TPU; pass ``axis_name=estimax.REPLICA_AXIS``
+        to ``nn.BatchNorm`` for cross-replica batch norm.
+    """
+
+    model_dir: str | None = None
+    iterations_per_loop: int = 100
+    num_shards: int | None = None
+    save_checkpoints_steps: int | None = None
+    save_checkpoints_secs: float | None = None
+    keep_checkpoint_max: int | None = 5
+    save_summary_steps: int = 100
+    log_step_count_steps: int = 100
+    seed: int = 0
+    cross_replica_batch_stats_mean: bool = True
+
+    def __post_init__(self) -> None:
+        if self.iterations_per_loop < 1:
+            raise ValueError(
+                f"RunConfig.iterations_per_loop must be >= 1, got {self.iterations_per_loop}.")
+        if self.save_checkpoints_steps is not None and self.save_checkpoints_secs is not None:
+            raise ValueError("RunConfig: set save_checkpoints_steps or save_checkpoints_secs, "
+                             "not both.")
+        if self.save_checkpoints_steps is None and self.save_checkpoints_secs is None:
+            self.save_checkpoints_secs = 600.0
+        for name in ("save_summary_steps", "log_step_count_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RunConfig.{name} must be >= 1, got {getattr(self, name)}.")
+        if self.keep_checkpoint_max is not None and self.keep_checkpoint_max < 1:
+            raise ValueError("RunConfig.keep_checkpoint_max must be >= 1 or None, got "
+                             f"{self.keep_checkpoint_max}.")
+
+
+@dataclasses.dataclass
+class TrainSpec:
+    """The training half of ``train_and_evaluate``: an input function and where to stop."""
+
+    input_fn: Callable[[dict], Any]
+    max_steps: int | None = None
+
+
+@dataclasses.dataclass
+class EvalSpec:
+    """The evaluation half of ``train_and_evaluate``.
+
+    Attributes:
+      input_fn: the eval input function (finite; evaluated exactly when ``steps`` is None).
+      steps: number of eval batches, or None for the whole input.
+      name: results go to ``model_dir/eval_<name>`` instead of ``model_dir/eval``.
+      every_steps: evaluate each time this many training steps have been done (the original
+        programs' ``steps_per_eval``). None: after each checkpoint save (throttled).
+      throttle_secs: with ``every_steps=None``, do not evaluate more often than this.
+    """
+
+    input_fn: Callable[[dict], Any]
+    steps: int | None = None
+    name: str | None = None
+    every_steps: int | None = None
+    throttle_secs: float = 600.0
