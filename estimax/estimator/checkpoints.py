@@ -15,6 +15,7 @@ import time
 from typing import Any, Callable, Iterator
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
@@ -92,6 +93,16 @@ class Checkpointer:
         restored = self._manager.restore(step, args=ocp.args.Composite(**{
             name: ocp.args.StandardRestore(item) for name, item in abstract_items.items()}))
         return {name: restored[name] for name in abstract_items}
+
+    def restore_numpy(self, step: int, name: str = "model") -> Any:
+        """Restores item ``name`` at ``step`` as host numpy arrays, whatever devices saved it."""
+        metadata = self._manager.item_metadata(step)[name]
+        tree = getattr(metadata, "tree", metadata)
+        # numpy leaves in the target make the standard handler restore host arrays.
+        target = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), tree)
+        restored = self._manager.restore(step, args=ocp.args.Composite(**{
+            name: ocp.args.StandardRestore(target)}))
+        return restored[name]
 
     def wait_until_finished(self) -> None:
         """Blocks until pending async saves are durable."""

@@ -209,6 +209,8 @@ class Estimator:
         self._compiled: dict[Any, Callable] = {}
         self._summaries: dict[str, summaries_lib.Summaries] = {}
         self._is_chief = jax.process_index() == 0
+        # N steps per device call as lax.scan everywhere but on XLA:CPU (see _run_loop).
+        self._scan_loops = jax.default_backend() != "cpu"
 
     # ------------------------------------------------------------------ model_fn plumbing
 
@@ -328,6 +330,23 @@ class Estimator:
         """Returns the step of the newest checkpoint in ``model_dir`` (0 if there is none)."""
         return self._get_checkpointer().latest_step() or 0
 
+    def get_variables(self, checkpoint_path: str | None = None) -> dict[str, Any]:
+        """Returns the variables of a checkpoint (default: the latest) as numpy arrays.
+
+        ``{"params": ..., <collection>: ...}`` nested by module name; the counterpart of the
+        original's ``get_variable_value``/``get_variable_names``.
+        """
+        if checkpoint_path is not None:
+            model_dir, step = ckpt_lib.step_from_checkpoint_path(checkpoint_path)
+            checkpointer = ckpt_lib.Checkpointer(model_dir, None, read_only=True)
+        else:
+            checkpointer = self._get_checkpointer()
+            step = checkpointer.latest_step()
+            if step is None:
+                raise FileNotFoundError(f"No checkpoint in {self.model_dir}: train first.")
+        model = checkpointer.restore_numpy(step, "model")
+        return {"params": model["params"], **model.get("model_state", {})}
+
     def _init_variables_fn(self, mode: str) -> Callable:
         def init(rng, features, labels):
             params_rng, dropout_rng = jax.random.split(rng)
@@ -394,8 +413,11 @@ class Estimator:
                                                                           state.model_state)
             return loss, (new_model_state, dict(spec.scalars or {}))
 
+        # Mark the (replicated) params as varying per replica before differentiating, so each
+        # replica's gradient is its own; otherwise shard_map's autodiff would already sum them.
+        local_params = lax.pcast(state.params, REPLICA_AXIS, to="varying")
         (loss, (new_model_state, scalars)), grads = jax.value_and_grad(
-            loss_fn, has_aux=True)(state.params)
+            loss_fn, has_aux=True)(local_params)
         spec = captured["spec"]
         # CrossShardOptimizer semantics: the applied gradient is the mean over replicas.
         grads = lax.pmean(grads, REPLICA_AXIS)
@@ -432,6 +454,39 @@ class Estimator:
                                     out_specs=(P(), P()))
             self._compiled[key] = jax.jit(sharded, donate_argnums=(0,))
         return self._compiled[key]
+
+    def _train_step_fn(self) -> Callable:
+        """A compiled call running one step on a batch [B, ...]."""
+        key = ("train_step",)
+        if key not in self._compiled:
+            sharded = jax.shard_map(self._train_step, mesh=self.mesh,
+                                    in_specs=(P(), P(REPLICA_AXIS), P(REPLICA_AXIS)),
+                                    out_specs=(P(), P()))
+            self._compiled[key] = jax.jit(sharded, donate_argnums=(0,))
+        return self._compiled[key]
+
+    def _run_loop(self, state: TrainState, batches: list[tuple[Any, Any]]
+                  ) -> tuple[TrainState, dict]:
+        """Runs one loop of ``len(batches)`` steps; returns the state and per-step metrics."""
+        if self._scan_loops:
+            stack = lambda *x: np.stack(x)  # noqa: E731
+            features = jax.tree.map(stack, *[b[0] for b in batches])
+            labels = (None if batches[0][1] is None else
+                      jax.tree.map(stack, *[b[1] for b in batches]))
+            device_batch = replication.to_device((features, labels), self.mesh,
+                                                 P(None, REPLICA_AXIS))
+            return self._train_loop_fn(len(batches))(state, *device_batch)
+        # XLA:CPU runs convolution gradients inside a while loop (lax.scan) ~40x slower than
+        # the same step outside one (measured: 12.7 s vs 0.33 s for the MNIST CNN, batch 100).
+        # On CPU there is no host round trip to amortise, so dispatch the steps one by one;
+        # dispatch is asynchronous, so the host still runs ahead of the device.
+        step_fn = self._train_step_fn()
+        per_step = []
+        for features, labels in batches:
+            device_batch = replication.to_device((features, labels), self.mesh, P(REPLICA_AXIS))
+            state, metrics = step_fn(state, *device_batch)
+            per_step.append(metrics)
+        return state, jax.tree.map(lambda *m: jnp.stack(m), *per_step)
 
     def train(self, input_fn: Callable[[dict], Iterable], hooks: Any = None,
               steps: int | None = None, max_steps: int | None = None) -> "Estimator":
@@ -498,12 +553,7 @@ class Estimator:
             while batches:
                 n = len(batches)
                 input_state = iterator.get_state() if stateful else None
-                features = jax.tree.map(lambda *x: np.stack(x), *[b[0] for b in batches])
-                labels = (None if batches[0][1] is None else
-                          jax.tree.map(lambda *x: np.stack(x), *[b[1] for b in batches]))
-                device_batch = replication.to_device((features, labels), self.mesh,
-                                                     P(None, REPLICA_AXIS))
-                state, loop_metrics = self._train_loop_fn(n)(state, *device_batch)
+                state, loop_metrics = self._run_loop(state, batches)
                 begin, step = step, step + n
                 # Read the next loop's batches while the device runs this one.
                 batches = reader.take(min(self.config.iterations_per_loop, target - step))
