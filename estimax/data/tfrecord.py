@@ -1,0 +1,507 @@
+"""TFRecord files without TensorFlow: write, read (CRC-checked), sharded names, index files.
+
+The framing, as TensorFlow's ``core/lib/io/record_writer.cc`` defines it, for each record::
+
+    uint64  length            (little endian)
+    uint32  masked_crc32c(length bytes)
+    byte    data[length]
+    uint32  masked_crc32c(data)
+
+with ``masked(crc) = ((crc >> 15) | (crc << 17)) + 0xa282ead8  (mod 2**32)``. No compression
+(the ImageNet shards of the original are uncompressed; gzip/zlib TFRecords are not supported and
+are reported as corrupt on their first record).
+
+Why hand-written: the format is four fields, and no maintained non-TensorFlow package offers a
+CRC-checked reader + atomic writer + index over fsspec paths; CRC-32C itself comes from the
+``crc32c`` package (hardware-accelerated). Measured in MEASUREMENTS.md: plain Python framing reads
+at ~2 GB/s, faster than tf.data.
+
+Paths are anything fsspec opens: local paths, ``gs://`` (gcsfs), ``s3://`` (s3fs), ``memory://``.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import uuid
+from collections.abc import Iterator, Sequence
+from typing import IO, Any
+
+import crc32c
+import fsspec
+import numpy as np
+
+__all__ = [
+    "CorruptRecordError",
+    "INDEX_SUFFIX",
+    "RecordFile",
+    "TFRecordWriter",
+    "default_index_path",
+    "list_files",
+    "masked_crc32c",
+    "read_index",
+    "read_records",
+    "read_records_with_offsets",
+    "record_offsets",
+    "sharded_name",
+    "write_index",
+]
+
+_MASK_DELTA = 0xA282EAD8
+_U64 = struct.Struct("<Q")
+_U32 = struct.Struct("<I")
+_HEADER = struct.Struct("<QI")  # length, masked CRC of the length
+_HEADER_SIZE = 12
+_FOOTER_SIZE = 4
+# Index files sit next to their shard with this suffix. list_files() leaves them out so the
+# original's patterns ("train-*") keep matching only the shards.
+INDEX_SUFFIX = ".idx"
+# Read-ahead for remote files: records of ~110 KB, 8 MiB like the original's TFRecordDataset
+# buffer_size, so a gs:// shard is fetched in few requests.
+_REMOTE_BLOCK_SIZE = 8 * 1024 * 1024
+
+
+class CorruptRecordError(ValueError):
+    """A TFRecord file is damaged: bad CRC, truncated length/data/CRC, or not a TFRecord file.
+
+    Attributes:
+      path: the file.
+      offset: byte offset of the start of the damaged record in the file.
+    """
+
+    def __init__(self, path: str, offset: int, problem: str):
+        super().__init__(f"{path}: record at byte offset {offset}: {problem}")
+        self.path = path
+        self.offset = offset
+        self.problem = problem
+
+
+def masked_crc32c(data: bytes | memoryview) -> int:
+    """The masked CRC-32C of ``data`` that TFRecord stores (see module docstring)."""
+    crc = crc32c.crc32c(data)
+    return ((((crc >> 15) | (crc << 17)) & 0xFFFFFFFF) + _MASK_DELTA) & 0xFFFFFFFF
+
+
+def sharded_name(prefix: str, shard: int, num_shards: int) -> str:
+    """``prefix-00003-of-00010``: the original converter's ``'%s-%.5d-of-%.5d'`` shard name."""
+    if not 0 <= shard < num_shards:
+        raise ValueError(f"shard {shard} out of range for num_shards={num_shards} ({prefix!r})")
+    return "%s-%.5d-of-%.5d" % (prefix, shard, num_shards)
+
+
+def _fs_and_path(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    fs, fs_path = fsspec.core.url_to_fs(path)
+    return fs, fs_path
+
+
+def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return protocol in ("file", "local")
+
+
+def list_files(pattern: str) -> list[str]:
+    """Files matching a glob ``pattern`` on any fsspec filesystem, sorted, index files excluded.
+
+    Args:
+      pattern: e.g. ``gs://bucket/imagenet/train-*`` or ``/data/validation-*``.
+
+    Returns:
+      Full paths (with the protocol prefix for remote filesystems), sorted by name so that every
+      host sees the same order (the per-host sharding relies on it).
+
+    Raises:
+      FileNotFoundError: nothing matches; the message names the pattern.
+    """
+    fs, fs_pattern = _fs_and_path(pattern)
+    matches = sorted(fs.glob(fs_pattern))
+    if not pattern.endswith(INDEX_SUFFIX):
+        matches = [m for m in matches if not m.endswith(INDEX_SUFFIX)]
+    matches = [m for m in matches if not fs.isdir(m)]
+    if not matches:
+        raise FileNotFoundError(f"no files match the pattern {pattern!r}")
+    if _is_local(fs):
+        return matches
+    return [fs.unstrip_protocol(m) for m in matches]
+
+
+class TFRecordWriter:
+    """Writes records to a TFRecord file; a context manager.
+
+    Local files are written under a temporary name in the same directory and renamed on a
+    successful ``close()``, so a crash never leaves a half-written file under the final name
+    (and a reader's ``train-*`` pattern cannot catch a partial shard: the temporary name starts
+    with ``.``). Object stores (``gs://``, ``s3://``) make an object visible only when its upload
+    completes, which is already atomic, so there the file is written directly. If the ``with``
+    block raises, the partial file is deleted and nothing appears under ``path``.
+
+    Example::
+
+        with TFRecordWriter("/data/train-00000-of-01024") as w:
+            w.write(encode_example({...}))
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        self._fs, fs_path = _fs_and_path(path)
+        self._final_path = fs_path
+        if _is_local(self._fs):
+            directory, base = os.path.split(fs_path)
+            self._fs.makedirs(directory or ".", exist_ok=True)
+            self._write_path = os.path.join(directory, f".{base}.tmp-{uuid.uuid4().hex[:12]}")
+        else:
+            self._write_path = fs_path
+        self._file: IO[bytes] | None = self._fs.open(self._write_path, "wb")
+        self.num_records = 0
+        self.num_bytes = 0
+
+    def write(self, record: bytes) -> None:
+        """Appends one record (any bytes, e.g. a serialized tf.Example)."""
+        if self._file is None:
+            raise ValueError(f"{self.path}: write() after close()")
+        length = _U64.pack(len(record))
+        self._file.write(length)
+        self._file.write(_U32.pack(masked_crc32c(length)))
+        self._file.write(record)
+        self._file.write(_U32.pack(masked_crc32c(record)))
+        self.num_records += 1
+        self.num_bytes += _HEADER_SIZE + len(record) + _FOOTER_SIZE
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+
+    def close(self) -> None:
+        """Finishes the file and moves it to its final name. Idempotent."""
+        if self._file is None:
+            return
+        self._file.close()
+        self._file = None
+        if self._write_path != self._final_path:
+            os.replace(self._write_path, self._final_path)
+
+    def abort(self) -> None:
+        """Discards the file being written (used when the ``with`` block raises)."""
+        if self._file is None:
+            return
+        self._file.close()
+        self._file = None
+        try:
+            self._fs.rm(self._write_path)
+        except FileNotFoundError:
+            pass
+
+    def __enter__(self) -> "TFRecordWriter":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def _open_read(path: str) -> IO[bytes]:
+    fs, fs_path = _fs_and_path(path)
+    if _is_local(fs):
+        return open(fs_path, "rb", buffering=1024 * 1024)
+    return fs.open(fs_path, "rb", block_size=_REMOTE_BLOCK_SIZE)
+
+
+def _read_one(f: IO[bytes], path: str, offset: int, verify_crc: bool) -> bytes | None:
+    """Reads the record starting at ``offset`` (f is positioned there); None at a clean EOF."""
+    header = f.read(_HEADER_SIZE)
+    if not header:
+        return None
+    if len(header) < _HEADER_SIZE:
+        raise CorruptRecordError(
+            path, offset, f"truncated length header ({len(header)} of {_HEADER_SIZE} bytes)")
+    length, length_crc = _HEADER.unpack(header)
+    # The length CRC is checked even without verify_crc: it costs nothing, and a damaged
+    # length would otherwise make us read (and allocate) an arbitrary number of bytes.
+    if masked_crc32c(header[:8]) != length_crc:
+        raise CorruptRecordError(
+            path, offset,
+            f"length CRC mismatch (stored {length_crc:#010x}, computed "
+            f"{masked_crc32c(header[:8]):#010x}); not a TFRecord file, compressed, or damaged")
+    data = f.read(length)
+    if len(data) < length:
+        raise CorruptRecordError(
+            path, offset, f"truncated data ({len(data)} of {length} bytes)")
+    footer = f.read(_FOOTER_SIZE)
+    if len(footer) < _FOOTER_SIZE:
+        raise CorruptRecordError(
+            path, offset, f"truncated data CRC ({len(footer)} of {_FOOTER_SIZE} bytes)")
+    if verify_crc:
+        (data_crc,) = _U32.unpack(footer)
+        computed = masked_crc32c(data)
+        if computed != data_crc:
+            raise CorruptRecordError(
+                path, offset,
+                f"data CRC mismatch (stored {data_crc:#010x}, computed {computed:#010x})")
+    return data
+
+
+def _parse_frame(blob: bytes, path: str, offset: int, verify_crc: bool) -> bytes:
+    """The data of the one framed record ``blob`` (read from ``offset``; sized by an index)."""
+    if len(blob) < _HEADER_SIZE:
+        raise CorruptRecordError(
+            path, offset, f"truncated length header ({len(blob)} of {_HEADER_SIZE} bytes)")
+    length, length_crc = _HEADER.unpack_from(blob)
+    if masked_crc32c(blob[:8]) != length_crc:
+        raise CorruptRecordError(
+            path, offset, f"length CRC mismatch (stored {length_crc:#010x}, computed "
+            f"{masked_crc32c(blob[:8]):#010x})")
+    end = _HEADER_SIZE + length
+    if len(blob) < end:
+        raise CorruptRecordError(
+            path, offset, f"truncated data ({len(blob) - _HEADER_SIZE} of {length} bytes)")
+    if len(blob) < end + _FOOTER_SIZE:
+        raise CorruptRecordError(
+            path, offset, f"truncated data CRC ({len(blob) - end} of {_FOOTER_SIZE} bytes)")
+    if len(blob) != end + _FOOTER_SIZE:
+        raise CorruptRecordError(
+            path, offset, f"record of {end + _FOOTER_SIZE} bytes where the index says "
+            f"{len(blob)}; the index does not match the file")
+    data = blob[_HEADER_SIZE:end]
+    if verify_crc:
+        (data_crc,) = _U32.unpack_from(blob, end)
+        computed = masked_crc32c(data)
+        if computed != data_crc:
+            raise CorruptRecordError(
+                path, offset,
+                f"data CRC mismatch (stored {data_crc:#010x}, computed {computed:#010x})")
+    return data
+
+
+def read_records(path: str, verify_crc: bool = True) -> Iterator[bytes]:
+    """Yields the records of one TFRecord file in order.
+
+    Args:
+      path: any fsspec path.
+      verify_crc: check the data CRC of every record (cheap: CRC-32C runs at GB/s). The length
+        CRC is always checked.
+
+    Raises:
+      CorruptRecordError: bad CRC or truncated record; names the file and the record's offset.
+      FileNotFoundError: the file does not exist.
+    """
+    for _, record in read_records_with_offsets(path, verify_crc=verify_crc):
+        yield record
+
+
+def read_records_with_offsets(
+    path: str, verify_crc: bool = True, start_offset: int = 0
+) -> Iterator[tuple[int, bytes]]:
+    """Like :func:`read_records`, also yielding each record's byte offset; can start mid-file.
+
+    Args:
+      path: any fsspec path.
+      verify_crc: check both CRCs.
+      start_offset: byte offset of a record boundary to start at (e.g. a saved position).
+
+    Yields:
+      ``(offset, record)``.
+    """
+    with _open_read(path) as f:
+        if start_offset:
+            f.seek(start_offset)
+        offset = start_offset
+        while True:
+            record = _read_one(f, path, offset, verify_crc)
+            if record is None:
+                return
+            yield offset, record
+            offset += _HEADER_SIZE + len(record) + _FOOTER_SIZE
+
+
+def record_offsets(path: str, verify_crc: bool = True) -> np.ndarray:
+    """Byte offsets of every record in a file, found by scanning the headers.
+
+    Data bytes are skipped with ``seek`` (not read) unless ``verify_crc``, so building an index
+    of a local file without verification costs one small read per record.
+
+    Returns:
+      offsets: [N + 1] int64; record i spans ``offsets[i]:offsets[i+1]`` (the last entry is the
+      file size).
+
+    Raises:
+      CorruptRecordError: a truncated record or a bad length CRC.
+    """
+    if verify_crc:
+        offsets = [off for off, _ in read_records_with_offsets(path, verify_crc=True)]
+        fs, fs_path = _fs_and_path(path)
+        offsets.append(fs.size(fs_path))
+        return np.asarray(offsets, dtype=np.int64)
+    fs, fs_path = _fs_and_path(path)
+    size = fs.size(fs_path)
+    offsets = []
+    if _is_local(fs):
+        # pread of each 12-byte header: a buffered reader would read ahead (i.e. read the whole
+        # file) to find offsets that only need the headers.
+        fd = os.open(fs_path, os.O_RDONLY)
+        read_at = lambda n, off: os.pread(fd, n, off)  # noqa: E731
+    else:
+        # Object stores: each header would be a request; reading through the file in large
+        # blocks is cheaper. Write index files (write_index) to avoid this pass.
+        f = fs.open(fs_path, "rb", block_size=_REMOTE_BLOCK_SIZE)
+
+        def read_at(n: int, off: int) -> bytes:
+            f.seek(off)
+            return f.read(n)
+    try:
+        offset = 0
+        while offset < size:
+            header = read_at(_HEADER_SIZE, offset)
+            if len(header) < _HEADER_SIZE:
+                raise CorruptRecordError(
+                    path, offset,
+                    f"truncated length header ({len(header)} of {_HEADER_SIZE} bytes)")
+            length, length_crc = _HEADER.unpack(header)
+            if masked_crc32c(header[:8]) != length_crc:
+                # Always checked: a wrong length would send the scan astray.
+                raise CorruptRecordError(
+                    path, offset, f"length CRC mismatch (stored {length_crc:#010x}, "
+                    f"computed {masked_crc32c(header[:8]):#010x})")
+            end = offset + _HEADER_SIZE + length + _FOOTER_SIZE
+            if end > size:
+                have = size - offset - _HEADER_SIZE
+                problem = (f"truncated data ({have} of {length} bytes)" if have < length else
+                           f"truncated data CRC ({have - length} of {_FOOTER_SIZE} bytes)")
+                raise CorruptRecordError(path, offset, problem)
+            offsets.append(offset)
+            offset = end
+    finally:
+        if _is_local(fs):
+            os.close(fd)
+        else:
+            f.close()
+    offsets.append(size)
+    return np.asarray(offsets, dtype=np.int64)
+
+
+def default_index_path(path: str) -> str:
+    """Where :func:`write_index` puts the index of ``path`` by default: ``path + '.idx'``."""
+    return path + INDEX_SUFFIX
+
+
+def write_index(path: str, index_path: str | None = None, verify_crc: bool = False) -> str:
+    """Writes the index file of a TFRecord file: one ``"<offset> <length>"`` line per record.
+
+    This is the text format of NVIDIA DALI's ``tfrecord2idx`` (offset of the record and its total
+    framed size), so the same index files serve DALI readers too.
+
+    Args:
+      path: the TFRecord file.
+      index_path: where to write; default ``path + '.idx'``.
+      verify_crc: also verify every record's data CRC while indexing.
+
+    Returns:
+      The index path written.
+    """
+    index_path = index_path or default_index_path(path)
+    offsets = record_offsets(path, verify_crc=verify_crc)
+    lines = "".join(f"{int(a)} {int(b - a)}\n" for a, b in zip(offsets[:-1], offsets[1:]))
+    fs, fs_path = _fs_and_path(index_path)
+    if _is_local(fs):
+        tmp = fs_path + f".tmp-{uuid.uuid4().hex[:12]}"
+        with open(tmp, "w") as f:
+            f.write(lines)
+        os.replace(tmp, fs_path)
+    else:
+        with fs.open(fs_path, "w") as f:
+            f.write(lines)
+    return index_path
+
+
+def read_index(index_path: str) -> np.ndarray:
+    """Reads an index file written by :func:`write_index`.
+
+    Returns:
+      offsets: [N + 1] int64 as :func:`record_offsets` returns.
+
+    Raises:
+      ValueError: a malformed line or non-contiguous records; names the file and line.
+    """
+    fs, fs_path = _fs_and_path(index_path)
+    with fs.open(fs_path, "r") as f:
+        text = f.read()
+    offsets = [0]
+    for lineno, line in enumerate(text.splitlines(), 1):
+        parts = line.split()
+        if not parts:
+            continue
+        try:
+            start, length = int(parts[0]), int(parts[1])
+        except (ValueError, IndexError):
+            raise ValueError(
+                f"{index_path}: line {lineno}: expected '<offset> <length>', got {line!r}"
+            ) from None
+        if start != offsets[-1]:
+            raise ValueError(
+                f"{index_path}: line {lineno}: record offset {start} does not follow the "
+                f"previous record's end {offsets[-1]}; the index does not match its file")
+        offsets.append(start + length)
+    return np.asarray(offsets, dtype=np.int64)
+
+
+class RecordFile(Sequence[bytes]):
+    """Random access to the records of one TFRecord file: ``len(f)``, ``f[i]``.
+
+    Uses the index file (``path + '.idx'`` or ``index_path``) if present, else scans the file's
+    headers once. Reads are thread-safe and hold no open file, so a ``RecordFile`` can be shared
+    by threads and pickled to worker processes.
+
+    Args:
+      path: the TFRecord file (any fsspec path).
+      index_path: an index written by :func:`write_index`; default ``path + '.idx'`` if it exists.
+      verify_crc: check both CRCs on every read.
+      offsets: [N + 1] record offsets, if already known (then no index is read, no scan done).
+    """
+
+    def __init__(self, path: str, index_path: str | None = None, verify_crc: bool = True,
+                 offsets: np.ndarray | None = None):
+        self.path = path
+        self.verify_crc = verify_crc
+        self._fs, self._fs_path = _fs_and_path(path)
+        self._is_local = _is_local(self._fs)
+        if offsets is not None:
+            self.index_path = index_path
+            self.offsets = np.asarray(offsets, dtype=np.int64)
+            return
+        if index_path is None:
+            fs, fs_path = _fs_and_path(default_index_path(path))
+            if fs.exists(fs_path):
+                index_path = default_index_path(path)
+        self.index_path = index_path
+        self.offsets = read_index(index_path) if index_path else record_offsets(path, False)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def offset(self, i: int) -> int:
+        """Byte offset of record ``i``."""
+        return int(self.offsets[i])
+
+    def __getitem__(self, i: int) -> bytes:  # type: ignore[override]
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"{self.path}: record index {i} out of range for {n} records")
+        start, end = int(self.offsets[i]), int(self.offsets[i + 1])
+        # One read of exactly the framed record: pread on local files (no read-ahead of data we
+        # do not want), one ranged request on object stores. The file is opened per read (a few
+        # microseconds against ~1 ms to decode the image) so that a host reading 1,024 shards
+        # does not hold 1,024 descriptors (the usual soft limit), and reads are thread-safe.
+        if self._is_local:
+            fd = os.open(self._fs_path, os.O_RDONLY)
+            try:
+                blob = os.pread(fd, end - start, start)
+            finally:
+                os.close(fd)
+        else:
+            blob = self._fs.cat_file(self._fs_path, start=start, end=end)
+        return _parse_frame(blob, self.path, start, self.verify_crc)
+
+    def __repr__(self) -> str:
+        return f"RecordFile({self.path!r}, {len(self)} records)"

@@ -1,0 +1,241 @@
+"""TFRecord framing: writer, reader, CRC and truncation errors, names, patterns, index files.
+
+Fixtures are built by hand here from the format's definition (TensorFlow's record_writer.cc:
+uint64 length, masked CRC-32C of it, data, masked CRC-32C of the data) with an independent
+bit-by-bit CRC-32C (Castagnoli, reflected polynomial 0x82F63B78), not with the code under test.
+"""
+
+import os
+import pickle
+import struct
+
+import numpy as np
+import pytest
+
+from estimax.data import tfrecord
+from estimax.data.tfrecord import CorruptRecordError
+
+
+def _crc32c_bitwise(data: bytes) -> int:
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
+def _masked(data: bytes) -> int:
+    crc = _crc32c_bitwise(data)
+    return ((((crc >> 15) | (crc << 17)) & 0xFFFFFFFF) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def _frame(data: bytes) -> bytes:
+    length = struct.pack("<Q", len(data))
+    return length + struct.pack("<I", _masked(length)) + data + struct.pack("<I", _masked(data))
+
+
+RECORDS = [b"", b"a", b"hello tfrecord", bytes(range(256)) * 5]
+
+
+def test_crc32c_check_value():
+    # The published CRC-32C check value of "123456789" is 0xE3069283 (RFC 3720 B.4 family).
+    assert _crc32c_bitwise(b"123456789") == 0xE3069283
+    assert tfrecord.masked_crc32c(b"123456789") == _masked(b"123456789")
+
+
+def test_writer_bytes_equal_hand_built_framing(tmp_path):
+    path = str(tmp_path / "f.tfrecord")
+    with tfrecord.TFRecordWriter(path) as w:
+        for r in RECORDS:
+            w.write(r)
+    with open(path, "rb") as f:
+        assert f.read() == b"".join(_frame(r) for r in RECORDS)
+    assert w.num_records == len(RECORDS)
+
+
+def test_reads_hand_built_file(tmp_path):
+    path = tmp_path / "hand"
+    path.write_bytes(b"".join(_frame(r) for r in RECORDS))
+    assert list(tfrecord.read_records(str(path))) == RECORDS
+    offsets = [o for o, _ in tfrecord.read_records_with_offsets(str(path))]
+    assert offsets == list(np.cumsum([0] + [16 + len(r) for r in RECORDS[:-1]]))
+
+
+def test_reads_memory_filesystem():
+    path = "memory://estimax-test-tfrecord/train-00000-of-00001"
+    with tfrecord.TFRecordWriter(path) as w:
+        for r in RECORDS:
+            w.write(r)
+    assert list(tfrecord.read_records(path)) == RECORDS
+    assert tfrecord.list_files("memory://estimax-test-tfrecord/train-*") == [
+        "memory:///estimax-test-tfrecord/train-00000-of-00001"]
+
+
+def _bad_file(tmp_path, blob: bytes) -> str:
+    path = tmp_path / "train-00003-of-00010"
+    path.write_bytes(blob)
+    return str(path)
+
+
+def test_wrong_data_crc_names_file_and_offset(tmp_path):
+    good = _frame(b"first")
+    bad = bytearray(_frame(b"second record"))
+    bad[-1] ^= 0xFF  # flip the stored data CRC
+    path = _bad_file(tmp_path, good + bytes(bad))
+    it = tfrecord.read_records(path)
+    assert next(it) == b"first"
+    with pytest.raises(CorruptRecordError) as e:
+        next(it)
+    msg = str(e.value)
+    assert "train-00003-of-00010: record at byte offset 21: data CRC mismatch" in msg
+    assert e.value.offset == len(good) == 21
+    # verify_crc=False reads it anyway
+    assert list(tfrecord.read_records(path, verify_crc=False))[1] == b"second record"
+
+
+def test_corrupted_payload_detected(tmp_path):
+    blob = bytearray(_frame(b"payload bytes"))
+    blob[14] ^= 0x01  # inside the data
+    path = _bad_file(tmp_path, bytes(blob))
+    with pytest.raises(CorruptRecordError, match="byte offset 0: data CRC mismatch"):
+        list(tfrecord.read_records(path))
+
+
+def test_wrong_length_crc(tmp_path):
+    blob = bytearray(_frame(b"x"))
+    blob[9] ^= 0x10
+    path = _bad_file(tmp_path, bytes(blob))
+    with pytest.raises(CorruptRecordError, match="byte offset 0: length CRC mismatch"):
+        list(tfrecord.read_records(path))
+
+
+@pytest.mark.parametrize("cut, problem", [
+    (3, "truncated data CRC (1 of 4 bytes)"),          # tail CRC cut
+    (10, "truncated data (4 of 10 bytes)"),           # 26-byte frame cut to 12 + 4
+    (18, "truncated length header (8 of 12 bytes)"),  # inside the header
+])
+def test_truncated_tail(tmp_path, cut, problem):
+    first = _frame(b"ok")
+    path = _bad_file(tmp_path, first + _frame(b"0123456789")[:-cut])
+    records = []
+    with pytest.raises(CorruptRecordError) as e:
+        for r in tfrecord.read_records(path):
+            records.append(r)
+    assert records == [b"ok"]  # everything before the damage is delivered
+    assert str(e.value) == f"{path}: record at byte offset {len(first)}: {problem}"
+
+
+def test_writer_is_atomic_on_error(tmp_path):
+    path = tmp_path / "out"
+    with pytest.raises(RuntimeError):
+        with tfrecord.TFRecordWriter(str(path)) as w:
+            w.write(b"abc")
+            # the final name does not exist while writing
+            assert not path.exists()
+            raise RuntimeError("crash")
+    assert os.listdir(tmp_path) == []
+
+
+def test_sharded_name_and_list_files(tmp_path):
+    assert tfrecord.sharded_name("train", 3, 10) == "train-00003-of-00010"
+    assert tfrecord.sharded_name("gs://b/validation", 127, 128) == (
+        "gs://b/validation-00127-of-00128")
+    with pytest.raises(ValueError, match="shard 10 out of range"):
+        tfrecord.sharded_name("train", 10, 10)
+    for i in reversed(range(3)):
+        with tfrecord.TFRecordWriter(str(tmp_path / tfrecord.sharded_name("train", i, 3))) as w:
+            w.write(b"r%d" % i)
+    tfrecord.write_index(str(tmp_path / "train-00000-of-00003"))
+    files = tfrecord.list_files(str(tmp_path / "train-*"))
+    # sorted, and index files are not shards
+    assert [os.path.basename(f) for f in files] == [
+        "train-00000-of-00003", "train-00001-of-00003", "train-00002-of-00003"]
+    with pytest.raises(FileNotFoundError, match="validation-\\*"):
+        tfrecord.list_files(str(tmp_path / "validation-*"))
+
+
+def test_index_and_random_access(tmp_path):
+    path = str(tmp_path / "data")
+    records = [b"rec%d" % i * (i + 1) for i in range(20)]
+    with tfrecord.TFRecordWriter(path) as w:
+        for r in records:
+            w.write(r)
+    index = tfrecord.write_index(path)
+    lines = open(index).read().splitlines()
+    # DALI tfrecord2idx format: "<offset> <framed size>"
+    assert lines[0] == "0 %d" % (16 + len(records[0]))
+    assert len(lines) == 20
+    rf = tfrecord.RecordFile(path)
+    assert rf.index_path == index
+    assert len(rf) == 20
+    assert [rf[i] for i in (5, 0, 19, -1)] == [records[5], records[0], records[19], records[19]]
+    with pytest.raises(IndexError, match="record index 20 out of range"):
+        rf[20]
+    # Without an index the offsets are found by scanning, and agree.
+    os.remove(index)
+    rf2 = tfrecord.RecordFile(path)
+    assert rf2.index_path is None
+    np.testing.assert_array_equal(rf2.offsets, rf.offsets)
+    # Picklable (sent to worker processes); reopens its file.
+    rf3 = pickle.loads(pickle.dumps(rf))
+    assert rf3[7] == records[7]
+
+
+def test_random_access_detects_corruption(tmp_path):
+    path = tmp_path / "train-00003-of-00010"
+    good = _frame(b"one")
+    bad = bytearray(_frame(b"two"))
+    bad[13] ^= 0xFF
+    path.write_bytes(good + bytes(bad))
+    rf = tfrecord.RecordFile(str(path))
+    assert rf[0] == b"one"
+    with pytest.raises(CorruptRecordError, match=r"train-00003-of-00010: record at byte offset 19"):
+        rf[1]
+
+
+def test_index_mismatch_reported(tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(_frame(b"abc"))
+    idx = tmp_path / "f.idx"
+    idx.write_text("0 19\n25 10\n")
+    with pytest.raises(ValueError, match=r"f.idx: line 2: record offset 25 does not follow"):
+        tfrecord.RecordFile(str(path))
+
+
+def test_random_access_on_memory_filesystem():
+    path = "memory://estimax-test-tfrecord/ra"
+    with tfrecord.TFRecordWriter(path) as w:
+        for r in RECORDS:
+            w.write(r)
+    tfrecord.write_index(path)
+    rf = tfrecord.RecordFile(path)
+    assert rf.index_path == path + ".idx"
+    assert [rf[i] for i in (3, 1, 0)] == [RECORDS[3], RECORDS[1], RECORDS[0]]
+
+
+def test_stale_index_on_truncated_file(tmp_path):
+    path = tmp_path / "train-00000-of-00001"
+    path.write_bytes(_frame(b"first") + _frame(b"0123456789"))
+    tfrecord.write_index(str(path))
+    path.write_bytes((_frame(b"first") + _frame(b"0123456789"))[:-6])  # cut after the index
+    rf = tfrecord.RecordFile(str(path))
+    assert rf[0] == b"first"
+    with pytest.raises(CorruptRecordError, match=r"byte offset 21: truncated data \(8 of 10"):
+        rf[1]
+
+
+def test_index_of_other_file_detected(tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(_frame(b"abc") + _frame(b"defgh"))
+    (tmp_path / "f.idx").write_text("0 20\n20 21\n")  # says 20 bytes; the frame has 19
+    with pytest.raises(CorruptRecordError, match=r"record of 19 bytes where the index says 20"):
+        tfrecord.RecordFile(str(path))[0]
+
+
+def test_scan_reports_truncation_like_the_reader(tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(_frame(b"abc") + _frame(b"0123456789")[:-2])
+    with pytest.raises(CorruptRecordError,
+                       match=r"byte offset 19: truncated data CRC \(2 of 4 bytes\)"):
+        tfrecord.record_offsets(str(path), verify_crc=False)
