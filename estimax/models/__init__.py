@@ -1,0 +1,74 @@
+"""Flax models: ResNet v1 18-200, Inception v3 and v4 (and the lead's MNIST CNN in ``mnist``).
+
+Every image model is called as ``model.apply(variables, x, train=..., mutable=[...])`` with
+``x: [B, H, W, 3]`` float and returns float32 logits ``[B, num_classes]`` -- the Inceptions return
+``(logits, aux_logits)`` while ``aux_logits=True`` (their default, as the original).
+
+``MODELS`` is an explicit registry (name -> constructor); ``get_model(name, **kw)`` looks a name up
+with a helpful error. The ``*_tiny`` entries are thin variants that exercise the same code for
+tests.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.linen as nn
+
+from estimax.models.inception_v3 import InceptionV3, InceptionV3Tiny
+from estimax.models.inception_v4 import InceptionV4, InceptionV4Tiny
+from estimax.models.resnet import (
+    BottleneckBlock,
+    ResidualBlock,
+    ResNet,
+    ResNet18,
+    ResNet34,
+    ResNet50,
+    ResNet101,
+    ResNet152,
+    ResNet200,
+    ResNetTiny,
+    ResNetTinyBottleneck,
+    resnet_v1,
+)
+
+MODELS: dict[str, Callable[..., nn.Module]] = {
+    "resnet18": ResNet18,
+    "resnet34": ResNet34,
+    "resnet50": ResNet50,
+    "resnet101": ResNet101,
+    "resnet152": ResNet152,
+    "resnet200": ResNet200,
+    "resnet_tiny": ResNetTiny,
+    "resnet_tiny_bottleneck": ResNetTinyBottleneck,
+    "inception_v3": InceptionV3,
+    "inception_v3_tiny": InceptionV3Tiny,
+    "inception_v4": InceptionV4,
+    "inception_v4_tiny": InceptionV4Tiny,
+}
+
+
+def get_model(name: str, **kwargs: Any) -> nn.Module:
+    """Builds a registered model.
+
+    Args:
+      name: a key of ``MODELS`` (e.g. ``"resnet50"``, ``"inception_v3"``).
+      **kwargs: module fields (``num_classes``, ``dtype``, ``conv``, ``norm``, ...).
+
+    Returns:
+      The (unbound) Flax module.
+    """
+    try:
+        constructor = MODELS[name]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}; registered models: {sorted(MODELS)}") from None
+    return constructor(**kwargs)
+
+
+__all__ = [
+    "MODELS", "get_model", "resnet_v1",
+    "ResNet", "ResidualBlock", "BottleneckBlock",
+    "ResNet18", "ResNet34", "ResNet50", "ResNet101", "ResNet152", "ResNet200",
+    "ResNetTiny", "ResNetTinyBottleneck",
+    "InceptionV3", "InceptionV3Tiny", "InceptionV4", "InceptionV4Tiny",
+]

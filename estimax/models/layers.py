@@ -1,0 +1,133 @@
+"""Small building blocks shared by the image models (ResNet, Inception).
+
+Every model takes its convolution, normalisation and max-pool as module fields so a faster
+implementation (e.g. ``estimax.ops``' CPU convolution, or cross-replica batch norm) is plugged in
+without editing any block:
+
+    ResNet50(conv=functools.partial(nn.Conv, conv_general_dilated=my_conv))
+    ResNet50(norm=functools.partial(nn.BatchNorm, axis_name="batch"))   # cross-replica stats
+
+Contracts of the injectables (the blocks only call them like this):
+  * ``conv(features, kernel_size, strides=..., padding=..., use_bias=..., dtype=...,
+    kernel_init=..., name=...)`` -> a module mapping ``[B, H, W, Cin] -> [B, H', W', features]``
+    (``flax.linen.Conv``'s signature; ``padding`` is ``'SAME'`` or ``'VALID'``).
+  * ``norm(use_running_average=..., momentum=..., epsilon=..., dtype=..., use_scale=...,
+    scale_init=..., name=...)`` -> a module normalising the last axis (``flax.linen.BatchNorm``).
+  * ``max_pool(x, window_shape, strides, padding)`` -> pooled ``x`` (``flax.linen.max_pool``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+# A module class or a functools.partial of one (flax examples/imagenet uses the same alias).
+ModuleDef = Any
+PoolFn = Callable[..., jnp.ndarray]
+
+
+def fixed_padding(x: jnp.ndarray, kernel_size: int) -> jnp.ndarray:
+    """Pads H and W independently of the input size, as the original ``fixed_padding``.
+
+    With ``padding='SAME'`` a strided convolution's padding depends on whether H is even; the
+    original pads ``k - 1`` in total (``(k-1)//2`` before, the rest after) and then runs a VALID
+    convolution, so the output grid is the same for every input size. We do the same.
+
+    Args:
+      x: ``[B, H, W, C]``.
+      kernel_size: the convolution's (square) kernel size ``k``.
+
+    Returns:
+      ``[B, H + k - 1, W + k - 1, C]``.
+    """
+    pad_total = kernel_size - 1
+    pad_beg = pad_total // 2
+    pad_end = pad_total - pad_beg
+    return jnp.pad(x, ((0, 0), (pad_beg, pad_end), (pad_beg, pad_end), (0, 0)))
+
+
+def same_avg_pool(x: jnp.ndarray, window: int) -> jnp.ndarray:
+    """3x3-style stride-1 average pool with TensorFlow's ``'SAME'`` semantics.
+
+    TF's ``avg_pool(padding='SAME')`` divides by the number of *valid* inputs under the window
+    (padding is not counted), whereas ``flax.linen.avg_pool`` counts padding by default.
+
+    Args:
+      x: ``[B, H, W, C]``.
+      window: square window size.
+
+    Returns:
+      ``[B, H, W, C]``.
+    """
+    return nn.avg_pool(x, (window, window), strides=(1, 1), padding="SAME", count_include_pad=False)
+
+
+class ConvBNReLU(nn.Module):
+    """slim's ``conv2d`` inside the Inception ``arg_scope``: conv (no bias) -> batch norm -> ReLU.
+
+    Attributes:
+      features: output channels.
+      kernel_size: ``(kh, kw)``.
+      conv: convolution module factory (already bound to dtype, kernel_init, use_bias=False).
+      norm: batch-norm module factory (already bound to train/eval, momentum, epsilon, dtype).
+      strides: ``(sh, sw)``.
+      padding: ``'SAME'`` or ``'VALID'``.
+    """
+
+    features: int
+    kernel_size: Sequence[int]
+    conv: ModuleDef
+    norm: ModuleDef
+    strides: Sequence[int] = (1, 1)
+    padding: str = "SAME"
+
+    @nn.compact
+    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+        """``x: [B, H, W, Cin] -> [B, H', W', features]``."""
+        x = self.conv(self.features, tuple(self.kernel_size), strides=tuple(self.strides),
+                      padding=self.padding, name="conv")(x)
+        x = self.norm(name="bn")(x)
+        return nn.relu(x)
+
+
+def scaled_depth(depth: int, multiplier: float, min_depth: int) -> int:
+    """slim's ``depth(d) = max(int(d * depth_multiplier), min_depth)`` for thinner Inceptions.
+
+    Args:
+      depth: the channel count of the full-width network.
+      multiplier: ``depth_multiplier`` (> 0).
+      min_depth: lower bound on the result.
+
+    Returns:
+      The channel count to use.
+    """
+    if multiplier <= 0:
+        raise ValueError(f"depth_multiplier must be > 0, got {multiplier}")
+    return max(int(depth * multiplier), min_depth)
+
+
+class InceptionBlock(nn.Module):
+    """Base of the Inception blocks: the conv/norm/pool factories and slim's width multiplier.
+
+    Attributes:
+      conv: conv factory (bound to dtype, kernel_init, ``use_bias=False``).
+      norm: batch-norm factory (bound to train/eval, momentum, epsilon, dtype, scale).
+      max_pool: ``nn.max_pool``-like function.
+      depth_multiplier: multiplies every layer's channels (slim's ``depth_multiplier``).
+      min_depth: lower bound on the scaled channels (slim's ``min_depth``).
+    """
+
+    conv: ModuleDef
+    norm: ModuleDef
+    max_pool: PoolFn
+    depth_multiplier: float = 1.0
+    min_depth: int = 16
+
+    def c(self, features: int, kernel: Sequence[int], name: str, strides: int = 1,
+          padding: str = "SAME") -> ConvBNReLU:
+        """A conv-BN-ReLU with ``features`` scaled by ``depth_multiplier``."""
+        return ConvBNReLU(scaled_depth(features, self.depth_multiplier, self.min_depth),
+                          tuple(kernel), conv=self.conv, norm=self.norm,
+                          strides=(strides, strides), padding=padding, name=name)
