@@ -363,3 +363,32 @@ def test_scan_loops_match_step_by_step_dispatch(tmp_path):
         est.train(ex.numpy_input_fn(x, y), max_steps=7)  # loops of 3, 3, 1
         params[scan] = est.get_variables()["params"]
     assert_trees_close(params[False], params[True], rtol=1e-5, atol=1e-6)
+
+
+def test_skipped_input_records_reach_tensorboard(tmp_path):
+    x, y = data()
+
+    class SkippingInput:
+        """Pretends every 3rd batch had one bad record that was skipped."""
+
+        def __init__(self, params):
+            self.inner = ex.numpy_input_fn(x, y)(params)
+            self.num_skipped = 0
+            self.batches = 0
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            self.batches += 1
+            if self.batches % 3 == 0:
+                self.num_skipped += 1
+            return next(self.inner)
+
+    cfg = config(tmp_path, iterations_per_loop=3)
+    est = ex.Estimator(make_model_fn(), cfg, train_batch_size=32)
+    est.train(SkippingInput, max_steps=6)
+    est.close()
+    # The Estimator reads one loop ahead: by step 3 it has read all 6 batches (2 skipped), and
+    # the count is written when it changes.
+    assert _scalars(cfg.model_dir, "input/skipped_records") == {3: 2}

@@ -549,6 +549,7 @@ class Estimator:
         logger = _StepLogger(self.config, self._batch_size(ModeKeys.TRAIN), self._clock, start,
                              target, summaries if self._is_chief else None)
         step, last_save_step, last_save_time = start, start, self._clock()
+        last_skipped = 0
         try:
             while batches:
                 n = len(batches)
@@ -560,6 +561,12 @@ class Estimator:
                 host_metrics = jax.device_get(loop_metrics)
                 self._check_finite(host_metrics["loss"], begin, step, checkpointer)
                 logger.record(begin, host_metrics)
+                skipped = getattr(iterator, "num_skipped", None)
+                if skipped is not None and skipped != last_skipped and self._is_chief:
+                    # Bad records the input skipped (skip_bad_records=True): never silent.
+                    summaries.scalars(step, {"input/skipped_records": skipped})
+                    logging.warning("The input has skipped %d bad records so far.", skipped)
+                    last_skipped = skipped
                 now = self._clock()
                 due = ((self.config.save_checkpoints_steps is not None
                         and step - last_save_step >= self.config.save_checkpoints_steps)
