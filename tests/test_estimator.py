@@ -392,3 +392,13 @@ def test_skipped_input_records_reach_tensorboard(tmp_path):
     # The Estimator reads one loop ahead: by step 3 it has read all 6 batches (2 skipped), and
     # the count is written when it changes.
     assert _scalars(cfg.model_dir, "input/skipped_records") == {3: 2}
+
+
+def test_relative_model_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    x, y = data()
+    est = ex.Estimator(make_model_fn(), ex.RunConfig(model_dir="runs/rel", iterations_per_loop=2),
+                       train_batch_size=32)
+    est.train(ex.numpy_input_fn(x, y), max_steps=2)
+    assert est.get_global_step() == 2
+    assert os.path.isdir(tmp_path / "runs" / "rel" / "checkpoints" / "2")

@@ -24,6 +24,9 @@ CHECKPOINT_SUBDIR = "checkpoints"
 
 def checkpoint_dir(model_dir: str) -> str:
     """Returns the directory holding the step checkpoints of ``model_dir``."""
+    if "://" not in model_dir:
+        # Orbax (tensorstore) refuses relative paths; users pass `--model_dir=runs/x`.
+        model_dir = os.path.abspath(model_dir)
     return os.path.join(model_dir, CHECKPOINT_SUBDIR)
 
 

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from estimax import ops
+
 ModuleDef = Any
+# Convolution and pooling whose gradients XLA:CPU runs fast; GPU/TPU lower to the standard ops.
+FastConv = functools.partial(nn.Conv, conv_general_dilated=ops.conv_general_dilated)
 
 
 class MnistCNN(nn.Module):
@@ -20,16 +26,16 @@ class MnistCNN(nn.Module):
         used 1024).
       dropout_rate: dropout before the logits, in training only.
       dtype: compute dtype (parameters stay float32; logits are returned as float32).
-      conv: the convolution module (injectable, e.g. a faster CPU convolution).
-      max_pool: the max-pool function, with ``nn.max_pool``'s signature.
+      conv: the convolution module (default: ``nn.Conv`` with estimax's CPU-fast gradients).
+      max_pool: the max-pool function, with ``nn.max_pool``'s signature (same default).
     """
 
     num_classes: int = 10
     dense_units: int = 128
     dropout_rate: float = 0.4
     dtype: Any = jnp.float32
-    conv: ModuleDef = nn.Conv
-    max_pool: Callable[..., jax.Array] = nn.max_pool
+    conv: ModuleDef = FastConv
+    max_pool: Callable[..., jax.Array] = ops.max_pool
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool) -> jax.Array:
