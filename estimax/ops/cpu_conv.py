@@ -1,0 +1,415 @@
+"""Convolution whose gradients (and 1x1 forward) XLA:CPU runs fast.
+
+XLA:CPU lowers the backward convolutions of a convnet to its generic convolution
+kernels, which reach only 3-40 GFLOP/s for the filter gradient (against ~190 GFLOP/s
+for a plain fp32 matmul on the same cores), and it lowers max-pool's backward to
+``select_and_scatter``, which takes ~100 ms of a 330 ms MNIST step (see
+``bench/results/conv_cpu.md``). Neither oneDNN nor XNNPACK flags change that.
+
+The drop-in here is a ``jax.custom_vjp`` around ``lax.conv_general_dilated`` that,
+*on the CPU backend only*, computes 1x1 convolutions (forward and both gradients)
+as dots, and the gradients of larger kernels, where measured faster, as matrix
+products over shifted, strided views of the input (the im2col formulation) plus
+elementwise pads and adds that XLA fuses (``_default_strategy`` has the rules).
+The choice is made at lowering time with ``jax.lax.platform_dependent``, so a
+program traced on a host and run on GPU/TPU lowers to exactly the standard
+``jax.vjp`` of the reference op there.
+
+Why by hand: no maintained library provides a JAX convolution or pooling VJP
+tuned for XLA:CPU (oneDNN/XNNPACK are reachable only through XLA's own flags,
+which do not cover these ops); the formulation is ~150 lines of lax.
+
+Supported fast path: 2 spatial dims, NHWC/HWIO/NHWC layout, any strides, 'SAME',
+'VALID' or explicit padding, any kernel size (1x1, 3x3, 5x5, 7x7, 1x7, 7x1, ...),
+``feature_group_count == 1``, no dilation. Anything else falls back to
+``lax.conv_general_dilated`` unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+Array = jax.Array
+
+# Fast-path strategies, per gradient. "xla" keeps XLA's own convolution for that
+# piece; the others are the matmul formulations below.
+_FWD_STRATEGIES = ("xla", "im2col")
+_DX_STRATEGIES = ("xla", "matmul")
+_DW_STRATEGIES = ("xla", "im2col", "offsets", "im2col_t")
+
+_NHWC = ("NHWC", "HWIO", "NHWC")
+
+
+class _ConvSpec(NamedTuple):
+  """Static description of one 2-D NHWC/HWIO convolution (hashable)."""
+
+  strides: tuple[int, int]
+  pads: tuple[tuple[int, int], tuple[int, int]]
+  precision: Any
+  fwd: str
+  dx: str
+  dw: str
+
+
+def _default_strategy(kh: int, kw: int, cin: int, cout: int,
+                      strides: tuple[int, int]) -> tuple[str, str, str]:
+  """Picks (fwd, dx, dw) strategies for a kernel shape.
+
+  From the per-layer measurements in bench/results/conv_cpu.md (ResNet-50 at 224,
+  batch 16; MNIST CNN at batch 128):
+  * 1x1 convolutions are plain matrix products; XLA:CPU's own convolutions for them
+    run at 4-40 GFLOP/s against 100-200 as dots, in all three directions.
+  * For larger kernels XLA's forward convolution is as fast as the im2col product
+    (the patch matrix costs memory traffic), so it is kept.
+  * Input gradient: col2im's elementwise work scales with Cin, the product with
+    Cin * Cout, so the product wins for wide or strided layers (XLA lowers strided
+    input gradients to a convolution over a zero-dilated cotangent).
+  * Filter gradient: XLA's is slow but so is a patch matrix for narrow layers; the
+    per-offset products win from 128 input channels, im2col for tiny inputs
+    (MNIST's first layer: Cin*KH*KW = 25).
+  """
+  if kh == 1 and kw == 1:
+    return ("im2col", "matmul", "im2col")
+  strided = max(strides) > 1
+  dx = "matmul" if min(cin, cout) >= 256 or (strided and cin >= 128) else "xla"
+  if cin * kh * kw <= 32:
+    dw = "im2col"
+  elif cin >= 128:
+    dw = "offsets"
+  else:
+    dw = "xla"
+  return ("xla", dx, dw)
+
+
+def _normalize(
+    lhs: Array,
+    rhs: Array,
+    window_strides: Sequence[int],
+    padding: str | Sequence[tuple[int, int]],
+    lhs_dilation: Sequence[int] | None,
+    rhs_dilation: Sequence[int] | None,
+    dimension_numbers: Any,
+    feature_group_count: int,
+    batch_group_count: int,
+    preferred_element_type: Any,
+    precision: Any,
+) -> _ConvSpec | None:
+  """Returns the static spec of a supported convolution, or None to fall back."""
+  if lhs.ndim != 4 or rhs.ndim != 4 or dimension_numbers is None:
+    return None
+  if feature_group_count != 1 or batch_group_count != 1:
+    return None
+  if preferred_element_type is not None:
+    return None
+  if any(d != 1 for d in (lhs_dilation or (1, 1))):
+    return None
+  if any(d != 1 for d in (rhs_dilation or (1, 1))):
+    return None
+  try:
+    dn = lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
+  except (TypeError, ValueError):
+    return None
+  if dn != lax.conv_dimension_numbers(lhs.shape, rhs.shape, _NHWC):
+    return None
+  if lhs.dtype != rhs.dtype or not jnp.issubdtype(lhs.dtype, jnp.floating):
+    return None
+  kh, kw, cin, _ = rhs.shape
+  if lhs.shape[3] != cin:
+    return None
+  strides = tuple(int(s) for s in window_strides)
+  if isinstance(padding, str):
+    pads = lax.padtype_to_pads(lhs.shape[1:3], (kh, kw), strides, padding)
+  else:
+    pads = padding
+  pads = tuple((int(lo), int(hi)) for lo, hi in pads)
+  if len(strides) != 2 or len(pads) != 2 or any(p < 0 for pair in pads for p in pair):
+    return None
+  fwd, dx, dw = _default_strategy(kh, kw, cin, rhs.shape[3], strides)
+  return _ConvSpec(strides, pads, precision, fwd, dx, dw)  # type: ignore[arg-type]
+
+
+def conv_general_dilated(
+    lhs: Array,
+    rhs: Array,
+    window_strides: Sequence[int],
+    padding: str | Sequence[tuple[int, int]],
+    lhs_dilation: Sequence[int] | None = None,
+    rhs_dilation: Sequence[int] | None = None,
+    dimension_numbers: Any = None,
+    feature_group_count: int = 1,
+    batch_group_count: int = 1,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+) -> Array:
+  """``lax.conv_general_dilated`` with a CPU-fast backward pass.
+
+  Same signature and same values as ``jax.lax.conv_general_dilated``; pass it to
+  Flax as ``nn.Conv(..., conv_general_dilated=estimax.ops.conv_general_dilated)``.
+  On the CPU backend the input and filter gradients are computed as matrix
+  products; on other backends (and for shapes outside the fast path: grouped,
+  dilated, non-NHWC/HWIO) it is exactly ``lax.conv_general_dilated``.
+
+  Args:
+    lhs: input, ``[B, H, W, Cin]`` for the fast path (``dimension_numbers``
+      ``('NHWC', 'HWIO', 'NHWC')`` or Flax's equivalent ``ConvDimensionNumbers``).
+    rhs: kernel, ``[KH, KW, Cin, Cout]``.
+    window_strides: ``(sh, sw)``.
+    padding: ``'SAME'``, ``'VALID'`` or ``((top, bottom), (left, right))``.
+    lhs_dilation: must be None or all ones for the fast path.
+    rhs_dilation: must be None or all ones for the fast path.
+    dimension_numbers: as in ``lax.conv_general_dilated``.
+    feature_group_count: must be 1 for the fast path.
+    batch_group_count: must be 1 for the fast path.
+    precision: passed to the forward convolution and the gradient matmuls.
+    preferred_element_type: must be None for the fast path.
+
+  Returns:
+    ``[B, Ho, Wo, Cout]``, the convolution of ``lhs`` with ``rhs``.
+  """
+  spec = _normalize(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
+                    dimension_numbers, feature_group_count, batch_group_count,
+                    preferred_element_type, precision)
+  if spec is None:
+    return lax.conv_general_dilated(
+        lhs, rhs, window_strides, padding, lhs_dilation=lhs_dilation,
+        rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
+        feature_group_count=feature_group_count,
+        batch_group_count=batch_group_count, precision=precision,
+        preferred_element_type=preferred_element_type)
+  return _conv(lhs, rhs, spec)
+
+
+def conv_with_strategy(lhs: Array, rhs: Array, window_strides: Sequence[int],
+                       padding: str | Sequence[tuple[int, int]], *, fwd: str,
+                       dx: str, dw: str) -> Array:
+  """NHWC/HWIO convolution with explicitly chosen CPU strategies (for benches).
+
+  Args:
+    lhs: ``[B, H, W, Cin]``.
+    rhs: ``[KH, KW, Cin, Cout]``.
+    window_strides: ``(sh, sw)``.
+    padding: ``'SAME'``, ``'VALID'`` or explicit pairs.
+    fwd: one of ``("xla", "im2col")``.
+    dx: one of ``("xla", "matmul")``.
+    dw: one of ``("xla", "im2col", "offsets", "im2col_t")``.
+
+  Returns:
+    ``[B, Ho, Wo, Cout]``.
+  """
+  for name, value, allowed in (("fwd", fwd, _FWD_STRATEGIES),
+                               ("dx", dx, _DX_STRATEGIES),
+                               ("dw", dw, _DW_STRATEGIES)):
+    if value not in allowed:
+      raise ValueError(f"conv_with_strategy: {name}={value!r}, expected one of {allowed}")
+  spec = _normalize(lhs, rhs, window_strides, padding, None, None, _NHWC, 1, 1,
+                    None, None)
+  if spec is None:
+    raise ValueError(
+        f"conv_with_strategy: unsupported shapes lhs={lhs.shape} {lhs.dtype}, "
+        f"rhs={rhs.shape} {rhs.dtype}, padding={padding}")
+  return _conv(lhs, rhs, spec._replace(fwd=fwd, dx=dx, dw=dw))
+
+
+# ----------------------------------------------------------------------------
+# Reference pieces (used on non-CPU backends, and for "xla" strategies).
+
+
+def _ref_conv(x: Array, w: Array, spec: _ConvSpec) -> Array:
+  return lax.conv_general_dilated(x, w, spec.strides, spec.pads,
+                                  dimension_numbers=_NHWC,
+                                  precision=spec.precision)
+
+
+def _ref_bwd(spec: _ConvSpec, x: Array, w: Array, g: Array) -> tuple[Array, Array]:
+  _, vjp = jax.vjp(functools.partial(_ref_conv, spec=spec), x, w)
+  return vjp(g)
+
+
+# ----------------------------------------------------------------------------
+# Matmul formulations (CPU).
+
+
+def _out_size(size: int, k: int, s: int, lo: int, hi: int) -> int:
+  return (size + lo + hi - k) // s + 1
+
+
+def _shifted_views(x: Array, kh: int, kw: int, spec: _ConvSpec,
+                   pad_value: float = 0.0) -> tuple[list[Array], int, int]:
+  """Strided views ``xpad[:, i::sh, j::sw]`` for every kernel offset, row-major.
+
+  Returns the KH*KW views, each ``[B, Ho, Wo, C]``, and ``(Ho, Wo)``.
+  """
+  (sh, sw), ((pt, pb), (pl, pr)) = spec.strides, spec.pads
+  b, h, w_, c = x.shape
+  ho, wo = _out_size(h, kh, sh, pt, pb), _out_size(w_, kw, sw, pl, pr)
+  xp = x
+  if pt or pb or pl or pr:
+    xp = lax.pad(x, jnp.asarray(pad_value, x.dtype),
+                 ((0, 0, 0), (pt, pb, 0), (pl, pr, 0), (0, 0, 0)))
+  views = []
+  for i in range(kh):
+    for j in range(kw):
+      views.append(lax.slice(xp, (0, i, j, 0),
+                             (b, i + (ho - 1) * sh + 1, j + (wo - 1) * sw + 1, c),
+                             (1, sh, sw, 1)))
+  return views, ho, wo
+
+
+def _shifted_views_cfirst(xt: Array, kh: int, kw: int,
+                          spec: _ConvSpec) -> tuple[list[Array], int, int]:
+  """``_shifted_views`` for a channel-first ``[C, B, H, W]`` input; views ``[C, B, Ho, Wo]``."""
+  (sh, sw), ((pt, pb), (pl, pr)) = spec.strides, spec.pads
+  c, b, h, w_ = xt.shape
+  ho, wo = _out_size(h, kh, sh, pt, pb), _out_size(w_, kw, sw, pl, pr)
+  xp = xt
+  if pt or pb or pl or pr:
+    xp = lax.pad(xt, jnp.zeros((), xt.dtype), ((0, 0, 0), (0, 0, 0), (pt, pb, 0), (pl, pr, 0)))
+  views = []
+  for i in range(kh):
+    for j in range(kw):
+      views.append(lax.slice(xp, (0, 0, i, j),
+                             (c, b, i + (ho - 1) * sh + 1, j + (wo - 1) * sw + 1),
+                             (1, 1, sh, sw)))
+  return views, ho, wo
+
+
+def _scatter_views(parts: Sequence[Array], x_shape: Sequence[int], kh: int, kw: int,
+                   spec: _ConvSpec) -> Array:
+  """Adjoint of ``_shifted_views``: adds each ``[B, Ho, Wo, C]`` part back.
+
+  Each part is placed with an interior pad (stride - 1 zeros between elements),
+  so the whole sum is elementwise work that XLA fuses into one loop.
+  """
+  (sh, sw), ((pt, pb), (pl, pr)) = spec.strides, spec.pads
+  _, h, w_, _ = x_shape
+  hp, wp = h + pt + pb, w_ + pl + pr
+  total = None
+  for idx, part in enumerate(parts):
+    i, j = divmod(idx, kw)
+    _, ho, wo, _ = part.shape
+    hi_h = hp - (i + (ho - 1) * sh + 1)
+    hi_w = wp - (j + (wo - 1) * sw + 1)
+    placed = lax.pad(part, jnp.zeros((), part.dtype),
+                     ((0, 0, 0), (i, hi_h, sh - 1), (j, hi_w, sw - 1), (0, 0, 0)))
+    total = placed if total is None else total + placed
+  assert total is not None
+  if pt or pb or pl or pr:
+    # Crop the padding back off (negative pads crop).
+    total = lax.pad(total, jnp.zeros((), total.dtype),
+                    ((0, 0, 0), (-pt, -pb, 0), (-pl, -pr, 0), (0, 0, 0)))
+  return total
+
+
+def _matmul(a: Array, b: Array, contract: tuple[int, int], precision: Any,
+            out_dtype: Any) -> Array:
+  """2-D ``dot_general`` accumulating in fp32 (bf16 sums over B*H*W lose digits)."""
+  acc = jnp.float32 if a.dtype in (jnp.bfloat16, jnp.float16) else None
+  out = lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())),
+                        precision=precision, preferred_element_type=acc)
+  return out.astype(out_dtype)
+
+
+def _cpu_fwd(spec: _ConvSpec, x: Array, w: Array) -> Array:
+  if spec.fwd == "xla":
+    return _ref_conv(x, w, spec)
+  kh, kw, cin, cout = w.shape
+  views, ho, wo = _shifted_views(x, kh, kw, spec)
+  b = x.shape[0]
+  patches = views[0] if len(views) == 1 else jnp.concatenate(views, axis=-1)
+  y = _matmul(patches.reshape(b * ho * wo, kh * kw * cin),
+              w.reshape(kh * kw * cin, cout), (1, 0), spec.precision, x.dtype)
+  return y.reshape(b, ho, wo, cout)
+
+
+def _cpu_dx(spec: _ConvSpec, x: Array, w: Array, g: Array) -> Array:
+  if spec.dx == "xla":
+    return _ref_bwd(spec, x, w, g)[0]
+  kh, kw, cin, cout = w.shape
+  b, ho, wo, _ = g.shape
+  # dcols[n, (i, j, c)] = sum_o g[n, o] w[i, j, c, o]; then col2im.
+  dcols = _matmul(g.reshape(b * ho * wo, cout), w.reshape(kh * kw * cin, cout),
+                  (1, 1), spec.precision, x.dtype)
+  dcols = dcols.reshape(b, ho, wo, kh * kw, cin)
+  parts = [dcols[:, :, :, k, :] for k in range(kh * kw)]
+  return _scatter_views(parts, x.shape, kh, kw, spec)
+
+
+def _cpu_dw(spec: _ConvSpec, x: Array, w: Array, g: Array) -> Array:
+  if spec.dw == "xla":
+    return _ref_bwd(spec, x, w, g)[1]
+  kh, kw, cin, cout = w.shape
+  b, ho, wo, _ = g.shape
+  n = b * ho * wo
+  g2 = g.reshape(n, cout)
+  if spec.dw == "im2col_t":
+    # Patches built channel-major, [KH*KW*Cin, N]: each view is then a copy of
+    # contiguous rows, and the product is a plain row-major [K, N] @ [N, Cout],
+    # which XLA:CPU runs ~2x faster than contracting a [N, K] matrix's dim 0.
+    xt = jnp.transpose(x, (3, 0, 1, 2))
+    views, _, _ = _shifted_views_cfirst(xt, kh, kw, spec)
+    patches_t = views[0] if len(views) == 1 else jnp.stack(views)
+    dw = _matmul(patches_t.reshape(kh * kw * cin, n), g2, (1, 0), spec.precision, w.dtype)
+    return dw.reshape(kh, kw, cin, cout)
+  views, _, _ = _shifted_views(x, kh, kw, spec)
+  if spec.dw == "im2col" or len(views) == 1:
+    patches = views[0] if len(views) == 1 else jnp.concatenate(views, axis=-1)
+    dw = _matmul(patches.reshape(n, kh * kw * cin), g2, (0, 0), spec.precision, w.dtype)
+    return dw.reshape(kh, kw, cin, cout)
+  # "offsets": one [Cin, Cout] product per kernel offset, no patch matrix.
+  dws = [_matmul(v.reshape(n, cin), g2, (0, 0), spec.precision, w.dtype) for v in views]
+  return jnp.stack(dws).reshape(kh, kw, cin, cout)
+
+
+def _cpu_bwd(spec: _ConvSpec, x: Array, w: Array, g: Array) -> tuple[Array, Array]:
+  if spec.dx == "xla" and spec.dw == "xla":
+    return _ref_bwd(spec, x, w, g)
+  return _cpu_dx(spec, x, w, g), _cpu_dw(spec, x, w, g)
+
+
+def _in_fp32(fn):
+  """Runs a CPU formulation in fp32 for half-precision operands, casting results back.
+
+  XLA:CPU has no fast half-precision convolutions or dots (bf16 dots measured at
+  60-120 GFLOP/s against 130-230 for fp32 on the bench machine), so bf16 compute is
+  *slower* than fp32 there; converting costs one elementwise pass. Values are at
+  least as accurate as bf16 arithmetic (fp32 accumulation, one final rounding).
+  """
+
+  @functools.wraps(fn)
+  def wrapped(spec, *args):
+    dtype = args[0].dtype
+    if dtype not in (jnp.bfloat16, jnp.float16):
+      return fn(spec, *args)
+    out = fn(spec, *(a.astype(jnp.float32) for a in args))
+    return jax.tree.map(lambda o: o.astype(dtype), out)
+
+  return wrapped
+
+
+_cpu_fwd_any = _in_fp32(_cpu_fwd)
+_cpu_bwd_any = _in_fp32(_cpu_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _conv(x: Array, w: Array, spec: _ConvSpec) -> Array:
+  return lax.platform_dependent(x, w, cpu=functools.partial(_cpu_fwd_any, spec),
+                                default=functools.partial(_ref_conv, spec=spec))
+
+
+def _conv_fwd(x: Array, w: Array, spec: _ConvSpec) -> tuple[Array, tuple[Array, Array]]:
+  return _conv(x, w, spec), (x, w)
+
+
+def _conv_bwd(spec: _ConvSpec, res: tuple[Array, Array], g: Array) -> tuple[Array, Array]:
+  x, w = res
+  return lax.platform_dependent(x, w, g, cpu=functools.partial(_cpu_bwd_any, spec),
+                                default=functools.partial(_ref_bwd, spec))
+
+
+_conv.defvjp(_conv_fwd, _conv_bwd)
