@@ -1,0 +1,102 @@
+"""The conversion as an Apache Beam pipeline: DirectRunner here, Dataflow, Flink or Spark at scale.
+
+Same plan, shard writer and manifest as the local tool (``convert_shards``), so the output is the
+same bytes: the driver lists the inputs, assigns them to shards and drops shards already complete
+(resume); the pipeline is::
+
+    Create(shard tasks) | Reshuffle | Map(write_shard) | ToList | Map(write the manifest)
+
+Shards are the unit of work, as in ``jpeg_to_tf_record.py``'s ``WriteToTFRecord`` step, but each
+shard is written whole by one worker through the atomic ``TFRecordWriter`` and checksummed, and
+the shard count is ours (``--train_shards``), not the runner's. A failed bundle is retried by the
+runner; the rename makes a retried shard replace, never duplicate, its file. The manifest is
+written by the pipeline's last step, so it also appears when the driver does not wait
+(Dataflow). If the pipeline fails, shards already written are redone on the next run (they are
+not in the manifest yet).
+
+Runner options pass through: e.g. ``--project --region --temp_location`` (Dataflow),
+``--flink_master`` (Flink), ``--spark_master_url`` (Spark). The input paths and ``--output_dir``
+must be readable/writable by the workers (``gs://`` for Dataflow).
+
+Requires the optional extra ``estimax[beam]`` (``apache-beam``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from estimax.tools.convert_shards import (Manifest, load_manifest, plan_shards, prepare_manifest,
+                                          write_shard)
+from estimax.tools.convert_sources import Dataset
+
+__all__ = ["RUNNERS", "convert_beam"]
+
+RUNNERS = ("DirectRunner", "DataflowRunner", "FlinkRunner", "SparkRunner")
+
+
+def _write_final_manifest(results: list[dict[str, Any]], base_json: str, output_dir: str,
+                          num_tasks: int) -> int:
+    manifest = Manifest.from_json(base_json, "<driver manifest>")
+    for r in results:
+        manifest.add_shard(r)
+    manifest.complete = len(manifest.shards) == num_tasks
+    manifest.save(output_dir)
+    return len(manifest.shards)
+
+
+def convert_beam(
+    dataset: Dataset,
+    output_dir: str,
+    num_shards: dict[str, int],
+    *,
+    runner: str = "DirectRunner",
+    pipeline_args: list[str] | None = None,
+    num_workers: int | None = None,
+    check: str = "scaled",
+    skip_bad: bool = False,
+    overwrite: bool = False,
+    source: dict | None = None,
+) -> Manifest:
+    """Converts ``dataset`` with Beam; same arguments and output as ``convert_local``.
+
+    Args:
+      runner: one of :data:`RUNNERS`.
+      pipeline_args: extra Beam pipeline options (``--project=...`` etc.).
+      num_workers: DirectRunner worker processes (default: the usable cores).
+
+    Raises:
+      ImportError: apache-beam is not installed (the message says how to install it).
+    """
+    try:
+        import apache_beam as beam
+        from apache_beam.options.pipeline_options import PipelineOptions
+    except ImportError as e:
+        raise ImportError("the Beam pipeline needs apache-beam: pip install 'estimax[beam]' "
+                          f"(or apache-beam==2.77.0); {e}") from None
+    if runner not in RUNNERS:
+        raise ValueError(f"--runner must be one of local, {', '.join(RUNNERS)}; got {runner!r}")
+    tasks = plan_shards(dataset, num_shards, output_dir, check, skip_bad)
+    options = {"check": check, "skip_bad": skip_bad}
+    manifest = prepare_manifest(tasks, dataset, output_dir, source or {}, options, overwrite)
+    manifest.save(output_dir)
+    todo = [t for t in tasks if t.name not in manifest.shards]
+    extra: dict[str, Any] = {"runner": runner}
+    if runner == "DirectRunner":
+        # multi_processing: one SDK worker process per core (the in-memory mode is one process).
+        extra.update(direct_num_workers=num_workers or len(os.sched_getaffinity(0)),
+                     direct_running_mode="multi_processing")
+    opts = PipelineOptions(pipeline_args or [], **extra)
+    with beam.Pipeline(options=opts) as p:
+        _ = (p
+             | "Shards" >> beam.Create(todo)
+             # Spread the shards over workers (Create's output would otherwise stay in one
+             # bundle on some runners).
+             | "Spread" >> beam.Reshuffle()
+             | "WriteShard" >> beam.Map(write_shard)
+             | "Collect" >> beam.combiners.ToList()
+             | "WriteManifest" >> beam.Map(_write_final_manifest, manifest.to_json(),
+                                           output_dir, len(tasks)))
+    final = load_manifest(output_dir)
+    assert final is not None
+    return final

@@ -1,0 +1,294 @@
+"""What to convert: the input trees and lists -> labelled image lists per split.
+
+Three inputs, one result (:class:`Dataset`):
+
+* ``imagenet``: the raw ImageNet layout of ``imagenet_to_gcs.py`` (ORIGINAL_SYSTEM.md §8.1)::
+
+      <raw_data_dir>/train/n01440764/n01440764_10026.JPEG
+      <raw_data_dir>/validation/ILSVRC2012_val_00000001.JPEG
+      <raw_data_dir>/synset_labels.txt   # one synset per line, in sorted validation-file order
+
+  labels ``{synset: k + 1 for k, synset in enumerate(sorted(set(val + train synsets)))}``: the
+  original's 1-based labels (1..1000).
+* ``folder``: ``<dir>/<label>/<image>`` trees (one per split); labels are the sorted label
+  directory names (or a labels file's order), 1-based.
+* ``csv``: lines ``path_or_url,label`` and a labels file, one label per line: the input of
+  ``jpeg_to_tf_record.py`` (§8.2); label = ``labels.index(label) + 1``, synset = the label text.
+
+Training lists are shuffled with ``random.Random(seed)``. The original meant to do this too, but
+its ``shuffled_index = range(len(filenames)); random.shuffle(list(shuffled_index))`` shuffled a
+copy and returned the files in sorted (i.e. class-by-class) order; ours really shuffles.
+Validation lists keep their sorted (or CSV) order, as the original.
+
+Bad input raises :class:`InputError` naming the file (and line); with ``skip_bad`` the offending
+entries are left out and returned in ``Dataset.skipped`` (they go to the manifest).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import posixpath
+import random
+import re
+
+import fsspec
+
+__all__ = ["Dataset", "InputError", "Item", "csv_source", "folder_source", "imagenet_source",
+           "shuffle_train"]
+
+_SYNSET = re.compile(r"^n\d{8}$")
+
+
+class InputError(ValueError):
+    """The input is wrong (missing file, unknown label, empty split); the message names it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+    """One input image: its path (or URL), 1-based label and synset (label text)."""
+
+    path: str
+    label: int
+    synset: str
+
+
+@dataclasses.dataclass
+class Dataset:
+    """Labelled images per split.
+
+    Attributes:
+      splits: split name ('train', 'validation') -> items, in output order.
+      label_map: synset (label text) -> 1-based label.
+      skipped: ``{'file': ..., 'reason': ...}`` of inputs left out (only with ``skip_bad``).
+    """
+
+    splits: dict[str, list[Item]]
+    label_map: dict[str, int]
+    skipped: list[dict[str, str]] = dataclasses.field(default_factory=list)
+
+
+def _fs(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    return fsspec.core.url_to_fs(path)
+
+
+def _full(fs: fsspec.AbstractFileSystem, p: str, like: str) -> str:
+    return p if "://" not in like else fs.unstrip_protocol(p)
+
+
+def _list_dir(path: str) -> tuple[list[str], list[str]]:
+    """(sorted subdirectory names, sorted file paths) of ``path``; hidden entries ignored."""
+    fs, fs_path = _fs(path)
+    dirs, files = [], []
+    for entry in fs.ls(fs_path, detail=True):
+        name = posixpath.basename(entry["name"].rstrip("/"))
+        if name.startswith("."):
+            continue
+        if entry["type"] == "directory":
+            dirs.append(name)
+        else:
+            files.append(_full(fs, entry["name"], path))
+    return sorted(dirs), sorted(files)
+
+
+def _exists(path: str) -> bool:
+    fs, fs_path = _fs(path)
+    return fs.exists(fs_path)
+
+
+def _isdir(path: str) -> bool:
+    fs, fs_path = _fs(path)
+    return fs.isdir(fs_path)
+
+
+def _read_lines(path: str, what: str) -> list[str]:
+    if not _exists(path):
+        raise InputError(f"{what} {path} does not exist")
+    with fsspec.open(path, "rt", encoding="utf-8") as f:
+        return [line.strip() for line in f.read().splitlines()]
+
+
+def read_labels_file(path: str) -> list[str]:
+    """Labels, one per line (blank lines ignored), as ``jpeg_to_tf_record.py``'s labels file.
+
+    Raises:
+      InputError: missing, fewer than 2 labels, or a label listed twice.
+    """
+    labels = [line for line in _read_lines(path, "labels file") if line]
+    if len(labels) < 2:
+        raise InputError(f"labels file {path} has {len(labels)} labels; at least 2 are needed")
+    dupes = sorted({x for x in labels if labels.count(x) > 1})
+    if dupes:
+        raise InputError(f"labels file {path} lists these labels more than once: {dupes[:10]}")
+    return labels
+
+
+def shuffle_train(items: list[Item], seed: int) -> list[Item]:
+    """A seeded shuffle of ``items`` (a new list; really shuffled, unlike the original's)."""
+    out = list(items)
+    random.Random(seed).shuffle(out)
+    return out
+
+
+def _class_tree(root: str, what: str) -> dict[str, list[str]]:
+    """``root/<label>/<file>`` -> {label: sorted files}; errors name the directory."""
+    if not _isdir(root):
+        raise InputError(f"{what} directory {root} does not exist")
+    labels, loose = _list_dir(root)
+    if not labels:
+        raise InputError(f"{what} directory {root} has no <label>/ subdirectories (empty split)"
+                         + (f"; it has {len(loose)} loose files" if loose else ""))
+    tree = {label: _list_dir(posixpath.join(root, label))[1] for label in labels}
+    if not any(tree.values()):
+        raise InputError(f"{what} directory {root}: no images in any of its {len(labels)} "
+                         "label directories (empty split)")
+    return tree
+
+
+def imagenet_source(raw_data_dir: str, seed: int = 0, skip_bad: bool = False) -> Dataset:
+    """The raw ImageNet layout (module docstring) -> train (shuffled) and validation (sorted).
+
+    Raises:
+      InputError: neither ``train/`` nor ``validation/`` exists; a split is empty;
+        ``synset_labels.txt`` is missing, has a different number of lines than there are
+        validation files, or names a synset that is not a ``train/`` directory (unknown synset;
+        skipped with ``skip_bad``); a ``train/`` directory is not a synset name.
+    """
+    train_dir = posixpath.join(raw_data_dir, "train")
+    val_dir = posixpath.join(raw_data_dir, "validation")
+    labels_file = posixpath.join(raw_data_dir, "synset_labels.txt")
+    has_train, has_val = _isdir(train_dir), _isdir(val_dir)
+    if not (has_train or has_val):
+        raise InputError(f"--raw_data_dir {raw_data_dir} has neither train/ nor validation/ "
+                         "(expected train/<synset>/*.JPEG, validation/*.JPEG, synset_labels.txt)")
+    skipped: list[dict[str, str]] = []
+    train: list[tuple[str, str]] = []
+    train_synsets: list[str] = []
+    if has_train:
+        tree = _class_tree(train_dir, "train")
+        for synset, files in tree.items():
+            if not _SYNSET.match(synset):
+                raise InputError(f"{posixpath.join(train_dir, synset)}: not a synset directory "
+                                 "name (expected n + 8 digits, e.g. n01440764)")
+            train_synsets.append(synset)
+            train.extend((f, synset) for f in files)
+    val: list[tuple[str, str]] = []
+    if has_val:
+        val_files = _list_dir(val_dir)[1]
+        if not val_files:
+            raise InputError(f"validation directory {val_dir} has no images (empty split)")
+        synsets = [s for s in _read_lines(labels_file, "validation labels file") if s]
+        if len(synsets) != len(val_files):
+            raise InputError(
+                f"{labels_file} has {len(synsets)} synsets but {val_dir} has {len(val_files)} "
+                "files; it must have one line per validation file, in sorted file order")
+        known = set(train_synsets)
+        for line_no, (f, synset) in enumerate(zip(val_files, synsets), start=1):
+            problem = None
+            if not _SYNSET.match(synset):
+                problem = f"{labels_file} line {line_no}: {synset!r} is not a synset"
+            elif has_train and synset not in known:
+                problem = (f"{labels_file} line {line_no}: unknown synset {synset!r} (for "
+                           f"{posixpath.basename(f)}): there is no train/{synset}/ directory")
+            if problem:
+                if not skip_bad:
+                    raise InputError(problem + " (--skip_bad leaves such images out)")
+                skipped.append({"file": f, "reason": problem})
+                continue
+            val.append((f, synset))
+    # Exactly the original's label rule: the union of both splits' synsets, sorted, 1-based.
+    label_map = {s: k + 1 for k, s in enumerate(sorted(set(train_synsets) |
+                                                       {s for _, s in val}))}
+    splits = {}
+    if has_train:
+        splits["train"] = shuffle_train([Item(f, label_map[s], s) for f, s in train], seed)
+    if has_val:
+        if not val:
+            raise InputError(f"every validation image was skipped; nothing left in {val_dir}")
+        splits["validation"] = [Item(f, label_map[s], s) for f, s in val]
+    return Dataset(splits, label_map, skipped)
+
+
+def folder_source(split_dirs: dict[str, str], labels_file: str | None = None, seed: int = 0,
+                  skip_bad: bool = False) -> Dataset:
+    """``<dir>/<label>/<image>`` trees -> a Dataset; the 'train' split is shuffled.
+
+    Args:
+      split_dirs: split name -> tree root, e.g. ``{'train': ..., 'validation': ...}``.
+      labels_file: label order (1-based by line); default: sorted union of the label dirs.
+      seed: train shuffle seed.
+      skip_bad: leave out label directories that are not in ``labels_file``.
+
+    Raises:
+      InputError: a missing or empty tree; a label directory not in ``labels_file``.
+    """
+    if not split_dirs:
+        raise InputError("no input directory given (--train_dir / --validation_dir)")
+    trees = {split: _class_tree(root, f"--{split}_dir") for split, root in split_dirs.items()}
+    if labels_file:
+        labels = read_labels_file(labels_file)
+    else:
+        labels = sorted(set().union(*(t.keys() for t in trees.values())))
+    label_map = {name: k + 1 for k, name in enumerate(labels)}
+    skipped: list[dict[str, str]] = []
+    splits = {}
+    for split, tree in trees.items():
+        items = []
+        for name, files in tree.items():
+            if name not in label_map:
+                problem = (f"{posixpath.join(split_dirs[split], name)}: label {name!r} is not "
+                           f"in the labels file {labels_file}")
+                if not skip_bad:
+                    raise InputError(problem + " (--skip_bad leaves it out)")
+                skipped.extend({"file": f, "reason": problem} for f in files)
+                continue
+            items.extend(Item(f, label_map[name], name) for f in files)
+        if not items:
+            raise InputError(f"--{split}_dir {split_dirs[split]}: no images left (empty split)")
+        splits[split] = shuffle_train(items, seed) if split == "train" else items
+    return Dataset(splits, label_map, skipped)
+
+
+def csv_source(split_csvs: dict[str, str], labels_file: str, seed: int = 0,
+               skip_bad: bool = False) -> Dataset:
+    """CSV files of ``path_or_url,label`` lines + a labels file -> a Dataset.
+
+    Relative local paths are relative to the CSV file's directory. The 'train' split is shuffled.
+
+    Raises:
+      InputError: a missing CSV or labels file; a malformed line; a label not in the labels
+        file (the original skipped those silently; here an error, or skipped and listed with
+        ``skip_bad``); an empty split.
+    """
+    if not split_csvs:
+        raise InputError("no CSV given (--train_csv / --validation_csv)")
+    if not labels_file:
+        raise InputError("--labels_file is required with csv input")
+    labels = read_labels_file(labels_file)
+    label_map = {name: k + 1 for k, name in enumerate(labels)}
+    skipped: list[dict[str, str]] = []
+    splits = {}
+    for split, csv_path in split_csvs.items():
+        lines = _read_lines(csv_path, f"--{split}_csv file")
+        base = posixpath.dirname(csv_path)
+        items = []
+        for line_no, row in enumerate(csv.reader(lines), start=1):
+            if not row or not "".join(row).strip():
+                continue
+            where = f"{csv_path} line {line_no}"
+            if len(row) != 2:
+                raise InputError(f"{where}: expected 'path_or_url,label', got {row!r}")
+            path, label = row[0].strip(), row[1].strip()
+            if label not in label_map:
+                problem = f"{where}: label {label!r} is not in the labels file {labels_file}"
+                if not skip_bad:
+                    raise InputError(problem + " (--skip_bad leaves such lines out)")
+                skipped.append({"file": path, "reason": problem})
+                continue
+            if "://" not in path and not posixpath.isabs(path):
+                path = posixpath.join(base, path)
+            items.append(Item(path, label_map[label], label))
+        if not items:
+            raise InputError(f"--{split}_csv {csv_path}: no images (empty split)")
+        splits[split] = shuffle_train(items, seed) if split == "train" else items
+    return Dataset(splits, label_map, skipped)
