@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(BIN)/python -m estimax.tools.mnist_data --output_dir=$(DEMO_DIR)/data
 	$(BIN)/python -m estimax.programs.mnist --data_dir=$(DEMO_DIR)/data \
 	    --model_dir=$(DEMO_DIR)/model --export_dir=$(DEMO_DIR)/export \
-	    --batch_size=100 --train_steps=1000 --eval_steps=-1 --iterations=50
+	    --batch_size=100 --train_steps=2000 --eval_steps=-1 --iterations=50
 
 test: $(STAMP)
 	$(TEST_ENV) $(BIN)/python -m pytest -q --durations=15

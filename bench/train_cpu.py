@@ -19,9 +19,9 @@ JAX variants (a variant name is ``jax`` plus optional ``+ops`` / ``+malloc``):
                          (toggled per variant inside the one process; the others run
                          with ``restore_cpu_allocator()``, glibc's steady-state default).
 
-HARNESS SWITCH: ``--harness=bare`` (default) times a bare ``jax.jit`` train step
-(``donate_argnums``). ``--harness=estimator`` is the place to time
-``estimax.Estimator.train`` once it exists; see ``_estimator_images_per_sec``.
+HARNESS: ``--harness=bare`` (default) times a bare ``jax.jit`` train step
+(``donate_argnums``); ``--harness=estimator`` times ``estimax.Estimator.train`` on the same
+model and batch (``EstimatorRunner``; each timed call ends with one checkpoint save).
 
 PyTorch runs in ``bench/.venv-torch`` (``pip install torch==2.13.0 numpy``), as a
 worker subprocess that answers one timing request per line, so PyTorch rounds
@@ -141,25 +141,14 @@ def torch_worker() -> None:
 
 
 def _mnist_module(conv_fn, pool_fn, dtype):
-  """The seeds' MNIST CNN with injectable conv / max-pool.
+  """The seeds' MNIST CNN (estimax.models.mnist) with injectable conv / max-pool."""
+  import functools
 
-  TODO(lead): switch to estimax.models.mnist once it lands, passing the same
-  ``conv``/``max_pool`` injectables (this is a local copy of seed 002's network).
-  """
   import flax.linen as nn
 
-  class MnistCNN(nn.Module):
-    @nn.compact
-    def __call__(self, x, train: bool):
-      conv = lambda f, name: nn.Conv(f, (5, 5), padding="SAME", dtype=dtype, name=name,
-                                     conv_general_dilated=conv_fn)
-      x = pool_fn(nn.relu(conv(32, "conv1")(x)), (2, 2), strides=(2, 2))
-      x = pool_fn(nn.relu(conv(64, "conv2")(x)), (2, 2), strides=(2, 2))
-      x = nn.relu(nn.Dense(128, dtype=dtype)(x.reshape(x.shape[0], -1)))
-      x = nn.Dropout(0.4, deterministic=not train)(x)
-      return nn.Dense(10, dtype=dtype)(x).astype("float32")
-
-  return MnistCNN()
+  from estimax.models.mnist import MnistCNN
+  return MnistCNN(dtype=dtype, conv=functools.partial(nn.Conv, conv_general_dilated=conv_fn),
+                  max_pool=pool_fn)
 
 
 def _resnet_module(conv_fn, pool_fn, dtype):
@@ -245,17 +234,61 @@ class JaxRunner:
     return steps * self.batch / (time.perf_counter() - t0)
 
 
-def _estimator_images_per_sec(model_name: str, dtype: str, variant: str, steps: int) -> float:
-  """HARNESS SWITCH for ``--harness=estimator``: time ``estimax.Estimator.train``.
+class EstimatorRunner:
+  """``estimax.Estimator.train`` on the same model and fixed batch, timed per ``train`` call."""
 
-  TODO(lead): wire this up once estimax.Estimator exists: build a model_fn from
-  ``_mnist_module``/``_resnet_module`` (conv/max_pool injectables as in JaxRunner),
-  an input_fn yielding the fixed batch, run ``train(max_steps=warmup)`` once, then
-  time ``train(steps=steps)`` and return ``steps * batch / seconds``.
-  """
-  raise NotImplementedError(
-      "train_cpu.py --harness=estimator: estimax.Estimator is not wired into this "
-      "benchmark yet; use --harness=bare")
+  def __init__(self, model_name: str, dtype: str, variant: str):
+    import tempfile
+
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import linen as nn
+    from jax import lax
+
+    import estimax as ex
+    from estimax import ops
+
+    parts = variant.split("+")
+    self.tuned_malloc = "malloc" in parts
+    conv_fn = ops.conv_general_dilated if "ops" in parts else lax.conv_general_dilated
+    pool_fn = ops.max_pool if "ops" in parts else nn.max_pool
+    build = _mnist_module if model_name == "mnist" else _resnet_module
+    self.batch = BATCH[model_name]
+    h, w, c = SHAPE[model_name]
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((self.batch, h, w, c)).astype(np.float32)
+    y = rng.integers(0, CLASSES[model_name], self.batch).astype(np.int32)
+
+    def model_fn(features, labels, mode, params):
+      # Built inside model_fn, as a user would, so the Estimator owns it.
+      model = build(conv_fn, pool_fn, jnp.dtype(dtype))
+      logits = model(features, train=mode == ex.ModeKeys.TRAIN)
+      return ex.EstimatorSpec(mode=mode, loss=ex.losses.softmax_cross_entropy(logits, labels),
+                              optimizer=optax.sgd(0.01, momentum=0.9))
+
+    def input_fn(params):
+      while True:
+        yield x, y
+
+    self.input_fn = input_fn
+    config = ex.RunConfig(model_dir=tempfile.mkdtemp(prefix="train_cpu_"),
+                          iterations_per_loop=10, save_checkpoints_secs=1e9, num_shards=1,
+                          log_step_count_steps=10**6, save_summary_steps=10**6)
+    self.est = ex.Estimator(model_fn, config, train_batch_size=self.batch)
+    t0 = time.perf_counter()
+    self.est.train(input_fn, max_steps=1)
+    self.compile_s = time.perf_counter() - t0
+
+  def images_per_sec(self, steps: int) -> float:
+    from estimax import ops
+    if self.tuned_malloc:
+      ops.tune_cpu_allocator()
+    else:
+      ops.restore_cpu_allocator()
+    t0 = time.perf_counter()
+    self.est.train(self.input_fn, steps=steps)  # includes one checkpoint save at the end
+    return steps * self.batch / (time.perf_counter() - t0)
 
 
 # ============================================================================ driver
@@ -326,15 +359,14 @@ def main() -> None:
       key = f"{model}/{dtype}"
       runners = {}
       for v in variants:
-        if v != "torch" and args.harness == "bare":
-          runners[v] = JaxRunner(model, dtype, v)
+        if v != "torch":
+          runner_cls = JaxRunner if args.harness == "bare" else EstimatorRunner
+          runners[v] = runner_cls(model, dtype, v)
           compile_s[f"{key}/{v}"] = round(runners[v].compile_s, 1)
       for r in range(args.rounds if model == "mnist" else args.resnet_rounds):
         for v in variants:  # interleaved: every variant once per round
           if v == "torch":
             rate = torch_rate(model, dtype, steps)
-          elif args.harness == "estimator":
-            rate = _estimator_images_per_sec(model, dtype, v, steps)
           else:
             rate = runners[v].images_per_sec(steps)
           rounds.setdefault(key, {}).setdefault(v, []).append(round(rate, 3))
