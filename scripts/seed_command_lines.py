@@ -1,0 +1,150 @@
+"""Runs every command line of the seed documents with estimax's programs in place of the originals.
+
+Issue 4, item 3: each ``python <original script> --flags...`` line of the seeds (000: Cloud TPU
+Inception v3/v4 tutorials; 001: Paperspace Gradient ResNet README; 004: the ResNet README) runs
+with ``python -m estimax.programs.<name>``, the same flags, and only these appended:
+``--train_steps``/``--image_size`` (``--width/--height`` for Inception, its minimum 107) and
+batch-size overrides (plus the eval-set size and steps between evaluations, so the run finishes
+here), ``--model_dir`` for lines that name a bucket, and fake data: ``$DATA_DIR`` becomes the
+seeds' own ``gs://cloud-tpu-test-datasets/fake_imagenet``, which estimax maps to local fake data.
+
+    python scripts/seed_command_lines.py            # full models (minutes each on 2 CPU cores)
+
+``tests/test_programs.py`` runs the same lines in-process with the tiny model variants.
+One line cannot run as written: the ResNet README's Cloud Bigtable example, since estimax has no
+Bigtable reader; it must stop with a message saying so, which is what is checked for it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+
+SEEDS_DIR = os.environ.get("ESTIMAX_SEEDS_DIR", "/work/shared/seeds")
+SEED_FILES = ("000_205ea632e84c21cc.txt", "001_4049241e1e03a510.txt", "004_3440b27b10ebf5ff.txt")
+
+# The command lines as extract_commands() finds them in the seeds (kept here so the test runs
+# where the seeds are absent; tests/test_programs.py checks the two agree when they are there).
+SEED_COMMANDS: list[tuple[str, str]] = [
+    ("000", "python /usr/share/tpu/models/experimental/inception/inception_v3.py --tpu=$TPU_NAME "
+            "--learning_rate=0.165 --train_steps=250000 --iterations=500 --use_tpu=True "
+            "--use_data=real --mode=train_and_eval --train_steps_per_eval=2000 "
+            "--data_dir=${DATA_DIR} --model_dir=${STORAGE_BUCKET}/inception"),
+    ("000", "python /usr/share/tpu/models/experimental/inception/inception_v4.py --tpu=$TPU_NAME "
+            "--learning_rate=0.36 --train_steps=1000000 --iterations=500 --use_tpu=True "
+            "--use_data=real --train_batch_size=256 --mode=train_and_eval "
+            "--train_steps_per_eval=2000 --data_dir=${DATA_DIR} "
+            "--model_dir=${STORAGE_BUCKET}/inception"),
+    ("001", "python resnet_main.py --master=$TPU_GRPC_URL "
+            "--data_dir=gs://cloud-tpu-test-datasets/fake_imagenet --model_dir=$TPU_MODEL_DIR "
+            "--train_batch_size=1024 --eval_batch_size=128"),
+    ("004", "python resnet_main.py --tpu=$TPU_NAME --data_dir=$DATA_DIR --model_dir=$MODEL_DIR"),
+    ("004", "python resnet_main.py --tpu=$TPU_NAME --model_dir=$MODEL_DIR "
+            "--bigtable_project=$PROJECT --bigtable_instance=$INSTANCE --bigtable_table=$TABLE"),
+]
+
+PROGRAMS = {"inception_v3.py": "inception_v3", "inception_v4.py": "inception_v4",
+            "resnet_main.py": "resnet"}
+
+# Small overrides so each line finishes here (appended: absl lets a later flag win).
+OVERRIDES = {
+    "resnet": ["--train_steps=2", "--train_batch_size=16", "--eval_batch_size=16",
+               "--num_eval_images=16", "--image_size=32", "--steps_per_eval=1",
+               "--iterations_per_loop=1"],
+    "inception_v3": ["--train_steps=2", "--train_batch_size=8", "--eval_batch_size=8",
+                     "--eval_total_size=8", "--width=107", "--height=107",
+                     "--train_steps_per_eval=1", "--iterations=1"],
+}
+OVERRIDES["inception_v4"] = OVERRIDES["inception_v3"]
+
+# Lines that cannot run as written, and the message they must stop with instead.
+EXPECTED_FAILURES = {"--bigtable_instance": "no Cloud Bigtable input"}
+
+
+def extract_commands(seeds_dir: str = SEEDS_DIR) -> list[tuple[str, str]]:
+    """Finds the ``python <script>.py ...`` command lines of the seed files.
+
+    Handles the three layouts of the seeds: one line with `` \\ `` separators (scraped HTML),
+    ``\\``-continued lines (with HTML tags around), and a continued block ending at a blank line.
+
+    Returns:
+      [(seed number, the command as one line)], in file order.
+    """
+    found = []
+    for name in SEED_FILES:
+        with open(os.path.join(seeds_dir, name), encoding="utf-8") as f:
+            lines = [re.sub(r"<[^>]+>", "", line).rstrip() for line in f]
+        i = 0
+        while i < len(lines):
+            m = re.search(r"python (\S+\.py)\b.*", lines[i])
+            if not m or os.path.basename(m.group(1)) not in PROGRAMS:
+                i += 1
+                continue
+            parts = [m.group(0)]
+            while parts[-1].endswith("\\") and i + 1 < len(lines) and lines[i + 1].strip():
+                parts[-1] = parts[-1][:-1]
+                i += 1
+                parts.append(lines[i].strip())
+            tokens = [t for t in " ".join(parts).split() if t != "\\"]
+            found.append((name[:3], " ".join(tokens)))
+            i += 1
+    return found
+
+
+def to_estimax_argv(command: str, model_dir: str) -> tuple[str, list[str]]:
+    """The estimax program name and its arguments for a seed command line.
+
+    ``$DATA_DIR`` becomes the seeds' public fake-data bucket (which estimax maps to local fake
+    data), model directories become ``model_dir``, other variables placeholder values.
+    """
+    env = {"TPU_NAME": "my-tpu", "DATA_DIR": "gs://cloud-tpu-test-datasets/fake_imagenet",
+           "STORAGE_BUCKET": model_dir, "MODEL_DIR": model_dir, "TPU_MODEL_DIR": model_dir,
+           "TPU_GRPC_URL": "grpc://10.240.1.2:8470", "PROJECT": "my-project",
+           "INSTANCE": "my-instance", "TABLE": "imagenet"}
+    expanded = re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: env[m.group(1) or m.group(2)], command)
+    tokens = shlex.split(expanded)
+    assert tokens[0] == "python", command
+    program = PROGRAMS[os.path.basename(tokens[1])]
+    return program, tokens[2:] + OVERRIDES[program]
+
+
+def main() -> int:
+    commands = SEED_COMMANDS
+    if os.path.isdir(SEEDS_DIR):
+        commands = extract_commands()
+    failures = 0
+    for seed, command in commands:
+        with tempfile.TemporaryDirectory(prefix="estimax_seed_") as tmp:
+            program, args = to_estimax_argv(command, os.path.join(tmp, "model"))
+            cmd = [sys.executable, "-m", f"estimax.programs.{program}", *args]
+            print(f"[seed {seed}] {shlex.join(cmd[1:])}", flush=True)
+            start = time.time()
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            took = time.time() - start
+            expected = next((msg for flag, msg in EXPECTED_FAILURES.items() if flag in command),
+                            None)
+            if expected is not None:
+                ok = proc.returncode != 0 and expected in proc.stderr
+                what = "stopped with the expected message" if ok else "did NOT stop as expected"
+            else:
+                ok = proc.returncode == 0 and "Eval results at step 2" in proc.stdout
+                what = "ok" if ok else f"FAILED (exit {proc.returncode})"
+            tail = (proc.stdout.strip().splitlines() or [""])[-1]
+            print(f"    {what} in {took:.0f} s wall: {tail}", flush=True)
+            if expected is not None:
+                print("    " + next((line for line in proc.stderr.splitlines()
+                                     if expected in line), "")[-200:], flush=True)
+            if not ok:
+                failures += 1
+                print(proc.stderr[-3000:], flush=True)
+    print(f"{len(commands) - failures}/{len(commands)} seed command lines behaved as expected")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
