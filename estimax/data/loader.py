@@ -37,6 +37,8 @@ on big hosts, or for a transform that holds the GIL.
 
 from __future__ import annotations
 
+import contextlib
+
 import collections
 import concurrent.futures
 import logging
@@ -156,13 +158,12 @@ def _partial_record_file(path: str, error: tfrecord.CorruptRecordError,
                          verify_crc: bool) -> tfrecord.RecordFile:
     """A RecordFile of the records before the damage ``error`` reported."""
     offsets: list[int] = []
-    try:
+    # Reading stops at the damage ``error`` already reports; keep the records before it.
+    with contextlib.suppress(tfrecord.CorruptRecordError):
         for off, _ in tfrecord.read_records_with_offsets(path, verify_crc=False):
             if off >= error.offset:
                 break
             offsets.append(off)
-    except tfrecord.CorruptRecordError:
-        pass  # the damage reported by ``error``
     return tfrecord.RecordFile(path, verify_crc=verify_crc,
                                offsets=np.asarray(offsets + [error.offset], dtype=np.int64))
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import functools
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -13,8 +11,6 @@ import jax.numpy as jnp
 from estimax import ops
 
 ModuleDef = Any
-# Convolution and pooling whose gradients XLA:CPU runs fast; GPU/TPU lower to the standard ops.
-FastConv = functools.partial(nn.Conv, conv_general_dilated=ops.conv_general_dilated)
 
 
 class MnistCNN(nn.Module):
@@ -34,7 +30,7 @@ class MnistCNN(nn.Module):
     dense_units: int = 128
     dropout_rate: float = 0.4
     dtype: Any = jnp.float32
-    conv: ModuleDef = FastConv
+    conv: ModuleDef = ops.FastConv
     max_pool: Callable[..., jax.Array] = ops.max_pool
 
     @nn.compact

@@ -6,11 +6,24 @@ Use them in Flax models (GPU/TPU lower to the standard ops unchanged)::
     y = ops.max_pool(x, (2, 2), strides=(2, 2))
 """
 
+import functools
+from typing import Any
+
+import flax.linen as nn
+
 from estimax.ops.cpu_conv import conv_general_dilated
 from estimax.ops.cpu_conv import conv_with_strategy
 from estimax.ops.cpu_pool import max_pool
 from estimax.ops.cpu_runtime import restore_cpu_allocator
 from estimax.ops.cpu_runtime import tune_cpu_allocator
 
-__all__ = ["conv_general_dilated", "conv_with_strategy", "max_pool", "restore_cpu_allocator",
-           "tune_cpu_allocator"]
+__all__ = ["FastConv", "conv_general_dilated", "conv_with_strategy", "fast_layers", "max_pool",
+           "restore_cpu_allocator", "tune_cpu_allocator"]
+
+# ``nn.Conv`` whose gradients XLA:CPU runs fast; GPU/TPU lower to the standard convolution.
+FastConv = functools.partial(nn.Conv, conv_general_dilated=conv_general_dilated)
+
+
+def fast_layers() -> dict[str, Any]:
+    """The ``conv``/``max_pool`` keyword arguments that plug these ops into estimax's models."""
+    return {"conv": FastConv, "max_pool": max_pool}

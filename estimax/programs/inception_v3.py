@@ -217,8 +217,7 @@ def build_model(cfg: InceptionConfig) -> nn.Module:
     kwargs: dict[str, Any] = {"dtype": jnp.bfloat16 if cfg.precision == "bfloat16"
                               else jnp.float32}
     if cfg.cpu_fast_ops:
-        kwargs["conv"] = functools.partial(nn.Conv, conv_general_dilated=ops.conv_general_dilated)
-        kwargs["max_pool"] = ops.max_pool
+        kwargs.update(ops.fast_layers())
     return cfg.model(num_classes=cfg.num_classes, **kwargs)
 
 

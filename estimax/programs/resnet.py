@@ -136,8 +136,7 @@ def build_model(cfg: ResNetConfig) -> nn.Module:
     kwargs: dict[str, Any] = {"dtype": jnp.bfloat16 if cfg.precision == "bfloat16"
                               else jnp.float32}
     if cfg.cpu_fast_ops:
-        kwargs["conv"] = functools.partial(nn.Conv, conv_general_dilated=ops.conv_general_dilated)
-        kwargs["max_pool"] = ops.max_pool
+        kwargs.update(ops.fast_layers())
     return resnet_v1(cfg.resnet_depth, cfg.num_label_classes, **kwargs)
 
 
