@@ -37,10 +37,9 @@ on big hosts, or for a transform that holds the GIL.
 
 from __future__ import annotations
 
-import contextlib
-
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import multiprocessing
 import os
