@@ -11,6 +11,9 @@ compounded by the bf16 output rounding of the reference).
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
 
 import flax.linen as nn
 import jax
@@ -18,8 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from estimax import ops
+from estimax.ops import native
 
 NHWC = ("NHWC", "HWIO", "NHWC")
 FP32_TOL = 5e-5
@@ -77,15 +83,105 @@ def _value_and_vjp(f, x, w, g):
   return (y, *vjp(g))
 
 
+@pytest.mark.parametrize("use_onednn", [True, False], ids=["default", "xla_only"])
 @pytest.mark.parametrize("case", CONV_CASES, ids=[c[0] for c in CONV_CASES])
-def test_conv_forward_and_grads_match_reference(case):
+def test_conv_forward_and_grads_match_reference(case, use_onednn):
+  # The default strategies (oneDNN where built) and the pure-XLA ones without it.
   _, xs, ws, strides, padding = case
   x, w, g = _data(xs, ws, strides, padding)
   want = _value_and_vjp(functools.partial(_ref, strides=strides, padding=padding), x, w, g)
   mine = lambda x, w: ops.conv_general_dilated(x, w, strides, padding, dimension_numbers=NHWC)
-  got = jax.jit(lambda x, w, g: _value_and_vjp(mine, x, w, g))(x, w, g)
+  with native.native_kernels(use_onednn):
+    got = jax.jit(lambda x, w, g: _value_and_vjp(mine, x, w, g))(x, w, g)
   for a, b in zip(got, want):
     _close(a, b, FP32_TOL)
+
+
+# ---------------------------------------------------------------------------- oneDNN
+
+
+def _need_onednn():
+  if native.available():
+    return
+  if os.environ.get("ESTIMAX_REQUIRE_ONEDNN") == "1":
+    pytest.fail(f"ESTIMAX_REQUIRE_ONEDNN=1 but {native.status()}")
+  pytest.skip(f"oneDNN kernels not built: {native.status()}")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", CONV_CASES, ids=[c[0] for c in CONV_CASES])
+def test_onednn_forward_and_grads_match_reference(case, dtype):
+  _need_onednn()
+  _, xs, ws, strides, padding = case
+  x, w, g = _data(xs, ws, strides, padding, dtype=jnp.dtype(dtype), seed=6)
+  f32 = lambda a: a.astype(jnp.float32)
+  want = _value_and_vjp(functools.partial(_ref, strides=strides, padding=padding),
+                        f32(x), f32(w), f32(g))
+  mine = functools.partial(ops.conv_with_strategy, window_strides=strides, padding=padding,
+                           fwd="onednn", dx="onednn", dw="onednn")
+  fn = jax.jit(lambda x, w, g: _value_and_vjp(mine, x, w, g))
+  assert "estimax_onednn_conv" in fn.lower(x, w, g).as_text()  # really the oneDNN path
+  for a, b in zip(fn(x, w, g), want):
+    assert a.dtype == x.dtype
+    _close(a, b, FP32_TOL if dtype == "float32" else BF16_TOL)
+
+
+def test_onednn_under_shard_map_on_8_devices_matches_one_device():
+  # The estimator's path: per-replica convolutions inside shard_map, gradients pmean'd.
+  _need_onednn()
+  if jax.device_count() < 8:
+    pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (set by make test)")
+  mesh = jax.make_mesh((8,), ("data",))
+  x, w, _ = _data((16, 9, 9, 3), (3, 3, 3, 8), (1, 1), "SAME", seed=7)
+  loss = lambda w, x: jnp.mean(jnp.sin(ops.conv_general_dilated(
+      x, w, (1, 1), "SAME", dimension_numbers=NHWC)))
+  ref_loss = lambda w, x: jnp.mean(jnp.sin(_ref(x, w, (1, 1), "SAME")))
+
+  def per_replica(w, x):
+    w = lax.pcast(w, "data", to="varying")
+    return lax.pmean(jax.grad(loss)(w, x), "data")
+
+  sharded = jax.jit(jax.shard_map(per_replica, mesh=mesh, in_specs=(P(), P("data")),
+                                  out_specs=P()))
+  want = jax.grad(ref_loss)(w, x)
+  x = jax.device_put(x, NamedSharding(mesh, P("data")))
+  assert "estimax_onednn_conv" in sharded.lower(w, x).as_text()
+  _close(sharded(w, x), want, FP32_TOL)
+
+
+def test_native_kernels_off_leaves_no_custom_call_in_an_export():
+  # What export_saved_model relies on: with the kernels off, a CPU export is plain StableHLO.
+  _need_onednn()
+  x, w, _ = _data((2, 8, 8, 3), (3, 3, 3, 4), (1, 1), "SAME")
+  # Two separate functions: JAX caches a function's trace, and the switch acts when tracing.
+  fwd = lambda: lambda x, w: ops.conv_general_dilated(x, w, (1, 1), "SAME",
+                                                      dimension_numbers=NHWC)
+  assert "estimax_onednn_conv" in jax.jit(fwd()).lower(x, w).as_text()
+  with native.native_kernels(False):
+    text = _exported_text(fwd(), x, w, platform="cpu")
+  assert "estimax_onednn_conv" not in text and "stablehlo.convolution" in text
+
+
+def test_native_status_command_names_the_kernels():
+  proc = subprocess.run([sys.executable, "-m", "estimax.ops.native", "status"],
+                        capture_output=True, text=True, check=False)
+  if native.available():
+    assert proc.returncode == 0 and proc.stdout.startswith("oneDNN "), proc.stdout
+  else:
+    assert proc.returncode == 1 and "XLA's own" in proc.stdout, proc.stdout
+
+
+def test_native_build_failure_says_what_to_install(tmp_path, monkeypatch):
+  # A compiler that cannot find oneDNN's header, as on a machine without libdnnl-dev.
+  fake = tmp_path / "fake-c++"
+  fake.write_text("#!/bin/sh\necho 'fatal error: dnnl.hpp: No such file or directory' >&2\n"
+                  "exit 1\n")
+  fake.chmod(0o755)
+  monkeypatch.setenv("CXX", str(fake))
+  with pytest.raises(RuntimeError, match="(?s)dnnl.hpp.*apt-get install libdnnl-dev"):
+    native.build(output=tmp_path / "lib.so")
+  assert not (tmp_path / "lib.so").exists()
+  assert not list(tmp_path.glob("tmp*.so"))  # no half-written library left behind
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=["-".join(s) for s in STRATEGIES])

@@ -22,6 +22,7 @@ from absl import logging
 from flax import serialization
 
 from estimax.estimator.spec import ModeKeys
+from estimax.ops.native import native_kernels
 
 if TYPE_CHECKING:
     from estimax.estimator.estimator import Estimator
@@ -85,8 +86,11 @@ def export_saved_model(estimator: "Estimator", export_dir_base: str,
     variable_specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
                                   variables)
     platforms = tuple(platforms or DEFAULT_PLATFORMS)
-    exported = jax.export.export(jax.jit(serve), platforms=platforms)(variable_specs,
-                                                                     feature_specs)
+    # Traced without estimax's oneDNN kernels: the artifact must run where that library is
+    # not built (its CPU lowering then uses XLA's own convolutions).
+    with native_kernels(False):
+        exported = jax.export.export(jax.jit(serve), platforms=platforms)(variable_specs,
+                                                                         feature_specs)
     timestamp = int(time.time())
     while os.path.exists(os.path.join(export_dir_base, str(timestamp))):
         timestamp += 1

@@ -4,9 +4,14 @@ XLA:CPU lowers the backward convolutions of a convnet to its generic convolution
 kernels, which reach only 3-40 GFLOP/s for the filter gradient (against ~190 GFLOP/s
 for a plain fp32 matmul on the same cores), and it lowers max-pool's backward to
 ``select_and_scatter``, which takes ~100 ms of a 330 ms MNIST step (see
-``bench/results/conv_cpu.md``). Neither oneDNN nor XNNPACK flags change that.
+``bench/results/conv_cpu.md``). None of XLA's CPU flags (oneDNN, XNNPACK, YNNPACK) change
+that in jaxlib 0.10.
 
-The drop-in here is a ``jax.custom_vjp`` around ``lax.conv_general_dilated`` that,
+Where estimax's oneDNN library is built (``estimax.ops.native``), the CPU lowering calls
+oneDNN's convolutions (forward, input and filter gradients, fp32 and bf16 on AMX) through
+XLA's FFI: the kernels PyTorch uses on CPUs. Otherwise, or with ``ESTIMAX_ONEDNN=0``:
+
+the drop-in here is a ``jax.custom_vjp`` around ``lax.conv_general_dilated`` that,
 *on the CPU backend only*, computes 1x1 convolutions (forward and both gradients)
 as dots, and the gradients of larger kernels, where measured faster, as matrix
 products over shifted, strided views of the input (the im2col formulation) plus
@@ -16,8 +21,8 @@ program traced on a host and run on GPU/TPU lowers to exactly the standard
 ``jax.vjp`` of the reference op there.
 
 Why by hand: no maintained library provides a JAX convolution or pooling VJP
-tuned for XLA:CPU (oneDNN/XNNPACK are reachable only through XLA's own flags,
-which do not cover these ops); the formulation is ~150 lines of lax.
+tuned for XLA:CPU, and no package ships oneDNN for JAX; the formulation is ~150
+lines of lax and the oneDNN glue ~250 lines of C++.
 
 Supported fast path: 2 spatial dims, NHWC/HWIO/NHWC layout, any strides, 'SAME',
 'VALID' or explicit padding, any kernel size (1x1, 3x3, 5x5, 7x7, 1x7, 7x1, ...),
@@ -33,15 +38,18 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+
+from estimax.ops import native
 
 Array = jax.Array
 
 # Fast-path strategies, per gradient. "xla" keeps XLA's own convolution for that
 # piece; the others are the matmul formulations below.
-_FWD_STRATEGIES = ("xla", "im2col")
-_DX_STRATEGIES = ("xla", "matmul")
-_DW_STRATEGIES = ("xla", "im2col", "offsets", "im2col_t")
+_FWD_STRATEGIES = ("xla", "im2col", "onednn")
+_DX_STRATEGIES = ("xla", "matmul", "onednn")
+_DW_STRATEGIES = ("xla", "im2col", "offsets", "im2col_t", "onednn")
 
 _NHWC = ("NHWC", "HWIO", "NHWC")
 
@@ -57,8 +65,9 @@ class _ConvSpec(NamedTuple):
   dw: str
 
 
-def _default_strategy(kh: int, kw: int, cin: int, cout: int,
-                      strides: tuple[int, int]) -> tuple[str, str, str]:
+def _default_strategy(kh: int, kw: int, cin: int, cout: int, strides: tuple[int, int],
+                      dtype: Any = jnp.float32,
+                      onednn: bool = False) -> tuple[str, str, str]:
   """Picks (fwd, dx, dw) strategies for a kernel shape.
 
   From the per-layer measurements in bench/results/conv_cpu.md (ResNet-50 at 224,
@@ -74,6 +83,12 @@ def _default_strategy(kh: int, kw: int, cin: int, cout: int,
     per-offset products win from 128 input channels, im2col for tiny inputs
     (MNIST's first layer: Cin*KH*KW = 25).
   """
+  if onednn and dtype in (jnp.bfloat16, jnp.float32):
+    # oneDNN (estimax.ops.native), measured per layer against the rules below: 1.3-5x faster
+    # than XLA in fp32 for every k x k layer, and 5-30x in bf16 (AMX). fp32 1x1 layers stay
+    # plain dots, which XLA runs as fast.
+    if not (kh == 1 and kw == 1 and dtype == jnp.float32):
+      return ("onednn", "onednn", "onednn")
   if kh == 1 and kw == 1:
     return ("im2col", "matmul", "im2col")
   strided = max(strides) > 1
@@ -130,7 +145,8 @@ def _normalize(
   pads = tuple((int(lo), int(hi)) for lo, hi in pads)
   if len(strides) != 2 or len(pads) != 2 or any(p < 0 for pair in pads for p in pair):
     return None
-  fwd, dx, dw = _default_strategy(kh, kw, cin, rhs.shape[3], strides)
+  onednn = native.enabled() and _onednn_pads(lhs.shape, rhs.shape, strides, pads) is not None
+  fwd, dx, dw = _default_strategy(kh, kw, cin, rhs.shape[3], strides, lhs.dtype, onednn)
   return _ConvSpec(strides, pads, precision, fwd, dx, dw)  # type: ignore[arg-type]
 
 
@@ -213,6 +229,11 @@ def conv_with_strategy(lhs: Array, rhs: Array, window_strides: Sequence[int],
     raise ValueError(
         f"conv_with_strategy: unsupported shapes lhs={lhs.shape} {lhs.dtype}, "
         f"rhs={rhs.shape} {rhs.dtype}, padding={padding}")
+  if "onednn" in (fwd, dx, dw):
+    if not native.available():
+      raise ValueError(f"conv_with_strategy: oneDNN requested but {native.status()}")
+    if _onednn_pads(lhs.shape, rhs.shape, spec.strides, spec.pads) is None:
+      raise ValueError(f"conv_with_strategy: oneDNN cannot take padding={padding} here")
   return _conv(lhs, rhs, spec._replace(fwd=fwd, dx=dx, dw=dw))
 
 
@@ -375,9 +396,10 @@ def _cpu_bwd(spec: _ConvSpec, x: Array, w: Array, g: Array) -> tuple[Array, Arra
 def _in_fp32(fn):
   """Runs a CPU formulation in fp32 for half-precision operands, casting results back.
 
-  XLA:CPU has no fast half-precision convolutions or dots (bf16 dots measured at
-  60-120 GFLOP/s against 130-230 for fp32 on the bench machine), so bf16 compute is
-  *slower* than fp32 there; converting costs one elementwise pass. Values are at
+  XLA:CPU's half-precision convolutions are no faster than its fp32 ones, and the
+  patch matrices these formulations build cost more than the bf16 dots save, so bf16 is
+  computed in fp32 here (oneDNN, when built, computes bf16 natively on AMX instead);
+  converting costs one elementwise pass. Values are at
   least as accurate as bf16 arithmetic (fp32 accumulation, one final rounding).
   """
 
@@ -392,8 +414,80 @@ def _in_fp32(fn):
   return wrapped
 
 
-_cpu_fwd_any = _in_fp32(_cpu_fwd)
-_cpu_bwd_any = _in_fp32(_cpu_bwd)
+# ----------------------------------------------------------------------------
+# oneDNN (estimax.ops.native): native dtype, no fp32 detour (bf16 runs on AMX).
+
+
+def _onednn_pads(x_shape: Sequence[int], w_shape: Sequence[int], strides: tuple[int, int],
+                 pads: tuple[tuple[int, int], ...]) -> tuple[int, int, int, int] | None:
+  """(top, bottom, left, right) pads as oneDNN takes them, or None if it cannot.
+
+  oneDNN sizes outputs as XLA does, ``out = (in + lo + hi - k) // stride + 1``; it only
+  needs the padded input to hold at least one window.
+  """
+  out = []
+  for size, k, (lo, hi) in zip(x_shape[1:3], w_shape[:2], pads):
+    if size + lo + hi < k:
+      return None
+    out += [lo, hi]
+  return tuple(out)  # type: ignore[return-value]
+
+
+def _onednn_call(kind: str, out_shape: Sequence[int], dtype: Any, a: Array, b: Array,
+                 x_shape: Sequence[int], w_shape: Sequence[int], spec: _ConvSpec) -> Array:
+  pads = _onednn_pads(x_shape, w_shape, spec.strides, spec.pads)
+  assert pads is not None, "the onednn strategy is chosen only for pads it can take"
+  pt, pb, pl, pr = (np.int64(p) for p in pads)
+  call = jax.ffi.ffi_call(f"estimax_onednn_conv_{kind}",
+                          jax.ShapeDtypeStruct(tuple(out_shape), dtype),
+                          vmap_method="sequential")
+  out = call(a, b, sh=np.int64(spec.strides[0]), sw=np.int64(spec.strides[1]),
+             pt=pt, pb=pb, pl=pl, pr=pr)
+  # Inside shard_map the result varies over the mesh axes its operands vary over; ffi_call
+  # types it as invariant, so say so (the other branch of platform_dependent must match).
+  varying = jax.typeof(a).manual_axis_type.varying | jax.typeof(b).manual_axis_type.varying
+  if varying:
+    out = lax.pcast(out, tuple(sorted(varying)), to="varying")
+  return out
+
+
+def _onednn_fwd(spec: _ConvSpec, x: Array, w: Array) -> Array:
+  kh, kw, _, cout = w.shape
+  (sh, sw), ((pt, pb), (pl, pr)) = spec.strides, spec.pads
+  ho = _out_size(x.shape[1], kh, sh, pt, pb)
+  wo = _out_size(x.shape[2], kw, sw, pl, pr)
+  return _onednn_call("forward", (x.shape[0], ho, wo, cout), x.dtype, x, w, x.shape, w.shape,
+                      spec)
+
+
+def _onednn_dx(spec: _ConvSpec, x: Array, w: Array, g: Array) -> Array:
+  return _onednn_call("backward_data", x.shape, x.dtype, g.astype(x.dtype), w, x.shape,
+                      w.shape, spec)
+
+
+def _onednn_dw(spec: _ConvSpec, x: Array, w: Array, g: Array) -> Array:
+  return _onednn_call("backward_weights", w.shape, w.dtype, x, g.astype(w.dtype), x.shape,
+                      w.shape, spec)
+
+
+_cpu_fwd_fp32 = _in_fp32(_cpu_fwd)
+_cpu_dx_fp32 = _in_fp32(_cpu_dx)
+_cpu_dw_fp32 = _in_fp32(_cpu_dw)
+_cpu_bwd_fp32 = _in_fp32(_cpu_bwd)
+
+
+def _cpu_fwd_any(spec: _ConvSpec, x: Array, w: Array) -> Array:
+  if spec.fwd == "onednn":
+    return _onednn_fwd(spec, x, w)
+  return _cpu_fwd_fp32(spec, x, w)
+
+
+def _cpu_bwd_any(spec: _ConvSpec, x: Array, w: Array, g: Array) -> tuple[Array, Array]:
+  if spec.dx != "onednn" and spec.dw != "onednn":
+    return _cpu_bwd_fp32(spec, x, w, g)
+  dx = _onednn_dx(spec, x, w, g) if spec.dx == "onednn" else _cpu_dx_fp32(spec, x, w, g)
+  dw = _onednn_dw(spec, x, w, g) if spec.dw == "onednn" else _cpu_dw_fp32(spec, x, w, g)
+  return dx, dw
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

@@ -1,0 +1,241 @@
+// 2-D convolutions (forward, input gradient, filter gradient) for XLA:CPU, run by oneDNN.
+//
+// Why by hand: XLA:CPU's own convolutions run 3-10x slower than oneDNN's on the same cores
+// (bench/results/conv_cpu.md), and no maintained package exposes oneDNN to JAX. This file is
+// only the glue: three XLA FFI handlers that describe the convolution to oneDNN (NHWC
+// activations, HWIO filters, explicit strides and pads, fp32 or bf16) and run its primitive.
+// Primitives are cached by shape; per-call state (reordered filters, scratchpad) is allocated
+// per call, so concurrent calls from several XLA devices are safe.
+//
+// Built by `python -m estimax.ops.native build` against the system's oneDNN (Debian/Ubuntu:
+// libdnnl-dev) and XLA's FFI headers from jaxlib.
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "dnnl.hpp"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+using dnnl::memory;
+using tag = dnnl::memory::format_tag;
+
+namespace {
+
+dnnl::engine& Engine() {
+  static dnnl::engine* engine = new dnnl::engine(dnnl::engine::kind::cpu, 0);
+  return *engine;
+}
+
+enum class Kind { kForward, kBackwardData, kBackwardWeights };
+
+struct ConvShape {
+  int64_t n, c, h, w;       // input, NHWC
+  int64_t o, kh, kw;        // filter, HWIO
+  int64_t ho, wo;           // output
+  int64_t sh, sw, pt, pb, pl, pr;
+  memory::data_type dt;
+
+  std::string Key(Kind kind) const {
+    std::ostringstream s;
+    s << static_cast<int>(kind) << ':' << static_cast<int>(dt) << ':' << n << ',' << c << ','
+      << h << ',' << w << ',' << o << ',' << kh << ',' << kw << ',' << ho << ',' << wo << ','
+      << sh << ',' << sw << ',' << pt << ',' << pb << ',' << pl << ',' << pr;
+    return s.str();
+  }
+  memory::desc Src(tag t = tag::nhwc) const { return {{n, c, h, w}, dt, t}; }
+  memory::desc Dst(tag t = tag::nhwc) const { return {{n, o, ho, wo}, dt, t}; }
+  memory::desc Wei(tag t) const { return {{o, c, kh, kw}, dt, t}; }
+  memory::dims Strides() const { return {sh, sw}; }
+  memory::dims PadL() const { return {pt, pl}; }
+  memory::dims PadR() const { return {pb, pr}; }
+};
+
+dnnl::primitive_attr UserScratchpad() {
+  dnnl::primitive_attr attr;
+  // A caller-owned scratchpad per call: the cached primitive can then run on several
+  // threads (XLA devices) at once.
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  return attr;
+}
+
+dnnl::convolution_forward::primitive_desc ForwardPd(const ConvShape& s) {
+  // Activations stay NHWC (no reorder of the large tensors); the filter layout is left to
+  // oneDNN (`any`) and reordered per call, which is cheap.
+  dnnl::convolution_forward::desc d(
+      dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct, s.Src(),
+      s.Wei(tag::any), s.Dst(), s.Strides(), s.PadL(), s.PadR());
+  return dnnl::convolution_forward::primitive_desc(d, UserScratchpad(), Engine());
+}
+
+struct Cached {
+  dnnl::primitive prim;
+  memory::desc wei_md;        // the filter layout the primitive wants
+  memory::desc scratch_md;
+};
+
+std::mutex cache_mu;
+std::unordered_map<std::string, std::shared_ptr<Cached>>& Cache() {
+  static auto* cache = new std::unordered_map<std::string, std::shared_ptr<Cached>>();
+  return *cache;
+}
+
+std::shared_ptr<Cached> Build(const ConvShape& s, Kind kind) {
+  auto fwd_pd = ForwardPd(s);
+  auto out = std::make_shared<Cached>();
+  if (kind == Kind::kForward) {
+    out->prim = dnnl::convolution_forward(fwd_pd);
+    out->wei_md = fwd_pd.weights_desc();
+    out->scratch_md = fwd_pd.scratchpad_desc();
+  } else if (kind == Kind::kBackwardData) {
+    dnnl::convolution_backward_data::desc d(dnnl::algorithm::convolution_direct, s.Src(),
+                                            s.Wei(tag::any), s.Dst(), s.Strides(), s.PadL(),
+                                            s.PadR());
+    dnnl::convolution_backward_data::primitive_desc pd(d, UserScratchpad(), Engine(), fwd_pd);
+    out->prim = dnnl::convolution_backward_data(pd);
+    out->wei_md = pd.weights_desc();
+    out->scratch_md = pd.scratchpad_desc();
+  } else {
+    dnnl::convolution_backward_weights::desc d(dnnl::algorithm::convolution_direct, s.Src(),
+                                               s.Wei(tag::any), s.Dst(), s.Strides(),
+                                               s.PadL(), s.PadR());
+    dnnl::convolution_backward_weights::primitive_desc pd(d, UserScratchpad(), Engine(),
+                                                          fwd_pd);
+    out->prim = dnnl::convolution_backward_weights(pd);
+    out->wei_md = pd.diff_weights_desc();
+    out->scratch_md = pd.scratchpad_desc();
+  }
+  return out;
+}
+
+std::shared_ptr<Cached> Get(const ConvShape& s, Kind kind) {
+  const std::string key = s.Key(kind);
+  {
+    std::lock_guard<std::mutex> lock(cache_mu);
+    auto it = Cache().find(key);
+    if (it != Cache().end()) return it->second;
+  }
+  auto built = Build(s, kind);  // outside the lock: creation can take milliseconds
+  std::lock_guard<std::mutex> lock(cache_mu);
+  return Cache().emplace(key, built).first->second;
+}
+
+ffi::Error DataType(ffi::DataType t, memory::data_type* out) {
+  if (t == ffi::DataType::F32) {
+    *out = memory::data_type::f32;
+  } else if (t == ffi::DataType::BF16) {
+    *out = memory::data_type::bf16;
+  } else {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "estimax oneDNN convolution: only float32 and bfloat16 are supported");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error Shape(ffi::AnyBuffer x, ffi::AnyBuffer wei, ffi::AnyBuffer y, int64_t sh,
+                 int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr, ConvShape* s) {
+  auto xd = x.dimensions();
+  auto wd = wei.dimensions();
+  auto yd = y.dimensions();
+  if (xd.size() != 4 || wd.size() != 4 || yd.size() != 4) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "estimax oneDNN convolution: expected rank-4 NHWC/HWIO/NHWC operands");
+  }
+  *s = ConvShape{xd[0], xd[3], xd[1], xd[2], wd[3], wd[0], wd[1], yd[1], yd[2],
+                 sh,    sw,    pt,    pb,    pl,    pr,    memory::data_type::undef};
+  return DataType(x.element_type(), &s->dt);
+}
+
+ffi::Error Run(const ConvShape& s, Kind kind, void* src, void* wei, void* dst) {
+  try {
+    auto c = Get(s, kind);
+    dnnl::engine& eng = Engine();
+    dnnl::stream strm(eng);
+    memory user_wei(s.Wei(tag::hwio), eng, wei);
+    memory prim_wei = user_wei;
+    std::vector<char> wei_buf;
+    const bool reorder = c->wei_md != user_wei.get_desc();
+    if (reorder) {
+      wei_buf.resize(c->wei_md.get_size());
+      prim_wei = memory(c->wei_md, eng, wei_buf.data());
+      if (kind != Kind::kBackwardWeights) {
+        dnnl::reorder(user_wei, prim_wei).execute(strm, user_wei, prim_wei);
+      }
+    }
+    std::vector<char> scratch(c->scratch_md.get_size());
+    memory scratch_mem(c->scratch_md, eng, scratch.data());
+    memory src_mem(s.Src(), eng, src);
+    memory dst_mem(s.Dst(), eng, dst);
+    if (kind == Kind::kForward) {
+      c->prim.execute(strm, {{DNNL_ARG_SRC, src_mem}, {DNNL_ARG_WEIGHTS, prim_wei},
+                             {DNNL_ARG_DST, dst_mem}, {DNNL_ARG_SCRATCHPAD, scratch_mem}});
+    } else if (kind == Kind::kBackwardData) {
+      c->prim.execute(strm, {{DNNL_ARG_DIFF_SRC, src_mem}, {DNNL_ARG_WEIGHTS, prim_wei},
+                             {DNNL_ARG_DIFF_DST, dst_mem}, {DNNL_ARG_SCRATCHPAD, scratch_mem}});
+    } else {
+      c->prim.execute(strm, {{DNNL_ARG_SRC, src_mem}, {DNNL_ARG_DIFF_WEIGHTS, prim_wei},
+                             {DNNL_ARG_DIFF_DST, dst_mem}, {DNNL_ARG_SCRATCHPAD, scratch_mem}});
+      if (reorder) dnnl::reorder(prim_wei, user_wei).execute(strm, prim_wei, user_wei);
+    }
+    strm.wait();
+  } catch (const dnnl::error& e) {
+    return ffi::Error(ffi::ErrorCode::kInternal,
+                      std::string("estimax oneDNN convolution failed: ") + e.what());
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error ForwardImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
+                       int64_t sh, int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr) {
+  ConvShape s;
+  if (auto e = Shape(x, w, *y, sh, sw, pt, pb, pl, pr, &s); e.failure()) return e;
+  return Run(s, Kind::kForward, x.untyped_data(), w.untyped_data(), y->untyped_data());
+}
+
+ffi::Error BackwardDataImpl(ffi::AnyBuffer g, ffi::AnyBuffer w,
+                            ffi::Result<ffi::AnyBuffer> dx, int64_t sh, int64_t sw, int64_t pt,
+                            int64_t pb, int64_t pl, int64_t pr) {
+  ConvShape s;
+  if (auto e = Shape(*dx, w, g, sh, sw, pt, pb, pl, pr, &s); e.failure()) return e;
+  return Run(s, Kind::kBackwardData, dx->untyped_data(), w.untyped_data(), g.untyped_data());
+}
+
+ffi::Error BackwardWeightsImpl(ffi::AnyBuffer x, ffi::AnyBuffer g,
+                               ffi::Result<ffi::AnyBuffer> dw, int64_t sh, int64_t sw,
+                               int64_t pt, int64_t pb, int64_t pl, int64_t pr) {
+  ConvShape s;
+  if (auto e = Shape(x, *dw, g, sh, sw, pt, pb, pl, pr, &s); e.failure()) return e;
+  return Run(s, Kind::kBackwardWeights, x.untyped_data(), dw->untyped_data(),
+             g.untyped_data());
+}
+
+}  // namespace
+
+#define ESTIMAX_CONV_BINDING(first, second, result)                         \
+  ffi::Ffi::Bind()                                                          \
+      .Arg<ffi::AnyBuffer>()                                                \
+      .Arg<ffi::AnyBuffer>()                                                \
+      .Ret<ffi::AnyBuffer>()                                                \
+      .Attr<int64_t>("sh")                                                  \
+      .Attr<int64_t>("sw")                                                  \
+      .Attr<int64_t>("pt")                                                  \
+      .Attr<int64_t>("pb")                                                  \
+      .Attr<int64_t>("pl")                                                  \
+      .Attr<int64_t>("pr")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EstimaxConvForward, ForwardImpl,
+                              ESTIMAX_CONV_BINDING(x, w, y));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EstimaxConvBackwardData, BackwardDataImpl,
+                              ESTIMAX_CONV_BINDING(g, w, dx));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EstimaxConvBackwardWeights, BackwardWeightsImpl,
+                              ESTIMAX_CONV_BINDING(x, g, dw));
+
+extern "C" int EstimaxOneDnnVersion() {
+  const dnnl_version_t* v = dnnl_version();
+  return v->major * 10000 + v->minor * 100 + v->patch;
+}
