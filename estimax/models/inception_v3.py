@@ -22,6 +22,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from estimax import ops
 from estimax.models.layers import (ConvBNReLU, InceptionBlock, ModuleDef, PoolFn, same_avg_pool,
                                    scaled_depth)
 
@@ -156,8 +157,9 @@ class InceptionV3(nn.Module):
       min_depth: slim's lower bound on any layer's channels.
       dtype: compute dtype (``jnp.bfloat16`` for ``--precision=bfloat16``); params float32;
         logits returned float32.
-      conv: convolution module (``nn.Conv`` signature). norm: batch norm (``nn.BatchNorm``).
-      max_pool: max pool (``nn.max_pool`` signature).
+      conv: convolution module (``nn.Conv`` signature; default ``estimax.ops.FastConv``).
+        norm: batch norm (``nn.BatchNorm``).
+      max_pool: max pool (``nn.max_pool`` signature; default ``estimax.ops.max_pool``).
       bn_momentum: BN moving-average decay. bn_epsilon: BN epsilon.
       bn_scale: learn a BN scale (slim: False; torchvision: True).
     """
@@ -168,9 +170,9 @@ class InceptionV3(nn.Module):
     depth_multiplier: float = 1.0
     min_depth: int = 16
     dtype: Any = jnp.float32
-    conv: ModuleDef = nn.Conv
+    conv: ModuleDef = ops.FastConv
     norm: ModuleDef = nn.BatchNorm
-    max_pool: PoolFn = nn.max_pool
+    max_pool: PoolFn = ops.max_pool
     bn_momentum: float = BATCH_NORM_DECAY
     bn_epsilon: float = BATCH_NORM_EPSILON
     bn_scale: bool = False

@@ -18,6 +18,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from estimax import ops
 from estimax.models.layers import InceptionBlock, ModuleDef, PoolFn, same_avg_pool
 
 # The original's constants (inception_v4.py BATCH_NORM_DECAY / BATCH_NORM_EPSILON).
@@ -171,8 +172,9 @@ class InceptionV4(nn.Module):
       depth_multiplier: channel multiplier (ours, for thin test models; 1.0 is the original).
       min_depth: lower bound on any layer's channels when ``depth_multiplier < 1``.
       dtype: compute dtype; params float32; logits returned float32.
-      conv: convolution module (``nn.Conv`` signature). norm: batch norm (``nn.BatchNorm``).
-      max_pool: max pool (``nn.max_pool`` signature).
+      conv: convolution module (``nn.Conv`` signature; default ``estimax.ops.FastConv``).
+        norm: batch norm (``nn.BatchNorm``).
+      max_pool: max pool (``nn.max_pool`` signature; default ``estimax.ops.max_pool``).
       bn_momentum: BN moving-average decay. bn_epsilon: BN epsilon.
       bn_scale: learn a BN scale (the original: False; timm's port: True).
       block_repeats: how many Inception-A, -B, -C blocks (4, 7, 3 as the paper); fewer only for
@@ -185,9 +187,9 @@ class InceptionV4(nn.Module):
     depth_multiplier: float = 1.0
     min_depth: int = 16
     dtype: Any = jnp.float32
-    conv: ModuleDef = nn.Conv
+    conv: ModuleDef = ops.FastConv
     norm: ModuleDef = nn.BatchNorm
-    max_pool: PoolFn = nn.max_pool
+    max_pool: PoolFn = ops.max_pool
     bn_momentum: float = BATCH_NORM_DECAY
     bn_epsilon: float = BATCH_NORM_EPSILON
     bn_scale: bool = False

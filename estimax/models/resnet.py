@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 import flax.linen as nn
 import jax.numpy as jnp
 
+from estimax import ops
 from estimax.models.layers import ModuleDef, PoolFn, fixed_padding
 
 # The original's constants (resnet_model.py BATCH_NORM_DECAY / BATCH_NORM_EPSILON).
@@ -151,9 +152,10 @@ class ResNet(nn.Module):
       num_filters: filters of the stem and of group 1; doubles per group (64 as the original).
       dtype: compute dtype (``jnp.bfloat16`` for ``--precision=bfloat16``); params stay float32,
         logits are returned in float32.
-      conv: convolution module (``nn.Conv`` signature).
+      conv: convolution module (``nn.Conv`` signature; default ``estimax.ops.FastConv``,
+        whose CPU lowering is fast and whose GPU/TPU lowering is ``nn.Conv``'s).
       norm: batch norm (``nn.BatchNorm`` signature).
-      max_pool: the stem's max pool (``nn.max_pool`` signature).
+      max_pool: the stem's max pool (``nn.max_pool`` signature; default ``estimax.ops.max_pool``).
       bn_momentum: batch-norm moving-average decay. bn_epsilon: batch-norm epsilon.
       always_project: projection shortcut in the first block of *every* group, as the original.
         ``False`` skips it where the shapes already match (torchvision's ResNet-18/34 layout).
@@ -164,9 +166,9 @@ class ResNet(nn.Module):
     num_classes: int = 1000
     num_filters: int = 64
     dtype: Any = jnp.float32
-    conv: ModuleDef = nn.Conv
+    conv: ModuleDef = ops.FastConv
     norm: ModuleDef = nn.BatchNorm
-    max_pool: PoolFn = nn.max_pool
+    max_pool: PoolFn = ops.max_pool
     bn_momentum: float = BATCH_NORM_DECAY
     bn_epsilon: float = BATCH_NORM_EPSILON
     always_project: bool = True

@@ -18,12 +18,20 @@ from estimax.ops.cpu_runtime import restore_cpu_allocator
 from estimax.ops.cpu_runtime import tune_cpu_allocator
 
 __all__ = ["FastConv", "conv_general_dilated", "conv_with_strategy", "fast_layers", "max_pool",
-           "restore_cpu_allocator", "tune_cpu_allocator"]
+           "restore_cpu_allocator", "standard_layers", "tune_cpu_allocator"]
 
 # ``nn.Conv`` whose gradients XLA:CPU runs fast; GPU/TPU lower to the standard convolution.
 FastConv = functools.partial(nn.Conv, conv_general_dilated=conv_general_dilated)
 
 
 def fast_layers() -> dict[str, Any]:
-    """The ``conv``/``max_pool`` keyword arguments that plug these ops into estimax's models."""
+    """The ``conv``/``max_pool`` keyword arguments that plug these ops into estimax's models.
+
+    They are the models' defaults; this names them for callers that choose explicitly.
+    """
     return {"conv": FastConv, "max_pool": max_pool}
+
+
+def standard_layers() -> dict[str, Any]:
+    """``conv``/``max_pool`` keyword arguments for Flax's own ``nn.Conv``/``nn.max_pool``."""
+    return {"conv": nn.Conv, "max_pool": nn.max_pool}

@@ -216,8 +216,7 @@ def build_model(cfg: InceptionConfig) -> nn.Module:
     """The network of ``cfg`` (with its auxiliary head) in the compute dtype of ``precision``."""
     kwargs: dict[str, Any] = {"dtype": jnp.bfloat16 if cfg.precision == "bfloat16"
                               else jnp.float32}
-    if cfg.cpu_fast_ops:
-        kwargs.update(ops.fast_layers())
+    kwargs.update(ops.fast_layers() if cfg.cpu_fast_ops else ops.standard_layers())
     return cfg.model(num_classes=cfg.num_classes, **kwargs)
 
 
