@@ -6,6 +6,8 @@ filter gradient (dw):
 
 * ``jax``       -- ``lax.conv_general_dilated`` and its ``jax.vjp`` under ``jit``;
 * ``ops:*``     -- the matmul formulations of ``estimax.ops.cpu_conv``;
+* ``onednn *``  -- estimax's oneDNN kernels through XLA's FFI (``estimax.ops.native``,
+                   built by ``make native``), NaN when the library is not built;
 * ``torch``     -- ``torch.ops.aten.convolution[_backward]`` (oneDNN, channels_last),
                    run by ``bench/.venv-torch/bin/python`` in a subprocess so PyTorch
                    never enters estimax's environment.
@@ -156,7 +158,7 @@ def run_jax(layers, pools, dtype: str, reps: int) -> dict[str, dict[str, float]]
   import numpy as np
 
   from estimax import ops
-  from estimax.ops import cpu_conv
+  from estimax.ops import cpu_conv, native
 
   dt = jnp.dtype(dtype)
   rng = np.random.default_rng(0)
@@ -193,6 +195,16 @@ def run_jax(layers, pools, dtype: str, reps: int) -> dict[str, dict[str, float]]
       f = fn()
       args = (x, wt) if "fwd" in label else (x, wt, g)
       res[label] = _time(lambda f=f, args=args: block(f(*args)), reps)
+    onednn = spec._replace(fwd="onednn", dx="onednn", dw="onednn")
+    for label, fn, args in (
+        ("onednn fwd", functools.partial(cpu_conv._onednn_fwd, onednn), (x, wt)),
+        ("onednn dx", functools.partial(cpu_conv._onednn_dx, onednn), (x, wt, g)),
+        ("onednn dw", functools.partial(cpu_conv._onednn_dw, onednn), (x, wt, g))):
+      if native.available():
+        f = jax.jit(fn)
+        res[label] = _time(lambda f=f, args=args: block(f(*args)), reps)
+      else:
+        res[label] = float("nan")
     out[name] = res
   for pool in pools:
     name, _, _, b, h, w, c, k, s, padding = pool
@@ -222,7 +234,8 @@ def _markdown(result: dict[str, Any]) -> str:
            "GF/s = GFLOP/s of that column. `best ops` picks the fastest of the "
            "estimax strategies (XLA kept where it wins).", ""]
   hdr = ("| layer | n | GFLOP | torch fwd | torch dx | torch dw | jax fwd | jax dx | jax dw "
-         "| ops fwd im2col | ops dx matmul | ops dw im2col | ops dw offsets | ops dw im2col_t |")
+         "| ops fwd im2col | ops dx matmul | ops dw im2col | ops dw offsets | ops dw im2col_t "
+         "| onednn fwd | onednn dx | onednn dw |")
   lines += [hdr, "|" + "---|" * (hdr.count("|") - 1)]
   totals: dict[str, dict[str, float]] = {}
   for layer in LAYERS:
@@ -235,6 +248,8 @@ def _markdown(result: dict[str, Any]) -> str:
     cells += [f"{j[k]:.1f} ({gf / j[k] * 1e3:.0f} GF/s)" for k in ("jax fwd", "jax dx", "jax dw")]
     cells += [f"{j[k]:.1f}" for k in ("ops fwd im2col", "ops dx matmul", "ops dw im2col",
                                      "ops dw offsets", "ops dw im2col_t")]
+    cells += [f"{j.get(k, float('nan')):.1f} ({gf / j.get(k, float('nan')) * 1e3:.0f} GF/s)"
+              for k in ("onednn fwd", "onednn dx", "onednn dw")]
     lines.append(f"| {name} | {count} | {gf:.2f} | " + " | ".join(cells) + " |")
     tot = totals.setdefault(model, {})
     best = {
@@ -242,20 +257,25 @@ def _markdown(result: dict[str, Any]) -> str:
         "dx": min(j["jax dx"], j["ops dx matmul"]),
         "dw": min(j["jax dw"], j["ops dw im2col"], j["ops dw offsets"], j["ops dw im2col_t"]),
     }
+    nan = float("nan")
     for key, val in (("torch fwd", t.get("fwd", 0)), ("torch dx", t.get("dx", 0)),
                      ("torch dw", t.get("dw", 0)), ("jax fwd", j["jax fwd"]),
                      ("jax dx", j["jax dx"]), ("jax dw", j["jax dw"]),
                      ("ops dx matmul", j["ops dx matmul"]), ("ops dw im2col", j["ops dw im2col"]),
                      ("ops dw im2col_t", j["ops dw im2col_t"]),
-                     ("best fwd", best["fwd"]), ("best dx", best["dx"]), ("best dw", best["dw"])):
+                     ("best fwd", best["fwd"]), ("best dx", best["dx"]), ("best dw", best["dw"]),
+                     ("onednn fwd", j.get("onednn fwd", nan)), ("onednn dx", j.get("onednn dx", nan)),
+                     ("onednn dw", j.get("onednn dw", nan))):
       tot[key] = tot.get(key, 0.0) + count * val
   lines += ["", "## Count-weighted totals over all convolutions of each model (ms per step)", "",
             "| model | torch fwd | torch dx | torch dw | jax fwd | jax dx | jax dw "
-            "| ops dx matmul | ops dw im2col | ops dw im2col_t | best fwd | best dx | best dw |",
-            "|---|" + "---|" * 12]
+            "| ops dx matmul | ops dw im2col | ops dw im2col_t | best fwd | best dx | best dw "
+            "| onednn fwd | onednn dx | onednn dw |",
+            "|---|" + "---|" * 15]
   for model, tot in totals.items():
     keys = ("torch fwd", "torch dx", "torch dw", "jax fwd", "jax dx", "jax dw",
-            "ops dx matmul", "ops dw im2col", "ops dw im2col_t", "best fwd", "best dx", "best dw")
+            "ops dx matmul", "ops dw im2col", "ops dw im2col_t", "best fwd", "best dx", "best dw",
+            "onednn fwd", "onednn dx", "onednn dw")
     lines.append(f"| {model} | " + " | ".join(f"{tot[k]:.0f}" for k in keys) + " |")
   lines += ["", "## Max-pool (ms)", "", "| pool | torch fwd | torch bwd | jax fwd | jax bwd "
             "| ops bwd |", "|---|---|---|---|---|---|"]
