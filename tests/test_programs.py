@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from absl import app, flags
+from absl import flags
 
 import estimax as ex
 from estimax.estimator import estimator as estimator_lib
@@ -241,6 +241,8 @@ class _Oracle(nn.Module):
 
     num_classes: int = 1001
     dtype: object = jnp.float32
+    conv: object = None  # the models' layer arguments, which build_model always passes
+    max_pool: object = None
 
     @nn.compact
     def __call__(self, x, train):
@@ -311,18 +313,38 @@ def _run_seed_line(command: str, model_dir: str, monkeypatch, extra: tuple[str, 
     return fv, inception_v3.run_from_flags(fv, dataclasses.replace(variant, model=tiny))
 
 
+def _record_bigtable_sources(monkeypatch) -> list[str]:
+    """Records ``project/instance/table/prefix`` of every Bigtable source the input opens."""
+    from estimax.data import bigtable
+
+    opened: list[str] = []
+    source = bigtable.BigtableTable.source
+
+    def spy(self, is_training):
+        s = source(self, is_training)
+        opened.append(f"{s.project}/{s.instance}/{s.table}/{s.prefix}")
+        return s
+
+    monkeypatch.setattr(bigtable.BigtableTable, "source", spy)
+    return opened
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("seed,command", seed_command_lines.SEED_COMMANDS,
                          ids=[f"{s}-{i}" for i, (s, _) in enumerate(
                              seed_command_lines.SEED_COMMANDS)])
-def test_seed_command_line_runs(seed, command, tmp_path, monkeypatch):
+def test_seed_command_line_runs(seed, command, tmp_path, monkeypatch, request):
     model_dir = str(tmp_path / "model")
-    if "--bigtable_instance" in command:
-        # Cannot run as written: estimax has no Bigtable reader. It must say so, not crash.
-        with pytest.raises(app.UsageError, match="no Cloud Bigtable input"):
-            _run_seed_line(command, model_dir, monkeypatch)
-        return
+    if seed_command_lines.uses_bigtable(command):
+        # The ResNet README's Bigtable line reads the emulator's table, filled with fake records.
+        request.getfixturevalue("bigtable_emulator")
+        seed_command_lines.load_bigtable(str(tmp_path))
+    sources = _record_bigtable_sources(monkeypatch)
     fv, results = _run_seed_line(command, model_dir, monkeypatch)
+    # The Bigtable line read both splits from the table, the others never touched Bigtable.
+    assert set(sources) == ({"my-project/my-instance/imagenet/train_",
+                             "my-project/my-instance/imagenet/validation_"}
+                            if seed_command_lines.uses_bigtable(command) else set())
     metrics = ("top_1_accuracy", "top_5_accuracy") if "resnet" in command else (
         "accuracy", "accuracy@5")
     assert results["global_step"] == 2

@@ -2,7 +2,8 @@
 
 The names below are the public API. The image stack (``preprocessing``, ``jpeg``: simplejpeg,
 OpenCV) and ``imagenet`` are imported explicitly (``from estimax.data import imagenet``) so that
-a converter that only writes TFRecords does not load it.
+a converter that only writes TFRecords does not load it; so is ``bigtable`` (Cloud Bigtable rows
+as a record source), which loads the Bigtable client only when a table is read.
 """
 
 from estimax.data.example import (FixedLenFeature, VarLenFeature, decode_example, encode_example,

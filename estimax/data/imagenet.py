@@ -4,7 +4,8 @@ The files are the original's (ORIGINAL_SYSTEM.md §5, §8): ``train-00000-of-010
 ``validation-00127-of-00128`` in ``data_dir`` (any fsspec path), TFRecords of tf.Example with the
 fields below. Labels in the files are **1-based** (1..1000, the converter's
 ``{synset: k + 1}``); :func:`label_from_example` subtracts 1, the only place that does, so the
-model sees ``[0, 1000)``.
+model sees ``[0, 1000)``. The same records can come from the rows of a Cloud Bigtable table
+instead (``bigtable=``, :mod:`estimax.data.bigtable`).
 
 The contract with the Estimator::
 
@@ -28,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from estimax.data import bigtable as bigtable_lib
 from estimax.data import example as ex
 from estimax.data import fake, loader, tfrecord
 
@@ -163,6 +165,23 @@ class ImageNetTransform:
         return image, label
 
 
+def _tfrecord_source(data_dir: str, is_training: bool, shard_by: str, host_index: int,
+                     num_hosts: int, verify_crc: bool, skip_bad_records: bool
+                     ) -> tuple[loader.TFRecordSource, np.ndarray | None]:
+    """This host's TFRecord source and record ids (None: all of the source's records)."""
+    files = tfrecord.list_files(file_pattern(data_dir, is_training))
+    if shard_by == "file" and len(files) >= num_hosts:
+        files = loader.host_shard(files, host_index, num_hosts)
+        return loader.TFRecordSource(files, verify_crc=verify_crc,
+                                     skip_bad_records=skip_bad_records), None
+    if shard_by == "file":
+        log.warning("%d files for %d hosts: sharding by record instead of by file",
+                    len(files), num_hosts)
+    source = loader.TFRecordSource(files, verify_crc=verify_crc,
+                                   skip_bad_records=skip_bad_records)
+    return source, loader.host_shard(np.arange(len(source)), host_index, num_hosts)
+
+
 def _host(params: dict[str, Any]) -> tuple[int, int]:
     context = params.get("context")
     return (int(getattr(context, "host_index", 0) or 0),
@@ -188,6 +207,7 @@ def input_fn(
     use_annotated_bbox: bool = False,
     shard_by: str = "file",
     verify_crc: bool = True,
+    bigtable: bigtable_lib.BigtableTable | None = None,
 ) -> Callable[[dict[str, Any]], loader.Loader | fake.FakeImages]:
     """The ImageNet ``input_fn`` of the original, for the Estimator.
 
@@ -217,6 +237,9 @@ def input_fn(
         files (equal counts when there are fewer files than hosts, or for eval). ``'file'`` falls
         back to ``'record'`` when there are fewer files than hosts.
       verify_crc: check record CRCs.
+      bigtable: read the tf.Examples from the rows of a Cloud Bigtable table instead of
+        ``data_dir`` (the original's ``--bigtable_*`` flags): ``train_prefix`` rows for training,
+        ``eval_prefix`` rows for eval, in row-key order. Hosts shard by record.
 
     Returns:
       ``input_fn(params)``: ``params["batch_size"]`` is the per-host batch, ``params["context"]``
@@ -235,25 +258,20 @@ def input_fn(
     def fn(params: dict[str, Any]) -> loader.Loader | fake.FakeImages:
         batch_size = int(params["batch_size"])
         host_index, num_hosts = _host(params)
-        if use_fake_data or is_fake_data_dir(data_dir):
+        if bigtable is None and (use_fake_data or is_fake_data_dir(data_dir)):
             dtype = np.float32 if preprocessing == "inception" else np.uint8
             return fake.FakeImages(batch_size, image_size, kind=fake_data, dtype=dtype,
                                    num_examples=None if is_training else fake_eval_examples,
                                    num_classes=num_classes, seed=seed + host_index)
-        assert data_dir is not None
-        files = tfrecord.list_files(file_pattern(data_dir, is_training))
-        record_ids = None
-        if shard_by == "file" and len(files) >= num_hosts:
-            files = loader.host_shard(files, host_index, num_hosts)
-            source = loader.TFRecordSource(files, verify_crc=verify_crc,
-                                           skip_bad_records=skip_bad_records)
-        else:
-            if shard_by == "file":
-                log.warning("%d files for %d hosts: sharding by record instead of by file",
-                            len(files), num_hosts)
-            source = loader.TFRecordSource(files, verify_crc=verify_crc,
-                                           skip_bad_records=skip_bad_records)
+        source: loader.RecordSource
+        if bigtable is not None:
+            # Rows are not files: every host lists the keys and reads every num_hosts-th row.
+            source = bigtable.source(is_training)
             record_ids = loader.host_shard(np.arange(len(source)), host_index, num_hosts)
+        else:
+            assert data_dir is not None
+            source, record_ids = _tfrecord_source(data_dir, is_training, shard_by, host_index,
+                                                  num_hosts, verify_crc, skip_bad_records)
         transform = ImageNetTransform(
             preprocess=preprocess or _preprocess_fn(str(preprocessing)),
             is_training=is_training, image_size=image_size, num_classes=num_classes,

@@ -56,6 +56,7 @@ __all__ = [
     "BadRecordError",
     "Loader",
     "LoaderIterator",
+    "SourceError",
     "TFRecordSource",
     "host_shard",
 ]
@@ -74,8 +75,18 @@ class BadRecordError(ValueError):
         self.problem = problem
 
 
+class SourceError(RuntimeError):
+    """The source as a whole cannot be read (e.g. a database that does not answer): not a bad
+    record, so it stops the loader even with ``skip_bad_records``."""
+
+
 class RecordSource(Protocol):
-    """Random access to records: what the :class:`Loader` reads from."""
+    """Random access to records: what the :class:`Loader` reads from.
+
+    A source may also have ``read_many(ids) -> list[bytes | Exception]``: the records of one
+    chunk in one request (a record that cannot be read is its exception). The loader then uses it
+    instead of one ``source[i]`` per record (``estimax.data.bigtable``: one request per chunk).
+    """
 
     def __len__(self) -> int: ...
 
@@ -194,14 +205,26 @@ def _run_chunk(epoch: int, record_ids: list[int], source: RecordSource | None = 
     if source is None:
         source, transform, seed = _WORKER["source"], _WORKER["transform"], _WORKER["seed"]
     out: list[Any] = []
-    for rid in record_ids:
+    read_many = getattr(source, "read_many", None)
+    # A SourceError from read_many propagates: the whole source is unreadable, not a record.
+    records = read_many(record_ids) if read_many is not None else None
+    for k, rid in enumerate(record_ids):
         try:
-            record = source[rid]
+            if records is None:
+                record = source[rid]
+            elif isinstance(records[k], Exception):
+                raise records[k]
+            else:
+                record = records[k]
             rng = np.random.default_rng([seed, epoch, rid])
             out.append(transform(record, rng))
         except tfrecord.CorruptRecordError as e:
             out.append(_BadElement(rid, f"{e.path}: record at byte offset {e.offset}",
                                    e.problem))
+        except SourceError:
+            raise
+        except BadRecordError as e:
+            out.append(_BadElement(rid, e.where, e.problem))
         except Exception as e:  # noqa: BLE001 - any transform failure is a bad record
             out.append(_BadElement(rid, source.describe(rid), f"{type(e).__name__}: {e}"))
     return out

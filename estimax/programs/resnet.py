@@ -8,7 +8,9 @@ softmax cross-entropy with label smoothing, weight decay on every weight but bat
 with Nesterov momentum, linear warm-up and step decay scaled by batch/256, metrics
 ``top_1_accuracy``/``top_5_accuracy``, ``learning_rate`` and ``current_epoch`` in TensorBoard.
 ``--data_dir`` defaults to the original's public fake ImageNet, which is not reachable here: it
-means local fake data. TPU-only flags are accepted (see ``estimax.programs.common``).
+means local fake data. With ``--bigtable_instance`` the tf.Examples come from the rows of a Cloud
+Bigtable table instead (``--bigtable_*`` flags, ``estimax.data.bigtable``). TPU-only flags are
+accepted (see ``estimax.programs.common``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from absl import app, flags, logging
 
 import estimax as ex
 from estimax import ops
-from estimax.data import imagenet, preprocessing
+from estimax.data import bigtable, imagenet, preprocessing
 from estimax.estimator import schedules
 from estimax.models.resnet import RESNET_DEPTHS, resnet_v1
 from estimax.programs import common, logs
@@ -43,7 +45,8 @@ def define_flags(fv: flags.FlagValues) -> None:
                        "Directory of the ImageNet TFRecords (train-* and validation-*), local or "
                        "gs://. The default, the original's public fake ImageNet bucket, cannot be "
                        "reached from estimax's machines: it means local random fake data. "
-                       "'' or 'null': zero images with label 0 (the original's null input).")
+                       "'' or 'null': zero images with label 0 (the original's null input). Not "
+                       "used with --bigtable_instance.")
     f["DEFINE_string"]("model_dir", None, "Directory for checkpoints and TensorBoard summaries.")
     f["DEFINE_integer"]("resnet_depth", 50, "Depth of ResNet: one of 18, 34, 50, 101, 152, 200.")
     f["DEFINE_enum"]("mode", "train_and_eval", list(common.MODES),
@@ -98,14 +101,28 @@ def define_flags(fv: flags.FlagValues) -> None:
                      "asynchronous (Orbax); accepted for compatibility.")
     f["DEFINE_integer"]("image_size", 224, "Side of the square images the network sees.")
     f["DEFINE_integer"]("profile_every_n_steps", 0, f"{common.UNUSED_HELP}: use jax.profiler.")
+    bigtable_help = {
+        "bigtable_project": "Cloud Bigtable input: the table's Google Cloud project (default: "
+                            "the credentials' project, or the emulator's when "
+                            "BIGTABLE_EMULATOR_HOST is set).",
+        "bigtable_instance": "Cloud Bigtable input: read the tf.Examples from the rows of "
+                             "--bigtable_table in this instance instead of --data_dir (one "
+                             "serialized tf.Example per row; load a table with `estimax-convert "
+                             "to-bigtable`).",
+        "bigtable_table": "Cloud Bigtable input: the table.",
+        "bigtable_train_prefix": "Cloud Bigtable input: row key prefix of the training rows "
+                                 "(keys <prefix><10-digit index>, e.g. train_0000003892).",
+        "bigtable_eval_prefix": "Cloud Bigtable input: row key prefix of the evaluation rows.",
+        "bigtable_column_family": "Cloud Bigtable input: column family of the tf.Example cell.",
+        "bigtable_column_qualifier": "Cloud Bigtable input: column qualifier of the tf.Example "
+                                     "cell.",
+    }
     for name, default in (("bigtable_project", None), ("bigtable_instance", None),
                           ("bigtable_table", "imagenet"), ("bigtable_train_prefix", "train_"),
                           ("bigtable_eval_prefix", "validation_"),
                           ("bigtable_column_family", "tfexample"),
                           ("bigtable_column_qualifier", "example")):
-        f["DEFINE_string"](name, default, "Cloud Bigtable input (the original's "
-                           f"--{name}). estimax has no Bigtable reader yet: with "
-                           "--bigtable_instance the program stops and says so.")
+        f["DEFINE_string"](name, default, bigtable_help[name])
     # estimax additions.
     f["DEFINE_integer"]("save_checkpoints_steps", None, "Checkpoint every N steps (default: "
                         "max(100, iterations_per_loop), as the original).")
@@ -135,8 +152,7 @@ def build_model(cfg: ResNetConfig) -> nn.Module:
     """The network of ``cfg``: ResNet v1 of ``resnet_depth`` in the compute dtype of ``precision``."""
     kwargs: dict[str, Any] = {"dtype": jnp.bfloat16 if cfg.precision == "bfloat16"
                               else jnp.float32}
-    if cfg.cpu_fast_ops:
-        kwargs.update(ops.fast_layers())
+    kwargs.update(ops.fast_layers() if cfg.cpu_fast_ops else ops.standard_layers())
     return resnet_v1(cfg.resnet_depth, cfg.num_label_classes, **kwargs)
 
 
@@ -185,22 +201,29 @@ def make_model_fn(cfg: ResNetConfig):
     return model_fn
 
 
+def bigtable_table(fv: flags.FlagValues) -> bigtable.BigtableTable:
+    """The ``--bigtable_*`` flags as the input's table spec."""
+    return bigtable.BigtableTable(
+        project=fv.bigtable_project, instance=fv.bigtable_instance, table=fv.bigtable_table,
+        train_prefix=fv.bigtable_train_prefix, eval_prefix=fv.bigtable_eval_prefix,
+        column_family=fv.bigtable_column_family, column_qualifier=fv.bigtable_column_qualifier)
+
+
 def main(argv: list[str]) -> None:
     """The program: ``run_from_flags(flags.FLAGS)``."""
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    run_from_flags(flags.FLAGS)
+    try:
+        run_from_flags(flags.FLAGS)
+    except bigtable.BigtableError as e:
+        # A table that cannot be read is a setup problem: its message, without a traceback.
+        sys.exit(f"FATAL: Cloud Bigtable input: {e}")
 
 
 def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
     """Flags -> config -> Estimator -> the mode loop. Returns the last eval results, if any."""
     logs.setup()
     common.log_unused_tpu_flags(fv)
-    if fv.bigtable_instance:
-        raise app.UsageError(
-            f"--bigtable_instance={fv.bigtable_instance}: estimax has no Cloud Bigtable input "
-            "yet. Export the table's tf.Examples to TFRecord files (train-*, validation-*) and "
-            "pass --data_dir instead.")
     if fv.enable_lars and fv.train_batch_size >= 16384:
         raise app.UsageError(
             f"--enable_lars with --train_batch_size={fv.train_batch_size}: LARS is not "
@@ -224,11 +247,17 @@ def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
     est = ex.Estimator(make_model_fn(cfg), config, train_batch_size=fv.train_batch_size,
                        eval_batch_size=fv.eval_batch_size,
                        predict_batch_size=fv.eval_batch_size)
-    data_dir, fake_kind = common.resolve_data_dir(fv.data_dir)
     inputs = functools.partial(
-        imagenet.input_fn, data_dir, image_size=fv.image_size, preprocessing="resnet",
-        num_parallel_calls=fv.num_parallel_calls, fake_data=fake_kind,
-        fake_eval_examples=fv.num_eval_images, num_classes=fv.num_label_classes)
+        imagenet.input_fn, image_size=fv.image_size, preprocessing="resnet",
+        num_parallel_calls=fv.num_parallel_calls, fake_eval_examples=fv.num_eval_images,
+        num_classes=fv.num_label_classes)
+    if fv.bigtable_instance:
+        logging.info("Reading the tf.Examples from Cloud Bigtable (--bigtable_instance); "
+                     "--data_dir is not used")
+        inputs = functools.partial(inputs, None, bigtable=bigtable_table(fv))
+    else:
+        data_dir, fake_kind = common.resolve_data_dir(fv.data_dir)
+        inputs = functools.partial(inputs, data_dir, fake_data=fake_kind)
     loop = common.LoopConfig(
         mode=fv.mode, train_steps=fv.train_steps, steps_per_eval=fv.steps_per_eval,
         eval_steps=-(-fv.num_eval_images // fv.eval_batch_size), eval_timeout=fv.eval_timeout,

@@ -8,6 +8,8 @@ Subcommands::
         --output_dir=...
     estimax-convert fake-imagenet --train_examples=10240 --output_dir=/tmp/fake_imagenet
     estimax-convert verify --output_dir=gs://bucket/imagenet [--decode]
+    estimax-convert to-bigtable --data_dir=gs://bucket/imagenet --bigtable_project=P \\
+        --bigtable_instance=I --bigtable_table=imagenet
 
 Conversion subcommands run on all cores (``--runner=local``, the default) or as an Apache Beam
 pipeline (``--runner=DirectRunner|DataflowRunner|FlinkRunner|SparkRunner``; further arguments go
@@ -15,6 +17,8 @@ to Beam, e.g. ``--project --region --temp_location``). They resume an interrupte
 ``--output_dir`` and write ``manifest.json``, which ``verify`` checks. The library behind it:
 ``convert_sources`` (inputs -> labelled lists), ``convert_images`` (image -> tf.Example),
 ``convert_shards`` (shards, manifest, resume, verify), ``convert_beam``, ``fake_imagenet``.
+``to-bigtable`` copies finished shards into Cloud Bigtable rows (``tfrecords_to_bigtable``), the
+layout ``resnet --bigtable_instance=...`` reads.
 
 Flags keep the original tools' names where they had one (``--raw_data_dir``,
 ``--gcs_output_path`` as an alias of ``--output_dir``, ``--train_csv``, ``--labels_file``).
@@ -105,7 +109,56 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", action="store_true",
                    help="also decode every image and compare its size with the record's")
     p.add_argument("--num_workers", type=int, default=None)
+
+    p = sub.add_parser("to-bigtable", help="train-*/validation-* shards -> Cloud Bigtable rows "
+                       "train_0000000000... (one tf.Example per row), for --bigtable_* input")
+    p.add_argument("--data_dir", "--output_dir", dest="data_dir", required=True,
+                   help="directory with the train-* and validation-* TFRecord shards")
+    p.add_argument("--bigtable_project", default=None,
+                   help="Google Cloud project (default: the credentials' project, or the "
+                        "emulator's with BIGTABLE_EMULATOR_HOST)")
+    p.add_argument("--bigtable_instance", required=True, help="Cloud Bigtable instance (must exist)")
+    p.add_argument("--bigtable_table", default="imagenet",
+                   help="table, created with the column family if absent (default %(default)s)")
+    p.add_argument("--bigtable_train_prefix", "--train_prefix", dest="train_prefix",
+                   default="train_", help="row key prefix of training rows (default %(default)s)")
+    p.add_argument("--bigtable_eval_prefix", "--eval_prefix", dest="eval_prefix",
+                   default="validation_",
+                   help="row key prefix of validation rows (default %(default)s)")
+    p.add_argument("--bigtable_column_family", "--column_family", dest="column_family",
+                   default="tfexample", help="column family (default %(default)s)")
+    p.add_argument("--bigtable_column_qualifier", "--column_qualifier", dest="column_qualifier",
+                   default="example", help="column qualifier (default %(default)s)")
+    p.add_argument("--splits", default="train,validation",
+                   help="comma-separated splits to copy (default %(default)s)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="delete rows already under a prefix and copy again (default: refuse)")
     return parser
+
+
+def _to_bigtable(args: argparse.Namespace) -> int:
+    from estimax.data import bigtable
+    from estimax.tools import tfrecords_to_bigtable
+
+    splits = [s for s in args.splits.split(",") if s]
+    unknown = sorted(set(splits) - {"train", "validation"})
+    if unknown:
+        print(f"estimax-convert to-bigtable: error: unknown splits {unknown} (train, validation)",
+              file=sys.stderr)
+        return 2
+    try:
+        written = tfrecords_to_bigtable.tfrecords_to_bigtable(
+            args.data_dir, args.bigtable_project, args.bigtable_instance, args.bigtable_table,
+            train_prefix=args.train_prefix, eval_prefix=args.eval_prefix,
+            column_family=args.column_family, column_qualifier=args.column_qualifier,
+            overwrite=args.overwrite, splits=splits)
+    except (bigtable.BigtableError, FileNotFoundError, ImportError) as e:
+        print(f"estimax-convert to-bigtable: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {written} rows to "
+          f"{bigtable.table_path(args.bigtable_project, args.bigtable_instance, args.bigtable_table)}"
+          f" ({args.column_family}:{args.column_qualifier})")
+    return 0
 
 
 def _dataset(args: argparse.Namespace) -> tuple[convert_sources.Dataset, dict]:
@@ -133,12 +186,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and (args.command == "verify" or args.runner == "local"):
+    if extra and (args.command in ("verify", "to-bigtable") or args.runner == "local"):
         parser.error(f"unrecognized arguments: {' '.join(extra)} (only Beam runners take "
                      "extra pipeline options)")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     # Beam logs every worker's start and stop at INFO; keep our progress readable.
     logging.getLogger("apache_beam").setLevel(logging.WARNING)
+    if args.command == "to-bigtable":
+        return _to_bigtable(args)
     try:
         if args.command == "verify":
             problems = convert_shards.verify(args.output_dir, args.decode, args.num_workers)
