@@ -15,6 +15,8 @@ JAX variants (a variant name is ``jax`` plus optional ``+ops`` / ``+malloc``):
   ``jax``             -- plain ``nn.Conv`` / ``nn.max_pool`` (XLA:CPU's own gradients);
   ``+ops``            -- the same model built with ``estimax.ops.conv_general_dilated``
                          and ``estimax.ops.max_pool``;
+  ``+xla``            -- with ``+ops``: estimax.ops without its oneDNN kernels (the pure-XLA
+                         formulations, as where ``estimax.ops.native`` is not built);
   ``+malloc``         -- ``estimax.ops.tune_cpu_allocator()`` is in effect while timing
                          (toggled per variant inside the one process; the others run
                          with ``restore_cpu_allocator()``, glibc's steady-state default).
@@ -173,11 +175,12 @@ class JaxRunner:
     from jax import lax
 
     from estimax import ops
+    from estimax.ops import native
 
     parts = variant.split("+")
-    if parts[0] != "jax" or not set(parts[1:]) <= {"ops", "malloc"}:
+    if parts[0] != "jax" or not set(parts[1:]) <= {"ops", "malloc", "xla"}:
       raise ValueError(f"train_cpu.py: --variants entry {variant!r} unknown; expected jax, "
-                       "jax+ops, jax+malloc, jax+ops+malloc or torch")
+                       "jax+ops, jax+malloc, jax+ops+malloc, jax+ops+malloc+xla or torch")
     self.tuned_malloc = "malloc" in parts
     conv_fn = ops.conv_general_dilated if "ops" in parts else lax.conv_general_dilated
     pool_fn = ops.max_pool if "ops" in parts else nn.max_pool
@@ -213,7 +216,8 @@ class JaxRunner:
 
     self.step = jax.jit(train_step, donate_argnums=(0,))
     t0 = time.perf_counter()
-    self.state, loss = self.step(self.state, self.x, self.y)
+    with native.native_kernels("xla" not in parts):  # traced (and compiled) here
+      self.state, loss = self.step(self.state, self.x, self.y)
     jax.block_until_ready(loss)
     self.compile_s = time.perf_counter() - t0
 
@@ -248,6 +252,7 @@ class EstimatorRunner:
 
     import estimax as ex
     from estimax import ops
+    from estimax.ops import native
 
     parts = variant.split("+")
     self.tuned_malloc = "malloc" in parts
@@ -277,7 +282,8 @@ class EstimatorRunner:
                           log_step_count_steps=10**6, save_summary_steps=10**6)
     self.est = ex.Estimator(model_fn, config, train_batch_size=self.batch)
     t0 = time.perf_counter()
-    self.est.train(input_fn, max_steps=1)
+    with native.native_kernels("xla" not in parts):  # traced (and compiled) here
+      self.est.train(input_fn, max_steps=1)
     self.compile_s = time.perf_counter() - t0
 
   def images_per_sec(self, steps: int) -> float:
@@ -319,7 +325,7 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--models", default="mnist,resnet50")
   parser.add_argument("--dtypes", default="float32,bfloat16")
-  parser.add_argument("--variants", default="jax,jax+malloc,jax+ops+malloc,torch")
+  parser.add_argument("--variants", default="jax,jax+ops+malloc+xla,jax+ops+malloc,torch")
   parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds for MNIST")
   parser.add_argument("--resnet_rounds", type=int, default=2,
                       help="interleaved rounds for ResNet-50 (few: the CPU is shared)")
@@ -329,6 +335,7 @@ def main() -> None:
   parser.add_argument("--out", default=os.path.join(HERE, "results", "train_cpu.json"))
   parser.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args()
+  load_start = os.getloadavg()[0]
   if args.torch_worker:
     torch_worker()
     return
@@ -376,9 +383,13 @@ def main() -> None:
     worker.stdin.close()  # type: ignore[union-attr]
     worker.wait()
   median = {k: {v: statistics.median(x) for v, x in d.items()} for k, d in rounds.items()}
+  from estimax.ops import native  # noqa: PLC0415 - not in the PyTorch worker's environment
+
   res = {
-      "note": (f"{os.cpu_count()} CPU cores (Sapphire Rapids, AVX-512 + AMX-bf16), shared with "
-               f"other agents while measured; harness={args.harness}; {args.rounds} (MNIST) / "
+      "note": (f"{os.cpu_count()} CPU cores (Sapphire Rapids, AVX-512 + AMX-bf16); 1-minute load "
+               f"average {load_start:.2f} at the start, {os.getloadavg()[0]:.2f} at the end (above "
+               f"~1.2, other processes shared the cores); CPU convolutions: {native.status()}; "
+               f"harness={args.harness}; {args.rounds} (MNIST) / "
                f"{args.resnet_rounds} (ResNet-50) interleaved rounds of {args.mnist_steps} / "
                f"{args.resnet_steps} steps; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}."),
       "median": median, "rounds": rounds, "compile_s": compile_s,

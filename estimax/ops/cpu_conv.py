@@ -84,11 +84,10 @@ def _default_strategy(kh: int, kw: int, cin: int, cout: int, strides: tuple[int,
     (MNIST's first layer: Cin*KH*KW = 25).
   """
   if onednn and dtype in (jnp.bfloat16, jnp.float32):
-    # oneDNN (estimax.ops.native), measured per layer against the rules below: 1.3-5x faster
-    # than XLA in fp32 for every k x k layer, and 5-30x in bf16 (AMX). fp32 1x1 layers stay
-    # plain dots, which XLA runs as fast.
-    if not (kh == 1 and kw == 1 and dtype == jnp.float32):
-      return ("onednn", "onednn", "onednn")
+    # oneDNN (estimax.ops.native), measured per layer (bench/results/conv_cpu.md) against the
+    # rules below: 200-370 GFLOP/s fp32 in all three directions, where XLA's convolutions
+    # reach 11-250 and the 1x1-as-dot formulations 60-250; bf16 runs on AMX.
+    return ("onednn", "onednn", "onednn")
   if kh == 1 and kw == 1:
     return ("im2col", "matmul", "im2col")
   strided = max(strides) > 1

@@ -95,6 +95,11 @@ def build(output: Path | None = None, verbose: bool = False) -> Path:
                         "(Debian/Ubuntu: apt-get install libdnnl-dev).")
             raise RuntimeError(f"estimax.ops.native build failed:\n{proc.stderr.strip()}{hint}")
         os.replace(tmp, target)  # atomic: a concurrent loader never sees half a library
+        if output is None:
+            # Builds of older sources are never loaded again (the name carries the hash).
+            for old in target.parent.glob("libestimax_onednn_*.so"):
+                if old != target:
+                    old.unlink(missing_ok=True)
         return target
     raise RuntimeError(f"estimax.ops.native build: no writable output directory ({last_error}).")
 
