@@ -387,8 +387,9 @@ def main() -> None:
 
   res = {
       "note": (f"{os.cpu_count()} CPU cores (Sapphire Rapids, AVX-512 + AMX-bf16); 1-minute load "
-               f"average {load_start:.2f} at the start, {os.getloadavg()[0]:.2f} at the end (above "
-               f"~1.2, other processes shared the cores); CPU convolutions: {native.status()}; "
+               f"average {load_start:.2f} at the start, {os.getloadavg()[0]:.2f} at the end (the "
+               f"benchmark alone keeps it near 2; well above that, other processes shared the "
+               f"cores); CPU convolutions: {native.status()}; "
                f"harness={args.harness}; {args.rounds} (MNIST) / "
                f"{args.resnet_rounds} (ResNet-50) interleaved rounds of {args.mnist_steps} / "
                f"{args.resnet_steps} steps; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}."),
