@@ -7,12 +7,12 @@ for a plain fp32 matmul on the same cores), and it lowers max-pool's backward to
 ``bench/results/conv_cpu.md``). None of XLA's CPU flags (oneDNN, XNNPACK, YNNPACK) change
 that in jaxlib 0.10.
 
-Where estimax's oneDNN library is built (``estimax.ops.native``), the CPU lowering calls
-oneDNN's convolutions (forward, input and filter gradients, fp32 and bf16 on AMX) through
-XLA's FFI: the kernels PyTorch uses on CPUs. Otherwise, or with ``ESTIMAX_ONEDNN=0``:
-
-the drop-in here is a ``jax.custom_vjp`` around ``lax.conv_general_dilated`` that,
-*on the CPU backend only*, computes 1x1 convolutions (forward and both gradients)
+The drop-in here is a ``jax.custom_vjp`` around ``lax.conv_general_dilated`` whose
+CPU lowering, where estimax's oneDNN library is built (``estimax.ops.native``), calls
+oneDNN's convolutions (forward, input and filter gradients, fp32 and bf16 on AMX)
+through XLA's FFI: the kernels PyTorch uses on CPUs. Without the library (or with
+``ESTIMAX_ONEDNN=0``) it falls back to pure-XLA formulations: on the CPU backend only,
+it computes 1x1 convolutions (forward and both gradients)
 as dots, and the gradients of larger kernels, where measured faster, as matrix
 products over shifted, strided views of the input (the im2col formulation) plus
 elementwise pads and adds that XLA fuses (``_default_strategy`` has the rules).
@@ -144,8 +144,8 @@ def _normalize(
   pads = tuple((int(lo), int(hi)) for lo, hi in pads)
   if len(strides) != 2 or len(pads) != 2 or any(p < 0 for pair in pads for p in pair):
     return None
-  onednn = native.enabled() and _onednn_pads(lhs.shape, rhs.shape, strides, pads) is not None
-  fwd, dx, dw = _default_strategy(kh, kw, cin, rhs.shape[3], strides, lhs.dtype, onednn)
+  fwd, dx, dw = _default_strategy(kh, kw, cin, rhs.shape[3], strides, lhs.dtype,
+                                  native.enabled())
   return _ConvSpec(strides, pads, precision, fwd, dx, dw)  # type: ignore[arg-type]
 
 
@@ -228,11 +228,8 @@ def conv_with_strategy(lhs: Array, rhs: Array, window_strides: Sequence[int],
     raise ValueError(
         f"conv_with_strategy: unsupported shapes lhs={lhs.shape} {lhs.dtype}, "
         f"rhs={rhs.shape} {rhs.dtype}, padding={padding}")
-  if "onednn" in (fwd, dx, dw):
-    if not native.available():
-      raise ValueError(f"conv_with_strategy: oneDNN requested but {native.status()}")
-    if _onednn_pads(lhs.shape, rhs.shape, spec.strides, spec.pads) is None:
-      raise ValueError(f"conv_with_strategy: oneDNN cannot take padding={padding} here")
+  if "onednn" in (fwd, dx, dw) and not native.available():
+    raise ValueError(f"conv_with_strategy: oneDNN requested but {native.status()}")
   return _conv(lhs, rhs, spec._replace(fwd=fwd, dx=dx, dw=dw))
 
 
@@ -417,26 +414,11 @@ def _in_fp32(fn):
 # oneDNN (estimax.ops.native): native dtype, no fp32 detour (bf16 runs on AMX).
 
 
-def _onednn_pads(x_shape: Sequence[int], w_shape: Sequence[int], strides: tuple[int, int],
-                 pads: tuple[tuple[int, int], ...]) -> tuple[int, int, int, int] | None:
-  """(top, bottom, left, right) pads as oneDNN takes them, or None if it cannot.
-
-  oneDNN sizes outputs as XLA does, ``out = (in + lo + hi - k) // stride + 1``; it only
-  needs the padded input to hold at least one window.
-  """
-  out = []
-  for size, k, (lo, hi) in zip(x_shape[1:3], w_shape[:2], pads):
-    if size + lo + hi < k:
-      return None
-    out += [lo, hi]
-  return tuple(out)  # type: ignore[return-value]
-
-
 def _onednn_call(kind: str, out_shape: Sequence[int], dtype: Any, a: Array, b: Array,
-                 x_shape: Sequence[int], w_shape: Sequence[int], spec: _ConvSpec) -> Array:
-  pads = _onednn_pads(x_shape, w_shape, spec.strides, spec.pads)
-  assert pads is not None, "the onednn strategy is chosen only for pads it can take"
-  pt, pb, pl, pr = (np.int64(p) for p in pads)
+                 spec: _ConvSpec) -> Array:
+  # oneDNN sizes outputs as XLA does, out = (in + lo + hi - k) // stride + 1, so the pads
+  # pass through unchanged.
+  (pt, pb), (pl, pr) = ((np.int64(lo), np.int64(hi)) for lo, hi in spec.pads)
   call = jax.ffi.ffi_call(f"estimax_onednn_conv_{kind}",
                           jax.ShapeDtypeStruct(tuple(out_shape), dtype),
                           vmap_method="sequential")
@@ -455,18 +437,15 @@ def _onednn_fwd(spec: _ConvSpec, x: Array, w: Array) -> Array:
   (sh, sw), ((pt, pb), (pl, pr)) = spec.strides, spec.pads
   ho = _out_size(x.shape[1], kh, sh, pt, pb)
   wo = _out_size(x.shape[2], kw, sw, pl, pr)
-  return _onednn_call("forward", (x.shape[0], ho, wo, cout), x.dtype, x, w, x.shape, w.shape,
-                      spec)
+  return _onednn_call("forward", (x.shape[0], ho, wo, cout), x.dtype, x, w, spec)
 
 
 def _onednn_dx(spec: _ConvSpec, x: Array, w: Array, g: Array) -> Array:
-  return _onednn_call("backward_data", x.shape, x.dtype, g.astype(x.dtype), w, x.shape,
-                      w.shape, spec)
+  return _onednn_call("backward_data", x.shape, x.dtype, g.astype(x.dtype), w, spec)
 
 
 def _onednn_dw(spec: _ConvSpec, x: Array, w: Array, g: Array) -> Array:
-  return _onednn_call("backward_weights", w.shape, w.dtype, x, g.astype(w.dtype), x.shape,
-                      w.shape, spec)
+  return _onednn_call("backward_weights", w.shape, w.dtype, x, g.astype(w.dtype), spec)
 
 
 _cpu_fwd_fp32 = _in_fp32(_cpu_fwd)
