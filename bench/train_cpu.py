@@ -332,7 +332,11 @@ def main() -> None:
   parser.add_argument("--mnist_steps", type=int, default=10)
   parser.add_argument("--resnet_steps", type=int, default=2)
   parser.add_argument("--harness", choices=("bare", "estimator"), default="bare")
-  parser.add_argument("--out", default=os.path.join(HERE, "results", "train_cpu.json"))
+  # The ISA cap is part of the result's name: oneDNN (estimax's and PyTorch's alike) reads
+  # ONEDNN_MAX_CPU_ISA, so one machine can measure what an AVX2-only CPU gets.
+  isa_cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+  default_out = "train_cpu" + (f"_isa_{isa_cap.lower()}" if isa_cap else "") + ".json"
+  parser.add_argument("--out", default=os.path.join(HERE, "results", default_out))
   parser.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args()
   load_start = os.getloadavg()[0]
@@ -386,7 +390,8 @@ def main() -> None:
   from estimax.ops import native  # noqa: PLC0415 - not in the PyTorch worker's environment
 
   res = {
-      "note": (f"{os.cpu_count()} CPU cores (Sapphire Rapids, AVX-512 + AMX-bf16); 1-minute load "
+      "note": (f"{os.cpu_count()} CPU cores ({native.cpu_model()}), ONEDNN_MAX_CPU_ISA="
+               f"{isa_cap or 'unset'}; 1-minute load "
                f"average {load_start:.2f} at the start, {os.getloadavg()[0]:.2f} at the end (the "
                f"benchmark alone keeps it near 2; well above that, other processes shared the "
                f"cores); CPU convolutions: {native.status()}; "

@@ -111,14 +111,20 @@ def _need_onednn():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("case", CONV_CASES, ids=[c[0] for c in CONV_CASES])
 def test_onednn_forward_and_grads_match_reference(case, dtype):
+  # The oneDNN kernels this CPU serves: native bf16 where it has bf16 convolutions (AVX-512
+  # bf16/AMX), fp32 kernels on upcast values elsewhere (AVX2; test_cpu_ops_isa.py forces that
+  # path on every machine).
   _need_onednn()
   _, xs, ws, strides, padding = case
   x, w, g = _data(xs, ws, strides, padding, dtype=jnp.dtype(dtype), seed=6)
   f32 = lambda a: a.astype(jnp.float32)
   want = _value_and_vjp(functools.partial(_ref, strides=strides, padding=padding),
                         f32(x), f32(w), f32(g))
+  chosen = ops.conv_strategies(xs, ws, strides, padding, jnp.dtype(dtype))
+  expected = "onednn" if dtype == "float32" or native.dtype_support()["bfloat16"] else "onednn_f32"
+  assert chosen == (expected,) * 3
   mine = functools.partial(ops.conv_with_strategy, window_strides=strides, padding=padding,
-                           fwd="onednn", dx="onednn", dw="onednn")
+                           fwd=chosen[0], dx=chosen[1], dw=chosen[2])
   fn = jax.jit(lambda x, w, g: _value_and_vjp(mine, x, w, g))
   assert "estimax_onednn_conv" in fn.lower(x, w, g).as_text()  # really the oneDNN path
   for a, b in zip(fn(x, w, g), want):

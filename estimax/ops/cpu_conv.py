@@ -9,13 +9,17 @@ that in jaxlib 0.10.
 
 The drop-in here is a ``jax.custom_vjp`` around ``lax.conv_general_dilated`` whose
 CPU lowering, where estimax's oneDNN library is built (``estimax.ops.native``), calls
-oneDNN's convolutions (forward, input and filter gradients, fp32 and bf16 on AMX)
-through XLA's FFI: the kernels PyTorch uses on CPUs. Without the library (or with
-``ESTIMAX_ONEDNN=0``) it falls back to pure-XLA formulations: on the CPU backend only,
-it computes 1x1 convolutions (forward and both gradients)
-as dots, and the gradients of larger kernels, where measured faster, as matrix
-products over shifted, strided views of the input (the im2col formulation) plus
-elementwise pads and adds that XLA fuses (``_default_strategy`` has the rules).
+oneDNN's convolutions (forward, input and filter gradients) through XLA's FFI: the kernels
+PyTorch uses on CPUs. Each convolution is first probed (``native.probe``): oneDNN creates
+its primitive for those shapes on this CPU, or says why it cannot. fp32 runs natively; bf16
+runs natively where the CPU has bf16 convolutions (AVX-512 with AMX or bf16), and elsewhere
+(AVX2-only CPUs such as AMD Zen 2, or ``ONEDNN_MAX_CPU_ISA=AVX2``) as oneDNN's fp32 kernels on
+values cast up, one rounding back to bf16 at the end (``bench/results/train_cpu*.md`` measures
+this against XLA's own bf16). A piece oneDNN cannot serve at all, and every piece without the
+library (or with ``ESTIMAX_ONEDNN=0``), uses the pure-XLA formulations: 1x1 convolutions
+(forward and both gradients) as dots, and the gradients of larger kernels, where measured
+faster, as matrix products over shifted, strided views of the input (the im2col formulation)
+plus elementwise pads and adds that XLA fuses (``_default_strategy`` has the rules).
 The choice is made at lowering time with ``jax.lax.platform_dependent``, so a
 program traced on a host and run on GPU/TPU lowers to exactly the standard
 ``jax.vjp`` of the reference op there.
@@ -47,9 +51,11 @@ Array = jax.Array
 
 # Fast-path strategies, per gradient. "xla" keeps XLA's own convolution for that
 # piece; the others are the matmul formulations below.
-_FWD_STRATEGIES = ("xla", "im2col", "onednn")
-_DX_STRATEGIES = ("xla", "matmul", "onednn")
-_DW_STRATEGIES = ("xla", "im2col", "offsets", "im2col_t", "onednn")
+# "onednn" runs oneDNN's kernel in the operands' dtype, "onednn_f32" its fp32 kernel on
+# operands cast up (bf16 on CPUs without bf16 convolutions).
+_FWD_STRATEGIES = ("xla", "im2col", "onednn", "onednn_f32")
+_DX_STRATEGIES = ("xla", "matmul", "onednn", "onednn_f32")
+_DW_STRATEGIES = ("xla", "im2col", "offsets", "im2col_t", "onednn", "onednn_f32")
 
 _NHWC = ("NHWC", "HWIO", "NHWC")
 
@@ -65,10 +71,9 @@ class _ConvSpec(NamedTuple):
   dw: str
 
 
-def _default_strategy(kh: int, kw: int, cin: int, cout: int, strides: tuple[int, int],
-                      dtype: Any = jnp.float32,
-                      onednn: bool = False) -> tuple[str, str, str]:
-  """Picks (fwd, dx, dw) strategies for a kernel shape.
+def _default_strategy(kh: int, kw: int, cin: int, cout: int,
+                      strides: tuple[int, int]) -> tuple[str, str, str]:
+  """Picks the pure-XLA (fwd, dx, dw) strategies for a kernel shape.
 
   From the per-layer measurements in bench/results/conv_cpu.md (ResNet-50 at 224,
   batch 16; MNIST CNN at batch 128):
@@ -83,11 +88,6 @@ def _default_strategy(kh: int, kw: int, cin: int, cout: int, strides: tuple[int,
     per-offset products win from 128 input channels, im2col for tiny inputs
     (MNIST's first layer: Cin*KH*KW = 25).
   """
-  if onednn and dtype in (jnp.bfloat16, jnp.float32):
-    # oneDNN (estimax.ops.native), measured per layer (bench/results/conv_cpu.md) against the
-    # rules below: 200-370 GFLOP/s fp32 in all three directions, where XLA's convolutions
-    # reach 11-250 and the 1x1-as-dot formulations 60-250; bf16 runs on AMX.
-    return ("onednn", "onednn", "onednn")
   if kh == 1 and kw == 1:
     return ("im2col", "matmul", "im2col")
   strided = max(strides) > 1
@@ -144,9 +144,37 @@ def _normalize(
   pads = tuple((int(lo), int(hi)) for lo, hi in pads)
   if len(strides) != 2 or len(pads) != 2 or any(p < 0 for pair in pads for p in pair):
     return None
-  fwd, dx, dw = _default_strategy(kh, kw, cin, rhs.shape[3], strides, lhs.dtype,
-                                  native.enabled())
+  fwd, dx, dw = _default_strategy(kh, kw, cin, rhs.shape[3], strides)
+  if native.enabled():
+    fwd, dx, dw = (_onednn_strategy(kind, lhs.shape, rhs.shape, strides, pads, lhs.dtype, xla)
+                   for kind, xla in zip(native.CONV_KINDS, (fwd, dx, dw), strict=True))
   return _ConvSpec(strides, pads, precision, fwd, dx, dw)  # type: ignore[arg-type]
+
+
+def _onednn_strategy(kind: str, x_shape: Sequence[int], w_shape: Sequence[int],
+                     strides: tuple[int, ...], pads: tuple[tuple[int, int], ...], dtype: Any,
+                     xla_strategy: str) -> str:
+  """Whether oneDNN serves one direction of a convolution on this CPU, and in which dtype.
+
+  oneDNN, measured per layer (bench/results/conv_cpu.md) against the XLA rules: 200-370
+  GFLOP/s fp32 in all three directions, where XLA's convolutions reach 11-250 and the
+  1x1-as-dot formulations 60-250. The primitive is created now (``native.probe``), so a
+  convolution it cannot run (bf16 on an AVX2-only CPU) never reaches it at run time.
+  """
+  b, h, w, cin = x_shape
+  kh, kw, _, cout = w_shape
+  (sh, sw), ((pt, pb), (pl, pr)) = strides, pads
+  dims = (b, cin, h, w, cout, kh, kw, _out_size(h, kh, sh, pt, pb),
+          _out_size(w, kw, sw, pl, pr), sh, sw, pt, pb, pl, pr)
+  dims = tuple(int(d) for d in dims)
+  name = jnp.dtype(dtype).name
+  if native.probe(kind, name, dims) is None:
+    return "onednn"
+  if name in ("bfloat16", "float16") and native.probe(kind, "float32", dims) is None:
+    # Measured on an AVX2-only CPU (bench/results/train_cpu*.md): oneDNN's fp32 kernels on
+    # upcast values beat XLA's formulations, which compute in fp32 there as well.
+    return "onednn_f32"
+  return xla_strategy
 
 
 def conv_general_dilated(
@@ -200,6 +228,27 @@ def conv_general_dilated(
   return _conv(lhs, rhs, spec)
 
 
+def conv_strategies(lhs_shape: Sequence[int], rhs_shape: Sequence[int],
+                    window_strides: Sequence[int], padding: str | Sequence[tuple[int, int]],
+                    dtype: Any = jnp.float32) -> tuple[str, str, str] | None:
+  """The CPU kernels ``conv_general_dilated`` would choose now, as ``(fwd, dx, dw)``.
+
+  Each is one of the strategies of ``conv_with_strategy``; None if the convolution is outside
+  the fast path (it then runs as ``lax.conv_general_dilated``). Follows ``native_kernels``.
+
+  Args:
+    lhs_shape: ``[B, H, W, Cin]``.
+    rhs_shape: ``[KH, KW, Cin, Cout]``.
+    window_strides: ``(sh, sw)``.
+    padding: ``'SAME'``, ``'VALID'`` or explicit pairs.
+    dtype: of both operands.
+  """
+  lhs = jax.ShapeDtypeStruct(tuple(lhs_shape), dtype)
+  rhs = jax.ShapeDtypeStruct(tuple(rhs_shape), dtype)
+  spec = _normalize(lhs, rhs, window_strides, padding, None, None, _NHWC, 1, 1, None, None)
+  return None if spec is None else (spec.fwd, spec.dx, spec.dw)
+
+
 def conv_with_strategy(lhs: Array, rhs: Array, window_strides: Sequence[int],
                        padding: str | Sequence[tuple[int, int]], *, fwd: str,
                        dx: str, dw: str) -> Array:
@@ -210,9 +259,10 @@ def conv_with_strategy(lhs: Array, rhs: Array, window_strides: Sequence[int],
     rhs: ``[KH, KW, Cin, Cout]``.
     window_strides: ``(sh, sw)``.
     padding: ``'SAME'``, ``'VALID'`` or explicit pairs.
-    fwd: one of ``("xla", "im2col")``.
-    dx: one of ``("xla", "matmul")``.
-    dw: one of ``("xla", "im2col", "offsets", "im2col_t")``.
+    fwd: one of ``_FWD_STRATEGIES``.
+    dx: one of ``_DX_STRATEGIES``.
+    dw: one of ``_DW_STRATEGIES``. The "onednn" strategies are used as asked, without
+      asking oneDNN first: for benchmarks and tests of the kernels themselves.
 
   Returns:
     ``[B, Ho, Wo, Cout]``.
@@ -228,7 +278,7 @@ def conv_with_strategy(lhs: Array, rhs: Array, window_strides: Sequence[int],
     raise ValueError(
         f"conv_with_strategy: unsupported shapes lhs={lhs.shape} {lhs.dtype}, "
         f"rhs={rhs.shape} {rhs.dtype}, padding={padding}")
-  if "onednn" in (fwd, dx, dw) and not native.available():
+  if any(v.startswith("onednn") for v in (fwd, dx, dw)) and not native.available():
     raise ValueError(f"conv_with_strategy: oneDNN requested but {native.status()}")
   return _conv(lhs, rhs, spec._replace(fwd=fwd, dx=dx, dw=dw))
 
@@ -411,7 +461,8 @@ def _in_fp32(fn):
 
 
 # ----------------------------------------------------------------------------
-# oneDNN (estimax.ops.native): native dtype, no fp32 detour (bf16 runs on AMX).
+# oneDNN (estimax.ops.native): in the operands' dtype where the CPU has the kernel ("onednn"), else
+# its fp32 kernel on operands cast up ("onednn_f32", through _in_fp32).
 
 
 def _onednn_call(kind: str, out_shape: Sequence[int], dtype: Any, a: Array, b: Array,
@@ -454,17 +505,20 @@ _cpu_dw_fp32 = _in_fp32(_cpu_dw)
 _cpu_bwd_fp32 = _in_fp32(_cpu_bwd)
 
 
+_FWD_KERNELS = {"onednn": _onednn_fwd, "onednn_f32": _in_fp32(_onednn_fwd)}
+_DX_KERNELS = {"onednn": _onednn_dx, "onednn_f32": _in_fp32(_onednn_dx)}
+_DW_KERNELS = {"onednn": _onednn_dw, "onednn_f32": _in_fp32(_onednn_dw)}
+
+
 def _cpu_fwd_any(spec: _ConvSpec, x: Array, w: Array) -> Array:
-  if spec.fwd == "onednn":
-    return _onednn_fwd(spec, x, w)
-  return _cpu_fwd_fp32(spec, x, w)
+  return _FWD_KERNELS.get(spec.fwd, _cpu_fwd_fp32)(spec, x, w)
 
 
 def _cpu_bwd_any(spec: _ConvSpec, x: Array, w: Array, g: Array) -> tuple[Array, Array]:
-  if spec.dx != "onednn" and spec.dw != "onednn":
+  if spec.dx not in _DX_KERNELS and spec.dw not in _DW_KERNELS:
     return _cpu_bwd_fp32(spec, x, w, g)
-  dx = _onednn_dx(spec, x, w, g) if spec.dx == "onednn" else _cpu_dx_fp32(spec, x, w, g)
-  dw = _onednn_dw(spec, x, w, g) if spec.dw == "onednn" else _cpu_dw_fp32(spec, x, w, g)
+  dx = _DX_KERNELS.get(spec.dx, _cpu_dx_fp32)(spec, x, w, g)
+  dw = _DW_KERNELS.get(spec.dw, _cpu_dw_fp32)(spec, x, w, g)
   return dx, dw
 
 

@@ -13,6 +13,11 @@ Ubuntu: ``apt-get install libdnnl-dev``)::
 ``make test`` and ``make demo`` do this themselves. Without the library, estimax.ops uses
 its pure-XLA formulations: the same values, slower. ``ESTIMAX_ONEDNN=0`` turns the library
 off; ``ESTIMAX_ONEDNN_LIB=/path/lib.so`` loads a library built elsewhere.
+
+Which primitives oneDNN can create depends on the CPU (and on ``ONEDNN_MAX_CPU_ISA``, which
+caps the instruction set it uses): oneDNN 2.6 has no bf16 convolutions below AVX-512, as on
+AMD Zen 2. ``probe`` asks oneDNN for one convolution's primitive before estimax.ops chooses
+the kernel, so a convolution oneDNN cannot serve is never sent to it.
 """
 
 from __future__ import annotations
@@ -30,12 +35,14 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["available", "build", "enabled", "library_path", "load", "native_kernels",
-           "onednn_version", "status"]
+__all__ = ["CONV_KINDS", "available", "build", "cpu_model", "dtype_support", "enabled", "isa",
+           "library_path", "load", "native_kernels", "onednn_version", "probe", "status"]
 
 SOURCE = Path(__file__).with_name("onednn_conv.cc")
 TARGETS = {"forward": "EstimaxConvForward", "backward_data": "EstimaxConvBackwardData",
            "backward_weights": "EstimaxConvBackwardWeights"}
+CONV_KINDS = ("forward", "backward_data", "backward_weights")
+_DTYPE_CODES = {"float32": 0, "bfloat16": 1}
 _lock = threading.Lock()
 _state = threading.local()
 _load_error: str | None = None
@@ -121,6 +128,10 @@ def _load_library() -> ctypes.CDLL | None:
         return None
     import jax  # noqa: PLC0415 - keep `import estimax.ops.native` free of JAX until used
 
+    lib.EstimaxOneDnnIsa.restype = ctypes.c_char_p
+    lib.EstimaxConvProbe.restype = ctypes.c_int
+    lib.EstimaxConvProbe.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int64),
+                                     ctypes.c_char_p, ctypes.c_int]
     for name, symbol in TARGETS.items():
         jax.ffi.register_ffi_target(f"estimax_onednn_conv_{name}",
                                     jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
@@ -138,11 +149,81 @@ def available() -> bool:
     return load()
 
 
+@functools.cache
+def probe(kind: str, dtype: str, dims: tuple[int, ...]) -> str | None:
+    """Whether oneDNN can run one convolution on this CPU: None if it can, else its reason.
+
+    Args:
+      kind: one of ``CONV_KINDS``.
+      dtype: ``"float32"`` or ``"bfloat16"``.
+      dims: ``(n, c, h, w, o, kh, kw, ho, wo, sh, sw, pt, pb, pl, pr)``: NHWC input sizes,
+        output channels, kernel, output size, strides and pads (top, bottom, left, right).
+
+    A primitive that can be created is cached by the library, so the step that runs it later
+    does not create it again.
+    """
+    lib = _load_library()
+    if lib is None:
+        return f"oneDNN library {_load_error}"
+    if dtype not in _DTYPE_CODES:
+        return f"oneDNN kernels take float32 or bfloat16, not {dtype}"
+    if kind not in CONV_KINDS or len(dims) != 15:
+        raise ValueError(f"probe: kind={kind!r} dims={dims!r}")
+    msg = ctypes.create_string_buffer(512)
+    c_dims = (ctypes.c_int64 * 15)(*dims)
+    with _lock:  # primitive creation mutates the library's cache
+        ok = lib.EstimaxConvProbe(CONV_KINDS.index(kind), _DTYPE_CODES[dtype], c_dims, msg, 512)
+    return None if ok else msg.value.decode(errors="replace") or "unsupported"
+
+
+def isa() -> str:
+    """The instruction set oneDNN's kernels use on this CPU, e.g. 'avx2', 'avx512_core_amx'.
+
+    oneDNN's own query (``dnnl::get_effective_cpu_isa``), after ``ONEDNN_MAX_CPU_ISA``.
+    """
+    lib = _load_library()
+    return lib.EstimaxOneDnnIsa().decode() if lib is not None else "unavailable"
+
+
+# A ResNet 3x3 layer: what "oneDNN serves this dtype" means in status lines.
+_TYPICAL_CONV = (2, 64, 14, 14, 64, 3, 3, 14, 14, 1, 1, 1, 1, 1, 1)
+
+
+def dtype_support() -> dict[str, bool]:
+    """Which dtypes oneDNN computes natively here, e.g. ``{"float32": True, "bfloat16": False}``.
+
+    Judged on a typical 3x3 convolution in all three directions. Where bf16 is False, bf16
+    convolutions run as oneDNN fp32 kernels on bf16 values cast up (estimax.ops does this).
+    """
+    return {dt: all(probe(k, dt, _TYPICAL_CONV) is None for k in CONV_KINDS)
+            for dt in _DTYPE_CODES}
+
+
+def cpu_model() -> str:
+    """The CPU's model name as the OS reports it (e.g. 'AMD EPYC'), or the platform's."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    import platform  # noqa: PLC0415 - only off Linux
+
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
 def status() -> str:
-    """One line for logs: which convolution kernels the CPU backend will use, and why."""
-    if load():
-        return f"oneDNN {onednn_version()} ({library_path()})"
-    return f"XLA's own (oneDNN library {_load_error})"
+    """One line for logs: the CPU, and which convolution kernels run for fp32 and bf16."""
+    if not load():
+        return f"XLA's own on {cpu_model()} (oneDNN library {_load_error})"
+    support = dtype_support()
+    fp32 = "oneDNN" if support["float32"] else "XLA's"
+    if support["bfloat16"]:
+        bf16 = "oneDNN bf16"
+    elif support["float32"]:
+        bf16 = "oneDNN fp32 kernels on upcast values (no bf16 convolutions for this ISA)"
+    else:
+        bf16 = "XLA's"
+    return (f"oneDNN {onednn_version()} on {cpu_model()} ({isa()} kernels): fp32 {fp32}, "
+            f"bf16 {bf16} ({library_path()})")
 
 
 def onednn_version() -> str:

@@ -7,10 +7,16 @@
 // Primitives are cached by shape; per-call state (reordered filters, scratchpad) is allocated
 // per call, so concurrent calls from several XLA devices are safe.
 //
+// Not every CPU can run every primitive: oneDNN 2.6 has no bf16 convolutions below AVX-512
+// (AMD Zen 2, or ONEDNN_MAX_CPU_ISA=AVX2), and creating one throws. So Python asks first:
+// EstimaxConvProbe creates (and caches) the primitive for one convolution at trace time, and
+// estimax.ops picks another formulation where it fails, instead of failing inside a step.
+//
 // Built by `python -m estimax.ops.native build` against the system's oneDNN (Debian/Ubuntu:
 // libdnnl-dev) and XLA's FFI headers from jaxlib.
 
 #include <cstdint>
+#include <cstdio>
 #include <memory>
 #include <mutex>
 #include <sstream>
@@ -34,6 +40,31 @@ dnnl::engine& Engine() {
 
 enum class Kind { kForward, kBackwardData, kBackwardWeights };
 
+const char* KindName(Kind k) {
+  switch (k) {
+    case Kind::kForward: return "forward";
+    case Kind::kBackwardData: return "input gradient";
+    default: return "filter gradient";
+  }
+}
+
+// The instruction set oneDNN dispatches to on this CPU (after ONEDNN_MAX_CPU_ISA).
+const char* IsaName() {
+  switch (dnnl::get_effective_cpu_isa()) {
+    case dnnl::cpu_isa::sse41: return "sse41";
+    case dnnl::cpu_isa::avx: return "avx";
+    case dnnl::cpu_isa::avx2: return "avx2";
+    case dnnl::cpu_isa::avx2_vnni: return "avx2_vnni";
+    case dnnl::cpu_isa::avx512_mic: return "avx512_mic";
+    case dnnl::cpu_isa::avx512_mic_4ops: return "avx512_mic_4ops";
+    case dnnl::cpu_isa::avx512_core: return "avx512_core";
+    case dnnl::cpu_isa::avx512_core_vnni: return "avx512_core_vnni";
+    case dnnl::cpu_isa::avx512_core_bf16: return "avx512_core_bf16";
+    case dnnl::cpu_isa::avx512_core_amx: return "avx512_core_amx";
+    default: return "unknown";
+  }
+}
+
 struct ConvShape {
   int64_t n, c, h, w;       // input, NHWC
   int64_t o, kh, kw;        // filter, HWIO
@@ -54,6 +85,15 @@ struct ConvShape {
   memory::dims Strides() const { return {sh, sw}; }
   memory::dims PadL() const { return {pt, pl}; }
   memory::dims PadR() const { return {pb, pr}; }
+  // For messages: "bf16 input [8,56,56,64] filter [3,3,64,64] (HWIO) stride 1x1 pads ...".
+  std::string Describe(Kind kind) const {
+    std::ostringstream s;
+    s << KindName(kind) << ' ' << (dt == memory::data_type::bf16 ? "bf16" : "fp32")
+      << " convolution, input [" << n << ',' << h << ',' << w << ',' << c << "] (NHWC), filter ["
+      << kh << ',' << kw << ',' << c << ',' << o << "] (HWIO), stride " << sh << 'x' << sw
+      << ", padding (" << pt << ',' << pb << ")x(" << pl << ',' << pr << ')';
+    return s.str();
+  }
 };
 
 dnnl::primitive_attr UserScratchpad() {
@@ -212,8 +252,13 @@ ffi::Error Run(const ConvShape& s, Kind kind, void* src, void* wei, void* dst) {
     }
     strm.wait();
   } catch (const dnnl::error& e) {
+    // Python probes every convolution before choosing this kernel, so this is a bug or an
+    // unusual oneDNN build: say what failed, where, and how to carry on without the library.
     return ffi::Error(ffi::ErrorCode::kInternal,
-                      std::string("estimax oneDNN convolution failed: ") + e.what());
+                      std::string("estimax oneDNN convolution failed: ") + e.what() + " (" +
+                          s.Describe(kind) + "; oneDNN " + IsaName() +
+                          " kernels). Set ESTIMAX_ONEDNN=0 (or pass --nocpu_fast_ops) to use "
+                          "XLA's convolutions instead.");
   }
   return ffi::Error::Success();
 }
@@ -262,6 +307,27 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EstimaxConvBackwardData, BackwardDataImpl,
                               ESTIMAX_CONV_BINDING(g, w, dx));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EstimaxConvBackwardWeights, BackwardWeightsImpl,
                               ESTIMAX_CONV_BINDING(x, g, dw));
+
+// 1 if oneDNN can run this convolution on this CPU (the primitive is then cached), else 0
+// with oneDNN's reason in `msg`. kind: 0 forward, 1 input gradient, 2 filter gradient;
+// dtype: 0 fp32, 1 bf16; dims as in ConvShape.
+extern "C" int EstimaxConvProbe(int kind, int dtype, const int64_t* dims, char* msg,
+                                int msg_len) {
+  ConvShape s{dims[0], dims[1], dims[2], dims[3], dims[4],  dims[5],  dims[6],  dims[7],
+              dims[8], dims[9], dims[10], dims[11], dims[12], dims[13], dims[14],
+              dtype == 1 ? memory::data_type::bf16 : memory::data_type::f32};
+  try {
+    Get(s, static_cast<Kind>(kind));
+    return 1;
+  } catch (const dnnl::error& e) {
+    if (msg_len > 0) {
+      std::snprintf(msg, msg_len, "%s", e.what());
+    }
+    return 0;
+  }
+}
+
+extern "C" const char* EstimaxOneDnnIsa() { return IsaName(); }
 
 extern "C" int EstimaxOneDnnVersion() {
   const dnnl_version_t* v = dnnl_version();
