@@ -395,3 +395,59 @@ def test_batcher_merges_concurrent_requests_and_refuses_past_its_queue():
             await blocked.close()
 
     asyncio.run(scenario())
+
+
+def test_array_export_and_the_demo_answer_a_held_out_digit(tmp_path):
+    # MNIST keeps its array input: [B, 784] float32, scaled as the mnist program's parser.
+    import flax.linen as nn
+    import jax
+    import optax
+
+    import estimax as ex
+    from estimax.data import TFRecordWriter, encode_example
+
+    def model_fn(features, labels, mode, params):
+        logits = nn.Dense(10)(features)
+        predictions = {"classes": logits.argmax(-1), "probabilities": jax.nn.softmax(logits)}
+        if mode == ex.ModeKeys.PREDICT:
+            return ex.EstimatorSpec(mode=mode, predictions=predictions)
+        return ex.EstimatorSpec(mode=mode, loss=ex.losses.softmax_cross_entropy(logits, labels),
+                                optimizer=optax.sgd(0.5), predictions=predictions)
+
+    rng = np.random.default_rng(0)
+    pixels = rng.integers(0, 256, (16, 784), dtype=np.uint8)
+    labels = (pixels[:, :392].mean(1) > pixels[:, 392:].mean(1)).astype(np.int32)
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    with TFRecordWriter(str(data_dir / "validation.tfrecords")) as w:
+        for p, y in zip(pixels, labels):
+            w.write(encode_example({"image_raw": p.tobytes(), "label": int(y)}))
+    x = pixels.astype(np.float32) / 255.0 - 0.5
+    est = ex.Estimator(model_fn, ex.RunConfig(model_dir=str(tmp_path / "model")),
+                       train_batch_size=8, predict_batch_size=8)
+    est.train(ex.numpy_input_fn(x, labels), max_steps=2)
+    base = tmp_path / "serving"
+    serving.export_version(est, str(base), serving_input=ex.TensorSpec((None, 784), np.float32),
+                           check_inputs=x[:4])
+    expected = next(iter(est.predict(ex.numpy_input_fn(x[:1], None, shuffle=False,
+                                                       num_epochs=1))))
+
+    servable = serving.Servable(str(base / "1"))
+    assert servable.inputs == {"input": {"shape": [None, 784], "dtype": "float32"}}
+    for bad, message in (({"input": [[0.0] * 783]}, r"shape \[1, 783\].*\[batch, 784\]"),
+                         ({"input": [["a"] * 784]}, "numbers"),
+                         ({"input": [[0.0] * 784, [0.0]]}, "ragged|shape"),
+                         ({"pixels": [[0.0] * 784]}, "unknown")):
+        with pytest.raises(serving.InvalidInput, match=message):
+            servable.prepare(bad)
+
+    proc = subprocess.run([sys.executable, "-m", "estimax.serving.demo",
+                           f"--model_base_path={base}", f"--data_dir={data_dir}"],
+                          env=fx.server_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"curl -d @{tmp_path / 'request.json'} http://127.0.0.1:" in proc.stdout
+    assert (f"held-out digit #0: class {int(expected['classes'])} (probability "
+            f"{float(expected['probabilities'][expected['classes']]):.3f}); its label is "
+            f"{labels[0]}") in proc.stdout, proc.stdout
+    body = json.loads((tmp_path / "request.json").read_text())
+    np.testing.assert_allclose(body["instances"][0], x[0], rtol=1e-6)
