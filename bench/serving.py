@@ -118,6 +118,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--lone_requests", type=int, default=200)
     parser.add_argument("--max_seconds", type=float, default=180)
     args = parser.parse_args()
 
@@ -148,6 +149,9 @@ def main() -> None:
                 results[name] = load_test(url, bodies, args.requests, args.clients,
                                           args.max_seconds)
                 results[name]["flags"] = flags
+                # A lone client: what batching adds to a request that has no company.
+                results[name + "_lone"] = load_test(url, bodies, args.lone_requests, 1,
+                                                    args.max_seconds)
             print(name, results[name], flush=True)
     results["load_after"] = open("/proc/loadavg").read().split()[:3]
     os.makedirs(RESULTS, exist_ok=True)
@@ -155,10 +159,13 @@ def main() -> None:
         json.dump(results, f, indent=2)
     rows = [("in-process `Servable.predict_images` (sequential)", results["in_process"]),
             ("`estimax serve`, no batching", results["server"]),
-            ("`estimax serve --enable_batching`", results["server_batching"])]
+            ("`estimax serve --enable_batching`", results["server_batching"]),
+            ("`estimax serve`, no batching, 1 client", results["server_lone"]),
+            ("`estimax serve --enable_batching`, 1 client", results["server_batching_lone"])]
     lines = [
         "# Serving load test (`bench/serving.py`)", "",
         f"{results['model']}; {results['image']}. Loopback, {args.clients} client threads "
+        "(and a lone client) "
         f"sharing the {results['cores']} cores with the server. Load average before "
         f"{' '.join(results['load_before'])}, after {' '.join(results['load_after'])}.", "",
         "| path | requests | ok | errors | lost | req/s | p50 ms | p99 ms |",
