@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import posixpath
-import threading
 from typing import Any
 
 import fsspec
@@ -77,7 +76,6 @@ class ExportedModel:
                              f"{platform}: export it again with platforms including {platform!r}.")
         self._variables = jax.device_put(variables)
         self._call = jax.jit(self._exported.call)
-        self._lock = threading.Lock()
         self.export_dir = export_dir
 
     @property
