@@ -453,3 +453,20 @@ def test_array_export_and_the_demo_answer_a_held_out_digit(tmp_path):
             f"{labels[0]}") in proc.stdout, proc.stdout
     body = json.loads((tmp_path / "request.json").read_text())
     np.testing.assert_allclose(body["instances"][0], x[0], rtol=1e-6)
+
+
+def test_the_export_holds_the_ema_weights_the_estimator_predicts_with(trained):
+    # The run keeps an EMA (decay 0.9): the export must hold it, not the raw trained weights
+    # (served predictions equal Estimator.predict, which uses the EMA, in the tests above).
+    import jax
+    from flax import serialization
+    raw = trained["est"].get_variables()
+    exported = serialization.msgpack_restore(
+        (trained["base"] / "1" / "variables.msgpack").read_bytes())
+    raw_leaves = jax.tree.leaves(raw["params"])
+    exported_leaves = jax.tree.leaves(exported["params"])
+    assert [x.shape for x in raw_leaves] == [x.shape for x in exported_leaves]
+    assert any(not np.allclose(a, b) for a, b in zip(raw_leaves, exported_leaves, strict=True))
+    for a, b in zip(jax.tree.leaves(raw["batch_stats"]), jax.tree.leaves(exported["batch_stats"]),
+                    strict=True):
+        np.testing.assert_array_equal(a, b)
