@@ -330,7 +330,7 @@ def test_versions_on_an_object_store_appear_only_when_complete(trained):
     import fsspec
     base = "memory://serving-test/models"
     fs = fsspec.filesystem("memory")
-    path = serving.export_version(trained["est"], base,
+    path = serving.export_version(trained["est"], base, top_k=2,
                                   preprocessing=serving.resnet_eval(fx.IMAGE_SIZE))
     assert path.rstrip("/").endswith("serving-test/models/1") and path.startswith("memory://")
     # A version still being uploaded (no serving.json yet) is not listed.
@@ -339,6 +339,12 @@ def test_versions_on_an_object_store_appear_only_when_complete(trained):
     assert serving.list_versions(base) == [1]
     got = serving.Servable(path).predict_images(trained["images"])
     np.testing.assert_array_equal(got["classes"], trained["expected"]["classes"])
+    # top_k (an export option): the two most likely classes and their probabilities.
+    order = np.argsort(-trained["expected"]["probabilities"], axis=1, kind="stable")[:, :2]
+    np.testing.assert_array_equal(got["top_k_classes"], order)
+    np.testing.assert_array_equal(got["top_k_classes"][:, 0], got["classes"])
+    np.testing.assert_allclose(got["top_k_probabilities"], np.take_along_axis(
+        trained["expected"]["probabilities"], order, axis=1), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got["probabilities"], trained["expected"]["probabilities"],
                                rtol=1e-5, atol=1e-6)
 

@@ -81,7 +81,18 @@ class Servable:
             self.inputs = {IMAGE_INPUT: {"shape": [None], "dtype": "string"}}
         else:
             self.inputs = self._model_inputs
-        self.batch_sizes = sorted(set(int(b) for b in batch_sizes))
+        self.top_k = self.spec.get("top_k")
+        if self.top_k is not None:
+            probs = self.outputs.get("probabilities")
+            if probs is None or len(probs["shape"]) != 2:
+                raise ValueError(f"{path}: top_k needs a [batch, classes] output named "
+                                 "'probabilities'")
+            self.top_k = min(int(self.top_k), int(probs["shape"][1]))
+            self.outputs = {**self.outputs,
+                            "top_k_classes": {"shape": [None, self.top_k], "dtype": "int32"},
+                            "top_k_probabilities": {"shape": [None, self.top_k],
+                                                    "dtype": probs["dtype"]}}
+        self.batch_sizes = sorted({int(b) for b in batch_sizes})
         self._in_flight = 0
         self._retired = False
         self._cond = threading.Condition()
@@ -157,7 +168,14 @@ class Servable:
             out = self.model(next(iter(chunk.values())) if self._single_input else chunk)
             out = {"output": out} if self._single_output else _flatten(out)
             pieces.append({k: np.asarray(v)[:m] for k, v in out.items()})
-        return {k: np.concatenate([p[k] for p in pieces]) for k in pieces[0]}
+        outputs = {k: np.concatenate([p[k] for p in pieces]) for k in pieces[0]}
+        if self.top_k is not None:
+            # Ties keep the lower class first, as tf.nn.top_k.
+            order = np.argsort(-outputs["probabilities"], axis=1, kind="stable")[:, :self.top_k]
+            outputs["top_k_classes"] = order.astype(np.int32)
+            outputs["top_k_probabilities"] = np.take_along_axis(outputs["probabilities"], order,
+                                                                axis=1)
+        return outputs
 
     def warm(self) -> None:
         """Compiles the export for every batch size it will be called with."""
