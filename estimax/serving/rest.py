@@ -369,7 +369,10 @@ class Server:
         try:
             columns: dict[str, Any] = {}
             for i, tensor in enumerate(body["inputs"]):
-                columns.update(self._v2_tensor(servable, tensor, i))
+                column = self._v2_tensor(servable, tensor, i)
+                if set(column) & set(columns):
+                    raise ApiError(400, f"inputs[{i}]: input {tensor['name']!r} is given twice")
+                columns.update(column)
             requested = body.get("outputs")
             wanted = list(servable.outputs)
             if requested is not None:
@@ -398,7 +401,7 @@ class Server:
                 tensor):
             raise ApiError(400, f"inputs[{i}] must have 'name', 'shape', 'datatype' and 'data'")
         name, shape, datatype = tensor["name"], tensor["shape"], tensor["datatype"]
-        if name not in servable.inputs:
+        if not isinstance(name, str) or name not in servable.inputs:
             raise ApiError(400, f"inputs[{i}]: unknown input {name!r}; the model's inputs are "
                            f"{sorted(servable.inputs)}")
         if (not isinstance(shape, list) or not shape
@@ -453,6 +456,11 @@ class Server:
         async def too_deep(request: Request, exc: RecursionError) -> Response:
             return _json({"error": "The request body is nested too deeply"}, 400)
 
+        async def internal_error(request: Request, exc: Exception) -> Response:
+            # TF Serving's Internal -> 500, still as {"error": ...}; the server keeps serving.
+            return _json({"error": f"Internal: {type(exc).__name__}: {exc}"}, 500)
+
+        app.add_exception_handler(Exception, internal_error)
         app.add_exception_handler(ApiError, api_error)
         app.add_exception_handler(RecursionError, too_deep)
         app.add_exception_handler(StarletteHTTPException, http_error)
