@@ -1,47 +1,27 @@
-"""Serving exported models: load an export directory and run it, without the model's code."""
+"""Serving exported models: versions on disk, an HTTP server, and the command line.
 
-from __future__ import annotations
+| who owns what | where |
+|---|---|
+| loading one export (``jax.export`` artifact + weights), any fsspec path | ``artifact`` |
+| image preprocessing recorded with an export, applied by the server | ``preprocess`` |
+| request values -> features, padding to compiled batch sizes | ``servable`` |
+| ``export_version``: atomic ``<base>/<version>/``, parity check | ``versions`` |
+| polling, load + warm before unload, failed loads reported | ``manager`` |
+| dynamic batching (TF Serving's knobs), 429 on a full queue | ``batching`` |
+| TF Serving REST API + Open Inference Protocol v2 (FastAPI) | ``rest`` |
+| ``estimax serve | predict | export-check`` | ``cli`` |
 
-import json
-import os
-from typing import Any
+Serving needs JAX and the export directory only: nothing here imports the model's code
+(``estimax.models``, ``estimax.programs``); only ``export_version`` imports the estimator.
+"""
 
-import jax
-import numpy as np
-from flax import serialization
+from estimax.serving.artifact import ExportedModel, load
+from estimax.serving.preprocess import Preprocessing, inception_eval, resnet_eval
+from estimax.serving.servable import InvalidInput, Servable
+from estimax.serving.versions import (ExportCheckError, check_version, export_version,
+                                      list_versions)
 
-from estimax.estimator.export import MODEL_FILE, SIGNATURE_FILE, VARIABLES_FILE
-
-
-class ExportedModel:
-    """A loaded export: call it with a batch of features to get the predictions."""
-
-    def __init__(self, export_dir: str):
-        """Loads ``export_dir`` as written by ``Estimator.export_saved_model``."""
-        for name in (MODEL_FILE, VARIABLES_FILE, SIGNATURE_FILE):
-            if not os.path.exists(os.path.join(export_dir, name)):
-                raise FileNotFoundError(
-                    f"{export_dir} is not an estimax export: {name} is missing.")
-        with open(os.path.join(export_dir, MODEL_FILE), "rb") as f:
-            self._exported = jax.export.deserialize(bytearray(f.read()))
-        with open(os.path.join(export_dir, VARIABLES_FILE), "rb") as f:
-            self._variables = serialization.msgpack_restore(f.read())
-        with open(os.path.join(export_dir, SIGNATURE_FILE)) as f:
-            self.signature: dict = json.load(f)
-        self.export_dir = export_dir
-
-    @property
-    def global_step(self) -> int:
-        """The training step the exported weights come from."""
-        return int(self.signature["global_step"])
-
-    def __call__(self, features: Any) -> Any:
-        """Runs the model on a batch: ``features`` as the signature's inputs, any batch size."""
-        features = jax.tree.map(np.asarray, features)
-        outputs = self._exported.call(self._variables, features)
-        return jax.device_get(outputs)
-
-
-def load(export_dir: str) -> ExportedModel:
-    """Loads an export directory written by ``Estimator.export_saved_model``."""
-    return ExportedModel(export_dir)
+__all__ = [
+    "ExportCheckError", "ExportedModel", "InvalidInput", "Preprocessing", "Servable",
+    "check_version", "export_version", "inception_eval", "list_versions", "load", "resnet_eval",
+]

@@ -1,0 +1,105 @@
+"""Loading one export directory (a ``jax.export`` artifact) and running it, on any fsspec path.
+
+The on-disk format is the one ``Estimator.export_saved_model`` writes (estimator/export.py):
+``model.jaxexport``, ``variables.msgpack``, ``signature.json``. This module reads it with JAX,
+flax's msgpack and fsspec only: serving never imports the model's Python code.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from typing import Any
+
+import fsspec
+import jax
+import numpy as np
+from flax import serialization
+
+# The file names of estimator/export.py's format (repeated, not imported, so that serving does
+# not load the training stack; tests/test_serving.py loads real exports, which pins them).
+MODEL_FILE = "model.jaxexport"
+VARIABLES_FILE = "variables.msgpack"
+SIGNATURE_FILE = "signature.json"
+
+
+def _is_leaf_spec(x: Any) -> bool:
+    return isinstance(x, dict) and set(x) == {"shape", "dtype"}
+
+
+def named_specs(tree: Any, single_name: str) -> dict[str, dict]:
+    """Flattens a signature's ``inputs``/``outputs`` into ``{name: {"shape", "dtype"}}``.
+
+    A single unnamed tensor gets ``single_name``; nested dicts join their keys with "/".
+    """
+    if _is_leaf_spec(tree):
+        return {single_name: tree}
+    out: dict[str, dict] = {}
+
+    def walk(prefix: str, node: Any) -> None:
+        if _is_leaf_spec(node):
+            out[prefix] = node
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                walk(f"{prefix}/{k}" if prefix else str(k), v)
+        else:
+            raise ValueError(f"unsupported signature entry {node!r}")
+
+    walk("", tree)
+    return out
+
+
+class ExportedModel:
+    """A loaded export: call it with a batch of features to get the predictions.
+
+    The weights are put on the default device once; the computation is compiled once per batch
+    size it sees (callers pad to a few sizes, see ``Servable``).
+    """
+
+    def __init__(self, export_dir: str):
+        """Loads ``export_dir`` (local or any fsspec URL) as written by ``export_saved_model``."""
+        fs, root = fsspec.core.url_to_fs(export_dir)
+        for name in (MODEL_FILE, VARIABLES_FILE, SIGNATURE_FILE):
+            if not fs.exists(posixpath.join(root, name)):
+                raise FileNotFoundError(
+                    f"{export_dir} is not an estimax export: {name} is missing.")
+        with fs.open(posixpath.join(root, MODEL_FILE), "rb") as f:
+            self._exported = jax.export.deserialize(bytearray(f.read()))
+        with fs.open(posixpath.join(root, VARIABLES_FILE), "rb") as f:
+            variables = serialization.msgpack_restore(f.read())
+        with fs.open(posixpath.join(root, SIGNATURE_FILE), "r") as f:
+            self.signature: dict = json.load(f)
+        platform = jax.default_backend()
+        platforms = [p.lower() for p in self._exported.platforms]
+        if platform not in platforms and not (platform == "gpu" and "cuda" in platforms):
+            raise ValueError(f"{export_dir} was lowered for {platforms}, not for this machine's "
+                             f"{platform}: export it again with platforms including {platform!r}.")
+        self._variables = jax.device_put(variables)
+        self._call = jax.jit(self._exported.call)
+        self.export_dir = export_dir
+
+    @property
+    def global_step(self) -> int:
+        """The training step the exported weights come from."""
+        return int(self.signature["global_step"])
+
+    def __call__(self, features: Any) -> Any:
+        """Runs the model on a batch: ``features`` as the signature's inputs, any batch size.
+
+        Returns the outputs' pytree as numpy arrays (leading dimension = batch).
+        """
+        features = jax.tree.map(np.asarray, features)
+        return jax.device_get(self._call(self._variables, features))
+
+    def close(self) -> None:
+        """Releases the device buffers of the weights and the compiled executables."""
+        for leaf in jax.tree.leaves(self._variables):
+            if isinstance(leaf, jax.Array):
+                leaf.delete()
+        self._variables = None
+        self._call = None
+
+
+def load(export_dir: str) -> ExportedModel:
+    """Loads an export directory written by ``Estimator.export_saved_model``."""
+    return ExportedModel(export_dir)

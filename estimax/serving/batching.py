@@ -1,0 +1,183 @@
+"""Dynamic batching with TensorFlow Serving's knobs, on the server's asyncio loop.
+
+Concurrent requests are merged into one device call: a batch closes when it holds
+``max_batch_size`` instances or ``batch_timeout_micros`` after its first request arrived, so a
+lone request waits at most the timeout. At most ``max_enqueued_batches`` batches' worth of
+instances wait; past that a request is refused at once (429), never left to hang.
+``num_batch_threads`` batches run at the same time. Batches are padded to allowed sizes by
+``Servable.run``.
+
+Hand-written because the knobs must be TF Serving's and the device call runs in a thread
+pool under one asyncio loop; no maintained Python batcher offers both (``ray.serve`` batching
+needs Ray).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import time
+from concurrent.futures import Executor
+from typing import Any, Callable
+
+import numpy as np
+
+
+class QueueFullError(RuntimeError):
+    """The batching queue is full: the request is refused (HTTP 429)."""
+
+
+@dataclasses.dataclass
+class BatchingOptions:
+    """TensorFlow Serving's ``BatchingParameters`` (its names and meanings).
+
+    Attributes:
+      max_batch_size: most instances in one device call.
+      batch_timeout_micros: most time a batch waits to fill after its first request.
+      max_enqueued_batches: queue bound, in batches of ``max_batch_size`` instances.
+      num_batch_threads: batches run concurrently.
+      allowed_batch_sizes: sizes batches are padded to (compiled ahead); the last must equal
+        ``max_batch_size``. Empty: powers of two up to ``max_batch_size``.
+    """
+
+    max_batch_size: int = 32
+    batch_timeout_micros: int = 1000
+    max_enqueued_batches: int = 16
+    num_batch_threads: int = 1
+    allowed_batch_sizes: tuple[int, ...] = ()
+
+    def validate(self) -> None:
+        """Raises ValueError naming the flag when the options are inconsistent."""
+        if self.max_batch_size < 1:
+            raise ValueError("--max_batch_size must be >= 1")
+        if self.batch_timeout_micros < 0:
+            raise ValueError("--batch_timeout_micros must be >= 0")
+        if self.max_enqueued_batches < 1 or self.num_batch_threads < 1:
+            raise ValueError("--max_enqueued_batches and --num_batch_threads must be >= 1")
+        sizes = list(self.allowed_batch_sizes)
+        if sizes and (sizes != sorted(set(sizes)) or sizes[-1] != self.max_batch_size
+                      or sizes[0] < 1):
+            raise ValueError("--allowed_batch_sizes must increase and end with --max_batch_size "
+                             f"({self.max_batch_size}), got {sizes}")
+
+
+@dataclasses.dataclass
+class _Task:
+    key: Any                      # the servable: tasks of different versions never share a batch
+    run: Callable[[dict], dict]
+    features: dict[str, np.ndarray]
+    size: int
+    arrived: float
+    future: asyncio.Future
+
+
+class Batcher:
+    """Merges concurrent ``submit`` calls into batches (see the module docstring)."""
+
+    def __init__(self, options: BatchingOptions, executor: Executor,
+                 clock: Callable[[], float] = time.monotonic):
+        """Starts nothing until the first ``submit`` (it needs the running loop)."""
+        options.validate()
+        self.options = options
+        self._executor = executor
+        self._clock = clock
+        self._tasks: collections.deque[_Task] = collections.deque()
+        self._queued = 0
+        self._wakeup: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._slots: asyncio.Semaphore | None = None
+        self.batches_run = 0
+
+    @property
+    def capacity(self) -> int:
+        """How many instances may wait."""
+        return self.options.max_enqueued_batches * self.options.max_batch_size
+
+    async def submit(self, key: Any, run: Callable[[dict], dict],
+                     features: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Queues one request's instances; returns its rows of the batch's outputs.
+
+        Raises:
+          QueueFullError: the queue holds ``capacity`` instances already.
+        """
+        if self._wakeup is None:
+            self._wakeup = asyncio.Event()
+            self._slots = asyncio.Semaphore(self.options.num_batch_threads)
+            self._loop_task = asyncio.get_running_loop().create_task(self._loop())
+        size = int(next(iter(features.values())).shape[0])
+        if self._queued + size > self.capacity:
+            raise QueueFullError(
+                "The batch scheduling queue to which this task was submitted is full "
+                f"({self._queued} instances waiting, --max_enqueued_batches="
+                f"{self.options.max_enqueued_batches} x --max_batch_size="
+                f"{self.options.max_batch_size}); retry later")
+        future = asyncio.get_running_loop().create_future()
+        self._tasks.append(_Task(key, run, features, size, self._clock(), future))
+        self._queued += size
+        self._wakeup.set()
+        return await future
+
+    async def _loop(self) -> None:
+        assert self._wakeup is not None and self._slots is not None
+        timeout = self.options.batch_timeout_micros / 1e6
+        while True:
+            while not self._tasks:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            await self._slots.acquire()  # while busy, the next batch keeps filling
+            # Wait for the batch to fill, at most `timeout` after its first request arrived.
+            while self._fill() < self.options.max_batch_size:
+                left = self._tasks[0].arrived + timeout - self._clock()
+                if left <= 0:
+                    break
+                self._wakeup.clear()
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), left)
+                except TimeoutError:
+                    break
+            batch = [self._tasks.popleft()]
+            total = batch[0].size
+            while (self._tasks and self._tasks[0].key is batch[0].key
+                   and total + self._tasks[0].size <= self.options.max_batch_size):
+                total += self._tasks[0].size
+                batch.append(self._tasks.popleft())
+            self._queued -= total
+            asyncio.get_running_loop().create_task(self._run(batch))
+
+    def _fill(self) -> int:
+        first = self._tasks[0]
+        total = 0
+        for task in self._tasks:
+            if task.key is not first.key:
+                break
+            total += task.size
+        return total
+
+    async def _run(self, batch: list[_Task]) -> None:
+        assert self._slots is not None
+        try:
+            features = {k: np.concatenate([t.features[k] for t in batch])
+                        for k in batch[0].features}
+            loop = asyncio.get_running_loop()
+            outputs = await loop.run_in_executor(self._executor, batch[0].run, features)
+            self.batches_run += 1
+            start = 0
+            for task in batch:
+                if not task.future.done():
+                    task.future.set_result({k: v[start:start + task.size]
+                                            for k, v in outputs.items()})
+                start += task.size
+        except Exception as e:  # noqa: BLE001 - every waiting request gets the error
+            for task in batch:
+                if not task.future.done():
+                    task.future.set_exception(e)
+        finally:
+            self._slots.release()
+
+    async def close(self) -> None:
+        """Stops the batching loop (pending requests are cancelled)."""
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        for task in self._tasks:
+            task.future.cancel()

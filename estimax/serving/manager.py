@@ -1,0 +1,160 @@
+"""Versions of one model: polling the base path, loading and warming, swapping without downtime.
+
+Policy ``latest{num_versions}`` as TensorFlow Serving's default: the newest published versions
+are served. A new version is loaded and compiled for every batch size before any old one is
+unloaded (availability-preserving, as TF Serving's default). A version that fails to load is
+reported (state ``END`` with its error) and is not retried until its directory changes; it never
+replaces a working one. An unloaded version refuses new requests, finishes those in flight, then
+frees its device memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import posixpath
+import threading
+from typing import Callable, Sequence
+
+import fsspec
+from absl import logging
+
+from estimax.serving.servable import SERVING_FILE, Servable
+from estimax.serving.versions import list_versions
+
+
+@dataclasses.dataclass
+class VersionState:
+    """One version's state in TF Serving's terms (START, LOADING, AVAILABLE, UNLOADING, END)."""
+
+    version: int
+    state: str
+    error: str = ""
+    servable: Servable | None = None
+    stamp: float | None = None  # the marker's mtime when loading failed
+
+
+class ModelManager:
+    """Keeps the newest versions of ``model_base_path`` loaded (see module docstring)."""
+
+    def __init__(self, name: str, model_base_path: str, batch_sizes: Sequence[int],
+                 num_versions: int = 1, poll_wait_seconds: float = 1.0,
+                 load: Callable[[str, int, Sequence[int]], Servable] | None = None):
+        """Does not load anything until ``poll()`` or ``start()``."""
+        self.name = name
+        self.base_path = model_base_path
+        self.batch_sizes = list(batch_sizes)
+        self.num_versions = num_versions
+        self.poll_wait_seconds = poll_wait_seconds
+        self._load = load or (lambda path, version, sizes: Servable(path, version, sizes))
+        self._versions: dict[int, VersionState] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.last_poll_error = ""
+
+    # ---------------------------------------------------------------- queries (any thread)
+    def states(self) -> list[VersionState]:
+        """Every version seen, newest first."""
+        with self._lock:
+            return sorted(self._versions.values(), key=lambda v: -v.version)
+
+    def get(self, version: int | None = None) -> Servable | None:
+        """The servable of ``version`` (None: the newest available), or None."""
+        with self._lock:
+            available = {v: s for v, s in self._versions.items()
+                         if s.state == "AVAILABLE" and s.servable is not None}
+            if version is None:
+                return available[max(available)].servable if available else None
+            state = available.get(version)
+            return state.servable if state else None
+
+    def ready(self) -> bool:
+        """Whether some version is available."""
+        return self.get() is not None
+
+    # ---------------------------------------------------------------- polling
+    def _stamp(self, version: int) -> float | None:
+        fs, root = fsspec.core.url_to_fs(self.base_path)
+        try:
+            info = fs.info(posixpath.join(root, str(version), SERVING_FILE))
+        except FileNotFoundError:
+            try:
+                info = fs.info(posixpath.join(root, str(version)))
+            except FileNotFoundError:
+                return None
+        return info.get("mtime") or info.get("LastModified") or info.get("updated")
+
+    def poll(self) -> None:
+        """One poll: load what the policy wants, then unload what it no longer wants."""
+        try:
+            on_disk = list_versions(self.base_path)
+            self.last_poll_error = ""
+        except (OSError, ValueError) as e:
+            if self.last_poll_error != str(e):
+                logging.error("Model %s: cannot list versions: %s", self.name, e)
+            self.last_poll_error = str(e)
+            return
+        wanted = sorted(on_disk)[-self.num_versions:]
+        for version in wanted:
+            with self._lock:
+                state = self._versions.get(version)
+            if state is not None and state.state == "AVAILABLE":
+                continue
+            stamp = self._stamp(version)
+            if state is not None and state.state == "END" and state.stamp == stamp:
+                continue  # failed before and unchanged since
+            self._load_version(version, stamp)
+        with self._lock:
+            available = [v for v, s in self._versions.items() if s.state == "AVAILABLE"]
+            keep = set(wanted) & set(available)
+            if not keep and available:
+                keep = {max(available)}  # never unload the last working version
+            to_unload = [self._versions[v] for v in available if v not in keep]
+            for s in to_unload:
+                s.state = "UNLOADING"
+        for s in to_unload:
+            servable = s.servable
+            logging.info("Model %s: unloading version %d", self.name, s.version)
+            if servable is not None:
+                servable.retire()
+            with self._lock:
+                s.state, s.servable = "END", None
+
+    def _load_version(self, version: int, stamp: float | None) -> None:
+        path = posixpath.join(self.base_path.rstrip("/"), str(version))
+        with self._lock:
+            self._versions[version] = VersionState(version, "LOADING")
+        logging.info("Model %s: loading version %d from %s", self.name, version, path)
+        try:
+            servable = self._load(path, version, self.batch_sizes)
+            servable.warm()
+        except Exception as e:  # noqa: BLE001 - any failure is reported, the old one stays
+            logging.error("Model %s: version %d failed to load: %s", self.name, version, e)
+            with self._lock:
+                self._versions[version] = VersionState(
+                    version, "END", error=f"{type(e).__name__}: {e}", stamp=stamp)
+            return
+        with self._lock:
+            self._versions[version] = VersionState(version, "AVAILABLE", servable=servable)
+        logging.info("Model %s: version %d is available", self.name, version)
+
+    def start(self) -> None:
+        """Polls once now, then every ``poll_wait_seconds`` in a thread (never if 0)."""
+        self.poll()
+        if self.poll_wait_seconds > 0:
+            self._thread = threading.Thread(target=self._run, name=f"poll-{self.name}",
+                                            daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_wait_seconds):
+            try:
+                self.poll()
+            except Exception:  # noqa: BLE001 - the poller must outlive any one bad poll
+                logging.exception("Model %s: poll failed", self.name)
+
+    def stop(self) -> None:
+        """Stops polling."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)

@@ -1,0 +1,239 @@
+"""Model versions on disk as TensorFlow Serving lays them out, published atomically.
+
+``<model_base_path>/<version>/`` with numeric versions. A version is *published* (visible to
+the server) when its ``serving.json`` exists: on local disk the whole directory is renamed into
+place in one step; on an object store (no rename) the files are uploaded under the final prefix
+and ``serving.json`` is uploaded last, so a half-copied version is never served. (TF Serving's
+users report versions loaded while still being copied; the marker is the fix.)
+Plain ``export_saved_model`` directories (no ``serving.json``) are served from local disk too,
+since that function also renames a complete directory into place.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import posixpath
+import shutil
+import tempfile
+import uuid
+from typing import TYPE_CHECKING, Any, Sequence
+
+import fsspec
+import numpy as np
+from absl import logging
+
+from estimax.serving import artifact
+from estimax.serving.preprocess import Preprocessing
+from estimax.serving.servable import (IMAGE_INPUT, SERVING_FILE, SERVING_FORMAT, Servable)
+
+if TYPE_CHECKING:
+    from estimax.estimator.estimator import Estimator
+
+CHECK_FILE = "export_check.json"
+
+
+class ExportCheckError(AssertionError):
+    """The export's predictions differ from ``Estimator.predict`` beyond the tolerance."""
+
+
+def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+
+
+def list_versions(model_base_path: str) -> list[int]:
+    """The published versions under ``model_base_path``, ascending.
+
+    Raises:
+      FileNotFoundError: ``model_base_path`` does not exist.
+    """
+    fs, root = fsspec.core.url_to_fs(model_base_path)
+    if not fs.isdir(root):
+        raise FileNotFoundError(f"--model_base_path={model_base_path} does not exist or is not "
+                                "a directory")
+    local = _is_local(fs)
+    versions = []
+    for entry in fs.ls(root, detail=False):
+        name = posixpath.basename(entry.rstrip("/"))
+        if not name.isdigit():
+            continue  # temporary and foreign entries
+        if fs.exists(posixpath.join(entry, SERVING_FILE)) or (
+                local and fs.exists(posixpath.join(entry, artifact.SIGNATURE_FILE))):
+            versions.append(int(name))
+    return sorted(versions)
+
+
+def _next_version(fs: fsspec.AbstractFileSystem, root: str) -> int:
+    taken = [int(posixpath.basename(e.rstrip("/"))) for e in fs.ls(root, detail=False)
+             if posixpath.basename(e.rstrip("/")).isdigit()] if fs.isdir(root) else []
+    return max(taken, default=0) + 1
+
+
+def export_version(estimator: "Estimator", model_base_path: str,
+                   serving_input: Any = None, preprocessing: Preprocessing | None = None,
+                   check_inputs: Sequence[Any] | np.ndarray | None = None,
+                   rtol: float = 1e-3, atol: float = 1e-4, top_k: int | None = None,
+                   checkpoint_path: str | None = None,
+                   platforms: tuple[str, ...] | None = None) -> str:
+    """Exports ``estimator``'s model as the next version under ``model_base_path``.
+
+    Calls ``estimator.export_saved_model`` (the weights it evaluates with: the EMA when the run
+    keeps one) into a temporary directory, optionally checks it against ``estimator.predict``,
+    writes ``serving.json`` and publishes ``<model_base_path>/<max version + 1>/`` atomically.
+
+    Args:
+      estimator: a trained ``estimax.Estimator``.
+      model_base_path: local path or fsspec URL (``gs://``, ``s3://``, ``memory://``...).
+      serving_input: ``TensorSpec`` (or dict of them) the export takes; default for images:
+        ``TensorSpec((None, *preprocessing.output_shape), preprocessing.output_dtype)``.
+      preprocessing: for raw-image serving (``estimax.serving.resnet_eval(image_size)``...):
+        clients then send encoded JPEG/PNG bytes as ``image_bytes``.
+      check_inputs: a few examples to check the export with: encoded images when
+        ``preprocessing`` is set, else an array [N, ...] of features. They and the expected
+        outputs are stored in the version (``export_check.json``) for ``estimax export-check``.
+      rtol, atol: the parity tolerance for float outputs (integer outputs must be equal).
+      top_k: also answer ``top_k_classes`` and ``top_k_probabilities`` [batch, k] (computed
+        by the server from ``probabilities``).
+      checkpoint_path: a checkpoint to export; None = the latest.
+      platforms: lowering platforms (default: ``export_saved_model``'s cpu, cuda, tpu).
+
+    Returns:
+      The published version directory.
+
+    Raises:
+      ExportCheckError: the export disagrees with ``Estimator.predict`` (nothing is published).
+    """
+    from estimax.estimator.export import TensorSpec  # only the exporter needs the estimator
+    from estimax.estimator.inputs import numpy_input_fn
+
+    if serving_input is None:
+        if preprocessing is None:
+            raise ValueError("export_version needs serving_input (a TensorSpec) or "
+                             "preprocessing (e.g. estimax.serving.resnet_eval(224))")
+        serving_input = TensorSpec((None, *preprocessing.output_shape),
+                                   preprocessing.output_dtype)
+    fs, root = fsspec.core.url_to_fs(model_base_path)
+    fs.makedirs(root, exist_ok=True)
+    local = _is_local(fs)
+    staging_parent = (os.path.join(root, f".tmp-export-{uuid.uuid4().hex}") if local
+                      else tempfile.mkdtemp(prefix="estimax-export-"))
+    try:
+        export_dir = estimator.export_saved_model(staging_parent, lambda: serving_input,
+                                                  checkpoint_path=checkpoint_path,
+                                                  platforms=platforms)
+        spec: dict[str, Any] = {
+            "format": SERVING_FORMAT,
+            "preprocessing": preprocessing.to_json() if preprocessing else None,
+        }
+        if top_k is not None:
+            spec["top_k"] = int(top_k)
+        # serving.json marks a version published: in the staging directory (not a numeric
+        # name, so never listed) it is harmless; uploads to object stores send it last.
+        with open(os.path.join(export_dir, SERVING_FILE), "w") as f:
+            json.dump(spec, f, indent=2)
+        if check_inputs is not None:
+            record = _check(estimator, export_dir, preprocessing, check_inputs, rtol, atol,
+                            numpy_input_fn)
+            with open(os.path.join(export_dir, CHECK_FILE), "w") as f:
+                json.dump(record, f)
+        while True:
+            version = _next_version(fs, root)
+            final = posixpath.join(root, str(version))
+            if local:
+                try:
+                    os.rename(export_dir, final)  # atomic; fails if another writer took it
+                except OSError:
+                    continue
+                break
+            files = sorted(os.listdir(export_dir), key=lambda n: n == SERVING_FILE)
+            for name in files:  # serving.json last
+                fs.put_file(os.path.join(export_dir, name), posixpath.join(final, name))
+            break
+    finally:
+        shutil.rmtree(staging_parent, ignore_errors=True)
+    url = final if local else fs.unstrip_protocol(final)
+    logging.info("Published version %d of the model under %s", version, model_base_path)
+    return url
+
+
+def _encode(x: Any) -> Any:
+    if isinstance(x, (bytes, bytearray)):
+        return {"b64": base64.b64encode(bytes(x)).decode()}
+    return np.asarray(x).tolist()
+
+
+def _check(estimator: "Estimator", export_dir: str, preprocessing: Preprocessing | None,
+           check_inputs: Any, rtol: float, atol: float, numpy_input_fn: Any) -> dict:
+    """Runs ``check_inputs`` through the served path and through ``estimator.predict``."""
+    servable = Servable(export_dir)
+    if preprocessing is not None:
+        features = servable.prepare({IMAGE_INPUT: list(check_inputs)})
+        raw = [_encode(b) for b in check_inputs]
+    else:
+        features = servable.prepare({n: check_inputs for n in servable.inputs})
+        raw = _encode(check_inputs)
+    served = servable.run(features)
+    (array,) = features.values() if len(features) == 1 else (features,)
+    predicted = list(estimator.predict(numpy_input_fn(array, None, shuffle=False, num_epochs=1)))
+    expected = {k: np.stack([np.asarray(p[k]) for p in predicted]) for k in served
+                if k in predicted[0]}
+    compare(served, expected, rtol, atol, what=f"the export in {export_dir} vs Estimator.predict")
+    servable.model.close()
+    return {"inputs": raw, "expected": {k: v.tolist() for k, v in expected.items()},
+            "rtol": rtol, "atol": atol}
+
+
+def compare(got: dict[str, np.ndarray], want: dict[str, np.ndarray], rtol: float, atol: float,
+            what: str) -> None:
+    """Raises ``ExportCheckError`` naming the output and the worst example if they differ."""
+    for name in want:
+        a, b = np.asarray(got[name]), np.asarray(want[name])
+        if a.shape != b.shape:
+            raise ExportCheckError(f"{what}: output {name!r} has shape {a.shape}, expected "
+                                   f"{b.shape}")
+        if a.dtype.kind in "iub":
+            bad = np.flatnonzero((a != b).reshape(len(a), -1).any(axis=1))
+            if bad.size:
+                raise ExportCheckError(f"{what}: output {name!r} differs for {bad.size} of "
+                                       f"{len(a)} examples (first: #{bad[0]}: {a[bad[0]]} vs "
+                                       f"{b[bad[0]]})")
+        else:
+            err = np.abs(a.astype(np.float64) - b) - rtol * np.abs(b)
+            if (err > atol).any():
+                worst = int(np.argmax(err.reshape(len(a), -1).max(axis=1)))
+                raise ExportCheckError(
+                    f"{what}: output {name!r} differs beyond rtol={rtol}, atol={atol} (worst: "
+                    f"example #{worst}, max |diff| "
+                    f"{np.abs(a[worst].astype(np.float64) - b[worst]).max():.3g})")
+
+
+def check_version(version_dir: str) -> tuple[int, dict[str, float]]:
+    """``estimax export-check``: reruns a version's stored check examples on this machine.
+
+    Returns:
+      (number of examples, {output: max abs difference}).
+
+    Raises:
+      FileNotFoundError: the version has no ``export_check.json`` (exported without
+        ``check_inputs``).
+      ExportCheckError: the served outputs differ from the expected ones.
+    """
+    fs, root = fsspec.core.url_to_fs(version_dir)
+    path = posixpath.join(root, CHECK_FILE)
+    if not fs.exists(path):
+        raise FileNotFoundError(f"{version_dir} has no {CHECK_FILE}: export it with "
+                                "export_version(..., check_inputs=...)")
+    with fs.open(path, "r") as f:
+        record = json.load(f)
+    servable = Servable(version_dir)
+    if servable.preprocessing is not None:
+        images = [base64.b64decode(x["b64"]) for x in record["inputs"]]
+        got = servable.predict_images(images)
+    else:
+        got = servable.run(servable.prepare({n: record["inputs"] for n in servable.inputs}))
+    expected = {k: np.asarray(v) for k, v in record["expected"].items()}
+    compare(got, expected, record["rtol"], record["atol"], what=f"{version_dir} on this machine")
+    diffs = {k: float(np.abs(np.asarray(got[k], np.float64) - expected[k]).max())
+             for k in expected}
+    return len(next(iter(expected.values()))), diffs

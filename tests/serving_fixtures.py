@@ -1,0 +1,118 @@
+"""Shared set-up of the serving tests: a tiny bf16 ResNet with EMA trained on small real JPEGs."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import simplejpeg
+
+import estimax as ex
+from estimax.data import preprocessing
+from estimax.models import get_model
+
+IMAGE_SIZE = 32
+NUM_CLASSES = 3
+
+
+def make_jpegs(n: int, seed: int = 0) -> tuple[list[bytes], np.ndarray]:
+    """n small JPEGs (sizes vary, 40..90 px) of three colour-dominated classes, and labels."""
+    rng = np.random.default_rng(seed)
+    images, labels = [], []
+    for i in range(n):
+        label = i % NUM_CLASSES
+        h, w = int(rng.integers(40, 90)), int(rng.integers(40, 90))
+        yy, xx = np.mgrid[0:h, 0:w]
+        img = rng.integers(0, 80, (h, w, 3)).astype(np.float32)
+        img[..., label] += 120 + 60 * np.sin(xx / 7.0 + yy / 11.0)
+        images.append(simplejpeg.encode_jpeg(np.clip(img, 0, 255).astype(np.uint8),
+                                             quality=90, colorspace="RGB"))
+        labels.append(label)
+    return images, np.asarray(labels, np.int32)
+
+
+def model_fn(features, labels, mode, params):
+    """The resnet program's model_fn, tiny: uint8 [B, S, S, 3] -> classes, probabilities."""
+    del params
+    model = get_model("resnet_tiny", num_classes=NUM_CLASSES, dtype=jnp.bfloat16)
+    images = preprocessing.normalize(features, jnp, dtype=jnp.bfloat16)
+    logits = model(images, train=mode == ex.ModeKeys.TRAIN).astype(jnp.float32)
+    predictions = {"classes": jnp.argmax(logits, axis=1), "probabilities": jax.nn.softmax(logits)}
+    if mode == ex.ModeKeys.PREDICT:
+        return ex.EstimatorSpec(mode=mode, predictions=predictions,
+                                export_outputs={"classify": predictions})
+    return ex.EstimatorSpec(mode=mode, loss=ex.losses.softmax_cross_entropy(logits, labels),
+                            optimizer=optax.sgd(0.05, momentum=0.9), ema_decay=0.9,
+                            predictions=predictions)
+
+
+def build_estimator(model_dir: str) -> ex.Estimator:
+    """The tiny estimator (global batch 8, EMA of the weights, bfloat16 compute)."""
+    return ex.Estimator(model_fn, ex.RunConfig(model_dir=model_dir, iterations_per_loop=2),
+                        train_batch_size=8, predict_batch_size=8)
+
+
+def preprocess_all(images: list[bytes]) -> np.ndarray:
+    """The eval pipeline's preprocessing of each image: [N, S, S, 3] uint8."""
+    return np.stack([preprocessing.resnet_preprocess(b, False, IMAGE_SIZE) for b in images])
+
+
+def predict(est: ex.Estimator, images: list[bytes]) -> dict[str, np.ndarray]:
+    """Estimator.predict on the eval-preprocessed images."""
+    out = list(est.predict(ex.numpy_input_fn(preprocess_all(images), None, shuffle=False,
+                                             num_epochs=1)))
+    return {k: np.stack([o[k] for o in out]) for k in ("classes", "probabilities")}
+
+
+def free_port() -> int:
+    """A free loopback TCP port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_env() -> dict[str, str]:
+    """The environment of a server process: one CPU device, the worktree importable."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return {**os.environ, "XLA_FLAGS": "", "ESTIMAX_ONEDNN": "0",
+            "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+@contextlib.contextmanager
+def running_server(args: list[str], timeout: float = 180.0):
+    """Starts ``estimax serve ARGS --port=P`` and yields its base URL once it is ready."""
+    import requests
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "estimax.serving.cli", "serve",
+                             f"--port={port}", *args], env=server_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:  # wait for readiness (a process start, not a timed assertion)
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}: {proc.stdout.read()}")
+            try:
+                if requests.get(url + "/v2/health/ready", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("server did not become ready")
+            time.sleep(0.2)
+        yield url, proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
