@@ -6,8 +6,9 @@ traceable under ``jit``) giving a float32 learning rate, so it can be passed to 
 The arithmetic follows the original's TF graphs literally (float32 epoch = step / (images / batch),
 ``tf.where`` chains, ``tf.train.exponential_decay``), so boundary steps land where they did there.
 
-Sources (ORIGINAL_SYSTEM.md): ResNet §2.4 (resnet_main.py ``learning_rate_schedule``), Inception
-§6 (inception_v3.py / inception_v4.py ``inception_model_fn``), MNIST §7 (mnist_tpu.py).
+Sources: resnet_main.py's ``learning_rate_schedule``, inception_v3.py / inception_v4.py's
+``inception_model_fn``, mnist_tpu.py. They live beside the programs because they are recipes of
+particular models; ``estimax.estimator`` knows no model.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from typing import Sequence
 import jax.numpy as jnp
 import optax
 
-# ImageNet train-set size, the default of every original program (--num_train_images).
-NUM_TRAIN_IMAGES = 1281167
+# ImageNet's train-set size, the default of every original program (--num_train_images); stated
+# once, in the ImageNet input.
+from estimax.data.imagenet import NUM_TRAIN_IMAGES
 # ResNet's (start epoch, multiplier) decay points after warm-up (LR_SCHEDULE in resnet_main.py).
 RESNET_BOUNDARIES = ((30, 0.1), (60, 0.01), (80, 0.001))
 
