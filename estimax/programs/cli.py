@@ -59,7 +59,17 @@ def main(define_flags: Callable[[flags.FlagValues], None],
     main_module = sys.modules["__main__"]
     if not main_module.__doc__:
         main_module.__doc__ = doc
-    app.run(functools.partial(_run, run_from_flags, fv))
+    app.run(functools.partial(_run, run_from_flags, fv),
+            flags_parser=functools.partial(_parse, fv))
+
+
+def _parse(fv: flags.FlagValues, argv: list[str]) -> list[str]:
+    # absl's own parser prints the error and a second line of advice; one line is enough.
+    try:
+        return fv(argv)
+    except flags.Error as e:
+        _fatal(f"{e} (see --help).")
+        raise  # unreachable: _fatal exits
 
 
 def _run(run_from_flags: Callable[[flags.FlagValues], Any], fv: flags.FlagValues,
@@ -71,7 +81,11 @@ def _run(run_from_flags: Callable[[flags.FlagValues], Any], fv: flags.FlagValues
             raise UsageError(f"unexpected arguments {argv[1:]}: every setting is a --flag "
                              "(see --help).")
         apply_environment(fv, os.environ)
-        run_from_flags(fv)
+        results = run_from_flags(fv)
+        if "mode" in fv and fv.mode == "eval" and results is None:
+            raise UsageError(f"no checkpoint appeared in --model_dir={fv.model_dir} within "
+                             f"--eval_timeout={fv.eval_timeout} s: is it the training job's "
+                             "--model_dir?")
     except (UsageError, app.UsageError) as e:
         _fatal(str(e))
     except bigtable.BigtableError as e:
@@ -158,6 +172,14 @@ def check_location(name: str, value: str | None, *, required: bool = False) -> s
                         "${STORAGE_BUCKET} turns ${STORAGE_BUCKET}/inception into /inception). "
                         "Continuing with %s. ***", name, value, hint, value)
     return value
+
+
+def check_given(fv: flags.FlagValues, names: tuple[str, ...]) -> None:
+    """Refuses a flag of ``names`` given as '' (``--bigtable_instance=$INSTANCE``, unset)."""
+    for name in names:
+        if fv[name].present and not (fv[name].value or "").strip():
+            raise UsageError(f"--{name} is empty: an environment variable in the command line "
+                             f"is probably unset. Give --{name} a value or leave the flag out.")
 
 
 def check_model_dir(model_dir: str, program: str, model_flags: Mapping[str, Any], *,

@@ -250,6 +250,23 @@ class LoopConfig:
             raise UsageError(f"the steps between evaluations must be >= 1, got "
                              f"{self.steps_per_eval}.")
 
+    @classmethod
+    def from_flags(cls, fv: flags.FlagValues, *, steps_per_eval: int, eval_examples: int,
+                   train_examples: int) -> "LoopConfig":
+        """The loop of an ImageNet program's flags (``define_run_flags`` and the batch sizes).
+
+        Args:
+          fv: parsed flags with ``mode``, ``train_steps``, ``train_batch_size``,
+            ``eval_batch_size``, ``eval_timeout``, ``export_dir``.
+          steps_per_eval: the program's steps-between-evaluations flag's value.
+          eval_examples: evaluation examples (every one evaluated once).
+          train_examples: examples per epoch (for the log line).
+        """
+        return cls(mode=fv.mode, train_steps=fv.train_steps, steps_per_eval=steps_per_eval,
+                   eval_steps=-(-eval_examples // fv.eval_batch_size),
+                   eval_timeout=fv.eval_timeout, export_dir=fv.export_dir,
+                   epochs_per_step=fv.train_batch_size / train_examples)
+
 
 @dataclasses.dataclass(frozen=True)
 class Job:
@@ -257,25 +274,27 @@ class Job:
 
     Attributes:
       program: the program's name (kept in ``model_dir/flags.json``).
-      model_dir: ``--model_dir``.
       model_flags: the flags that decide the checkpoint's shape, ``{name: value}``.
-      make_estimator: builds the Estimator (after the model_dir checks, so nothing is written
-        into a model_dir that another trainer holds).
-      input_fn: ``input_fn(is_training)`` -> the Estimator's input function.
+      model_fn, config, params: the Estimator's (built after the model_dir checks, so nothing
+        is written into a model_dir that another trainer holds).
+      batch_sizes: ``(train, eval)`` global batch sizes (predict uses eval's).
+      input_fn: ``input_fn(is_training=...)`` -> the Estimator's input function.
       loop: mode, steps, export settings.
-      serving: the features' spec for ``--export_dir`` (None: the program cannot export).
-      report: the line printed for the last evaluation's results.
+      serving: the features' spec for ``--export_dir``.
+      metrics: the metrics printed for the last evaluation, and what its examples are called.
       notes: warnings to keep in TensorBoard's run description (fake data).
     """
 
     program: str
-    model_dir: str
     model_flags: dict[str, Any]
-    make_estimator: Callable[[], Any]
-    input_fn: Callable[[bool], Callable]
+    model_fn: Callable
+    config: Any
+    batch_sizes: tuple[int, int]
+    input_fn: Callable[..., Callable]
     loop: LoopConfig
-    serving: Callable[[], Any] | None
-    report: Callable[[dict[str, Any]], str]
+    serving: Any
+    metrics: tuple[tuple[str, ...], str]
+    params: dict[str, Any] | None = None
     notes: tuple[str, ...] = ()
 
 
@@ -370,23 +389,28 @@ def run(job: Job) -> dict[str, Any] | None:
     Returns:
       the last evaluation's results, or None when there was no evaluation.
     """
+    model_dir = job.config.model_dir
     training = job.loop.mode != "eval"
     # Eval mode only reads model_dir: no writer lock.
-    with lock.WriterLock(job.model_dir) if training else contextlib.nullcontext():
-        cli.check_model_dir(job.model_dir, job.program, job.model_flags, write=training)
+    with lock.WriterLock(model_dir) if training else contextlib.nullcontext():
+        cli.check_model_dir(model_dir, job.program, job.model_flags, write=training)
         if job.notes:
-            write_run_description(job.model_dir, job.notes)
-        est = job.make_estimator()
+            write_run_description(model_dir, job.notes)
+        est = ex.Estimator(job.model_fn, job.config, params=job.params,
+                           train_batch_size=job.batch_sizes[0],
+                           eval_batch_size=job.batch_sizes[1],
+                           predict_batch_size=job.batch_sizes[1])
         try:
-            results = run_mode(est, job.input_fn(True), job.input_fn(False), job.loop)
+            results = run_mode(est, job.input_fn(is_training=True),
+                               job.input_fn(is_training=False), job.loop)
             if training and job.loop.export_dir:
-                if job.serving is None:
-                    raise UsageError("--export_dir: this program has no serving input.")
-                export(est, job.loop.export_dir, job.serving)
+                export(est, job.loop.export_dir, lambda: job.serving)
         finally:
             est.close()
     if results is not None:
-        print(job.report(results))
+        names, examples = job.metrics
+        values = ", ".join(f"{name} = {results[name]:.4f}" for name in names)
+        print(f"Eval results at step {results['global_step']}: {values} on "
+              f"{results['num_examples']} {examples}")
     print(f"TensorBoard logs: tensorboard --logdir={est.model_dir}", flush=True)
     return results
-

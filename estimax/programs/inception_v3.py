@@ -54,6 +54,8 @@ RMSPROP_EPSILON = 1.0
 MOVING_AVERAGE_DECAY = 0.995
 LABEL_SMOOTHING = 0.1
 AUX_LOSS_WEIGHT = 0.4
+# What the result line shows: "Eval results at step N: accuracy = ... on N images".
+METRICS = (("accuracy", "accuracy@5"), "images")
 # The smallest input the networks' stride-2 stem and reductions leave a 1x1 map for.
 MIN_IMAGE_SIZE = 107
 # slim's inception_v3_arg_scope / inception_v4_arg_scope(weight_decay=0.00004): an
@@ -70,23 +72,22 @@ class Variant:
       model: the Flax network's constructor (``num_classes``, ``dtype``, ``conv``, ``max_pool``).
       defaults: flag defaults that differ between the two originals.
       schedule_flags: the variant's warm-up flags, ``(name, default, help)``; the default's type
-        is the flag's.
-      schedule: ``schedule(fv) -> optax.Schedule`` from the parsed flags.
+        is the flag's, the name the keyword of ``schedule``.
+      schedule: the learning-rate schedule's factory (``estimax.programs.schedules``).
     """
 
     name: str
     model: Callable[..., nn.Module]
     defaults: dict[str, Any]
     schedule_flags: tuple[tuple[str, Any, str], ...]
-    schedule: Callable[[flags.FlagValues], optax.Schedule]
+    schedule: Callable[..., optax.Schedule]
 
-
-def _v3_schedule(fv: flags.FlagValues) -> optax.Schedule:
-    return schedules.inception_v3_schedule(
-        fv.learning_rate, fv.train_batch_size, learning_rate_decay=fv.learning_rate_decay,
-        learning_rate_decay_epochs=fv.learning_rate_decay_epochs,
-        use_learning_rate_warmup=fv.use_learning_rate_warmup, cold_epochs=fv.cold_epochs,
-        warmup_epochs=fv.warmup_epochs)
+    def make_schedule(self, fv: flags.FlagValues) -> optax.Schedule:
+        """The schedule of the parsed flags."""
+        return self.schedule(
+            fv.learning_rate, fv.train_batch_size, learning_rate_decay=fv.learning_rate_decay,
+            learning_rate_decay_epochs=fv.learning_rate_decay_epochs,
+            **{name: fv[name].value for name, _, _ in self.schedule_flags})
 
 
 V3 = Variant(
@@ -100,7 +101,7 @@ V3 = Variant(
         ("cold_epochs", 2, "Epochs at the cold learning rate (with --use_learning_rate_warmup)."),
         ("warmup_epochs", 7, "Epochs of linear warm-up (with --use_learning_rate_warmup)."),
     ),
-    schedule=_v3_schedule,
+    schedule=schedules.inception_v3_schedule,
 )
 
 _DEFINE_BY_TYPE = {bool: flags.DEFINE_bool, int: flags.DEFINE_integer,
@@ -300,7 +301,7 @@ def run_from_flags(fv: flags.FlagValues, variant: Variant = V3) -> dict[str, Any
         # Files hold labels 1..num_classes-1 (class 0 is the background logit).
         num_classes=fv.num_classes - 1, use_annotated_bbox=fv.use_annotated_bbox)
     cfg = InceptionConfig(
-        model=variant.model, schedule=variant.schedule(fv), optimizer=fv.optimizer,
+        model=variant.model, schedule=variant.make_schedule(fv), optimizer=fv.optimizer,
         num_classes=fv.num_classes, train_batch_size=fv.train_batch_size,
         moving_average=fv.moving_average, precision=fv.precision, cpu_fast_ops=fv.cpu_fast_ops)
     config = ex.RunConfig(
@@ -308,23 +309,17 @@ def run_from_flags(fv: flags.FlagValues, variant: Variant = V3) -> dict[str, Any
         num_shards=common.resolve_num_shards(fv.num_shards, "num_shards"),
         save_checkpoints_secs=fv.save_checkpoints_secs, save_summary_steps=fv.save_summary_steps,
         keep_checkpoint_max=fv.keep_checkpoint_max)
-    loop = common.LoopConfig(
-        mode=fv.mode, train_steps=fv.train_steps, steps_per_eval=fv.train_steps_per_eval,
-        eval_steps=-(-eval_size // fv.eval_batch_size), eval_timeout=fv.eval_timeout,
-        export_dir=fv.export_dir, epochs_per_step=fv.train_batch_size / imagenet.NUM_TRAIN_IMAGES)
+    loop = common.LoopConfig.from_flags(fv, steps_per_eval=fv.train_steps_per_eval,
+                                        eval_examples=eval_size,
+                                        train_examples=imagenet.NUM_TRAIN_IMAGES)
     return common.run(common.Job(
-        program=variant.name, model_dir=fv.model_dir, loop=loop, notes=tuple(notes),
-        model_flags={"num_classes": fv.num_classes, "optimizer": fv.optimizer,
-                     "moving_average": fv.moving_average},
-        make_estimator=lambda: ex.Estimator(
-            make_model_fn(cfg), config, train_batch_size=fv.train_batch_size,
-            eval_batch_size=fv.eval_batch_size, predict_batch_size=fv.eval_batch_size),
-        input_fn=lambda is_training: inputs(is_training=is_training),
+        program=variant.name, config=config, loop=loop, notes=tuple(notes), input_fn=inputs,
+        model_fn=make_model_fn(cfg), batch_sizes=(fv.train_batch_size, fv.eval_batch_size),
         # Preprocessed images in [-1, 1]; the export holds the moving-average weights.
-        serving=lambda: ex.TensorSpec((None, fv.width, fv.width, 3), np.float32),
-        report=lambda r: (f"Eval results at step {r['global_step']}: accuracy = "
-                          f"{r['accuracy']:.4f}, accuracy@5 = {r['accuracy@5']:.4f} on "
-                          f"{r['num_examples']} images")))
+        serving=ex.TensorSpec((None, fv.width, fv.width, 3), np.float32), metrics=METRICS,
+        # The flags that change the checkpoint's tree (logits, optimizer slots, averages).
+        model_flags={"num_classes": fv.num_classes, "optimizer": fv.optimizer,
+                     "moving_average": fv.moving_average}))
 
 
 def run() -> None:

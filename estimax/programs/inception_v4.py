@@ -17,19 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import optax
 from absl import flags
 
 from estimax.models.inception_v4 import InceptionV4
 from estimax.programs import cli, inception_v3, schedules
-
-
-def _v4_schedule(fv: flags.FlagValues) -> optax.Schedule:
-    return schedules.inception_v4_schedule(
-        fv.learning_rate, fv.train_batch_size, learning_rate_decay=fv.learning_rate_decay,
-        learning_rate_decay_epochs=fv.learning_rate_decay_epochs,
-        cold_learning_rate=fv.cold_learning_rate, cold_epochs=fv.cold_epochs,
-        warmup_epochs=fv.warmup_epochs)
 
 
 V4 = dataclasses.replace(
@@ -43,7 +34,7 @@ V4 = dataclasses.replace(
         ("cold_epochs", 1, "Epochs at --cold_learning_rate."),
         ("warmup_epochs", 2, "Epochs of linear warm-up after the cold ones."),
     ),
-    schedule=_v4_schedule,
+    schedule=schedules.inception_v4_schedule,
 )
 
 

@@ -171,17 +171,13 @@ def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
         steps_per_eval=fv.train_steps, eval_steps=None if fv.eval_steps < 0 else fv.eval_steps,
         export_dir=fv.export_dir)
     return common.run(common.Job(
-        program="mnist", model_dir=fv.model_dir, loop=loop,
-        model_flags={"dense_units": fv.dense_units},
-        make_estimator=lambda: ex.Estimator(
-            model_fn, config, params=dataclasses.asdict(cfg), train_batch_size=fv.batch_size,
-            eval_batch_size=fv.batch_size, predict_batch_size=fv.batch_size),
+        program="mnist", config=config, loop=loop, params=dataclasses.asdict(cfg),
+        model_flags={"dense_units": fv.dense_units}, model_fn=model_fn,
+        batch_sizes=(fv.batch_size, fv.batch_size),
         input_fn=lambda is_training: input_fn(files[is_training], is_training,
                                               fv.skip_bad_records),
-        serving=lambda: ex.TensorSpec((None, 784), np.float32),
-        report=lambda r: (f"Eval results at step {r['global_step']}: accuracy = "
-                          f"{r['accuracy']:.4f} on {r['num_examples']} held-out examples "
-                          f"(loss = {r['loss']:.4f})")))
+        serving=ex.TensorSpec((None, 784), np.float32),
+        metrics=(("accuracy",), "held-out examples")))
 
 
 def run() -> None:

@@ -34,6 +34,10 @@ from estimax.models.resnet import RESNET_DEPTHS, resnet_v1
 from estimax.programs import cli, common, logs, schedules
 
 
+# What the result line shows: "Eval results at step N: top_1_accuracy = ... on N images".
+METRICS = (("top_1_accuracy", "top_5_accuracy"), "images")
+
+
 @dataclasses.dataclass(frozen=True)
 class ResNetConfig:
     """The recipe's hyperparameters (the flags the model_fn reads, gathered once).
@@ -228,6 +232,7 @@ def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
         imagenet.input_fn, image_size=fv.image_size, preprocessing="resnet",
         num_parallel_calls=fv.num_parallel_calls, fake_eval_examples=fv.num_eval_images,
         num_classes=fv.num_label_classes, skip_bad_records=fv.skip_bad_records)
+    cli.check_given(fv, tuple(name for name, _, _ in BIGTABLE_FLAGS))
     if fv.bigtable_instance:
         logging.info("Reading the tf.Examples from Cloud Bigtable (--bigtable_instance); "
                      "--data_dir is not used")
@@ -246,23 +251,17 @@ def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
         num_shards=common.resolve_num_shards(fv.num_cores, "num_cores"),
         save_checkpoints_steps=fv.save_checkpoints_steps or max(100, fv.iterations_per_loop),
         keep_checkpoint_max=fv.keep_checkpoint_max, log_step_count_steps=fv.log_step_count_steps)
-    loop = common.LoopConfig(
-        mode=fv.mode, train_steps=fv.train_steps, steps_per_eval=fv.steps_per_eval,
-        eval_steps=-(-fv.num_eval_images // fv.eval_batch_size), eval_timeout=fv.eval_timeout,
-        export_dir=fv.export_dir, epochs_per_step=fv.train_batch_size / fv.num_train_images)
+    loop = common.LoopConfig.from_flags(fv, steps_per_eval=fv.steps_per_eval,
+                                        eval_examples=fv.num_eval_images,
+                                        train_examples=fv.num_train_images)
     return common.run(common.Job(
-        program="resnet", model_dir=fv.model_dir, loop=loop, notes=tuple(notes),
-        model_flags={"resnet_depth": fv.resnet_depth, "num_label_classes": fv.num_label_classes},
-        make_estimator=lambda: ex.Estimator(
-            make_model_fn(cfg), config, train_batch_size=fv.train_batch_size,
-            eval_batch_size=fv.eval_batch_size, predict_batch_size=fv.eval_batch_size),
-        input_fn=lambda is_training: inputs(is_training=is_training),
+        program="resnet", config=config, loop=loop, notes=tuple(notes), input_fn=inputs,
+        batch_sizes=(fv.train_batch_size, fv.eval_batch_size), model_fn=make_model_fn(cfg),
         # The original served JPEG bytes through a tf.map_fn of the eval preprocessing; an
         # estimax export is a compiled function of arrays: preprocessed images (uint8, [0, 255]).
-        serving=lambda: ex.TensorSpec((None, fv.image_size, fv.image_size, 3), np.uint8),
-        report=lambda r: (f"Eval results at step {r['global_step']}: top_1_accuracy = "
-                          f"{r['top_1_accuracy']:.4f}, top_5_accuracy = "
-                          f"{r['top_5_accuracy']:.4f} on {r['num_examples']} images")))
+        serving=ex.TensorSpec((None, fv.image_size, fv.image_size, 3), np.uint8),
+        metrics=METRICS, model_flags={"resnet_depth": fv.resnet_depth,
+                                      "num_label_classes": fv.num_label_classes}))
 
 
 def run() -> None:

@@ -34,6 +34,16 @@ def _batches_per_epoch(train_batch_size: int, num_train_images: int) -> float:
     return num_train_images / train_batch_size
 
 
+def _staircase_decay(initial: float, decay: float, decay_epochs: float,
+                     batches_per_epoch: float) -> optax.Schedule:
+    """``initial * decay ** floor(step / int(decay_epochs * batches_per_epoch))`` (Inception)."""
+    decay_steps = int(decay_epochs * batches_per_epoch)
+    if decay_steps <= 0:
+        raise ValueError(f"learning_rate_decay_epochs={decay_epochs} is less than one step "
+                         f"({batches_per_epoch:g} steps per epoch)")
+    return optax.exponential_decay(initial, decay_steps, decay, staircase=True)
+
+
 def current_epoch(step, train_batch_size: int, num_train_images: int = NUM_TRAIN_IMAGES):
     """The fractional epoch the original logs as ``current_epoch``.
 
@@ -140,11 +150,7 @@ def inception_v3_schedule(
     initial = learning_rate * train_batch_size / 256.0
     final = 0.0001 * initial
     bpe = _batches_per_epoch(train_batch_size, num_train_images)
-    decay_steps = int(learning_rate_decay_epochs * bpe)
-    if decay_steps <= 0:
-        raise ValueError(f"learning_rate_decay_epochs={learning_rate_decay_epochs} is less than "
-                         f"one step at batch {train_batch_size} / {num_train_images} images")
-    decayed = optax.exponential_decay(initial, decay_steps, learning_rate_decay, staircase=True)
+    decayed = _staircase_decay(initial, learning_rate_decay, learning_rate_decay_epochs, bpe)
     adj = initial * learning_rate_decay ** ((warmup_epochs + cold_epochs)
                                             / learning_rate_decay_epochs)
     wlr = 0.1 * adj
@@ -201,11 +207,7 @@ def inception_v4_schedule(
     initial /= learning_rate_decay ** ((warmup_epochs + cold_epochs) / learning_rate_decay_epochs)
     final = 0.0001 * initial
     bpe = _batches_per_epoch(train_batch_size, num_train_images)
-    decay_steps = int(learning_rate_decay_epochs * bpe)
-    if decay_steps <= 0:
-        raise ValueError(f"learning_rate_decay_epochs={learning_rate_decay_epochs} is less than "
-                         f"one step at batch {train_batch_size} / {num_train_images} images")
-    decayed = optax.exponential_decay(initial, decay_steps, learning_rate_decay, staircase=True)
+    decayed = _staircase_decay(initial, learning_rate_decay, learning_rate_decay_epochs, bpe)
     wlr = initial / (warmup_epochs + cold_epochs)
 
     def schedule(step):
