@@ -23,7 +23,9 @@ The model_fn adds the 1 back, so logits, predictions and exported models index c
 original's did (and its checkpoints' heads would line up).
 
 ``inception_v4`` is this program with v4's network, defaults and warm-up schedule
-(``estimax.programs.inception_v4``).
+(``estimax.programs.inception_v4``). Every flag can also come from ``ESTIMAX_<FLAG>`` in the
+environment (``ESTIMAX_MODEL_DIR``; a job runner's ``TPU_MODEL_DIR`` too), the command line
+winning.
 """
 
 from __future__ import annotations
