@@ -326,3 +326,15 @@ def test_seed_line_with_unset_variables_stops_at_start(seed, command, tmp_path, 
         mod.run_from_flags(fv)
     assert str(e.value).startswith(("--model_dir is empty", "--data_dir is empty"))
     assert os.listdir(tmp_path) == []
+
+
+def test_eval_mode_says_where_it_waits_for_a_mistyped_model_dir(tmp_path, caplog):
+    class NoEstimator:  # evaluate is never reached: no checkpoint appears
+        model_dir = str(tmp_path / "typo")
+
+    loop = common.LoopConfig(mode="eval", train_steps=10, steps_per_eval=1, eval_timeout=0)
+    with caplog.at_level("INFO"):
+        assert common.evaluate_checkpoints(NoEstimator(), None, loop) is None
+    assert (f"Waiting for checkpoints in {tmp_path}/typo/checkpoints (a training job's "
+            f"--model_dir={tmp_path}/typo, which does not exist yet) and evaluating each new one "
+            "until step 10; giving up after --eval_timeout=0 s without a new one.") in caplog.text

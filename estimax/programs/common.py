@@ -30,6 +30,7 @@ import posixpath
 import time
 from typing import Any, Callable
 
+import fsspec
 import jax
 from absl import flags, logging
 
@@ -318,8 +319,10 @@ def evaluate_checkpoints(est: Any, eval_input_fn: Callable, loop: LoopConfig,
     from estimax.estimator import checkpoints
 
     where = checkpoints.checkpoint_dir(est.model_dir)
-    logging.info("Waiting for checkpoints in %s (a training job's --model_dir=%s) and "
+    fs, fs_path = fsspec.core.url_to_fs(est.model_dir)
+    logging.info("Waiting for checkpoints in %s (a training job's --model_dir=%s%s) and "
                  "evaluating each new one until step %d; %s.", where, est.model_dir,
+                 "" if fs.exists(fs_path) else ", which does not exist yet",
                  loop.train_steps, "no --eval_timeout: waiting as long as it takes"
                  if loop.eval_timeout is None else
                  f"giving up after --eval_timeout={loop.eval_timeout:g} s without a new one")
@@ -391,10 +394,12 @@ def run(job: Job) -> dict[str, Any] | None:
     """
     model_dir = job.config.model_dir
     training = job.loop.mode != "eval"
-    # Eval mode only reads model_dir: no writer lock.
-    with lock.WriterLock(model_dir) if training else contextlib.nullcontext():
-        cli.check_model_dir(model_dir, job.program, job.model_flags, write=training)
-        if job.notes:
+    # Eval mode only reads model_dir: no writer lock. A multi-host job is one trainer: its
+    # first process holds the lock and records the flags for all.
+    writer = training and jax.process_index() == 0
+    with lock.WriterLock(model_dir) if writer else contextlib.nullcontext():
+        cli.check_model_dir(model_dir, job.program, job.model_flags, write=writer)
+        if job.notes and jax.process_index() == 0:
             write_run_description(model_dir, job.notes)
         est = ex.Estimator(job.model_fn, job.config, params=job.params,
                            train_batch_size=job.batch_sizes[0],
