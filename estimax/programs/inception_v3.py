@@ -45,7 +45,6 @@ from absl import flags
 import estimax as ex
 from estimax import ops
 from estimax.data import imagenet
-from estimax.programs import schedules
 from estimax.models.inception_v3 import InceptionV3
 from estimax.programs import cli, common, logs, schedules
 

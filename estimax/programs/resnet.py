@@ -10,8 +10,9 @@ with Nesterov momentum, linear warm-up and step decay scaled by batch/256, metri
 ``--data_dir`` defaults to the original's public fake ImageNet, which is not reachable here: it
 means local fake data, with a warning at start and in TensorBoard. With ``--bigtable_instance``
 the tf.Examples come from the rows of a Cloud Bigtable table instead (``--bigtable_*`` flags,
-``estimax.data.bigtable``). TPU-only flags are accepted and explained in their help. Every flag can also come from ``ESTIMAX_<FLAG>`` in the
-environment (``ESTIMAX_MODEL_DIR``; ``TPU_MODEL_DIR`` too), the command line winning.
+``estimax.data.bigtable``). TPU-only flags are accepted and explained in their help. Every flag
+can also come from ``ESTIMAX_<FLAG>`` in the environment (``ESTIMAX_MODEL_DIR``; a job runner's
+``TPU_MODEL_DIR`` too), the command line winning.
 """
 
 from __future__ import annotations
@@ -154,7 +155,7 @@ BIGTABLE_FLAGS = (
 
 
 def build_model(cfg: ResNetConfig) -> nn.Module:
-    """The network of ``cfg``: ResNet v1 of ``resnet_depth`` in the compute dtype of ``precision``."""
+    """The network of ``cfg``: ResNet v1 of ``resnet_depth``, computing in ``precision``."""
     kwargs: dict[str, Any] = {"dtype": jnp.bfloat16 if cfg.precision == "bfloat16"
                               else jnp.float32}
     kwargs.update(ops.fast_layers() if cfg.cpu_fast_ops else ops.standard_layers())
