@@ -59,8 +59,9 @@ def define_tpu_flags(fv: flags.FlagValues, *, master: bool = True) -> None:
     """
     flags.DEFINE_bool("use_tpu", True, f"{UNUSED_HELP}: the same code runs on whatever JAX "
                       "backend is present (TPU, GPU or CPU).", flag_values=fv)
-    flags.DEFINE_string("tpu", None, f"{UNUSED_HELP}: the Cloud TPU name. JAX finds local TPU chips "
-                        "itself; multi-host jobs use jax.distributed.", flag_values=fv)
+    flags.DEFINE_string("tpu", None, f"{UNUSED_HELP}: the Cloud TPU name (e.g. $TPU_NAME). JAX "
+                        "finds local TPU chips itself; multi-host jobs use jax.distributed.",
+                        flag_values=fv)
     flags.DEFINE_string("gcp_project", None, f"{UNUSED_HELP} (it located the Cloud TPU).",
                         flag_values=fv)
     flags.DEFINE_string("tpu_zone", None, f"{UNUSED_HELP} (it located the Cloud TPU).",
