@@ -19,6 +19,12 @@ The modes are the original ``resnet_main.py``'s: ``train`` trains to
 ``train_steps``; ``eval`` follows the checkpoints a training job writes until the one at
 ``train_steps`` is evaluated; ``train_and_eval`` alternates ``steps_per_eval`` training steps and a
 full evaluation, resuming where a previous run stopped.
+
+Each program maps its flags to a ``Job`` and calls ``run(job)``, the tail they share: take the
+writer lock of ``model_dir`` (``estimax.programs.lock``), compare and record the model-shaping
+flags (``model_dir/flags.json``), keep fake-data warnings in TensorBoard, build the Estimator,
+run the mode, export (``export``), close, print the result line. The checks that need no
+Estimator (locations, data, splits) run before it, in ``check_locations`` and ``check_data``.
 """
 
 from __future__ import annotations
@@ -104,8 +110,6 @@ def resolve_num_shards(requested: int | None, flag_name: str) -> int | None:
             available)
         return None
     return requested
-
-
 
 
 def define_run_flags(fv: flags.FlagValues, *, data_dir_default: str | None, data_dir_help: str,
