@@ -338,3 +338,12 @@ def test_eval_mode_says_where_it_waits_for_a_mistyped_model_dir(tmp_path, caplog
     assert (f"Waiting for checkpoints in {tmp_path}/typo/checkpoints (a training job's "
             f"--model_dir={tmp_path}/typo, which does not exist yet) and evaluating each new one "
             "until step 10; giving up after --eval_timeout=0 s without a new one.") in caplog.text
+
+
+def test_model_flags_on_an_object_store():
+    # memory:// stands for gs:// and s3:// (fsspec): written aside, moved into place.
+    cli.check_model_dir("memory://bucket/flags", "mnist", {"dense_units": 128}, write=True)
+    assert fsspec.filesystem("memory").ls("/bucket/flags", detail=False) == [
+        "/bucket/flags/flags.json"]
+    with pytest.raises(cli.UsageError, match="--dense_units=64, but the checkpoints"):
+        cli.check_model_dir("memory://bucket/flags", "mnist", {"dense_units": 64}, write=False)

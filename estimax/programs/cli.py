@@ -201,9 +201,16 @@ def check_model_dir(model_dir: str, program: str, model_flags: Mapping[str, Any]
     """
     path = posixpath.join(model_dir, FLAGS_FILE)
     fs, fs_path = fsspec.core.url_to_fs(path)
-    if fs.exists(fs_path):
+    try:
         with fs.open(fs_path, "r") as f:
             before = json.load(f)
+    except FileNotFoundError:
+        before = None
+    except ValueError as e:  # not JSON (edited by hand?): nothing to compare with
+        logging.warning("%s is not readable JSON (%s); the model's flags are not compared.",
+                        path, e)
+        before = None
+    if before is not None:
         if before.get("program", program) != program:
             raise UsageError(f"--model_dir={model_dir} holds a {before['program']} model (see "
                              f"{path}), not {program}: use another --model_dir.")
@@ -217,5 +224,7 @@ def check_model_dir(model_dir: str, program: str, model_flags: Mapping[str, Any]
     if write:
         fs.makedirs(fs._parent(fs_path), exist_ok=True)
         record = {"program": program, "flags": dict(model_flags), "written": time.time()}
-        with fs.open(fs_path, "w") as f:
-            json.dump(record, f, indent=1)
+        # Written aside and moved into place, so an eval job reading it never sees half of it.
+        tmp = f"{fs_path}.tmp-{os.getpid()}"
+        fs.pipe_file(tmp, json.dumps(record, indent=1).encode())
+        fs.mv(tmp, fs_path)
