@@ -15,9 +15,16 @@ SDK, started here on a free port, ``BIGTABLE_EMULATOR_HOST`` set for the program
 fake-imagenet`` and ``estimax-convert to-bigtable``. Without the emulator that line is reported
 as skipped.
 
-    python scripts/seed_command_lines.py            # full models (minutes each on 2 CPU cores)
+With ``--unset`` each line runs as a user's first try does, its shell variables unset (so
+``--data_dir=$DATA_DIR`` is ``--data_dir=`` and ``--model_dir=${STORAGE_BUCKET}/inception`` is
+``--model_dir=/inception``): each must stop at start, in seconds, with exit status 2, one
+``FATAL: --<flag> ...`` line naming the variable-like flag, no traceback, and nothing written.
 
-``tests/test_programs.py`` runs the same lines in-process with the tiny model variants.
+    python scripts/seed_command_lines.py            # full models (minutes each on 2 CPU cores)
+    python scripts/seed_command_lines.py --unset    # every line stops at start, naming the flag
+
+``tests/test_programs.py`` runs the same lines in-process with the tiny model variants, and
+``tests/test_cli.py`` with their variables unset.
 """
 
 from __future__ import annotations
@@ -129,26 +136,67 @@ def extract_commands(seeds_dir: str = SEEDS_DIR) -> list[tuple[str, str]]:
     return found
 
 
-def to_estimax_argv(command: str, model_dir: str) -> tuple[str, list[str]]:
+def to_estimax_argv(command: str, model_dir: str, unset: bool = False) -> tuple[str, list[str]]:
     """The estimax program name and its arguments for a seed command line.
 
     ``$DATA_DIR`` becomes the seeds' public fake-data bucket (which estimax maps to local fake
-    data), model directories become ``model_dir``, other variables placeholder values.
+    data), model directories become ``model_dir``, other variables placeholder values. With
+    ``unset`` every variable expands to '' (as the shell does for an unset one).
     """
     env = {"TPU_NAME": "my-tpu", "DATA_DIR": "gs://cloud-tpu-test-datasets/fake_imagenet",
            "STORAGE_BUCKET": model_dir, "MODEL_DIR": model_dir, "TPU_MODEL_DIR": model_dir,
            "TPU_GRPC_URL": "grpc://10.240.1.2:8470", **BIGTABLE_ENV}
-    expanded = re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: env[m.group(1) or m.group(2)], command)
+    expanded = re.sub(r"\$\{(\w+)\}|\$(\w+)",
+                      lambda m: "" if unset else env[m.group(1) or m.group(2)], command)
     tokens = shlex.split(expanded)
     assert tokens[0] == "python", command
     program = PROGRAMS[os.path.basename(tokens[1])]
     return program, tokens[2:] + OVERRIDES[program]
 
 
+# The flags of the seed lines that hold a shell variable naming a location.
+LOCATION_FLAGS = ("--model_dir", "--data_dir")
+
+
+def check_unset_line(command: str, work_dir: str) -> tuple[bool, str]:
+    """Runs a seed line with its variables unset; returns (as expected, what it printed last).
+
+    Expected: exit status 2 within a minute, a last line ``FATAL: --model_dir ...`` or
+    ``FATAL: --data_dir ...``, no traceback, and nothing created in ``work_dir`` (its cwd).
+    """
+    program, args = to_estimax_argv(command, "", unset=True)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TPU_MODEL_DIR", "TPU_NAME", "TPU_GRPC_URL")
+           and not k.startswith("ESTIMAX_") or k in ("ESTIMAX_ONEDNN", "ESTIMAX_REQUIRE_ONEDNN")}
+    proc = subprocess.run([sys.executable, "-m", f"estimax.programs.{program}", *args],
+                          capture_output=True, text=True, cwd=work_dir, env=env, timeout=300)
+    last = (proc.stderr.strip().splitlines() or [""])[-1]
+    ok = (proc.returncode == 2 and "Traceback" not in proc.stderr
+          and any(last.startswith(f"FATAL: {flag}") for flag in LOCATION_FLAGS)
+          and not os.listdir(work_dir))
+    return ok, last
+
+
+def main_unset(commands: list[tuple[str, str]]) -> int:
+    """``--unset``: every seed line, its variables unset, stops at start naming the flag."""
+    failures = 0
+    for seed, command in commands:
+        with tempfile.TemporaryDirectory(prefix="estimax_seed_") as tmp:
+            start = time.time()
+            ok, last = check_unset_line(command, tmp)
+            print(f"[seed {seed}] {command}\n    {'ok' if ok else 'FAILED'} in "
+                  f"{time.time() - start:.0f} s: {last}", flush=True)
+            failures += not ok
+    print(f"{len(commands) - failures}/{len(commands)} seed command lines stopped at start")
+    return 1 if failures else 0
+
+
 def main() -> int:
     commands = SEED_COMMANDS
     if os.path.isdir(SEEDS_DIR):
         commands = extract_commands()
+    if "--unset" in sys.argv[1:]:
+        return main_unset(commands)
     failures, skipped = 0, 0
     with contextlib.ExitStack() as stack:
         for seed, command in commands:

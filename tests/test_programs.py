@@ -148,8 +148,11 @@ def test_num_cores_maps_to_replicas_or_warns(caplog):
 def test_data_dir_mapping():
     assert common.resolve_data_dir(common.FAKE_DATA_DIR) == (None, "random")
     assert common.resolve_data_dir(common.FAKE_DATA_DIR + "/") == (None, "random")
-    assert common.resolve_data_dir("") == (None, "zeros")
+    # Issue 16: fake data only when asked for in so many words; '' (an unset $DATA_DIR) is refused.
+    with pytest.raises(common.UsageError, match="--data_dir is empty"):
+        common.resolve_data_dir("")
     assert common.resolve_data_dir("null") == (None, "zeros")
+    assert common.resolve_data_dir("fake") == (None, "random")
     assert common.resolve_data_dir("gs://b/data") == ("gs://b/data", "random")
     assert common.resolve_data_dir("gs://b/data", use_fake=True) == (None, "random")
 
@@ -278,8 +281,8 @@ def test_resnet_train_mode_trains_to_train_steps_then_exports(tmp_path, monkeypa
     _tiny_resnet(monkeypatch)
     fv = parse("resnet", [f"--model_dir={tmp_path / 'model'}", "--mode=train",
                           "--train_steps=2", "--iterations_per_loop=1", "--train_batch_size=8",
-                          "--image_size=32", "--data_dir=", f"--export_dir={tmp_path / 'export'}",
-                          "--num_cores=1"])
+                          "--image_size=32", "--data_dir=null",
+                          f"--export_dir={tmp_path / 'export'}", "--num_cores=1"])
     assert resnet.run_from_flags(fv) is None  # no evaluation in --mode=train
     assert sorted(os.listdir(tmp_path / "model" / "checkpoints")) == ["2"]  # saved at the end
     exports = os.listdir(tmp_path / "export")

@@ -1,4 +1,4 @@
-"""Tests of estimax.estimator.schedules against the original programs' formulas.
+"""Tests of estimax.programs.schedules against the original programs' formulas.
 
 Each reference below is the original's TF code transcribed to plain Python/numpy (float64) from
 ORIGINAL_SYSTEM.md §2.4 (resnet_main.py), §6 (inception_v3.py / inception_v4.py) and §7
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from estimax.estimator import schedules
+from estimax.programs import schedules
 
 N = 1281167  # ImageNet train images, every original program's default
 

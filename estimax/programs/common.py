@@ -1,4 +1,4 @@
-"""What the ImageNet programs (resnet, inception_v3, inception_v4) share: TPU flags, data_dir, modes.
+"""What the programs share: TPU flags, run flags, the data check, the modes and the run's tail.
 
 The three programs keep the original's flag names and defaults; the flags below are the ones the
 originals had for the TPU or the cloud. estimax accepts them so a user's command line runs as
@@ -15,27 +15,41 @@ written, and maps or explains each:
 | ``--transpose_input``, ``--data_format`` | unused: XLA picks layouts; models are NHWC           |
 | ``--export_to_tpu``                   | unused: an export is lowered for cpu, cuda and tpu      |
 
-The modes are the original ``resnet_main.py``'s (ORIGINAL_SYSTEM.md §2.6): ``train`` trains to
+The modes are the original ``resnet_main.py``'s: ``train`` trains to
 ``train_steps``; ``eval`` follows the checkpoints a training job writes until the one at
 ``train_steps`` is evaluated; ``train_and_eval`` alternates ``steps_per_eval`` training steps and a
 full evaluation, resuming where a previous run stopped.
+
+Each program maps its flags to a ``Job`` and calls ``run(job)``, the tail they share: take the
+writer lock of ``model_dir`` (``estimax.programs.lock``), compare and record the model-shaping
+flags (``model_dir/flags.json``), keep fake-data warnings in TensorBoard, build the Estimator,
+run the mode, export (``export``), close, print the result line. The checks that need no
+Estimator (locations, data, splits) run before it, in ``check_locations`` and ``check_data``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import posixpath
 import time
 from typing import Any, Callable
 
+import fsspec
 import jax
 from absl import flags, logging
 
 import estimax as ex
+from estimax.programs import cli, lock
+from estimax.programs.cli import UsageError
 
 # resnet_main.py's default --data_dir (2018-12): a public bucket of fake ImageNet records. It
 # cannot be reached here (no network), so it means local fake data (see resolve_data_dir).
 FAKE_DATA_DIR = "gs://cloud-tpu-test-datasets/fake_imagenet"
+# --data_dir values that ask for fake data in so many words: the original's null input (zero
+# images, label 0) and random images.
+FAKE_DATA_DIRS = {"null": "zeros", "fake": "random"}
 
 MODES = ("train", "eval", "train_and_eval")
 
@@ -49,10 +63,11 @@ def define_tpu_flags(fv: flags.FlagValues, *, master: bool = True) -> None:
       fv: the flag registry (``flags.FLAGS`` for a program, a fresh one in tests).
       master: also define ``--master`` (the older programs' way to name the TPU).
     """
-    flags.DEFINE_bool("use_tpu", True, f"{UNUSED_HELP}: the same code runs on whatever JAX backend "
-                      "is present (TPU, GPU or CPU).", flag_values=fv)
-    flags.DEFINE_string("tpu", None, f"{UNUSED_HELP}: the Cloud TPU name. JAX finds local TPU chips "
-                        "itself; multi-host jobs use jax.distributed.", flag_values=fv)
+    flags.DEFINE_bool("use_tpu", True, f"{UNUSED_HELP}: the same code runs on whatever JAX "
+                      "backend is present (TPU, GPU or CPU).", flag_values=fv)
+    flags.DEFINE_string("tpu", None, f"{UNUSED_HELP}: the Cloud TPU name (e.g. $TPU_NAME). JAX "
+                        "finds local TPU chips itself; multi-host jobs use jax.distributed.",
+                        flag_values=fv)
     flags.DEFINE_string("gcp_project", None, f"{UNUSED_HELP} (it located the Cloud TPU).",
                         flag_values=fv)
     flags.DEFINE_string("tpu_zone", None, f"{UNUSED_HELP} (it located the Cloud TPU).",
@@ -86,7 +101,7 @@ def resolve_num_shards(requested: int | None, flag_name: str) -> int | None:
     if requested is None:
         return None
     if requested < 1:
-        raise ValueError(f"--{flag_name}={requested}: must be >= 1.")
+        raise UsageError(f"--{flag_name}={requested}: must be >= 1.")
     if requested > available:
         logging.warning(
             "--%s=%d but this job has %d %s device(s); using all %d. (The original's default "
@@ -97,25 +112,116 @@ def resolve_num_shards(requested: int | None, flag_name: str) -> int | None:
     return requested
 
 
+def define_run_flags(fv: flags.FlagValues, *, data_dir_default: str | None, data_dir_help: str,
+                     steps_per_eval_flag: str, precision_default: str) -> None:
+    """Defines the flags every ImageNet program has, with one wording, on ``fv``.
+
+    Args:
+      fv: the flag registry.
+      data_dir_default, data_dir_help: the program's ``--data_dir`` (the originals differ).
+      steps_per_eval_flag: the name of the program's steps-between-evaluations flag.
+      precision_default: the program's compute dtype.
+    """
+    flags.DEFINE_string("data_dir", data_dir_default, data_dir_help, flag_values=fv)
+    flags.DEFINE_string("model_dir", None, "Directory for checkpoints and TensorBoard summaries "
+                        "(local, gs:// or s3://; default $TPU_MODEL_DIR when a job runner sets "
+                        "it). One trainer at a time: a second one on the same directory stops.",
+                        flag_values=fv)
+    flags.DEFINE_enum("mode", "train_and_eval", list(MODES),
+                      "train: train to --train_steps; eval: evaluate each new checkpoint in "
+                      "--model_dir until the one at --train_steps (another job trains); "
+                      f"train_and_eval: alternate --{steps_per_eval_flag} training steps and an "
+                      "evaluation.", flag_values=fv)
+    flags.DEFINE_integer("eval_timeout", None, "In eval mode, stop after this many seconds "
+                         "without a new checkpoint (default: wait for the one at --train_steps).",
+                         lower_bound=0, flag_values=fv)
+    flags.DEFINE_string("export_dir", None, "After training, export the model for serving "
+                        "(estimax.serving) under this directory; with a moving average of the "
+                        "weights, the averaged weights are exported.", flag_values=fv)
+    flags.DEFINE_bool("skip_bad_records", False, "Skip (and count, with a warning) records "
+                      "that cannot be read or decoded instead of stopping.", flag_values=fv)
+    flags.DEFINE_enum("precision", precision_default, ["bfloat16", "float32"],
+                      "Compute dtype of the network (parameters and loss stay float32).",
+                      flag_values=fv)
+    flags.DEFINE_integer("keep_checkpoint_max", 5, "Number of recent checkpoints kept.",
+                         lower_bound=1, flag_values=fv)
+    flags.DEFINE_bool("cpu_fast_ops", True, "Use estimax.ops' convolution and max-pool, whose "
+                      "gradients XLA:CPU runs several times faster; identical ops on GPU/TPU.",
+                      flag_values=fv)
+
+
+def check_locations(fv: flags.FlagValues) -> None:
+    """Checks ``--model_dir`` (required) and ``--export_dir`` before any work (see cli)."""
+    cli.check_location("model_dir", fv.model_dir, required=True)
+    cli.check_location("export_dir", fv.export_dir)
+
+
 def resolve_data_dir(data_dir: str | None, *, use_fake: bool = False) -> tuple[str | None, str]:
     """Returns ``(data_dir, fake_kind)`` for ``estimax.data.imagenet.input_fn``.
 
-    * ``None``/``''``/``'null'``: the original's null input (zero images, label 0).
+    * ``'null'``: the original's null input (zero images, label 0); ``'fake'``: random images.
     * ``gs://cloud-tpu-test-datasets/fake_imagenet`` (resnet's default) or ``use_fake``: local
       random fake data; the public bucket is not reachable from here, and what it held (random
       images in the real format) is what local random data stands in for.
     * anything else: the real TFRecord files there.
+
+    Raises:
+      UsageError: ``data_dir`` is None or empty (fake data only when asked for).
     """
     if use_fake:
         return None, "random"
-    if data_dir in (None, "", "null"):
-        return None, "zeros"
+    if data_dir is not None and data_dir.strip() in FAKE_DATA_DIRS:
+        return None, FAKE_DATA_DIRS[data_dir.strip()]
+    cli.check_location("data_dir", data_dir, required=True)
+    assert data_dir is not None
     if data_dir.rstrip("/") == FAKE_DATA_DIR:
-        logging.info("--data_dir=%s is the original's public fake ImageNet, which cannot be read "
-                     "from here; using local random fake data of the same shapes instead.",
-                     data_dir)
         return None, "random"
     return data_dir, "random"
+
+
+def check_data(data_dir: str | None, mode: str, *, use_fake: bool = False,
+               fake_hint: str = "--data_dir=fake") -> tuple[str | None, str, list[str]]:
+    """``resolve_data_dir`` plus what a user must hear at start: fake data, a missing split.
+
+    Args:
+      data_dir: the ``--data_dir`` value.
+      mode: ``--mode`` (which splits the run reads).
+      use_fake: fake data asked for by another flag (``--use_data=fake``).
+      fake_hint: how this program asks for fake data, for the messages.
+
+    Returns:
+      ``(data_dir, fake_kind, notes)``: the first two for the input; ``notes`` the warnings to
+      keep in TensorBoard's run description.
+
+    Raises:
+      UsageError: no data asked for, or a split the mode reads has no files.
+    """
+    from estimax.data import imagenet, tfrecord
+
+    if data_dir is None and not use_fake:
+        raise UsageError(f"--data_dir is not set: give the directory of the ImageNet TFRecords "
+                         f"(train-*, validation-*), or ask for fake data with {fake_hint}.")
+    resolved, kind = resolve_data_dir(data_dir, use_fake=use_fake)
+    if resolved is None:
+        why = ("--use_data=fake" if use_fake else
+               f"--data_dir={data_dir}" + (" (the original's public fake ImageNet, which cannot "
+                                           "be read from here)" if kind == "random" and
+                                           data_dir not in FAKE_DATA_DIRS else ""))
+        note = (f"FAKE DATA: {why}: training and evaluating on "
+                f"{'all-zero' if kind == 'zeros' else 'random'} images, not a real data set.")
+        logging.warning("*** %s ***", note)
+        return None, kind, [note]
+    splits = {"train": [True], "eval": [False], "train_and_eval": [True, False]}[mode]
+    for is_training in splits:
+        pattern = imagenet.file_pattern(resolved, is_training)
+        try:
+            tfrecord.list_files(pattern)
+        except (FileNotFoundError, OSError):
+            raise UsageError(
+                f"--data_dir={data_dir} has no {posixpath.basename(pattern)} files, which "
+                f"--mode={mode} reads: point --data_dir at the ImageNet TFRecords "
+                f"(estimax-convert writes them), or ask for fake data with {fake_hint}.") from None
+    return resolved, kind, []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,12 +249,59 @@ class LoopConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise ValueError(f"--mode={self.mode!r}: must be one of {', '.join(MODES)}.")
+            raise UsageError(f"--mode={self.mode!r}: must be one of {', '.join(MODES)}.")
         if self.train_steps < 1:
-            raise ValueError(f"--train_steps={self.train_steps}: must be >= 1.")
+            raise UsageError(f"--train_steps={self.train_steps}: must be >= 1.")
         if self.steps_per_eval < 1:
-            raise ValueError(f"the steps between evaluations must be >= 1, got "
+            raise UsageError(f"the steps between evaluations must be >= 1, got "
                              f"{self.steps_per_eval}.")
+
+    @classmethod
+    def from_flags(cls, fv: flags.FlagValues, *, steps_per_eval: int, eval_examples: int,
+                   train_examples: int) -> "LoopConfig":
+        """The loop of an ImageNet program's flags (``define_run_flags`` and the batch sizes).
+
+        Args:
+          fv: parsed flags with ``mode``, ``train_steps``, ``train_batch_size``,
+            ``eval_batch_size``, ``eval_timeout``, ``export_dir``.
+          steps_per_eval: the program's steps-between-evaluations flag's value.
+          eval_examples: evaluation examples (every one evaluated once).
+          train_examples: examples per epoch (for the log line).
+        """
+        return cls(mode=fv.mode, train_steps=fv.train_steps, steps_per_eval=steps_per_eval,
+                   eval_steps=-(-eval_examples // fv.eval_batch_size),
+                   eval_timeout=fv.eval_timeout, export_dir=fv.export_dir,
+                   epochs_per_step=fv.train_batch_size / train_examples)
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """Everything the shared tail needs, gathered by a program from its flags.
+
+    Attributes:
+      program: the program's name (kept in ``model_dir/flags.json``).
+      model_flags: the flags that decide the checkpoint's shape, ``{name: value}``.
+      model_fn, config, params: the Estimator's (built after the model_dir checks, so nothing
+        is written into a model_dir that another trainer holds).
+      batch_sizes: ``(train, eval)`` global batch sizes (predict uses eval's).
+      input_fn: ``input_fn(is_training=...)`` -> the Estimator's input function.
+      loop: mode, steps, export settings.
+      serving: the features' spec for ``--export_dir``.
+      metrics: the metrics printed for the last evaluation, and what its examples are called.
+      notes: warnings to keep in TensorBoard's run description (fake data).
+    """
+
+    program: str
+    model_flags: dict[str, Any]
+    model_fn: Callable
+    config: Any
+    batch_sizes: tuple[int, int]
+    input_fn: Callable[..., Callable]
+    loop: LoopConfig
+    serving: Any
+    metrics: tuple[tuple[str, ...], str]
+    params: dict[str, Any] | None = None
+    notes: tuple[str, ...] = ()
 
 
 def checkpoint_path(model_dir: str, step: int) -> str:
@@ -168,6 +321,16 @@ def evaluate_checkpoints(est: Any, eval_input_fn: Callable, loop: LoopConfig,
     Returns:
       the last evaluation's results (None if no checkpoint appeared before the timeout).
     """
+    from estimax.estimator import checkpoints
+
+    where = checkpoints.checkpoint_dir(est.model_dir)
+    fs, fs_path = fsspec.core.url_to_fs(est.model_dir)
+    logging.info("Waiting for checkpoints in %s (a training job's --model_dir=%s%s) and "
+                 "evaluating each new one until step %d; %s.", where, est.model_dir,
+                 "" if fs.exists(fs_path) else ", which does not exist yet",
+                 loop.train_steps, "no --eval_timeout: waiting as long as it takes"
+                 if loop.eval_timeout is None else
+                 f"giving up after --eval_timeout={loop.eval_timeout:g} s without a new one")
     results = None
     for step in ex.checkpoints_iterator(est.model_dir, timeout=loop.eval_timeout):
         start = clock()
@@ -185,28 +348,19 @@ def evaluate_checkpoints(est: Any, eval_input_fn: Callable, loop: LoopConfig,
     return results
 
 
-def run(est: Any, train_input_fn: Callable, eval_input_fn: Callable, loop: LoopConfig,
-        serving_input_fn: Callable[[], Any] | None = None,
-        clock: Callable[[], float] = time.monotonic) -> dict[str, Any] | None:
-    """Runs ``loop.mode`` (the original's main after the estimator is built), then exports.
-
-    Args:
-      est: the Estimator.
-      train_input_fn, eval_input_fn: the input functions.
-      loop: mode, steps, export settings.
-      serving_input_fn: the features' spec for ``export_saved_model`` (``--export_dir``).
-      clock: time source for the elapsed-seconds log lines.
+def run_mode(est: Any, train_input_fn: Callable, eval_input_fn: Callable, loop: LoopConfig,
+             clock: Callable[[], float] = time.monotonic) -> dict[str, Any] | None:
+    """Runs ``loop.mode`` (the original's main after the estimator is built).
 
     Returns:
       the last evaluation's results, or None when there was no evaluation.
     """
-    start = clock()
-    results = None
     if loop.mode == "eval":
         return evaluate_checkpoints(est, eval_input_fn, loop, clock)
-    current = est.get_global_step()
+    start = clock()
+    results = None
     logging.info("Training for %d steps (%.2f epochs in total). Current step %d.",
-                 loop.train_steps, loop.train_steps * loop.epochs_per_step, current)
+                 loop.train_steps, loop.train_steps * loop.epochs_per_step, est.get_global_step())
     if loop.mode == "train":
         est.train(train_input_fn, max_steps=loop.train_steps)
     else:
@@ -217,10 +371,56 @@ def run(est: Any, train_input_fn: Callable, eval_input_fn: Callable, loop: LoopC
             ex.EvalSpec(eval_input_fn, steps=loop.eval_steps, every_steps=loop.steps_per_eval))
     logging.info("Finished training up to step %d. Elapsed seconds %d.", est.get_global_step(),
                  clock() - start)
-    if loop.export_dir:
-        if serving_input_fn is None:
-            raise ValueError("--export_dir is set but the program has no serving input.")
-        logging.info("Starting to export model.")
-        path = est.export_saved_model(loop.export_dir, serving_input_fn)
-        logging.info("Exported the model to %s", path)
+    return results
+
+
+def export(est: Any, export_dir: str, serving: Callable[[], Any]) -> str:
+    """``--export_dir``: exports the latest checkpoint for serving; returns the export's path."""
+    logging.info("Starting to export model.")
+    path = est.export_saved_model(export_dir, serving)
+    logging.info("Exported the model to %s", path)
+    return path
+
+
+def write_run_description(model_dir: str, notes: list[str] | tuple[str, ...]) -> None:
+    """Keeps ``notes`` as a text summary (``run_description``) in TensorBoard's run."""
+    from tensorboardX import SummaryWriter
+
+    writer = SummaryWriter(model_dir, filename_suffix=".description")
+    writer.add_text("run_description", "\n\n".join(f"**WARNING** {n}" for n in notes), 0)
+    writer.close()
+
+
+def run(job: Job) -> dict[str, Any] | None:
+    """The tail every program shares: model_dir checks and lock, the mode, export, print, close.
+
+    Returns:
+      the last evaluation's results, or None when there was no evaluation.
+    """
+    model_dir = job.config.model_dir
+    training = job.loop.mode != "eval"
+    # Eval mode only reads model_dir: no writer lock. A multi-host job is one trainer: its
+    # first process holds the lock and records the flags for all.
+    writer = training and jax.process_index() == 0
+    with lock.WriterLock(model_dir) if writer else contextlib.nullcontext():
+        cli.check_model_dir(model_dir, job.program, job.model_flags, write=writer)
+        if job.notes and jax.process_index() == 0:
+            write_run_description(model_dir, job.notes)
+        est = ex.Estimator(job.model_fn, job.config, params=job.params,
+                           train_batch_size=job.batch_sizes[0],
+                           eval_batch_size=job.batch_sizes[1],
+                           predict_batch_size=job.batch_sizes[1])
+        try:
+            results = run_mode(est, job.input_fn(is_training=True),
+                               job.input_fn(is_training=False), job.loop)
+            if training and job.loop.export_dir:
+                export(est, job.loop.export_dir, lambda: job.serving)
+        finally:
+            est.close()
+    if results is not None:
+        names, examples = job.metrics
+        values = ", ".join(f"{name} = {results[name]:.4f}" for name in names)
+        print(f"Eval results at step {results['global_step']}: {values} on "
+              f"{results['num_examples']} {examples}")
+    print(f"TensorBoard logs: tensorboard --logdir={est.model_dir}", flush=True)
     return results

@@ -2,8 +2,8 @@
 
     python -m estimax.programs.inception_v3 --data_dir=DIR --model_dir=DIR [--use_data=real ...]
 
-Flags have the names and defaults of ``models/experimental/inception/inception_v3.py`` (r1.8,
-ORIGINAL_SYSTEM.md §6). The recipe is its ``inception_model_fn``:
+Flags have the names and defaults of the original ``models/experimental/inception/inception_v3.py``
+(tensorflow/tpu r1.8). The recipe is its ``inception_model_fn``:
 
 * images in [-1, 1] (Inception preprocessing), 1001 classes (index 0: background);
 * loss: softmax cross-entropy with label smoothing 0.1 on the logits (weight 1) and on the
@@ -23,7 +23,9 @@ The model_fn adds the 1 back, so logits, predictions and exported models index c
 original's did (and its checkpoints' heads would line up).
 
 ``inception_v4`` is this program with v4's network, defaults and warm-up schedule
-(``estimax.programs.inception_v4``).
+(``estimax.programs.inception_v4``). Every flag can also come from ``ESTIMAX_<FLAG>`` in the
+environment (``ESTIMAX_MODEL_DIR``; a job runner's ``TPU_MODEL_DIR`` too), the command line
+winning.
 """
 
 from __future__ import annotations
@@ -31,21 +33,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import sys
 from typing import Any, Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
-from absl import app, flags, logging
+from absl import flags
 
 import estimax as ex
 from estimax import ops
 from estimax.data import imagenet
-from estimax.estimator import schedules
 from estimax.models.inception_v3 import InceptionV3
-from estimax.programs import common, logs
+from estimax.programs import cli, common, logs, schedules
 
 # Constants of the original inception_v3.py / inception_v4.py.
 RMSPROP_DECAY = 0.9
@@ -54,6 +55,10 @@ RMSPROP_EPSILON = 1.0
 MOVING_AVERAGE_DECAY = 0.995
 LABEL_SMOOTHING = 0.1
 AUX_LOSS_WEIGHT = 0.4
+# What the result line shows: "Eval results at step N: accuracy = ... on N images".
+METRICS = (("accuracy", "accuracy@5"), "images")
+# The smallest input the networks' stride-2 stem and reductions leave a 1x1 map for.
+MIN_IMAGE_SIZE = 107
 # slim's inception_v3_arg_scope / inception_v4_arg_scope(weight_decay=0.00004): an
 # l2_regularizer on conv and fully connected weights, summed into the loss by get_total_loss.
 WEIGHT_DECAY = 0.00004
@@ -64,35 +69,26 @@ class Variant:
     """What differs between the Inception v3 and v4 programs.
 
     Attributes:
-      name: program name, for messages.
+      name: program name, for messages and ``model_dir/flags.json``.
       model: the Flax network's constructor (``num_classes``, ``dtype``, ``conv``, ``max_pool``).
       defaults: flag defaults that differ between the two originals.
-      define_schedule_flags: defines the variant's warm-up flags.
-      schedule: ``schedule(fv) -> optax.Schedule`` from the parsed flags.
+      schedule_flags: the variant's warm-up flags, ``(name, default, help)``; the default's type
+        is the flag's, the name the keyword of ``schedule``.
+      schedule: the learning-rate schedule's factory (``estimax.programs.schedules``).
     """
 
     name: str
     model: Callable[..., nn.Module]
     defaults: dict[str, Any]
-    define_schedule_flags: Callable[[flags.FlagValues], None]
-    schedule: Callable[[flags.FlagValues], optax.Schedule]
+    schedule_flags: tuple[tuple[str, Any, str], ...]
+    schedule: Callable[..., optax.Schedule]
 
-
-def _define_v3_schedule_flags(fv: flags.FlagValues) -> None:
-    flags.DEFINE_bool("use_learning_rate_warmup", False, "Cold start at 0.1x the rate for "
-                      "--cold_epochs, then a linear warm-up for --warmup_epochs.", flag_values=fv)
-    flags.DEFINE_integer("cold_epochs", 2, "Epochs at the cold learning rate (with "
-                         "--use_learning_rate_warmup).", flag_values=fv)
-    flags.DEFINE_integer("warmup_epochs", 7, "Epochs of linear warm-up (with "
-                         "--use_learning_rate_warmup).", flag_values=fv)
-
-
-def _v3_schedule(fv: flags.FlagValues) -> optax.Schedule:
-    return schedules.inception_v3_schedule(
-        fv.learning_rate, fv.train_batch_size, learning_rate_decay=fv.learning_rate_decay,
-        learning_rate_decay_epochs=fv.learning_rate_decay_epochs,
-        use_learning_rate_warmup=fv.use_learning_rate_warmup, cold_epochs=fv.cold_epochs,
-        warmup_epochs=fv.warmup_epochs)
+    def make_schedule(self, fv: flags.FlagValues) -> optax.Schedule:
+        """The schedule of the parsed flags."""
+        return self.schedule(
+            fv.learning_rate, fv.train_batch_size, learning_rate_decay=fv.learning_rate_decay,
+            learning_rate_decay_epochs=fv.learning_rate_decay_epochs,
+            **{name: fv[name].value for name, _, _ in self.schedule_flags})
 
 
 V3 = Variant(
@@ -100,79 +96,102 @@ V3 = Variant(
     model=InceptionV3,
     defaults={"train_batch_size": 1024, "train_steps": 213000, "learning_rate": 0.165,
               "use_annotated_bbox": False, "learning_rate_decay_epochs": 3},
-    define_schedule_flags=_define_v3_schedule_flags,
-    schedule=_v3_schedule,
+    schedule_flags=(
+        ("use_learning_rate_warmup", False, "Cold start at 0.1x the rate for --cold_epochs, "
+         "then a linear warm-up for --warmup_epochs."),
+        ("cold_epochs", 2, "Epochs at the cold learning rate (with --use_learning_rate_warmup)."),
+        ("warmup_epochs", 7, "Epochs of linear warm-up (with --use_learning_rate_warmup)."),
+    ),
+    schedule=schedules.inception_v3_schedule,
 )
+
+_DEFINE_BY_TYPE = {bool: flags.DEFINE_bool, int: flags.DEFINE_integer,
+                   float: flags.DEFINE_float}
 
 
 def define_flags(fv: flags.FlagValues, variant: Variant = V3) -> None:
     """Defines the original inception_v3.py / inception_v4.py flags on ``fv``."""
     unused = common.UNUSED_HELP
     dv = variant.defaults
-    s = functools.partial(flags.DEFINE_string, flag_values=fv)
-    i = functools.partial(flags.DEFINE_integer, flag_values=fv)
-    fl = functools.partial(flags.DEFINE_float, flag_values=fv)
-    b = functools.partial(flags.DEFINE_bool, flag_values=fv)
-    e = functools.partial(flags.DEFINE_enum, flag_values=fv)
     common.define_tpu_flags(fv)
-    s("data_dir", "", "Directory of the ImageNet TFRecords (train-*, validation-*), local or "
-      "gs://. The original's public gs://cloud-tpu-test-datasets/fake_imagenet means local "
-      "random fake data here (it cannot be reached).")
-    s("model_dir", None, "Directory for checkpoints and TensorBoard summaries.")
-    i("num_shards", 8, "Number of replicas (devices); if this job has fewer devices, all of "
-      "them are used (with a warning).")
-    i("iterations", 100, "Training steps per device call (iterations_per_loop).")
-    i("train_batch_size", dv["train_batch_size"], "Global (not per-shard) training batch size.")
-    i("eval_batch_size", 1024, "Global (not per-shard) evaluation batch size.")
-    i("eval_total_size", 0, "Number of evaluation images; 0 means all 50,000. estimax "
-      "evaluates each exactly once (the original dropped the last partial batch).")
-    i("train_steps", dv["train_steps"], "Number of training steps (global, absolute).")
-    i("train_steps_per_eval", 2000, "Training steps between evaluations in train_and_eval.")
-    e("mode", "train_and_eval", list(common.MODES),
-      "train, eval (follow the checkpoints of a training job) or train_and_eval.")
-    i("min_eval_interval", 180, f"{unused} (defined but unused by the original too).")
-    i("eval_timeout", None, "In eval mode, stop after this many seconds without a new "
-      "checkpoint (default: wait for the one at --train_steps).")
-    b("per_host_input_for_training", True, f"{unused}: each host always feeds its own devices.")
-    e("use_data", "real", ["fake", "real"], "'fake': random images (no files read); 'real': "
-      "the TFRecords in --data_dir.")
-    fl("learning_rate", dv["learning_rate"], "Learning rate for a batch of 256; scaled by "
-       "train_batch_size / 256.")
-    e("optimizer", "RMS", ["sgd", "RMS", "momentum"], "Optimizer: RMSProp (decay 0.9, "
-      "momentum 0.9, epsilon 1.0), plain SGD, or SGD with momentum 0.9.")
-    i("num_classes", 1001, "Number of logits (1000 ImageNet classes + background at 0).")
-    i("width", 299, "Width of the network's input images (>= 107).")
-    i("height", 299, "Height of the network's input images (== width).")
-    b("transpose_enabled", False, f"{unused}: it fed the TPU infeed in HWCN layout.")
-    b("log_device_placement", False, f"{unused} (a TF session option).")
-    i("save_summary_steps", 100, "Write training summaries every N steps.")
-    i("save_checkpoints_secs", 1000, "Save a checkpoint every N seconds (and at the end of "
-      "each training phase).")
-    b("moving_average", True, "Keep an exponential moving average (0.995) of the weights and "
-      "evaluate/export with it.")
-    s("preprocessing", "inception", "Preprocessing: 'inception' (estimax has no 'vgg').")
-    b("use_annotated_bbox", dv["use_annotated_bbox"], "Sample training crops around the "
-      "records' image/object/bbox boxes.")
-    fl("learning_rate_decay", 0.94, "Factor of the staircase learning-rate decay.")
-    fl("learning_rate_decay_epochs", dv["learning_rate_decay_epochs"],
-       "Epochs between learning-rate decays.")
-    b("display_tensors", False, f"{unused} (a TPU debugging aid).")
-    b("clear_update_collections", True, f"{unused}: batch-norm statistics always update in "
-      "the training step.")
-    variant.define_schedule_flags(fv)
-    b("prefetch_enabled", True, f"{unused}: the loader always prefetches.")
-    i("prefetch_dataset_buffer_size", 8 * 1024 * 1024, f"{unused} (a tf.data read buffer).")
-    i("num_files_infeed", 8, f"{unused}: the loader reads every file of this host.")
-    i("num_parallel_calls", 64, "Parallel JPEG decode/preprocess workers (at most the CPU "
-      "count).")
-    i("initial_shuffle_buffer_size", 1024, f"{unused}: the loader shuffles the whole epoch.")
-    i("followup_shuffle_buffer_size", 1000, f"{unused}: the loader shuffles the whole epoch.")
-    # estimax additions.
-    e("precision", "float32", ["bfloat16", "float32"], "Compute dtype of the network "
-      "(estimax; the original Inception ran float32).")
-    i("keep_checkpoint_max", 5, "Number of recent checkpoints kept.")
-    b("cpu_fast_ops", True, "Use estimax.ops' convolution and max-pool, whose gradients "
-      "XLA:CPU runs several times faster; identical ops on GPU/TPU.")
+    common.define_run_flags(
+        fv, data_dir_default="", steps_per_eval_flag="train_steps_per_eval",
+        precision_default="float32", data_dir_help=(
+            "Directory of the ImageNet TFRecords (train-*, validation-*), local, gs:// or s3://; "
+            "read with --use_data=real. The original's public "
+            "gs://cloud-tpu-test-datasets/fake_imagenet means random fake data here (it cannot "
+            "be reached), with a warning."))
+    flags.DEFINE_integer("num_shards", 8, "Number of replicas (devices); if this job has fewer "
+                         "devices, all of them are used (with a warning).", lower_bound=1,
+                         flag_values=fv)
+    flags.DEFINE_integer("iterations", 100, "Training steps per device call "
+                         "(iterations_per_loop).", lower_bound=1, flag_values=fv)
+    flags.DEFINE_integer("train_batch_size", dv["train_batch_size"], "Global (not per-shard) "
+                         "training batch size.", lower_bound=1, flag_values=fv)
+    flags.DEFINE_integer("eval_batch_size", 1024, "Global (not per-shard) evaluation batch "
+                         "size.", lower_bound=1, flag_values=fv)
+    flags.DEFINE_integer("eval_total_size", 0, "Number of evaluation images; 0 means all "
+                         f"{imagenet.NUM_EVAL_IMAGES:,}. estimax evaluates each exactly once (the "
+                         "original dropped the last partial batch).", lower_bound=0,
+                         flag_values=fv)
+    flags.DEFINE_integer("train_steps", dv["train_steps"], "Number of training steps (global, "
+                         "absolute).", lower_bound=1, flag_values=fv)
+    flags.DEFINE_integer("train_steps_per_eval", 2000, "Training steps between evaluations in "
+                         "train_and_eval.", lower_bound=1, flag_values=fv)
+    flags.DEFINE_integer("min_eval_interval", 180, f"{unused} (defined but unused by the "
+                         "original too).", flag_values=fv)
+    flags.DEFINE_bool("per_host_input_for_training", True, f"{unused}: each host always feeds "
+                      "its own devices.", flag_values=fv)
+    flags.DEFINE_enum("use_data", "real", ["fake", "real"], "'fake': random images (no files "
+                      "read), with a warning; 'real': the TFRecords in --data_dir.",
+                      flag_values=fv)
+    flags.DEFINE_float("learning_rate", dv["learning_rate"], "Learning rate for a batch of 256; "
+                       "scaled by train_batch_size / 256.", flag_values=fv)
+    flags.DEFINE_enum("optimizer", "RMS", ["sgd", "RMS", "momentum"], "Optimizer: RMSProp "
+                      "(decay 0.9, momentum 0.9, epsilon 1.0), plain SGD, or SGD with momentum "
+                      "0.9.", flag_values=fv)
+    flags.DEFINE_integer("num_classes", 1001, "Number of logits (1000 ImageNet classes + "
+                         "background at 0).", lower_bound=2, flag_values=fv)
+    flags.DEFINE_integer("width", 299, "Width of the network's input images.",
+                         lower_bound=MIN_IMAGE_SIZE, flag_values=fv)
+    flags.DEFINE_integer("height", 299, "Height of the network's input images (== width).",
+                         lower_bound=MIN_IMAGE_SIZE, flag_values=fv)
+    flags.DEFINE_bool("transpose_enabled", False, f"{unused}: it fed the TPU infeed in HWCN "
+                      "layout.", flag_values=fv)
+    flags.DEFINE_bool("log_device_placement", False, f"{unused} (a TF session option).",
+                      flag_values=fv)
+    flags.DEFINE_integer("save_summary_steps", 100, "Write training summaries every N steps.",
+                         lower_bound=1, flag_values=fv)
+    flags.DEFINE_integer("save_checkpoints_secs", 1000, "Save a checkpoint every N seconds (and "
+                         "at the end of each training phase).", lower_bound=1, flag_values=fv)
+    flags.DEFINE_bool("moving_average", True, "Keep an exponential moving average (0.995) of "
+                      "the weights and evaluate/export with it.", flag_values=fv)
+    flags.DEFINE_string("preprocessing", "inception", "Preprocessing: 'inception' (estimax has "
+                        "no 'vgg').", flag_values=fv)
+    flags.DEFINE_bool("use_annotated_bbox", dv["use_annotated_bbox"], "Sample training crops "
+                      "around the records' image/object/bbox boxes.", flag_values=fv)
+    flags.DEFINE_float("learning_rate_decay", 0.94, "Factor of the staircase learning-rate "
+                       "decay.", flag_values=fv)
+    flags.DEFINE_float("learning_rate_decay_epochs", dv["learning_rate_decay_epochs"],
+                       "Epochs between learning-rate decays.", flag_values=fv)
+    flags.DEFINE_bool("display_tensors", False, f"{unused} (a TPU debugging aid).",
+                      flag_values=fv)
+    flags.DEFINE_bool("clear_update_collections", True, f"{unused}: batch-norm statistics always "
+                      "update in the training step.", flag_values=fv)
+    for name, default, help_text in variant.schedule_flags:
+        _DEFINE_BY_TYPE[type(default)](name, default, help_text, flag_values=fv)
+    flags.DEFINE_bool("prefetch_enabled", True, f"{unused}: the loader always prefetches.",
+                      flag_values=fv)
+    flags.DEFINE_integer("prefetch_dataset_buffer_size", 8 * 1024 * 1024, f"{unused} (a tf.data "
+                         "read buffer).", flag_values=fv)
+    flags.DEFINE_integer("num_files_infeed", 8, f"{unused}: the loader reads every file of this "
+                         "host.", flag_values=fv)
+    flags.DEFINE_integer("num_parallel_calls", 64, "Parallel JPEG decode/preprocess workers (at "
+                         "most the CPU count).", lower_bound=1, flag_values=fv)
+    flags.DEFINE_integer("initial_shuffle_buffer_size", 1024, f"{unused}: the loader shuffles "
+                         "the whole epoch.", flag_values=fv)
+    flags.DEFINE_integer("followup_shuffle_buffer_size", 1000, f"{unused}: the loader shuffles "
+                         "the whole epoch.", flag_values=fv)
 
 
 def make_optimizer(name: str, schedule: optax.Schedule) -> optax.GradientTransformation:
@@ -264,67 +283,49 @@ def run_from_flags(fv: flags.FlagValues, variant: Variant = V3) -> dict[str, Any
     """Flags -> config -> Estimator -> the mode loop. Returns the last eval results, if any."""
     logs.setup()
     common.log_unused_tpu_flags(fv)
+    common.check_locations(fv)
     if fv.width != fv.height:
-        raise app.UsageError(f"--width={fv.width} and --height={fv.height}: estimax's input "
+        raise cli.UsageError(f"--width={fv.width} and --height={fv.height}: estimax's input "
                              "makes square images; give the same value to both.")
     if fv.preprocessing != "inception":
-        raise app.UsageError(f"--preprocessing={fv.preprocessing!r}: estimax implements only "
+        raise cli.UsageError(f"--preprocessing={fv.preprocessing!r}: estimax implements only "
                              "'inception' preprocessing.")
-    if fv.num_classes < 2:
-        raise app.UsageError(f"--num_classes={fv.num_classes}: must be >= 2 (classes + "
-                             "background).")
-    schedule = variant.schedule(fv)
+    # The original's default --data_dir is '': "not set" unless given (an unset $DATA_DIR).
+    given = fv.data_dir if fv["data_dir"].present or fv.data_dir else None
+    data_dir, fake_kind, notes = common.check_data(
+        given, fv.mode, use_fake=fv.use_data == "fake", fake_hint="--use_data=fake")
+    eval_size = fv.eval_total_size or imagenet.NUM_EVAL_IMAGES
+    inputs = functools.partial(
+        imagenet.input_fn, data_dir, image_size=fv.width, preprocessing="inception",
+        num_parallel_calls=max(1, min(fv.num_parallel_calls, os.cpu_count() or 1)),
+        fake_data=fake_kind, fake_eval_examples=eval_size, skip_bad_records=fv.skip_bad_records,
+        # Files hold labels 1..num_classes-1 (class 0 is the background logit).
+        num_classes=fv.num_classes - 1, use_annotated_bbox=fv.use_annotated_bbox)
     cfg = InceptionConfig(
-        model=variant.model, schedule=schedule, optimizer=fv.optimizer,
+        model=variant.model, schedule=variant.make_schedule(fv), optimizer=fv.optimizer,
         num_classes=fv.num_classes, train_batch_size=fv.train_batch_size,
-        moving_average=fv.moving_average, precision=fv.precision,
-        cpu_fast_ops=fv.cpu_fast_ops)
+        moving_average=fv.moving_average, precision=fv.precision, cpu_fast_ops=fv.cpu_fast_ops)
     config = ex.RunConfig(
         model_dir=fv.model_dir, iterations_per_loop=fv.iterations,
         num_shards=common.resolve_num_shards(fv.num_shards, "num_shards"),
         save_checkpoints_secs=fv.save_checkpoints_secs, save_summary_steps=fv.save_summary_steps,
         keep_checkpoint_max=fv.keep_checkpoint_max)
-    est = ex.Estimator(make_model_fn(cfg), config, train_batch_size=fv.train_batch_size,
-                       eval_batch_size=fv.eval_batch_size,
-                       predict_batch_size=fv.eval_batch_size)
-    data_dir, fake_kind = common.resolve_data_dir(fv.data_dir, use_fake=fv.use_data == "fake")
-    eval_size = fv.eval_total_size or imagenet.NUM_EVAL_IMAGES
-    inputs = functools.partial(
-        imagenet.input_fn, data_dir, image_size=fv.width, preprocessing="inception",
-        num_parallel_calls=max(1, min(fv.num_parallel_calls, os.cpu_count() or 1)),
-        fake_data=fake_kind, fake_eval_examples=eval_size,
-        # Files hold labels 1..num_classes-1 (class 0 is the background logit).
-        num_classes=fv.num_classes - 1, use_annotated_bbox=fv.use_annotated_bbox)
-    loop = common.LoopConfig(
-        mode=fv.mode, train_steps=fv.train_steps, steps_per_eval=fv.train_steps_per_eval,
-        eval_steps=-(-eval_size // fv.eval_batch_size), eval_timeout=fv.eval_timeout,
-        epochs_per_step=fv.train_batch_size / imagenet.NUM_TRAIN_IMAGES)
-    try:
-        results = common.run(est, inputs(is_training=True), inputs(is_training=False), loop)
-    finally:
-        est.close()
-    if results is not None:
-        print(f"Eval results at step {results['global_step']}: accuracy = "
-              f"{results['accuracy']:.4f}, accuracy@5 = {results['accuracy@5']:.4f} on "
-              f"{results['num_examples']} images")
-    logging.info("TensorBoard logs: tensorboard --logdir=%s", est.model_dir)
-    sys.stdout.flush()
-    return results
-
-
-def main(argv: list[str]) -> None:
-    """The program: ``run_from_flags(flags.FLAGS, V3)``."""
-    if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    run_from_flags(flags.FLAGS, V3)
+    loop = common.LoopConfig.from_flags(fv, steps_per_eval=fv.train_steps_per_eval,
+                                        eval_examples=eval_size,
+                                        train_examples=imagenet.NUM_TRAIN_IMAGES)
+    return common.run(common.Job(
+        program=variant.name, config=config, loop=loop, notes=tuple(notes), input_fn=inputs,
+        model_fn=make_model_fn(cfg), batch_sizes=(fv.train_batch_size, fv.eval_batch_size),
+        # Preprocessed images in [-1, 1]; the export holds the moving-average weights.
+        serving=ex.TensorSpec((None, fv.width, fv.width, 3), np.float32), metrics=METRICS,
+        # The flags that change the checkpoint's tree (logits, optimizer slots, averages).
+        model_flags={"num_classes": fv.num_classes, "optimizer": fv.optimizer,
+                     "moving_average": fv.moving_average}))
 
 
 def run() -> None:
     """Console-script entry point (``inception_v3``)."""
-    define_flags(flags.FLAGS, V3)
-    # --help lists the flags this program defines through its helpers, too.
-    flags.adopt_module_key_flags(common)
-    app.run(main)
+    cli.main(define_flags, run_from_flags, __doc__)
 
 
 if __name__ == "__main__":

