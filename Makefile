@@ -55,8 +55,10 @@ $(BEAM_STAMP): pyproject.toml Makefile
 demo: $(STAMP) $(NATIVE_STAMP)
 	$(BIN)/python -m estimax.tools.mnist_data --output_dir=$(DEMO_DIR)/data
 	$(BIN)/python -m estimax.programs.mnist --data_dir=$(DEMO_DIR)/data \
-	    --model_dir=$(DEMO_DIR)/model --export_dir=$(DEMO_DIR)/export \
+	    --model_dir=$(DEMO_DIR)/model --export_dir=$(DEMO_DIR)/serving \
 	    --batch_size=100 --train_steps=2000 --eval_steps=-1 --iterations=50
+	$(BIN)/python -m estimax.serving.demo --model_base_path=$(DEMO_DIR)/serving \
+	    --data_dir=$(DEMO_DIR)/data --index=0
 
 test: $(STAMP) $(NATIVE_STAMP) $(BEAM_STAMP)
 	ESTIMAX_REQUIRE_BEAM=1 $(BEAM_VENV)/bin/python -m pytest -q -p no:cacheprovider \

@@ -135,14 +135,20 @@ def define_run_flags(fv: flags.FlagValues, *, data_dir_default: str | None, data
     flags.DEFINE_integer("eval_timeout", None, "In eval mode, stop after this many seconds "
                          "without a new checkpoint (default: wait for the one at --train_steps).",
                          lower_bound=0, flag_values=fv)
-    flags.DEFINE_string("export_dir", None, "After training, export the model for serving "
-                        "(estimax.serving) under this directory; with a moving average of the "
-                        "weights, the averaged weights are exported.", flag_values=fv)
+    flags.DEFINE_string("export_dir", None, "After training, publish the model for serving as "
+                        "the next numbered version under this directory (export_dir/1, 2, ...: "
+                        "`estimax serve --model_base_path=DIR` serves it; clients send JPEG/PNG "
+                        "bytes); with a moving average of the weights, the averaged weights are "
+                        "exported.", flag_values=fv)
     flags.DEFINE_bool("skip_bad_records", False, "Skip (and count, with a warning) records "
                       "that cannot be read or decoded instead of stopping.", flag_values=fv)
     flags.DEFINE_enum("precision", precision_default, ["bfloat16", "float32"],
-                      "Compute dtype of the network (parameters and loss stay float32).",
-                      flag_values=fv)
+                      "Compute dtype of the network (parameters and loss stay float32). On a "
+                      "CPU, bfloat16 convolutions run natively only where the CPU has bf16 "
+                      "instructions (AVX-512 bf16 or AMX); elsewhere (AVX2-only CPUs such as "
+                      "AMD Zen 2) they run as float32 kernels on bf16 values, one rounding back "
+                      "to bf16 each (`python -m estimax.ops.native status` says which), so "
+                      "float32 is as fast there.", flag_values=fv)
     flags.DEFINE_integer("keep_checkpoint_max", 5, "Number of recent checkpoints kept.",
                          lower_bound=1, flag_values=fv)
     flags.DEFINE_bool("cpu_fast_ops", True, "Use estimax.ops' convolution and max-pool, whose "
@@ -287,6 +293,12 @@ class Job:
       input_fn: ``input_fn(is_training=...)`` -> the Estimator's input function.
       loop: mode, steps, export settings.
       serving: the features' spec for ``--export_dir``.
+      preprocessing: for image programs, what the server applies to the JPEG/PNG bytes clients
+        send (``estimax.serving.resnet_eval(size)``...); None: clients send ``serving`` arrays.
+      check_inputs: returns a few examples (encoded images with ``preprocessing``, else an
+        array of features) that the export is checked with against ``Estimator.predict``
+        before it is published; None, or returning None: no check (fake data has no images).
+      export_tolerance: ``(rtol, atol)`` for that check.
       metrics: the metrics printed for the last evaluation, and what its examples are called.
       notes: warnings to keep in TensorBoard's run description (fake data).
     """
@@ -302,6 +314,9 @@ class Job:
     metrics: tuple[tuple[str, ...], str]
     params: dict[str, Any] | None = None
     notes: tuple[str, ...] = ()
+    preprocessing: Any = None
+    check_inputs: Callable[[], Any] | None = None
+    export_tolerance: tuple[float, float] = (1e-3, 1e-4)
 
 
 def checkpoint_path(model_dir: str, step: int) -> str:
@@ -374,12 +389,46 @@ def run_mode(est: Any, train_input_fn: Callable, eval_input_fn: Callable, loop: 
     return results
 
 
-def export(est: Any, export_dir: str, serving: Callable[[], Any]) -> str:
-    """``--export_dir``: exports the latest checkpoint for serving; returns the export's path."""
+def export(est: Any, job: Job) -> str:
+    """``--export_dir``: publishes the latest checkpoint as the next numbered version there.
+
+    The layout TensorFlow Serving and ``estimax serve --model_base_path`` read
+    (``export_dir/1``, ``export_dir/2``...), checked against ``Estimator.predict`` first.
+    Returns the version's path.
+    """
+    from estimax import serving  # a leaf: serving never imports programs or models
+
     logging.info("Starting to export model.")
-    path = est.export_saved_model(export_dir, serving)
+    rtol, atol = job.export_tolerance
+    path = serving.export_version(
+        est, job.loop.export_dir, serving_input=job.serving, preprocessing=job.preprocessing,
+        check_inputs=job.check_inputs() if job.check_inputs else None, rtol=rtol, atol=atol)
     logging.info("Exported the model to %s", path)
     return path
+
+
+def export_tolerance(precision: str) -> tuple[float, float]:
+    """``(rtol, atol)`` between an export and ``Estimator.predict`` for a compute dtype.
+
+    In bf16 the two round differently: predict may run estimax's oneDNN kernels, the export
+    XLA's own convolutions (it must not need the library).
+    """
+    return (0.0, 2e-2) if precision == "bfloat16" else (1e-3, 1e-4)
+
+
+def sample_images(data_dir: str | None, count: int = 8) -> list[bytes] | None:
+    """The first ``count`` encoded images of ``validation-*`` in ``data_dir`` (None: fake data)."""
+    if data_dir is None:
+        return None
+    from estimax.data import example, tfrecord
+
+    images: list[bytes] = []
+    for path in tfrecord.list_files(posixpath.join(data_dir, "validation-*")):
+        for record in tfrecord.read_records(path):
+            images.append(example.decode_example(record)["image/encoded"][0])
+            if len(images) == count:
+                return images
+    return images or None
 
 
 def write_run_description(model_dir: str, notes: list[str] | tuple[str, ...]) -> None:
@@ -414,7 +463,7 @@ def run(job: Job) -> dict[str, Any] | None:
             results = run_mode(est, job.input_fn(is_training=True),
                                job.input_fn(is_training=False), job.loop)
             if training and job.loop.export_dir:
-                export(est, job.loop.export_dir, lambda: job.serving)
+                export(est, job)
         finally:
             est.close()
     if results is not None:

@@ -43,7 +43,7 @@ import optax
 from absl import flags
 
 import estimax as ex
-from estimax import ops
+from estimax import ops, serving
 from estimax.data import imagenet
 from estimax.models.inception_v3 import InceptionV3
 from estimax.programs import cli, common, logs, schedules
@@ -316,8 +316,12 @@ def run_from_flags(fv: flags.FlagValues, variant: Variant = V3) -> dict[str, Any
     return common.run(common.Job(
         program=variant.name, config=config, loop=loop, notes=tuple(notes), input_fn=inputs,
         model_fn=make_model_fn(cfg), batch_sizes=(fv.train_batch_size, fv.eval_batch_size),
-        # Preprocessed images in [-1, 1]; the export holds the moving-average weights.
+        # Clients send JPEG/PNG bytes; the server applies the eval preprocessing, the export
+        # takes its images in [-1, 1] and holds the moving-average weights.
         serving=ex.TensorSpec((None, fv.width, fv.width, 3), np.float32), metrics=METRICS,
+        preprocessing=serving.inception_eval(fv.width),
+        check_inputs=lambda: common.sample_images(data_dir),
+        export_tolerance=common.export_tolerance(fv.precision),
         # The flags that change the checkpoint's tree (logits, optimizer slots, averages).
         model_flags={"num_classes": fv.num_classes, "optimizer": fv.optimizer,
                      "moving_average": fv.moving_average}))

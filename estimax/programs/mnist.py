@@ -64,7 +64,8 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_integer("dense_units", c.dense_units, "Width of the hidden dense layer (128 in "
                          "the guide; the later mnist_tpu.py used 1024).", lower_bound=1,
                          flag_values=fv)
-    flags.DEFINE_string("export_dir", None, "If set, export the trained model for serving here.",
+    flags.DEFINE_string("export_dir", None, "If set, publish the trained model for serving as "
+                        "the next numbered version here (estimax serve --model_base_path=DIR).",
                         flag_values=fv)
     flags.DEFINE_integer("save_checkpoints_steps", None, "Checkpoint every N steps (default: "
                          "every 600 s and at the end).", lower_bound=1, flag_values=fv)
@@ -177,6 +178,7 @@ def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
         input_fn=lambda is_training: input_fn(files[is_training], is_training,
                                               fv.skip_bad_records),
         serving=ex.TensorSpec((None, 784), np.float32),
+        check_inputs=lambda: load_tfrecords(files[False], fv.skip_bad_records)[0][:16],
         metrics=(("accuracy",), "held-out examples")))
 
 

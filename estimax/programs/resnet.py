@@ -29,7 +29,7 @@ import optax
 from absl import flags, logging
 
 import estimax as ex
-from estimax import ops
+from estimax import ops, serving
 from estimax.data import bigtable, imagenet, preprocessing
 from estimax.models.resnet import RESNET_DEPTHS, resnet_v1
 from estimax.programs import cli, common, logs, schedules
@@ -229,6 +229,7 @@ def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
         raise cli.UsageError(f"--resnet_depth={fv.resnet_depth}: must be one of "
                              f"{sorted(RESNET_DEPTHS)}.")
     notes: list[str] = []
+    data_dir = None
     inputs = functools.partial(
         imagenet.input_fn, image_size=fv.image_size, preprocessing="resnet",
         num_parallel_calls=fv.num_parallel_calls, fake_eval_examples=fv.num_eval_images,
@@ -258,9 +259,12 @@ def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
     return common.run(common.Job(
         program="resnet", config=config, loop=loop, notes=tuple(notes), input_fn=inputs,
         batch_sizes=(fv.train_batch_size, fv.eval_batch_size), model_fn=make_model_fn(cfg),
-        # The original served JPEG bytes through a tf.map_fn of the eval preprocessing; an
-        # estimax export is a compiled function of arrays: preprocessed images (uint8, [0, 255]).
+        # As the original's image_serving_input_fn, clients send JPEG/PNG bytes; the server
+        # applies estimax's eval preprocessing, the export takes its uint8 [0, 255] images.
         serving=ex.TensorSpec((None, fv.image_size, fv.image_size, 3), np.uint8),
+        preprocessing=serving.resnet_eval(fv.image_size),
+        check_inputs=lambda: common.sample_images(data_dir),
+        export_tolerance=common.export_tolerance(fv.precision),
         metrics=METRICS, model_flags={"resnet_depth": fv.resnet_depth,
                                       "num_label_classes": fv.num_label_classes}))
 
