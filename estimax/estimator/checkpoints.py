@@ -5,7 +5,9 @@ collections, optimizer state, EMA) and ``.../<step>/input`` (the input iterator'
 so a resumed run sees exactly the examples an uninterrupted run would have seen.
 
 Orbax writes each checkpoint under a temporary name and renames it when complete, so a process
-killed during a save leaves no directory that ``latest_step`` would pick up.
+killed during a save leaves no directory that ``latest_step`` would pick up. On ``gs://`` and
+``s3://`` (no rename) it writes in place and writes ``commit_success.txt`` last; only steps with
+it count (see ``estimax.storage``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
+
+from estimax import storage
 
 CHECKPOINT_SUBDIR = "checkpoints"
 
@@ -49,6 +53,8 @@ class Checkpointer:
             enable_async_checkpointing=async_save,
             # Leftovers of a save that was killed half-way are removed, never read.
             cleanup_tmp_directories=not read_only,
+            # s3://: commit-file protocol (S3 has no rename); emulator endpoints for TensorStore.
+            **storage.orbax_manager_options(model_dir),
         )
         self._manager = ocp.CheckpointManager(
             checkpoint_dir(model_dir), options=options,
@@ -148,7 +154,7 @@ def checkpoints_iterator(model_dir: str, timeout: float | None = None,
     checkpointer: Checkpointer | None = None
     waited_since = clock()
     while True:
-        if checkpointer is None and os.path.isdir(checkpoint_dir(model_dir)):
+        if checkpointer is None and storage.isdir(checkpoint_dir(model_dir)):
             checkpointer = Checkpointer(model_dir, keep_checkpoint_max=None, read_only=True)
         steps = checkpointer.all_steps() if checkpointer else []
         new = [s for s in steps if last is None or s > last]
