@@ -93,6 +93,9 @@ def configure(environ: dict[str, str] | None = None) -> None:
         if env.get("TENSORSTORE_GCS_HTTP_URL") in (None, _mapped.get(id(env))):
             env["TENSORSTORE_GCS_HTTP_URL"] = _mapped[id(env)] = _with_http(gcs)
         env.setdefault("GOOGLE_AUTH_TOKEN_FOR_TESTING", _EMULATOR_TEST_TOKEN)
+        # gcsfs >= 2026.10 asks the Storage Control API (which emulators lack) for every
+        # bucket's layout and logs a warning each time; the plain client is what they serve.
+        env.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
     if env.get("AWS_ENDPOINT_URL"):
         if not env.get("AWS_ACCESS_KEY_ID") and not env.get("AWS_PROFILE"):
             env.setdefault("AWS_ACCESS_KEY_ID", "emulator")
@@ -128,7 +131,13 @@ def _error(path: str, action: str, e: BaseException) -> StorageError:
 
 @contextlib.contextmanager
 def errors_named(path: str, action: str) -> Iterator[None]:
-    """Turns a client's final failure (after its retries) into one :class:`StorageError`."""
+    """Turns a client's final failure (after its retries) into one :class:`StorageError`.
+
+    Only for remote paths: local errors (``OSError`` with its own path) pass unchanged.
+    """
+    if not is_remote(path):
+        yield
+        return
     try:
         yield
     except (StorageError, FileNotFoundError, FileExistsError, IsADirectoryError,

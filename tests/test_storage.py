@@ -155,7 +155,13 @@ class FaultProxy:
                 conn.close()
                 proxy._record(self.command, self.path, resp.status)
 
-            do_GET = do_POST = do_PUT = do_DELETE = do_HEAD = do_PATCH = _handle
+            def _handle_quietly(self):
+                try:
+                    self._handle()
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client gave up on this connection (it retries on a new one)
+
+            do_GET = do_POST = do_PUT = do_DELETE = do_HEAD = do_PATCH = _handle_quietly
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"

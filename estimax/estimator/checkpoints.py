@@ -90,7 +90,8 @@ class Checkpointer:
             items["ema"] = ocp.args.StandardSave(ema)
         items["meta"] = ocp.args.JsonSave({"input_state": input_state, "has_ema": has_ema,
                                            "has_optimizer": has_optimizer, "step": int(step)})
-        self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+        with storage.errors_named(checkpoint_dir(self.model_dir), f"save checkpoint {step}"):
+            self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 
     def restore_meta(self, step: int) -> dict:
         """Returns the JSON metadata saved at ``step``."""
@@ -115,7 +116,8 @@ class Checkpointer:
 
     def wait_until_finished(self) -> None:
         """Blocks until pending async saves are durable."""
-        self._manager.wait_until_finished()
+        with storage.errors_named(checkpoint_dir(self.model_dir), "finish saving a checkpoint"):
+            self._manager.wait_until_finished()
 
     def close(self) -> None:
         """Finishes pending saves and releases Orbax's background resources."""
