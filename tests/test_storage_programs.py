@@ -12,7 +12,9 @@ import sys
 import pytest
 from absl import flags
 
+from conftest import point_clients_at
 from estimax import storage
+from estimax.models.resnet import ResNetTiny
 from estimax.programs import resnet
 from estimax.tools import convert
 
@@ -98,15 +100,21 @@ def _env(server_url: str) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_seed_001_line_with_tpu_model_dir_in_the_emulator_bucket(gcs_emulator, monkeypatch):
-    """The Gradient job runner's line, ``--model_dir=$TPU_MODEL_DIR`` expanded by the shell."""
+    """The Gradient job runner's line, ``--model_dir=$TPU_MODEL_DIR`` expanded by the shell, with
+    $TPU_MODEL_DIR in the emulator's bucket and only STORAGE_EMULATOR_HOST set."""
     gcs_emulator.create_bucket("gradient-job")
     model_dir = "gs://gradient-job/output_data"
     program, argv = seed_command_lines.to_estimax_argv(_seed_001(), model_dir)
-    assert f"--model_dir={model_dir}" in argv
-    out = _run_program(program, argv, _env(gcs_emulator.url))
-    assert "top_1_accuracy" in out
-    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_emulator.url)
-    assert _ls(f"{model_dir}/checkpoints") == ["2"]
+    assert program == "resnet" and f"--model_dir={model_dir}" in argv
+    point_clients_at(monkeypatch, "gs", gcs_emulator.url)
+    monkeypatch.setenv("ESTIMAX_ONEDNN", "0")
+    # The tiny variant of its network, as tests/test_programs.py runs the seed lines.
+    monkeypatch.setattr(resnet, "resnet_v1",
+                        lambda depth, classes, **kw: ResNetTiny(num_classes=classes, **kw))
+    results = _resnet(argv)  # --mode=train_and_eval (the default), an evaluation every step
+    assert results["global_step"] == 2 and "top_1_accuracy" in results
+    assert _ls(f"{model_dir}/checkpoints") == ["1", "2"]
+    assert any("tfevents" in n for n in _ls(f"{model_dir}/eval"))
 
 
 def _programs_read_tpu_model_dir() -> bool:
@@ -124,10 +132,10 @@ def test_seed_001_line_without_model_dir_takes_tpu_model_dir(gcs_emulator, monke
     gcs_emulator.create_bucket("gradient-job-env")
     model_dir = "gs://gradient-job-env/output_data"
     program, argv = seed_command_lines.to_estimax_argv(_seed_001(), model_dir)
-    argv = [a for a in argv if not a.startswith("--model_dir")]
+    argv = [a for a in argv if not a.startswith("--model_dir")] + ["--resnet_depth=18"]
     env = {**_env(gcs_emulator.url), "TPU_MODEL_DIR": model_dir,
            "TPU_GRPC_URL": "grpc://10.240.1.2:8470"}
     out = _run_program(program, argv, env)
     assert "top_1_accuracy" in out, shlex.join(argv)
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_emulator.url)
-    assert _ls(f"{model_dir}/checkpoints") == ["2"]
+    assert _ls(f"{model_dir}/checkpoints") == ["1", "2"]
