@@ -168,6 +168,26 @@ def isdir(path: str) -> bool:
         return fs.isdir(p)
 
 
+def refresh(path: str) -> None:
+    """Drops cached listings under ``path`` so the next listing asks the store.
+
+    fsspec caches directory listings per filesystem instance, without expiry; a process that
+    follows another's writes (``--mode=eval`` polling a training job's checkpoints) would never
+    see a new object. Orbax lists through ``etils.epath``, which holds its own gcsfs/s3fs
+    instances, so both are refreshed. No-op for local paths.
+    """
+    if not is_remote(path):
+        return
+    fs, p = filesystem(path)
+    fs.invalidate_cache(p)
+    try:
+        from etils.epath import backend
+    except ImportError:
+        return
+    epath_fs = backend.fsspec_backend.fs(path)
+    epath_fs.invalidate_cache(epath_fs._strip_protocol(path))
+
+
 def makedirs(path: str) -> None:
     """Creates a local directory and its parents; object stores have no directories (no-op)."""
     if not is_remote(path):

@@ -140,6 +140,9 @@ def clear_storage_clients() -> None:
 
     for protocol in ("gs", "s3"):
         fsspec.get_filesystem_class(protocol).clear_instance_cache()
+    from etils.epath import backend  # Orbax's paths keep instances of their own
+
+    backend.fsspec_backend._get_filesystem.cache_clear()
 
 
 def point_clients_at(monkeypatch, kind: str, url: str) -> None:

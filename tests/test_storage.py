@@ -257,3 +257,39 @@ def test_checkpoint_whose_commit_fails_is_never_listed(faulty_gcs):
     assert reader.all_steps() == [1] and reader.latest_step() == 1
     reader.close()
     assert list(checkpoints.checkpoints_iterator(model_dir, timeout=0)) == [1]
+
+
+_WRITER = """
+import sys
+import numpy as np
+from estimax.estimator import checkpoints
+w = checkpoints.Checkpointer(sys.argv[1], async_save=False)
+w.save(int(sys.argv[2]), {"w": np.ones(2)}, {}, {}, None)
+w.wait_until_finished()
+w.close()
+"""
+
+
+def test_a_follower_sees_checkpoints_another_process_writes(object_store):
+    """--mode=eval beside a training job: fsspec's listing cache must not hide new steps."""
+    import subprocess
+    import sys
+
+    from estimax.estimator import checkpoints
+
+    root, _ = object_store
+    model_dir = f"{root}/run"
+    root_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def train_job_saves(step: int) -> None:
+        env = {**os.environ, "PYTHONPATH": root_dir, "JAX_PLATFORMS": "cpu"}
+        subprocess.run([sys.executable, "-c", _WRITER, model_dir, str(step)], env=env,
+                       check=True, capture_output=True, timeout=300)
+
+    train_job_saves(1)
+    polls = []
+    follower = checkpoints.checkpoints_iterator(model_dir, timeout=3, sleep=polls.append,
+                                                clock=lambda: len(polls))
+    assert next(follower) == 1
+    train_job_saves(2)
+    assert list(follower) == [2]

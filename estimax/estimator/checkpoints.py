@@ -62,11 +62,13 @@ class Checkpointer:
 
     def latest_step(self) -> int | None:
         """Returns the newest complete checkpoint's step, or None if there is none."""
+        storage.refresh(checkpoint_dir(self.model_dir))  # see another process's new steps
         self._manager.reload()
         return self._manager.latest_step()
 
     def all_steps(self) -> list[int]:
         """Returns the steps of all complete checkpoints, oldest first."""
+        storage.refresh(checkpoint_dir(self.model_dir))  # see another process's new steps
         self._manager.reload()
         return sorted(self._manager.all_steps())
 
