@@ -2,12 +2,13 @@
 
 Who talks to the object store, and how each is pointed at an emulator:
 
-| what | client | endpoint from |
-|---|---|---|
-| TFRecords, manifests, index files, exports, event files | fsspec: ``gcsfs``, ``s3fs`` | ``STORAGE_EMULATOR_HOST``; ``AWS_ENDPOINT_URL`` (botocore) |
-| checkpoint arrays | Orbax -> TensorStore ``gcs`` / ``s3`` kvstore | ``TENSORSTORE_GCS_HTTP_URL`` (set here from ``STORAGE_EMULATOR_HOST``); the kvstore spec's ``endpoint`` (set here from ``AWS_ENDPOINT_URL``) |
-| checkpoint directories, commit files | Orbax -> ``etils.epath`` -> fsspec | as fsspec |
-| old checkpoint deletion on GCS | Orbax -> ``google-cloud-storage`` | ``STORAGE_EMULATOR_HOST`` |
+- TFRecords, manifests, index files, exports, event files: fsspec (``gcsfs``, ``s3fs``);
+  endpoint from ``STORAGE_EMULATOR_HOST`` (gcsfs) or ``AWS_ENDPOINT_URL`` (botocore).
+- Checkpoint arrays: Orbax -> TensorStore's ``gcs`` / ``s3`` kvstore; endpoint from
+  ``TENSORSTORE_GCS_HTTP_URL`` (set here from ``STORAGE_EMULATOR_HOST``) or the kvstore spec's
+  ``endpoint`` (set here from ``AWS_ENDPOINT_URL``).
+- Checkpoint directories and commit files: Orbax -> ``etils.epath`` -> fsspec, as above.
+- Deleting old checkpoints on GCS: Orbax -> ``google-cloud-storage`` (``STORAGE_EMULATOR_HOST``).
 
 So a user sets only ``STORAGE_EMULATOR_HOST`` (the variable Google's own clients honour) or
 ``AWS_ENDPOINT_URL`` (the one AWS's SDKs honour) and every part follows: :func:`configure`
@@ -38,7 +39,8 @@ import os
 import posixpath
 import shutil
 import tempfile
-from typing import IO, Any, Iterator
+from collections.abc import Iterator
+from typing import IO, Any
 
 import fsspec
 

@@ -127,7 +127,8 @@ def gcs_emulator():
 @pytest.fixture(scope="session")
 def s3_server():
     """An S3 server (moto) for the session."""
-    pytest.importorskip("moto.server", reason="moto[s3] + flask not installed (pip install .[test])")
+    pytest.importorskip("moto.server",
+                        reason="moto[s3] + flask not installed (pip install .[test])")
     pytest.importorskip("s3fs", reason="s3fs not installed")
     server = S3Server()
     yield server

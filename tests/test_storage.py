@@ -11,8 +11,8 @@ import threading
 
 import numpy as np
 import pytest
-
 from conftest import clear_storage_clients, point_clients_at
+
 from estimax import storage
 from estimax.data import tfrecord
 
@@ -47,10 +47,10 @@ def test_shards_round_trip_and_a_failed_write_leaves_nothing(object_store):
     with tfrecord.TFRecordWriter(f"{root}/data/train-00000-of-00001") as w:
         for r in records:
             w.write(r)
-    with pytest.raises(RuntimeError, match="boom"):
-        with tfrecord.TFRecordWriter(f"{root}/data/train-00000-of-00002") as w:
-            w.write(b"partial")
-            raise RuntimeError("boom")
+    with (pytest.raises(RuntimeError, match="boom"),
+          tfrecord.TFRecordWriter(f"{root}/data/train-00000-of-00002") as w):
+        w.write(b"partial")
+        raise RuntimeError("boom")
     assert tfrecord.list_files(f"{root}/data/train-*") == [f"{root}/data/train-00000-of-00001"]
     assert list(tfrecord.read_records(f"{root}/data/train-00000-of-00001")) == records
     assert storage.isdir(f"{root}/data") and not storage.isdir(f"{root}/nothing")
@@ -218,9 +218,9 @@ def test_shard_upload_retries_then_fails_clearly_and_leaves_no_shard(faulty_gcs)
     assert list(tfrecord.read_records(f"{root}/data/train-00000-of-00002")) == [b"first"]
 
     proxy.fail(_uploads, times=None)  # the store keeps failing
-    with pytest.raises(storage.StorageError) as e:
-        with tfrecord.TFRecordWriter(f"{root}/data/train-00001-of-00002") as w:
-            w.write(b"second")
+    with (pytest.raises(storage.StorageError) as e,
+          tfrecord.TFRecordWriter(f"{root}/data/train-00001-of-00002") as w):
+        w.write(b"second")
     message = str(e.value)
     assert message.startswith(f"{root}/data/train-00001-of-00002: could not finish writing it")
     assert "STORAGE_EMULATOR_HOST" in message and "\n" not in message
