@@ -236,8 +236,15 @@ def test_checkpoint_whose_commit_fails_is_never_listed(faulty_gcs):
     root, proxy = faulty_gcs
     model_dir = f"{root}/run"
     ckpt = checkpoints.Checkpointer(model_dir, async_save=False)
+
+    def array_upload(method: str, path: str) -> bool:  # TensorStore writing Orbax's OCDBT files
+        return _uploads(method, path) and "ocdbt" in path
+
+    proxy.fail(array_upload, times=2)  # transient: TensorStore retries with backoff
     ckpt.save(1, {"w": np.ones(4)}, {}, {}, None)
     ckpt.wait_until_finished()
+    statuses = [s for m, p, s in proxy.log if array_upload(m, p)]
+    assert statuses[:2] == [503, 503] and statuses.count(200) >= 1
 
     def commit_of_step_2(method: str, path: str) -> bool:
         return _uploads(method, path) and "checkpoints%2F2%2Fcommit_success" in path.replace(
@@ -255,6 +262,7 @@ def test_checkpoint_whose_commit_fails_is_never_listed(faulty_gcs):
     assert not storage.exists(f"{model_dir}/checkpoints/2/commit_success.txt")
     reader = checkpoints.Checkpointer(model_dir, read_only=True)
     assert reader.all_steps() == [1] and reader.latest_step() == 1
+    np.testing.assert_array_equal(reader.restore_numpy(1)["w"], np.ones(4))
     reader.close()
     assert list(checkpoints.checkpoints_iterator(model_dir, timeout=0)) == [1]
 
