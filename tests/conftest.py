@@ -149,9 +149,12 @@ def clear_storage_clients() -> None:
 def point_clients_at(monkeypatch, kind: str, url: str) -> None:
     """Sets only what a user sets: STORAGE_EMULATOR_HOST (gs) or AWS_ENDPOINT_URL (s3)."""
     for name in ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL",
-                 "GOOGLE_AUTH_TOKEN_FOR_TESTING", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
-                 "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
-        monkeypatch.delenv(name, raising=False)
+                 "GOOGLE_AUTH_TOKEN_FOR_TESTING", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT",
+                 "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID",
+                 "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_DEFAULT_REGION"):
+        # setenv first: monkeypatch then also undoes what estimax.storage.configure() sets.
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     monkeypatch.setenv("STORAGE_EMULATOR_HOST" if kind == "gs" else "AWS_ENDPOINT_URL", url)
     clear_storage_clients()
 
