@@ -180,14 +180,21 @@ def refresh(path: str) -> None:
     """
     if not is_remote(path):
         return
-    fs, p = filesystem(path)
-    fs.invalidate_cache(p)
+    fs, _ = filesystem(path)
+    filesystems = [fs]
     try:
         from etils.epath import backend
     except ImportError:
-        return
-    epath_fs = backend.fsspec_backend.fs(path)
-    epath_fs.invalidate_cache(epath_fs._strip_protocol(path))
+        pass
+    else:
+        filesystems.append(backend.fsspec_backend.fs(path))
+    for f in filesystems:
+        prefix = f._strip_protocol(path).rstrip("/")
+        f.invalidate_cache(prefix)  # the prefix and its parents
+        # ...and everything below it: a step listed while its save was still running must
+        # not stay without its commit marker in the cache.
+        for key in [k for k in list(f.dircache) if k.startswith(prefix + "/")]:
+            f.dircache.pop(key, None)
 
 
 def makedirs(path: str) -> None:

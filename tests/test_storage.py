@@ -80,6 +80,11 @@ def test_checkpoints_summaries_and_exports_on_the_object_store(object_store, tmp
     reader = checkpoints.Checkpointer(model_dir, read_only=True)
     np.testing.assert_array_equal(reader.restore_numpy(3)["w"], [3.0, 3.0, 3.0])
     assert reader.restore_meta(3)["input_state"] == {"position": 3}
+    # Without its commit marker (a save that died before the end) a step is not a checkpoint,
+    # on S3 too (estimax asks Orbax for its GCS commit protocol there).
+    fs, marker = storage.filesystem(f"{model_dir}/checkpoints/3/commit_success.txt")
+    fs.rm(marker)
+    assert reader.all_steps() == [2] and reader.latest_step() == 2
     reader.close()
 
     writer = summaries.Summaries(f"{model_dir}/eval")
