@@ -39,6 +39,7 @@ import os
 import posixpath
 import shutil
 import tempfile
+import urllib.parse
 from collections.abc import Iterator
 from typing import IO, Any
 
@@ -83,7 +84,8 @@ def configure(environ: dict[str, str] | None = None) -> None:
     ``GOOGLE_AUTH_TOKEN_FOR_TESTING`` (so no Google credentials are looked up). For S3,
     ``AWS_ENDPOINT_URL`` is read by botocore (s3fs) itself and put into TensorStore's kvstore
     specs by :func:`enable_orbax_s3`; an emulator also needs some credentials and a region, so
-    dummy ones are set when none are given. Variables already set are left alone.
+    for a loopback endpoint with no credentials configured dummy keys are set, and
+    ``us-east-1`` when no region is. Variables already set are left alone.
 
     Args:
       environ: the environment to update; ``os.environ`` by default.
@@ -98,8 +100,18 @@ def configure(environ: dict[str, str] | None = None) -> None:
         # gcsfs >= 2026.10 asks the Storage Control API (which emulators lack) for every
         # bucket's layout and logs a warning each time; the plain client is what they serve.
         env.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-    if env.get("AWS_ENDPOINT_URL"):
-        if not env.get("AWS_ACCESS_KEY_ID") and not env.get("AWS_PROFILE"):
+    endpoint = env.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        credentials_file = os.path.expanduser(
+            env.get("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials"))
+        has_credentials = (env.get("AWS_ACCESS_KEY_ID") or env.get("AWS_PROFILE")
+                           or env.get("AWS_WEB_IDENTITY_TOKEN_FILE")
+                           or os.path.exists(credentials_file))
+        # Dummy keys only for a server on this machine (an emulator): a real S3-compatible
+        # store without credentials must fail with its own "no credentials" error.
+        loopback = urllib.parse.urlsplit(_with_http(endpoint)).hostname in (
+            "localhost", "127.0.0.1", "::1")
+        if loopback and not has_credentials:
             env.setdefault("AWS_ACCESS_KEY_ID", "emulator")
             env.setdefault("AWS_SECRET_ACCESS_KEY", "emulator")
         if not env.get("AWS_REGION"):

@@ -18,7 +18,8 @@ from estimax.data import tfrecord
 
 
 def test_configure_maps_the_standard_variables_for_tensorstore():
-    env = {"STORAGE_EMULATOR_HOST": "127.0.0.1:4443", "AWS_ENDPOINT_URL": "http://127.0.0.1:5"}
+    env = {"STORAGE_EMULATOR_HOST": "127.0.0.1:4443", "AWS_ENDPOINT_URL": "http://127.0.0.1:5",
+           "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent"}
     storage.configure(env)
     assert env["TENSORSTORE_GCS_HTTP_URL"] == "http://127.0.0.1:4443"
     assert env["GOOGLE_AUTH_TOKEN_FOR_TESTING"]  # no credential lookup against an emulator
@@ -32,6 +33,9 @@ def test_configure_maps_the_standard_variables_for_tensorstore():
     storage.configure(mine)  # what the user set explicitly wins
     assert mine["TENSORSTORE_GCS_HTTP_URL"] == "http://other:2" and mine["AWS_ACCESS_KEY_ID"] == "k"
     assert "AWS_DEFAULT_REGION" not in mine
+    remote = {"AWS_ENDPOINT_URL": "https://s3.example.com", "AWS_SHARED_CREDENTIALS_FILE": "/no"}
+    storage.configure(remote)  # a real store: no dummy keys that would hide missing ones
+    assert "AWS_ACCESS_KEY_ID" not in remote
     assert storage.orbax_manager_options("/local/dir") == {}
 
 
