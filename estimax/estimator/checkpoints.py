@@ -5,7 +5,9 @@ collections, optimizer state, EMA) and ``.../<step>/input`` (the input iterator'
 so a resumed run sees exactly the examples an uninterrupted run would have seen.
 
 Orbax writes each checkpoint under a temporary name and renames it when complete, so a process
-killed during a save leaves no directory that ``latest_step`` would pick up.
+killed during a save leaves no directory that ``latest_step`` would pick up. On ``gs://`` and
+``s3://`` (no rename) it writes in place and writes ``commit_success.txt`` last; only steps with
+it count (see ``estimax.storage``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
+
+from estimax import storage
 
 CHECKPOINT_SUBDIR = "checkpoints"
 
@@ -49,6 +53,8 @@ class Checkpointer:
             enable_async_checkpointing=async_save,
             # Leftovers of a save that was killed half-way are removed, never read.
             cleanup_tmp_directories=not read_only,
+            # s3://: commit-file protocol (S3 has no rename); emulator endpoints for TensorStore.
+            **storage.orbax_manager_options(model_dir),
         )
         self._manager = ocp.CheckpointManager(
             checkpoint_dir(model_dir), options=options,
@@ -56,11 +62,13 @@ class Checkpointer:
 
     def latest_step(self) -> int | None:
         """Returns the newest complete checkpoint's step, or None if there is none."""
+        storage.refresh(checkpoint_dir(self.model_dir))  # see another process's new steps
         self._manager.reload()
         return self._manager.latest_step()
 
     def all_steps(self) -> list[int]:
         """Returns the steps of all complete checkpoints, oldest first."""
+        storage.refresh(checkpoint_dir(self.model_dir))  # see another process's new steps
         self._manager.reload()
         return sorted(self._manager.all_steps())
 
@@ -84,7 +92,8 @@ class Checkpointer:
             items["ema"] = ocp.args.StandardSave(ema)
         items["meta"] = ocp.args.JsonSave({"input_state": input_state, "has_ema": has_ema,
                                            "has_optimizer": has_optimizer, "step": int(step)})
-        self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+        with storage.errors_named(checkpoint_dir(self.model_dir), f"save checkpoint {step}"):
+            self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 
     def restore_meta(self, step: int) -> dict:
         """Returns the JSON metadata saved at ``step``."""
@@ -109,7 +118,8 @@ class Checkpointer:
 
     def wait_until_finished(self) -> None:
         """Blocks until pending async saves are durable."""
-        self._manager.wait_until_finished()
+        with storage.errors_named(checkpoint_dir(self.model_dir), "finish saving a checkpoint"):
+            self._manager.wait_until_finished()
 
     def close(self) -> None:
         """Finishes pending saves and releases Orbax's background resources."""
@@ -148,7 +158,7 @@ def checkpoints_iterator(model_dir: str, timeout: float | None = None,
     checkpointer: Checkpointer | None = None
     waited_since = clock()
     while True:
-        if checkpointer is None and os.path.isdir(checkpoint_dir(model_dir)):
+        if checkpointer is None and storage.isdir(checkpoint_dir(model_dir)):
             checkpointer = Checkpointer(model_dir, keep_checkpoint_max=None, read_only=True)
         steps = checkpointer.all_steps() if checkpointer else []
         new = [s for s in steps if last is None or s > last]

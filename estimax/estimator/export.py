@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -21,6 +20,7 @@ import numpy as np
 from absl import logging
 from flax import serialization
 
+from estimax import storage
 from estimax.estimator.spec import ModeKeys
 from estimax.ops.native import native_kernels
 
@@ -92,11 +92,10 @@ def export_saved_model(estimator: "Estimator", export_dir_base: str,
         exported = jax.export.export(jax.jit(serve), platforms=platforms)(variable_specs,
                                                                          feature_specs)
     timestamp = int(time.time())
-    while os.path.exists(os.path.join(export_dir_base, str(timestamp))):
+    while storage.exists(storage.join(export_dir_base, str(timestamp))):
         timestamp += 1
-    final = os.path.join(export_dir_base, str(timestamp))
-    staging = final + ".tmp"
-    os.makedirs(staging, exist_ok=True)
+    final = storage.join(export_dir_base, str(timestamp))
+    staging = storage.staging_dir(final)  # local: final + ".tmp"; gs://, s3://: a local temp dir
     with open(os.path.join(staging, MODEL_FILE), "wb") as f:
         f.write(exported.serialize())
     with open(os.path.join(staging, VARIABLES_FILE), "wb") as f:
@@ -112,7 +111,8 @@ def export_saved_model(estimator: "Estimator", export_dir_base: str,
     }
     with open(os.path.join(staging, SIGNATURE_FILE), "w") as f:
         json.dump(signature, f, indent=2)
-    # The directory appears under its final name only when complete.
-    shutil.move(staging, final)
+    # The directory appears under its final name only when complete (object stores: the
+    # signature is uploaded last, so a loader waiting for it never reads half an export).
+    storage.publish_dir(staging, final, last=SIGNATURE_FILE)
     logging.info("Exported the model at step %d to %s", step, final)
     return final

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from typing import Mapping
 
 import numpy as np
 from absl import logging
 from tensorboardX import SummaryWriter
+
+from estimax import storage
 
 
 class Summaries:
@@ -20,7 +21,8 @@ class Summaries:
     def scalars(self, step: int, values: Mapping[str, float]) -> None:
         """Writes each named scalar at ``step``."""
         if self._writer is None:
-            os.makedirs(self.logdir, exist_ok=True)
+            storage.makedirs(self.logdir)
+            storage.register_summary_writers()  # gs:// and s3:// event files through fsspec
             self._writer = SummaryWriter(self.logdir, flush_secs=30)
         for name, value in values.items():
             self._writer.add_scalar(name, float(np.asarray(value)), global_step=int(step))

@@ -31,6 +31,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from estimax import storage
 from estimax.tools import convert_images, convert_shards, convert_sources, fake_imagenet
 
 __all__ = ["main", "run"]
@@ -152,7 +153,7 @@ def _to_bigtable(args: argparse.Namespace) -> int:
             train_prefix=args.train_prefix, eval_prefix=args.eval_prefix,
             column_family=args.column_family, column_qualifier=args.column_qualifier,
             overwrite=args.overwrite, splits=splits)
-    except (bigtable.BigtableError, FileNotFoundError, ImportError) as e:
+    except (bigtable.BigtableError, FileNotFoundError, ImportError, storage.StorageError) as e:
         print(f"estimax-convert to-bigtable: error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {written} rows to "
@@ -222,7 +223,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             manifest = convert_beam.convert_beam(dataset, args.output_dir, num_shards,
                                                  runner=args.runner, pipeline_args=extra,
                                                  **kwargs)
-    except (convert_sources.InputError, convert_images.BadImageError, ImportError) as e:
+    except (convert_sources.InputError, convert_images.BadImageError, ImportError,
+            storage.StorageError) as e:
         print(f"estimax-convert {args.command}: error: {e}", file=sys.stderr)
         return 2
     counts = {s: sum(e["num_examples"] for e in manifest.shards.values() if e["split"] == s)

@@ -41,8 +41,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import fsspec
-
+from estimax import storage
 from estimax.data import tfrecord
 from estimax.tools.convert_images import (BadImageError, convert_image, make_example,
                                           read_image_bytes)
@@ -117,7 +116,7 @@ def fingerprint(tasks: list[ShardTask], label_map: dict[str, int], options: dict
 def sha256_file(path: str) -> str:
     """Hex SHA-256 of a file (any fsspec path)."""
     h = hashlib.sha256()
-    with fsspec.open(path, "rb") as f:
+    with storage.open_file(path, "rb") as f:
         while chunk := f.read(8 << 20):
             h.update(chunk)
     return h.hexdigest()
@@ -202,7 +201,7 @@ class Manifest:
     def save(self, output_dir: str) -> None:
         """Writes the manifest (locally via a temporary name and an atomic rename)."""
         path = posixpath.join(output_dir, MANIFEST_NAME)
-        fs, fs_path = fsspec.core.url_to_fs(path)
+        fs, fs_path = storage.filesystem(path)
         text = self.to_json()
         if "://" in path and not path.startswith("file://"):
             with fs.open(fs_path, "w") as f:  # object stores: an upload is atomic already
@@ -217,7 +216,7 @@ class Manifest:
 
 def load_manifest(output_dir: str) -> Manifest | None:
     path = posixpath.join(output_dir, MANIFEST_NAME)
-    fs, fs_path = fsspec.core.url_to_fs(path)
+    fs, fs_path = storage.filesystem(path)
     if not fs.exists(fs_path):
         return None
     with fs.open(fs_path, "r") as f:
@@ -225,7 +224,7 @@ def load_manifest(output_dir: str) -> Manifest | None:
 
 
 def _existing_shards(output_dir: str, splits: Iterable[str]) -> list[str]:
-    fs, fs_dir = fsspec.core.url_to_fs(output_dir)
+    fs, fs_dir = storage.filesystem(output_dir)
     if not fs.exists(fs_dir):
         return []
     names = [posixpath.basename(p) for p in fs.ls(fs_dir, detail=False)]
@@ -266,13 +265,13 @@ def prepare_manifest(tasks: list[ShardTask], dataset: Dataset, output_dir: str,
                          f"no {MANIFEST_NAME}; use another --output_dir or --overwrite")
     _remove_stale_temporaries(output_dir)
     if overwrite or old is None:
-        fs, fs_dir = fsspec.core.url_to_fs(output_dir)
+        fs, fs_dir = storage.filesystem(output_dir)
         for name in existing:
             fs.rm(posixpath.join(fs_dir, name))
         return fresh
     for name, entry in old.shards.items():
         path = posixpath.join(output_dir, name)
-        fs, fs_path = fsspec.core.url_to_fs(path)
+        fs, fs_path = storage.filesystem(path)
         if fs.exists(fs_path) and sha256_file(path) == entry["sha256"]:
             fresh.shards[name] = entry
         else:
@@ -404,7 +403,7 @@ def verify_shard(path: str, entry: dict[str, Any], label_map: dict[str, int],
     """
     from estimax.data.example import decode_example
 
-    fs, fs_path = fsspec.core.url_to_fs(path)
+    fs, fs_path = storage.filesystem(path)
     if not fs.exists(fs_path):
         return [f"{path}: missing (the manifest lists it with {entry['num_examples']} examples)"]
     problems = []
