@@ -74,6 +74,7 @@ def _parse(fv: flags.FlagValues, argv: list[str]) -> list[str]:
 
 def _run(run_from_flags: Callable[[flags.FlagValues], Any], fv: flags.FlagValues,
          argv: list[str]) -> None:
+    from estimax import storage
     from estimax.data import bigtable
 
     try:
@@ -91,6 +92,9 @@ def _run(run_from_flags: Callable[[flags.FlagValues], Any], fv: flags.FlagValues
     except bigtable.BigtableError as e:
         # A table that cannot be read is a setup problem: its message, without a traceback.
         _fatal(f"Cloud Bigtable input: {e}")
+    except storage.StorageError as e:
+        # The clients' retries ran out; the message names the path (no traceback: not a bug).
+        _fatal(str(e))
     sys.stdout.flush()
 
 
