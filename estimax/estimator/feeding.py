@@ -132,7 +132,11 @@ class DeviceTimeline:
 
     def dispatched(self, marker: Any, input_wait_secs: float) -> None:
         """Records that a step was just dispatched; ``marker`` is ready when it has finished."""
-        self._dispatch.append((self._timer(), input_wait_secs))
+        now = self._timer()
+        if self._prev is None and not self._dispatch:
+            # The run's first step: its dispatch included compiling it; time loops from here.
+            self._loop_start = now
+        self._dispatch.append((now, input_wait_secs))
         self._markers.put(marker)
 
     def end_loop(self) -> tuple[float, float]:
