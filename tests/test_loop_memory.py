@@ -3,7 +3,6 @@ and the loop says when the input holds training back."""
 
 from __future__ import annotations
 
-import os
 import time
 import weakref
 
