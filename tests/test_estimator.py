@@ -352,6 +352,22 @@ def test_train_and_evaluate_every_steps(tmp_path):
     assert sorted(_scalars(os.path.join(cfg.model_dir, "eval"), "accuracy")) == [4, 6]
 
 
+@pytest.mark.parametrize("throttle_secs,evaluated", [(0.0, [2, 4, 6, 8]), (1e9, [2, 8])])
+def test_train_and_evaluate_after_checkpoints_throttled(tmp_path, throttle_secs, evaluated):
+    """Without every_steps: evaluate each complete checkpoint, at most once per throttle_secs
+    (the first always), and the final one."""
+    x, y = data()
+    cfg = config(tmp_path)  # a checkpoint every 2 steps
+    est = ex.Estimator(make_model_fn(), cfg, train_batch_size=32, eval_batch_size=32)
+    results, _ = ex.train_and_evaluate(
+        est, ex.TrainSpec(ex.numpy_input_fn(x, y), max_steps=8),
+        ex.EvalSpec(ex.numpy_input_fn(x[:40], y[:40], shuffle=False, num_epochs=1),
+                    throttle_secs=throttle_secs))
+    est.close()
+    assert results["global_step"] == 8
+    assert sorted(_scalars(os.path.join(cfg.model_dir, "eval"), "accuracy")) == evaluated
+
+
 def test_skipped_input_records_reach_tensorboard(tmp_path):
     x, y = data()
 
