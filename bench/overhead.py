@@ -52,12 +52,14 @@ class TimedInput:
     def __init__(self, batches: list[tuple[np.ndarray, np.ndarray]]):
         self.batches = batches
         self.times: list[float] = []
+        self.cpu_times: list[float] = []  # this process's CPU seconds (all threads)
 
     def __iter__(self):
         return self
 
     def __next__(self):
         self.times.append(time.perf_counter())
+        self.cpu_times.append(time.process_time())
         x, y = self.batches[len(self.times) % len(self.batches)]
         return x.copy(), y.copy()  # a fresh host batch per step, as a real input gives
 
@@ -197,11 +199,13 @@ def main() -> None:
         runners[f"estimax_train_ipl{ipl}"] = Estimated(args.model, batches, ipl)
     steps = args.skip + args.window + 1
     rates: dict[str, list[float]] = {k: [] for k in runners}
+    cpu_rates: dict[str, list[float]] = {k: [] for k in runners}
     for _ in range(args.rounds):
         for name, runner in runners.items():
             source = TimedInput(batches)
             runner.run(source, steps)
             rates[name].append(window_rate(source.times, args.skip, args.window, batch))
+            cpu_rates[name].append(window_rate(source.cpu_times, args.skip, args.window, batch))
     checkpoint = {name: round(statistics.median(
         r.time_checkpoint() for _ in range(args.checkpoint_repeats)), 3)
         for name, r in runners.items() if isinstance(r, Estimated)}
@@ -209,6 +213,11 @@ def main() -> None:
     medians = {k: statistics.median(v) for k, v in rates.items()}
     ratios = {k: round(v / medians["bare_jit_loop"], 3) for k, v in medians.items()
               if k != "bare_jit_loop"}
+    # Images per CPU-second of the whole process: what the loop costs, whatever else shares the
+    # machine (wall-clock rates drift with other jobs' load).
+    cpu_medians = {k: statistics.median(v) for k, v in cpu_rates.items()}
+    cpu_ratios = {k: round(v / cpu_medians["bare_jit_loop"], 3) for k, v in cpu_medians.items()
+                  if k != "bare_jit_loop"}
     what = {"mnist": "MNIST CNN (seed 002), batch 128, float32",
             "resnet50": "ResNet-50, 224x224, batch 16, float32"}[args.model]
     result = {
@@ -219,6 +228,9 @@ def main() -> None:
         "images_per_sec": {k: [round(r, 2) for r in v] for k, v in rates.items()},
         "median_images_per_sec": {k: round(v, 2) for k, v in medians.items()},
         "ratio_estimax_over_bare": ratios,
+        "images_per_cpu_sec": {k: [round(r, 2) for r in v] for k, v in cpu_rates.items()},
+        "median_images_per_cpu_sec": {k: round(v, 2) for k, v in cpu_medians.items()},
+        "cpu_ratio_estimax_over_bare": cpu_ratios,
         "checkpoint_secs_median": checkpoint,
         "checkpoint_repeats": args.checkpoint_repeats,
         "loadavg_start": [round(x, 2) for x in load_start],
@@ -238,10 +250,13 @@ def main() -> None:
         f.write(f"{result['what']}; {args.rounds} rounds. Load average (1, 5, 15 min) "
                 f"{result['loadavg_start']} at the start, {result['loadavg_end']} at the end "
                 f"({os.cpu_count()} CPUs, shared with other jobs); {result['date_utc']} UTC.\n\n")
-        f.write("| loop | median img/s | ratio to bare | rounds |\n|---|---|---|---|\n")
+        f.write("| loop | median img/s | ratio to bare | rounds | median img/CPU-s | "
+                "ratio to bare | rounds |\n|---|---|---|---|---|---|---|\n")
         for k in runners:
             f.write(f"| {k} | {medians[k]:.2f} | {ratios.get(k, 1.0):.3f} | "
-                    f"{', '.join(f'{r:.1f}' for r in rates[k])} |\n")
+                    f"{', '.join(f'{r:.1f}' for r in rates[k])} | {cpu_medians[k]:.2f} | "
+                    f"{cpu_ratios.get(k, 1.0):.3f} | "
+                    f"{', '.join(f'{r:.1f}' for r in cpu_rates[k])} |\n")
         f.write("\nCheckpoint at the end of a train() call (not in the window), seconds, "
                 f"median of {args.checkpoint_repeats}: {checkpoint}\n")
     print(json.dumps(result, indent=2))
