@@ -1,133 +1,268 @@
-"""Estimator.train throughput vs a bare jitted train-step loop (same model, same data).
+"""Estimator.train throughput vs a bare jitted train-step loop (same model, data and prefetch).
 
-Both loops train the MNIST CNN of the guide (batch 128, SGD) on the same in-memory arrays fed
-from the host each step; compilation is excluded (each side is warmed up first). Rounds are
-interleaved and the medians compared, since this machine's timings drift by 20-30%.
+Both sides train the same model on the same host batches, read from one instrumented input that
+notes the time of every batch read; both move batches to the device with a prefetch of 2 (the
+bare side with flax's ``prefetch_to_device`` recipe: ``jax.device_put`` of the next batches while
+the current step runs). A side's speed is taken over a window of reads in the middle of one long
+``train`` call (steps ``skip`` .. ``skip + window``): its steady-state loop, including the host
+syncs at every ``iterations_per_loop`` boundary, but neither compilation, the restore at the start
+of ``train`` nor the checkpoint at its end. The checkpoint is measured separately (the time from
+the last loop's log line to ``train`` returning: the final save and its wait). Rounds are
+interleaved and medians compared, since this machine's timings drift.
 
-    .venv/bin/python bench/overhead.py [--rounds 5 --steps 100]
+    .venv/bin/python bench/overhead.py --model mnist --iterations_per_loop 1 100
+    .venv/bin/python bench/overhead.py --model resnet50 --iterations_per_loop 100 \
+        --rounds 3 --window 3 --skip 3
 
-Writes bench/results/overhead.json and bench/results/overhead.md.
+Writes bench/results/overhead_<model>.json and .md (mnist: MNIST CNN, batch 128; resnet50:
+ResNet-50, 224x224, batch 16, float32).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import logging as std_logging
 import os
 import platform
 import statistics
 import tempfile
 import time
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
 import estimax as ex
+from estimax.models import resnet
 from estimax.models.mnist import MnistCNN
 
-BATCH = 128
+MODELS = {
+    # name: (module factory, batch, example shape, classes)
+    "mnist": (lambda: MnistCNN(), 128, (784,), 10),
+    "resnet50": (lambda: resnet.ResNet50(num_classes=1000), 16, (224, 224, 3), 1000),
+}
 
 
-def model_fn(features, labels, mode, params):
-    logits = MnistCNN()(features, train=mode == ex.ModeKeys.TRAIN)
-    return ex.EstimatorSpec(mode=mode, loss=ex.losses.softmax_cross_entropy(logits, labels),
-                            optimizer=optax.sgd(0.05))
+class TimedInput:
+    """Cycles through a few fixed host batches; notes the time of every read."""
+
+    def __init__(self, batches: list[tuple[np.ndarray, np.ndarray]]):
+        self.batches = batches
+        self.times: list[float] = []
+        self.cpu_times: list[float] = []  # this process's CPU seconds (all threads)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.times.append(time.perf_counter())
+        self.cpu_times.append(time.process_time())
+        x, y = self.batches[len(self.times) % len(self.batches)]
+        return x.copy(), y.copy()  # a fresh host batch per step, as a real input gives
 
 
-def bare_loop(x: np.ndarray, y: np.ndarray):
-    """The hand-written baseline: init, one jitted donated step, host batches."""
-    model = MnistCNN()
-    tx = optax.sgd(0.05)
-    variables = model.init({"params": jax.random.PRNGKey(0)}, jnp.asarray(x[:BATCH]),
-                           train=False)
-    params = variables["params"]
-    opt_state = tx.init(params)
+def window_rate(times: list[float], skip: int, window: int, batch: int) -> float:
+    """Images/s between read ``skip`` and read ``skip + window``."""
+    if len(times) <= skip + window:
+        raise ValueError(f"only {len(times)} reads; need more than skip + window = "
+                         f"{skip + window}")
+    return window * batch / (times[skip + window] - times[skip])
 
-    @jax.jit
-    def step(params, opt_state, xb, yb, rng):
-        def loss_fn(p):
-            logits = model.apply({"params": p}, xb, train=True, rngs={"dropout": rng})
-            return ex.losses.softmax_cross_entropy(logits, yb).mean()
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
 
-    step = jax.jit(step, donate_argnums=(0, 1))
-    state = {"params": params, "opt": opt_state, "i": 0}
+def prefetch_to_device(iterator, size: int):
+    """flax.jax_utils.prefetch_to_device for one device: ``size`` batches ahead on the device."""
+    queue = collections.deque()
 
-    def run(n: int) -> None:
-        loss = None
-        for _ in range(n):
-            i = state["i"] % (len(x) // BATCH)
-            xb, yb = x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH]
-            state["params"], state["opt"], loss = step(
-                state["params"], state["opt"], xb, yb, jax.random.PRNGKey(state["i"]))
-            state["i"] += 1
+    def enqueue(n):
+        for element in iterator:
+            queue.append(jax.device_put(element))
+            n -= 1
+            if not n:
+                return
+    enqueue(size)
+    while queue:
+        yield queue.popleft()
+        enqueue(1)
+
+
+class Bare:
+    """init, one jitted donated step, batches through prefetch_to_device(2), no host syncs."""
+
+    def __init__(self, name: str, batches):
+        factory, self.batch, _, _ = MODELS[name]
+        model = factory()
+        tx = optax.sgd(0.05, momentum=0.9)
+        x0 = jnp.asarray(batches[0][0])
+        variables = jax.jit(lambda k: model.init({"params": k, "dropout": k}, x0,
+                                                 train=False))(jax.random.PRNGKey(0))
+        params = variables.pop("params")
+        self.state = (params, dict(variables), tx.init(params))
+
+        def step(state, xb, yb, rng):
+            params, extra, opt_state = state
+
+            def loss_fn(p):
+                logits, new_extra = model.apply({"params": p, **extra}, xb, train=True,
+                                                rngs={"dropout": rng}, mutable=list(extra))
+                return ex.losses.softmax_cross_entropy(logits, yb).mean(), new_extra
+            (loss, new_extra), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return (optax.apply_updates(params, updates), new_extra, opt_state), loss
+
+        self.step = jax.jit(step, donate_argnums=(0,))
+        self.batches = batches
+        self.rng = jax.random.PRNGKey(1)
+        self.run(TimedInput(batches), 2)  # compile and warm up
+
+    def run(self, source: TimedInput, steps: int) -> None:
+        loss = previous = None
+        for i, (xb, yb) in zip(range(steps), prefetch_to_device(source, 2)):
+            self.state, loss = self.step(self.state, xb, yb, jax.random.fold_in(self.rng, i))
+            if previous is not None:
+                # One step queued behind the running one, as the Estimator: otherwise the host
+                # may run ahead by many steps and the read times would not track the device.
+                previous.block_until_ready()
+            previous = loss
         jax.block_until_ready(loss)
-    return run
 
 
-def estimator_loop(x: np.ndarray, y: np.ndarray, iterations_per_loop: int):
-    model_dir = tempfile.mkdtemp(prefix="overhead_")
-    # Checkpoint only at the end of each train() call, as a long run would between saves.
-    config = ex.RunConfig(model_dir=model_dir, iterations_per_loop=iterations_per_loop,
-                          save_checkpoints_secs=1e9, log_step_count_steps=10_000,
-                          save_summary_steps=10_000, num_shards=1)
-    est = ex.Estimator(model_fn, config, train_batch_size=BATCH)
-    input_fn = ex.numpy_input_fn(x, y, shuffle=False)
+class Estimated:
+    """estimax.Estimator.train on the same model, one long train() call per round."""
 
-    def run(n: int) -> None:
-        est.train(input_fn, steps=n)
-    return run
+    def __init__(self, name: str, batches, iterations_per_loop: int):
+        factory, self.batch, _, _ = MODELS[name]
+
+        def model_fn(features, labels, mode, params):
+            logits = factory()(features, train=mode == ex.ModeKeys.TRAIN)
+            return ex.EstimatorSpec(mode=mode,
+                                    loss=ex.losses.softmax_cross_entropy(logits, labels),
+                                    optimizer=optax.sgd(0.05, momentum=0.9))
+
+        # Checkpoint only at the end of each train() call (outside the timed window).
+        config = ex.RunConfig(model_dir=tempfile.mkdtemp(prefix="overhead_"),
+                              iterations_per_loop=iterations_per_loop,
+                              save_checkpoints_secs=1e9, log_step_count_steps=10**6,
+                              save_summary_steps=10**6, num_shards=1, device_prefetch=2)
+        self.est = ex.Estimator(model_fn, config, train_batch_size=self.batch)
+        self.batches = batches
+        self.run(TimedInput(batches), 2)  # compile and warm up
+        self.checkpoint_secs: list[float] = []
+
+    def run(self, source: TimedInput, steps: int) -> None:
+        self.est.train(lambda params: source, steps=steps)
+
+    def time_checkpoint(self) -> float:
+        """Seconds from the last loop's log line to train() returning (the final save)."""
+        seen: list[float] = []
+
+        class Catch(std_logging.Handler):
+            def emit(self, record):
+                if record.getMessage().startswith("loss = "):
+                    seen.append(record.created)
+
+        handler = Catch()
+        logger = std_logging.getLogger("absl")
+        logger.addHandler(handler)
+        level = logger.level
+        logger.setLevel(std_logging.INFO)
+        try:
+            self.est.train(lambda params: TimedInput(self.batches), steps=1)
+            end = time.time()
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+        secs = end - seen[-1]
+        self.checkpoint_secs.append(secs)
+        return secs
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--model", choices=sorted(MODELS), default="mnist")
+    parser.add_argument("--iterations_per_loop", type=int, nargs="+", default=[1, 100])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--iterations_per_loop", type=int, default=50)
+    # At least device_prefetch + 1: the Estimator reads its first 2 batches before it restores
+    # the checkpoint, so an earlier window would time the restore.
+    parser.add_argument("--skip", type=int, default=20, help="steps before the timed window")
+    parser.add_argument("--window", type=int, default=200, help="steps in the timed window")
+    parser.add_argument("--checkpoint_repeats", type=int, default=3,
+                        help="train(steps=1) calls whose final checkpoint is timed")
     args = parser.parse_args()
+    if args.skip < 3:
+        parser.error("--skip must be >= 3: the Estimator restores after reading 2 batches.")
+    _, batch, shape, classes = MODELS[args.model]
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(BATCH * 20, 784)).astype(np.float32)
-    y = rng.integers(0, 10, BATCH * 20).astype(np.int32)
-    runners = {"bare_jit_loop": bare_loop(x, y),
-               "estimax_train": estimator_loop(x, y, args.iterations_per_loop)}
-    for run in runners.values():  # compile and warm up
-        run(args.iterations_per_loop)
+    batches = [(rng.normal(size=(batch, *shape)).astype(np.float32),
+                rng.integers(0, classes, batch).astype(np.int32)) for _ in range(4)]
+    load_start = os.getloadavg()
+    runners = {"bare_jit_loop": Bare(args.model, batches)}
+    for ipl in args.iterations_per_loop:
+        runners[f"estimax_train_ipl{ipl}"] = Estimated(args.model, batches, ipl)
+    steps = args.skip + args.window + 1
     rates: dict[str, list[float]] = {k: [] for k in runners}
+    cpu_rates: dict[str, list[float]] = {k: [] for k in runners}
     for _ in range(args.rounds):
-        for name, run in runners.items():
-            start = time.perf_counter()
-            run(args.steps)
-            rates[name].append(args.steps * BATCH / (time.perf_counter() - start))
+        for name, runner in runners.items():
+            source = TimedInput(batches)
+            runner.run(source, steps)
+            rates[name].append(window_rate(source.times, args.skip, args.window, batch))
+            cpu_rates[name].append(window_rate(source.cpu_times, args.skip, args.window, batch))
+    checkpoint = {name: round(statistics.median(
+        r.time_checkpoint() for _ in range(args.checkpoint_repeats)), 3)
+        for name, r in runners.items() if isinstance(r, Estimated)}
+    load_end = os.getloadavg()
     medians = {k: statistics.median(v) for k, v in rates.items()}
-    ratio = medians["estimax_train"] / medians["bare_jit_loop"]
+    ratios = {k: round(v / medians["bare_jit_loop"], 3) for k, v in medians.items()
+              if k != "bare_jit_loop"}
+    # Images per CPU-second of the whole process: what the loop costs, whatever else shares the
+    # machine (wall-clock rates drift with other jobs' load).
+    cpu_medians = {k: statistics.median(v) for k, v in cpu_rates.items()}
+    cpu_ratios = {k: round(v / cpu_medians["bare_jit_loop"], 3) for k, v in cpu_medians.items()
+                  if k != "bare_jit_loop"}
+    what = {"mnist": "MNIST CNN (seed 002), batch 128, float32",
+            "resnet50": "ResNet-50, 224x224, batch 16, float32"}[args.model]
     result = {
-        "what": "MNIST CNN (seed 002) train, batch 128, images/s, median of interleaved rounds",
-        "rounds": args.rounds, "steps_per_round": args.steps,
-        "iterations_per_loop": args.iterations_per_loop,
-        "images_per_sec": {k: [round(r, 1) for r in v] for k, v in rates.items()},
-        "median_images_per_sec": {k: round(v, 1) for k, v in medians.items()},
-        "ratio_estimax_over_bare": round(ratio, 3),
+        "what": f"{what}: train images/s over steps {args.skip}..{args.skip + args.window} of "
+                "one train() call (no compile, restore or checkpoint in the window); median of "
+                "interleaved rounds",
+        "model": args.model, "rounds": args.rounds, "skip": args.skip, "window": args.window,
+        "images_per_sec": {k: [round(r, 2) for r in v] for k, v in rates.items()},
+        "median_images_per_sec": {k: round(v, 2) for k, v in medians.items()},
+        "ratio_estimax_over_bare": ratios,
+        "images_per_cpu_sec": {k: [round(r, 2) for r in v] for k, v in cpu_rates.items()},
+        "median_images_per_cpu_sec": {k: round(v, 2) for k, v in cpu_medians.items()},
+        "cpu_ratio_estimax_over_bare": cpu_ratios,
+        "checkpoint_secs_median": checkpoint,
+        "checkpoint_repeats": args.checkpoint_repeats,
+        "loadavg_start": [round(x, 2) for x in load_start],
+        "loadavg_end": [round(x, 2) for x in load_end],
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "jax": jax.__version__, "backend": jax.default_backend(),
-                    "devices": len(jax.devices())},
+                    "devices": len(jax.devices()),
+                    "estimax_onednn": os.environ.get("ESTIMAX_ONEDNN", "default")},
+        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
     }
     out = os.path.join(os.path.dirname(__file__), "results")
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "overhead.json"), "w") as f:
+    with open(os.path.join(out, f"overhead_{args.model}.json"), "w") as f:
         json.dump(result, f, indent=2)
-    with open(os.path.join(out, "overhead.md"), "w") as f:
-        f.write("# Estimator.train overhead (bench/overhead.py)\n\n")
-        f.write(f"{result['what']}; {args.rounds} rounds of {args.steps} steps, "
-                f"iterations_per_loop={args.iterations_per_loop}.\n\n")
-        f.write("| loop | median img/s | rounds |\n|---|---|---|\n")
+    with open(os.path.join(out, f"overhead_{args.model}.md"), "w") as f:
+        f.write(f"# Estimator.train overhead (bench/overhead.py --model {args.model})\n\n")
+        f.write(f"{result['what']}; {args.rounds} rounds. Load average (1, 5, 15 min) "
+                f"{result['loadavg_start']} at the start, {result['loadavg_end']} at the end "
+                f"({os.cpu_count()} CPUs, shared with other jobs); {result['date_utc']} UTC.\n\n")
+        f.write("| loop | median img/s | ratio to bare | rounds | median img/CPU-s | "
+                "ratio to bare | rounds |\n|---|---|---|---|---|---|---|\n")
         for k in runners:
-            f.write(f"| {k} | {medians[k]:.1f} | {', '.join(f'{r:.0f}' for r in rates[k])} |\n")
-        f.write(f"\nRatio estimax / bare: **{ratio:.3f}**\n")
+            f.write(f"| {k} | {medians[k]:.2f} | {ratios.get(k, 1.0):.3f} | "
+                    f"{', '.join(f'{r:.1f}' for r in rates[k])} | {cpu_medians[k]:.2f} | "
+                    f"{cpu_ratios.get(k, 1.0):.3f} | "
+                    f"{', '.join(f'{r:.1f}' for r in cpu_rates[k])} |\n")
+        f.write("\nCheckpoint at the end of a train() call (not in the window), seconds, "
+                f"median of {args.checkpoint_repeats}: {checkpoint}\n")
     print(json.dumps(result, indent=2))
 
 

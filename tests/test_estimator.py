@@ -12,6 +12,7 @@ import optax
 import pytest
 
 import estimax as ex
+from estimax.estimator import checkpoints
 
 
 class TinyNet(nn.Module):
@@ -94,7 +95,7 @@ def test_last_loop_is_shortened_to_hit_steps_exactly(tmp_path):
     est = ex.Estimator(make_model_fn(), cfg, train_batch_size=32)
     est.train(ex.numpy_input_fn(x, y), steps=10)
     # Checkpoints can only be written between device loops: the loops were 4, 4, 2 steps.
-    assert est._get_checkpointer().all_steps() == [4, 8, 10]
+    assert checkpoints.Checkpointer(cfg.model_dir, None, read_only=True).all_steps() == [4, 8, 10]
     est.close()
     # ...but the summaries carry every step's own number.
     assert sorted(_scalars(cfg.model_dir, "loss")) == list(range(1, 11))
@@ -351,18 +352,20 @@ def test_train_and_evaluate_every_steps(tmp_path):
     assert sorted(_scalars(os.path.join(cfg.model_dir, "eval"), "accuracy")) == [4, 6]
 
 
-def test_scan_loops_match_step_by_step_dispatch(tmp_path):
-    """The accelerator path (N steps in one lax.scan) equals the CPU path (N dispatches)."""
+@pytest.mark.parametrize("throttle_secs,evaluated", [(0.0, [2, 4, 6, 8]), (1e9, [2, 8])])
+def test_train_and_evaluate_after_checkpoints_throttled(tmp_path, throttle_secs, evaluated):
+    """Without every_steps: evaluate each complete checkpoint, at most once per throttle_secs
+    (the first always), and the final one."""
     x, y = data()
-    params = {}
-    for scan in (False, True):
-        est = ex.Estimator(make_model_fn(dropout=0.2), config(tmp_path, f"scan{scan}",
-                                                              iterations_per_loop=3),
-                           train_batch_size=32)
-        est._scan_loops = scan
-        est.train(ex.numpy_input_fn(x, y), max_steps=7)  # loops of 3, 3, 1
-        params[scan] = est.get_variables()["params"]
-    assert_trees_close(params[False], params[True], rtol=1e-5, atol=1e-6)
+    cfg = config(tmp_path)  # a checkpoint every 2 steps
+    est = ex.Estimator(make_model_fn(), cfg, train_batch_size=32, eval_batch_size=32)
+    results, _ = ex.train_and_evaluate(
+        est, ex.TrainSpec(ex.numpy_input_fn(x, y), max_steps=8),
+        ex.EvalSpec(ex.numpy_input_fn(x[:40], y[:40], shuffle=False, num_epochs=1),
+                    throttle_secs=throttle_secs))
+    est.close()
+    assert results["global_step"] == 8
+    assert sorted(_scalars(os.path.join(cfg.model_dir, "eval"), "accuracy")) == evaluated
 
 
 def test_skipped_input_records_reach_tensorboard(tmp_path):
@@ -389,9 +392,9 @@ def test_skipped_input_records_reach_tensorboard(tmp_path):
     est = ex.Estimator(make_model_fn(), cfg, train_batch_size=32)
     est.train(SkippingInput, max_steps=6)
     est.close()
-    # The Estimator reads one loop ahead: by step 3 it has read all 6 batches (2 skipped), and
-    # the count is written when it changes.
-    assert _scalars(cfg.model_dir, "input/skipped_records") == {3: 2}
+    # The count is the input's as of the last batch each loop trained on (not of batches read
+    # ahead into the prefetch), written when it changes: batch 3 at step 3, batch 6 at step 6.
+    assert _scalars(cfg.model_dir, "input/skipped_records") == {3: 1, 6: 2}
 
 
 def test_relative_model_dir(tmp_path, monkeypatch):

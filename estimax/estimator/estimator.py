@@ -4,13 +4,16 @@ Who owns what:
 
 | piece                                        | owner                   | where                      |
 |----------------------------------------------|-------------------------|----------------------------|
-| layers, loss, metrics, choice of optimizer   | the user's ``model_fn`` | traced in ``_ModelFn``     |
-| variables, gradients, cross-replica mean,    | ``Estimator``           | ``_train_step`` (per       |
-| optimizer update, weight decay, clip, EMA    |                         | replica, under shard_map)  |
-| N steps per device call                      | ``Estimator``           | ``lax.scan`` in one jit    |
-| batches (per host)                           | the user's ``input_fn`` | host; we stack/pad/shard   |
+| layers, loss, metrics, choice of optimizer   | the user's ``model_fn`` | traced in ``ModelFnModule``|
+| gradients, cross-replica mean, optimizer     | pure steps              | ``steps.train_step`` etc.  |
+| update, weight decay, clip, EMA              |                         |                            |
+| the steps on the mesh (jit, shardings,       | ``Estimator``           | ``_*_fn`` below            |
+| donation), the loops, host syncs             |                         |                            |
+| batches (per host)                           | the user's ``input_fn`` | host; we pad/shard them    |
+| batches ahead on the devices (bounded)       | ``DevicePrefetcher``    | ``feeding.py``             |
 | position in the input                        | the input iterator      | ``get_state``/``set_state``|
 | checkpoints (model + input position)         | ``Checkpointer`` (Orbax)| ``model_dir/checkpoints``  |
+| cadences (save, log, summaries)              | ``PeriodicAction``      | ``periodic.py``            |
 | summaries and log lines                      | ``Summaries``           | ``model_dir[/eval]``       |
 
 Replication: one ``jit`` over a ``Mesh`` whose ``data`` axis holds the replicas. Inside
@@ -18,146 +21,66 @@ Replication: one ``jit`` over a ``Mesh`` whose ``data`` axis holds the replicas.
 per-replica shapes and batch norm uses per-replica statistics, as on TPU); gradients are averaged
 over replicas with ``pmean`` (the original ``CrossShardOptimizer``), so no user code changes
 between one device and many.
+
+The training loop streams: each step is dispatched (asynchronously) as soon as its batch is on
+the devices, with ``RunConfig.device_prefetch`` batches transferred ahead and at most one more
+step queued behind the running one, so input memory is O(prefetch x batch) whatever
+``iterations_per_loop`` is. Once per loop the host fetches that loop's per-step metrics (one
+small scalar per step and metric), checks them for NaN, writes them at their true step numbers,
+and may checkpoint.
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
+import functools
 import inspect
 import os
 import sys
 import tempfile
-import threading
 import time
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from absl import logging
-from flax import struct
-from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from estimax.estimator import checkpoints as ckpt_lib
-from estimax.estimator import metrics as metrics_lib
+from estimax.estimator import export as export_lib
+from estimax.estimator import feeding
+from estimax.estimator import periodic
 from estimax.estimator import replication
+from estimax.estimator import steps as steps_lib
 from estimax.estimator import summaries as summaries_lib
 from estimax.estimator.replication import REPLICA_AXIS
 from estimax.estimator.spec import EstimatorSpec, InputContext, ModeKeys, RunConfig
+from estimax.estimator.steps import TrainState, get_global_step  # noqa: F401 (public names)
 from estimax.ops import native
 
 _RESERVED_PARAMS_KEYS = ("batch_size", "context")
 _MODEL_FN_ARGS = ("features", "labels", "mode", "params", "config")
+# The share of a loop the devices may sit idle waiting for input before we warn.
+INPUT_BOUND_WARNING_FRACTION = 0.1
 
-_tracing = threading.local()
-
-
-def get_global_step() -> jax.Array:
-    """Returns the global step (int32 scalar) inside a ``model_fn`` being traced.
-
-    The counterpart of ``tf.train.get_global_step()``: use it for learning-rate schedules and
-    epoch counters written from ``model_fn``. In TRAIN it is the step being taken (0 for the
-    first); in EVAL/PREDICT, the step of the checkpoint in use.
-    """
-    step = getattr(_tracing, "step", None)
-    if step is None:
-        raise RuntimeError("estimax.get_global_step() can only be called inside a model_fn "
-                           "while the Estimator runs it.")
-    return step
-
-
-@contextlib.contextmanager
-def _global_step(step: jax.Array):
-    previous = getattr(_tracing, "step", None)
-    _tracing.step = step
-    try:
-        yield
-    finally:
-        _tracing.step = previous
+# Kept for callers of the former private name; new code uses steps.global_step_scope.
+_global_step = steps_lib.global_step_scope
 
 
 class NanLossError(RuntimeError):
     """Training produced a NaN or infinite loss. Checkpoints written before it are intact."""
 
 
-@struct.dataclass
-class TrainState:
-    """Everything a checkpoint holds besides the input position."""
-
-    step: jax.Array
-    params: Any
-    model_state: Any  # mutable collections other than params, e.g. batch_stats
-    opt_state: Any
-    ema_params: Any  # {} when the spec asks for no EMA
-
-
-class _ModelFn(nn.Module):
-    """Runs the user's ``model_fn`` inside a Flax module so the layers it creates are owned here."""
-
-    call: Callable[..., EstimatorSpec]
-    mode: str
-
-    @nn.compact
-    def __call__(self, features, labels, step):
-        with _global_step(step):
-            spec = self.call(features, labels, self.mode)
-        _check_spec(spec, self.mode)
-        return spec
-
-
-def _check_spec(spec: Any, mode: str) -> None:
-    if not isinstance(spec, EstimatorSpec):
-        raise TypeError(f"model_fn must return an estimax.EstimatorSpec, got {type(spec).__name__}.")
-    if mode == ModeKeys.TRAIN:
-        if spec.loss is None:
-            raise ValueError("model_fn returned no loss in TRAIN mode.")
-        if spec.optimizer is None:
-            raise ValueError("model_fn returned no optimizer in TRAIN mode: set "
-                             "EstimatorSpec(optimizer=optax....); it replaces train_op.")
-    if mode == ModeKeys.EVAL and spec.loss is None and not spec.eval_metrics:
-        raise ValueError("model_fn returned neither loss nor eval_metrics in EVAL mode.")
-    if mode == ModeKeys.PREDICT and spec.predictions is None:
-        raise ValueError("model_fn returned no predictions in PREDICT mode.")
-
-
-def _mean_loss(loss: Any, mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """Returns (sum of losses over real rows, number of real rows) for a scalar or [B] loss."""
-    loss = jnp.asarray(loss, jnp.float32)
-    if mask is None:
-        return (jnp.mean(loss) if loss.ndim else loss), jnp.float32(1)
-    if loss.ndim == 0:
-        # A scalar loss cannot tell padding rows apart: weight it by the real rows. Exact unless
-        # the batch is ragged; return per-example losses [B] for an exact eval loss.
-        return loss * jnp.sum(mask), jnp.sum(mask)
-    per_example = loss.reshape(mask.shape[0], -1).mean(axis=1)
-    return jnp.sum(per_example * mask), jnp.sum(mask)
-
-
-def _l2_excluding_batch_norm(params: Any, model_state: Any) -> jax.Array:
-    """``sum(l2_loss(w))`` over parameters, skipping those of batch-norm layers.
-
-    A module is a batch-norm layer when it keeps ``batch_stats``: that finds Flax's BatchNorm
-    whatever the user named it (the original skipped variables named ``batch_normalization``).
-    """
-    bn_paths = {
-        path[:-1]
-        for path, _ in jax.tree_util.tree_flatten_with_path(model_state.get("batch_stats", {}))[0]
-    }
-    total = jnp.float32(0)
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        if path[:-1] in bn_paths:
-            continue
-        total = total + 0.5 * jnp.sum(jnp.square(leaf.astype(jnp.float32)))  # tf.nn.l2_loss
-    return total
-
-
 def _split_batch(element: Any) -> tuple[Any, Any]:
     if isinstance(element, tuple) and len(element) == 2:
         return element
     return element, None
+
+
+def _leading_rows(tree: Any, n: int) -> Any:
+    """Copies of the first ``n`` rows of every leaf (a small sample that keeps no batch alive)."""
+    return jax.tree.map(lambda x: np.array(np.asarray(x)[:n]), tree)
 
 
 class Estimator:
@@ -182,9 +105,9 @@ class Estimator:
         """
         config = config or RunConfig()
         if model_dir is not None:
-            config = RunConfig(**{**config.__dict__, "model_dir": model_dir})
+            config = dataclasses.replace(config, model_dir=model_dir)
         if config.model_dir is None:
-            config.model_dir = tempfile.mkdtemp(prefix="estimax_")
+            config = dataclasses.replace(config, model_dir=tempfile.mkdtemp(prefix="estimax_"))
             logging.warning("Using temporary folder as model directory: %s", config.model_dir)
         params = dict(params or {})
         reserved = [k for k in _RESERVED_PARAMS_KEYS if k in params]
@@ -210,11 +133,15 @@ class Estimator:
         self._compiled: dict[Any, Callable] = {}
         self._summaries: dict[str, summaries_lib.Summaries] = {}
         self._is_chief = jax.process_index() == 0
-        # N steps per device call as lax.scan everywhere but on XLA:CPU (see _run_loop).
-        self._scan_loops = jax.default_backend() != "cpu"
+        self._warned_input_bound = False
         if jax.default_backend() == "cpu":
             # Which convolution kernels estimax.ops will call: a 2-5x difference on CPUs.
             logging.info("CPU convolutions (estimax.ops): %s", native.status())
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The time source of the ``*_secs`` cadences (injectable for tests)."""
+        return self._clock
 
     # ------------------------------------------------------------------ model_fn plumbing
 
@@ -240,8 +167,8 @@ class Estimator:
                      "config": self.config}
         return self._model_fn(**{n: available[n] for n in self._model_fn_args})
 
-    def _module(self, mode: str) -> _ModelFn:
-        return _ModelFn(call=self._call_model_fn, mode=mode)
+    def _module(self, mode: str) -> steps_lib.ModelFnModule:
+        return steps_lib.ModelFnModule(call=self._call_model_fn, mode=mode)
 
     def _batch_size(self, mode: str) -> int:
         size = self._batch_sizes[mode]
@@ -269,17 +196,7 @@ class Estimator:
     # ------------------------------------------------------------------ state
 
     def _init_fn(self, rng: jax.Array, features: Any, labels: Any) -> TrainState:
-        module = self._module(ModeKeys.TRAIN)
-        params_rng, dropout_rng = jax.random.split(rng)
-        spec, variables = module.init_with_output(
-            {"params": params_rng, "dropout": dropout_rng}, features, labels,
-            jnp.zeros((), jnp.int32))
-        variables = dict(variables)
-        params = variables.pop("params", {})
-        opt_state = spec.optimizer.init(params)
-        ema = params if spec.ema_decay else {}
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=variables,
-                          opt_state=opt_state, ema_params=ema)
+        return steps_lib.init_state(self._module(ModeKeys.TRAIN), rng, (features, labels))
 
     def _replica_slice(self, tree: Any, mode: str) -> Any:
         n = self._per_replica_batch(mode) or 1
@@ -353,9 +270,7 @@ class Estimator:
 
     def _init_variables_fn(self, mode: str) -> Callable:
         def init(rng, features, labels):
-            params_rng, dropout_rng = jax.random.split(rng)
-            return self._module(mode).init({"params": params_rng, "dropout": dropout_rng},
-                                           features, labels, jnp.zeros((), jnp.int32))
+            return steps_lib.init_variables(self._module(mode), rng, (features, labels))
         return init
 
     def _load_variables(self, features: Any, labels: Any, mode: str,
@@ -396,104 +311,25 @@ class Estimator:
 
     # ------------------------------------------------------------------ training
 
-    def _train_step(self, state: TrainState, features: Any, labels: Any
-                    ) -> tuple[TrainState, dict]:
-        """One step on one replica's slice of the batch; collectives make it global."""
-        step = state.step
-        rng = jax.random.fold_in(jax.random.fold_in(self._base_rng, step),
-                                 lax.axis_index(REPLICA_AXIS))
-        module = self._module(ModeKeys.TRAIN)
-        mutable = list(state.model_state.keys())
-        captured: dict[str, EstimatorSpec] = {}
-
-        def loss_fn(params):
-            variables = {"params": params, **state.model_state}
-            spec, new_model_state = module.apply(variables, features, labels, step,
-                                                 rngs={"dropout": rng}, mutable=mutable)
-            captured["spec"] = spec
-            loss, _ = _mean_loss(spec.loss)
-            if spec.weight_decay:
-                loss = loss + spec.weight_decay * _l2_excluding_batch_norm(params,
-                                                                          state.model_state)
-            return loss, (new_model_state, dict(spec.scalars or {}))
-
-        # Mark the (replicated) params as varying per replica before differentiating, so each
-        # replica's gradient is its own; otherwise shard_map's autodiff would already sum them.
-        local_params = lax.pcast(state.params, REPLICA_AXIS, to="varying")
-        (loss, (new_model_state, scalars)), grads = jax.value_and_grad(
-            loss_fn, has_aux=True)(local_params)
-        spec = captured["spec"]
-        # CrossShardOptimizer semantics: the applied gradient is the mean over replicas.
-        grads = lax.pmean(grads, REPLICA_AXIS)
-        if spec.gradient_clip_norm:
-            grads, _ = optax.clip_by_global_norm(spec.gradient_clip_norm).update(grads, None)
-        updates, opt_state = spec.optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        # Batch statistics are computed per replica; keep one consistent (averaged) copy.
-        new_model_state = lax.pmean(dict(new_model_state), REPLICA_AXIS)
-        ema = state.ema_params
-        if spec.ema_decay:
-            # tf.train.ExponentialMovingAverage(decay, num_updates=global_step)
-            n = (step + 1).astype(jnp.float32)
-            decay = jnp.minimum(spec.ema_decay, (1.0 + n) / (10.0 + n))
-            ema = jax.tree.map(lambda e, p: decay * e + (1.0 - decay) * p, ema, params)
-        out = {"loss": lax.pmean(loss, REPLICA_AXIS)}
-        for name, value in scalars.items():
-            out[name] = lax.pmean(jnp.asarray(value, jnp.float32), REPLICA_AXIS)
-        new_state = TrainState(step=step + 1, params=params, model_state=new_model_state,
-                               opt_state=opt_state, ema_params=ema)
-        return new_state, out
-
-    def _train_loop_fn(self, num_steps: int) -> Callable:
-        """A compiled call running ``num_steps`` steps over stacked batches [N, B, ...]."""
-        key = ("train", num_steps)
-        if key not in self._compiled:
-            def per_replica(state, features, labels):
-                def body(carry, batch):
-                    return self._train_step(carry, *batch)
-                return lax.scan(body, state, (features, labels))
-
-            sharded = jax.shard_map(per_replica, mesh=self.mesh,
-                                    in_specs=(P(), P(None, REPLICA_AXIS), P(None, REPLICA_AXIS)),
-                                    out_specs=(P(), P()))
-            self._compiled[key] = jax.jit(sharded, donate_argnums=(0,))
-        return self._compiled[key]
-
     def _train_step_fn(self) -> Callable:
-        """A compiled call running one step on a batch [B, ...]."""
+        """``(state, rng, features, labels) -> (state, metrics)``: one step on the mesh."""
         key = ("train_step",)
         if key not in self._compiled:
-            sharded = jax.shard_map(self._train_step, mesh=self.mesh,
-                                    in_specs=(P(), P(REPLICA_AXIS), P(REPLICA_AXIS)),
+            step = functools.partial(steps_lib.train_step, self._module(ModeKeys.TRAIN),
+                                     axis_name=REPLICA_AXIS)
+
+            def per_replica(state, rng, features, labels):
+                return step(state, (features, labels), rng)
+
+            sharded = jax.shard_map(per_replica, mesh=self.mesh,
+                                    in_specs=(P(), P(), P(REPLICA_AXIS), P(REPLICA_AXIS)),
                                     out_specs=(P(), P()))
             self._compiled[key] = jax.jit(sharded, donate_argnums=(0,))
         return self._compiled[key]
 
-    def _run_loop(self, state: TrainState, batches: list[tuple[Any, Any]]
-                  ) -> tuple[TrainState, dict]:
-        """Runs one loop of ``len(batches)`` steps; returns the state and per-step metrics."""
-        if self._scan_loops:
-            stack = lambda *x: np.stack(x)  # noqa: E731
-            features = jax.tree.map(stack, *[b[0] for b in batches])
-            labels = (None if batches[0][1] is None else
-                      jax.tree.map(stack, *[b[1] for b in batches]))
-            device_batch = replication.to_device((features, labels), self.mesh,
-                                                 P(None, REPLICA_AXIS))
-            return self._train_loop_fn(len(batches))(state, *device_batch)
-        # XLA:CPU runs convolution gradients inside a while loop (lax.scan) ~40x slower than
-        # the same step outside one (measured: 12.7 s vs 0.33 s for the MNIST CNN, batch 100).
-        # On CPU there is no host round trip to amortise, so dispatch the steps one by one;
-        # dispatch is asynchronous, so the host still runs ahead of the device.
-        step_fn = self._train_step_fn()
-        per_step = []
-        for features, labels in batches:
-            device_batch = replication.to_device((features, labels), self.mesh, P(REPLICA_AXIS))
-            state, metrics = step_fn(state, *device_batch)
-            per_step.append(metrics)
-        return state, jax.tree.map(lambda *m: jnp.stack(m), *per_step)
-
     def train(self, input_fn: Callable[[dict], Iterable], hooks: Any = None,
-              steps: int | None = None, max_steps: int | None = None) -> "Estimator":
+              steps: int | None = None, max_steps: int | None = None,
+              saving_listeners: Iterable[Callable[[int], Any]] | None = None) -> "Estimator":
         """Trains, resuming from the latest checkpoint in ``model_dir``.
 
         Args:
@@ -503,6 +339,8 @@ class Estimator:
           hooks: not supported (the original's SessionRunHooks have no equivalent); must be None.
           steps: train this many more steps (incremental).
           max_steps: train until the global step reaches this (absolute); already there -> no-op.
+          saving_listeners: callables ``listener(step)`` run after each checkpoint is complete
+            on disk (the original's ``CheckpointSaverListener.after_save``).
 
         Returns:
           self, as the original.
@@ -518,11 +356,11 @@ class Estimator:
             raise ValueError(f"Must specify steps > 0, given: {steps}")
         if max_steps is not None and max_steps <= 0:
             raise ValueError(f"Must specify max_steps > 0, given: {max_steps}")
-        self._run_training(input_fn, steps=steps, max_steps=max_steps)
+        self._run_training(input_fn, steps, max_steps, list(saving_listeners or []))
         return self
 
-    def _run_training(self, input_fn, steps, max_steps,
-                      after_save: Callable[[int], None] | None = None) -> int:
+    def _run_training(self, input_fn: Callable[[dict], Iterable], steps: int | None,
+                      max_steps: int | None, listeners: list[Callable[[int], Any]]) -> int:
         checkpointer = self._get_checkpointer()
         start = checkpointer.latest_step() or 0
         if max_steps is not None and start >= max_steps:
@@ -539,60 +377,117 @@ class Estimator:
             elif input_state is not None:
                 logging.warning("The input iterator has no set_state(): resuming at step %d "
                                 "restarts the input from its beginning.", start)
-        reader = _BatchReader(iterator, per_host)
-        batches = reader.take(min(self.config.iterations_per_loop, target - start))
-        if not batches:
+        sample: list[tuple[Any, Any]] = []
+
+        def prepare(element: Any) -> tuple[tuple[Any, Any], None]:
+            features, labels = _split_batch(element)
+            size = int(np.shape(jax.tree.leaves(features)[0])[0])
+            if size != per_host:
+                raise ValueError(
+                    f"input_fn yielded a training batch of {size} examples; this host must "
+                    f"feed {per_host} (train_batch_size / number of hosts). Training "
+                    "batches need a fixed size: repeat the data and drop the remainder.")
+            if not sample:  # what init/restore trace the model with
+                sample.append(_leading_rows((features, labels),
+                                            self._per_replica_batch(ModeKeys.TRAIN)))
+            return (features, labels), None
+
+        feeder = feeding.DevicePrefetcher(
+            iterator, prepare, lambda b: replication.to_device(b, self.mesh, P(REPLICA_AXIS)),
+            size=self.config.device_prefetch, limit=target - start)
+        fed = feeder.next()
+        if fed is None:
             raise ValueError("input_fn produced no training batch.")
-        features0, labels0 = batches[0]
         if start:
-            state = self._restore_train_state(checkpointer, start, features0, labels0)
+            state = self._restore_train_state(checkpointer, start, *sample[0])
             logging.info("Restored checkpoint at step %d from %s", start, self.model_dir)
         else:
-            state = self._initial_state(features0, labels0)
+            state = self._initial_state(*sample[0])
+        del sample[:]
+        rng = jax.device_put(self._base_rng, replication.replicated(self.mesh))
+        step_fn = self._train_step_fn()
         summaries = self._summary_writer("")
         logger = _StepLogger(self.config, self._batch_size(ModeKeys.TRAIN), self._clock, start,
                              target, summaries if self._is_chief else None)
-        step, last_save_step, last_save_time = start, start, self._clock()
-        last_skipped = 0
+        saver = periodic.PeriodicAction(self.config.save_checkpoints_steps,
+                                        self.config.save_checkpoints_secs, self._clock, start)
+        timeline = feeding.DeviceTimeline()
+        step, last_skipped = start, 0
         try:
-            while batches:
-                n = len(batches)
-                input_state = iterator.get_state() if stateful else None
-                state, loop_metrics = self._run_loop(state, batches)
-                begin, step = step, step + n
-                # Read the next loop's batches while the device runs this one.
-                batches = reader.take(min(self.config.iterations_per_loop, target - step))
-                host_metrics = jax.device_get(loop_metrics)
+            while fed is not None:
+                begin = step
+                loop_metrics = []  # per step: a dict of device scalars, fetched once per loop
+                previous_loss = input_state = None
+                skipped = last_skipped
+                for _ in range(min(self.config.iterations_per_loop, target - begin)):
+                    if fed is None:
+                        fed = feeder.next()
+                        if fed is None:
+                            break
+                    state, metrics = step_fn(state, rng, *fed.value)
+                    timeline.dispatched(metrics["loss"], feeder.input_wait_secs)
+                    loop_metrics.append(metrics)
+                    input_state, skipped = fed.input_state, fed.num_skipped
+                    fed = None  # its device buffers go once the step is done with them
+                    if previous_loss is not None:
+                        # At most one step queued behind the running one: the host never runs
+                        # ahead (holding batches) by more than that, whatever the loop length.
+                        previous_loss.block_until_ready()
+                    previous_loss = metrics["loss"]
+                    feeder.fill()  # read and transfer the next batches while this step runs
+                if not loop_metrics:
+                    break
+                step = begin + len(loop_metrics)
+                fetched = jax.device_get(loop_metrics)  # the loop's one host sync
+                host_metrics = {k: np.stack([np.asarray(m[k]) for m in fetched])
+                                for k in fetched[0]}
+                idle_secs, loop_secs = timeline.end_loop()
                 self._check_finite(host_metrics["loss"], begin, step, checkpointer)
                 logger.record(begin, host_metrics)
-                skipped = getattr(iterator, "num_skipped", None)
+                self._report_input_wait(step, idle_secs, loop_secs,
+                                        summaries if self._is_chief else None)
                 if skipped is not None and skipped != last_skipped and self._is_chief:
                     # Bad records the input skipped (skip_bad_records=True): never silent.
                     summaries.scalars(step, {"input/skipped_records": skipped})
                     logging.warning("The input has skipped %d bad records so far.", skipped)
                     last_skipped = skipped
-                now = self._clock()
-                due = ((self.config.save_checkpoints_steps is not None
-                        and step - last_save_step >= self.config.save_checkpoints_steps)
-                       or (self.config.save_checkpoints_secs is not None
-                           and now - last_save_time >= self.config.save_checkpoints_secs))
-                if due or not batches:
+                fed = feeder.next()  # None: the steps asked for are done, or the input ended
+                if saver.due(step) or fed is None:
                     checkpointer.save(step, {"step": state.step, "params": state.params,
                                              "model_state": state.model_state},
                                       state.opt_state, state.ema_params, input_state)
                     logging.info("Saving checkpoints for %d into %s.", step, self.model_dir)
-                    last_save_step, last_save_time = step, now
-                    if after_save is not None:
-                        after_save(step)
+                    saver.fired(step)
+                    if listeners:
+                        checkpointer.wait_until_finished()
+                        for listener in listeners:
+                            listener(step)
             if step < target:
                 logging.info("Input ended at step %d, before the %d steps asked for.", step,
                              target)
         finally:
+            timeline.close()
             checkpointer.wait_until_finished()
             logger.close()
             summaries.flush()
         logging.info("Loss for final step: %s.", logger.last_loss)
         return step
+
+    def _report_input_wait(self, step: int, idle_secs: float, loop_secs: float,
+                           summaries: summaries_lib.Summaries | None) -> None:
+        """Writes ``input/wait_fraction`` and warns (once) when the input held training back."""
+        if loop_secs <= 0:
+            return
+        fraction = min(1.0, idle_secs / loop_secs)
+        if summaries is not None:
+            summaries.scalars(step, {"input/wait_fraction": fraction})
+        if fraction > INPUT_BOUND_WARNING_FRACTION and not self._warned_input_bound:
+            self._warned_input_bound = True
+            logging.warning(
+                "Training is input-bound: the devices waited for input %.0f%% of the loop ending "
+                "at step %d. Try more input parallelism (--num_parallel_calls, the loader's "
+                "process workers), caching or a cheaper preprocessing; TensorBoard shows "
+                "input/wait_fraction.", 100 * fraction, step)
 
     def _check_finite(self, losses: np.ndarray, begin: int, end: int,
                       checkpointer: ckpt_lib.Checkpointer) -> None:
@@ -610,17 +505,14 @@ class Estimator:
     # ------------------------------------------------------------------ evaluation
 
     def _eval_batch_fn(self) -> Callable:
+        """``(totals, variables, step, features, labels, mask) -> (totals, batch metrics)``."""
         key = ("eval",)
         if key not in self._compiled:
+            step_fn = functools.partial(steps_lib.eval_step, self._module(ModeKeys.EVAL),
+                                        axis_name=REPLICA_AXIS)
+
             def per_replica(variables, step, features, labels, mask):
-                spec = self._module(ModeKeys.EVAL).apply(variables, features, labels, step)
-                out = {}
-                if spec.loss is not None:
-                    total, count = _mean_loss(spec.loss, mask)
-                    out["loss"] = metrics_lib.Mean(total, count)
-                for name, metric in (spec.eval_metrics or {}).items():
-                    out[name] = metrics_lib.as_per_example(metric, name).reduce(mask)
-                return lax.psum(out, REPLICA_AXIS)
+                return step_fn(variables, step, (features, labels), mask)
 
             sharded = jax.shard_map(
                 per_replica, mesh=self.mesh,
@@ -629,9 +521,12 @@ class Estimator:
 
             def accumulate(totals, variables, step, features, labels, mask):
                 batch = sharded(variables, step, features, labels, mask)
+                if totals is None:
+                    return batch, batch
                 return jax.tree.map(jnp.add, totals, batch), batch
 
-            self._compiled[key] = (jax.jit(sharded), jax.jit(accumulate, donate_argnums=(0,)))
+            self._compiled[key] = (jax.jit(accumulate),
+                                   jax.jit(accumulate, donate_argnums=(0,)))
         return self._compiled[key]
 
     def evaluate(self, input_fn: Callable[[dict], Iterable], steps: int | None = None,
@@ -642,6 +537,7 @@ class Estimator:
         With ``steps=None`` every example of the (finite) eval input counts exactly once: the
         last, partial batch is padded and the padding masked out of every metric, on any number
         of devices (the original dropped the remainder: 848 of ImageNet's 50,000 images).
+        Batches stream through a bounded device prefetch: memory does not grow with the input.
 
         Args:
           input_fn: ``input_fn(params) -> iterable of (features, labels)``, finite.
@@ -659,29 +555,35 @@ class Estimator:
             raise ValueError(f"Must specify steps > 0, given: {steps}")
         per_host = replication.per_host_batch(self._batch_size(ModeKeys.EVAL))
         iterator = iter(input_fn(self._input_params(ModeKeys.EVAL)))
-        first = next(iterator, None)
-        if first is None:
-            raise ValueError("The eval input_fn produced no examples.")
-        features, labels = _split_batch(first)
-        variables, step = self._load_variables(features, labels, ModeKeys.EVAL, checkpoint_path)
-        step_array = jnp.asarray(step, jnp.int32)
-        batch_fn, accumulate = self._eval_batch_fn()
-        totals = None
-        num_examples = 0
-        num_batches = 0
-        element = first
-        while element is not None:
+        sample: list[tuple[Any, Any]] = []
+
+        def prepare(element: Any) -> tuple[tuple[Any, Any, np.ndarray], int]:
             features, labels = _split_batch(element)
             (features, labels), mask, n = replication.pad_batch((features, labels), per_host)
-            device = replication.to_device((features, labels, mask), self.mesh, P(REPLICA_AXIS))
-            if totals is None:
-                totals = jax.tree.map(jnp.zeros_like, batch_fn(variables, step_array, *device))
-            totals, _ = accumulate(totals, variables, step_array, *device)
-            num_examples += n
-            num_batches += 1
-            if steps is not None and num_batches >= steps:
-                break
-            element = next(iterator, None)
+            if not sample:
+                sample.append(_leading_rows((features, labels),
+                                            self._per_replica_batch(ModeKeys.EVAL) or 1))
+            return (features, labels, mask), n
+
+        feeder = feeding.DevicePrefetcher(
+            iterator, prepare, lambda b: replication.to_device(b, self.mesh, P(REPLICA_AXIS)),
+            size=self.config.device_prefetch, limit=steps)
+        fed = feeder.next()
+        if fed is None:
+            raise ValueError("The eval input_fn produced no examples.")
+        variables, step = self._load_variables(*sample[0], ModeKeys.EVAL, checkpoint_path)
+        step_array = jnp.asarray(step, jnp.int32)
+        first_fn, accumulate = self._eval_batch_fn()
+        totals, _ = first_fn(None, variables, step_array, *fed.value)
+        num_examples = fed.info
+        previous = None
+        while (fed := feeder.next()) is not None:
+            totals, batch = accumulate(totals, variables, step_array, *fed.value)
+            num_examples += fed.info
+            fed = None
+            if previous is not None:  # at most one batch queued behind the running one
+                jax.block_until_ready(previous)
+            previous = batch
         totals = jax.device_get(totals)
         results = {k: float(np.asarray(m.compute())) for k, m in totals.items()}
         global_step = int(step or 0)
@@ -702,12 +604,9 @@ class Estimator:
     def _predict_fn(self) -> Callable:
         key = ("predict",)
         if key not in self._compiled:
-            def per_replica(variables, step, features):
-                spec = self._module(ModeKeys.PREDICT).apply(variables, features, None, step)
-                return spec.predictions
-
+            step_fn = functools.partial(steps_lib.predict_step, self._module(ModeKeys.PREDICT))
             self._compiled[key] = jax.jit(jax.shard_map(
-                per_replica, mesh=self.mesh, in_specs=(P(), P(), P(REPLICA_AXIS)),
+                step_fn, mesh=self.mesh, in_specs=(P(), P(), P(REPLICA_AXIS)),
                 out_specs=P(REPLICA_AXIS)))
         return self._compiled[key]
 
@@ -715,6 +614,9 @@ class Estimator:
                 hooks: Any = None, checkpoint_path: str | None = None,
                 yield_single_examples: bool = True) -> Iterator[Any]:
         """Yields predictions for every example of ``input_fn`` (padding rows removed).
+
+        Streams: results are yielded while the input is still being read, with a bounded number
+        of batches in flight, so memory does not depend on the input's length.
 
         Args:
           input_fn: yields feature batches, or ``(features, labels)`` (labels ignored).
@@ -727,17 +629,24 @@ class Estimator:
             raise ValueError("hooks are not supported in predict().")
         per_host = replication.per_host_batch(self._batch_size(ModeKeys.PREDICT))
         iterator = iter(input_fn(self._input_params(ModeKeys.PREDICT)))
-        variables = step_array = None
-        predict_fn = self._predict_fn()
-        for element in iterator:
+        sample: list[Any] = []
+
+        def prepare(element: Any) -> tuple[Any, int]:
             features, _ = _split_batch(element)
-            if variables is None:
-                variables, step = self._load_variables(features, None, ModeKeys.PREDICT,
-                                                       checkpoint_path)
-                step_array = jnp.asarray(step, jnp.int32)
             features, _, n = replication.pad_batch(features, per_host)
-            preds = predict_fn(variables, step_array,
-                               replication.to_device(features, self.mesh, P(REPLICA_AXIS)))
+            if not sample:
+                sample.append(_leading_rows(features,
+                                            self._per_replica_batch(ModeKeys.PREDICT) or 1))
+            return features, n
+
+        feeder = feeding.DevicePrefetcher(
+            iterator, prepare, lambda b: replication.to_device(b, self.mesh, P(REPLICA_AXIS)),
+            size=self.config.device_prefetch)
+        predict_fn = self._predict_fn()
+        variables = step_array = None
+        pending: list[tuple[Any, int]] = []  # dispatched, not yet yielded: at most 2
+
+        def results(preds: Any, n: int) -> Iterator[Any]:
             preds = jax.tree.map(lambda x: replication.to_local_numpy(x)[:n], preds)
             if isinstance(preds, dict) and predict_keys is not None:
                 missing = [k for k in predict_keys if k not in preds]
@@ -747,9 +656,22 @@ class Estimator:
                 preds = {k: preds[k] for k in predict_keys}
             if not yield_single_examples:
                 yield preds
-                continue
+                return
             for i in range(n):
                 yield jax.tree.map(lambda x: x[i], preds)
+
+        while (fed := feeder.next()) is not None:
+            if variables is None:
+                variables, step = self._load_variables(sample[0], None, ModeKeys.PREDICT,
+                                                       checkpoint_path)
+                step_array = jnp.asarray(step, jnp.int32)
+            pending.append((predict_fn(variables, step_array, fed.value), fed.info))
+            fed = None
+            feeder.fill()
+            if len(pending) > 1:  # the next batch runs while this one's results are yielded
+                yield from results(*pending.pop(0))
+        for preds, n in pending:
+            yield from results(preds, n)
 
     # ------------------------------------------------------------------ export
 
@@ -770,9 +692,18 @@ class Estimator:
           checkpoint_path: a checkpoint directory; None means the latest in ``model_dir``.
           platforms: platforms to lower for (default: cpu, cuda and tpu).
         """
-        from estimax.estimator import export as export_lib
-        return export_lib.export_saved_model(self, export_dir_base, serving_input_receiver_fn,
-                                             checkpoint_path, platforms)
+        input_specs = serving_input_receiver_fn()
+        export_lib.check_input_specs(input_specs)
+        variables, step = self._load_variables(export_lib.example_batch(input_specs), None,
+                                               ModeKeys.PREDICT, checkpoint_path)
+        module = self._module(ModeKeys.PREDICT)
+
+        def serve(variables: Any, features: Any) -> Any:
+            return steps_lib.serving_outputs(module, variables, jnp.asarray(step, jnp.int32),
+                                             features)
+
+        return export_lib.export_saved_model(export_dir_base, serve, variables, input_specs,
+                                             step, platforms)
 
     # ------------------------------------------------------------------ summaries
 
@@ -797,31 +728,6 @@ def _sum_over_hosts(value: int) -> int:
     return int(np.sum(multihost_utils.process_allgather(np.int64(value))))
 
 
-class _BatchReader:
-    """Pulls fixed-size training batches from an input iterator, checking their size."""
-
-    def __init__(self, iterator: Iterator, batch_size: int):
-        self._iterator = iterator
-        self._batch_size = batch_size
-
-    def take(self, n: int) -> list[tuple[Any, Any]]:
-        batches = []
-        for _ in range(max(n, 0)):
-            try:
-                element = next(self._iterator)
-            except StopIteration:
-                break
-            features, labels = _split_batch(element)
-            size = int(np.shape(jax.tree.leaves(features)[0])[0])
-            if size != self._batch_size:
-                raise ValueError(
-                    f"input_fn yielded a training batch of {size} examples; this host must "
-                    f"feed {self._batch_size} (train_batch_size / number of hosts). Training "
-                    "batches need a fixed size: repeat the data and drop the remainder.")
-            batches.append((features, labels))
-        return batches
-
-
 class _StepLogger:
     """Writes training scalars and the original's log lines at their true step numbers."""
 
@@ -829,10 +735,10 @@ class _StepLogger:
                  start: int, target: int, summaries: summaries_lib.Summaries | None):
         self._config = config
         self._global_batch = global_batch
-        self._clock = clock
         self._summaries = summaries
-        self._last_log_step = start
-        self._last_log_time = clock()
+        # Speed is measured over whole loops: the host sees steps finish once per loop.
+        self._speed = periodic.PeriodicAction(every_steps=config.log_step_count_steps,
+                                              clock=clock, start_step=start)
         self._first = start + 1
         self.last_loss: float | None = None
         self._bar = None
@@ -841,33 +747,31 @@ class _StepLogger:
             self._bar = tqdm(total=target, initial=start, unit="step", dynamic_ncols=True)
 
     def record(self, begin: int, metrics: Mapping[str, np.ndarray]) -> None:
+        """Writes the per-step ``metrics`` (``{name: [n]}``) of steps ``begin + 1 .. begin + n``."""
         losses = np.asarray(metrics["loss"]).reshape(-1)
-        n = losses.shape[0]
-        for i in range(n):
-            step = begin + i + 1
-            if self._summaries is not None and (
-                    step % self._config.save_summary_steps == 0 or step == self._first):
-                self._summaries.scalars(step, {k: np.asarray(v).reshape(-1)[i]
+        end = begin + losses.shape[0]
+        if self._summaries is not None:
+            for step in periodic.steps_due(begin, end, self._config.save_summary_steps,
+                                           self._first):
+                self._summaries.scalars(step, {k: np.asarray(v).reshape(-1)[step - begin - 1]
                                                for k, v in metrics.items()})
-            if step % self._config.log_step_count_steps == 0 or step == self._first:
-                summaries_lib.log_step(step, losses[i])
-        end = begin + n
+        for step in periodic.steps_due(begin, end, self._config.log_step_count_steps,
+                                       self._first):
+            summaries_lib.log_step(step, losses[step - begin - 1])
         self.last_loss = float(losses[-1])
         if self._bar is not None:
-            self._bar.update(n)
+            self._bar.update(end - begin)
             self._bar.set_postfix(loss=f"{self.last_loss:.4g}")
-        # Speed is measured over whole loops: a loop is one device call.
-        if end - self._last_log_step >= self._config.log_step_count_steps:
-            now = self._clock()
-            elapsed = now - self._last_log_time
+        if self._speed.due(end):
+            elapsed = self._speed.seconds_since_fired()
             if elapsed > 0:
-                steps_per_sec = (end - self._last_log_step) / elapsed
+                steps_per_sec = (end - self._speed.last_step) / elapsed
                 summaries_lib.log_speed(steps_per_sec, steps_per_sec * self._global_batch)
                 if self._summaries is not None:
                     self._summaries.scalars(end, {
                         "global_step/sec": steps_per_sec,
                         "examples/sec": steps_per_sec * self._global_batch})
-            self._last_log_step, self._last_log_time = end, now
+            self._speed.fired(end)
 
     def close(self) -> None:
         if self._bar is not None:

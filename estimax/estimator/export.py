@@ -4,6 +4,9 @@ An export directory holds ``model.jaxexport`` (the serialized computation, batch
 symbolic, lowered for several platforms), ``variables.msgpack`` (the weights it takes) and
 ``signature.json`` (input and output names, shapes, dtypes, the global step). Serving it needs
 JAX, not the model's Python code (``estimax.serving.load``).
+
+This module is a leaf: it receives the function to serve, its variables and its input specs
+(``Estimator.export_saved_model`` gathers them) and knows nothing of the Estimator.
 """
 
 from __future__ import annotations
@@ -12,20 +15,15 @@ import dataclasses
 import json
 import os
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from flax import serialization
 
 from estimax import storage
-from estimax.estimator.spec import ModeKeys
 from estimax.ops.native import native_kernels
-
-if TYPE_CHECKING:
-    from estimax.estimator.estimator import Estimator
 
 DEFAULT_PLATFORMS = ("cpu", "cuda", "tpu")
 MODEL_FILE = "model.jaxexport"
@@ -54,12 +52,8 @@ def _describe(tree: Any) -> Any:
                         is_leaf=lambda x: isinstance(x, (TensorSpec, jax.ShapeDtypeStruct)))
 
 
-def export_saved_model(estimator: "Estimator", export_dir_base: str,
-                       serving_input_receiver_fn: Callable[[], Any],
-                       checkpoint_path: str | None = None,
-                       platforms: tuple[str, ...] | None = None) -> str:
-    """Writes ``export_dir_base/<timestamp>/`` and returns its path (see module docstring)."""
-    spec_tree = serving_input_receiver_fn()
+def check_input_specs(spec_tree: Any) -> None:
+    """Raises unless ``spec_tree`` is a TensorSpec pytree with only the batch dimension None."""
     leaves = jax.tree.leaves(spec_tree, is_leaf=_is_spec)
     if not leaves or not all(_is_spec(s) for s in leaves):
         raise TypeError("serving_input_receiver_fn must return a TensorSpec or a dict of them, "
@@ -68,18 +62,32 @@ def export_saved_model(estimator: "Estimator", export_dir_base: str,
         if not s.shape or s.shape[0] is not None or any(d is None for d in s.shape[1:]):
             raise ValueError(f"Serving input {s} must have shape (None, d1, d2, ...): only the "
                              "batch dimension may be None.")
-    example = jax.tree.map(lambda s: np.zeros((1, *s.shape[1:]), s.dtype), spec_tree,
-                           is_leaf=_is_spec)
-    variables, step = estimator._load_variables(example, None, ModeKeys.PREDICT, checkpoint_path)
+
+
+def example_batch(spec_tree: Any) -> Any:
+    """A batch of one zero example per input of ``spec_tree`` (``[1, d1, ...]`` arrays)."""
+    return jax.tree.map(lambda s: np.zeros((1, *s.shape[1:]), s.dtype), spec_tree,
+                        is_leaf=_is_spec)
+
+
+def export_saved_model(export_dir_base: str, apply_fn: Callable[[Any, Any], Any],
+                       variables: Any, input_specs: Any, global_step: int,
+                       platforms: tuple[str, ...] | None = None) -> str:
+    """Writes ``export_dir_base/<timestamp>/`` and returns its path (see module docstring).
+
+    Args:
+      export_dir_base: parent directory of the timestamped export.
+      apply_fn: ``apply_fn(variables, features) -> outputs`` (an array or a dict of them), the
+        computation to serve; traced with a symbolic batch dimension.
+      variables: the weights ``apply_fn`` takes (a pytree of arrays; written as msgpack).
+      input_specs: a ``TensorSpec`` pytree, ``shape[0]`` None (the batch).
+      global_step: the training step the variables are from (recorded in the signature).
+      platforms: platforms to lower for (default: cpu, cuda and tpu).
+    """
+    check_input_specs(input_specs)
+    spec_tree = input_specs
+    step = int(global_step)
     variables = jax.device_get(variables)
-    module = estimator._module(ModeKeys.PREDICT)
-
-    def serve(variables, features):
-        spec = module.apply(variables, features, None, jnp.asarray(step, jnp.int32))
-        if spec.export_outputs:
-            return next(iter(spec.export_outputs.values()))
-        return spec.predictions
-
     (batch,) = jax.export.symbolic_shape("batch")
     feature_specs = jax.tree.map(lambda s: jax.ShapeDtypeStruct((batch, *s.shape[1:]), s.dtype),
                                  spec_tree, is_leaf=_is_spec)
@@ -89,7 +97,7 @@ def export_saved_model(estimator: "Estimator", export_dir_base: str,
     # Traced without estimax's oneDNN kernels: the artifact must run where that library is
     # not built (its CPU lowering then uses XLA's own convolutions).
     with native_kernels(False):
-        exported = jax.export.export(jax.jit(serve), platforms=platforms)(variable_specs,
+        exported = jax.export.export(jax.jit(apply_fn), platforms=platforms)(variable_specs,
                                                                          feature_specs)
     timestamp = int(time.time())
     while storage.exists(storage.join(export_dir_base, str(timestamp))):

@@ -83,14 +83,19 @@ class EstimatorSpec:
     gradient_clip_norm: float | None = None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
     """Where and how a job runs: the original ``RunConfig`` + ``TPUConfig`` in one.
 
+    Immutable: derive a changed copy with ``dataclasses.replace(config, model_dir=...)``.
+
     Attributes:
       model_dir: directory (local or any path Orbax/fsspec accepts) for checkpoints and summaries.
-      iterations_per_loop: training steps compiled into one device call. The last loop of a
-        ``train`` call is shortened so ``steps``/``max_steps`` are hit exactly.
+      iterations_per_loop: training steps between host synchronisations: once per loop the host
+        fetches the loop's per-step metrics, checks for NaN, logs and may checkpoint. Steps are
+        streamed (each dispatched when its batch is on the devices), so memory does not grow
+        with it. The last loop of a ``train`` call is shortened so ``steps``/``max_steps`` are
+        hit exactly.
       num_shards: number of replicas (devices) to use; ``None`` means every device.
       save_checkpoints_steps: save every N steps (at loop boundaries).
       save_checkpoints_secs: save every N seconds; the default (600) applies when neither is set,
@@ -99,10 +104,13 @@ class RunConfig:
       save_summary_steps: write training scalars every N steps.
       log_step_count_steps: log ``loss = X, step = N`` and the speed every N steps.
       seed: seed of parameter initialisation and of the dropout streams.
-      cross_replica_batch_stats_mean: average mutable collections such as ``batch_stats`` over
-        replicas after each step (keeps one consistent copy to checkpoint). Per-replica batch
-        statistics are still computed per replica, as on TPU; pass ``axis_name=estimax.REPLICA_AXIS``
-        to ``nn.BatchNorm`` for cross-replica batch norm.
+      device_prefetch: how many input batches are transferred to the devices ahead of the step
+        that uses them (flax's ``prefetch_to_device`` default, 2); input memory is about
+        ``device_prefetch + 3`` batches whatever ``iterations_per_loop`` is.
+
+    Mutable collections such as ``batch_stats`` are computed per replica, as on TPU, and
+    averaged over replicas after each step (one consistent copy to checkpoint); pass
+    ``axis_name=estimax.REPLICA_AXIS`` to ``nn.BatchNorm`` for cross-replica batch norm.
     """
 
     model_dir: str | None = None
@@ -114,7 +122,7 @@ class RunConfig:
     save_summary_steps: int = 100
     log_step_count_steps: int = 100
     seed: int = 0
-    cross_replica_batch_stats_mean: bool = True
+    device_prefetch: int = 2
 
     def __post_init__(self) -> None:
         if self.iterations_per_loop < 1:
@@ -124,8 +132,8 @@ class RunConfig:
             raise ValueError("RunConfig: set save_checkpoints_steps or save_checkpoints_secs, "
                              "not both.")
         if self.save_checkpoints_steps is None and self.save_checkpoints_secs is None:
-            self.save_checkpoints_secs = 600.0
-        for name in ("save_summary_steps", "log_step_count_steps"):
+            object.__setattr__(self, "save_checkpoints_secs", 600.0)  # frozen: set once here
+        for name in ("save_summary_steps", "log_step_count_steps", "device_prefetch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RunConfig.{name} must be >= 1, got {getattr(self, name)}.")
         if self.keep_checkpoint_max is not None and self.keep_checkpoint_max < 1:

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from absl import logging
 
+from estimax.estimator import periodic
 from estimax.estimator.spec import EvalSpec, TrainSpec
 
 if TYPE_CHECKING:
@@ -44,20 +45,19 @@ def train_and_evaluate(estimator: "Estimator", train_spec: TrainSpec,
             current = estimator.get_global_step()
             results = evaluate()
     else:
-        last_eval_time = [None]
+        throttle = periodic.PeriodicAction(every_secs=eval_spec.throttle_secs,
+                                           clock=estimator.clock, start_step=-1)
 
-        def after_save(step: int) -> None:
+        def after_save(step: int) -> None:  # the checkpoint of `step` is complete on disk
             nonlocal results
-            now = estimator._clock()
-            if step < max_steps and (last_eval_time[0] is None
-                                     or now - last_eval_time[0] >= eval_spec.throttle_secs):
-                estimator._get_checkpointer().wait_until_finished()
+            # The first save is evaluated; later ones at most once per throttle_secs.
+            if step < max_steps and (throttle.last_step == -1 or throttle.due(step)):
                 results = evaluate()
-                last_eval_time[0] = now
+                throttle.fired(step)
 
         if estimator.get_global_step() < max_steps:
-            estimator._run_training(train_spec.input_fn, steps=None, max_steps=max_steps,
-                                    after_save=after_save)
+            estimator.train(train_spec.input_fn, max_steps=max_steps,
+                            saving_listeners=[after_save])
     if estimator.get_global_step() not in evaluated_at:
         results = evaluate()
     return results, []
