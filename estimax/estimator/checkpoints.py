@@ -142,11 +142,12 @@ def checkpoints_iterator(model_dir: str, timeout: float | None = None,
                          poll_secs: float = 5.0,
                          clock: Callable[[], float] = time.monotonic,
                          sleep: Callable[[float], None] = time.sleep) -> Iterator[int]:
-    """Yields the step of each new checkpoint in ``model_dir`` as it appears (oldest first).
+    """Yields the step of the newest checkpoint in ``model_dir`` each time a newer one appears.
 
     Like ``tf.train.checkpoints_iterator``: it waits for checkpoints a training job writes and
-    stops when none appears for ``timeout`` seconds (``None``: waits forever). A checkpoint
-    deleted by ``keep_checkpoint_max`` before it was seen is skipped with a log line.
+    stops when none appears for ``timeout`` seconds (``None``: waits forever). Checkpoints
+    written while the caller was busy with the last one are skipped for the newest, with a log
+    line naming them.
 
     Args:
       model_dir: the training job's model_dir.
@@ -163,9 +164,12 @@ def checkpoints_iterator(model_dir: str, timeout: float | None = None,
         steps = checkpointer.all_steps() if checkpointer else []
         new = [s for s in steps if last is None or s > last]
         if new:
-            if len(new) > 1:
-                logging.info("Checkpoints %s were written while evaluating; evaluating the newest.",
-                             new[:-1])
+            if len(new) > 1 and last is None:
+                logging.info("Found checkpoints %s in %s; evaluating the newest, %d.", new,
+                             checkpoint_dir(model_dir), new[-1])
+            elif len(new) > 1:
+                logging.info("Checkpoints %s were written while step %d was evaluated; "
+                             "evaluating the newest, %d.", new, last, new[-1])
             last = new[-1]
             waited_since = clock()
             yield last
