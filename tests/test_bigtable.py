@@ -376,7 +376,7 @@ def test_resnet_command_line_missing_table_says_so_without_traceback(tmp_path):
          "--bigtable_table=no_such_table", "--resnet_depth=18", "--image_size=32",
          "--train_batch_size=8", "--num_cores=1", "--train_steps=1"],
         capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 1
+    assert proc.returncode == 2  # the programs' exit status for a user's setup mistake
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"FATAL: Cloud Bigtable input: projects/{PROJECT}/instances/{INSTANCE}"
                            "/tables/no_such_table (emulator at BIGTABLE_EMULATOR_HOST=")
