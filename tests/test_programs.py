@@ -23,7 +23,7 @@ import pytest
 from absl import flags
 
 import estimax as ex
-from estimax.estimator import estimator as estimator_lib
+from estimax.estimator import steps as steps_lib
 from estimax.models.inception_v3 import InceptionV3Tiny
 from estimax.models.inception_v4 import InceptionV4Tiny
 from estimax.models.resnet import ResNetTiny
@@ -194,7 +194,7 @@ def _spec(model_fn, features, labels, mode="train"):
     class Wrap(nn.Module):
         @nn.compact
         def __call__(self, x, y):
-            with estimator_lib._global_step(jnp.zeros((), jnp.int32)):
+            with steps_lib.global_step_scope(jnp.zeros((), jnp.int32)):
                 return model_fn(x, y, mode, {})
 
     captured = {}

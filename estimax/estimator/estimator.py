@@ -64,9 +64,6 @@ _MODEL_FN_ARGS = ("features", "labels", "mode", "params", "config")
 # The share of a loop the devices may sit idle waiting for input before we warn.
 INPUT_BOUND_WARNING_FRACTION = 0.1
 
-# Kept for callers of the former private name; new code uses steps.global_step_scope.
-_global_step = steps_lib.global_step_scope
-
 
 class NanLossError(RuntimeError):
     """Training produced a NaN or infinite loss. Checkpoints written before it are intact."""
