@@ -118,16 +118,7 @@ def test_seed_001_line_with_tpu_model_dir_in_the_emulator_bucket(gcs_emulator, m
     assert any("tfevents" in n for n in _ls(f"{model_dir}/eval"))
 
 
-def _programs_read_tpu_model_dir() -> bool:
-    programs = os.path.join(ROOT, "estimax", "programs")
-    return any("TPU_MODEL_DIR" in open(os.path.join(programs, n), encoding="utf-8").read()
-               for n in os.listdir(programs) if n.endswith(".py"))
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not _programs_read_tpu_model_dir(),
-                    reason="the programs do not read $TPU_MODEL_DIR yet (issue 12's settings-"
-                           "from-the-environment part, the command-lines work)")
 def test_seed_001_line_without_model_dir_takes_tpu_model_dir(gcs_emulator, monkeypatch):
     """The job runner sets TPU_MODEL_DIR; the program finds it without --model_dir."""
     gcs_emulator.create_bucket("gradient-job-env")
