@@ -77,261 +77,360 @@ POOLS: list[tuple[Any, ...]] = [
 
 
 def _same_pads(size: int, k: int, s: int) -> tuple[int, int]:
-  out = -(-size // s)
-  total = max((out - 1) * s + k - size, 0)
-  return total // 2, total - total // 2
+    out = -(-size // s)
+    total = max((out - 1) * s + k - size, 0)
+    return total // 2, total - total // 2
 
 
 def _time(fn, reps: int) -> float:
-  """Median wall time in ms of fn() (fn blocks until its result is ready)."""
-  fn()
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
+    """Median wall time in ms of fn() (fn blocks until its result is ready)."""
     fn()
-    times.append((time.perf_counter() - t0) * 1e3)
-  return statistics.median(times)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
 
 
 def _conv_flops(layer) -> float:
-  _, _, _, b, h, w, cin, cout, kh, kw, s, _ = layer
-  return 2.0 * b * (-(-h // s)) * (-(-w // s)) * cin * cout * kh * kw
+    _, _, _, b, h, w, cin, cout, kh, kw, s, _ = layer
+    return 2.0 * b * (-(-h // s)) * (-(-w // s)) * cin * cout * kh * kw
 
 
 # ---------------------------------------------------------------------------- torch
 
 
 def run_torch(layers, pools, dtype: str, reps: int) -> dict[str, dict[str, float]]:
-  import torch  # Only in bench/.venv-torch.
-  torch.manual_seed(0)
-  dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-  out: dict[str, dict[str, float]] = {}
-  cl = torch.channels_last
-  for layer in layers:
-    name, _, _, b, h, w, cin, cout, kh, kw, s, _ = layer
-    x = torch.randn(b, cin, h, w, dtype=dt).to(memory_format=cl)
-    wt = torch.randn(cout, cin, kh, kw, dtype=dt).to(memory_format=cl)
-    ph, pw = _same_pads(h, kh, s), _same_pads(w, kw, s)
-    if ph[0] != ph[1] or pw[0] != pw[1]:
-      # PyTorch's symmetric padding; pad the input by hand for odd 'SAME' cases.
-      x = torch.nn.functional.pad(x, (pw[0], pw[1], ph[0], ph[1])).contiguous(memory_format=cl)
-      pad = [0, 0]
-    else:
-      pad = [ph[0], pw[0]]
-    conv = lambda: torch.ops.aten.convolution(x, wt, None, [s, s], pad, [1, 1], False, [0, 0], 1)
-    with torch.no_grad():
-      y = conv()
-      g = torch.randn_like(y).contiguous(memory_format=cl)
-      bwd = lambda mask: torch.ops.aten.convolution_backward(
-          g, x, wt, None, [s, s], pad, [1, 1], False, [0, 0], 1, mask)
-      out[name] = {
-          "fwd": _time(conv, reps),
-          "dx": _time(lambda: bwd([True, False, False]), reps),
-          "dw": _time(lambda: bwd([False, True, False]), reps),
-      }
-  for pool in pools:
-    name, _, _, b, h, w, c, k, s, padding = pool
-    x = torch.randn(b, c, h, w, dtype=dt).relu().to(memory_format=cl).requires_grad_(True)
-    pad = k // 2 if padding == "SAME" else 0
-    y = torch.nn.functional.max_pool2d(x, k, s, pad)
-    g = torch.randn_like(y)
+    import torch  # Only in bench/.venv-torch.
 
-    def fwd_bwd():
-      yy = torch.nn.functional.max_pool2d(x, k, s, pad)
-      return torch.autograd.grad(yy, x, g)
+    torch.manual_seed(0)
+    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    out: dict[str, dict[str, float]] = {}
+    cl = torch.channels_last
+    for layer in layers:
+        name, _, _, b, h, w, cin, cout, kh, kw, s, _ = layer
+        x = torch.randn(b, cin, h, w, dtype=dt).to(memory_format=cl)
+        wt = torch.randn(cout, cin, kh, kw, dtype=dt).to(memory_format=cl)
+        ph, pw = _same_pads(h, kh, s), _same_pads(w, kw, s)
+        if ph[0] != ph[1] or pw[0] != pw[1]:
+            # PyTorch's symmetric padding; pad the input by hand for odd 'SAME' cases.
+            x = torch.nn.functional.pad(x, (pw[0], pw[1], ph[0], ph[1])).contiguous(
+                memory_format=cl
+            )
+            pad = [0, 0]
+        else:
+            pad = [ph[0], pw[0]]
+        conv = lambda: torch.ops.aten.convolution(
+            x, wt, None, [s, s], pad, [1, 1], False, [0, 0], 1
+        )
+        with torch.no_grad():
+            y = conv()
+            g = torch.randn_like(y).contiguous(memory_format=cl)
+            bwd = lambda mask: torch.ops.aten.convolution_backward(
+                g, x, wt, None, [s, s], pad, [1, 1], False, [0, 0], 1, mask
+            )
+            out[name] = {
+                "fwd": _time(conv, reps),
+                "dx": _time(lambda: bwd([True, False, False]), reps),
+                "dw": _time(lambda: bwd([False, True, False]), reps),
+            }
+    for pool in pools:
+        name, _, _, b, h, w, c, k, s, padding = pool
+        x = torch.randn(b, c, h, w, dtype=dt).relu().to(memory_format=cl).requires_grad_(True)
+        pad = k // 2 if padding == "SAME" else 0
+        y = torch.nn.functional.max_pool2d(x, k, s, pad)
+        g = torch.randn_like(y)
 
-    with torch.no_grad():
-      t_f = _time(lambda: torch.nn.functional.max_pool2d(x, k, s, pad), reps)
-    out[name] = {"fwd": t_f, "bwd": max(_time(fwd_bwd, reps) - t_f, 0.0)}
-  return out
+        def fwd_bwd():
+            yy = torch.nn.functional.max_pool2d(x, k, s, pad)
+            return torch.autograd.grad(yy, x, g)
+
+        with torch.no_grad():
+            t_f = _time(lambda: torch.nn.functional.max_pool2d(x, k, s, pad), reps)
+        out[name] = {"fwd": t_f, "bwd": max(_time(fwd_bwd, reps) - t_f, 0.0)}
+    return out
 
 
 # ---------------------------------------------------------------------------- jax
 
 
 def run_jax(layers, pools, dtype: str, reps: int) -> dict[str, dict[str, float]]:
-  import functools
+    import functools
 
-  import flax.linen as nn
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
 
-  from estimax import ops
-  from estimax.ops import cpu_conv, native
+    from estimax import ops
+    from estimax.ops import cpu_conv, native
 
-  dt = jnp.dtype(dtype)
-  rng = np.random.default_rng(0)
-  out: dict[str, dict[str, float]] = {}
-  block = jax.block_until_ready
-  for layer in layers:
-    name, _, _, b, h, w, cin, cout, kh, kw, s, padding = layer
-    x = jnp.asarray(rng.standard_normal((b, h, w, cin)), dt)
-    wt = jnp.asarray(rng.standard_normal((kh, kw, cin, cout)), dt)
-    spec = cpu_conv._normalize(x, wt, (s, s), padding, None, None, cpu_conv._NHWC,
-                               1, 1, None, None)
-    ref = functools.partial(cpu_conv._ref_conv, spec=spec)
-    y = jax.jit(ref)(x, wt)
-    g = jnp.asarray(rng.standard_normal(y.shape), dt)
-    ref_dx = jax.jit(lambda x, w, g: jax.vjp(lambda x: ref(x, w), x)[1](g)[0])
-    ref_dw = jax.jit(lambda x, w, g: jax.vjp(lambda w: ref(x, w), w)[1](g)[0])
-    res = {
-        "jax fwd": _time(lambda: block(jax.jit(ref)(x, wt)), reps),
-        "jax dx": _time(lambda: block(ref_dx(x, wt, g)), reps),
-        "jax dw": _time(lambda: block(ref_dw(x, wt, g)), reps),
-    }
-    for label, fn in (
-        ("ops fwd im2col", lambda s_=spec._replace(fwd="im2col"): jax.jit(
-            functools.partial(cpu_conv._cpu_fwd, s_))),
-        ("ops dx matmul", lambda s_=spec._replace(dx="matmul"): jax.jit(
-            functools.partial(cpu_conv._cpu_dx, s_))),
-        ("ops dw im2col", lambda s_=spec._replace(dw="im2col"): jax.jit(
-            functools.partial(cpu_conv._cpu_dw, s_))),
-        ("ops dw offsets", lambda s_=spec._replace(dw="offsets"): jax.jit(
-            functools.partial(cpu_conv._cpu_dw, s_))),
-        ("ops dw im2col_t", lambda s_=spec._replace(dw="im2col_t"): jax.jit(
-            functools.partial(cpu_conv._cpu_dw, s_))),
-    ):
-      f = fn()
-      args = (x, wt) if "fwd" in label else (x, wt, g)
-      res[label] = _time(lambda f=f, args=args: block(f(*args)), reps)
-    onednn = spec._replace(fwd="onednn", dx="onednn", dw="onednn")
-    for label, fn, args in (
-        ("onednn fwd", functools.partial(cpu_conv._onednn_fwd, onednn), (x, wt)),
-        ("onednn dx", functools.partial(cpu_conv._onednn_dx, onednn), (x, wt, g)),
-        ("onednn dw", functools.partial(cpu_conv._onednn_dw, onednn), (x, wt, g))):
-      if native.available():
-        f = jax.jit(fn)
-        res[label] = _time(lambda f=f, args=args: block(f(*args)), reps)
-      else:
-        res[label] = float("nan")
-    out[name] = res
-  for pool in pools:
-    name, _, _, b, h, w, c, k, s, padding = pool
-    x = jnp.maximum(jnp.asarray(rng.standard_normal((b, h, w, c)), dt), 0)
-    ref = lambda x: nn.max_pool(x, (k, k), (s, s), padding)
-    mine = lambda x: ops.max_pool(x, (k, k), (s, s), padding)
-    y = ref(x)
-    g = jnp.asarray(rng.standard_normal(y.shape), dt)
-    f_ref = jax.jit(ref)
-    b_ref = jax.jit(lambda x, g: jax.vjp(ref, x)[1](g)[0])
-    b_ops = jax.jit(lambda x, g: jax.vjp(mine, x)[1](g)[0])
-    out[name] = {
-        "jax fwd": _time(lambda: block(f_ref(x)), reps),
-        "jax bwd": _time(lambda: block(b_ref(x, g)), reps),
-        "ops bwd": _time(lambda: block(b_ops(x, g)), reps),
-    }
-  return out
+    dt = jnp.dtype(dtype)
+    rng = np.random.default_rng(0)
+    out: dict[str, dict[str, float]] = {}
+    block = jax.block_until_ready
+    for layer in layers:
+        name, _, _, b, h, w, cin, cout, kh, kw, s, padding = layer
+        x = jnp.asarray(rng.standard_normal((b, h, w, cin)), dt)
+        wt = jnp.asarray(rng.standard_normal((kh, kw, cin, cout)), dt)
+        spec = cpu_conv._normalize(
+            x, wt, (s, s), padding, None, None, cpu_conv._NHWC, 1, 1, None, None
+        )
+        ref = functools.partial(cpu_conv._ref_conv, spec=spec)
+        y = jax.jit(ref)(x, wt)
+        g = jnp.asarray(rng.standard_normal(y.shape), dt)
+        ref_dx = jax.jit(lambda x, w, g: jax.vjp(lambda x: ref(x, w), x)[1](g)[0])
+        ref_dw = jax.jit(lambda x, w, g: jax.vjp(lambda w: ref(x, w), w)[1](g)[0])
+        res = {
+            "jax fwd": _time(lambda: block(jax.jit(ref)(x, wt)), reps),
+            "jax dx": _time(lambda: block(ref_dx(x, wt, g)), reps),
+            "jax dw": _time(lambda: block(ref_dw(x, wt, g)), reps),
+        }
+        for label, fn in (
+            (
+                "ops fwd im2col",
+                lambda s_=spec._replace(fwd="im2col"): jax.jit(
+                    functools.partial(cpu_conv._cpu_fwd, s_)
+                ),
+            ),
+            (
+                "ops dx matmul",
+                lambda s_=spec._replace(dx="matmul"): jax.jit(
+                    functools.partial(cpu_conv._cpu_dx, s_)
+                ),
+            ),
+            (
+                "ops dw im2col",
+                lambda s_=spec._replace(dw="im2col"): jax.jit(
+                    functools.partial(cpu_conv._cpu_dw, s_)
+                ),
+            ),
+            (
+                "ops dw offsets",
+                lambda s_=spec._replace(dw="offsets"): jax.jit(
+                    functools.partial(cpu_conv._cpu_dw, s_)
+                ),
+            ),
+            (
+                "ops dw im2col_t",
+                lambda s_=spec._replace(dw="im2col_t"): jax.jit(
+                    functools.partial(cpu_conv._cpu_dw, s_)
+                ),
+            ),
+        ):
+            f = fn()
+            args = (x, wt) if "fwd" in label else (x, wt, g)
+            res[label] = _time(lambda f=f, args=args: block(f(*args)), reps)
+        onednn = spec._replace(fwd="onednn", dx="onednn", dw="onednn")
+        for label, fn, args in (
+            ("onednn fwd", functools.partial(cpu_conv._onednn_fwd, onednn), (x, wt)),
+            ("onednn dx", functools.partial(cpu_conv._onednn_dx, onednn), (x, wt, g)),
+            ("onednn dw", functools.partial(cpu_conv._onednn_dw, onednn), (x, wt, g)),
+        ):
+            if native.available():
+                f = jax.jit(fn)
+                res[label] = _time(lambda f=f, args=args: block(f(*args)), reps)
+            else:
+                res[label] = float("nan")
+        out[name] = res
+    for pool in pools:
+        name, _, _, b, h, w, c, k, s, padding = pool
+        x = jnp.maximum(jnp.asarray(rng.standard_normal((b, h, w, c)), dt), 0)
+        ref = lambda x: nn.max_pool(x, (k, k), (s, s), padding)
+        mine = lambda x: ops.max_pool(x, (k, k), (s, s), padding)
+        y = ref(x)
+        g = jnp.asarray(rng.standard_normal(y.shape), dt)
+        f_ref = jax.jit(ref)
+        b_ref = jax.jit(lambda x, g: jax.vjp(ref, x)[1](g)[0])
+        b_ops = jax.jit(lambda x, g: jax.vjp(mine, x)[1](g)[0])
+        out[name] = {
+            "jax fwd": _time(lambda: block(f_ref(x)), reps),
+            "jax bwd": _time(lambda: block(b_ref(x, g)), reps),
+            "ops bwd": _time(lambda: block(b_ops(x, g)), reps),
+        }
+    return out
 
 
 # ---------------------------------------------------------------------------- report
 
 
 def _markdown(result: dict[str, Any]) -> str:
-  lines = [f"# Per-layer convolution times on the CPU ({result['dtype']})", "",
-           f"{result['note']} JAX allocator: {result.get('malloc', 'default')}.", "",
-           "Median ms per call. `ops dx/dw`: estimax.ops matmul formulations; "
-           "GF/s = GFLOP/s of that column. `best ops` picks the fastest of the "
-           "estimax strategies (XLA kept where it wins).", ""]
-  hdr = ("| layer | n | GFLOP | torch fwd | torch dx | torch dw | jax fwd | jax dx | jax dw "
-         "| ops fwd im2col | ops dx matmul | ops dw im2col | ops dw offsets | ops dw im2col_t "
-         "| onednn fwd | onednn dx | onednn dw |")
-  lines += [hdr, "|" + "---|" * (hdr.count("|") - 1)]
-  totals: dict[str, dict[str, float]] = {}
-  for layer in LAYERS:
-    name, model, count = layer[0], layer[1], layer[2]
-    if name not in result["jax"]:
-      continue
-    j, t = result["jax"][name], result.get("torch", {}).get(name, {})
-    gf = _conv_flops(layer) / 1e9
-    cells = [f"{t.get(k, float('nan')):.1f}" for k in ("fwd", "dx", "dw")]
-    cells += [f"{j[k]:.1f} ({gf / j[k] * 1e3:.0f} GF/s)" for k in ("jax fwd", "jax dx", "jax dw")]
-    cells += [f"{j[k]:.1f}" for k in ("ops fwd im2col", "ops dx matmul", "ops dw im2col",
-                                     "ops dw offsets", "ops dw im2col_t")]
-    cells += [f"{j.get(k, float('nan')):.1f} ({gf / j.get(k, float('nan')) * 1e3:.0f} GF/s)"
-              for k in ("onednn fwd", "onednn dx", "onednn dw")]
-    lines.append(f"| {name} | {count} | {gf:.2f} | " + " | ".join(cells) + " |")
-    tot = totals.setdefault(model, {})
-    best = {
-        "fwd": min(j["jax fwd"], j["ops fwd im2col"]),
-        "dx": min(j["jax dx"], j["ops dx matmul"]),
-        "dw": min(j["jax dw"], j["ops dw im2col"], j["ops dw offsets"], j["ops dw im2col_t"]),
-    }
-    nan = float("nan")
-    for key, val in (("torch fwd", t.get("fwd", 0)), ("torch dx", t.get("dx", 0)),
-                     ("torch dw", t.get("dw", 0)), ("jax fwd", j["jax fwd"]),
-                     ("jax dx", j["jax dx"]), ("jax dw", j["jax dw"]),
-                     ("ops dx matmul", j["ops dx matmul"]), ("ops dw im2col", j["ops dw im2col"]),
-                     ("ops dw im2col_t", j["ops dw im2col_t"]),
-                     ("best fwd", best["fwd"]), ("best dx", best["dx"]), ("best dw", best["dw"]),
-                     ("onednn fwd", j.get("onednn fwd", nan)), ("onednn dx", j.get("onednn dx", nan)),
-                     ("onednn dw", j.get("onednn dw", nan))):
-      tot[key] = tot.get(key, 0.0) + count * val
-  lines += ["", "## Count-weighted totals over all convolutions of each model (ms per step)", "",
-            "| model | torch fwd | torch dx | torch dw | jax fwd | jax dx | jax dw "
-            "| ops dx matmul | ops dw im2col | ops dw im2col_t | best fwd | best dx | best dw "
-            "| onednn fwd | onednn dx | onednn dw |",
-            "|---|" + "---|" * 15]
-  for model, tot in totals.items():
-    keys = ("torch fwd", "torch dx", "torch dw", "jax fwd", "jax dx", "jax dw",
-            "ops dx matmul", "ops dw im2col", "ops dw im2col_t", "best fwd", "best dx", "best dw",
-            "onednn fwd", "onednn dx", "onednn dw")
-    lines.append(f"| {model} | " + " | ".join(f"{tot[k]:.0f}" for k in keys) + " |")
-  lines += ["", "## Max-pool (ms)", "", "| pool | torch fwd | torch bwd | jax fwd | jax bwd "
-            "| ops bwd |", "|---|---|---|---|---|---|"]
-  for pool in POOLS:
-    name = pool[0]
-    if name not in result["jax"]:
-      continue
-    j, t = result["jax"][name], result.get("torch", {}).get(name, {})
-    lines.append(f"| {name} | {t.get('fwd', float('nan')):.2f} | {t.get('bwd', float('nan')):.2f} "
-                 f"| {j['jax fwd']:.2f} | {j['jax bwd']:.2f} | {j['ops bwd']:.2f} |")
-  return "\n".join(lines) + "\n"
+    lines = [
+        f"# Per-layer convolution times on the CPU ({result['dtype']})",
+        "",
+        f"{result['note']} JAX allocator: {result.get('malloc', 'default')}.",
+        "",
+        "Median ms per call. `ops dx/dw`: estimax.ops matmul formulations; "
+        "GF/s = GFLOP/s of that column. `best ops` picks the fastest of the "
+        "estimax strategies (XLA kept where it wins).",
+        "",
+    ]
+    hdr = (
+        "| layer | n | GFLOP | torch fwd | torch dx | torch dw | jax fwd | jax dx | jax dw "
+        "| ops fwd im2col | ops dx matmul | ops dw im2col | ops dw offsets | ops dw im2col_t "
+        "| onednn fwd | onednn dx | onednn dw |"
+    )
+    lines += [hdr, "|" + "---|" * (hdr.count("|") - 1)]
+    totals: dict[str, dict[str, float]] = {}
+    for layer in LAYERS:
+        name, model, count = layer[0], layer[1], layer[2]
+        if name not in result["jax"]:
+            continue
+        j, t = result["jax"][name], result.get("torch", {}).get(name, {})
+        gf = _conv_flops(layer) / 1e9
+        cells = [f"{t.get(k, float('nan')):.1f}" for k in ("fwd", "dx", "dw")]
+        cells += [
+            f"{j[k]:.1f} ({gf / j[k] * 1e3:.0f} GF/s)" for k in ("jax fwd", "jax dx", "jax dw")
+        ]
+        cells += [
+            f"{j[k]:.1f}"
+            for k in (
+                "ops fwd im2col",
+                "ops dx matmul",
+                "ops dw im2col",
+                "ops dw offsets",
+                "ops dw im2col_t",
+            )
+        ]
+        cells += [
+            f"{j.get(k, float('nan')):.1f} ({gf / j.get(k, float('nan')) * 1e3:.0f} GF/s)"
+            for k in ("onednn fwd", "onednn dx", "onednn dw")
+        ]
+        lines.append(f"| {name} | {count} | {gf:.2f} | " + " | ".join(cells) + " |")
+        tot = totals.setdefault(model, {})
+        best = {
+            "fwd": min(j["jax fwd"], j["ops fwd im2col"]),
+            "dx": min(j["jax dx"], j["ops dx matmul"]),
+            "dw": min(j["jax dw"], j["ops dw im2col"], j["ops dw offsets"], j["ops dw im2col_t"]),
+        }
+        nan = float("nan")
+        for key, val in (
+            ("torch fwd", t.get("fwd", 0)),
+            ("torch dx", t.get("dx", 0)),
+            ("torch dw", t.get("dw", 0)),
+            ("jax fwd", j["jax fwd"]),
+            ("jax dx", j["jax dx"]),
+            ("jax dw", j["jax dw"]),
+            ("ops dx matmul", j["ops dx matmul"]),
+            ("ops dw im2col", j["ops dw im2col"]),
+            ("ops dw im2col_t", j["ops dw im2col_t"]),
+            ("best fwd", best["fwd"]),
+            ("best dx", best["dx"]),
+            ("best dw", best["dw"]),
+            ("onednn fwd", j.get("onednn fwd", nan)),
+            ("onednn dx", j.get("onednn dx", nan)),
+            ("onednn dw", j.get("onednn dw", nan)),
+        ):
+            tot[key] = tot.get(key, 0.0) + count * val
+    lines += [
+        "",
+        "## Count-weighted totals over all convolutions of each model (ms per step)",
+        "",
+        "| model | torch fwd | torch dx | torch dw | jax fwd | jax dx | jax dw "
+        "| ops dx matmul | ops dw im2col | ops dw im2col_t | best fwd | best dx | best dw "
+        "| onednn fwd | onednn dx | onednn dw |",
+        "|---|" + "---|" * 15,
+    ]
+    for model, tot in totals.items():
+        keys = (
+            "torch fwd",
+            "torch dx",
+            "torch dw",
+            "jax fwd",
+            "jax dx",
+            "jax dw",
+            "ops dx matmul",
+            "ops dw im2col",
+            "ops dw im2col_t",
+            "best fwd",
+            "best dx",
+            "best dw",
+            "onednn fwd",
+            "onednn dx",
+            "onednn dw",
+        )
+        lines.append(f"| {model} | " + " | ".join(f"{tot[k]:.0f}" for k in keys) + " |")
+    lines += [
+        "",
+        "## Max-pool (ms)",
+        "",
+        "| pool | torch fwd | torch bwd | jax fwd | jax bwd | ops bwd |",
+        "|---|---|---|---|---|---|",
+    ]
+    for pool in POOLS:
+        name = pool[0]
+        if name not in result["jax"]:
+            continue
+        j, t = result["jax"][name], result.get("torch", {}).get(name, {})
+        lines.append(
+            f"| {name} | {t.get('fwd', float('nan')):.2f} | {t.get('bwd', float('nan')):.2f} "
+            f"| {j['jax fwd']:.2f} | {j['jax bwd']:.2f} | {j['ops bwd']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-  parser.add_argument("--reps", type=int, default=5)
-  parser.add_argument("--only", choices=("mnist", "resnet50"), default=None)
-  parser.add_argument("--out", default=os.path.join(HERE, "results", "conv_cpu.json"))
-  parser.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
-  parser.add_argument("--no-torch", action="store_true")
-  parser.add_argument("--malloc", choices=("default", "tuned"), default="tuned",
-                      help="tuned: estimax.ops.tune_cpu_allocator() before the JAX timings")
-  args = parser.parse_args()
-  layers = [l for l in LAYERS if args.only in (None, l[1])]
-  pools = [p for p in POOLS if args.only in (None, p[1])]
-  if args.torch_worker:
-    json.dump(run_torch(layers, pools, args.dtype, args.reps), sys.stdout)
-    return
-  result: dict[str, Any] = {
-      "dtype": args.dtype, "reps": args.reps,
-      "note": (f"{os.cpu_count()} CPU cores, shared with other jobs while measured "
-               f"(timings noisy; compare within a run). {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}."),
-  }
-  if not args.no_torch:
-    if not os.path.exists(TORCH_PY):
-      sys.exit(f"conv_cpu.py: {TORCH_PY} not found; create it with "
-               "`python3 -m venv bench/.venv-torch && bench/.venv-torch/bin/pip install "
-               "torch==2.13.0 numpy`, or pass --no-torch")
-    cmd = [TORCH_PY, os.path.abspath(__file__), "--torch-worker", "--dtype", args.dtype,
-           "--reps", str(args.reps)] + (["--only", args.only] if args.only else [])
-    result["torch"] = json.loads(subprocess.run(cmd, check=True, capture_output=True,
-                                                text=True).stdout)
-  if args.malloc == "tuned":
-    from estimax import ops
-    ops.tune_cpu_allocator()
-  result["malloc"] = args.malloc
-  result["jax"] = run_jax(layers, pools, args.dtype, args.reps)
-  os.makedirs(os.path.dirname(args.out), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(result, f, indent=1)
-  md = _markdown(result)
-  with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
-    f.write(md)
-  print(md)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--only", choices=("mnist", "resnet50"), default=None)
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "conv_cpu.json"))
+    parser.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument(
+        "--malloc",
+        choices=("default", "tuned"),
+        default="tuned",
+        help="tuned: estimax.ops.tune_cpu_allocator() before the JAX timings",
+    )
+    args = parser.parse_args()
+    layers = [l for l in LAYERS if args.only in (None, l[1])]
+    pools = [p for p in POOLS if args.only in (None, p[1])]
+    if args.torch_worker:
+        json.dump(run_torch(layers, pools, args.dtype, args.reps), sys.stdout)
+        return
+    result: dict[str, Any] = {
+        "dtype": args.dtype,
+        "reps": args.reps,
+        "note": (
+            f"{os.cpu_count()} CPU cores, shared with other jobs while measured "
+            f"(timings noisy; compare within a run). {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}."
+        ),
+    }
+    if not args.no_torch:
+        if not os.path.exists(TORCH_PY):
+            sys.exit(
+                f"conv_cpu.py: {TORCH_PY} not found; create it with "
+                "`python3 -m venv bench/.venv-torch && bench/.venv-torch/bin/pip install "
+                "torch==2.13.0 numpy`, or pass --no-torch"
+            )
+        cmd = [
+            TORCH_PY,
+            os.path.abspath(__file__),
+            "--torch-worker",
+            "--dtype",
+            args.dtype,
+            "--reps",
+            str(args.reps),
+        ] + (["--only", args.only] if args.only else [])
+        result["torch"] = json.loads(
+            subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        )
+    if args.malloc == "tuned":
+        from estimax import ops
+
+        ops.tune_cpu_allocator()
+    result["malloc"] = args.malloc
+    result["jax"] = run_jax(layers, pools, args.dtype, args.reps)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    md = _markdown(result)
+    with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
+        f.write(md)
+    print(md)
 
 
 if __name__ == "__main__":
-  main()
+    main()

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import resource
 import shutil
@@ -43,7 +42,7 @@ TRAIN_SHARDS, VALIDATION_SHARDS = 16, 4
 
 # --------------------------------------------------------------- the TensorFlow side (.venv-tf)
 
-TF_SCRIPT = r'''
+TF_SCRIPT = r"""
 import math, os, random, sys, time
 t_start = time.perf_counter()
 import tensorflow as tf
@@ -119,15 +118,17 @@ t_core = time.perf_counter()
 _process_dataset(train_files, train_synsets, labels, out, "train", train_shards, coder)
 _process_dataset(val_files, val_synsets, labels, out, "validation", val_shards, coder)
 print("TF_CORE_SECONDS", time.perf_counter() - t_core, len(train_files) + len(val_files))
-'''
+"""
 
 
 def make_raw_tree(copies: int) -> int:
     """Hard-links the benchmark JPEGs into a raw ImageNet tree; returns the image count."""
     names = sorted(n for n in os.listdir(JPEGS) if n.endswith(".jpg"))
     if not names:
-        sys.exit(f"no JPEGs in {JPEGS}: run bench/.venv-tf/bin/python bench/make_jpegs.py "
-                 "--output_dir=bench/data/imagenet --num_images=2048 first")
+        sys.exit(
+            f"no JPEGs in {JPEGS}: run bench/.venv-tf/bin/python bench/make_jpegs.py "
+            "--output_dir=bench/data/imagenet --num_images=2048 first"
+        )
     shutil.rmtree(RAW, ignore_errors=True)
     files = [(n, c) for c in range(copies) for n in names]
     num_val = len(files) // 8
@@ -156,10 +157,19 @@ def run_side(side: str, out: str) -> dict:
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     else:
         check = side.split("-", 1)[1]
-        cmd = [sys.executable, "-m", "estimax.tools.convert", "imagenet", f"--raw_data_dir={RAW}",
-               f"--output_dir={out}", f"--train_shards={TRAIN_SHARDS}",
-               f"--validation_shards={VALIDATION_SHARDS}", "--num_workers=2", f"--check={check}",
-               "--no_progress"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "estimax.tools.convert",
+            "imagenet",
+            f"--raw_data_dir={RAW}",
+            f"--output_dir={out}",
+            f"--train_shards={TRAIN_SHARDS}",
+            f"--validation_shards={VALIDATION_SHARDS}",
+            "--num_workers=2",
+            f"--check={check}",
+            "--no_progress",
+        ]
         env = dict(os.environ, PYTHONPATH=REPO)
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
@@ -189,9 +199,16 @@ def check_same_examples(n: int) -> None:
         for p in tfrecord.list_files(os.path.join(d, "*-of-*")):
             for r in tfrecord.read_records(p):
                 e = decode_example(r)
-                out.add((e["image/filename"][0], int(e["image/class/label"][0]),
-                         e["image/class/synset"][0], int(e["image/height"][0]),
-                         int(e["image/width"][0]), e["image/encoded"][0]))
+                out.add(
+                    (
+                        e["image/filename"][0],
+                        int(e["image/class/label"][0]),
+                        e["image/class/synset"][0],
+                        int(e["image/height"][0]),
+                        int(e["image/width"][0]),
+                        e["image/encoded"][0],
+                    )
+                )
         return out
 
     a, b = examples(OUT + "-tf"), examples(OUT + "-estimax-scaled")
@@ -205,33 +222,41 @@ def main() -> None:
     p.add_argument("--sides", default="tf,estimax-scaled,estimax-decode,estimax-header")
     a = p.parse_args()
     if not os.path.exists(TF_PYTHON):
-        sys.exit(f"{TF_PYTHON} missing: python3 -m venv bench/.venv-tf && "
-                 "bench/.venv-tf/bin/pip install tensorflow-cpu pillow scikit-learn")
+        sys.exit(
+            f"{TF_PYTHON} missing: python3 -m venv bench/.venv-tf && "
+            "bench/.venv-tf/bin/pip install tensorflow-cpu pillow scikit-learn"
+        )
     n = make_raw_tree(a.copies)
     sides = a.sides.split(",")
     times: dict[str, list[dict]] = {s: [] for s in sides}
     for r in range(a.rounds):
-        for s in (sides if r % 2 == 0 else sides[::-1]):
+        for s in sides if r % 2 == 0 else sides[::-1]:
             res = run_side(s, f"{OUT}-{s}")
             times[s].append(res)
-            print(f"round {r} {s}: {res['seconds']:.1f} s ({n / res['seconds']:.0f} img/s), "
-                  f"cpu {res['cpu_seconds']:.1f} s"
-                  + (f", core {res['core_seconds']:.1f} s" if "core_seconds" in res else ""),
-                  flush=True)
+            print(
+                f"round {r} {s}: {res['seconds']:.1f} s ({n / res['seconds']:.0f} img/s), "
+                f"cpu {res['cpu_seconds']:.1f} s"
+                + (f", core {res['core_seconds']:.1f} s" if "core_seconds" in res else ""),
+                flush=True,
+            )
     if "tf" in sides and "estimax-scaled" in sides:
         check_same_examples(n)
     med = {s: statistics.median(t["seconds"] for t in ts) for s, ts in times.items()}
     results = {
-        "images": n, "train_shards": TRAIN_SHARDS, "validation_shards": VALIDATION_SHARDS,
-        "rounds": a.rounds, "cpu_count": os.cpu_count(),
+        "images": n,
+        "train_shards": TRAIN_SHARDS,
+        "validation_shards": VALIDATION_SHARDS,
+        "rounds": a.rounds,
+        "cpu_count": os.cpu_count(),
         "load_average_at_end": os.getloadavg(),
         "note": "2 cores shared with 4 other agents (noisy); wall-clock per process, imports "
-                "included; medians of interleaved rounds",
+        "included; medians of interleaved rounds",
         "median_seconds": med,
         "median_images_per_sec": {s: n / v for s, v in med.items()},
         "all_seconds": {s: [t["seconds"] for t in ts] for s, ts in times.items()},
-        "median_cpu_seconds": {s: statistics.median(t["cpu_seconds"] for t in ts)
-                               for s, ts in times.items()},
+        "median_cpu_seconds": {
+            s: statistics.median(t["cpu_seconds"] for t in ts) for s, ts in times.items()
+        },
     }
     if "tf" in times:
         core = statistics.median(t["core_seconds"] for t in times["tf"])
@@ -242,23 +267,30 @@ def main() -> None:
     os.makedirs(os.path.join(REPO, "bench/results"), exist_ok=True)
     with open(os.path.join(REPO, "bench/results/convert.json"), "w") as f:
         json.dump(results, f, indent=1)
-    lines = [f"# Conversion throughput ({n} ImageNet-sized JPEGs, {TRAIN_SHARDS}+"
-             f"{VALIDATION_SHARDS} shards; machine shared, load avg "
-             f"{results['load_average_at_end'][0]:.1f})", "",
-             "| side | median s | img/s | vs tf (wall) | vs tf core (no imports) | CPU s "
-             "(all processes) | img per CPU-s |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Conversion throughput ({n} ImageNet-sized JPEGs, {TRAIN_SHARDS}+"
+        f"{VALIDATION_SHARDS} shards; machine shared, load avg "
+        f"{results['load_average_at_end'][0]:.1f})",
+        "",
+        "| side | median s | img/s | vs tf (wall) | vs tf core (no imports) | CPU s "
+        "(all processes) | img per CPU-s |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for s in sides:
         sp = results.get("speedup_vs_tf", {}).get(s)
         spc = results.get("speedup_vs_tf_core", {}).get(s)
-        lines.append(f"| {s} | {med[s]:.1f} | {n / med[s]:.0f} | "
-                     f"{'%.2fx' % sp if sp else '-'} | {'%.2fx' % spc if spc else '-'} | "
-                     f"{results['median_cpu_seconds'][s]:.1f} | "
-                     f"{n / results['median_cpu_seconds'][s]:.0f} |")
+        lines.append(
+            f"| {s} | {med[s]:.1f} | {n / med[s]:.0f} | "
+            f"{'{:.2f}x'.format(sp) if sp else '-'} | {'{:.2f}x'.format(spc) if spc else '-'} | "
+            f"{results['median_cpu_seconds'][s]:.1f} | "
+            f"{n / results['median_cpu_seconds'][s]:.0f} |"
+        )
     if "tf" in times:
-        lines.append(f"\ntf core (without TF import and session setup): "
-                     f"{results['tf_core_median_seconds']:.1f} s, "
-                     f"{results['tf_core_images_per_sec']:.0f} img/s")
+        lines.append(
+            f"\ntf core (without TF import and session setup): "
+            f"{results['tf_core_median_seconds']:.1f} s, "
+            f"{results['tf_core_images_per_sec']:.0f} img/s"
+        )
     with open(os.path.join(REPO, "bench/results/convert.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -61,6 +61,7 @@ def _cpu_seconds() -> float:
     is what one dedicated core would deliver (minus contention effects on caches).
     """
     import resource
+
     total = 0.0
     # Children already reaped (e.g. a loader's process pool that ended with its pass) are in
     # RUSAGE_CHILDREN; live ones are summed through psutil. A child alive at the first reading
@@ -70,6 +71,7 @@ def _cpu_seconds() -> float:
         total += ru.ru_utime + ru.ru_stime
     try:
         import psutil  # estimax's venv has it; worker processes of pools are children
+
         for child in psutil.Process().children(recursive=True):
             try:
                 t = child.cpu_times()
@@ -107,29 +109,41 @@ def _pool_chunk(args):
     import numpy as np
 
     from estimax.data import preprocessing as pp
+
     start, count, is_training, seed = args
     rng = np.random.default_rng(seed)
     n = len(_WORKER_DATA)
-    return np.stack([pp.resnet_preprocess(_WORKER_DATA[(start + i) % n], is_training, 224, rng)
-                     for i in range(count)])
+    return np.stack(
+        [
+            pp.resnet_preprocess(_WORKER_DATA[(start + i) % n], is_training, 224, rng)
+            for i in range(count)
+        ]
+    )
 
 
 def worker_estimax_direct(a) -> dict[str, float]:
     import numpy as np
 
     from estimax.data import preprocessing as pp
+
     data = _jpegs(a.data_dir)
     train = a.mode == "train"
     rng = np.random.default_rng(0)
     pos = [0]
     if a.parallel == "none":
+
         def run():
-            out = np.stack([pp.resnet_preprocess(data[(pos[0] + i) % len(data)], train, 224, rng)
-                            for i in range(BATCH)])
+            out = np.stack(
+                [
+                    pp.resnet_preprocess(data[(pos[0] + i) % len(data)], train, 224, rng)
+                    for i in range(BATCH)
+                ]
+            )
             pos[0] += BATCH
             return len(out)
     elif a.parallel == "threads":
         import concurrent.futures
+
         ex = concurrent.futures.ThreadPoolExecutor(a.cores)
         rngs = [np.random.default_rng(i) for i in range(BATCH)]
 
@@ -142,22 +156,32 @@ def worker_estimax_direct(a) -> dict[str, float]:
             return len(out)
     else:  # processes: each task is half a batch, results pickled back as the loader would
         import multiprocessing
+
         pool = multiprocessing.get_context("spawn").Pool(a.cores, _pool_init, (a.data_dir,))
         step = BATCH // a.cores
 
         def run():
-            parts = pool.map(_pool_chunk, [(pos[0] + k * step, step, train, pos[0] + k)
-                                           for k in range(a.cores)])
+            parts = pool.map(
+                _pool_chunk, [(pos[0] + k * step, step, train, pos[0] + k) for k in range(a.cores)]
+            )
             pos[0] += BATCH
             return sum(len(p) for p in parts)
+
     return _timed(run, a.min_images, a.min_seconds)
 
 
 def worker_estimax_input_fn(a) -> dict[str, float]:
     from estimax.data import imagenet
+
     train = a.mode == "train"
-    make = imagenet.input_fn(a.data_dir, is_training=train, image_size=224,
-                             num_parallel_calls=a.cores, worker_type=a.parallel, seed=0)
+    make = imagenet.input_fn(
+        a.data_dir,
+        is_training=train,
+        image_size=224,
+        num_parallel_calls=a.cores,
+        worker_type=a.parallel,
+        seed=0,
+    )
     loader = make({"batch_size": BATCH})
     state = {"it": iter(loader)}
 
@@ -168,11 +192,13 @@ def worker_estimax_input_fn(a) -> dict[str, float]:
             state["it"] = iter(loader)
             images, _ = next(state["it"])
         return len(images)
+
     return _timed(run, a.min_images, a.min_seconds)
 
 
 def _tf_setup(cores: int):
     import tensorflow as tf
+
     tf.config.threading.set_inter_op_parallelism_threads(cores)
     tf.config.threading.set_intra_op_parallelism_threads(cores)
     return tf
@@ -185,8 +211,9 @@ def _tf_preprocess(tf, train: bool, size: int = 224):
     def center(image_bytes):
         shape = tf.image.extract_jpeg_shape(image_bytes)
         h, w = shape[0], shape[1]
-        crop = tf.cast((size / (size + crop_padding)) * tf.cast(tf.minimum(h, w), tf.float32),
-                       tf.int32)
+        crop = tf.cast(
+            (size / (size + crop_padding)) * tf.cast(tf.minimum(h, w), tf.float32), tf.int32
+        )
         window = tf.stack([((h - crop) + 1) // 2, ((w - crop) + 1) // 2, crop, crop])
         image = tf.image.decode_and_crop_jpeg(image_bytes, window, channels=3)
         return tf.compat.v1.image.resize_bicubic([image], [size, size])[0]
@@ -195,15 +222,23 @@ def _tf_preprocess(tf, train: bool, size: int = 224):
         bbox = tf.constant([0.0, 0.0, 1.0, 1.0], dtype=tf.float32, shape=[1, 1, 4])
         shape = tf.image.extract_jpeg_shape(image_bytes)
         begin, box_size, _ = tf.image.sample_distorted_bounding_box(
-            shape, bounding_boxes=bbox, min_object_covered=0.1,
-            aspect_ratio_range=(3. / 4, 4. / 3.), area_range=(0.08, 1.0), max_attempts=10,
-            use_image_if_no_bounding_boxes=True)
+            shape,
+            bounding_boxes=bbox,
+            min_object_covered=0.1,
+            aspect_ratio_range=(3.0 / 4, 4.0 / 3.0),
+            area_range=(0.08, 1.0),
+            max_attempts=10,
+            use_image_if_no_bounding_boxes=True,
+        )
         oy, ox, _ = tf.unstack(begin)
         th, tw, _ = tf.unstack(box_size)
         image = tf.image.decode_and_crop_jpeg(image_bytes, tf.stack([oy, ox, th, tw]), channels=3)
         bad = tf.reduce_sum(tf.cast(tf.equal(shape, tf.shape(image)), tf.int32)) >= 3
-        return tf.cond(bad, lambda: center(image_bytes),
-                       lambda: tf.compat.v1.image.resize_bicubic([image], [size, size])[0])
+        return tf.cond(
+            bad,
+            lambda: center(image_bytes),
+            lambda: tf.compat.v1.image.resize_bicubic([image], [size, size])[0],
+        )
 
     def fn(image_bytes):
         if train:
@@ -212,6 +247,7 @@ def _tf_preprocess(tf, train: bool, size: int = 224):
             image = center(image_bytes)
         image = tf.reshape(image, [size, size, 3])
         return tf.image.convert_image_dtype(image, tf.float32)
+
     return fn
 
 
@@ -227,14 +263,20 @@ def worker_tf(a) -> dict[str, float]:
     else:
         prefix = "train" if train else "validation"
         files = tf.data.Dataset.list_files(os.path.join(a.data_dir, f"{prefix}-*"), shuffle=train)
-        ds = files.interleave(lambda f: tf.data.TFRecordDataset(f, buffer_size=8 << 20),
-                              cycle_length=4, num_parallel_calls=a.cores).repeat()
+        ds = files.interleave(
+            lambda f: tf.data.TFRecordDataset(f, buffer_size=8 << 20),
+            cycle_length=4,
+            num_parallel_calls=a.cores,
+        ).repeat()
 
         def parse(record):
-            keys = {"image/encoded": tf.io.FixedLenFeature((), tf.string, ""),
-                    "image/class/label": tf.io.FixedLenFeature([], tf.int64, -1)}
+            keys = {
+                "image/encoded": tf.io.FixedLenFeature((), tf.string, ""),
+                "image/class/label": tf.io.FixedLenFeature([], tf.int64, -1),
+            }
             parsed = tf.io.parse_single_example(record, keys)
             return prep(parsed["image/encoded"]), tf.cast(parsed["image/class/label"], tf.int32) - 1
+
         ds = ds.map(parse, num_parallel_calls=a.cores)
     ds = ds.batch(BATCH, drop_remainder=True).prefetch(2).with_options(options)
     it = iter(ds)
@@ -242,6 +284,7 @@ def worker_tf(a) -> dict[str, float]:
     def run():
         out = next(it)
         return int((out[0] if isinstance(out, tuple) else out).shape[0])
+
     return _timed(run, a.min_images, a.min_seconds)
 
 
@@ -253,48 +296,58 @@ def worker_decoders(a) -> dict[str, float]:
     import numpy as np
     import simplejpeg
     from PIL import Image
+
     cv2.setNumThreads(1)
     data = _jpegs(a.data_dir)[:200]
     out = {}
 
     def cpu():
         import resource
+
         ru = resource.getrusage(resource.RUSAGE_SELF)
         return ru.ru_utime + ru.ru_stime
 
     ops = {}  # name -> function of (jpeg bytes, index); measured interleaved, CPU time, median
-    ops["simplejpeg full decode (fast IDCT = TF default)"] = (
-        lambda d, i: simplejpeg.decode_jpeg(d, fastdct=True))
+    ops["simplejpeg full decode (fast IDCT = TF default)"] = lambda d, i: simplejpeg.decode_jpeg(
+        d, fastdct=True
+    )
     ops["simplejpeg full decode (accurate IDCT)"] = lambda d, i: simplejpeg.decode_jpeg(d)
-    ops["cv2.imdecode full decode"] = (
-        lambda d, i: cv2.imdecode(np.frombuffer(d, np.uint8), cv2.IMREAD_COLOR_RGB))
+    ops["cv2.imdecode full decode"] = lambda d, i: cv2.imdecode(
+        np.frombuffer(d, np.uint8), cv2.IMREAD_COLOR_RGB
+    )
     ops["PIL full decode"] = lambda d, i: np.asarray(Image.open(io.BytesIO(d)).convert("RGB"))
-    ops["simplejpeg 1/2-scaled decode"] = (
-        lambda d, i: simplejpeg.decode_jpeg(d, fastdct=True, min_height=1, min_width=1,
-                                            min_factor=2))
-    ops["cv2 IMREAD_REDUCED_COLOR_2 decode"] = (
-        lambda d, i: cv2.imdecode(np.frombuffer(d, np.uint8), cv2.IMREAD_REDUCED_COLOR_2))
+    ops["simplejpeg 1/2-scaled decode"] = lambda d, i: simplejpeg.decode_jpeg(
+        d, fastdct=True, min_height=1, min_width=1, min_factor=2
+    )
+    ops["cv2 IMREAD_REDUCED_COLOR_2 decode"] = lambda d, i: cv2.imdecode(
+        np.frombuffer(d, np.uint8), cv2.IMREAD_REDUCED_COLOR_2
+    )
     # Train/eval windows as the ResNet recipe samples them: full decode + slice vs libjpeg-turbo
     # 3's partial decode (tj3SetCroppingRegion), which no maintained Python binding exposes.
     from estimax.data import preprocessing as pp
+
     rng = np.random.default_rng(0)
     shapes = [simplejpeg.decode_jpeg_header(d)[:2] for d in data]
-    train_w = [pp.sample_distorted_bounding_box(s, rng, None, 0.1, (3 / 4, 4 / 3), (0.08, 1.0), 10)
-               for s in shapes]
+    train_w = [
+        pp.sample_distorted_bounding_box(s, rng, None, 0.1, (3 / 4, 4 / 3), (0.08, 1.0), 10)
+        for s in shapes
+    ]
     eval_w = [pp.center_crop_window(s, 224) for s in shapes]
 
     def sliced(d, w):
         y, x, h, wd = w
-        return simplejpeg.decode_jpeg(d, fastdct=True)[y:y + h, x:x + wd]
+        return simplejpeg.decode_jpeg(d, fastdct=True)[y : y + h, x : x + wd]
 
     ops["train window: simplejpeg full decode + slice"] = lambda d, i: sliced(d, train_w[i])
     ops["eval window: simplejpeg full decode + slice"] = lambda d, i: sliced(d, eval_w[i])
     if a.tj3_lib:
         tj3 = _Tj3CropDecoder(a.tj3_lib)
-        ops["train window: TJ3 partial decode (ctypes, bench only)"] = (
-            lambda d, i: tj3.decode(d, *train_w[i]))
-        ops["eval window: TJ3 partial decode (ctypes, bench only)"] = (
-            lambda d, i: tj3.decode(d, *eval_w[i]))
+        ops["train window: TJ3 partial decode (ctypes, bench only)"] = lambda d, i: tj3.decode(
+            d, *train_w[i]
+        )
+        ops["eval window: TJ3 partial decode (ctypes, bench only)"] = lambda d, i: tj3.decode(
+            d, *eval_w[i]
+        )
     samples = {k: [] for k in ops}
     for _ in range(5):
         for name, fn in ops.items():
@@ -309,11 +362,20 @@ def worker_decoders(a) -> dict[str, float]:
     m = np.array([[scale, 0, 0], [0, scale, 0]])
     n = 500
     for name, fn in [
-        ("cv2.resize INTER_CUBIC 300->224", lambda: cv2.resize(crop, (224, 224),
-                                                               interpolation=cv2.INTER_CUBIC)),
-        ("cv2.warpAffine cubic, TF1 legacy grid 300->224", lambda: cv2.warpAffine(
-            crop, m, (224, 224), flags=cv2.INTER_CUBIC | cv2.WARP_INVERSE_MAP,
-            borderMode=cv2.BORDER_REPLICATE)),
+        (
+            "cv2.resize INTER_CUBIC 300->224",
+            lambda: cv2.resize(crop, (224, 224), interpolation=cv2.INTER_CUBIC),
+        ),
+        (
+            "cv2.warpAffine cubic, TF1 legacy grid 300->224",
+            lambda: cv2.warpAffine(
+                crop,
+                m,
+                (224, 224),
+                flags=cv2.INTER_CUBIC | cv2.WARP_INVERSE_MAP,
+                borderMode=cv2.BORDER_REPLICATE,
+            ),
+        ),
     ]:
         c0 = cpu()
         for _ in range(n):
@@ -337,8 +399,13 @@ class _Tj3CropDecoder:
         import ctypes
 
         class Region(ctypes.Structure):
-            _fields_ = [("x", ctypes.c_int), ("y", ctypes.c_int), ("w", ctypes.c_int),
-                        ("h", ctypes.c_int)]
+            _fields_ = [
+                ("x", ctypes.c_int),
+                ("y", ctypes.c_int),
+                ("w", ctypes.c_int),
+                ("h", ctypes.c_int),
+            ]
+
         self.Region = Region
         lib = self.lib = ctypes.CDLL(path)
         lib.tj3Init.restype = ctypes.c_void_p
@@ -347,13 +414,20 @@ class _Tj3CropDecoder:
         lib.tj3Get.argtypes = [ctypes.c_void_p, ctypes.c_int]
         lib.tj3Set.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
         lib.tj3SetCroppingRegion.argtypes = [ctypes.c_void_p, Region]
-        lib.tj3Decompress8.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t,
-                                       ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+        lib.tj3Decompress8.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_char_p,
+            ctypes.c_size_t,
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_int,
+        ]
         self.h = lib.tj3Init(1)  # TJINIT_DECOMPRESS
         lib.tj3Set(self.h, 10, 1)  # TJPARAM_FASTDCT, as TF's default
 
     def decode(self, data: bytes, y: int, x: int, h: int, w: int):
         import numpy as np
+
         lib = self.lib
         if lib.tj3DecompressHeader(self.h, data, len(data)) != 0:
             raise ValueError("tj3DecompressHeader failed")
@@ -364,15 +438,19 @@ class _Tj3CropDecoder:
         if lib.tj3Decompress8(self.h, data, len(data), out.ctypes.data, out.shape[1] * 3, 0):
             raise ValueError("tj3Decompress8 failed")
         lib.tj3SetCroppingRegion(self.h, self.Region(0, 0, 0, 0))
-        return out[:, x - x0:]
+        return out[:, x - x0 :]
 
 
 # ----------------------------------------------------------------------------- orchestration
 
 CONFIGS = [  # (name, python, role, parallel options per core count)
     ("estimax direct", "estimax", "estimax_direct", {1: ["none"], 2: ["processes", "threads"]}),
-    ("estimax input_fn", "estimax", "estimax_input_fn", {1: ["thread", "process"],
-                                                         2: ["thread", "process"]}),
+    (
+        "estimax input_fn",
+        "estimax",
+        "estimax_input_fn",
+        {1: ["thread", "process"], 2: ["thread", "process"]},
+    ),
     ("tf.data", "tf", "tf", {1: ["tfrecord"], 2: ["tfrecord"]}),
     ("tf.data direct", "tf", "tf", {1: ["direct"], 2: ["direct"]}),
 ]
@@ -380,10 +458,27 @@ CONFIGS = [  # (name, python, role, parallel options per core count)
 
 def _child(python: str, role: str, mode: str, cores: int, parallel: str, a) -> float | dict:
     cpus = ",".join(str(c) for c in range(cores))
-    cmd = ["taskset", "-c", cpus, python, os.path.abspath(__file__), "--worker", role,
-           "--mode", mode, "--cores", str(cores), "--parallel", parallel,
-           "--data_dir", a.data_dir, "--min_images", str(a.min_images),
-           "--min_seconds", str(a.min_seconds)] + (["--tj3_lib", a.tj3_lib] if a.tj3_lib else [])
+    cmd = [
+        "taskset",
+        "-c",
+        cpus,
+        python,
+        os.path.abspath(__file__),
+        "--worker",
+        role,
+        "--mode",
+        mode,
+        "--cores",
+        str(cores),
+        "--parallel",
+        parallel,
+        "--data_dir",
+        a.data_dir,
+        "--min_images",
+        str(a.min_images),
+        "--min_seconds",
+        str(a.min_seconds),
+    ] + (["--tj3_lib", a.tj3_lib] if a.tj3_lib else [])
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3", OMP_NUM_THREADS=str(cores))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -394,45 +489,74 @@ def _child(python: str, role: str, mode: str, cores: int, parallel: str, a) -> f
 
 def orchestrate(a) -> None:
     if not os.path.exists(TF_PYTHON):
-        sys.exit(f"{TF_PYTHON} missing: python3.11 -m venv bench/.venv-tf && "
-                 "bench/.venv-tf/bin/pip install tensorflow-cpu==2.21.0 scikit-learn pillow")
+        sys.exit(
+            f"{TF_PYTHON} missing: python3.11 -m venv bench/.venv-tf && "
+            "bench/.venv-tf/bin/pip install tensorflow-cpu==2.21.0 scikit-learn pillow"
+        )
     runs = []
     for name, py, role, by_cores in CONFIGS:
         for cores, parallels in by_cores.items():
             for parallel in parallels:
                 for mode in ("train", "eval"):
-                    runs.append((name, TF_PYTHON if py == "tf" else sys.executable, role, mode,
-                                 cores, parallel))
+                    runs.append(
+                        (
+                            name,
+                            TF_PYTHON if py == "tf" else sys.executable,
+                            role,
+                            mode,
+                            cores,
+                            parallel,
+                        )
+                    )
     samples: dict[tuple, list[dict[str, float]]] = {}
     loads = []
     for r in range(a.rounds):
         # Interleave: every configuration once per round, in a rotated order each round.
-        order = runs[r % len(runs):] + runs[:r % len(runs)]
+        order = runs[r % len(runs) :] + runs[: r % len(runs)]
         for name, python, role, mode, cores, parallel in order:
             v = _child(python, role, mode, cores, parallel, a)
             samples.setdefault((name, mode, cores, parallel), []).append(v)
             loads.append(os.getloadavg()[0])
-            print(f"round {r}: {name:17s} {mode:5s} {cores} core(s) {parallel:9s} "
-                  f"{v['wall']:7.0f} img/s wall {v['cpu']:7.0f} img/CPU-s  "
-                  f"(load {loads[-1]:.1f})", flush=True)
+            print(
+                f"round {r}: {name:17s} {mode:5s} {cores} core(s) {parallel:9s} "
+                f"{v['wall']:7.0f} img/s wall {v['cpu']:7.0f} img/CPU-s  "
+                f"(load {loads[-1]:.1f})",
+                flush=True,
+            )
     decoders = _child(sys.executable, "decoders", "train", 1, "none", a)
 
     rows = []
     for (name, mode, cores, parallel), vals in samples.items():
-        rows.append({"pipeline": name, "mode": mode, "cores": cores, "parallel": parallel,
-                     "median_img_per_s": statistics.median(v["wall"] for v in vals),
-                     "median_img_per_cpu_s": statistics.median(v["cpu"] for v in vals),
-                     "samples": vals})
+        rows.append(
+            {
+                "pipeline": name,
+                "mode": mode,
+                "cores": cores,
+                "parallel": parallel,
+                "median_img_per_s": statistics.median(v["wall"] for v in vals),
+                "median_img_per_cpu_s": statistics.median(v["cpu"] for v in vals),
+                "samples": vals,
+            }
+        )
     sizes = [os.path.getsize(f) for f in glob.glob(os.path.join(a.data_dir, "jpegs", "*.jpg"))]
     result = {
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-                   "shared with other jobs during the run (timings noisy)",
-        "data": {"dir": a.data_dir, "num_jpegs": len(sizes),
-                 "mean_kib": round(sum(sizes) / len(sizes) / 1024, 1)},
-        "load_average_during_run": {"min": min(loads), "median": statistics.median(loads),
-                                    "max": max(loads)},
-        "batch": BATCH, "rounds": a.rounds, "results": rows, "decoders_1core": decoders,
+        "shared with other jobs during the run (timings noisy)",
+        "data": {
+            "dir": a.data_dir,
+            "num_jpegs": len(sizes),
+            "mean_kib": round(sum(sizes) / len(sizes) / 1024, 1),
+        },
+        "load_average_during_run": {
+            "min": min(loads),
+            "median": statistics.median(loads),
+            "max": max(loads),
+        },
+        "batch": BATCH,
+        "rounds": a.rounds,
+        "results": rows,
+        "decoders_1core": decoders,
     }
     os.makedirs(os.path.dirname(a.output), exist_ok=True)
     with open(a.output + ".json", "w") as f:
@@ -444,48 +568,75 @@ def orchestrate(a) -> None:
 
 def _table(res: dict, metric: str) -> list[str]:
     def best(name, mode, cores):
-        vals = [r[metric] for r in res["results"]
-                if r["pipeline"] == name and r["mode"] == mode and r["cores"] == cores]
+        vals = [
+            r[metric]
+            for r in res["results"]
+            if r["pipeline"] == name and r["mode"] == mode and r["cores"] == cores
+        ]
         return max(vals) if vals else float("nan")
 
-    lines = ["| pipeline | workers | train 1 core | train 2 cores | eval 1 core | eval 2 cores |",
-             "|---|---|---|---|---|---|"]
-    keys = sorted({(r["pipeline"], r["parallel"]) for r in res["results"]},
-                  key=lambda k: [c[0] for c in CONFIGS].index(k[0]))
+    lines = [
+        "| pipeline | workers | train 1 core | train 2 cores | eval 1 core | eval 2 cores |",
+        "|---|---|---|---|---|---|",
+    ]
+    keys = sorted(
+        {(r["pipeline"], r["parallel"]) for r in res["results"]},
+        key=lambda k: [c[0] for c in CONFIGS].index(k[0]),
+    )
     for name, parallel in keys:
         cells = []
         for mode in ("train", "eval"):
             for cores in (1, 2):
-                v = [r[metric] for r in res["results"] if r["pipeline"] == name and
-                     r["parallel"] == parallel and r["mode"] == mode and r["cores"] == cores]
+                v = [
+                    r[metric]
+                    for r in res["results"]
+                    if r["pipeline"] == name
+                    and r["parallel"] == parallel
+                    and r["mode"] == mode
+                    and r["cores"] == cores
+                ]
                 cells.append(f"{v[0]:.0f}" if v else "-")
         lines.append(f"| {name} | {parallel} | " + " | ".join(cells) + " |")
     lines += ["", "Ratios, best estimax configuration / tf.data:", ""]
-    for label, ours, theirs in [("input_fn vs tf.data (TFRecords)", "estimax input_fn", "tf.data"),
-                                ("direct vs tf.data direct (in-memory bytes)", "estimax direct",
-                                 "tf.data direct")]:
-        cells = [f"{mode} {cores}c {best(ours, mode, cores) / best(theirs, mode, cores):.2f}x"
-                 for mode in ("train", "eval") for cores in (1, 2)]
+    for label, ours, theirs in [
+        ("input_fn vs tf.data (TFRecords)", "estimax input_fn", "tf.data"),
+        ("direct vs tf.data direct (in-memory bytes)", "estimax direct", "tf.data direct"),
+    ]:
+        cells = [
+            f"{mode} {cores}c {best(ours, mode, cores) / best(theirs, mode, cores):.2f}x"
+            for mode in ("train", "eval")
+            for cores in (1, 2)
+        ]
         lines.append(f"- {label}: " + ", ".join(cells))
     return lines
 
 
 def markdown(res: dict) -> str:
     load = res["load_average_during_run"]
-    lines = [f"# Input pipeline benchmark ({res['date_utc']} UTC)", "",
-             f"Machine: {res['machine']}; 1-minute load average during the run "
-             f"{load['min']:.1f}-{load['max']:.1f} (median {load['median']:.1f}) on 2 cores. "
-             f"Data: {res['data']['num_jpegs']} JPEGs from bench/make_jpegs.py, mean "
-             f"{res['data']['mean_kib']} KiB. ResNet preprocessing to 224x224, batch "
-             f"{res['batch']}; median of {res['rounds']} interleaved rounds.", "",
-             "## Images per CPU-second of the pipeline's processes (its own cost; = img/s of a "
-             "dedicated core)", ""]
+    lines = [
+        f"# Input pipeline benchmark ({res['date_utc']} UTC)",
+        "",
+        f"Machine: {res['machine']}; 1-minute load average during the run "
+        f"{load['min']:.1f}-{load['max']:.1f} (median {load['median']:.1f}) on 2 cores. "
+        f"Data: {res['data']['num_jpegs']} JPEGs from bench/make_jpegs.py, mean "
+        f"{res['data']['mean_kib']} KiB. ResNet preprocessing to 224x224, batch "
+        f"{res['batch']}; median of {res['rounds']} interleaved rounds.",
+        "",
+        "## Images per CPU-second of the pipeline's processes (its own cost; = img/s of a "
+        "dedicated core)",
+        "",
+    ]
     lines += _table(res, "median_img_per_cpu_s")
     lines += ["", "## Images per wall-clock second (what the shared machine delivered)", ""]
     lines += _table(res, "median_img_per_s")
-    lines += ["", "## Decoder and resize choices, 1 core (operations per CPU-second; decoders "
-              "interleaved, median of 5)", "",
-              "| operation | per s |", "|---|---|"]
+    lines += [
+        "",
+        "## Decoder and resize choices, 1 core (operations per CPU-second; decoders "
+        "interleaved, median of 5)",
+        "",
+        "| operation | per s |",
+        "|---|---|",
+    ]
     for k, v in res["decoders_1core"].items():
         lines.append(f"| {k} | {v:.0f} |")
     return "\n".join(lines) + "\n"
@@ -498,8 +649,11 @@ def main() -> None:
     p.add_argument("--min_images", type=int, default=640)
     p.add_argument("--min_seconds", type=float, default=2.0)
     p.add_argument("--output", default=os.path.join(ROOT, "bench", "results", "input_pipeline"))
-    p.add_argument("--tj3_lib", default=None,
-                   help="a libturbojpeg.so >= 3.0, to also measure crop-decoding (bench only)")
+    p.add_argument(
+        "--tj3_lib",
+        default=None,
+        help="a libturbojpeg.so >= 3.0, to also measure crop-decoding (bench only)",
+    )
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--mode", default="train", help=argparse.SUPPRESS)
     p.add_argument("--cores", type=int, default=1, help=argparse.SUPPRESS)
@@ -508,8 +662,12 @@ def main() -> None:
     if a.worker is None:
         orchestrate(a)
         return
-    fn = {"estimax_direct": worker_estimax_direct, "estimax_input_fn": worker_estimax_input_fn,
-          "tf": worker_tf, "decoders": worker_decoders}[a.worker]
+    fn = {
+        "estimax_direct": worker_estimax_direct,
+        "estimax_input_fn": worker_estimax_input_fn,
+        "tf": worker_tf,
+        "decoders": worker_decoders,
+    }[a.worker]
     print(json.dumps({"result": fn(a)}), flush=True)
 
 

@@ -28,10 +28,23 @@ import time
 def start(iterations_per_loop: int, train_steps: int, extra: list[str]) -> subprocess.Popen:
     """Starts the program under ``/usr/bin/time -v``; its stderr goes to a temporary file."""
     model_dir = tempfile.mkdtemp(prefix=f"loop_memory_ipl{iterations_per_loop}_")
-    cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "estimax.programs.resnet",
-           "--mode=train", "--resnet_depth=18", "--image_size=128", "--train_batch_size=16",
-           "--precision=float32", "--num_cores=1", f"--train_steps={train_steps}",
-           f"--iterations_per_loop={iterations_per_loop}", f"--model_dir={model_dir}", *extra]
+    cmd = [
+        "/usr/bin/time",
+        "-v",
+        sys.executable,
+        "-m",
+        "estimax.programs.resnet",
+        "--mode=train",
+        "--resnet_depth=18",
+        "--image_size=128",
+        "--train_batch_size=16",
+        "--precision=float32",
+        "--num_cores=1",
+        f"--train_steps={train_steps}",
+        f"--iterations_per_loop={iterations_per_loop}",
+        f"--model_dir={model_dir}",
+        *extra,
+    ]
     log = open(os.path.join(model_dir, "stderr.txt"), "w+")
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
     proc.log, proc.started = log, time.perf_counter()
@@ -45,8 +58,10 @@ def finish(proc: subprocess.Popen, iterations_per_loop: int) -> tuple[float, flo
     proc.log.seek(0)
     stderr = proc.log.read()
     if proc.returncode != 0:
-        sys.exit(f"loop_memory.py: the resnet program failed (ipl={iterations_per_loop}):\n"
-                 f"{stderr[-3000:]}")
+        sys.exit(
+            f"loop_memory.py: the resnet program failed (ipl={iterations_per_loop}):\n"
+            f"{stderr[-3000:]}"
+        )
     match = re.search(r"Maximum resident set size \(kbytes\): (\d+)", stderr)
     if match is None:
         sys.exit("loop_memory.py: /usr/bin/time -v printed no maximum resident set size.")
@@ -71,11 +86,13 @@ def main() -> None:
     base = runs[min(runs)]["peak_rss_mb"]
     result = {
         "what": "peak RSS of `resnet --mode=train` (fake data, ResNet-18, 128 px, batch 16, "
-                "float32, --num_cores=1), same --train_steps for every --iterations_per_loop",
-        "train_steps": args.train_steps, "extra_flags": args.extra,
+        "float32, --num_cores=1), same --train_steps for every --iterations_per_loop",
+        "train_steps": args.train_steps,
+        "extra_flags": args.extra,
         "runs": {str(k): v for k, v in runs.items()},
-        "ratio_to_smallest_ipl": {str(k): round(v["peak_rss_mb"] / base, 3)
-                                  for k, v in runs.items()},
+        "ratio_to_smallest_ipl": {
+            str(k): round(v["peak_rss_mb"] / base, 3) for k, v in runs.items()
+        },
         "estimax_onednn": os.environ.get("ESTIMAX_ONEDNN", "default"),
         "loadavg_start": [round(x, 2) for x in load_start],
         "loadavg_end": [round(x, 2) for x in os.getloadavg()],
@@ -87,14 +104,18 @@ def main() -> None:
         json.dump(result, f, indent=2)
     with open(os.path.join(out, "loop_memory.md"), "w") as f:
         f.write("# Peak RSS against iterations_per_loop (bench/loop_memory.py)\n\n")
-        f.write(f"{result['what']}: {args.train_steps} steps each; load average "
-                f"{result['loadavg_start']} at the start, {result['loadavg_end']} at the end "
-                f"({os.cpu_count()} CPUs, shared); ESTIMAX_ONEDNN={result['estimax_onednn']}; "
-                f"{result['date_utc']} UTC.\n\n")
+        f.write(
+            f"{result['what']}: {args.train_steps} steps each; load average "
+            f"{result['loadavg_start']} at the start, {result['loadavg_end']} at the end "
+            f"({os.cpu_count()} CPUs, shared); ESTIMAX_ONEDNN={result['estimax_onednn']}; "
+            f"{result['date_utc']} UTC.\n\n"
+        )
         f.write("| iterations_per_loop | peak RSS (MB) | ratio | wall (s) |\n|---|---|---|---|\n")
         for k, v in runs.items():
-            f.write(f"| {k} | {v['peak_rss_mb']} | {result['ratio_to_smallest_ipl'][str(k)]} | "
-                    f"{v['wall_secs']} |\n")
+            f.write(
+                f"| {k} | {v['peak_rss_mb']} | {result['ratio_to_smallest_ipl'][str(k)]} | "
+                f"{v['wall_secs']} |\n"
+            )
     print(json.dumps(result, indent=2))
 
 

@@ -61,15 +61,17 @@ def resnet_eval(data: bytes, half_pixel: bool) -> tuple[np.ndarray, np.ndarray, 
     """resnet_preprocessing._decode_and_center_crop, verbatim in TF ops."""
     shape = tf.image.extract_jpeg_shape(data)
     h, w = shape[0], shape[1]
-    crop = tf.cast((RESNET_SIZE / (RESNET_SIZE + CROP_PADDING)) *
-                   tf.cast(tf.minimum(h, w), tf.float32), tf.int32)
+    crop = tf.cast(
+        (RESNET_SIZE / (RESNET_SIZE + CROP_PADDING)) * tf.cast(tf.minimum(h, w), tf.float32),
+        tf.int32,
+    )
     oy = ((h - crop) + 1) // 2
     ox = ((w - crop) + 1) // 2
     window = tf.stack([oy, ox, crop, crop])
     image = tf.image.decode_and_crop_jpeg(data, window, channels=3)
     resized = tf.compat.v1.image.resize_bicubic(
-        [image], [RESNET_SIZE, RESNET_SIZE], align_corners=False,
-        half_pixel_centers=half_pixel)[0]
+        [image], [RESNET_SIZE, RESNET_SIZE], align_corners=False, half_pixel_centers=half_pixel
+    )[0]
     return image.numpy(), resized.numpy(), [int(v) for v in window.numpy()]
 
 
@@ -79,13 +81,17 @@ def inception_eval(data: bytes, half_pixel: bool) -> np.ndarray:
     image = tf.image.convert_image_dtype(image, tf.float32)
     image = tf.image.central_crop(image, central_fraction=0.875)
     image = tf.compat.v1.image.resize_bilinear(
-        [image], [INCEPTION_SIZE, INCEPTION_SIZE], align_corners=False,
-        half_pixel_centers=half_pixel)[0]
+        [image],
+        [INCEPTION_SIZE, INCEPTION_SIZE],
+        align_corners=False,
+        half_pixel_centers=half_pixel,
+    )[0]
     return ((image - 0.5) * 2.0).numpy()
 
 
-def sampler_stats(shape: tuple[int, int], area_range: tuple[float, float], max_attempts: int,
-                  n: int = 3000) -> dict[str, float]:
+def sampler_stats(
+    shape: tuple[int, int], area_range: tuple[float, float], max_attempts: int, n: int = 3000
+) -> dict[str, float]:
     """Statistics of tf.image.sample_distorted_bounding_box windows over `n` draws.
 
     The RNGs differ, so the test compares distributions: mean area fraction, mean aspect ratio
@@ -98,9 +104,14 @@ def sampler_stats(shape: tuple[int, int], area_range: tuple[float, float], max_a
     areas, aspects, failed = [], [], 0
     for _ in range(n):
         begin, size, _ = tf.image.sample_distorted_bounding_box(
-            [h, w, 3], bounding_boxes=boxes, min_object_covered=0.1,
-            aspect_ratio_range=(3 / 4, 4 / 3), area_range=area_range,
-            max_attempts=max_attempts, use_image_if_no_bounding_boxes=True)
+            [h, w, 3],
+            bounding_boxes=boxes,
+            min_object_covered=0.1,
+            aspect_ratio_range=(3 / 4, 4 / 3),
+            area_range=area_range,
+            max_attempts=max_attempts,
+            use_image_if_no_bounding_boxes=True,
+        )
         ch, cw = int(size[0]), int(size[1])
         if (ch, cw) == (h, w):
             failed += 1
@@ -109,12 +120,18 @@ def sampler_stats(shape: tuple[int, int], area_range: tuple[float, float], max_a
         aspects.append(cw / ch)
     areas, aspects = np.array(areas), np.array(aspects)
     rate = failed / n
-    return {"shape": [h, w], "area_range": list(area_range), "max_attempts": max_attempts,
-            "n": n, "mean_area": float(areas.mean()),
-            "se_area": float(areas.std() / np.sqrt(len(areas))),
-            "mean_aspect": float(aspects.mean()),
-            "se_aspect": float(aspects.std() / np.sqrt(len(aspects))),
-            "fail_rate": rate, "se_fail_rate": float(np.sqrt(max(rate * (1 - rate), 1e-4) / n))}
+    return {
+        "shape": [h, w],
+        "area_range": list(area_range),
+        "max_attempts": max_attempts,
+        "n": n,
+        "mean_area": float(areas.mean()),
+        "se_area": float(areas.std() / np.sqrt(len(areas))),
+        "mean_aspect": float(aspects.mean()),
+        "se_aspect": float(aspects.std() / np.sqrt(len(aspects))),
+        "fail_rate": rate,
+        "se_fail_rate": float(np.sqrt(max(rate * (1 - rate), 1e-4) / n)),
+    }
 
 
 def main() -> None:
@@ -122,8 +139,12 @@ def main() -> None:
     p.add_argument("--output_dir", default="tests/data/preprocessing")
     a = p.parse_args()
     os.makedirs(a.output_dir, exist_ok=True)
-    meta = {"resnet_image_size": RESNET_SIZE, "inception_image_size": INCEPTION_SIZE,
-            "tensorflow": tf.__version__, "images": {}}
+    meta = {
+        "resnet_image_size": RESNET_SIZE,
+        "inception_image_size": INCEPTION_SIZE,
+        "tensorflow": tf.__version__,
+        "images": {},
+    }
     for name, data in make_sources().items():
         with open(os.path.join(a.output_dir, f"{name}.jpg"), "wb") as f:
             f.write(data)
@@ -138,10 +159,12 @@ def main() -> None:
         }
         np.savez_compressed(os.path.join(a.output_dir, f"{name}.npz"), **arrays)
         meta["images"][name] = {"window_yxhw": window, "bytes": len(data)}
-    meta["sampler"] = [sampler_stats((375, 500), (0.08, 1.0), 10),
-                       sampler_stats((60, 400), (0.08, 1.0), 10),
-                       sampler_stats((40, 500), (0.08, 1.0), 10),
-                       sampler_stats((299, 299), (0.05, 1.0), 100)]
+    meta["sampler"] = [
+        sampler_stats((375, 500), (0.08, 1.0), 10),
+        sampler_stats((60, 400), (0.08, 1.0), 10),
+        sampler_stats((40, 500), (0.08, 1.0), 10),
+        sampler_stats((299, 299), (0.05, 1.0), 100),
+    ]
     with open(os.path.join(a.output_dir, "goldens.json"), "w") as f:
         json.dump(meta, f, indent=1)
     total = sum(os.path.getsize(os.path.join(a.output_dir, n)) for n in os.listdir(a.output_dir))

@@ -35,7 +35,7 @@ def make_image(sources: list[np.ndarray], rng: np.random.Generator) -> np.ndarra
     frac = rng.uniform(0.4, 1.0)
     ch, cw = int(sh * frac), int(sw * frac)
     y, x = rng.integers(0, sh - ch + 1), rng.integers(0, sw - cw + 1)
-    crop = Image.fromarray(src[y:y + ch, x:x + cw])
+    crop = Image.fromarray(src[y : y + ch, x : x + cw])
     out_w = int(rng.integers(440, 501))
     out_h = int(round(out_w * rng.uniform(0.65, 0.85)))
     img = np.asarray(crop.resize((out_w, out_h), Image.BICUBIC), dtype=np.float32)
@@ -51,8 +51,9 @@ def encode(img: np.ndarray, quality: int) -> bytes:
     return buf.getvalue()
 
 
-def write_shards(output_dir: str, prefix: str, records: list[tuple[bytes, int, int, int, str]],
-                 num_shards: int) -> None:
+def write_shards(
+    output_dir: str, prefix: str, records: list[tuple[bytes, int, int, int, str]], num_shards: int
+) -> None:
     """Writes tf.Example shards `prefix-SSSSS-of-NNNNN` with the ImageNet converter's fields."""
     import tensorflow as tf  # only here: the JPEG generation itself does not need TF
 
@@ -69,17 +70,22 @@ def write_shards(output_dir: str, prefix: str, records: list[tuple[bytes, int, i
     for s in range(num_shards):
         path = os.path.join(output_dir, f"{prefix}-{s:05d}-of-{num_shards:05d}")
         with tf.io.TFRecordWriter(path) as w:
-            for data, label, h, wd, name in records[s * per_shard:(s + 1) * per_shard]:
+            for data, label, h, wd, name in records[s * per_shard : (s + 1) * per_shard]:
                 feats = {
-                    "image/height": _int(h), "image/width": _int(wd),
-                    "image/colorspace": _bytes(b"RGB"), "image/channels": _int(3),
+                    "image/height": _int(h),
+                    "image/width": _int(wd),
+                    "image/colorspace": _bytes(b"RGB"),
+                    "image/channels": _int(3),
                     "image/class/label": _int(label),  # 1-based, as the original converter
                     "image/class/synset": _bytes(b"n%08d" % label),
                     "image/class/text": _bytes(b"synthetic class %d" % label),
-                    "image/object/bbox/xmin": _floats([]), "image/object/bbox/ymin": _floats([]),
-                    "image/object/bbox/xmax": _floats([]), "image/object/bbox/ymax": _floats([]),
+                    "image/object/bbox/xmin": _floats([]),
+                    "image/object/bbox/ymin": _floats([]),
+                    "image/object/bbox/xmax": _floats([]),
+                    "image/object/bbox/ymax": _floats([]),
                     "image/object/bbox/label": _int(label),
-                    "image/format": _bytes(b"JPEG"), "image/filename": _bytes(name.encode()),
+                    "image/format": _bytes(b"JPEG"),
+                    "image/filename": _bytes(name.encode()),
                     "image/encoded": _bytes(data),
                 }
                 ex = tf.train.Example(features=tf.train.Features(feature=feats))
@@ -111,8 +117,10 @@ def main() -> None:
     half = len(records) // 2
     write_shards(a.output_dir, "train", records[:half], a.num_shards)
     write_shards(a.output_dir, "validation", records[half:], a.num_shards)
-    print(f"wrote {len(records)} JPEGs to {a.output_dir}: mean {sizes.mean() / 1024:.1f} KiB, "
-          f"mean size {dims.mean(0).round().astype(int).tolist()} (h, w)")
+    print(
+        f"wrote {len(records)} JPEGs to {a.output_dir}: mean {sizes.mean() / 1024:.1f} KiB, "
+        f"mean size {dims.mean(0).round().astype(int).tolist()} (h, w)"
+    )
 
 
 if __name__ == "__main__":

@@ -67,8 +67,7 @@ class TimedInput:
 def window_rate(times: list[float], skip: int, window: int, batch: int) -> float:
     """Images/s between read ``skip`` and read ``skip + window``."""
     if len(times) <= skip + window:
-        raise ValueError(f"only {len(times)} reads; need more than skip + window = "
-                         f"{skip + window}")
+        raise ValueError(f"only {len(times)} reads; need more than skip + window = {skip + window}")
     return window * batch / (times[skip + window] - times[skip])
 
 
@@ -82,6 +81,7 @@ def prefetch_to_device(iterator, size: int):
             n -= 1
             if not n:
                 return
+
     enqueue(size)
     while queue:
         yield queue.popleft()
@@ -96,8 +96,9 @@ class Bare:
         model = factory()
         tx = optax.sgd(0.05, momentum=0.9)
         x0 = jnp.asarray(batches[0][0])
-        variables = jax.jit(lambda k: model.init({"params": k, "dropout": k}, x0,
-                                                 train=False))(jax.random.PRNGKey(0))
+        variables = jax.jit(lambda k: model.init({"params": k, "dropout": k}, x0, train=False))(
+            jax.random.PRNGKey(0)
+        )
         params = variables.pop("params")
         self.state = (params, dict(variables), tx.init(params))
 
@@ -105,9 +106,15 @@ class Bare:
             params, extra, opt_state = state
 
             def loss_fn(p):
-                logits, new_extra = model.apply({"params": p, **extra}, xb, train=True,
-                                                rngs={"dropout": rng}, mutable=list(extra))
+                logits, new_extra = model.apply(
+                    {"params": p, **extra},
+                    xb,
+                    train=True,
+                    rngs={"dropout": rng},
+                    mutable=list(extra),
+                )
                 return ex.losses.softmax_cross_entropy(logits, yb).mean(), new_extra
+
             (loss, new_extra), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
             updates, opt_state = tx.update(grads, opt_state, params)
             return (optax.apply_updates(params, updates), new_extra, opt_state), loss
@@ -119,7 +126,7 @@ class Bare:
 
     def run(self, source: TimedInput, steps: int) -> None:
         loss = previous = None
-        for i, (xb, yb) in zip(range(steps), prefetch_to_device(source, 2)):
+        for i, (xb, yb) in zip(range(steps), prefetch_to_device(source, 2), strict=False):
             self.state, loss = self.step(self.state, xb, yb, jax.random.fold_in(self.rng, i))
             if previous is not None:
                 # One step queued behind the running one, as the Estimator: otherwise the host
@@ -137,15 +144,22 @@ class Estimated:
 
         def model_fn(features, labels, mode, params):
             logits = factory()(features, train=mode == ex.ModeKeys.TRAIN)
-            return ex.EstimatorSpec(mode=mode,
-                                    loss=ex.losses.softmax_cross_entropy(logits, labels),
-                                    optimizer=optax.sgd(0.05, momentum=0.9))
+            return ex.EstimatorSpec(
+                mode=mode,
+                loss=ex.losses.softmax_cross_entropy(logits, labels),
+                optimizer=optax.sgd(0.05, momentum=0.9),
+            )
 
         # Checkpoint only at the end of each train() call (outside the timed window).
-        config = ex.RunConfig(model_dir=tempfile.mkdtemp(prefix="overhead_"),
-                              iterations_per_loop=iterations_per_loop,
-                              save_checkpoints_secs=1e9, log_step_count_steps=10**6,
-                              save_summary_steps=10**6, num_shards=1, device_prefetch=2)
+        config = ex.RunConfig(
+            model_dir=tempfile.mkdtemp(prefix="overhead_"),
+            iterations_per_loop=iterations_per_loop,
+            save_checkpoints_secs=1e9,
+            log_step_count_steps=10**6,
+            save_summary_steps=10**6,
+            num_shards=1,
+            device_prefetch=2,
+        )
         self.est = ex.Estimator(model_fn, config, train_batch_size=self.batch)
         self.batches = batches
         self.run(TimedInput(batches), 2)  # compile and warm up
@@ -188,15 +202,24 @@ def main() -> None:
     # the checkpoint, so an earlier window would time the restore.
     parser.add_argument("--skip", type=int, default=20, help="steps before the timed window")
     parser.add_argument("--window", type=int, default=200, help="steps in the timed window")
-    parser.add_argument("--checkpoint_repeats", type=int, default=3,
-                        help="train(steps=1) calls whose final checkpoint is timed")
+    parser.add_argument(
+        "--checkpoint_repeats",
+        type=int,
+        default=3,
+        help="train(steps=1) calls whose final checkpoint is timed",
+    )
     args = parser.parse_args()
     if args.skip < 3:
         parser.error("--skip must be >= 3: the Estimator restores after reading 2 batches.")
     _, batch, shape, classes = MODELS[args.model]
     rng = np.random.default_rng(0)
-    batches = [(rng.normal(size=(batch, *shape)).astype(np.float32),
-                rng.integers(0, classes, batch).astype(np.int32)) for _ in range(4)]
+    batches = [
+        (
+            rng.normal(size=(batch, *shape)).astype(np.float32),
+            rng.integers(0, classes, batch).astype(np.int32),
+        )
+        for _ in range(4)
+    ]
     load_start = os.getloadavg()
     runners = {"bare_jit_loop": Bare(args.model, batches)}
     for ipl in args.iterations_per_loop:
@@ -210,25 +233,40 @@ def main() -> None:
             runner.run(source, steps)
             rates[name].append(window_rate(source.times, args.skip, args.window, batch))
             cpu_rates[name].append(window_rate(source.cpu_times, args.skip, args.window, batch))
-    checkpoint = {name: round(statistics.median(
-        r.time_checkpoint() for _ in range(args.checkpoint_repeats)), 3)
-        for name, r in runners.items() if isinstance(r, Estimated)}
+    checkpoint = {
+        name: round(
+            statistics.median(r.time_checkpoint() for _ in range(args.checkpoint_repeats)), 3
+        )
+        for name, r in runners.items()
+        if isinstance(r, Estimated)
+    }
     load_end = os.getloadavg()
     medians = {k: statistics.median(v) for k, v in rates.items()}
-    ratios = {k: round(v / medians["bare_jit_loop"], 3) for k, v in medians.items()
-              if k != "bare_jit_loop"}
+    ratios = {
+        k: round(v / medians["bare_jit_loop"], 3)
+        for k, v in medians.items()
+        if k != "bare_jit_loop"
+    }
     # Images per CPU-second of the whole process: what the loop costs, whatever else shares the
     # machine (wall-clock rates drift with other jobs' load).
     cpu_medians = {k: statistics.median(v) for k, v in cpu_rates.items()}
-    cpu_ratios = {k: round(v / cpu_medians["bare_jit_loop"], 3) for k, v in cpu_medians.items()
-                  if k != "bare_jit_loop"}
-    what = {"mnist": "MNIST CNN (seed 002), batch 128, float32",
-            "resnet50": "ResNet-50, 224x224, batch 16, float32"}[args.model]
+    cpu_ratios = {
+        k: round(v / cpu_medians["bare_jit_loop"], 3)
+        for k, v in cpu_medians.items()
+        if k != "bare_jit_loop"
+    }
+    what = {
+        "mnist": "MNIST CNN (seed 002), batch 128, float32",
+        "resnet50": "ResNet-50, 224x224, batch 16, float32",
+    }[args.model]
     result = {
         "what": f"{what}: train images/s over steps {args.skip}..{args.skip + args.window} of "
-                "one train() call (no compile, restore or checkpoint in the window); median of "
-                "interleaved rounds",
-        "model": args.model, "rounds": args.rounds, "skip": args.skip, "window": args.window,
+        "one train() call (no compile, restore or checkpoint in the window); median of "
+        "interleaved rounds",
+        "model": args.model,
+        "rounds": args.rounds,
+        "skip": args.skip,
+        "window": args.window,
         "images_per_sec": {k: [round(r, 2) for r in v] for k, v in rates.items()},
         "median_images_per_sec": {k: round(v, 2) for k, v in medians.items()},
         "ratio_estimax_over_bare": ratios,
@@ -239,10 +277,14 @@ def main() -> None:
         "checkpoint_repeats": args.checkpoint_repeats,
         "loadavg_start": [round(x, 2) for x in load_start],
         "loadavg_end": [round(x, 2) for x in load_end],
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "jax": jax.__version__, "backend": jax.default_backend(),
-                    "devices": len(jax.devices()),
-                    "estimax_onednn": os.environ.get("ESTIMAX_ONEDNN", "default")},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "jax": jax.__version__,
+            "backend": jax.default_backend(),
+            "devices": len(jax.devices()),
+            "estimax_onednn": os.environ.get("ESTIMAX_ONEDNN", "default"),
+        },
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
     }
     out = os.path.join(os.path.dirname(__file__), "results")
@@ -251,18 +293,26 @@ def main() -> None:
         json.dump(result, f, indent=2)
     with open(os.path.join(out, f"overhead_{args.model}.md"), "w") as f:
         f.write(f"# Estimator.train overhead (bench/overhead.py --model {args.model})\n\n")
-        f.write(f"{result['what']}; {args.rounds} rounds. Load average (1, 5, 15 min) "
-                f"{result['loadavg_start']} at the start, {result['loadavg_end']} at the end "
-                f"({os.cpu_count()} CPUs, shared with other jobs); {result['date_utc']} UTC.\n\n")
-        f.write("| loop | median img/s | ratio to bare | rounds | median img/CPU-s | "
-                "ratio to bare | rounds |\n|---|---|---|---|---|---|---|\n")
+        f.write(
+            f"{result['what']}; {args.rounds} rounds. Load average (1, 5, 15 min) "
+            f"{result['loadavg_start']} at the start, {result['loadavg_end']} at the end "
+            f"({os.cpu_count()} CPUs, shared with other jobs); {result['date_utc']} UTC.\n\n"
+        )
+        f.write(
+            "| loop | median img/s | ratio to bare | rounds | median img/CPU-s | "
+            "ratio to bare | rounds |\n|---|---|---|---|---|---|---|\n"
+        )
         for k in runners:
-            f.write(f"| {k} | {medians[k]:.2f} | {ratios.get(k, 1.0):.3f} | "
-                    f"{', '.join(f'{r:.1f}' for r in rates[k])} | {cpu_medians[k]:.2f} | "
-                    f"{cpu_ratios.get(k, 1.0):.3f} | "
-                    f"{', '.join(f'{r:.1f}' for r in cpu_rates[k])} |\n")
-        f.write("\nCheckpoint at the end of a train() call (not in the window), seconds, "
-                f"median of {args.checkpoint_repeats}: {checkpoint}\n")
+            f.write(
+                f"| {k} | {medians[k]:.2f} | {ratios.get(k, 1.0):.3f} | "
+                f"{', '.join(f'{r:.1f}' for r in rates[k])} | {cpu_medians[k]:.2f} | "
+                f"{cpu_ratios.get(k, 1.0):.3f} | "
+                f"{', '.join(f'{r:.1f}' for r in cpu_rates[k])} |\n"
+            )
+        f.write(
+            "\nCheckpoint at the end of a train() call (not in the window), seconds, "
+            f"median of {args.checkpoint_repeats}: {checkpoint}\n"
+        )
     print(json.dumps(result, indent=2))
 
 

@@ -48,12 +48,16 @@ RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
 
 def model_fn(features, labels, mode, params):
-    logits = get_model("resnet_tiny", num_classes=10)(preprocessing.normalize(features, jnp),
-                                                        train=False)
-    predictions = {"classes": jnp.argmax(logits, 1),
-                   "probabilities": __import__("jax").nn.softmax(logits)}
-    return ex.EstimatorSpec(mode=mode, predictions=predictions,
-                            export_outputs={"classify": predictions})
+    logits = get_model("resnet_tiny", num_classes=10)(
+        preprocessing.normalize(features, jnp), train=False
+    )
+    predictions = {
+        "classes": jnp.argmax(logits, 1),
+        "probabilities": __import__("jax").nn.softmax(logits),
+    }
+    return ex.EstimatorSpec(
+        mode=mode, predictions=predictions, export_outputs={"classify": predictions}
+    )
 
 
 def percentiles(latencies: list[float]) -> dict[str, float]:
@@ -90,8 +94,12 @@ def load_test(url: str, bodies: list[str], total: int, clients: int, max_seconds
                 next_index[0] += 1
             t = time.perf_counter()
             try:
-                r = session.post(f"{url}/v1/models/bench:predict", data=bodies[i % len(bodies)],
-                                 headers={"Content-Type": "application/json"}, timeout=60)
+                r = session.post(
+                    f"{url}/v1/models/bench:predict",
+                    data=bodies[i % len(bodies)],
+                    headers={"Content-Type": "application/json"},
+                    timeout=60,
+                )
                 ok = r.status_code == 200 and len(r.json()["predictions"]) == 1
                 detail = r.text[:200]
             except requests.RequestException as e:
@@ -108,10 +116,18 @@ def load_test(url: str, bodies: list[str], total: int, clients: int, max_seconds
         t.join()
     wall = time.perf_counter() - start
     sent = next_index[0]
-    return {"requests": total, "sent": sent, "ok": len(latencies), "errors": len(errors),
-            "lost": sent - len(latencies) - len(errors), "first_error": errors[:1],
-            "clients": clients, "seconds": wall, "requests_per_s": len(latencies) / wall,
-            **percentiles(latencies or [0.0])}
+    return {
+        "requests": total,
+        "sent": sent,
+        "ok": len(latencies),
+        "errors": len(errors),
+        "lost": sent - len(latencies) - len(errors),
+        "first_error": errors[:1],
+        "clients": clients,
+        "seconds": wall,
+        "requests_per_s": len(latencies) / wall,
+        **percentiles(latencies or [0.0]),
+    }
 
 
 def main() -> None:
@@ -123,57 +139,85 @@ def main() -> None:
     args = parser.parse_args()
 
     rng = np.random.default_rng(0)
-    images = [simplejpeg.encode_jpeg(rng.integers(0, 255, (48, 64, 3), dtype=np.uint8),
-                                     quality=90, colorspace="RGB") for _ in range(16)]
-    bodies = [json.dumps({"instances": [{"b64": base64.b64encode(b).decode()}]})
-              for b in images]
-    results: dict = {"load_before": open("/proc/loadavg").read().split()[:3],
-                     "cpu": platform.processor() or platform.machine(),
-                     "cores": os.cpu_count(), "model": "tiny ResNet (resnet_tiny), 32x32 input, 10 classes",
-                     "image": "64x48 JPEG q90 (random pixels), one per request"}
+    images = [
+        simplejpeg.encode_jpeg(
+            rng.integers(0, 255, (48, 64, 3), dtype=np.uint8), quality=90, colorspace="RGB"
+        )
+        for _ in range(16)
+    ]
+    bodies = [json.dumps({"instances": [{"b64": base64.b64encode(b).decode()}]}) for b in images]
+    results: dict = {
+        "load_before": open("/proc/loadavg").read().split()[:3],
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "model": "tiny ResNet (resnet_tiny), 32x32 input, 10 classes",
+        "image": "64x48 JPEG q90 (random pixels), one per request",
+    }
     with tempfile.TemporaryDirectory() as tmp:
-        est = ex.Estimator(model_fn, ex.RunConfig(model_dir=os.path.join(tmp, "model")),
-                           predict_batch_size=8)
-        path = serving.export_version(est, os.path.join(tmp, "models"),
-                                      preprocessing=serving.resnet_eval(IMAGE_SIZE),
-                                      platforms=("cpu",))
+        est = ex.Estimator(
+            model_fn, ex.RunConfig(model_dir=os.path.join(tmp, "model")), predict_batch_size=8
+        )
+        path = serving.export_version(
+            est,
+            os.path.join(tmp, "models"),
+            preprocessing=serving.resnet_eval(IMAGE_SIZE),
+            platforms=("cpu",),
+        )
         results["in_process"] = in_process(path, images, min(args.requests, 500))
         print("in-process", results["in_process"], flush=True)
-        for name, flags in (("server", []),
-                            ("server_batching", ["--enable_batching", "--max_batch_size=16",
-                                                 "--batch_timeout_micros=2000",
-                                                 "--max_enqueued_batches=64"])):
-            with fx.running_server([f"--model_base_path={os.path.join(tmp, 'models')}",
-                                    "--model_name=bench", *flags]) as (url, _):
+        for name, flags in (
+            ("server", []),
+            (
+                "server_batching",
+                [
+                    "--enable_batching",
+                    "--max_batch_size=16",
+                    "--batch_timeout_micros=2000",
+                    "--max_enqueued_batches=64",
+                ],
+            ),
+        ):
+            with fx.running_server(
+                [f"--model_base_path={os.path.join(tmp, 'models')}", "--model_name=bench", *flags]
+            ) as (url, _):
                 load_test(url, bodies, 64, 8, 60)  # warm the connections and threads
-                results[name] = load_test(url, bodies, args.requests, args.clients,
-                                          args.max_seconds)
+                results[name] = load_test(
+                    url, bodies, args.requests, args.clients, args.max_seconds
+                )
                 results[name]["flags"] = flags
                 # A lone client: what batching adds to a request that has no company.
-                results[name + "_lone"] = load_test(url, bodies, args.lone_requests, 1,
-                                                    args.max_seconds)
+                results[name + "_lone"] = load_test(
+                    url, bodies, args.lone_requests, 1, args.max_seconds
+                )
             print(name, results[name], flush=True)
     results["load_after"] = open("/proc/loadavg").read().split()[:3]
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "serving.json"), "w") as f:
         json.dump(results, f, indent=2)
-    rows = [("in-process `Servable.predict_images` (sequential)", results["in_process"]),
-            ("`estimax serve`, no batching", results["server"]),
-            ("`estimax serve --enable_batching`", results["server_batching"]),
-            ("`estimax serve`, no batching, 1 client", results["server_lone"]),
-            ("`estimax serve --enable_batching`, 1 client", results["server_batching_lone"])]
+    rows = [
+        ("in-process `Servable.predict_images` (sequential)", results["in_process"]),
+        ("`estimax serve`, no batching", results["server"]),
+        ("`estimax serve --enable_batching`", results["server_batching"]),
+        ("`estimax serve`, no batching, 1 client", results["server_lone"]),
+        ("`estimax serve --enable_batching`, 1 client", results["server_batching_lone"]),
+    ]
     lines = [
-        "# Serving load test (`bench/serving.py`)", "",
+        "# Serving load test (`bench/serving.py`)",
+        "",
         f"{results['model']}; {results['image']}. Loopback, {args.clients} client threads "
         "(and a lone client) "
         f"sharing the {results['cores']} cores with the server. Load average before "
-        f"{' '.join(results['load_before'])}, after {' '.join(results['load_after'])}.", "",
+        f"{' '.join(results['load_before'])}, after {' '.join(results['load_after'])}.",
+        "",
         "| path | requests | ok | errors | lost | req/s | p50 ms | p99 ms |",
-        "|---|---|---|---|---|---|---|---|"]
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for label, r in rows:
-        lines.append(f"| {label} | {r['requests']} | {r.get('ok', r['requests'])} | "
-                     f"{r.get('errors', 0)} | {r.get('lost', 0)} | {r['requests_per_s']:.1f} | "
-                     f"{r['p50_ms']:.1f} | {r['p99_ms']:.1f} |")
+        lines.append(
+            f"| {label} | {r['requests']} | {r.get('ok', r['requests'])} | "
+            f"{r.get('errors', 0)} | {r.get('lost', 0)} | {r['requests_per_s']:.1f} | "
+            f"{r['p50_ms']:.1f} | {r['p99_ms']:.1f} |"
+        )
     lines += ["", "Batching flags: " + " ".join(results["server_batching"]["flags"]), ""]
     with open(os.path.join(RESULTS, "serving.md"), "w") as f:
         f.write("\n".join(lines))

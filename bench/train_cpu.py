@@ -56,358 +56,413 @@ CLASSES = {"mnist": 10, "resnet50": 1000}
 
 
 def torch_worker() -> None:
-  """Reads ``model dtype steps`` lines on stdin, answers ``{"img_s": ...}`` lines."""
-  import torch
-  import torch.nn as tnn
-  import torch.nn.functional as F
+    """Reads ``model dtype steps`` lines on stdin, answers ``{"img_s": ...}`` lines."""
+    import torch
+    import torch.nn as tnn
+    import torch.nn.functional as F
 
-  torch.manual_seed(0)
+    torch.manual_seed(0)
 
-  class MnistCNN(tnn.Module):
-    def __init__(self):
-      super().__init__()
-      self.conv1 = tnn.Conv2d(1, 32, 5, padding=2)
-      self.conv2 = tnn.Conv2d(32, 64, 5, padding=2)
-      self.fc1 = tnn.Linear(7 * 7 * 64, 128)
-      self.fc2 = tnn.Linear(128, 10)
+    class MnistCNN(tnn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1 = tnn.Conv2d(1, 32, 5, padding=2)
+            self.conv2 = tnn.Conv2d(32, 64, 5, padding=2)
+            self.fc1 = tnn.Linear(7 * 7 * 64, 128)
+            self.fc2 = tnn.Linear(128, 10)
 
-    def forward(self, x):
-      x = F.max_pool2d(F.relu(self.conv1(x)), 2, 2)
-      x = F.max_pool2d(F.relu(self.conv2(x)), 2, 2)
-      x = F.dropout(F.relu(self.fc1(x.flatten(1))), 0.4, self.training)
-      return self.fc2(x)
+        def forward(self, x):
+            x = F.max_pool2d(F.relu(self.conv1(x)), 2, 2)
+            x = F.max_pool2d(F.relu(self.conv2(x)), 2, 2)
+            x = F.dropout(F.relu(self.fc1(x.flatten(1))), 0.4, self.training)
+            return self.fc2(x)
 
-  class Bottleneck(tnn.Module):
-    def __init__(self, cin, f, stride, project):
-      super().__init__()
-      self.c1, self.b1 = tnn.Conv2d(cin, f, 1, bias=False), tnn.BatchNorm2d(f)
-      self.c2, self.b2 = tnn.Conv2d(f, f, 3, stride, 1, bias=False), tnn.BatchNorm2d(f)
-      self.c3, self.b3 = tnn.Conv2d(f, 4 * f, 1, bias=False), tnn.BatchNorm2d(4 * f)
-      self.proj = (tnn.Sequential(tnn.Conv2d(cin, 4 * f, 1, stride, bias=False),
-                                  tnn.BatchNorm2d(4 * f)) if project else None)
+    class Bottleneck(tnn.Module):
+        def __init__(self, cin, f, stride, project):
+            super().__init__()
+            self.c1, self.b1 = tnn.Conv2d(cin, f, 1, bias=False), tnn.BatchNorm2d(f)
+            self.c2, self.b2 = tnn.Conv2d(f, f, 3, stride, 1, bias=False), tnn.BatchNorm2d(f)
+            self.c3, self.b3 = tnn.Conv2d(f, 4 * f, 1, bias=False), tnn.BatchNorm2d(4 * f)
+            self.proj = (
+                tnn.Sequential(
+                    tnn.Conv2d(cin, 4 * f, 1, stride, bias=False), tnn.BatchNorm2d(4 * f)
+                )
+                if project
+                else None
+            )
 
-    def forward(self, x):
-      s = self.proj(x) if self.proj is not None else x
-      y = F.relu(self.b1(self.c1(x)))
-      y = F.relu(self.b2(self.c2(y)))
-      return F.relu(self.b3(self.c3(y)) + s)
+        def forward(self, x):
+            s = self.proj(x) if self.proj is not None else x
+            y = F.relu(self.b1(self.c1(x)))
+            y = F.relu(self.b2(self.c2(y)))
+            return F.relu(self.b3(self.c3(y)) + s)
 
-  class ResNet50(tnn.Module):
-    def __init__(self):
-      super().__init__()
-      self.stem = tnn.Sequential(tnn.Conv2d(3, 64, 7, 2, 3, bias=False), tnn.BatchNorm2d(64),
-                                 tnn.ReLU(), tnn.MaxPool2d(3, 2, 1))
-      blocks, cin = [], 64
-      for g, n in enumerate((3, 4, 6, 3)):
-        f = 64 * 2**g
-        for i in range(n):
-          blocks.append(Bottleneck(cin, f, 2 if (i == 0 and g > 0) else 1, i == 0))
-          cin = 4 * f
-      self.blocks = tnn.Sequential(*blocks)
-      self.fc = tnn.Linear(2048, 1000)
+    class ResNet50(tnn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = tnn.Sequential(
+                tnn.Conv2d(3, 64, 7, 2, 3, bias=False),
+                tnn.BatchNorm2d(64),
+                tnn.ReLU(),
+                tnn.MaxPool2d(3, 2, 1),
+            )
+            blocks, cin = [], 64
+            for g, n in enumerate((3, 4, 6, 3)):
+                f = 64 * 2**g
+                for i in range(n):
+                    blocks.append(Bottleneck(cin, f, 2 if (i == 0 and g > 0) else 1, i == 0))
+                    cin = 4 * f
+            self.blocks = tnn.Sequential(*blocks)
+            self.fc = tnn.Linear(2048, 1000)
 
-    def forward(self, x):
-      return self.fc(self.blocks(self.stem(x)).mean((2, 3)))
+        def forward(self, x):
+            return self.fc(self.blocks(self.stem(x)).mean((2, 3)))
 
-  built: dict[str, Any] = {}
-  for line in sys.stdin:
-    model_name, dtype, steps = line.split()
-    steps = int(steps)
-    if model_name not in built:
-      model = (MnistCNN() if model_name == "mnist" else ResNet50())
-      model = model.to(memory_format=torch.channels_last).train()
-      opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-      h, w, c = SHAPE[model_name]
-      x = torch.randn(BATCH[model_name], c, h, w).to(memory_format=torch.channels_last)
-      y = torch.randint(0, CLASSES[model_name], (BATCH[model_name],))
-      built[model_name] = (model, opt, x, y)
-    model, opt, x, y = built[model_name]
+    built: dict[str, Any] = {}
+    for line in sys.stdin:
+        model_name, dtype, steps = line.split()
+        steps = int(steps)
+        if model_name not in built:
+            model = MnistCNN() if model_name == "mnist" else ResNet50()
+            model = model.to(memory_format=torch.channels_last).train()
+            opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+            h, w, c = SHAPE[model_name]
+            x = torch.randn(BATCH[model_name], c, h, w).to(memory_format=torch.channels_last)
+            y = torch.randint(0, CLASSES[model_name], (BATCH[model_name],))
+            built[model_name] = (model, opt, x, y)
+        model, opt, x, y = built[model_name]
 
-    def step():
-      opt.zero_grad(set_to_none=True)
-      with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
-        loss = F.cross_entropy(model(x), y)
-      loss.backward()
-      opt.step()
-      return loss.detach().item()
+        def step():
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+                loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss.detach().item()
 
-    step()  # warm-up (allocator, oneDNN primitive cache)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-      step()
-    dt = time.perf_counter() - t0
-    print(json.dumps({"img_s": steps * BATCH[model_name] / dt}), flush=True)
+        step()  # warm-up (allocator, oneDNN primitive cache)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        dt = time.perf_counter() - t0
+        print(json.dumps({"img_s": steps * BATCH[model_name] / dt}), flush=True)
 
 
 # ============================================================================ JAX side
 
 
 def _mnist_module(conv_fn, pool_fn, dtype):
-  """The seeds' MNIST CNN (estimax.models.mnist) with injectable conv / max-pool."""
-  import functools
+    """The seeds' MNIST CNN (estimax.models.mnist) with injectable conv / max-pool."""
+    import functools
 
-  import flax.linen as nn
+    import flax.linen as nn
 
-  from estimax.models.mnist import MnistCNN
-  return MnistCNN(dtype=dtype, conv=functools.partial(nn.Conv, conv_general_dilated=conv_fn),
-                  max_pool=pool_fn)
+    from estimax.models.mnist import MnistCNN
+
+    return MnistCNN(
+        dtype=dtype, conv=functools.partial(nn.Conv, conv_general_dilated=conv_fn), max_pool=pool_fn
+    )
 
 
 def _resnet_module(conv_fn, pool_fn, dtype):
-  import functools
+    import functools
 
-  import flax.linen as nn
+    import flax.linen as nn
 
-  from estimax.models import resnet
-  conv = functools.partial(nn.Conv, conv_general_dilated=conv_fn)
-  return resnet.ResNet50(num_classes=1000, dtype=dtype, conv=conv, max_pool=pool_fn)
+    from estimax.models import resnet
+
+    conv = functools.partial(nn.Conv, conv_general_dilated=conv_fn)
+    return resnet.ResNet50(num_classes=1000, dtype=dtype, conv=conv, max_pool=pool_fn)
 
 
 class JaxRunner:
-  """A compiled train step for one (model, dtype, variant), and its timing."""
+    """A compiled train step for one (model, dtype, variant), and its timing."""
 
-  def __init__(self, model_name: str, dtype: str, variant: str):
-    import flax.linen as nn
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    import optax
-    from jax import lax
+    def __init__(self, model_name: str, dtype: str, variant: str):
+        import flax.linen as nn
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+        import optax
+        from jax import lax
 
-    from estimax import ops
-    from estimax.ops import native
+        from estimax import ops
+        from estimax.ops import native
 
-    parts = variant.split("+")
-    if parts[0] != "jax" or not set(parts[1:]) <= {"ops", "malloc", "xla"}:
-      raise ValueError(f"train_cpu.py: --variants entry {variant!r} unknown; expected jax, "
-                       "jax+ops, jax+malloc, jax+ops+malloc, jax+ops+malloc+xla or torch")
-    self.tuned_malloc = "malloc" in parts
-    conv_fn = ops.conv_general_dilated if "ops" in parts else lax.conv_general_dilated
-    pool_fn = ops.max_pool if "ops" in parts else nn.max_pool
-    jdt = jnp.dtype(dtype)
-    build = _mnist_module if model_name == "mnist" else _resnet_module
-    self.model = build(conv_fn, pool_fn, jdt)
-    self.batch = BATCH[model_name]
-    h, w, c = SHAPE[model_name]
-    rng = np.random.default_rng(0)
-    self.x = jnp.asarray(rng.standard_normal((self.batch, h, w, c)), jnp.float32)
-    self.y = jnp.asarray(rng.integers(0, CLASSES[model_name], self.batch), jnp.int32)
-    variables = jax.jit(lambda k: self.model.init({"params": k, "dropout": k}, self.x,
-                                                  train=False))(jax.random.key(0))
-    params = variables["params"]
-    self.extra = {k: v for k, v in variables.items() if k != "params"}
-    tx = optax.sgd(0.01, momentum=0.9)
-    self.state = (params, self.extra, tx.init(params), jax.random.key(1))
-    model = self.model
+        parts = variant.split("+")
+        if parts[0] != "jax" or not set(parts[1:]) <= {"ops", "malloc", "xla"}:
+            raise ValueError(
+                f"train_cpu.py: --variants entry {variant!r} unknown; expected jax, "
+                "jax+ops, jax+malloc, jax+ops+malloc, jax+ops+malloc+xla or torch"
+            )
+        self.tuned_malloc = "malloc" in parts
+        conv_fn = ops.conv_general_dilated if "ops" in parts else lax.conv_general_dilated
+        pool_fn = ops.max_pool if "ops" in parts else nn.max_pool
+        jdt = jnp.dtype(dtype)
+        build = _mnist_module if model_name == "mnist" else _resnet_module
+        self.model = build(conv_fn, pool_fn, jdt)
+        self.batch = BATCH[model_name]
+        h, w, c = SHAPE[model_name]
+        rng = np.random.default_rng(0)
+        self.x = jnp.asarray(rng.standard_normal((self.batch, h, w, c)), jnp.float32)
+        self.y = jnp.asarray(rng.integers(0, CLASSES[model_name], self.batch), jnp.int32)
+        variables = jax.jit(
+            lambda k: self.model.init({"params": k, "dropout": k}, self.x, train=False)
+        )(jax.random.key(0))
+        params = variables["params"]
+        self.extra = {k: v for k, v in variables.items() if k != "params"}
+        tx = optax.sgd(0.01, momentum=0.9)
+        self.state = (params, self.extra, tx.init(params), jax.random.key(1))
+        model = self.model
 
-    def train_step(state, x, y):
-      params, extra, opt_state, key = state
-      key, drop = jax.random.split(key)
+        def train_step(state, x, y):
+            params, extra, opt_state, key = state
+            key, drop = jax.random.split(key)
 
-      def loss_fn(p):
-        logits, new_extra = model.apply({"params": p, **extra}, x, train=True,
-                                        rngs={"dropout": drop}, mutable=list(extra))
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-        return loss, new_extra
+            def loss_fn(p):
+                logits, new_extra = model.apply(
+                    {"params": p, **extra},
+                    x,
+                    train=True,
+                    rngs={"dropout": drop},
+                    mutable=list(extra),
+                )
+                loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+                return loss, new_extra
 
-      (loss, new_extra), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-      updates, opt_state = tx.update(grads, opt_state, params)
-      return (optax.apply_updates(params, updates), new_extra, opt_state, key), loss
+            (loss, new_extra), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return (optax.apply_updates(params, updates), new_extra, opt_state, key), loss
 
-    self.step = jax.jit(train_step, donate_argnums=(0,))
-    t0 = time.perf_counter()
-    with native.native_kernels("xla" not in parts):  # traced (and compiled) here
-      self.state, loss = self.step(self.state, self.x, self.y)
-    jax.block_until_ready(loss)
-    self.compile_s = time.perf_counter() - t0
+        self.step = jax.jit(train_step, donate_argnums=(0,))
+        t0 = time.perf_counter()
+        with native.native_kernels("xla" not in parts):  # traced (and compiled) here
+            self.state, loss = self.step(self.state, self.x, self.y)
+        jax.block_until_ready(loss)
+        self.compile_s = time.perf_counter() - t0
 
-  def images_per_sec(self, steps: int) -> float:
-    import jax
+    def images_per_sec(self, steps: int) -> float:
+        import jax
 
-    from estimax import ops
-    if self.tuned_malloc:
-      ops.tune_cpu_allocator()
-    else:
-      ops.restore_cpu_allocator()
-    self.state, loss = self.step(self.state, self.x, self.y)  # warm-up
-    jax.block_until_ready(loss)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-      self.state, loss = self.step(self.state, self.x, self.y)
-    jax.block_until_ready(loss)
-    return steps * self.batch / (time.perf_counter() - t0)
+        from estimax import ops
+
+        if self.tuned_malloc:
+            ops.tune_cpu_allocator()
+        else:
+            ops.restore_cpu_allocator()
+        self.state, loss = self.step(self.state, self.x, self.y)  # warm-up
+        jax.block_until_ready(loss)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.state, loss = self.step(self.state, self.x, self.y)
+        jax.block_until_ready(loss)
+        return steps * self.batch / (time.perf_counter() - t0)
 
 
 class EstimatorRunner:
-  """``estimax.Estimator.train`` on the same model and fixed batch, timed per ``train`` call."""
+    """``estimax.Estimator.train`` on the same model and fixed batch, timed per ``train`` call."""
 
-  def __init__(self, model_name: str, dtype: str, variant: str):
-    import tempfile
+    def __init__(self, model_name: str, dtype: str, variant: str):
+        import tempfile
 
-    import jax.numpy as jnp
-    import numpy as np
-    import optax
-    from flax import linen as nn
-    from jax import lax
+        import jax.numpy as jnp
+        import numpy as np
+        import optax
+        from flax import linen as nn
+        from jax import lax
 
-    import estimax as ex
-    from estimax import ops
-    from estimax.ops import native
+        import estimax as ex
+        from estimax import ops
+        from estimax.ops import native
 
-    parts = variant.split("+")
-    self.tuned_malloc = "malloc" in parts
-    conv_fn = ops.conv_general_dilated if "ops" in parts else lax.conv_general_dilated
-    pool_fn = ops.max_pool if "ops" in parts else nn.max_pool
-    build = _mnist_module if model_name == "mnist" else _resnet_module
-    self.batch = BATCH[model_name]
-    h, w, c = SHAPE[model_name]
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((self.batch, h, w, c)).astype(np.float32)
-    y = rng.integers(0, CLASSES[model_name], self.batch).astype(np.int32)
+        parts = variant.split("+")
+        self.tuned_malloc = "malloc" in parts
+        conv_fn = ops.conv_general_dilated if "ops" in parts else lax.conv_general_dilated
+        pool_fn = ops.max_pool if "ops" in parts else nn.max_pool
+        build = _mnist_module if model_name == "mnist" else _resnet_module
+        self.batch = BATCH[model_name]
+        h, w, c = SHAPE[model_name]
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((self.batch, h, w, c)).astype(np.float32)
+        y = rng.integers(0, CLASSES[model_name], self.batch).astype(np.int32)
 
-    def model_fn(features, labels, mode, params):
-      # Built inside model_fn, as a user would, so the Estimator owns it.
-      model = build(conv_fn, pool_fn, jnp.dtype(dtype))
-      logits = model(features, train=mode == ex.ModeKeys.TRAIN)
-      return ex.EstimatorSpec(mode=mode, loss=ex.losses.softmax_cross_entropy(logits, labels),
-                              optimizer=optax.sgd(0.01, momentum=0.9))
+        def model_fn(features, labels, mode, params):
+            # Built inside model_fn, as a user would, so the Estimator owns it.
+            model = build(conv_fn, pool_fn, jnp.dtype(dtype))
+            logits = model(features, train=mode == ex.ModeKeys.TRAIN)
+            return ex.EstimatorSpec(
+                mode=mode,
+                loss=ex.losses.softmax_cross_entropy(logits, labels),
+                optimizer=optax.sgd(0.01, momentum=0.9),
+            )
 
-    def input_fn(params):
-      while True:
-        yield x, y
+        def input_fn(params):
+            while True:
+                yield x, y
 
-    self.input_fn = input_fn
-    config = ex.RunConfig(model_dir=tempfile.mkdtemp(prefix="train_cpu_"),
-                          iterations_per_loop=10, save_checkpoints_secs=1e9, num_shards=1,
-                          log_step_count_steps=10**6, save_summary_steps=10**6)
-    self.est = ex.Estimator(model_fn, config, train_batch_size=self.batch)
-    t0 = time.perf_counter()
-    with native.native_kernels("xla" not in parts):  # traced (and compiled) here
-      self.est.train(input_fn, max_steps=1)
-    self.compile_s = time.perf_counter() - t0
+        self.input_fn = input_fn
+        config = ex.RunConfig(
+            model_dir=tempfile.mkdtemp(prefix="train_cpu_"),
+            iterations_per_loop=10,
+            save_checkpoints_secs=1e9,
+            num_shards=1,
+            log_step_count_steps=10**6,
+            save_summary_steps=10**6,
+        )
+        self.est = ex.Estimator(model_fn, config, train_batch_size=self.batch)
+        t0 = time.perf_counter()
+        with native.native_kernels("xla" not in parts):  # traced (and compiled) here
+            self.est.train(input_fn, max_steps=1)
+        self.compile_s = time.perf_counter() - t0
 
-  def images_per_sec(self, steps: int) -> float:
-    from estimax import ops
-    if self.tuned_malloc:
-      ops.tune_cpu_allocator()
-    else:
-      ops.restore_cpu_allocator()
-    t0 = time.perf_counter()
-    self.est.train(self.input_fn, steps=steps)  # includes one checkpoint save at the end
-    return steps * self.batch / (time.perf_counter() - t0)
+    def images_per_sec(self, steps: int) -> float:
+        from estimax import ops
+
+        if self.tuned_malloc:
+            ops.tune_cpu_allocator()
+        else:
+            ops.restore_cpu_allocator()
+        t0 = time.perf_counter()
+        self.est.train(self.input_fn, steps=steps)  # includes one checkpoint save at the end
+        return steps * self.batch / (time.perf_counter() - t0)
 
 
 # ============================================================================ driver
 
 
 def _markdown(res: dict[str, Any]) -> str:
-  variants = list(dict.fromkeys(v for cell in res["median"].values() for v in cell))
-  best_jax = [v for v in variants if v != "torch"][-1:] or ["jax"]
-  lines = ["# Training throughput on the CPU (train images/s, median of interleaved rounds)", "",
-           res["note"], "",
-           "| model, batch | dtype | " + " | ".join(variants) +
-           f" | {best_jax[0]} / torch | {best_jax[0]} / jax |",
-           "|---|---|" + "---|" * (len(variants) + 2)]
-  fmt = lambda v: f"{v:.2f}" if v is not None else "—"
-  ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "—"
-  for key, cell in res["median"].items():
-    model, dtype = key.split("/")
-    best = cell.get(best_jax[0])
-    lines.append(f"| {model}, {BATCH[model]} | {dtype} | " +
-                 " | ".join(fmt(cell.get(v)) for v in variants) +
-                 f" | {ratio(best, cell.get('torch'))} | {ratio(best, cell.get('jax'))} |")
-  lines += ["", "Rounds (img/s): " + json.dumps(res["rounds"]), "",
-            "Compile seconds (JAX): " + json.dumps(res["compile_s"])]
-  return "\n".join(lines) + "\n"
+    variants = list(dict.fromkeys(v for cell in res["median"].values() for v in cell))
+    best_jax = [v for v in variants if v != "torch"][-1:] or ["jax"]
+    lines = [
+        "# Training throughput on the CPU (train images/s, median of interleaved rounds)",
+        "",
+        res["note"],
+        "",
+        "| model, batch | dtype | "
+        + " | ".join(variants)
+        + f" | {best_jax[0]} / torch | {best_jax[0]} / jax |",
+        "|---|---|" + "---|" * (len(variants) + 2),
+    ]
+    fmt = lambda v: f"{v:.2f}" if v is not None else "—"
+    ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "—"
+    for key, cell in res["median"].items():
+        model, dtype = key.split("/")
+        best = cell.get(best_jax[0])
+        lines.append(
+            f"| {model}, {BATCH[model]} | {dtype} | "
+            + " | ".join(fmt(cell.get(v)) for v in variants)
+            + f" | {ratio(best, cell.get('torch'))} | {ratio(best, cell.get('jax'))} |"
+        )
+    lines += [
+        "",
+        "Rounds (img/s): " + json.dumps(res["rounds"]),
+        "",
+        "Compile seconds (JAX): " + json.dumps(res["compile_s"]),
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--models", default="mnist,resnet50")
-  parser.add_argument("--dtypes", default="float32,bfloat16")
-  parser.add_argument("--variants", default="jax,jax+ops+malloc+xla,jax+ops+malloc,torch")
-  parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds for MNIST")
-  parser.add_argument("--resnet_rounds", type=int, default=2,
-                      help="interleaved rounds for ResNet-50 (few: the CPU is shared)")
-  parser.add_argument("--mnist_steps", type=int, default=10)
-  parser.add_argument("--resnet_steps", type=int, default=2)
-  parser.add_argument("--harness", choices=("bare", "estimator"), default="bare")
-  # The ISA cap is part of the result's name: oneDNN (estimax's and PyTorch's alike) reads
-  # ONEDNN_MAX_CPU_ISA, so one machine can measure what an AVX2-only CPU gets.
-  isa_cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
-  default_out = "train_cpu" + (f"_isa_{isa_cap.lower()}" if isa_cap else "") + ".json"
-  parser.add_argument("--out", default=os.path.join(HERE, "results", default_out))
-  parser.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
-  args = parser.parse_args()
-  load_start = os.getloadavg()[0]
-  if args.torch_worker:
-    torch_worker()
-    return
-  models, dtypes = args.models.split(","), args.dtypes.split(",")
-  variants = args.variants.split(",")
-  for m in models:
-    if m not in BATCH:
-      sys.exit(f"train_cpu.py: --models entry {m!r} unknown; expected mnist or resnet50")
-  worker = None
-  if "torch" in variants:
-    if not os.path.exists(TORCH_PY):
-      sys.exit(f"train_cpu.py: {TORCH_PY} not found; create bench/.venv-torch with "
-               "`pip install torch==2.13.0 numpy`, or drop torch from --variants")
-    worker = subprocess.Popen([TORCH_PY, os.path.abspath(__file__), "--torch-worker"],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="mnist,resnet50")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--variants", default="jax,jax+ops+malloc+xla,jax+ops+malloc,torch")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds for MNIST")
+    parser.add_argument(
+        "--resnet_rounds",
+        type=int,
+        default=2,
+        help="interleaved rounds for ResNet-50 (few: the CPU is shared)",
+    )
+    parser.add_argument("--mnist_steps", type=int, default=10)
+    parser.add_argument("--resnet_steps", type=int, default=2)
+    parser.add_argument("--harness", choices=("bare", "estimator"), default="bare")
+    # The ISA cap is part of the result's name: oneDNN (estimax's and PyTorch's alike) reads
+    # ONEDNN_MAX_CPU_ISA, so one machine can measure what an AVX2-only CPU gets.
+    isa_cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+    default_out = "train_cpu" + (f"_isa_{isa_cap.lower()}" if isa_cap else "") + ".json"
+    parser.add_argument("--out", default=os.path.join(HERE, "results", default_out))
+    parser.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    load_start = os.getloadavg()[0]
+    if args.torch_worker:
+        torch_worker()
+        return
+    models, dtypes = args.models.split(","), args.dtypes.split(",")
+    variants = args.variants.split(",")
+    for m in models:
+        if m not in BATCH:
+            sys.exit(f"train_cpu.py: --models entry {m!r} unknown; expected mnist or resnet50")
+    worker = None
+    if "torch" in variants:
+        if not os.path.exists(TORCH_PY):
+            sys.exit(
+                f"train_cpu.py: {TORCH_PY} not found; create bench/.venv-torch with "
+                "`pip install torch==2.13.0 numpy`, or drop torch from --variants"
+            )
+        worker = subprocess.Popen(
+            [TORCH_PY, os.path.abspath(__file__), "--torch-worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
 
-  def torch_rate(model: str, dtype: str, steps: int) -> float:
-    assert worker is not None and worker.stdin is not None and worker.stdout is not None
-    worker.stdin.write(f"{model} {dtype} {steps}\n")
-    worker.stdin.flush()
-    return json.loads(worker.stdout.readline())["img_s"]
+    def torch_rate(model: str, dtype: str, steps: int) -> float:
+        assert worker is not None and worker.stdin is not None and worker.stdout is not None
+        worker.stdin.write(f"{model} {dtype} {steps}\n")
+        worker.stdin.flush()
+        return json.loads(worker.stdout.readline())["img_s"]
 
-  rounds: dict[str, dict[str, list[float]]] = {}
-  compile_s: dict[str, float] = {}
-  for model in models:
-    steps = args.mnist_steps if model == "mnist" else args.resnet_steps
-    for dtype in dtypes:
-      key = f"{model}/{dtype}"
-      runners = {}
-      for v in variants:
-        if v != "torch":
-          runner_cls = JaxRunner if args.harness == "bare" else EstimatorRunner
-          runners[v] = runner_cls(model, dtype, v)
-          compile_s[f"{key}/{v}"] = round(runners[v].compile_s, 1)
-      for r in range(args.rounds if model == "mnist" else args.resnet_rounds):
-        for v in variants:  # interleaved: every variant once per round
-          if v == "torch":
-            rate = torch_rate(model, dtype, steps)
-          else:
-            rate = runners[v].images_per_sec(steps)
-          rounds.setdefault(key, {}).setdefault(v, []).append(round(rate, 3))
-          print(f"round {r} {key:20s} {v:8s} {rate:9.2f} img/s", flush=True)
-      del runners
-  if worker is not None:
-    worker.stdin.close()  # type: ignore[union-attr]
-    worker.wait()
-  median = {k: {v: statistics.median(x) for v, x in d.items()} for k, d in rounds.items()}
-  from estimax.ops import native  # noqa: PLC0415 - not in the PyTorch worker's environment
+    rounds: dict[str, dict[str, list[float]]] = {}
+    compile_s: dict[str, float] = {}
+    for model in models:
+        steps = args.mnist_steps if model == "mnist" else args.resnet_steps
+        for dtype in dtypes:
+            key = f"{model}/{dtype}"
+            runners = {}
+            for v in variants:
+                if v != "torch":
+                    runner_cls = JaxRunner if args.harness == "bare" else EstimatorRunner
+                    runners[v] = runner_cls(model, dtype, v)
+                    compile_s[f"{key}/{v}"] = round(runners[v].compile_s, 1)
+            for r in range(args.rounds if model == "mnist" else args.resnet_rounds):
+                for v in variants:  # interleaved: every variant once per round
+                    if v == "torch":
+                        rate = torch_rate(model, dtype, steps)
+                    else:
+                        rate = runners[v].images_per_sec(steps)
+                    rounds.setdefault(key, {}).setdefault(v, []).append(round(rate, 3))
+                    print(f"round {r} {key:20s} {v:8s} {rate:9.2f} img/s", flush=True)
+            del runners
+    if worker is not None:
+        worker.stdin.close()  # type: ignore[union-attr]
+        worker.wait()
+    median = {k: {v: statistics.median(x) for v, x in d.items()} for k, d in rounds.items()}
+    from estimax.ops import native  # noqa: PLC0415 - not in the PyTorch worker's environment
 
-  res = {
-      "note": (f"{os.cpu_count()} CPU cores ({native.cpu_model()}), ONEDNN_MAX_CPU_ISA="
-               f"{isa_cap or 'unset'}; 1-minute load "
-               f"average {load_start:.2f} at the start, {os.getloadavg()[0]:.2f} at the end (the "
-               f"benchmark alone keeps it near 2; well above that, other processes shared the "
-               f"cores); CPU convolutions: {native.status()}; "
-               f"harness={args.harness}; {args.rounds} (MNIST) / "
-               f"{args.resnet_rounds} (ResNet-50) interleaved rounds of {args.mnist_steps} / "
-               f"{args.resnet_steps} steps; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}."),
-      "median": median, "rounds": rounds, "compile_s": compile_s,
-  }
-  os.makedirs(os.path.dirname(args.out), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(res, f, indent=1)
-  md = _markdown(res)
-  with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
-    f.write(md)
-  print(md)
+    res = {
+        "note": (
+            f"{os.cpu_count()} CPU cores ({native.cpu_model()}), ONEDNN_MAX_CPU_ISA="
+            f"{isa_cap or 'unset'}; 1-minute load "
+            f"average {load_start:.2f} at the start, {os.getloadavg()[0]:.2f} at the end (the "
+            f"benchmark alone keeps it near 2; well above that, other processes shared the "
+            f"cores); CPU convolutions: {native.status()}; "
+            f"harness={args.harness}; {args.rounds} (MNIST) / "
+            f"{args.resnet_rounds} (ResNet-50) interleaved rounds of {args.mnist_steps} / "
+            f"{args.resnet_steps} steps; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}."
+        ),
+        "median": median,
+        "rounds": rounds,
+        "compile_s": compile_s,
+    }
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    md = _markdown(res)
+    with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
+        f.write(md)
+    print(md)
 
 
 if __name__ == "__main__":
-  main()
+    main()

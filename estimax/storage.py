@@ -103,14 +103,21 @@ def configure(environ: dict[str, str] | None = None) -> None:
     endpoint = env.get("AWS_ENDPOINT_URL")
     if endpoint:
         credentials_file = os.path.expanduser(
-            env.get("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials"))
-        has_credentials = (env.get("AWS_ACCESS_KEY_ID") or env.get("AWS_PROFILE")
-                           or env.get("AWS_WEB_IDENTITY_TOKEN_FILE")
-                           or os.path.exists(credentials_file))
+            env.get("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials")
+        )
+        has_credentials = (
+            env.get("AWS_ACCESS_KEY_ID")
+            or env.get("AWS_PROFILE")
+            or env.get("AWS_WEB_IDENTITY_TOKEN_FILE")
+            or os.path.exists(credentials_file)
+        )
         # Dummy keys only for a server on this machine (an emulator): a real S3-compatible
         # store without credentials must fail with its own "no credentials" error.
         loopback = urllib.parse.urlsplit(_with_http(endpoint)).hostname in (
-            "localhost", "127.0.0.1", "::1")
+            "localhost",
+            "127.0.0.1",
+            "::1",
+        )
         if loopback and not has_credentials:
             env.setdefault("AWS_ACCESS_KEY_ID", "emulator")
             env.setdefault("AWS_SECRET_ACCESS_KEY", "emulator")
@@ -135,11 +142,15 @@ def _error(path: str, action: str, e: BaseException) -> StorageError:
     where = scheme(path)
     hint = ""
     if where == "gs":
-        hint = (" Check the bucket exists and the credentials can reach it "
-                "(STORAGE_EMULATOR_HOST for an emulator).")
+        hint = (
+            " Check the bucket exists and the credentials can reach it "
+            "(STORAGE_EMULATOR_HOST for an emulator)."
+        )
     elif where == "s3":
-        hint = (" Check the bucket exists and the credentials can reach it "
-                "(AWS_ENDPOINT_URL for an S3-compatible server).")
+        hint = (
+            " Check the bucket exists and the credentials can reach it "
+            "(AWS_ENDPOINT_URL for an S3-compatible server)."
+        )
     return StorageError(f"{path}: could not {action}: {type(e).__name__}: {e}.{hint}")
 
 
@@ -154,8 +165,13 @@ def errors_named(path: str, action: str) -> Iterator[None]:
         return
     try:
         yield
-    except (StorageError, FileNotFoundError, FileExistsError, IsADirectoryError,
-            NotADirectoryError):
+    except (
+        StorageError,
+        FileNotFoundError,
+        FileExistsError,
+        IsADirectoryError,
+        NotADirectoryError,
+    ):
         raise
     except Exception as e:  # gcsfs HttpError, botocore ClientError, aiohttp errors, OSError...
         raise _error(path, action, e) from e
@@ -201,7 +217,7 @@ def refresh(path: str) -> None:
     else:
         filesystems.append(backend.fsspec_backend.fs(path))
     for f in filesystems:
-        prefix = f._strip_protocol(path).rstrip("/")
+        prefix = f._strip_protocol(path).rstrip("/")  # noqa: SLF001 (no public twin)
         f.invalidate_cache(prefix)  # the prefix and its parents
         # ...and everything below it: a step listed while its save was still running must
         # not stay without its commit marker in the cache.
@@ -285,7 +301,7 @@ _orbax_s3_enabled = False
 
 
 def _s3_kvstore(path: str) -> dict:
-    bucket, _, key = path[len("s3://"):].partition("/")
+    bucket, _, key = path[len("s3://") :].partition("/")
     spec: dict[str, Any] = {"driver": "s3", "bucket": bucket, "path": key}
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     if endpoint:
@@ -312,14 +328,20 @@ def enable_orbax_s3() -> None:
     from orbax.checkpoint._src.path import gcs_utils
     from orbax.checkpoint._src.serialization import tensorstore_utils as tsu
 
-    use_gcs, normalize, gcs_kvstore = (tsu._use_gcs_driver, tsu._normalize_path,
-                                       gcs_utils.get_kvstore_for_gcs)
-    tsu._use_gcs_driver = lambda d: str(d).startswith("s3://") or use_gcs(d)
+    # Private Orbax functions, wrapped on purpose (see the docstring): noqa SLF001 below.
+    use_gcs, normalize, gcs_kvstore = (
+        tsu._use_gcs_driver,  # noqa: SLF001
+        tsu._normalize_path,  # noqa: SLF001
+        gcs_utils.get_kvstore_for_gcs,
+    )
+    tsu._use_gcs_driver = lambda d: str(d).startswith("s3://") or use_gcs(d)  # noqa: SLF001
     # os.path.normpath turns "s3://b/k" into "s3:/b/k"; Orbax repairs only "gs:/".
-    tsu._normalize_path = lambda p: (normalize(p).replace("s3:/", "s3://", 1)
-                                     if str(p).startswith("s3://") else normalize(p))
-    gcs_utils.get_kvstore_for_gcs = lambda p: (_s3_kvstore(p) if str(p).startswith("s3://")
-                                               else gcs_kvstore(p))
+    tsu._normalize_path = lambda p: (  # noqa: SLF001
+        normalize(p).replace("s3:/", "s3://", 1) if str(p).startswith("s3://") else normalize(p)
+    )
+    gcs_utils.get_kvstore_for_gcs = lambda p: (
+        _s3_kvstore(p) if str(p).startswith("s3://") else gcs_kvstore(p)
+    )
     _orbax_s3_enabled = True
 
 
@@ -336,8 +358,11 @@ def orbax_manager_options(directory: str) -> dict[str, Any]:
     enable_orbax_s3()
     from orbax.checkpoint import options as ocp_options
 
-    return {"atomicity_options": ocp_options.AtomicityOptions(
-        mode=ocp_options.AtomicityMode.COMMIT_FILE)}
+    return {
+        "atomicity_options": ocp_options.AtomicityOptions(
+            mode=ocp_options.AtomicityMode.COMMIT_FILE
+        )
+    }
 
 
 # --- TensorBoard event files --------------------------------------------------------------------

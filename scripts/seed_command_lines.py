@@ -44,34 +44,62 @@ SEED_FILES = ("000_205ea632e84c21cc.txt", "001_4049241e1e03a510.txt", "004_3440b
 # The command lines as extract_commands() finds them in the seeds (kept here so the test runs
 # where the seeds are absent; tests/test_programs.py checks the two agree when they are there).
 SEED_COMMANDS: list[tuple[str, str]] = [
-    ("000", "python /usr/share/tpu/models/experimental/inception/inception_v3.py --tpu=$TPU_NAME "
-            "--learning_rate=0.165 --train_steps=250000 --iterations=500 --use_tpu=True "
-            "--use_data=real --mode=train_and_eval --train_steps_per_eval=2000 "
-            "--data_dir=${DATA_DIR} --model_dir=${STORAGE_BUCKET}/inception"),
-    ("000", "python /usr/share/tpu/models/experimental/inception/inception_v4.py --tpu=$TPU_NAME "
-            "--learning_rate=0.36 --train_steps=1000000 --iterations=500 --use_tpu=True "
-            "--use_data=real --train_batch_size=256 --mode=train_and_eval "
-            "--train_steps_per_eval=2000 --data_dir=${DATA_DIR} "
-            "--model_dir=${STORAGE_BUCKET}/inception"),
-    ("001", "python resnet_main.py --master=$TPU_GRPC_URL "
-            "--data_dir=gs://cloud-tpu-test-datasets/fake_imagenet --model_dir=$TPU_MODEL_DIR "
-            "--train_batch_size=1024 --eval_batch_size=128"),
+    (
+        "000",
+        "python /usr/share/tpu/models/experimental/inception/inception_v3.py --tpu=$TPU_NAME "
+        "--learning_rate=0.165 --train_steps=250000 --iterations=500 --use_tpu=True "
+        "--use_data=real --mode=train_and_eval --train_steps_per_eval=2000 "
+        "--data_dir=${DATA_DIR} --model_dir=${STORAGE_BUCKET}/inception",
+    ),
+    (
+        "000",
+        "python /usr/share/tpu/models/experimental/inception/inception_v4.py --tpu=$TPU_NAME "
+        "--learning_rate=0.36 --train_steps=1000000 --iterations=500 --use_tpu=True "
+        "--use_data=real --train_batch_size=256 --mode=train_and_eval "
+        "--train_steps_per_eval=2000 --data_dir=${DATA_DIR} "
+        "--model_dir=${STORAGE_BUCKET}/inception",
+    ),
+    (
+        "001",
+        "python resnet_main.py --master=$TPU_GRPC_URL "
+        "--data_dir=gs://cloud-tpu-test-datasets/fake_imagenet --model_dir=$TPU_MODEL_DIR "
+        "--train_batch_size=1024 --eval_batch_size=128",
+    ),
     ("004", "python resnet_main.py --tpu=$TPU_NAME --data_dir=$DATA_DIR --model_dir=$MODEL_DIR"),
-    ("004", "python resnet_main.py --tpu=$TPU_NAME --model_dir=$MODEL_DIR "
-            "--bigtable_project=$PROJECT --bigtable_instance=$INSTANCE --bigtable_table=$TABLE"),
+    (
+        "004",
+        "python resnet_main.py --tpu=$TPU_NAME --model_dir=$MODEL_DIR "
+        "--bigtable_project=$PROJECT --bigtable_instance=$INSTANCE --bigtable_table=$TABLE",
+    ),
 ]
 
-PROGRAMS = {"inception_v3.py": "inception_v3", "inception_v4.py": "inception_v4",
-            "resnet_main.py": "resnet"}
+PROGRAMS = {
+    "inception_v3.py": "inception_v3",
+    "inception_v4.py": "inception_v4",
+    "resnet_main.py": "resnet",
+}
 
 # Small overrides so each line finishes here (appended: absl lets a later flag win).
 OVERRIDES = {
-    "resnet": ["--train_steps=2", "--train_batch_size=16", "--eval_batch_size=16",
-               "--num_eval_images=16", "--image_size=32", "--steps_per_eval=1",
-               "--iterations_per_loop=1"],
-    "inception_v3": ["--train_steps=2", "--train_batch_size=8", "--eval_batch_size=8",
-                     "--eval_total_size=8", "--width=107", "--height=107",
-                     "--train_steps_per_eval=1", "--iterations=1"],
+    "resnet": [
+        "--train_steps=2",
+        "--train_batch_size=16",
+        "--eval_batch_size=16",
+        "--num_eval_images=16",
+        "--image_size=32",
+        "--steps_per_eval=1",
+        "--iterations_per_loop=1",
+    ],
+    "inception_v3": [
+        "--train_steps=2",
+        "--train_batch_size=8",
+        "--eval_batch_size=8",
+        "--eval_total_size=8",
+        "--width=107",
+        "--height=107",
+        "--train_steps_per_eval=1",
+        "--iterations=1",
+    ],
 }
 OVERRIDES["inception_v4"] = OVERRIDES["inception_v3"]
 
@@ -94,13 +122,28 @@ def load_bigtable(work_dir: str) -> None:
     from estimax.tools import convert
 
     data_dir = os.path.join(work_dir, "bigtable_data")
-    steps = (["fake-imagenet", f"--output_dir={data_dir}", "--train_examples=32",
-              "--validation_examples=16", "--train_shards=2", "--validation_shards=1",
-              "--min_size=40", "--max_size=64", "--no_progress", "--overwrite"],
-             ["to-bigtable", f"--data_dir={data_dir}",
-              f"--bigtable_project={BIGTABLE_ENV['PROJECT']}",
-              f"--bigtable_instance={BIGTABLE_ENV['INSTANCE']}",
-              f"--bigtable_table={BIGTABLE_ENV['TABLE']}", "--overwrite"])
+    steps = (
+        [
+            "fake-imagenet",
+            f"--output_dir={data_dir}",
+            "--train_examples=32",
+            "--validation_examples=16",
+            "--train_shards=2",
+            "--validation_shards=1",
+            "--min_size=40",
+            "--max_size=64",
+            "--no_progress",
+            "--overwrite",
+        ],
+        [
+            "to-bigtable",
+            f"--data_dir={data_dir}",
+            f"--bigtable_project={BIGTABLE_ENV['PROJECT']}",
+            f"--bigtable_instance={BIGTABLE_ENV['INSTANCE']}",
+            f"--bigtable_table={BIGTABLE_ENV['TABLE']}",
+            "--overwrite",
+        ],
+    )
     for argv in steps:
         if convert.main(argv) != 0:
             raise RuntimeError(f"estimax-convert {shlex.join(argv)} failed")
@@ -143,11 +186,18 @@ def to_estimax_argv(command: str, model_dir: str, unset: bool = False) -> tuple[
     data), model directories become ``model_dir``, other variables placeholder values. With
     ``unset`` every variable expands to '' (as the shell does for an unset one).
     """
-    env = {"TPU_NAME": "my-tpu", "DATA_DIR": "gs://cloud-tpu-test-datasets/fake_imagenet",
-           "STORAGE_BUCKET": model_dir, "MODEL_DIR": model_dir, "TPU_MODEL_DIR": model_dir,
-           "TPU_GRPC_URL": "grpc://10.240.1.2:8470", **BIGTABLE_ENV}
-    expanded = re.sub(r"\$\{(\w+)\}|\$(\w+)",
-                      lambda m: "" if unset else env[m.group(1) or m.group(2)], command)
+    env = {
+        "TPU_NAME": "my-tpu",
+        "DATA_DIR": "gs://cloud-tpu-test-datasets/fake_imagenet",
+        "STORAGE_BUCKET": model_dir,
+        "MODEL_DIR": model_dir,
+        "TPU_MODEL_DIR": model_dir,
+        "TPU_GRPC_URL": "grpc://10.240.1.2:8470",
+        **BIGTABLE_ENV,
+    }
+    expanded = re.sub(
+        r"\$\{(\w+)\}|\$(\w+)", lambda m: "" if unset else env[m.group(1) or m.group(2)], command
+    )
     tokens = shlex.split(expanded)
     assert tokens[0] == "python", command
     program = PROGRAMS[os.path.basename(tokens[1])]
@@ -165,15 +215,28 @@ def check_unset_line(command: str, work_dir: str) -> tuple[bool, str]:
     ``FATAL: --data_dir ...``, no traceback, and nothing created in ``work_dir`` (its cwd).
     """
     program, args = to_estimax_argv(command, "", unset=True)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("TPU_MODEL_DIR", "TPU_NAME", "TPU_GRPC_URL")
-           and not k.startswith("ESTIMAX_") or k in ("ESTIMAX_ONEDNN", "ESTIMAX_REQUIRE_ONEDNN")}
-    proc = subprocess.run([sys.executable, "-m", f"estimax.programs.{program}", *args],
-                          capture_output=True, text=True, cwd=work_dir, env=env, timeout=300)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TPU_MODEL_DIR", "TPU_NAME", "TPU_GRPC_URL")
+        and not k.startswith("ESTIMAX_")
+        or k in ("ESTIMAX_ONEDNN", "ESTIMAX_REQUIRE_ONEDNN")
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", f"estimax.programs.{program}", *args],
+        capture_output=True,
+        text=True,
+        cwd=work_dir,
+        env=env,
+        timeout=300,
+    )
     last = (proc.stderr.strip().splitlines() or [""])[-1]
-    ok = (proc.returncode == 2 and "Traceback" not in proc.stderr
-          and any(last.startswith(f"FATAL: {flag}") for flag in LOCATION_FLAGS)
-          and not os.listdir(work_dir))
+    ok = (
+        proc.returncode == 2
+        and "Traceback" not in proc.stderr
+        and any(last.startswith(f"FATAL: {flag}") for flag in LOCATION_FLAGS)
+        and not os.listdir(work_dir)
+    )
     return ok, last
 
 
@@ -184,8 +247,11 @@ def main_unset(commands: list[tuple[str, str]]) -> int:
         with tempfile.TemporaryDirectory(prefix="estimax_seed_") as tmp:
             start = time.time()
             ok, last = check_unset_line(command, tmp)
-            print(f"[seed {seed}] {command}\n    {'ok' if ok else 'FAILED'} in "
-                  f"{time.time() - start:.0f} s: {last}", flush=True)
+            print(
+                f"[seed {seed}] {command}\n    {'ok' if ok else 'FAILED'} in "
+                f"{time.time() - start:.0f} s: {last}",
+                flush=True,
+            )
             failures += not ok
     print(f"{len(commands) - failures}/{len(commands)} seed command lines stopped at start")
     return 1 if failures else 0
@@ -208,8 +274,11 @@ def main() -> int:
                     from estimax.tools import bigtable_emulator
 
                     if bigtable_emulator.find_emulator() is None:
-                        print("    SKIPPED: the Cloud Bigtable emulator (cbtemulator) is not "
-                              "installed", flush=True)
+                        print(
+                            "    SKIPPED: the Cloud Bigtable emulator (cbtemulator) is not "
+                            "installed",
+                            flush=True,
+                        )
                         skipped += 1
                         continue
                     # Started once, on the first line that needs it; BIGTABLE_EMULATOR_HOST is
@@ -229,8 +298,10 @@ def main() -> int:
                     failures += 1
                     print(proc.stderr[-3000:], flush=True)
     ran = len(commands) - skipped
-    print(f"{ran - failures}/{ran} seed command lines ran"
-          + (f" ({skipped} skipped: no Bigtable emulator)" if skipped else ""))
+    print(
+        f"{ran - failures}/{ran} seed command lines ran"
+        + (f" ({skipped} skipped: no Bigtable emulator)" if skipped else "")
+    )
     return 1 if failures else 0
 
 

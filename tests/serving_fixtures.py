@@ -33,8 +33,11 @@ def make_jpegs(n: int, seed: int = 0) -> tuple[list[bytes], np.ndarray]:
         yy, xx = np.mgrid[0:h, 0:w]
         img = rng.integers(0, 80, (h, w, 3)).astype(np.float32)
         img[..., label] += 120 + 60 * np.sin(xx / 7.0 + yy / 11.0)
-        images.append(simplejpeg.encode_jpeg(np.clip(img, 0, 255).astype(np.uint8),
-                                             quality=90, colorspace="RGB"))
+        images.append(
+            simplejpeg.encode_jpeg(
+                np.clip(img, 0, 255).astype(np.uint8), quality=90, colorspace="RGB"
+            )
+        )
         labels.append(label)
     return images, np.asarray(labels, np.int32)
 
@@ -47,17 +50,26 @@ def model_fn(features, labels, mode, params):
     logits = model(images, train=mode == ex.ModeKeys.TRAIN).astype(jnp.float32)
     predictions = {"classes": jnp.argmax(logits, axis=1), "probabilities": jax.nn.softmax(logits)}
     if mode == ex.ModeKeys.PREDICT:
-        return ex.EstimatorSpec(mode=mode, predictions=predictions,
-                                export_outputs={"classify": predictions})
-    return ex.EstimatorSpec(mode=mode, loss=ex.losses.softmax_cross_entropy(logits, labels),
-                            optimizer=optax.sgd(0.05, momentum=0.9), ema_decay=0.9,
-                            predictions=predictions)
+        return ex.EstimatorSpec(
+            mode=mode, predictions=predictions, export_outputs={"classify": predictions}
+        )
+    return ex.EstimatorSpec(
+        mode=mode,
+        loss=ex.losses.softmax_cross_entropy(logits, labels),
+        optimizer=optax.sgd(0.05, momentum=0.9),
+        ema_decay=0.9,
+        predictions=predictions,
+    )
 
 
 def build_estimator(model_dir: str) -> ex.Estimator:
     """The tiny estimator (global batch 8, EMA of the weights, bfloat16 compute)."""
-    return ex.Estimator(model_fn, ex.RunConfig(model_dir=model_dir, iterations_per_loop=2),
-                        train_batch_size=8, predict_batch_size=8)
+    return ex.Estimator(
+        model_fn,
+        ex.RunConfig(model_dir=model_dir, iterations_per_loop=2),
+        train_batch_size=8,
+        predict_batch_size=8,
+    )
 
 
 def preprocess_all(images: list[bytes]) -> np.ndarray:
@@ -67,8 +79,9 @@ def preprocess_all(images: list[bytes]) -> np.ndarray:
 
 def predict(est: ex.Estimator, images: list[bytes]) -> dict[str, np.ndarray]:
     """Estimator.predict on the eval-preprocessed images."""
-    out = list(est.predict(ex.numpy_input_fn(preprocess_all(images), None, shuffle=False,
-                                             num_epochs=1)))
+    out = list(
+        est.predict(ex.numpy_input_fn(preprocess_all(images), None, shuffle=False, num_epochs=1))
+    )
     return {k: np.stack([o[k] for o in out]) for k in ("classes", "probabilities")}
 
 
@@ -82,8 +95,12 @@ def free_port() -> int:
 def server_env() -> dict[str, str]:
     """The environment of a server process: one CPU device, the worktree importable."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return {**os.environ, "XLA_FLAGS": "", "ESTIMAX_ONEDNN": "0",
-            "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return {
+        **os.environ,
+        "XLA_FLAGS": "",
+        "ESTIMAX_ONEDNN": "0",
+        "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
 
 
 @contextlib.contextmanager
@@ -92,9 +109,13 @@ def running_server(args: list[str], timeout: float = 180.0):
     import requests
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "estimax.serving.cli", "serve",
-                             f"--port={port}", *args], env=server_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "estimax.serving.cli", "serve", f"--port={port}", *args],
+        env=server_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout

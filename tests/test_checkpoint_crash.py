@@ -10,10 +10,9 @@ import textwrap
 import jax
 import numpy as np
 
-import estimax as ex
 from estimax.estimator import checkpoints
 
-CHILD = textwrap.dedent('''
+CHILD = textwrap.dedent("""
     import os, signal, sys
     import numpy as np
     sys.path.insert(0, sys.argv[2])
@@ -32,9 +31,9 @@ CHILD = textwrap.dedent('''
 
     checkpoints.Checkpointer.save = save_then_die
     crash_model.estimator(sys.argv[1]).train(crash_model.input_fn(), max_steps=10)
-''')
+""")
 
-MODEL = textwrap.dedent('''
+MODEL = textwrap.dedent("""
     import flax.linen as nn, jax.numpy as jnp, numpy as np, optax
     import estimax as ex
 
@@ -54,7 +53,7 @@ MODEL = textwrap.dedent('''
         config = ex.RunConfig(model_dir=model_dir, iterations_per_loop=2,
                               save_checkpoints_steps=2, keep_checkpoint_max=None, num_shards=1)
         return ex.Estimator(model_fn, config, train_batch_size=16)
-''')
+""")
 
 
 def test_kill_during_checkpoint_write_keeps_complete_ones(tmp_path):
@@ -64,8 +63,12 @@ def test_kill_during_checkpoint_write_keeps_complete_ones(tmp_path):
 
     killed_dir = tmp_path / "killed"
     killed_dir.mkdir()
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(killed_dir), str(tmp_path)],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, str(killed_dir), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == -9, proc.stderr[-3000:]
 
     complete = checkpoints.Checkpointer(str(killed_dir), None, read_only=True).all_steps()
@@ -82,16 +85,20 @@ def test_kill_during_checkpoint_write_keeps_complete_ones(tmp_path):
     # Every complete checkpoint of the killed run loads, and equals the reference at that step.
     resumed = crash_model.estimator(str(killed_dir))
     for step in complete:
-        got = resumed.get_variables(os.path.join(checkpoints.checkpoint_dir(str(killed_dir)),
-                                                 str(step)))
+        got = resumed.get_variables(
+            os.path.join(checkpoints.checkpoint_dir(str(killed_dir)), str(step))
+        )
         want = reference.get_variables(os.path.join(ref_dir, str(step)))
-        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=False):
             np.testing.assert_array_equal(a, b)
 
     # Resuming finishes the job exactly as if nothing had happened.
     resumed.train(crash_model.input_fn(), max_steps=10)
     assert resumed.get_global_step() == 10
-    for a, b in zip(jax.tree.leaves(resumed.get_variables()),
-                    jax.tree.leaves(reference.get_variables())):
+    for a, b in zip(
+        jax.tree.leaves(resumed.get_variables()),
+        jax.tree.leaves(reference.get_variables()),
+        strict=False,
+    ):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     sys.path.remove(str(tmp_path))

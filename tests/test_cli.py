@@ -30,18 +30,28 @@ import seed_command_lines  # noqa: E402
 MODULES = {"resnet": resnet, "inception_v3": inception_v3, "estimax-mnist": mnist}
 
 
-def run_program(program: str, *args: str, cwd, env: dict[str, str] | None = None,
-                timeout: int = 300) -> subprocess.CompletedProcess:
+def run_program(
+    program: str, *args: str, cwd, env: dict[str, str] | None = None, timeout: int = 300
+) -> subprocess.CompletedProcess:
     """Runs ``program`` as a user does: its console script, with this checkout first."""
-    base = {k: v for k, v in os.environ.items()
-            if not k.startswith(("ESTIMAX_", "TPU_")) or k in ("ESTIMAX_ONEDNN",
-                                                                "ESTIMAX_REQUIRE_ONEDNN")}
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("ESTIMAX_", "TPU_"))
+        or k in ("ESTIMAX_ONEDNN", "ESTIMAX_REQUIRE_ONEDNN")
+    }
     base["PYTHONPATH"] = os.pathsep.join([REPO, base.get("PYTHONPATH", "")])
     script = shutil.which(program, path=os.path.dirname(sys.executable))
     module = {"estimax-mnist": "mnist"}.get(program, program)
     cmd = [script] if script else [sys.executable, "-m", f"estimax.programs.{module}"]
-    return subprocess.run([*cmd, *args], capture_output=True, text=True, cwd=cwd,
-                          env={**base, **(env or {})}, timeout=timeout)
+    return subprocess.run(
+        [*cmd, *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={**base, **(env or {})},
+        timeout=timeout,
+    )
 
 
 def fatal_line(proc: subprocess.CompletedProcess) -> str:
@@ -62,6 +72,7 @@ def parse(program: str, argv: list[str]) -> flags.FlagValues:
 
 # ------------------------------------------------- locations: empty refused, under / warned
 
+
 def test_empty_location_is_refused_naming_the_flag_and_the_unset_variable(tmp_path):
     last = fatal_line(run_program("resnet", "--model_dir=", cwd=tmp_path))
     assert last.startswith("FATAL: --model_dir is empty: an environment variable")
@@ -72,12 +83,12 @@ def test_empty_location_is_refused_naming_the_flag_and_the_unset_variable(tmp_pa
 def test_root_location_is_warned_and_real_data_without_data_dir_refused(tmp_path):
     model_dir = f"/estimax-test-{os.getpid()}"
     # The seeds' Inception line with $STORAGE_BUCKET set but no --data_dir at all.
-    proc = run_program("inception_v3", f"--model_dir={model_dir}", "--use_data=real",
-                       cwd=tmp_path)
+    proc = run_program("inception_v3", f"--model_dir={model_dir}", "--use_data=real", cwd=tmp_path)
     last = fatal_line(proc)
     assert last.startswith("FATAL: --data_dir is not set") and "--use_data=fake" in last
-    warning = [line for line in proc.stderr.splitlines() if "directly under the filesystem root"
-               in line]
+    warning = [
+        line for line in proc.stderr.splitlines() if "directly under the filesystem root" in line
+    ]
     assert warning and warning[0].startswith("W") and f"--model_dir={model_dir}" in warning[0]
     assert "${STORAGE_BUCKET}/inception" in warning[0]
     assert not os.path.exists(model_dir)  # warned before anything was created
@@ -96,21 +107,31 @@ def test_check_location_rules():
 
 # ------------------------------------------------- fake data only when asked, and then said
 
+
 def test_fake_data_is_warned_at_start_and_in_tensorboard(tmp_path):
     from tensorboard.backend.event_processing import event_accumulator
 
     model_dir = tmp_path / "m"
     # --mode=eval with --eval_timeout=0 sets everything up and stops at once (no checkpoint).
-    proc = run_program("resnet", "--data_dir=fake", f"--model_dir={model_dir}", "--mode=eval",
-                       "--eval_timeout=0", "--num_cores=1", cwd=tmp_path)
+    proc = run_program(
+        "resnet",
+        "--data_dir=fake",
+        f"--model_dir={model_dir}",
+        "--mode=eval",
+        "--eval_timeout=0",
+        "--num_cores=1",
+        cwd=tmp_path,
+    )
     last = fatal_line(proc)
     warnings = [line for line in proc.stderr.splitlines() if "FAKE DATA" in line]
     assert warnings and warnings[0].startswith("W") and "--data_dir=fake" in warnings[0]
     # --mode=eval says what it waits for and where, then gives up after --eval_timeout.
     assert f"Waiting for checkpoints in {model_dir}/checkpoints" in proc.stderr
     assert "giving up after --eval_timeout=0 s" in proc.stderr
-    assert last == (f"FATAL: no checkpoint appeared in --model_dir={model_dir} within "
-                    "--eval_timeout=0 s: is it the training job's --model_dir?")
+    assert last == (
+        f"FATAL: no checkpoint appeared in --model_dir={model_dir} within "
+        "--eval_timeout=0 s: is it the training job's --model_dir?"
+    )
     acc = event_accumulator.EventAccumulator(str(model_dir), size_guidance={"tensors": 0})
     acc.Reload()
     [event] = acc.Tensors("run_description/text_summary")
@@ -130,15 +151,18 @@ def test_fake_data_values():
 
 # ------------------------------------------------- a missing split is found at start
 
+
 def test_missing_split_is_found_at_start(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
     with tfrecord.TFRecordWriter(str(data / "train-00000-of-00001")) as w:
         w.write(b"x")
-    last = fatal_line(run_program("resnet", f"--data_dir={data}", f"--model_dir={tmp_path / 'm'}",
-                                  cwd=tmp_path))
-    assert last.startswith(f"FATAL: --data_dir={data} has no validation-* files, which "
-                           "--mode=train_and_eval reads")
+    last = fatal_line(
+        run_program("resnet", f"--data_dir={data}", f"--model_dir={tmp_path / 'm'}", cwd=tmp_path)
+    )
+    assert last.startswith(
+        f"FATAL: --data_dir={data} has no validation-* files, which --mode=train_and_eval reads"
+    )
     assert not (tmp_path / "m").exists()
     # --mode=train reads only train-*: the same data_dir passes the check.
     assert common.check_data(str(data), "train") == (str(data), "random", [])
@@ -146,13 +170,24 @@ def test_missing_split_is_found_at_start(tmp_path):
 
 # ------------------------------------------------- one line for every user mistake
 
-@pytest.mark.parametrize("args,expected", [
-    (["--train_steps=-5"], "FATAL: flag --train_steps=-5: -5 is not a positive integer"),
-    (["--resnet_depth=19"], "FATAL: --resnet_depth=19: must be one of [18, 34, 50, 101, 152, 200]"),
-], ids=["flag_parser", "program_check"])
+
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["--train_steps=-5"], "FATAL: flag --train_steps=-5: -5 is not a positive integer"),
+        (
+            ["--resnet_depth=19"],
+            "FATAL: --resnet_depth=19: must be one of [18, 34, 50, 101, 152, 200]",
+        ),
+    ],
+    ids=["flag_parser", "program_check"],
+)
 def test_user_mistakes_end_in_one_line(tmp_path, args, expected):
-    last = fatal_line(run_program("resnet", f"--model_dir={tmp_path / 'm'}", "--data_dir=fake",
-                                  *args, cwd=tmp_path))
+    last = fatal_line(
+        run_program(
+            "resnet", f"--model_dir={tmp_path / 'm'}", "--data_dir=fake", *args, cwd=tmp_path
+        )
+    )
     assert last.startswith(expected)
 
 
@@ -165,43 +200,60 @@ def test_sizes_are_checked_when_parsed_not_as_bad_records():
 
 def test_model_mismatch_names_the_flag_and_what_to_do(tmp_path):
     model_dir = tmp_path / "m"
-    cli.check_model_dir(str(model_dir), "resnet", {"resnet_depth": 18, "num_label_classes": 1000},
-                        write=True)
-    last = fatal_line(run_program("resnet", f"--model_dir={model_dir}", "--data_dir=fake",
-                                  "--resnet_depth=34", cwd=tmp_path))
-    assert last == (f"FATAL: --resnet_depth=34, but the checkpoints in --model_dir={model_dir} "
-                    f"were written with --resnet_depth=18 (see {model_dir}/flags.json): use "
-                    "another --model_dir to train a new model, or --resnet_depth=18 to continue "
-                    "this one.")
+    cli.check_model_dir(
+        str(model_dir), "resnet", {"resnet_depth": 18, "num_label_classes": 1000}, write=True
+    )
+    last = fatal_line(
+        run_program(
+            "resnet",
+            f"--model_dir={model_dir}",
+            "--data_dir=fake",
+            "--resnet_depth=34",
+            cwd=tmp_path,
+        )
+    )
+    assert last == (
+        f"FATAL: --resnet_depth=34, but the checkpoints in --model_dir={model_dir} "
+        f"were written with --resnet_depth=18 (see {model_dir}/flags.json): use "
+        "another --model_dir to train a new model, or --resnet_depth=18 to continue "
+        "this one."
+    )
     assert not (model_dir / lock.LOCK_FILE).exists()  # the lock went with the run
     with pytest.raises(cli.UsageError, match="holds a resnet model"):
         cli.check_model_dir(str(model_dir), "inception_v3", {"num_classes": 1001}, write=False)
     # The same flags pass, and a training run records them.
-    cli.check_model_dir(str(model_dir), "resnet", {"resnet_depth": 18, "num_label_classes": 1000},
-                        write=True)
+    cli.check_model_dir(
+        str(model_dir), "resnet", {"resnet_depth": 18, "num_label_classes": 1000}, write=True
+    )
     assert json.loads((model_dir / "flags.json").read_text())["flags"]["resnet_depth"] == 18
 
 
 # ------------------------------------------------- one trainer per model_dir
 
+
 def test_second_trainer_exits_naming_the_first(tmp_path):
     model_dir = tmp_path / "m"
     with lock.WriterLock(str(model_dir)):  # this test process is "the first trainer"
-        last = fatal_line(run_program("resnet", f"--model_dir={model_dir}", "--data_dir=fake",
-                                      cwd=tmp_path))
-    assert last == (f"FATAL: --model_dir is in use by another trainer: pid {os.getpid()} on "
-                    f"host {socket.gethostname()} (see {model_dir}/writer.lock). Stop it or use "
-                    "another --model_dir; a lock left by a process that died is taken over "
-                    "automatically.")
+        last = fatal_line(
+            run_program("resnet", f"--model_dir={model_dir}", "--data_dir=fake", cwd=tmp_path)
+        )
+    assert last == (
+        f"FATAL: --model_dir is in use by another trainer: pid {os.getpid()} on "
+        f"host {socket.gethostname()} (see {model_dir}/writer.lock). Stop it or use "
+        "another --model_dir; a lock left by a process that died is taken over "
+        "automatically."
+    )
     assert not (model_dir / lock.LOCK_FILE).exists()  # released by its holder only
 
 
 def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True).stdout.strip()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    ).stdout.strip()
     path = tmp_path / lock.LOCK_FILE
-    path.write_text(json.dumps({"host": socket.gethostname(), "pid": int(dead),
-                                "heartbeat": 1e12}))  # a heartbeat from the future: pid decides
+    path.write_text(
+        json.dumps({"host": socket.gethostname(), "pid": int(dead), "heartbeat": 1e12})
+    )  # a heartbeat from the future: pid decides
     with lock.WriterLock(str(tmp_path)) as held:
         assert json.loads(path.read_text())["pid"] == os.getpid()
         assert held.read()["host"] == socket.gethostname()
@@ -212,12 +264,19 @@ def test_lock_on_an_object_store_goes_stale_by_heartbeat():
     # fsspec's memory:// filesystem stands for gs:// and s3:// here: no O_EXCL, no pids.
     now = [1000.0]
     clock = lambda: now[0]  # noqa: E731
-    first = lock.WriterLock("memory://bucket/run", clock=clock, host="host-a", pid=11,
-                            heartbeat_secs=3600, stale_secs=300)
+    first = lock.WriterLock(
+        "memory://bucket/run",
+        clock=clock,
+        host="host-a",
+        pid=11,
+        heartbeat_secs=3600,
+        stale_secs=300,
+    )
     first.acquire()
     try:
-        second = lock.WriterLock("memory://bucket/run", clock=clock, host="host-b", pid=22,
-                                 stale_secs=300)
+        second = lock.WriterLock(
+            "memory://bucket/run", clock=clock, host="host-b", pid=22, stale_secs=300
+        )
         with pytest.raises(cli.UsageError, match="pid 11 on host host-a"):
             second.acquire()
         now[0] += 301  # host-a stopped beating (its heartbeat thread waits an hour here)
@@ -231,6 +290,7 @@ def test_lock_on_an_object_store_goes_stale_by_heartbeat():
 
 
 # ------------------------------------------------- help, flags on every program
+
 
 @pytest.mark.parametrize("program", ["resnet", "inception_v3", "estimax-mnist"])
 def test_console_scripts_list_their_flags(tmp_path, program):
@@ -251,14 +311,24 @@ def _captured_job(monkeypatch, program: str, argv: list[str]) -> common.Job:
 
 
 def test_skip_bad_records_and_export_dir_reach_the_inception_run(tmp_path, monkeypatch):
-    job = _captured_job(monkeypatch, "inception_v3", [
-        "--use_data=fake", f"--model_dir={tmp_path}", f"--export_dir={tmp_path / 'e'}",
-        "--skip_bad_records", "--width=107", "--height=107"])
+    job = _captured_job(
+        monkeypatch,
+        "inception_v3",
+        [
+            "--use_data=fake",
+            f"--model_dir={tmp_path}",
+            f"--export_dir={tmp_path / 'e'}",
+            "--skip_bad_records",
+            "--width=107",
+            "--height=107",
+        ],
+    )
     assert job.input_fn.keywords["skip_bad_records"] is True
     assert job.loop.export_dir == str(tmp_path / "e")
     assert job.serving.shape == (None, 107, 107, 3) and job.serving.dtype == np.float32
-    job = _captured_job(monkeypatch, "resnet", ["--data_dir=fake", f"--model_dir={tmp_path}",
-                                                "--skip_bad_records"])
+    job = _captured_job(
+        monkeypatch, "resnet", ["--data_dir=fake", f"--model_dir={tmp_path}", "--skip_bad_records"]
+    )
     assert job.input_fn.keywords["skip_bad_records"] is True
 
 
@@ -277,42 +347,68 @@ def test_mnist_skip_bad_records(tmp_path):
 
 # ------------------------------------------------- settings from the environment
 
+
 def test_flags_from_the_environment_and_the_command_line_wins():
     fv = parse("resnet", ["--train_steps=7"])
-    used = cli.apply_environment(fv, {"ESTIMAX_TRAIN_STEPS": "9", "ESTIMAX_IMAGE_SIZE": "64",
-                                      "ESTIMAX_SKIP_BAD_RECORDS": "true",
-                                      "TPU_MODEL_DIR": "gs://b/tpu", "TPU_GRPC_URL": "grpc://x"})
+    used = cli.apply_environment(
+        fv,
+        {
+            "ESTIMAX_TRAIN_STEPS": "9",
+            "ESTIMAX_IMAGE_SIZE": "64",
+            "ESTIMAX_SKIP_BAD_RECORDS": "true",
+            "TPU_MODEL_DIR": "gs://b/tpu",
+            "TPU_GRPC_URL": "grpc://x",
+        },
+    )
     assert fv.train_steps == 7  # the command line wins
     assert fv.image_size == 64 and fv.skip_bad_records is True
     assert fv.model_dir == "gs://b/tpu" and fv.master == "grpc://x"
-    assert used == {"image_size": "ESTIMAX_IMAGE_SIZE", "skip_bad_records":
-                    "ESTIMAX_SKIP_BAD_RECORDS", "model_dir": "TPU_MODEL_DIR",
-                    "master": "TPU_GRPC_URL"}
+    assert used == {
+        "image_size": "ESTIMAX_IMAGE_SIZE",
+        "skip_bad_records": "ESTIMAX_SKIP_BAD_RECORDS",
+        "model_dir": "TPU_MODEL_DIR",
+        "master": "TPU_GRPC_URL",
+    }
     fv = parse("resnet", [])
     cli.apply_environment(fv, {"ESTIMAX_MODEL_DIR": "/a", "TPU_MODEL_DIR": "/b"})
     assert fv.model_dir == "/a"  # the documented prefix before the job runner's variable
-    with pytest.raises(cli.UsageError, match=r"\$ESTIMAX_IMAGE_SIZE='big' is not a valid "
-                                             r"--image_size"):
+    with pytest.raises(
+        cli.UsageError,
+        match=r"\$ESTIMAX_IMAGE_SIZE='big' is not a valid "
+        r"--image_size",
+    ):
         cli.apply_environment(parse("resnet", []), {"ESTIMAX_IMAGE_SIZE": "big"})
 
 
 def test_environment_reaches_the_program(tmp_path):
-    proc = run_program("resnet", cwd=tmp_path, env={
-        "ESTIMAX_DATA_DIR": str(tmp_path / "nothing"), "TPU_MODEL_DIR": str(tmp_path / "m"),
-        "TPU_NAME": "my-tpu"})
+    proc = run_program(
+        "resnet",
+        cwd=tmp_path,
+        env={
+            "ESTIMAX_DATA_DIR": str(tmp_path / "nothing"),
+            "TPU_MODEL_DIR": str(tmp_path / "m"),
+            "TPU_NAME": "my-tpu",
+        },
+    )
     last = fatal_line(proc)
     assert last.startswith(f"FATAL: --data_dir={tmp_path / 'nothing'} has no train-* files")
-    assert "From the environment: --data_dir=$ESTIMAX_DATA_DIR, --model_dir=$TPU_MODEL_DIR, " \
-           "--tpu=$TPU_NAME" in proc.stderr
-    assert "$TPU_NAME=my-tpu (the Cloud TPU the job runner gave this job): not needed" in \
-        proc.stderr
+    assert (
+        "From the environment: --data_dir=$ESTIMAX_DATA_DIR, --model_dir=$TPU_MODEL_DIR, "
+        "--tpu=$TPU_NAME" in proc.stderr
+    )
+    assert (
+        "$TPU_NAME=my-tpu (the Cloud TPU the job runner gave this job): not needed" in proc.stderr
+    )
 
 
 # ------------------------------------------------- the seeds' lines with their variables unset
 
-@pytest.mark.parametrize("seed,command", seed_command_lines.SEED_COMMANDS,
-                         ids=[f"{s}-{i}" for i, (s, _) in enumerate(
-                             seed_command_lines.SEED_COMMANDS)])
+
+@pytest.mark.parametrize(
+    "seed,command",
+    seed_command_lines.SEED_COMMANDS,
+    ids=[f"{s}-{i}" for i, (s, _) in enumerate(seed_command_lines.SEED_COMMANDS)],
+)
 def test_seed_line_with_unset_variables_stops_at_start(seed, command, tmp_path, monkeypatch):
     # In-process (the subprocess tests above show how a UsageError reaches the user);
     # scripts/seed_command_lines.py --unset runs the same lines as subprocesses.
@@ -335,15 +431,18 @@ def test_eval_mode_says_where_it_waits_for_a_mistyped_model_dir(tmp_path, caplog
     loop = common.LoopConfig(mode="eval", train_steps=10, steps_per_eval=1, eval_timeout=0)
     with caplog.at_level("INFO"):
         assert common.evaluate_checkpoints(NoEstimator(), None, loop) is None
-    assert (f"Waiting for checkpoints in {tmp_path}/typo/checkpoints (a training job's "
-            f"--model_dir={tmp_path}/typo, which does not exist yet) and evaluating each new one "
-            "until step 10; giving up after --eval_timeout=0 s without a new one.") in caplog.text
+    assert (
+        f"Waiting for checkpoints in {tmp_path}/typo/checkpoints (a training job's "
+        f"--model_dir={tmp_path}/typo, which does not exist yet) and evaluating each new one "
+        "until step 10; giving up after --eval_timeout=0 s without a new one."
+    ) in caplog.text
 
 
 def test_model_flags_on_an_object_store():
     # memory:// stands for gs:// and s3:// (fsspec): written aside, moved into place.
     cli.check_model_dir("memory://bucket/flags", "mnist", {"dense_units": 128}, write=True)
     assert fsspec.filesystem("memory").ls("/bucket/flags", detail=False) == [
-        "/bucket/flags/flags.json"]
+        "/bucket/flags/flags.json"
+    ]
     with pytest.raises(cli.UsageError, match="--dense_units=64, but the checkpoints"):
         cli.check_model_dir("memory://bucket/flags", "mnist", {"dense_units": 64}, write=False)

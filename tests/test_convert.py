@@ -60,7 +60,7 @@ def make_raw_imagenet(root, per_synset: int = 4, num_val: int = 6) -> dict:
             color = _color(s_i * 10 + j)
             kind = "rgb"
             if (s_i, j) == (0, 1):
-                kind, data = "png", _png(color)   # a PNG disguised as JPEG
+                kind, data = "png", _png(color)  # a PNG disguised as JPEG
             elif (s_i, j) == (1, 2):
                 kind, data = "cmyk", _jpeg(color, "CMYK")
             elif (s_i, j) == (2, 0):
@@ -84,13 +84,17 @@ def make_raw_imagenet(root, per_synset: int = 4, num_val: int = 6) -> dict:
 
 def read_dir(out_dir) -> dict[str, list[dict]]:
     """{shard name: decoded examples} for every shard file in out_dir."""
-    return {os.path.basename(p): [decode_example(r) for r in tfrecord.read_records(p)]
-            for p in tfrecord.list_files(os.path.join(str(out_dir), "*-of-*"))}
+    return {
+        os.path.basename(p): [decode_example(r) for r in tfrecord.read_records(p)]
+        for p in tfrecord.list_files(os.path.join(str(out_dir), "*-of-*"))
+    }
 
 
 def digests(out_dir) -> dict[str, str]:
-    return {os.path.basename(p): hashlib.sha256(open(p, "rb").read()).hexdigest()
-            for p in tfrecord.list_files(os.path.join(str(out_dir), "*-of-*"))}
+    return {
+        os.path.basename(p): hashlib.sha256(open(p, "rb").read()).hexdigest()
+        for p in tfrecord.list_files(os.path.join(str(out_dir), "*-of-*"))
+    }
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +108,9 @@ def converted(raw, tmp_path_factory):
     root, info = raw
     out = tmp_path_factory.mktemp("out")
     ds = convert_sources.imagenet_source(str(root))
-    manifest = convert_shards.convert_local(ds, str(out), {"train": 3, "validation": 2},
-                                            num_workers=2, progress=False)
+    manifest = convert_shards.convert_local(
+        ds, str(out), {"train": 3, "validation": 2}, num_workers=2, progress=False
+    )
     return out, manifest, info
 
 
@@ -113,9 +118,13 @@ def test_imagenet_records_parse_decode_and_carry_the_original_labels(converted):
     out, manifest, info = converted
     labels = {s: k + 1 for k, s in enumerate(sorted(SYNSETS))}  # §8.1's rule
     shards = read_dir(out)
-    assert sorted(shards) == ["train-00000-of-00003", "train-00001-of-00003",
-                              "train-00002-of-00003", "validation-00000-of-00002",
-                              "validation-00001-of-00002"]
+    assert sorted(shards) == [
+        "train-00000-of-00003",
+        "train-00001-of-00003",
+        "train-00002-of-00003",
+        "validation-00000-of-00002",
+        "validation-00001-of-00002",
+    ]
     seen = {}
     for name, examples in shards.items():
         assert examples, f"empty shard {name}"
@@ -141,8 +150,11 @@ def test_imagenet_records_parse_decode_and_carry_the_original_labels(converted):
 
 def test_png_cmyk_and_gray_become_rgb_jpegs_detected_by_content(converted):
     out, manifest, info = converted
-    fixed = {os.path.basename(f["file"]): f["reason"]
-             for e in manifest.shards.values() for f in e["fixed"]}
+    fixed = {
+        os.path.basename(f["file"]): f["reason"]
+        for e in manifest.shards.values()
+        for f in e["fixed"]
+    }
     expected = {n: kind for n, (_, _, kind) in info.items() if kind != "rgb"}
     assert fixed == expected  # exactly the odd files, found without a list of names
     for examples in read_dir(out).values():
@@ -165,8 +177,12 @@ def test_png_cmyk_and_gray_become_rgb_jpegs_detected_by_content(converted):
 def test_validation_in_sorted_order_with_synset_labels(converted):
     out, _, info = converted
     shards = read_dir(out)
-    val = [ex["image/filename"][0].decode()
-           for n in sorted(shards) if n.startswith("validation") for ex in shards[n]]
+    val = [
+        ex["image/filename"][0].decode()
+        for n in sorted(shards)
+        if n.startswith("validation")
+        for ex in shards[n]
+    ]
     assert val == sorted(n for n in info if n.startswith("ILSVRC"))
 
 
@@ -174,8 +190,12 @@ def test_train_order_is_a_real_seeded_shuffle(converted, raw):
     out, _, info = converted
     root, _ = raw
     shards = read_dir(out)
-    order = [ex["image/filename"][0].decode()
-             for n in sorted(shards) if n.startswith("train") for ex in shards[n]]
+    order = [
+        ex["image/filename"][0].decode()
+        for n in sorted(shards)
+        if n.startswith("train")
+        for ex in shards[n]
+    ]
     sorted_order = sorted(n for n in info if not n.startswith("ILSVRC"))
     assert sorted(order) == sorted_order
     assert order != sorted_order  # the original's shuffle bug returned exactly this
@@ -193,8 +213,9 @@ def test_imagenet_input_fn_reads_the_output_with_zero_based_labels(converted):
     fn = imagenet.input_fn(str(out), is_training=False, image_size=16, num_parallel_calls=1)
     it = iter(fn({"batch_size": 4}))
     images, labels = next(it)
-    first = [ex for n in sorted(read_dir(out)) if n.startswith("validation")
-             for ex in read_dir(out)[n]][:4]
+    first = [
+        ex for n in sorted(read_dir(out)) if n.startswith("validation") for ex in read_dir(out)[n]
+    ][:4]
     assert images.shape == (4, 16, 16, 3)
     assert labels.tolist() == [int(ex["image/class/label"][0]) - 1 for ex in first]
 
@@ -213,22 +234,38 @@ def test_verify_passes_then_catches_a_deleted_record(converted, tmp_path):
             w.write(r)
     problems = convert_shards.verify(str(copy), num_workers=1)
     assert any("train-00001-of-00003" in p and "SHA-256" in p for p in problems)
-    assert any(f"{len(records) - 1} records, the manifest says {len(records)}" in p
-               for p in problems)
+    assert any(
+        f"{len(records) - 1} records, the manifest says {len(records)}" in p for p in problems
+    )
     assert convert.main(["verify", f"--output_dir={copy}"]) == 1
 
 
 def _fake_args(out, *extra):
-    return [sys.executable, "-m", "estimax.tools.convert", "fake-imagenet",
-            f"--output_dir={out}", "--train_examples=960", "--validation_examples=0",
-            "--train_shards=24", "--min_size=64", "--max_size=128", "--no_progress", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "estimax.tools.convert",
+        "fake-imagenet",
+        f"--output_dir={out}",
+        "--train_examples=960",
+        "--validation_examples=0",
+        "--train_shards=24",
+        "--min_size=64",
+        "--max_size=128",
+        "--no_progress",
+        *extra,
+    ]
 
 
 def test_interrupted_conversion_resumes_and_equals_an_uninterrupted_one(tmp_path):
     killed, whole = tmp_path / "killed", tmp_path / "whole"
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen(_fake_args(killed, "--num_workers=1", "--manifest_save_secs=0"),
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        _fake_args(killed, "--num_workers=1", "--manifest_save_secs=0"),
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         # Kill as soon as the manifest records two finished shards (watching the output dir).
         while True:
@@ -249,8 +286,9 @@ def test_interrupted_conversion_resumes_and_equals_an_uninterrupted_one(tmp_path
     rewritten = []
     args = convert._parser().parse_args(_fake_args(killed)[3:])
     ds, _ = convert._dataset(args)
-    final = convert_shards.convert_local(ds, str(killed), {"train": 24}, num_workers=2,
-                                         progress=False, on_shard=rewritten.append)
+    final = convert_shards.convert_local(
+        ds, str(killed), {"train": 24}, num_workers=2, progress=False, on_shard=rewritten.append
+    )
     assert final.complete
     assert not {r["name"] for r in rewritten} & set(partial.shards)  # finished ones kept
     assert len(rewritten) == 24 - len(partial.shards)
@@ -262,10 +300,12 @@ def test_interrupted_conversion_resumes_and_equals_an_uninterrupted_one(tmp_path
 
 def test_fake_imagenet_fields_labels_and_worker_independence(tmp_path):
     ds = fake_imagenet.fake_dataset(30, 10, num_classes=5, seed=3, min_size=40, max_size=60)
-    a = convert_shards.convert_local(ds, str(tmp_path / "a"), {"train": 3, "validation": 2},
-                                     num_workers=2, progress=False)
-    convert_shards.convert_local(ds, str(tmp_path / "b"), {"train": 3, "validation": 2},
-                                 num_workers=1, progress=False)
+    a = convert_shards.convert_local(
+        ds, str(tmp_path / "a"), {"train": 3, "validation": 2}, num_workers=2, progress=False
+    )
+    convert_shards.convert_local(
+        ds, str(tmp_path / "b"), {"train": 3, "validation": 2}, num_workers=1, progress=False
+    )
     assert digests(tmp_path / "a") == digests(tmp_path / "b")
     assert a.label_map == {f"n{k:08d}": k for k in range(1, 6)}
     for examples in read_dir(tmp_path / "a").values():
@@ -280,27 +320,51 @@ def test_fake_imagenet_fields_labels_and_worker_independence(tmp_path):
 def test_folder_and_csv_commands_write_the_same_examples_as_imagenet(raw, converted, tmp_path):
     root, info = raw
     out_imagenet, manifest, _ = converted
-    want = {ex["image/filename"][0]: ex for exs in read_dir(out_imagenet).values() for ex in exs
-            if ex["image/filename"][0].startswith(b"n")}
-    assert convert.main(["folder", f"--train_dir={root / 'train'}", "--train_shards=2",
-                         f"--output_dir={tmp_path / 'folder'}", "--no_progress"]) == 0
+    want = {
+        ex["image/filename"][0]: ex
+        for exs in read_dir(out_imagenet).values()
+        for ex in exs
+        if ex["image/filename"][0].startswith(b"n")
+    }
+    assert (
+        convert.main(
+            [
+                "folder",
+                f"--train_dir={root / 'train'}",
+                "--train_shards=2",
+                f"--output_dir={tmp_path / 'folder'}",
+                "--no_progress",
+            ]
+        )
+        == 0
+    )
     # CSV with paths relative to the CSV file, and a labels file in a non-sorted order.
     labels = list(reversed(SYNSETS))
     (root / "labels.txt").write_text("\n".join(labels))
     rows = [f"train/{info[n][0]}/{n},{info[n][0]}" for n in sorted(info) if n.startswith("n")]
     (root / "train.csv").write_text("\n".join(rows) + "\n")
-    assert convert.main(["csv", f"--train_csv={root / 'train.csv'}",
-                         f"--labels_file={root / 'labels.txt'}", "--train_shards=2",
-                         f"--output_dir={tmp_path / 'csv'}", "--no_progress"]) == 0
+    assert (
+        convert.main(
+            [
+                "csv",
+                f"--train_csv={root / 'train.csv'}",
+                f"--labels_file={root / 'labels.txt'}",
+                "--train_shards=2",
+                f"--output_dir={tmp_path / 'csv'}",
+                "--no_progress",
+            ]
+        )
+        == 0
+    )
     for kind in ("folder", "csv"):
-        got = {ex["image/filename"][0]: ex for exs in read_dir(tmp_path / kind).values()
-               for ex in exs}
+        got = {
+            ex["image/filename"][0]: ex for exs in read_dir(tmp_path / kind).values() for ex in exs
+        }
         assert sorted(got) == sorted(want)
         for name, ex in got.items():
             assert ex["image/encoded"] == want[name]["image/encoded"]
             synset = ex["image/class/synset"][0].decode()
-            label = (labels.index(synset) + 1 if kind == "csv"
-                     else manifest.label_map[synset])
+            label = labels.index(synset) + 1 if kind == "csv" else manifest.label_map[synset]
             assert int(ex["image/class/label"][0]) == label
         assert convert.main(["verify", f"--output_dir={tmp_path / kind}"]) == 0
 
@@ -308,21 +372,26 @@ def test_folder_and_csv_commands_write_the_same_examples_as_imagenet(raw, conver
 def test_beam_direct_runner_writes_the_same_examples_as_the_local_tool(raw, converted, tmp_path):
     if os.environ.get("ESTIMAX_REQUIRE_BEAM"):  # `make test` runs this in .venv-beam
         import apache_beam  # noqa: F401
-    pytest.importorskip("apache_beam", reason="apache-beam runs in its own venv (`make test` "
-                        "builds .venv-beam: Beam pins protobuf<7); not installed here")
+    pytest.importorskip(
+        "apache_beam",
+        reason="apache-beam runs in its own venv (`make test` "
+        "builds .venv-beam: Beam pins protobuf<7); not installed here",
+    )
     from estimax.tools import convert_beam
 
     root, _ = raw
     out_local, _, _ = converted
     ds = convert_sources.imagenet_source(str(root))
-    manifest = convert_beam.convert_beam(ds, str(tmp_path), {"train": 3, "validation": 2},
-                                         num_workers=2)
+    manifest = convert_beam.convert_beam(
+        ds, str(tmp_path), {"train": 3, "validation": 2}, num_workers=2
+    )
     assert manifest.complete
     assert digests(tmp_path) == digests(out_local)
     assert convert_shards.verify(str(tmp_path), num_workers=1) == []
 
 
 # ------------------------------------------------------------------------------ bad input
+
 
 def _tree(tmp_path):
     root = tmp_path / "raw"
@@ -334,8 +403,9 @@ def _convert(root, out, **kw):
     skip_bad = kw.pop("skip_bad", False)
     ds = convert_sources.imagenet_source(str(root), skip_bad=skip_bad)
     shards = kw.pop("shards", {"train": 2, "validation": 1})
-    return convert_shards.convert_local(ds, str(out), shards, num_workers=1, progress=False,
-                                        skip_bad=skip_bad, **kw)
+    return convert_shards.convert_local(
+        ds, str(out), shards, num_workers=1, progress=False, skip_bad=skip_bad, **kw
+    )
 
 
 def test_unreadable_and_truncated_images_name_the_file_or_are_skipped(tmp_path):
@@ -347,7 +417,7 @@ def test_unreadable_and_truncated_images_name_the_file_or_are_skipped(tmp_path):
     truncated = root / "train" / SYNSETS[1] / f"{SYNSETS[1]}_0.JPEG"
     noise = np.random.default_rng(0).integers(0, 256, (H, W, 3), dtype=np.uint8)
     full = simplejpeg.encode_jpeg(noise, quality=95)
-    truncated.write_bytes(full[:len(full) * 3 // 4])  # headers intact, scan data cut
+    truncated.write_bytes(full[: len(full) * 3 // 4])  # headers intact, scan data cut
     bad.write_bytes(_jpeg((1, 2, 3)))
     with pytest.raises(BadImageError, match=f"{truncated}.*truncated"):
         _convert(root, tmp_path / "o2")
@@ -361,23 +431,30 @@ def test_unreadable_and_truncated_images_name_the_file_or_are_skipped(tmp_path):
 def test_unknown_synset_names_the_labels_file_line(tmp_path):
     root = _tree(tmp_path)
     (root / "synset_labels.txt").write_text(f"{SYNSETS[0]}\nn09999999\n{SYNSETS[1]}\n")
-    with pytest.raises(InputError, match=r"synset_labels.txt line 2: unknown synset "
-                       r"'n09999999' \(for ILSVRC2012_val_00000002.JPEG\)"):
+    with pytest.raises(
+        InputError,
+        match=r"synset_labels.txt line 2: unknown synset "
+        r"'n09999999' \(for ILSVRC2012_val_00000002.JPEG\)",
+    ):
         convert_sources.imagenet_source(str(root))
     ds = convert_sources.imagenet_source(str(root), skip_bad=True)
     assert [os.path.basename(i.path) for i in ds.splits["validation"]] == [
-        "ILSVRC2012_val_00000001.JPEG", "ILSVRC2012_val_00000003.JPEG"]
+        "ILSVRC2012_val_00000001.JPEG",
+        "ILSVRC2012_val_00000003.JPEG",
+    ]
     assert "n09999999" in ds.skipped[0]["reason"]
 
 
 def test_empty_split_missing_labels_file_and_too_many_shards(tmp_path, capsys):
     root = _tree(tmp_path)
     (root / "synset_labels.txt").unlink()
-    with pytest.raises(InputError, match=f"validation labels file {root}/synset_labels.txt "
-                       "does not exist"):
+    with pytest.raises(
+        InputError, match=f"validation labels file {root}/synset_labels.txt does not exist"
+    ):
         convert_sources.imagenet_source(str(root))
-    assert convert.main(["imagenet", f"--raw_data_dir={root}",
-                         f"--output_dir={tmp_path / 'o'}"]) == 2
+    assert (
+        convert.main(["imagenet", f"--raw_data_dir={root}", f"--output_dir={tmp_path / 'o'}"]) == 2
+    )
     assert "synset_labels.txt does not exist" in capsys.readouterr().err
     for synset in SYNSETS:
         for f in (root / "train" / synset).iterdir():
@@ -395,8 +472,7 @@ def test_csv_label_not_in_labels_file_names_the_line(tmp_path):
     (tmp_path / "labels.txt").write_text("cat\ndog\n")
     (tmp_path / "t.csv").write_text("a.jpg,cat\nb.jpg,cow\n")
     with pytest.raises(InputError, match=r"t.csv line 2: label 'cow' is not in the labels file"):
-        convert_sources.csv_source({"train": str(tmp_path / "t.csv")},
-                                   str(tmp_path / "labels.txt"))
+        convert_sources.csv_source({"train": str(tmp_path / "t.csv")}, str(tmp_path / "labels.txt"))
 
 
 def test_a_different_conversion_in_the_same_output_dir_is_refused(tmp_path):
@@ -404,11 +480,11 @@ def test_a_different_conversion_in_the_same_output_dir_is_refused(tmp_path):
     _convert(root, tmp_path / "o")
     with pytest.raises(InputError, match="manifest.json is from a different conversion"):
         _convert(root, tmp_path / "o", shards={"train": 3, "validation": 1})
-    manifest = _convert(root, tmp_path / "o", shards={"train": 3, "validation": 1},
-                        overwrite=True)
+    manifest = _convert(root, tmp_path / "o", shards={"train": 3, "validation": 1}, overwrite=True)
     assert sorted(os.listdir(tmp_path / "o")) == sorted(
         ["manifest.json", "validation-00000-of-00001"]
-        + [f"train-0000{i}-of-00003" for i in range(3)])
+        + [f"train-0000{i}-of-00003" for i in range(3)]
+    )
     assert manifest.complete
 
 
@@ -416,14 +492,21 @@ def test_output_to_a_remote_fsspec_filesystem_and_rerun_rewrites_nothing():
     # memory:// stands for gs://: no local rename, manifest and checksums through fsspec.
     ds = fake_imagenet.fake_dataset(20, 6, num_classes=4, seed=1, min_size=30, max_size=40)
     out = "memory://estimax-test-convert/out"
-    manifest = convert_shards.convert_local(ds, out, {"train": 2, "validation": 1},
-                                            num_workers=1, progress=False)
+    manifest = convert_shards.convert_local(
+        ds, out, {"train": 2, "validation": 1}, num_workers=1, progress=False
+    )
     assert manifest.complete and convert_shards.verify(out, num_workers=1) == []
     records = list(tfrecord.read_records(out + "/train-00001-of-00002"))
     assert len(records) == manifest.shards["train-00001-of-00002"]["num_examples"] == 10
     rewritten = []
-    convert_shards.convert_local(ds, out, {"train": 2, "validation": 1}, num_workers=1,
-                                 progress=False, on_shard=rewritten.append)
+    convert_shards.convert_local(
+        ds,
+        out,
+        {"train": 2, "validation": 1},
+        num_workers=1,
+        progress=False,
+        on_shard=rewritten.append,
+    )
     assert rewritten == []
 
 
@@ -437,9 +520,18 @@ def test_a_shard_whose_images_are_all_bad_is_not_written_even_with_skip_bad(tmp_
         (tmp_path / "in" / "dog" / f"{i}.jpg").write_bytes(_jpeg((5, 5, 5)))
     ds = convert_sources.folder_source({"validation": str(tmp_path / "in")})
     # validation keeps sorted order: shard 0 = the two bad cats, shard 1 = the two dogs.
-    with pytest.raises(BadImageError, match="validation-00000-of-00002: all 2 of its images "
-                       "are bad.*refusing to write an empty shard"):
-        convert_shards.convert_local(ds, str(tmp_path / "out"), {"validation": 2},
-                                     num_workers=1, progress=False, skip_bad=True)
+    with pytest.raises(
+        BadImageError,
+        match="validation-00000-of-00002: all 2 of its images "
+        "are bad.*refusing to write an empty shard",
+    ):
+        convert_shards.convert_local(
+            ds,
+            str(tmp_path / "out"),
+            {"validation": 2},
+            num_workers=1,
+            progress=False,
+            skip_bad=True,
+        )
     assert not (tmp_path / "out" / "validation-00000-of-00002").exists()
     assert not [n for n in os.listdir(tmp_path / "out") if n.startswith(".")]

@@ -48,8 +48,10 @@ _CHILD = textwrap.dedent("""
     out["lowered_to_onednn"] = "estimax_onednn_conv" in fn.lower(x, w).as_text()
     got = fn(x, w)
     out["dtypes"] = [str(a.dtype) for a in got]
-    out["rel_err"] = [float(np.abs(np.float32(a) - np.float32(b)).max() / np.abs(np.float32(b)).max())
-                      for a, b in zip(got, want)]
+    out["rel_err"] = [
+        float(np.abs(np.float32(a) - np.float32(b)).max() / np.abs(np.float32(b)).max())
+        for a, b in zip(got, want, strict=True)
+    ]
 
     forced = jax.jit(functools.partial(ops.conv_with_strategy, window_strides=case[2],
                                        padding=case[3], fwd="onednn", dx="xla", dw="xla"))
@@ -69,11 +71,17 @@ def avx2_run():
             pytest.fail(f"ESTIMAX_REQUIRE_ONEDNN=1 but {native.status()}")
         pytest.skip(f"oneDNN kernels not built: {native.status()}")
     env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", DNNL_MAX_CPU_ISA="AVX2")
-    proc = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True,
-                          text=True, timeout=600, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def test_avx2_cpu_has_fp32_but_no_bf16_convolutions(avx2_run):
@@ -102,9 +110,16 @@ def test_status_line_names_cpu_isa_and_what_bf16_runs_on(avx2_run):
 def test_a_forced_unsupported_primitive_names_convolution_isa_and_the_way_out(avx2_run):
     message = avx2_run["forced_error"]
     assert message is not None, "bf16 oneDNN convolution unexpectedly ran on AVX2"
-    for part in ("estimax oneDNN convolution failed", "forward bf16 convolution",
-                 "input [2,9,9,5] (NHWC)", "filter [3,3,5,4] (HWIO)", "stride 2x2",
-                 "oneDNN avx2 kernels", "ESTIMAX_ONEDNN=0", "--nocpu_fast_ops"):
+    for part in (
+        "estimax oneDNN convolution failed",
+        "forward bf16 convolution",
+        "input [2,9,9,5] (NHWC)",
+        "filter [3,3,5,4] (HWIO)",
+        "stride 2x2",
+        "oneDNN avx2 kernels",
+        "ESTIMAX_ONEDNN=0",
+        "--nocpu_fast_ops",
+    ):
         assert part in message, (part, message)
 
 

@@ -33,11 +33,16 @@ def make_model_fn(dropout=0.0, batch_norm=False):
         logits = TinyNet()(x, mode == ex.ModeKeys.TRAIN)
         loss = None if labels is None else ex.losses.softmax_cross_entropy(logits, labels)
         return ex.EstimatorSpec(
-            mode=mode, loss=loss, optimizer=optax.sgd(0.1, momentum=0.9),
-            eval_metrics=None if labels is None else {
-                "accuracy": ex.metrics.accuracy(labels, logits)},
+            mode=mode,
+            loss=loss,
+            optimizer=optax.sgd(0.1, momentum=0.9),
+            eval_metrics=None
+            if labels is None
+            else {"accuracy": ex.metrics.accuracy(labels, logits)},
             predictions={"classes": jnp.argmax(logits, -1), "logits": logits},
-            scalars={"learning_rate": jnp.float32(0.1)})
+            scalars={"learning_rate": jnp.float32(0.1)},
+        )
+
     return model_fn
 
 
@@ -59,7 +64,7 @@ def assert_trees_close(a, b, **tol):
     flat_a, tree_a = jax.tree_util.tree_flatten(a)
     flat_b, tree_b = jax.tree_util.tree_flatten(b)
     assert tree_a == tree_b
-    for x, y in zip(flat_a, flat_b):
+    for x, y in zip(flat_a, flat_b, strict=False):
         np.testing.assert_allclose(x, y, **tol)
 
 
@@ -68,8 +73,9 @@ def test_eight_replicas_match_one_device(tmp_path):
     x, y = data()
     results = {}
     for shards in (1, 8):
-        est = ex.Estimator(make_model_fn(), config(tmp_path, f"s{shards}", num_shards=shards),
-                           train_batch_size=64)
+        est = ex.Estimator(
+            make_model_fn(), config(tmp_path, f"s{shards}", num_shards=shards), train_batch_size=64
+        )
         est.train(ex.numpy_input_fn(x, y, shuffle=False), max_steps=5)
         results[shards] = est.get_variables()["params"]
     # The mean of 8 replica gradients is the gradient of the global batch: same updates.
@@ -77,13 +83,18 @@ def test_eight_replicas_match_one_device(tmp_path):
     # ...and training did move the parameters (the comparison is not between two inits).
     init = ex.Estimator(make_model_fn(), config(tmp_path, "init"), train_batch_size=64)
     init.train(ex.numpy_input_fn(x, y, shuffle=False), max_steps=1)
-    assert not np.allclose(init.get_variables()["params"]["TinyNet_0"]["Dense_0"]["kernel"],
-                           results[8]["TinyNet_0"]["Dense_0"]["kernel"])
+    assert not np.allclose(
+        init.get_variables()["params"]["TinyNet_0"]["Dense_0"]["kernel"],
+        results[8]["TinyNet_0"]["Dense_0"]["kernel"],
+    )
 
 
 def test_batch_sizes_must_divide_by_replicas(tmp_path):
-    with pytest.raises(ValueError, match=r"train_batch_size=100 is not divisible by the number "
-                                         r"of replicas \(8\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"train_batch_size=100 is not divisible by the number "
+        r"of replicas \(8\)",
+    ):
         ex.Estimator(make_model_fn(), config(tmp_path), train_batch_size=100)
     with pytest.raises(ValueError, match="eval_batch_size=12"):
         ex.Estimator(make_model_fn(), config(tmp_path), eval_batch_size=12)
@@ -151,8 +162,10 @@ def test_input_state_is_what_makes_resume_exact(tmp_path):
     a.train(stateless, max_steps=8)
     b = ex.Estimator(make_model_fn(), config(tmp_path, "b"), train_batch_size=32)
     b.train(stateless, max_steps=8)
-    assert not np.allclose(a.get_variables()["params"]["TinyNet_0"]["Dense_0"]["kernel"],
-                           b.get_variables()["params"]["TinyNet_0"]["Dense_0"]["kernel"])
+    assert not np.allclose(
+        a.get_variables()["params"]["TinyNet_0"]["Dense_0"]["kernel"],
+        b.get_variables()["params"]["TinyNet_0"]["Dense_0"]["kernel"],
+    )
 
 
 def known_answer_model_fn(features, labels, mode, params):
@@ -164,11 +177,16 @@ def known_answer_model_fn(features, labels, mode, params):
     if mode == ex.ModeKeys.PREDICT:  # labels are None when predicting
         return ex.EstimatorSpec(mode=mode, predictions={"pred": pred, "x1": features[:, 1]})
     return ex.EstimatorSpec(
-        mode=mode, loss=features[:, 1] + 0.0 * w[:, 0], optimizer=optax.sgd(0.0),
-        eval_metrics={"accuracy": ex.metrics.accuracy(labels, logits),
-                      "top_2": ex.metrics.top_k_accuracy(labels, logits, k=2),
-                      "mean_x1": ex.metrics.mean(features[:, 1])},
-        predictions={"pred": pred, "x1": features[:, 1]})
+        mode=mode,
+        loss=features[:, 1] + 0.0 * w[:, 0],
+        optimizer=optax.sgd(0.0),
+        eval_metrics={
+            "accuracy": ex.metrics.accuracy(labels, logits),
+            "top_2": ex.metrics.top_k_accuracy(labels, logits, k=2),
+            "mean_x1": ex.metrics.mean(features[:, 1]),
+        },
+        predictions={"pred": pred, "x1": features[:, 1]},
+    )
 
 
 @pytest.mark.parametrize("shards", [1, 8])
@@ -177,8 +195,13 @@ def test_eval_counts_every_example_once_with_a_ragged_final_batch(tmp_path, shar
     n = 37  # batches of 16, 16 and a ragged 5
     x = np.stack([rng.integers(0, 4, n), rng.normal(size=n)], axis=1).astype(np.float32)
     y = rng.integers(0, 4, n).astype(np.int32)
-    est = ex.Estimator(known_answer_model_fn, config(tmp_path, num_shards=shards),
-                       train_batch_size=16, eval_batch_size=16, predict_batch_size=16)
+    est = ex.Estimator(
+        known_answer_model_fn,
+        config(tmp_path, num_shards=shards),
+        train_batch_size=16,
+        eval_batch_size=16,
+        predict_batch_size=16,
+    )
     results = est.evaluate(ex.numpy_input_fn(x, y, shuffle=False, num_epochs=1))
     assert results["num_examples"] == 37
     np.testing.assert_allclose(results["accuracy"], np.mean(x[:, 0] == y), rtol=1e-6)
@@ -207,6 +230,7 @@ def test_top_k_accuracy_counts_ties_as_in_top_k():
 
 def _scalars(logdir, tag):
     from tensorboard.backend.event_processing import event_accumulator
+
     acc = event_accumulator.EventAccumulator(logdir, size_guidance={"scalars": 0})
     acc.Reload()
     if tag not in acc.Tags()["scalars"]:
@@ -240,10 +264,10 @@ def test_log_lines_as_the_original(tmp_path, caplog):
     with caplog.at_level("INFO"):
         est.train(ex.numpy_input_fn(x, y), max_steps=4)
     lines = [r.getMessage() for r in caplog.records]
-    logged = [l for l in lines if l.startswith("loss = ")]
-    assert [l.split("step = ")[1] for l in logged] == ["1", "2", "4"]
-    assert any(l.startswith("global_step/sec: ") for l in lines)
-    assert any(l.startswith("examples/sec: ") for l in lines)
+    logged = [line for line in lines if line.startswith("loss = ")]
+    assert [line.split("step = ")[1] for line in logged] == ["1", "2", "4"]
+    assert any(line.startswith("global_step/sec: ") for line in lines)
+    assert any(line.startswith("examples/sec: ") for line in lines)
 
 
 def test_nan_loss_stops_training_and_keeps_checkpoints(tmp_path):
@@ -257,9 +281,12 @@ def test_nan_loss_stops_training_and_keeps_checkpoints(tmp_path):
 
     cfg = config(tmp_path, iterations_per_loop=3, save_checkpoints_steps=1)
     est = ex.Estimator(model_fn, cfg, train_batch_size=32)
-    with pytest.raises(ex.NanLossError, match=r"NaN loss during training: the loss was nan at "
-                                              r"step 6 \(steps 4\.\.6 ran in one device loop\)"
-                                              r".*latest checkpoint \(step 3\)"):
+    with pytest.raises(
+        ex.NanLossError,
+        match=r"NaN loss during training: the loss was nan at "
+        r"step 6 \(steps 4\.\.6 ran in one device loop\)"
+        r".*latest checkpoint \(step 3\)",
+    ):
         est.train(ex.numpy_input_fn(x, y), max_steps=9)
     assert est.get_global_step() == 3
     params = est.get_variables()["params"]
@@ -303,8 +330,7 @@ def test_input_context_and_per_host_batch(tmp_path):
         x, y = data(n=64)
         return ex.numpy_input_fn(x, y)(params)
 
-    est = ex.Estimator(make_model_fn(), config(tmp_path), params={"lr": 1},
-                       train_batch_size=64)
+    est = ex.Estimator(make_model_fn(), config(tmp_path), params={"lr": 1}, train_batch_size=64)
     est.train(input_fn, steps=1)
     assert seen["batch_size"] == 64 and seen["lr"] == 1  # one host: the whole global batch
     ctx = seen["context"]
@@ -316,26 +342,39 @@ def test_export_runs_without_model_code(tmp_path):
     import sys
 
     x, y = data()
-    est = ex.Estimator(make_model_fn(batch_norm=True), config(tmp_path), train_batch_size=32,
-                       predict_batch_size=16)
+    est = ex.Estimator(
+        make_model_fn(batch_norm=True), config(tmp_path), train_batch_size=32, predict_batch_size=16
+    )
     est.train(ex.numpy_input_fn(x, y), max_steps=4)
-    path = est.export_saved_model(str(tmp_path / "export"),
-                                  lambda: ex.TensorSpec((None, 6), np.float32))
-    expected = np.stack([p["logits"] for p in est.predict(
-        ex.numpy_input_fn(x[:7], None, shuffle=False, num_epochs=1))])
+    path = est.export_saved_model(
+        str(tmp_path / "export"), lambda: ex.TensorSpec((None, 6), np.float32)
+    )
+    expected = np.stack(
+        [
+            p["logits"]
+            for p in est.predict(ex.numpy_input_fn(x[:7], None, shuffle=False, num_epochs=1))
+        ]
+    )
     np.save(tmp_path / "x.npy", x[:7])
     # A fresh process that never imports this test's model code.
-    code = ("import numpy as np, sys; from estimax import serving; m = serving.load(sys.argv[1]);"
-            "out = m(np.load(sys.argv[2])); np.save(sys.argv[3], out['logits']);"
-            "print(m.global_step)")
-    proc = subprocess.run([sys.executable, "-c", code, path, str(tmp_path / "x.npy"),
-                           str(tmp_path / "out.npy")], capture_output=True, text=True,
-                          env={**os.environ, "XLA_FLAGS": ""}, timeout=300)
+    code = (
+        "import numpy as np, sys; from estimax import serving; m = serving.load(sys.argv[1]);"
+        "out = m(np.load(sys.argv[2])); np.save(sys.argv[3], out['logits']);"
+        "print(m.global_step)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, path, str(tmp_path / "x.npy"), str(tmp_path / "out.npy")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "XLA_FLAGS": ""},
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "4"
     np.testing.assert_allclose(np.load(tmp_path / "out.npy"), expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(FileNotFoundError, match="not an estimax export"):
         from estimax import serving
+
         serving.load(str(tmp_path))
 
 
@@ -344,9 +383,10 @@ def test_train_and_evaluate_every_steps(tmp_path):
     cfg = config(tmp_path)
     est = ex.Estimator(make_model_fn(), cfg, train_batch_size=32, eval_batch_size=32)
     results, _ = ex.train_and_evaluate(
-        est, ex.TrainSpec(ex.numpy_input_fn(x, y), max_steps=6),
-        ex.EvalSpec(ex.numpy_input_fn(x[:40], y[:40], shuffle=False, num_epochs=1),
-                    every_steps=4))
+        est,
+        ex.TrainSpec(ex.numpy_input_fn(x, y), max_steps=6),
+        ex.EvalSpec(ex.numpy_input_fn(x[:40], y[:40], shuffle=False, num_epochs=1), every_steps=4),
+    )
     est.close()
     assert results["global_step"] == 6 and results["num_examples"] == 40
     assert sorted(_scalars(os.path.join(cfg.model_dir, "eval"), "accuracy")) == [4, 6]
@@ -360,9 +400,13 @@ def test_train_and_evaluate_after_checkpoints_throttled(tmp_path, throttle_secs,
     cfg = config(tmp_path)  # a checkpoint every 2 steps
     est = ex.Estimator(make_model_fn(), cfg, train_batch_size=32, eval_batch_size=32)
     results, _ = ex.train_and_evaluate(
-        est, ex.TrainSpec(ex.numpy_input_fn(x, y), max_steps=8),
-        ex.EvalSpec(ex.numpy_input_fn(x[:40], y[:40], shuffle=False, num_epochs=1),
-                    throttle_secs=throttle_secs))
+        est,
+        ex.TrainSpec(ex.numpy_input_fn(x, y), max_steps=8),
+        ex.EvalSpec(
+            ex.numpy_input_fn(x[:40], y[:40], shuffle=False, num_epochs=1),
+            throttle_secs=throttle_secs,
+        ),
+    )
     est.close()
     assert results["global_step"] == 8
     assert sorted(_scalars(os.path.join(cfg.model_dir, "eval"), "accuracy")) == evaluated
@@ -400,8 +444,11 @@ def test_skipped_input_records_reach_tensorboard(tmp_path):
 def test_relative_model_dir(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     x, y = data()
-    est = ex.Estimator(make_model_fn(), ex.RunConfig(model_dir="runs/rel", iterations_per_loop=2),
-                       train_batch_size=32)
+    est = ex.Estimator(
+        make_model_fn(),
+        ex.RunConfig(model_dir="runs/rel", iterations_per_loop=2),
+        train_batch_size=32,
+    )
     est.train(ex.numpy_input_fn(x, y), max_steps=2)
     assert est.get_global_step() == 2
     assert os.path.isdir(tmp_path / "runs" / "rel" / "checkpoints" / "2")

@@ -83,16 +83,18 @@ def test_decode_hand_built_fixture():
 
 
 def test_encode_matches_hand_built_bytes():
-    encoded = ex.encode_example({
-        "image/class/label": 1000,
-        "image/class/synset": "n15075141",
-        "image/class/text": b"toilet tissue",
-        "image/encoded": b"\xff\xd8\xff\xe0fakejpeg\xff\xd9",
-        "image/height": np.int64(375),
-        "image/object/bbox/xmax": [0.75, 1.0],
-        "image/object/bbox/xmin": np.array([0.125, 0.5], np.float64),
-        "image/object/class/label": np.array([1000, -1], np.int32),
-    })
+    encoded = ex.encode_example(
+        {
+            "image/class/label": 1000,
+            "image/class/synset": "n15075141",
+            "image/class/text": b"toilet tissue",
+            "image/encoded": b"\xff\xd8\xff\xe0fakejpeg\xff\xd9",
+            "image/height": np.int64(375),
+            "image/object/bbox/xmax": [0.75, 1.0],
+            "image/object/bbox/xmin": np.array([0.125, 0.5], np.float64),
+            "image/object/class/label": np.array([1000, -1], np.int32),
+        }
+    )
     assert encoded == FIXTURE
 
 
@@ -105,9 +107,13 @@ def test_decode_accepts_unpacked_numeric_lists():
 
 def test_round_trip_types():
     values = {
-        "s": "héllo", "b": [b"a", b"", b"\x00"], "i": [-(2**63), 2**63 - 1],
-        "f": np.array([[1.5, -2.0], [3.25, 0.0]], np.float32), "bool": True,
-        "mixed_numbers": [1, 2.5], "empty_f": np.array([], np.float32),
+        "s": "héllo",
+        "b": [b"a", b"", b"\x00"],
+        "i": [-(2**63), 2**63 - 1],
+        "f": np.array([[1.5, -2.0], [3.25, 0.0]], np.float32),
+        "bool": True,
+        "mixed_numbers": [1, 2.5],
+        "empty_f": np.array([], np.float32),
     }
     d = ex.decode_example(ex.encode_example(values))
     assert d["s"] == ["héllo".encode()]
@@ -152,11 +158,14 @@ def test_parse_example_with_schema_and_defaults():
 
 def test_parse_fixed_shape():
     s = ex.encode_example({"v": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], "t": [b"a", b"b"]})
-    p = ex.parse_example(s, {
-        "v": ex.FixedLenFeature((2, 3), "float32"),
-        "t": ex.FixedLenFeature((2,), "string"),
-        "d": ex.FixedLenFeature((2,), "float32", default_value=0.5),
-    })
+    p = ex.parse_example(
+        s,
+        {
+            "v": ex.FixedLenFeature((2, 3), "float32"),
+            "t": ex.FixedLenFeature((2,), "string"),
+            "d": ex.FixedLenFeature((2,), "float32", default_value=0.5),
+        },
+    )
     np.testing.assert_array_equal(p["v"], [[1, 2, 3], [4, 5, 6]])
     assert list(p["t"]) == [b"a", b"b"]
     np.testing.assert_array_equal(p["d"], [0.5, 0.5])
@@ -165,8 +174,11 @@ def test_parse_fixed_shape():
 def test_parse_errors():
     with pytest.raises(ValueError, match=r"no feature 'image/width', which the schema requires"):
         ex.parse_example(FIXTURE, {"image/width": ex.FixedLenFeature((), "int64")})
-    with pytest.raises(ValueError, match=r"feature 'image/encoded' is a bytes_list but the "
-                       r"schema expects int64"):
+    with pytest.raises(
+        ValueError,
+        match=r"feature 'image/encoded' is a bytes_list but the "
+        r"schema expects int64",
+    ):
         ex.parse_example(FIXTURE, {"image/encoded": ex.FixedLenFeature((), "int64")})
     with pytest.raises(ValueError, match=r"feature 'image/object/class/label' has 2 values but"):
         ex.parse_example(FIXTURE, {"image/object/class/label": ex.FixedLenFeature((), "int64")})
@@ -207,7 +219,7 @@ def test_reads_tensorflow_file(tmp_path):
     np.testing.assert_array_equal(d1["image/object/bbox/xmin"], [0.125, 0.5])
     np.testing.assert_array_equal(d1["image/object/bbox/ymax"], [0.75, 1.0])
     np.testing.assert_array_equal(d1["image/object/class/label"], [1000, -1])
-    np.testing.assert_array_equal(d1["big"], [2**63 - 1, -2**63])
+    np.testing.assert_array_equal(d1["big"], [2**63 - 1, -(2**63)])
     np.testing.assert_array_equal(d2["image/class/label"], [1])
     assert d2["empty_floats"].dtype == np.float32 and d2["empty_floats"].size == 0
     assert d2["text"] == ["héllo".encode(), b""]

@@ -27,25 +27,43 @@ def _jpeg(value: int, h: int = 12, w: int = 10) -> bytes:
     return buf.getvalue()
 
 
-def _record(label_1based: int, value: int | None = None, image: bytes | None = None,
-            bbox: list | None = None) -> bytes:
+def _record(
+    label_1based: int,
+    value: int | None = None,
+    image: bytes | None = None,
+    bbox: list | None = None,
+) -> bytes:
     feats = {
         "image/encoded": image if image is not None else _jpeg(value or 0),
-        "image/format": b"JPEG", "image/colorspace": b"RGB", "image/channels": 3,
-        "image/height": 12, "image/width": 10, "image/class/synset": b"n01440764",
-        "image/filename": b"n01440764_10026.JPEG", "image/class/label": label_1based,
+        "image/format": b"JPEG",
+        "image/colorspace": b"RGB",
+        "image/channels": 3,
+        "image/height": 12,
+        "image/width": 10,
+        "image/class/synset": b"n01440764",
+        "image/filename": b"n01440764_10026.JPEG",
+        "image/class/label": label_1based,
     }
     if bbox:
         b = np.asarray(bbox, np.float32)
-        feats.update({"image/object/bbox/ymin": b[:, 0], "image/object/bbox/xmin": b[:, 1],
-                      "image/object/bbox/ymax": b[:, 2], "image/object/bbox/xmax": b[:, 3]})
+        feats.update(
+            {
+                "image/object/bbox/ymin": b[:, 0],
+                "image/object/bbox/xmin": b[:, 1],
+                "image/object/bbox/ymax": b[:, 2],
+                "image/object/bbox/xmax": b[:, 3],
+            }
+        )
     return ex.encode_example(feats)
 
 
 def pil_preprocess(image_bytes, is_training, image_size, rng, bbox=None):
     """Stand-in preprocessing: decode, nearest resize; train adds a flip chosen by ``rng``."""
-    img = np.asarray(Image.open(io.BytesIO(image_bytes)).convert("RGB").resize(
-        (image_size, image_size), Image.NEAREST))
+    img = np.asarray(
+        Image.open(io.BytesIO(image_bytes))
+        .convert("RGB")
+        .resize((image_size, image_size), Image.NEAREST)
+    )
     if is_training and rng.random() < 0.5:
         img = img[:, ::-1]
     return img
@@ -114,13 +132,15 @@ def test_train_fixed_shapes_repeats_and_resumes(data_dir):
         np.testing.assert_array_equal(want[1], got[1])
 
 
-@pytest.mark.parametrize("num_hosts, shard_by", [(2, "file"), (3, "file"), (4, "file"),
-                                                 (2, "record")])
+@pytest.mark.parametrize(
+    "num_hosts, shard_by", [(2, "file"), (3, "file"), (4, "file"), (2, "record")]
+)
 def test_hosts_read_disjoint_shards_covering_all(data_dir, num_hosts, shard_by):
     all_labels = []
     for h in range(num_hosts):
         ds = _fn(data_dir, False, shard_by=shard_by)(
-            {"batch_size": 2, "context": Ctx(h, num_hosts)})
+            {"batch_size": 2, "context": Ctx(h, num_hosts)}
+        )
         all_labels += np.concatenate([b[1] for b in ds]).tolist()
     assert sorted(all_labels) == list(range(7))  # every validation record exactly once
 
@@ -136,7 +156,8 @@ def test_label_out_of_range(tmp_path):
     assert str(e.value) == (
         f"{tmp_path}/validation-00000-of-00001: record at byte offset {first_len}: ValueError: "
         "label out of range: image/class/label = 11; the files' labels are 1-based and must be "
-        "in [1, 10]")
+        "in [1, 10]"
+    )
     it = iter(_fn(str(tmp_path), False, skip_bad_records=True)({"batch_size": 2}))
     assert [b[1].tolist() for b in it] == [[2]]
     assert it.num_skipped == 2
@@ -145,8 +166,11 @@ def test_label_out_of_range(tmp_path):
 def test_undecodable_jpeg_named(tmp_path):
     with tfrecord.TFRecordWriter(str(tmp_path / "train-00000-of-00001")) as w:
         w.write(_record(1, image=b"\xff\xd8 this is not a jpeg"))
-    with pytest.raises(BadRecordError, match=r"train-00000-of-00001: record at byte offset 0: "
-                       r"UnidentifiedImageError"):
+    with pytest.raises(
+        BadRecordError,
+        match=r"train-00000-of-00001: record at byte offset 0: "
+        r"UnidentifiedImageError",
+    ):
         next(iter(_fn(str(tmp_path), True)({"batch_size": 1})))
 
 
@@ -164,8 +188,15 @@ def test_null_input_as_original(data_dir):
 
 
 def test_fake_random_eval_finite_and_resumable():
-    fn = imagenet.input_fn("gs://unused", False, use_fake_data=True, fake_data="random",
-                           image_size=16, preprocessing="inception", fake_eval_examples=5)
+    fn = imagenet.input_fn(
+        "gs://unused",
+        False,
+        use_fake_data=True,
+        fake_data="random",
+        image_size=16,
+        preprocessing="inception",
+        fake_eval_examples=5,
+    )
     batches = list(fn({"batch_size": 2}))
     assert [b[0].shape[0] for b in batches] == [2, 2, 1]
     assert batches[0][0].dtype == np.float32 and batches[0][0].std() > 0.5
@@ -205,8 +236,9 @@ def test_schema_parses_converter_record():
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError, match="preprocessing must be 'resnet', 'inception' or a "
-                       "callable, got 'vgg'"):
+    with pytest.raises(
+        ValueError, match="preprocessing must be 'resnet', 'inception' or a callable, got 'vgg'"
+    ):
         imagenet.input_fn("/d", True, preprocessing="vgg")
     with pytest.raises(ValueError, match="shard_by must be 'file' or 'record'"):
         imagenet.input_fn("/d", True, shard_by="host")
@@ -219,8 +251,14 @@ def test_default_preprocessing_functions_plug_in(tmp_path, preprocessing, dtype)
     with tfrecord.TFRecordWriter(str(tmp_path / "train-00000-of-00001")) as w:
         for label in (1, 2, 3):
             w.write(_record(label, image=_jpeg(40 * label, h=48, w=64)))
-    fn = imagenet.input_fn(str(tmp_path), True, image_size=24, preprocessing=preprocessing,
-                           num_parallel_calls=1, num_classes=10)
+    fn = imagenet.input_fn(
+        str(tmp_path),
+        True,
+        image_size=24,
+        preprocessing=preprocessing,
+        num_parallel_calls=1,
+        num_classes=10,
+    )
     it = iter(fn({"batch_size": 3}))
     images, labels = next(it)
     it.close()
@@ -230,6 +268,7 @@ def test_default_preprocessing_functions_plug_in(tmp_path, preprocessing, dtype)
 
 # --- With the Estimator (issue 3, "Done when" 3): the input contract end to end. -------------
 
+
 def _tiny_image_model_fn(features, labels, mode, params):
     import flax.linen as nn
     import jax.numpy as jnp
@@ -238,20 +277,28 @@ def _tiny_image_model_fn(features, labels, mode, params):
     import estimax as estx
 
     x = features.astype(jnp.float32) / 255.0
-    logits = nn.Dense(10)(jnp.concatenate([x.mean(axis=(1, 2)), x[:, ::4, ::4, 0].reshape(
-        x.shape[0], -1)], axis=-1))
+    logits = nn.Dense(10)(
+        jnp.concatenate([x.mean(axis=(1, 2)), x[:, ::4, ::4, 0].reshape(x.shape[0], -1)], axis=-1)
+    )
     return estx.EstimatorSpec(
-        mode=mode, loss=estx.losses.softmax_cross_entropy(logits, labels),
+        mode=mode,
+        loss=estx.losses.softmax_cross_entropy(logits, labels),
         optimizer=optax.sgd(0.5, momentum=0.9),
-        eval_metrics={"accuracy": estx.metrics.accuracy(labels, logits)})
+        eval_metrics={"accuracy": estx.metrics.accuracy(labels, logits)},
+    )
 
 
 def _estimator(tmp_path, name):
     import estimax as estx
 
-    return estx.Estimator(_tiny_image_model_fn, estx.RunConfig(
-        model_dir=str(tmp_path / name), iterations_per_loop=1, save_checkpoints_steps=1),
-        train_batch_size=8, eval_batch_size=8)
+    return estx.Estimator(
+        _tiny_image_model_fn,
+        estx.RunConfig(
+            model_dir=str(tmp_path / name), iterations_per_loop=1, save_checkpoints_steps=1
+        ),
+        train_batch_size=8,
+        eval_batch_size=8,
+    )
 
 
 def test_estimator_resume_with_imagenet_input_is_exact(data_dir, tmp_path):
@@ -264,8 +311,11 @@ def test_estimator_resume_with_imagenet_input_is_exact(data_dir, tmp_path):
     resumed.train(train, max_steps=2)  # 16 of 9 records: the resume point is in epoch 1
     resumed = _estimator(tmp_path, "resumed")
     resumed.train(train, max_steps=4)
-    for a, b in zip(jax.tree_util.tree_leaves(straight.get_variables()),
-                    jax.tree_util.tree_leaves(resumed.get_variables())):
+    for a, b in zip(
+        jax.tree_util.tree_leaves(straight.get_variables()),
+        jax.tree_util.tree_leaves(resumed.get_variables()),
+        strict=False,
+    ):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     # Eval: 7 validation records, one ragged batch, each counted once.
     assert straight.evaluate(_fn(data_dir, False))["num_examples"] == 7
@@ -275,7 +325,6 @@ def test_fake_resnet_input_feeds_estimator(tmp_path):
     est = _estimator(tmp_path, "fake")
     est.train(imagenet.input_fn(None, True, image_size=32), max_steps=2)
     assert est.get_global_step() == 2
-    result = est.evaluate(imagenet.input_fn("null", False, image_size=32,
-                                            fake_eval_examples=12))
+    result = est.evaluate(imagenet.input_fn("null", False, image_size=32, fake_eval_examples=12))
     assert result["num_examples"] == 12
     assert result["accuracy"] in (0.0, 1.0)  # every fake label is 0 and every image the same

@@ -82,7 +82,7 @@ def test_same_seed_same_batches_other_seed_differs(files):
     a = _take(iter(_loader(files, seed=3)), 6)
     b = _take(iter(_loader(files, seed=3)), 6)
     c = _take(iter(_loader(files, seed=4)), 6)
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         np.testing.assert_array_equal(x[0], y[0])
         np.testing.assert_array_equal(x[1], y[1])
     assert _ids(a) != _ids(c)
@@ -98,7 +98,7 @@ def test_resume_from_state_matches_uninterrupted(files, k):
     it.close()
     resumed = iter(_loader(files, batch_size=4, prefetch=3))
     resumed.set_state(state)
-    for want, got in zip(reference[k:], _take(resumed, 6)):
+    for want, got in zip(reference[k:], _take(resumed, 6), strict=False):
         np.testing.assert_array_equal(want[0], got[0])
 
 
@@ -125,7 +125,7 @@ def test_parallel_workers_same_batches_and_resume(files, worker_type, num_worker
     resumed.set_state(state)
     got += _take(resumed, 5)
     resumed.close()
-    for want, g in zip(reference, got):
+    for want, g in zip(reference, got, strict=False):
         np.testing.assert_array_equal(want[0], g[0])  # ids and RNG draws
 
 
@@ -159,8 +159,13 @@ def test_record_level_sharding_via_record_ids(files):
     source = L.TFRecordSource(files)
     seen = []
     for host in range(3):
-        ld = _loader(files, source=source, record_ids=L.host_shard(range(len(source)), host, 3),
-                     num_epochs=1, drop_remainder=False)
+        ld = _loader(
+            files,
+            source=source,
+            record_ids=L.host_shard(range(len(source)), host, 3),
+            num_epochs=1,
+            drop_remainder=False,
+        )
         seen += sum(_ids(ld), [])
     assert sorted(seen) == ALL_IDS
 
@@ -171,15 +176,25 @@ def test_transform_error_names_file_and_offset(files):
     with pytest.raises(L.BadRecordError) as e:
         list(ld)
     # record 3 of file 1: offset 3 * (12 + 8 + 4)
-    assert str(e.value) == (f"{files[1]}: record at byte offset 72: ValueError: cannot decode "
-                            "image of record 1003")
+    assert str(e.value) == (
+        f"{files[1]}: record at byte offset 72: ValueError: cannot decode image of record 1003"
+    )
 
 
 @pytest.mark.parametrize("worker_type", ["thread", "process"])
 def test_skip_bad_records_counts_and_keeps_shapes(files, worker_type):
     bad = functools.partial(_transform, fail_on={0, 1003})
-    ld = _loader(files, transform=bad, shuffle=False, num_epochs=1, drop_remainder=False,
-                 skip_bad_records=True, batch_size=4, num_workers=2, worker_type=worker_type)
+    ld = _loader(
+        files,
+        transform=bad,
+        shuffle=False,
+        num_epochs=1,
+        drop_remainder=False,
+        skip_bad_records=True,
+        batch_size=4,
+        num_workers=2,
+        worker_type=worker_type,
+    )
     it = iter(ld)
     batches = list(it)
     assert it.num_skipped == 2
@@ -210,11 +225,15 @@ def _corrupt_file(files, which, offset_in_file):
 
 def test_bad_crc_raises_or_skips(files):
     _corrupt_file(files, 2, 24 + 12 + 1)  # data of record 1 of file 2 (offset 24)
-    with pytest.raises(L.BadRecordError, match=r"train-00002-of-00003: record at byte offset 24:"
-                       r" data CRC mismatch"):
+    with pytest.raises(
+        L.BadRecordError,
+        match=r"train-00002-of-00003: record at byte offset 24:"
+        r" data CRC mismatch",
+    ):
         list(_loader(files, shuffle=False, num_epochs=1, drop_remainder=False))
-    it = iter(_loader(files, shuffle=False, num_epochs=1, drop_remainder=False,
-                      skip_bad_records=True))
+    it = iter(
+        _loader(files, shuffle=False, num_epochs=1, drop_remainder=False, skip_bad_records=True)
+    )
     ids = sum(_ids(it), [])
     assert it.num_skipped == 1 and 2001 not in ids and len(ids) == 15
 
@@ -222,8 +241,10 @@ def test_bad_crc_raises_or_skips(files):
 def test_truncated_file_raises_or_skips(files):
     with open(files[0], "r+b") as f:
         f.truncate(4 * 24 + 10)  # record 4 of file 0 cut inside its data
-    with pytest.raises(tfrecord.CorruptRecordError,
-                       match=r"train-00000-of-00003: record at byte offset 96: truncated"):
+    with pytest.raises(
+        tfrecord.CorruptRecordError,
+        match=r"train-00000-of-00003: record at byte offset 96: truncated",
+    ):
         L.TFRecordSource(files)
     source = L.TFRecordSource(files, skip_bad_records=True)
     assert source.num_records_per_file() == [4, 7, 4]
@@ -248,15 +269,32 @@ def test_data_layer_imports_no_jax_or_upper_layers():
 
     import estimax.data
 
-    banned = ("jax", "jaxlib", "flax", "optax", "orbax", "grain", "estimax.estimator",
-              "estimax.models", "estimax.programs")
+    banned = (
+        "jax",
+        "jaxlib",
+        "flax",
+        "optax",
+        "orbax",
+        "grain",
+        "estimax.estimator",
+        "estimax.models",
+        "estimax.programs",
+    )
     offenders = []
     for py in pathlib.Path(estimax.data.__file__).parent.glob("*.py"):
         for node in ast.walk(ast.parse(py.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            offenders += [f"{py.name}: {n}" for n in names
-                          if any(n == b or n.startswith(b + ".") for b in banned)]
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            offenders += [
+                f"{py.name}: {n}"
+                for n in names
+                if any(n == b or n.startswith(b + ".") for b in banned)
+            ]
     assert offenders == []
 
 

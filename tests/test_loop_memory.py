@@ -19,11 +19,13 @@ BATCH_SHAPE = (8, 32_768)  # 1 MiB of float32 per batch
 
 def big_batch_model_fn(features, labels, mode, params):
     if "events" in params:  # record, when step 0 runs on the device, how many batches were read
-        jax.debug.callback(lambda s: params["events"].append(("step", int(s))),
-                           ex.get_global_step())
+        jax.debug.callback(
+            lambda s: params["events"].append(("step", int(s))), ex.get_global_step()
+        )
     logits = nn.Dense(3)(jnp.reshape(features, (features.shape[0], 64, -1)).mean(-1))
-    return ex.EstimatorSpec(mode=mode, loss=ex.losses.softmax_cross_entropy(logits, labels),
-                            optimizer=optax.sgd(0.01))
+    return ex.EstimatorSpec(
+        mode=mode, loss=ex.losses.softmax_cross_entropy(logits, labels), optimizer=optax.sgd(0.01)
+    )
 
 
 class CountingInput:
@@ -59,10 +61,12 @@ class CountingInput:
 def test_input_memory_is_bounded_by_the_prefetch_not_the_loop(tmp_path):
     events = []
     source = CountingInput(events)
-    config = ex.RunConfig(model_dir=str(tmp_path), iterations_per_loop=200, num_shards=1,
-                          save_checkpoints_secs=1e9)
-    est = ex.Estimator(big_batch_model_fn, config, params={"events": events},
-                       train_batch_size=BATCH_SHAPE[0])
+    config = ex.RunConfig(
+        model_dir=str(tmp_path), iterations_per_loop=200, num_shards=1, save_checkpoints_secs=1e9
+    )
+    est = ex.Estimator(
+        big_batch_model_fn, config, params={"events": events}, train_batch_size=BATCH_SHAPE[0]
+    )
     est.train(lambda params: source, steps=40)  # one loop of 40 steps (the last is shortened)
     assert est.get_global_step() == 40
     assert source.read == 40  # nothing read beyond the steps asked for
@@ -74,12 +78,13 @@ def test_input_memory_is_bounded_by_the_prefetch_not_the_loop(tmp_path):
     ran = [i for i, e in enumerate(events) if e[0] == "step"]
     assert [events[i][1] for i in ran] == [0] + list(range(40))
     # The first step ran after at most prefetch + 1 batches had been read: no loop-sized read.
-    reads_before = [e for e in events[:ran[1]] if e[0] == "read"]
-    assert len(reads_before) <= config.device_prefetch + 1, events[:ran[1] + 1]
+    reads_before = [e for e in events[: ran[1]] if e[0] == "read"]
+    assert len(reads_before) <= config.device_prefetch + 1, events[: ran[1] + 1]
 
 
 def _scalars(logdir, tag):
     from tensorboard.backend.event_processing import event_accumulator
+
     acc = event_accumulator.EventAccumulator(logdir, size_guidance={"scalars": 0})
     acc.Reload()
     return {e.step: e.value for e in acc.Scalars(tag)} if tag in acc.Tags()["scalars"] else {}
@@ -90,13 +95,18 @@ def wide_model_fn(features, labels, mode, params):
     for _ in range(3):  # a few ms per step on a CPU: far more than reading a batch
         x = nn.relu(nn.Dense(1024)(x))
     logits = nn.Dense(3)(x)
-    return ex.EstimatorSpec(mode=mode, loss=ex.losses.softmax_cross_entropy(logits, labels),
-                            optimizer=optax.sgd(0.01))
+    return ex.EstimatorSpec(
+        mode=mode, loss=ex.losses.softmax_cross_entropy(logits, labels), optimizer=optax.sgd(0.01)
+    )
 
 
 def _train(tmp_path, name, input_fn, caplog):
-    config = ex.RunConfig(model_dir=str(tmp_path / name), iterations_per_loop=4, num_shards=1,
-                          save_checkpoints_secs=1e9)
+    config = ex.RunConfig(
+        model_dir=str(tmp_path / name),
+        iterations_per_loop=4,
+        num_shards=1,
+        save_checkpoints_secs=1e9,
+    )
     est = ex.Estimator(wide_model_fn, config, train_batch_size=64)
     with caplog.at_level("WARNING"):
         est.train(input_fn, steps=12)

@@ -31,8 +31,13 @@ def test_demo_data_is_real_balanced_and_in_the_guides_format(tmp_path):
 
 
 def run_module(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "XLA_FLAGS": ""})
+    return subprocess.run(
+        [sys.executable, "-m", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "XLA_FLAGS": ""},
+    )
 
 
 @pytest.mark.slow
@@ -40,13 +45,21 @@ def test_program_trains_evaluates_every_digit_and_exports(tmp_path):
     data = tmp_path / "data"
     proc = run_module("estimax.tools.mnist_data", f"--output_dir={data}")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    proc = run_module("estimax.programs.mnist", f"--data_dir={data}",
-                      f"--model_dir={tmp_path / 'model'}", f"--export_dir={tmp_path / 'export'}",
-                      "--batch_size=64", "--train_steps=60", "--iterations=20",
-                      "--eval_steps=-1", "--learning_rate=0.1")
+    proc = run_module(
+        "estimax.programs.mnist",
+        f"--data_dir={data}",
+        f"--model_dir={tmp_path / 'model'}",
+        f"--export_dir={tmp_path / 'export'}",
+        "--batch_size=64",
+        "--train_steps=60",
+        "--iterations=20",
+        "--eval_steps=-1",
+        "--learning_rate=0.1",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    match = re.search(r"Eval results at step 60: accuracy = ([0-9.]+) on 1000 held-out examples",
-                      proc.stdout)
+    match = re.search(
+        r"Eval results at step 60: accuracy = ([0-9.]+) on 1000 held-out examples", proc.stdout
+    )
     assert match, proc.stdout
     assert float(match.group(1)) > 0.5  # 60 steps of SGD already learn most digits
     assert re.search(r"loss = [0-9.]+, step = 1\n", proc.stderr)
@@ -56,8 +69,12 @@ def test_program_trains_evaluates_every_digit_and_exports(tmp_path):
 
 
 def test_program_names_the_missing_data(tmp_path):
-    proc = run_module("estimax.programs.mnist", f"--data_dir={tmp_path}",
-                      f"--model_dir={tmp_path / 'model'}", timeout=300)
+    proc = run_module(
+        "estimax.programs.mnist",
+        f"--data_dir={tmp_path}",
+        f"--model_dir={tmp_path / 'model'}",
+        timeout=300,
+    )
     assert proc.returncode != 0
     assert f"{tmp_path / 'train.tfrecords'} does not exist" in proc.stderr
     assert "python -m estimax.tools.mnist_data" in proc.stderr

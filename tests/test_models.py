@@ -19,10 +19,9 @@ import numpy as np
 import optax
 import pytest
 
-from estimax.models import MODELS, get_model, resnet_v1
+from estimax.models import MODELS, get_model, resnet, resnet_v1
 from estimax.models import inception_v3 as v3
 from estimax.models import inception_v4 as v4
-from estimax.models import resnet
 
 # XLA:CPU spends ~45 s optimising an Inception gradient at the default level on 2 shared cores;
 # level 0 compiles in ~9 s and computes the same values (only slower to run, irrelevant here).
@@ -40,8 +39,12 @@ def _num(tree) -> int:
 def _shapes(model: nn.Module, size: int):
     """Variable shapes of ``model`` for a ``[1, size, size, 3]`` input, without computing."""
     return jax.eval_shape(
-        lambda: model.init({"params": jax.random.key(0), "dropout": jax.random.key(1)},
-                           jnp.zeros((1, size, size, 3)), train=False))
+        lambda: model.init(
+            {"params": jax.random.key(0), "dropout": jax.random.key(1)},
+            jnp.zeros((1, size, size, 3)),
+            train=False,
+        )
+    )
 
 
 def _image_size(name: str) -> int:
@@ -122,7 +125,7 @@ def test_resnet18_34_original_layout_adds_group1_projection():
 
 def test_inception_v3_keras_counts():
     shapes = _shapes(v3.InceptionV3(num_classes=1000, aux_logits=False), 299)
-    assert _num(shapes["params"]) == 23_817_352                            # trainable
+    assert _num(shapes["params"]) == 23_817_352  # trainable
     assert _num(shapes["params"]) + _num(shapes["batch_stats"]) == 23_851_784  # total
 
 
@@ -152,7 +155,7 @@ def test_inception_v4_default_count_derived_from_published():
 def _resnet_formula(stage_sizes, bottleneck, filters, num_classes, always_project=True):
     """Parameter count of the original's ResNet written out from its architecture."""
     conv = lambda k, cin, cout: k * k * cin * cout  # noqa: E731  (no bias)
-    bn = lambda c: 2 * c                             # noqa: E731  (gamma, beta)
+    bn = lambda c: 2 * c  # noqa: E731  (gamma, beta)
     n = conv(7, 3, filters) + bn(filters)
     cin = filters
     for g, blocks in enumerate(stage_sizes):
@@ -169,11 +172,16 @@ def _resnet_formula(stage_sizes, bottleneck, filters, num_classes, always_projec
     return n + cin * num_classes + num_classes
 
 
-@pytest.mark.parametrize("name,stages,bottleneck,filters", [
-    ("resnet18", (2, 2, 2, 2), False, 64), ("resnet50", (3, 4, 6, 3), True, 64),
-    ("resnet200", (3, 24, 36, 3), True, 64),
-    ("resnet_tiny", (1, 1), False, 8), ("resnet_tiny_bottleneck", (1, 1), True, 8),
-])
+@pytest.mark.parametrize(
+    "name,stages,bottleneck,filters",
+    [
+        ("resnet18", (2, 2, 2, 2), False, 64),
+        ("resnet50", (3, 4, 6, 3), True, 64),
+        ("resnet200", (3, 24, 36, 3), True, 64),
+        ("resnet_tiny", (1, 1), False, 8),
+        ("resnet_tiny_bottleneck", (1, 1), True, 8),
+    ],
+)
 def test_resnet_count_matches_architecture_formula(name, stages, bottleneck, filters):
     # The formula reproduces the published counts (test above), so it vouches for the tiny ones.
     expected = _resnet_formula(stages, bottleneck, filters, 1000)
@@ -193,8 +201,13 @@ NUMERIC = {
     "resnet18": (32, ("initial_conv",), ("initial_bn",), 0.9, False),
     "resnet50": (32, ("initial_conv",), ("initial_bn",), 0.9, False),
     "inception_v3_tiny": (107, ("Conv2d_1a_3x3", "conv"), ("Conv2d_1a_3x3", "bn"), 0.996, False),
-    "inception_v4_tiny": (107, ("stem", "Conv2d_1a_3x3", "conv"), ("stem", "Conv2d_1a_3x3", "bn"),
-                          0.995, False),
+    "inception_v4_tiny": (
+        107,
+        ("stem", "Conv2d_1a_3x3", "conv"),
+        ("stem", "Conv2d_1a_3x3", "bn"),
+        0.995,
+        False,
+    ),
 }
 NUM_CLASSES = 10
 
@@ -231,7 +244,7 @@ def _he_variables(model, rngs, x):
     return jax.tree_util.tree_map_with_path(fill, shapes)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _numeric_run(name):
     """Initialises ``name`` and runs one train-mode gradient (two dropout rngs) and eval twice."""
     size, conv_path, _, _, real_init = NUMERIC[name]
@@ -248,36 +261,56 @@ def _numeric_run(name):
     # the gradient to that block's convs at initialisation by design; a trained network has
     # gamma != 0, so check gradient flow with all BN scales set to 1.
     grad_params = jax.tree_util.tree_map_with_path(
-        lambda p, v: jnp.ones_like(v) if p[-1].key == "scale" else v, params)
+        lambda p, v: jnp.ones_like(v) if p[-1].key == "scale" else v, params
+    )
     capture = lambda mdl, _: mdl.scope.path == conv_path  # noqa: E731
 
     def loss_fn(p, batch_stats, x, dropout_rng):
-        out, state = model.apply({"params": p, "batch_stats": batch_stats}, x, train=True,
-                                 mutable=["batch_stats", "intermediates"],
-                                 rngs={"dropout": dropout_rng}, capture_intermediates=capture)
+        out, state = model.apply(
+            {"params": p, "batch_stats": batch_stats},
+            x,
+            train=True,
+            mutable=["batch_stats", "intermediates"],
+            rngs={"dropout": dropout_rng},
+            capture_intermediates=capture,
+        )
         logits, aux = _split(out)
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
         if aux is not None:  # the original weights the aux loss 0.4
             loss += 0.4 * optax.softmax_cross_entropy_with_integer_labels(aux, labels).mean()
         return loss, (out, state)
 
-    grad_fn = _compile(jax.value_and_grad(loss_fn, has_aux=True), grad_params,
-                       variables["batch_stats"], x, jax.random.key(2))
+    grad_fn = _compile(
+        jax.value_and_grad(loss_fn, has_aux=True),
+        grad_params,
+        variables["batch_stats"],
+        x,
+        jax.random.key(2),
+    )
     train_a = grad_fn(grad_params, variables["batch_stats"], x, jax.random.key(2))
     train_b = grad_fn(grad_params, variables["batch_stats"], x, jax.random.key(3))
 
     def eval_fn(v, x, dropout_rng):
-        return model.apply(v, x, train=False, mutable=["batch_stats"],
-                           rngs={"dropout": dropout_rng})
+        return model.apply(
+            v, x, train=False, mutable=["batch_stats"], rngs={"dropout": dropout_rng}
+        )
 
     ev = _compile(eval_fn, variables, x, jax.random.key(2))
     (loss, (out_a, state_a)), grads = train_a
     (_, (out_b, _)), _ = train_b
     return types.SimpleNamespace(
-        model=model, x=x, variables=variables, grad_params=grad_params, loss=loss, grads=grads,
-        out_a=out_a, state_a=state_a,
-        out_b=out_b, eval_a=ev(variables, x, jax.random.key(2)),
-        eval_b=ev(variables, x, jax.random.key(3)))
+        model=model,
+        x=x,
+        variables=variables,
+        grad_params=grad_params,
+        loss=loss,
+        grads=grads,
+        out_a=out_a,
+        state_a=state_a,
+        out_b=out_b,
+        eval_a=ev(variables, x, jax.random.key(2)),
+        eval_b=ev(variables, x, jax.random.key(3)),
+    )
 
 
 @pytest.mark.parametrize("name", sorted(NUMERIC))
@@ -312,17 +345,21 @@ def test_train_mode_updates_batch_stats_with_the_original_decay(name):
     old = _get(variables["batch_stats"], bn_path)
     new = _get(state["batch_stats"], bn_path)
     # TF/flax moving average: new = decay * old + (1 - decay) * batch statistic.
-    np.testing.assert_allclose(new["mean"], decay * old["mean"] + (1 - decay) * batch_mean,
-                               rtol=1e-4, atol=1e-6)
-    np.testing.assert_allclose(new["var"], decay * old["var"] + (1 - decay) * batch_var,
-                               rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(
+        new["mean"], decay * old["mean"] + (1 - decay) * batch_mean, rtol=1e-4, atol=1e-6
+    )
+    np.testing.assert_allclose(
+        new["var"], decay * old["var"] + (1 - decay) * batch_var, rtol=1e-4, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("name", sorted(NUMERIC))
 def test_eval_mode_is_deterministic_and_leaves_batch_stats_alone(name):
     r = _numeric_run(name)
     variables, (out_a, state_a), (out_b, _) = r.variables, r.eval_a, r.eval_b
-    for a, b in zip(_split(out_a), _split(out_b)):  # different dropout rngs, same outputs
+    for a, b in zip(
+        _split(out_a), _split(out_b), strict=False
+    ):  # different dropout rngs, same outputs
         if a is not None:
             np.testing.assert_array_equal(a, b)
     jax.tree.map(np.testing.assert_array_equal, state_a["batch_stats"], variables["batch_stats"])
@@ -369,8 +406,9 @@ def test_resnet_strided_convs_use_the_originals_fixed_padding():
     r = _numeric_run("resnet_tiny")
     got = r.state_a["intermediates"]["initial_conv"]["__call__"][0]
     kernel = r.grad_params["initial_conv"]["kernel"]
-    want = jax.lax.conv_general_dilated(r.x, kernel, (2, 2), ((3, 3), (3, 3)),
-                                        dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    want = jax.lax.conv_general_dilated(
+        r.x, kernel, (2, 2), ((3, 3), (3, 3)), dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -386,12 +424,17 @@ def test_conv_and_max_pool_are_injectable_everywhere(name, size):
         pool_calls.append(1)
         return nn.max_pool(*args, **kwargs)
 
-    model = get_model(name, conv=functools.partial(nn.Conv, conv_general_dilated=spy_conv),
-                      max_pool=spy_pool)
+    model = get_model(
+        name, conv=functools.partial(nn.Conv, conv_general_dilated=spy_conv), max_pool=spy_pool
+    )
     shapes = _shapes(model, size)  # tracing init runs every conv and pool once
-    kernels = [p for p, _ in jax.tree_util.tree_flatten_with_path(shapes["params"])[0]
-               if p[-1].key == "kernel" and p[-2].key != "final_dense" and
-               p[-2].key not in ("Logits", "Aux_logits")]
+    kernels = [
+        p
+        for p, _ in jax.tree_util.tree_flatten_with_path(shapes["params"])[0]
+        if p[-1].key == "kernel"
+        and p[-2].key != "final_dense"
+        and p[-2].key not in ("Logits", "Aux_logits")
+    ]
     assert len(conv_calls) == len(kernels)
     assert len(pool_calls) == (1 if name.startswith("resnet") else 4)  # v4: 3a, 5a, 6a, 7a
 
@@ -409,16 +452,26 @@ def test_bfloat16_compute_keeps_float32_params_and_logits():
 
 
 def test_registry_and_errors_name_the_bad_value():
-    assert set(MODELS) >= {"resnet18", "resnet34", "resnet50", "resnet101", "resnet152",
-                           "resnet200", "inception_v3", "inception_v4"}
+    assert set(MODELS) >= {
+        "resnet18",
+        "resnet34",
+        "resnet50",
+        "resnet101",
+        "resnet152",
+        "resnet200",
+        "inception_v3",
+        "inception_v4",
+    }
     with pytest.raises(ValueError, match="'resnet51'.*resnet50"):
         get_model("resnet51")
     with pytest.raises(ValueError, match="--resnet_depth=51"):
         resnet_v1(51)
     with pytest.raises(ValueError, match="at least 107x107.*got 99x99"):
         _shapes(v3.InceptionV3Tiny(), 99)
-    assert isinstance(resnet_v1(50), resnet.ResNet) and resnet_v1(50).block_cls is \
-        resnet.BottleneckBlock
+    assert (
+        isinstance(resnet_v1(50), resnet.ResNet)
+        and resnet_v1(50).block_cls is resnet.BottleneckBlock
+    )
 
 
 @pytest.mark.parametrize("name", ["inception_v3_tiny", "inception_v4_tiny", "resnet50"])
@@ -433,6 +486,6 @@ def test_bfloat16_traces_for_every_family(name):
         return model.apply(variables, x, train=True, mutable=["batch_stats"], rngs=rngs)
 
     out, state = jax.eval_shape(train_step_shapes, x)
-    for logits in (out if isinstance(out, tuple) else (out,)):
+    for logits in out if isinstance(out, tuple) else (out,):
         assert logits.shape == (2, NUM_CLASSES) and logits.dtype == jnp.float32
     assert {v.dtype for v in jax.tree.leaves(state)} == {jnp.dtype(jnp.float32)}

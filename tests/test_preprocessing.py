@@ -113,8 +113,9 @@ def test_inception_eval_matches_tf_half_pixel_bilinear(name):
     data, g = _golden(name)
     ours = pp.inception_preprocess(data, is_training=False, image_size=INCEPTION_SIZE)
     assert ours.shape == (INCEPTION_SIZE, INCEPTION_SIZE, 3) and ours.dtype == np.float32
-    np.testing.assert_allclose(ours, g["inception_halfpixel"].astype(np.float32),
-                               atol=1.5 / 127.5, rtol=0)
+    np.testing.assert_allclose(
+        ours, g["inception_halfpixel"].astype(np.float32), atol=1.5 / 127.5, rtol=0
+    )
     # The original's TF1 legacy bilinear: the same half-pixel-centre shift as for ResNet.
     legacy_err = np.abs(ours - g["inception_legacy"].astype(np.float32)) * 127.5
     assert legacy_err.mean() < 10.0
@@ -138,33 +139,41 @@ def _check_window(window, shape, area_range, aspect_range):
 
 
 @hypothesis.settings(max_examples=300, deadline=None)
-@hypothesis.given(h=st.integers(1, 2000), w=st.integers(1, 2000), seed=st.integers(0, 2**32 - 1),
-                  inception=st.booleans())
+@hypothesis.given(
+    h=st.integers(1, 2000),
+    w=st.integers(1, 2000),
+    seed=st.integers(0, 2**32 - 1),
+    inception=st.booleans(),
+)
 def test_sampled_windows_respect_area_and_aspect(h, w, seed, inception):
     area_range, attempts = ((0.05, 1.0), 100) if inception else ((0.08, 1.0), 10)
     rng = np.random.default_rng(seed)
     for _ in range(5):
-        window = pp.sample_distorted_bounding_box((h, w), rng, None, 0.1, (3 / 4, 4 / 3),
-                                                  area_range, attempts)
+        window = pp.sample_distorted_bounding_box(
+            (h, w), rng, None, 0.1, (3 / 4, 4 / 3), area_range, attempts
+        )
         _check_window(window, (h, w), area_range, (3 / 4, 4 / 3))
 
 
 @hypothesis.settings(max_examples=100, deadline=None)
-@hypothesis.given(h=st.integers(20, 800), w=st.integers(20, 800), seed=st.integers(0, 2**32 - 1),
-                  box=st.tuples(st.floats(0, 0.8), st.floats(0, 0.8), st.floats(0.05, 0.2),
-                                st.floats(0.05, 0.2)))
+@hypothesis.given(
+    h=st.integers(20, 800),
+    w=st.integers(20, 800),
+    seed=st.integers(0, 2**32 - 1),
+    box=st.tuples(st.floats(0, 0.8), st.floats(0, 0.8), st.floats(0.05, 0.2), st.floats(0.05, 0.2)),
+)
 def test_sampled_windows_cover_min_object(h, w, seed, box):
     ymin, xmin, bh, bw = box
     bbox = np.array([[ymin, xmin, ymin + bh, xmin + bw]], np.float32)
-    window = pp.sample_distorted_bounding_box((h, w), np.random.default_rng(seed), bbox, 0.1,
-                                              (3 / 4, 4 / 3), (0.05, 1.0), 100)
+    window = pp.sample_distorted_bounding_box(
+        (h, w), np.random.default_rng(seed), bbox, 0.1, (3 / 4, 4 / 3), (0.05, 1.0), 100
+    )
     y, x, ch, cw = window
     if (ch, cw) == (h, w):
         return  # failed sampling returns the whole image, as TF
-    by0, bx0, by1, bx1 = (int(ymin * h), int(xmin * w), int((ymin + bh) * h),
-                          int((xmin + bw) * w))
+    by0, bx0, by1, bx1 = (int(ymin * h), int(xmin * w), int((ymin + bh) * h), int((xmin + bw) * w))
     box_area = (by1 - by0) * (bx1 - bx0)
-    inter = (max(0, min(y + ch, by1) - max(y, by0)) * max(0, min(x + cw, bx1) - max(x, bx0)))
+    inter = max(0, min(y + ch, by1) - max(y, by0)) * max(0, min(x + cw, bx1) - max(x, bx0))
     assert box_area > 0 and inter / box_area >= 0.1
 
 
@@ -174,9 +183,12 @@ def test_sampler_distribution_matches_tf(stats):
     # of accepted windows and the failure rate, within 5 combined standard errors.
     shape, n = tuple(stats["shape"]), 3000
     rng = np.random.default_rng(123)
-    windows = [pp.sample_distorted_bounding_box(shape, rng, None, 0.1, (3 / 4, 4 / 3),
-                                                tuple(stats["area_range"]),
-                                                stats["max_attempts"]) for _ in range(n)]
+    windows = [
+        pp.sample_distorted_bounding_box(
+            shape, rng, None, 0.1, (3 / 4, 4 / 3), tuple(stats["area_range"]), stats["max_attempts"]
+        )
+        for _ in range(n)
+    ]
     ok = [w for w in windows if w[2:] != shape]
     fail = 1 - len(ok) / n
     assert abs(fail - stats["fail_rate"]) <= 5 * np.sqrt(2) * stats["se_fail_rate"]
@@ -191,8 +203,9 @@ def test_sampler_failure_falls_back_to_center_crop():
     # fails; the ResNet recipe then uses the eval center crop (the original's `bad` branch).
     strip = _photo(30, 600)
     data = _encode(strip, quality=95)
-    assert pp.sample_distorted_bounding_box((30, 600), np.random.default_rng(0), None, 0.1,
-                                            (3 / 4, 4 / 3), (0.08, 1.0), 10) == (0, 0, 30, 600)
+    assert pp.sample_distorted_bounding_box(
+        (30, 600), np.random.default_rng(0), None, 0.1, (3 / 4, 4 / 3), (0.08, 1.0), 10
+    ) == (0, 0, 30, 600)
     train = pp.resnet_preprocess(data, True, 32, rng=np.random.default_rng(0))
     evals = pp.resnet_preprocess(data, False, 32)
     assert np.array_equal(train, evals) or np.array_equal(train, evals[:, ::-1])
@@ -232,14 +245,19 @@ def test_resnet_train_output_is_the_sampled_window_resized(bbox):
     data = _encode(_photo(150, 200), quality=95)
     full = jpeg.decode(data)
     for seed in range(10):
-        out = pp.resnet_preprocess(data, True, 32, rng=np.random.default_rng(seed), bbox=bbox,
-                                   scaled_decode=False)
+        out = pp.resnet_preprocess(
+            data, True, 32, rng=np.random.default_rng(seed), bbox=bbox, scaled_decode=False
+        )
         rng = np.random.default_rng(seed)
-        y, x, h, w = pp.sample_distorted_bounding_box((150, 200), rng, bbox, 0.1,
-                                                      (3 / 4, 4 / 3), (0.08, 1.0), 10)
+        y, x, h, w = pp.sample_distorted_bounding_box(
+            (150, 200), rng, bbox, 0.1, (3 / 4, 4 / 3), (0.08, 1.0), 10
+        )
         assert (h, w) != (150, 200)  # sampling succeeds on this shape
-        expected = cv2.resize(np.ascontiguousarray(full[y:y + h, x:x + w]), (32, 32),
-                              interpolation=cv2.INTER_CUBIC)
+        expected = cv2.resize(
+            np.ascontiguousarray(full[y : y + h, x : x + w]),
+            (32, 32),
+            interpolation=cv2.INTER_CUBIC,
+        )
         if rng.random() < 0.5:
             expected = expected[:, ::-1]
         np.testing.assert_array_equal(out, expected)
@@ -250,10 +268,12 @@ def test_scaled_decode_matches_full_decode_path():
     # full decode + resize: same window, same flip; the difference is resampling only.
     data = _encode(_photo(900, 1200), quality=90)
     for seed in range(5):
-        a = pp.resnet_preprocess(data, True, 64, rng=np.random.default_rng(seed),
-                                 scaled_decode=True).astype(np.float32)
-        b = pp.resnet_preprocess(data, True, 64, rng=np.random.default_rng(seed),
-                                 scaled_decode=False).astype(np.float32)
+        a = pp.resnet_preprocess(
+            data, True, 64, rng=np.random.default_rng(seed), scaled_decode=True
+        ).astype(np.float32)
+        b = pp.resnet_preprocess(
+            data, True, 64, rng=np.random.default_rng(seed), scaled_decode=False
+        ).astype(np.float32)
         assert np.abs(a - b).mean() < 3.0
 
 
@@ -261,8 +281,9 @@ def test_decode_crop_scaled_returns_at_least_min_size():
     data = _encode(_photo(900, 1200), quality=90)
     out = jpeg.decode_crop(data, (100, 200, 600, 800), min_size=140)
     assert out.shape[0] >= 140 and out.shape[1] >= 140 and out.shape[0] < 600  # 1/4 scale: 150
-    np.testing.assert_array_equal(jpeg.decode_crop(data, (10, 20, 30, 40)),
-                                  jpeg.decode(data)[10:40, 20:60])
+    np.testing.assert_array_equal(
+        jpeg.decode_crop(data, (10, 20, 30, 40)), jpeg.decode(data)[10:40, 20:60]
+    )
 
 
 def test_distort_color_fast_offsets_follow_ycbcr_within_ranges():
@@ -293,8 +314,7 @@ def test_distort_color_fast_offsets_follow_ycbcr_within_ranges():
 def test_inception_train_range_and_modes():
     data = _encode(_photo(240, 320), quality=90)
     for fast in (True, False):
-        out = pp.inception_preprocess(data, True, 48, rng=np.random.default_rng(1),
-                                      fast_mode=fast)
+        out = pp.inception_preprocess(data, True, 48, rng=np.random.default_rng(1), fast_mode=fast)
         assert out.shape == (48, 48, 3) and out.dtype == np.float32
         assert out.min() >= -1.0 and out.max() <= 1.0
 
@@ -309,8 +329,11 @@ def test_training_without_rng_is_a_clear_error():
 
 
 @pytest.mark.parametrize("fn", [pp.resnet_preprocess, pp.inception_preprocess])
-@pytest.mark.parametrize("bad", [b"", b"hello, not an image", b"\xff\xd8\xff\xe0garbage" * 4],
-                         ids=["empty", "text", "jpeg-marker-garbage"])
+@pytest.mark.parametrize(
+    "bad",
+    [b"", b"hello, not an image", b"\xff\xd8\xff\xe0garbage" * 4],
+    ids=["empty", "text", "jpeg-marker-garbage"],
+)
 def test_undecodable_bytes_raise_clear_error(fn, bad):
     with pytest.raises(pp.ImageDecodeError, match="not a decodable JPEG") as e:
         fn(bad, False, 32)
@@ -328,8 +351,9 @@ def test_png_is_decoded_exactly():
     data = _encode(img, fmt="PNG")
     window = pp.center_crop_window((120, 90), 32)
     y, x, h, w = window
-    expected = cv2.resize(np.ascontiguousarray(img[y:y + h, x:x + w]), (32, 32),
-                          interpolation=cv2.INTER_CUBIC)
+    expected = cv2.resize(
+        np.ascontiguousarray(img[y : y + h, x : x + w]), (32, 32), interpolation=cv2.INTER_CUBIC
+    )
     np.testing.assert_array_equal(pp.resnet_preprocess(data, False, 32), expected)
     rgba = np.dstack([img, np.full(img.shape[:2], 128, np.uint8)])
     assert pp.resnet_preprocess(_encode(rgba, fmt="PNG"), False, 32).shape == (32, 32, 3)
@@ -339,8 +363,10 @@ def test_png_is_decoded_exactly():
 
 def test_grayscale_jpeg_comes_out_rgb():
     data = _encode(_photo(100, 100), mode="L", quality=90)
-    for out in (pp.resnet_preprocess(data, False, 32),
-                pp.inception_preprocess(data, True, 32, rng=np.random.default_rng(0))):
+    for out in (
+        pp.resnet_preprocess(data, False, 32),
+        pp.inception_preprocess(data, True, 32, rng=np.random.default_rng(0)),
+    ):
         assert out.shape == (32, 32, 3)
     out = pp.resnet_preprocess(data, False, 32)
     assert np.array_equal(out[..., 0], out[..., 1]) and np.array_equal(out[..., 1], out[..., 2])

@@ -46,56 +46,141 @@ def parse(program: str, argv: list[str]) -> flags.FlagValues:
 
 # ORIGINAL_SYSTEM.md §2.1, the 2018-12 column.
 RESNET_DEFAULTS = {
-    "use_tpu": True, "tpu": None, "gcp_project": None, "tpu_zone": None,
-    "data_dir": "gs://cloud-tpu-test-datasets/fake_imagenet", "model_dir": None,
-    "resnet_depth": 50, "mode": "train_and_eval", "train_steps": 112590,
-    "train_batch_size": 1024, "eval_batch_size": 1024, "num_train_images": 1281167,
-    "num_eval_images": 50000, "num_label_classes": 1000, "steps_per_eval": 1251,
-    "eval_timeout": None, "skip_host_call": False, "iterations_per_loop": 1251, "num_cores": 8,
-    "num_parallel_calls": 8, "data_format": "channels_last", "transpose_input": True,
-    "export_dir": None, "export_to_tpu": False, "precision": "bfloat16",
-    "base_learning_rate": 0.1, "momentum": 0.9, "weight_decay": 1e-4, "label_smoothing": 0.0,
-    "log_step_count_steps": 64, "enable_lars": False, "poly_rate": 0.0, "use_cache": True,
-    "use_async_checkpointing": False, "image_size": 224, "profile_every_n_steps": 0,
-    "bigtable_project": None, "bigtable_instance": None, "bigtable_table": "imagenet",
-    "bigtable_train_prefix": "train_", "bigtable_eval_prefix": "validation_",
-    "bigtable_column_family": "tfexample", "bigtable_column_qualifier": "example",
+    "use_tpu": True,
+    "tpu": None,
+    "gcp_project": None,
+    "tpu_zone": None,
+    "data_dir": "gs://cloud-tpu-test-datasets/fake_imagenet",
+    "model_dir": None,
+    "resnet_depth": 50,
+    "mode": "train_and_eval",
+    "train_steps": 112590,
+    "train_batch_size": 1024,
+    "eval_batch_size": 1024,
+    "num_train_images": 1281167,
+    "num_eval_images": 50000,
+    "num_label_classes": 1000,
+    "steps_per_eval": 1251,
+    "eval_timeout": None,
+    "skip_host_call": False,
+    "iterations_per_loop": 1251,
+    "num_cores": 8,
+    "num_parallel_calls": 8,
+    "data_format": "channels_last",
+    "transpose_input": True,
+    "export_dir": None,
+    "export_to_tpu": False,
+    "precision": "bfloat16",
+    "base_learning_rate": 0.1,
+    "momentum": 0.9,
+    "weight_decay": 1e-4,
+    "label_smoothing": 0.0,
+    "log_step_count_steps": 64,
+    "enable_lars": False,
+    "poly_rate": 0.0,
+    "use_cache": True,
+    "use_async_checkpointing": False,
+    "image_size": 224,
+    "profile_every_n_steps": 0,
+    "bigtable_project": None,
+    "bigtable_instance": None,
+    "bigtable_table": "imagenet",
+    "bigtable_train_prefix": "train_",
+    "bigtable_eval_prefix": "validation_",
+    "bigtable_column_family": "tfexample",
+    "bigtable_column_qualifier": "example",
 }
 
 # ORIGINAL_SYSTEM.md §6 (v3 / v4 where different).
 INCEPTION_COMMON = {
-    "num_shards": 8, "iterations": 100, "eval_batch_size": 1024, "eval_total_size": 0,
-    "train_steps_per_eval": 2000, "mode": "train_and_eval", "min_eval_interval": 180,
-    "eval_timeout": None, "use_tpu": True, "per_host_input_for_training": True,
-    "use_data": "real", "optimizer": "RMS", "num_classes": 1001, "width": 299, "height": 299,
-    "transpose_enabled": False, "log_device_placement": False, "save_summary_steps": 100,
-    "save_checkpoints_secs": 1000, "moving_average": True, "preprocessing": "inception",
-    "learning_rate_decay": 0.94, "display_tensors": False, "clear_update_collections": True,
-    "prefetch_enabled": True, "prefetch_dataset_buffer_size": 8 * 1024 * 1024,
-    "num_files_infeed": 8, "num_parallel_calls": 64, "initial_shuffle_buffer_size": 1024,
-    "followup_shuffle_buffer_size": 1000, "tpu": None, "gcp_project": None, "tpu_zone": None,
+    "num_shards": 8,
+    "iterations": 100,
+    "eval_batch_size": 1024,
+    "eval_total_size": 0,
+    "train_steps_per_eval": 2000,
+    "mode": "train_and_eval",
+    "min_eval_interval": 180,
+    "eval_timeout": None,
+    "use_tpu": True,
+    "per_host_input_for_training": True,
+    "use_data": "real",
+    "optimizer": "RMS",
+    "num_classes": 1001,
+    "width": 299,
+    "height": 299,
+    "transpose_enabled": False,
+    "log_device_placement": False,
+    "save_summary_steps": 100,
+    "save_checkpoints_secs": 1000,
+    "moving_average": True,
+    "preprocessing": "inception",
+    "learning_rate_decay": 0.94,
+    "display_tensors": False,
+    "clear_update_collections": True,
+    "prefetch_enabled": True,
+    "prefetch_dataset_buffer_size": 8 * 1024 * 1024,
+    "num_files_infeed": 8,
+    "num_parallel_calls": 64,
+    "initial_shuffle_buffer_size": 1024,
+    "followup_shuffle_buffer_size": 1000,
+    "tpu": None,
+    "gcp_project": None,
+    "tpu_zone": None,
 }
 INCEPTION_DEFAULTS = {
-    "inception_v3": {**INCEPTION_COMMON, "train_batch_size": 1024, "train_steps": 213000,
-                     "learning_rate": 0.165, "use_annotated_bbox": False,
-                     "learning_rate_decay_epochs": 3, "cold_epochs": 2, "warmup_epochs": 7,
-                     "use_learning_rate_warmup": False},
-    "inception_v4": {**INCEPTION_COMMON, "train_batch_size": 256, "train_steps": 80000,
-                     "learning_rate": 0.15, "use_annotated_bbox": True,
-                     "learning_rate_decay_epochs": 2, "cold_learning_rate": 0.001,
-                     "cold_epochs": 1, "warmup_epochs": 2},
+    "inception_v3": {
+        **INCEPTION_COMMON,
+        "train_batch_size": 1024,
+        "train_steps": 213000,
+        "learning_rate": 0.165,
+        "use_annotated_bbox": False,
+        "learning_rate_decay_epochs": 3,
+        "cold_epochs": 2,
+        "warmup_epochs": 7,
+        "use_learning_rate_warmup": False,
+    },
+    "inception_v4": {
+        **INCEPTION_COMMON,
+        "train_batch_size": 256,
+        "train_steps": 80000,
+        "learning_rate": 0.15,
+        "use_annotated_bbox": True,
+        "learning_rate_decay_epochs": 2,
+        "cold_learning_rate": 0.001,
+        "cold_epochs": 1,
+        "warmup_epochs": 2,
+    },
 }
 
 TPU_ONLY = {
-    "resnet": ["--tpu=my-tpu", "--use_tpu=True", "--master=grpc://10.0.0.2:8470",
-               "--gcp_project=p", "--tpu_zone=us-central1-b", "--transpose_input=True",
-               "--data_format=channels_last", "--export_to_tpu=True", "--num_cores=8",
-               "--skip_host_call", "--use_async_checkpointing", "--use_cache=False",
-               "--profile_every_n_steps=100"],
-    "inception_v3": ["--tpu=my-tpu", "--use_tpu=True", "--master=grpc://10.0.0.2:8470",
-                     "--gcp_project=p", "--tpu_zone=us-central1-b", "--num_shards=8",
-                     "--transpose_enabled=True", "--per_host_input_for_training=False",
-                     "--log_device_placement", "--display_tensors", "--num_files_infeed=4"],
+    "resnet": [
+        "--tpu=my-tpu",
+        "--use_tpu=True",
+        "--master=grpc://10.0.0.2:8470",
+        "--gcp_project=p",
+        "--tpu_zone=us-central1-b",
+        "--transpose_input=True",
+        "--data_format=channels_last",
+        "--export_to_tpu=True",
+        "--num_cores=8",
+        "--skip_host_call",
+        "--use_async_checkpointing",
+        "--use_cache=False",
+        "--profile_every_n_steps=100",
+    ],
+    "inception_v3": [
+        "--tpu=my-tpu",
+        "--use_tpu=True",
+        "--master=grpc://10.0.0.2:8470",
+        "--gcp_project=p",
+        "--tpu_zone=us-central1-b",
+        "--num_shards=8",
+        "--transpose_enabled=True",
+        "--per_host_input_for_training=False",
+        "--log_device_placement",
+        "--display_tensors",
+        "--num_files_infeed=4",
+    ],
 }
 TPU_ONLY["inception_v4"] = TPU_ONLY["inception_v3"]
 
@@ -120,14 +205,22 @@ def test_tpu_only_flags_are_accepted_and_explained_in_help(program):
     for arg in TPU_ONLY[program]:
         name = arg[2:].split("=")[0]
         help_text = fv[name].help.lower()
-        assert ("unused" in help_text or "replicas" in help_text or "asynchronous" in help_text
-                or "tensorboard" in help_text), (name, help_text)
+        assert (
+            "unused" in help_text
+            or "replicas" in help_text
+            or "asynchronous" in help_text
+            or "tensorboard" in help_text
+        ), (name, help_text)
 
 
 @pytest.mark.parametrize("program", sorted(PROGRAMS))
 def test_help_lists_and_explains_the_tpu_flags(program):
-    out = subprocess.run([sys.executable, "-m", f"estimax.programs.{program}", "--help"],
-                         capture_output=True, text=True, timeout=120).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", f"estimax.programs.{program}", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
     for name in ("tpu", "master", "gcp_project", "tpu_zone", "use_tpu"):
         assert f"--{name}" in out or f"--[no]{name}" in out, name
     assert "Accepted for compatibility" in out
@@ -210,13 +303,20 @@ def _spec(model_fn, features, labels, mode="train"):
 
 
 def test_resnet_model_fn_recipe(monkeypatch):
-    cfg = resnet.ResNetConfig(resnet_depth=18, num_label_classes=10, label_smoothing=0.1,
-                              train_batch_size=256, num_train_images=2560, cpu_fast_ops=False)
+    cfg = resnet.ResNetConfig(
+        resnet_depth=18,
+        num_label_classes=10,
+        label_smoothing=0.1,
+        train_batch_size=256,
+        num_train_images=2560,
+        cpu_fast_ops=False,
+    )
     assert resnet.build_model(cfg).dtype == jnp.bfloat16  # --precision=bfloat16 (default)
     assert resnet.build_model(dataclasses.replace(cfg, precision="float32")).dtype == jnp.float32
     # The tiny variant stands in for ResNet-18 (same code; tests/test_models.py covers depths).
-    monkeypatch.setattr(resnet, "resnet_v1",
-                        lambda depth, classes, **kw: ResNetTiny(num_classes=classes, **kw))
+    monkeypatch.setattr(
+        resnet, "resnet_v1", lambda depth, classes, **kw: ResNetTiny(num_classes=classes, **kw)
+    )
     images = np.random.default_rng(0).integers(0, 256, (2, 32, 32, 3)).astype(np.uint8)
     # float32: XLA:CPU takes ~10x longer to compile the bfloat16 network.
     cfg = dataclasses.replace(cfg, precision="float32")
@@ -230,8 +330,11 @@ def test_resnet_model_fn_recipe(monkeypatch):
     # Label smoothing 0.1 over 10 classes: the loss is at least the smoothed targets' entropy.
     targets = np.full(10, 0.01) + np.eye(10)[1] * 0.9
     assert float(loss[0]) >= -(targets * np.log(targets)).sum() - 1e-4
-    no_host_call, _, _ = _spec(resnet.make_model_fn(dataclasses.replace(cfg, write_scalars=False)),
-                         images, jnp.array([1, 2]))
+    no_host_call, _, _ = _spec(
+        resnet.make_model_fn(dataclasses.replace(cfg, write_scalars=False)),
+        images,
+        jnp.array([1, 2]),
+    )
     assert no_host_call.scalars is None  # --skip_host_call
 
 
@@ -256,10 +359,13 @@ class _Oracle(nn.Module):
 
 
 def test_inception_labels_are_the_files_labels_with_1001_logits(tmp_path):
-    cfg = inception_v3.InceptionConfig(model=_Oracle, schedule=lambda s: 0.1,
-                                       cpu_fast_ops=False)
-    est = ex.Estimator(inception_v3.make_model_fn(cfg), ex.RunConfig(model_dir=str(tmp_path)),
-                       eval_batch_size=8, predict_batch_size=8)
+    cfg = inception_v3.InceptionConfig(model=_Oracle, schedule=lambda s: 0.1, cpu_fast_ops=False)
+    est = ex.Estimator(
+        inception_v3.make_model_fn(cfg),
+        ex.RunConfig(model_dir=str(tmp_path)),
+        eval_batch_size=8,
+        predict_batch_size=8,
+    )
     file_labels = np.array([1, 2, 3, 1000, 17, 5, 999, 42], np.int32)
     images = np.broadcast_to(file_labels[:, None, None, None], (8, 4, 4, 3)).astype(np.float32)
     # The estimax ImageNet input hands the model file label - 1 (imagenet.label_from_example).
@@ -272,17 +378,28 @@ def test_inception_labels_are_the_files_labels_with_1001_logits(tmp_path):
 
 
 def _tiny_resnet(monkeypatch):
-    monkeypatch.setattr(resnet, "resnet_v1",
-                        lambda depth, classes, **kw: ResNetTiny(num_classes=classes, **kw))
+    monkeypatch.setattr(
+        resnet, "resnet_v1", lambda depth, classes, **kw: ResNetTiny(num_classes=classes, **kw)
+    )
 
 
 @pytest.mark.slow
 def test_resnet_train_mode_trains_to_train_steps_then_exports(tmp_path, monkeypatch):
     _tiny_resnet(monkeypatch)
-    fv = parse("resnet", [f"--model_dir={tmp_path / 'model'}", "--mode=train",
-                          "--train_steps=2", "--iterations_per_loop=1", "--train_batch_size=8",
-                          "--image_size=32", "--data_dir=null",
-                          f"--export_dir={tmp_path / 'export'}", "--num_cores=1"])
+    fv = parse(
+        "resnet",
+        [
+            f"--model_dir={tmp_path / 'model'}",
+            "--mode=train",
+            "--train_steps=2",
+            "--iterations_per_loop=1",
+            "--train_batch_size=8",
+            "--image_size=32",
+            "--data_dir=null",
+            f"--export_dir={tmp_path / 'export'}",
+            "--num_cores=1",
+        ],
+    )
     assert resnet.run_from_flags(fv) is None  # no evaluation in --mode=train
     assert sorted(os.listdir(tmp_path / "model" / "checkpoints")) == ["2"]  # saved at the end
     exports = os.listdir(tmp_path / "export")
@@ -290,12 +407,14 @@ def test_resnet_train_mode_trains_to_train_steps_then_exports(tmp_path, monkeypa
 
 
 def test_eval_mode_without_checkpoints_stops_at_eval_timeout(tmp_path):
-    fv = parse("resnet", [f"--model_dir={tmp_path}", "--mode=eval", "--eval_timeout=0",
-                          "--num_cores=1"])
+    fv = parse(
+        "resnet", [f"--model_dir={tmp_path}", "--mode=eval", "--eval_timeout=0", "--num_cores=1"]
+    )
     assert resnet.run_from_flags(fv) is None
 
 
 # ---------------------------------------------------------------- seed command lines
+
 
 def test_seed_command_lines_are_the_ones_in_the_seeds():
     if not os.path.isdir(seed_command_lines.SEEDS_DIR):
@@ -308,8 +427,9 @@ def _run_seed_line(command: str, model_dir: str, monkeypatch, extra: tuple[str, 
     program, argv = seed_command_lines.to_estimax_argv(command, model_dir)
     fv = parse(program, [*argv, *extra])
     if program == "resnet":
-        monkeypatch.setattr(resnet, "resnet_v1",
-                            lambda depth, classes, **kw: ResNetTiny(num_classes=classes, **kw))
+        monkeypatch.setattr(
+            resnet, "resnet_v1", lambda depth, classes, **kw: ResNetTiny(num_classes=classes, **kw)
+        )
         return fv, resnet.run_from_flags(fv)
     variant = inception_v3.V3 if program == "inception_v3" else inception_v4.V4
     tiny = InceptionV3Tiny if program == "inception_v3" else InceptionV4Tiny
@@ -333,9 +453,11 @@ def _record_bigtable_sources(monkeypatch) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed,command", seed_command_lines.SEED_COMMANDS,
-                         ids=[f"{s}-{i}" for i, (s, _) in enumerate(
-                             seed_command_lines.SEED_COMMANDS)])
+@pytest.mark.parametrize(
+    "seed,command",
+    seed_command_lines.SEED_COMMANDS,
+    ids=[f"{s}-{i}" for i, (s, _) in enumerate(seed_command_lines.SEED_COMMANDS)],
+)
 def test_seed_command_line_runs(seed, command, tmp_path, monkeypatch, request):
     model_dir = str(tmp_path / "model")
     if seed_command_lines.uses_bigtable(command):
@@ -345,11 +467,14 @@ def test_seed_command_line_runs(seed, command, tmp_path, monkeypatch, request):
     sources = _record_bigtable_sources(monkeypatch)
     fv, results = _run_seed_line(command, model_dir, monkeypatch)
     # The Bigtable line read both splits from the table, the others never touched Bigtable.
-    assert set(sources) == ({"my-project/my-instance/imagenet/train_",
-                             "my-project/my-instance/imagenet/validation_"}
-                            if seed_command_lines.uses_bigtable(command) else set())
-    metrics = ("top_1_accuracy", "top_5_accuracy") if "resnet" in command else (
-        "accuracy", "accuracy@5")
+    assert set(sources) == (
+        {"my-project/my-instance/imagenet/train_", "my-project/my-instance/imagenet/validation_"}
+        if seed_command_lines.uses_bigtable(command)
+        else set()
+    )
+    metrics = (
+        ("top_1_accuracy", "top_5_accuracy") if "resnet" in command else ("accuracy", "accuracy@5")
+    )
     assert results["global_step"] == 2
     assert all(m in results for m in metrics)
     eval_images = 16 if "resnet" in command else 8
@@ -364,6 +489,7 @@ def test_seed_command_line_runs(seed, command, tmp_path, monkeypatch, request):
 
 # ---------------------------------------------------------------- digits, two processes
 
+
 def test_digits_imagenet_writes_the_converters_records(tmp_path):
     from estimax.data import example, imagenet, jpeg, tfrecord
     from estimax.tools import digits_imagenet
@@ -372,18 +498,28 @@ def test_digits_imagenet_writes_the_converters_records(tmp_path):
     digits = np.zeros((5, 28, 28), np.uint8)
     digits[:, 4:24, 4:24] = rng.integers(100, 256, (5, 20, 20))
     labels = np.array([0, 9, 3, 3, 7])
-    paths = digits_imagenet.write_split(str(tmp_path), "validation", digits.reshape(5, 784),
-                                        labels, num_shards=2)
-    assert [os.path.basename(p) for p in paths] == ["validation-00000-of-00002",
-                                                    "validation-00001-of-00002"]
+    paths = digits_imagenet.write_split(
+        str(tmp_path), "validation", digits.reshape(5, 784), labels, num_shards=2
+    )
+    assert [os.path.basename(p) for p in paths] == [
+        "validation-00000-of-00002",
+        "validation-00001-of-00002",
+    ]
     records = [r for p in paths for r in tfrecord.read_records(p)]
     parsed = [example.parse_example(r, imagenet.IMAGENET_SCHEMA) for r in records]
     # Round-robin over the shards: records 0, 2, 4 in the first file, 1, 3 in the second.
     order = [0, 2, 4, 1, 3]
     assert [int(p["image/class/label"]) for p in parsed] == [labels[i] + 1 for i in order]
-    assert {(int(p["image/height"]), int(p["image/width"]), int(p["image/channels"]),
-             p["image/colorspace"], p["image/format"]) for p in parsed} == {
-        (44, 44, 3, b"RGB", b"JPEG")}
+    assert {
+        (
+            int(p["image/height"]),
+            int(p["image/width"]),
+            int(p["image/channels"]),
+            p["image/colorspace"],
+            p["image/format"],
+        )
+        for p in parsed
+    } == {(44, 44, 3, b"RGB", b"JPEG")}
     image = jpeg.decode(parsed[0]["image/encoded"])
     assert image.shape == (44, 44, 3)
     # The digit sits in the centre of a black canvas (JPEG is lossy: compare loosely).
@@ -406,17 +542,33 @@ def test_resnet_digits_train_and_a_second_eval_process(tmp_path):
     data = str(tmp_path / "data")
     digits_imagenet.write_split(data, "train", train_x[:128], train_y[:128], 2)
     digits_imagenet.write_split(data, "validation", eval_x[:40], eval_y[:40], 2)
-    common_flags = [f"--data_dir={data}", f"--model_dir={tmp_path / 'model'}",
-                    "--resnet_depth=18", "--image_size=32", "--num_label_classes=10",
-                    "--num_train_images=128", "--num_eval_images=40", "--train_batch_size=16",
-                    "--eval_batch_size=16", "--train_steps=4", "--iterations_per_loop=2",
-                    "--save_checkpoints_steps=2", "--precision=float32"]
+    common_flags = [
+        f"--data_dir={data}",
+        f"--model_dir={tmp_path / 'model'}",
+        "--resnet_depth=18",
+        "--image_size=32",
+        "--num_label_classes=10",
+        "--num_train_images=128",
+        "--num_eval_images=40",
+        "--train_batch_size=16",
+        "--eval_batch_size=16",
+        "--train_steps=4",
+        "--iterations_per_loop=2",
+        "--save_checkpoints_steps=2",
+        "--precision=float32",
+    ]
     cmd = [sys.executable, "-m", "estimax.programs.resnet", *common_flags]
     env = dict(os.environ)
-    train = subprocess.Popen([*cmd, "--mode=train"], stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, env=env)
-    evaluator = subprocess.run([*cmd, "--mode=eval", "--eval_timeout=600"], capture_output=True,
-                               text=True, env=env, timeout=900)
+    train = subprocess.Popen(
+        [*cmd, "--mode=train"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    evaluator = subprocess.run(
+        [*cmd, "--mode=eval", "--eval_timeout=600"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     train_out, _ = train.communicate(timeout=900)
     assert train.returncode == 0, train_out[-3000:]
     assert evaluator.returncode == 0, evaluator.stderr[-3000:]

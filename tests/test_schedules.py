@@ -40,8 +40,9 @@ def ref_inception_v3(step, lr=0.165, batch=1024, n=N, decay=0.94, decay_epochs=3
     return max(initial * decay ** (step // decay_steps), 0.0001 * initial)
 
 
-def ref_inception_v3_warmup(step, lr=0.165, batch=1024, n=N, decay=0.94, decay_epochs=3,
-                            cold=2, warmup=7):
+def ref_inception_v3_warmup(
+    step, lr=0.165, batch=1024, n=N, decay=0.94, decay_epochs=3, cold=2, warmup=7
+):
     initial = lr * batch / 256
     adj = initial * decay ** ((warmup + cold) / decay_epochs)
     bpe = n / batch
@@ -54,8 +55,9 @@ def ref_inception_v3_warmup(step, lr=0.165, batch=1024, n=N, decay=0.94, decay_e
     return max(out, 0.0001 * initial)
 
 
-def ref_inception_v4(step, lr=0.15, batch=256, n=N, decay=0.94, decay_epochs=2, cold_lr=0.001,
-                     cold=1, warmup=2):
+def ref_inception_v4(
+    step, lr=0.15, batch=256, n=N, decay=0.94, decay_epochs=2, cold_lr=0.001, cold=1, warmup=2
+):
     initial = lr * batch / 256 / decay ** ((warmup + cold) / decay_epochs)
     bpe = n / batch
     epoch = int(step / bpe)
@@ -77,7 +79,7 @@ def check(schedule, reference, steps):
     got = np.asarray(jax.jit(jax.vmap(schedule))(jnp.asarray(steps, jnp.int32)))
     want = np.array([reference(s) for s in steps])
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-9)
-    return dict(zip(steps, got))
+    return dict(zip(steps, got, strict=False))
 
 
 def around(*boundaries):
@@ -94,16 +96,27 @@ def test_resnet_default_recipe_at_every_boundary():
     # The recipe in words: 0 -> 0.4 over 5 epochs, 0.4, 0.04 at 30, 0.004 at 60, 0.0004 at 80.
     assert got[0] == 0.0
     np.testing.assert_allclose(got[6255], 0.4 * 6255 / (5 * N / 1024), rtol=1e-6)
-    for step, lr in ((6256, 0.4), (37534, 0.4), (37535, 0.04), (75068, 0.04), (75069, 0.004),
-                     (100091, 0.004), (100092, 0.0004), (112590, 0.0004)):
+    for step, lr in (
+        (6256, 0.4),
+        (37534, 0.4),
+        (37535, 0.04),
+        (75068, 0.04),
+        (75069, 0.004),
+        (100091, 0.004),
+        (100092, 0.0004),
+        (112590, 0.0004),
+    ):
         np.testing.assert_allclose(got[step], lr, rtol=1e-6)
 
 
 def test_resnet_scales_with_batch_and_base_rate():
     sched = schedules.resnet_schedule(0.2, 256, N)
     end = first_step_at_epoch(5, 256)
-    check(sched, lambda s: ref_resnet(s, base_lr=0.2, batch=256),
-          around(end, first_step_at_epoch(30, 256)))
+    check(
+        sched,
+        lambda s: ref_resnet(s, base_lr=0.2, batch=256),
+        around(end, first_step_at_epoch(30, 256)),
+    )
     np.testing.assert_allclose(sched(end), 0.2, rtol=1e-6)
 
 
@@ -137,8 +150,17 @@ def test_inception_v3_staircase_decay_and_floor():
     # Floor 0.0001 * initial: first reached at k = ceil(log(1e-4) / log(0.94)) = 149 decays.
     k_floor = math.ceil(math.log(1e-4) / math.log(0.94))
     assert k_floor == 149
-    steps = [0, *around(decay_steps, 2 * decay_steps, 10 * decay_steps, (k_floor - 1) * decay_steps,
-                        k_floor * decay_steps), 10**7]
+    steps = [
+        0,
+        *around(
+            decay_steps,
+            2 * decay_steps,
+            10 * decay_steps,
+            (k_floor - 1) * decay_steps,
+            k_floor * decay_steps,
+        ),
+        10**7,
+    ]
     got = check(sched, ref_inception_v3, steps)
     initial = 0.165 * 1024 / 256
     np.testing.assert_allclose(got[0], initial, rtol=1e-6)
@@ -161,16 +183,16 @@ def test_inception_v3_optional_warmup_follows_the_originals_ramp():
 # ---- Inception v4 ---------------------------------------------------------------------------
 def test_inception_v4_cold_warmup_decay_and_floor():
     sched = schedules.inception_v4_schedule()  # 0.15, batch 256, cold 1, warm-up 2, 0.94 / 2 ep
-    initial = 0.15 / 0.94 ** 1.5
+    initial = 0.15 / 0.94**1.5
     e1, e2, e3 = (first_step_at_epoch(e, 256) for e in (1, 2, 3))
     decay_steps = int(2 * N / 256)
     assert (e1, e2, e3, decay_steps) == (5005, 10010, 15014, 10009)
     k_floor = math.ceil(math.log(1e-4) / math.log(0.94))
     steps = [0, *around(e1, e2, e3, 2 * decay_steps, 3 * decay_steps, k_floor * decay_steps)]
     got = check(sched, ref_inception_v4, steps)
-    np.testing.assert_allclose(got[e1 - 1], 0.001, rtol=1e-6)          # cold
-    np.testing.assert_allclose(got[e1], initial / 3, rtol=1e-6)         # warm-up, epoch 1
-    np.testing.assert_allclose(got[e2], 2 * initial / 3, rtol=1e-6)     # warm-up, epoch 2
+    np.testing.assert_allclose(got[e1 - 1], 0.001, rtol=1e-6)  # cold
+    np.testing.assert_allclose(got[e1], initial / 3, rtol=1e-6)  # warm-up, epoch 1
+    np.testing.assert_allclose(got[e2], 2 * initial / 3, rtol=1e-6)  # warm-up, epoch 2
     # At epoch 3 the decay (counting from step 0) has already applied once: 0.94 * initial,
     # which is why the original divides the initial rate by 0.94 ** 1.5.
     np.testing.assert_allclose(got[e3], initial * 0.94, rtol=1e-6)

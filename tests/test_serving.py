@@ -23,11 +23,11 @@ requests = pytest.importorskip("requests")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
+import serving_fixtures as fx  # noqa: E402
+
 from estimax import serving  # noqa: E402
 from estimax.serving.batching import Batcher, BatchingOptions, QueueFullError  # noqa: E402
 from estimax.serving.manager import ModelManager  # noqa: E402
-
-import serving_fixtures as fx  # noqa: E402
 
 NAME = "tiny"
 
@@ -46,23 +46,32 @@ def trained(tmp_path_factory):
     held_out = images[16:]
     expected = fx.predict(est, held_out)
     base = root / "models"
-    path = serving.export_version(est, str(base), preprocessing=serving.resnet_eval(fx.IMAGE_SIZE),
-                                  check_inputs=held_out[:3])
+    path = serving.export_version(
+        est, str(base), preprocessing=serving.resnet_eval(fx.IMAGE_SIZE), check_inputs=held_out[:3]
+    )
     assert path == str(base / "1")
     return {"est": est, "images": held_out, "expected": expected, "base": base, "root": root}
 
 
 def ex_input(images, labels):
     import estimax as ex
+
     return ex.numpy_input_fn(fx.preprocess_all(images), labels)
 
 
 @pytest.fixture(scope="module")
 def server(trained):
-    args = [f"--model_base_path={trained['base']}", f"--model_name={NAME}",
-            "--file_system_poll_wait_seconds=0.2", "--enable_batching", "--max_batch_size=8",
-            "--batch_timeout_micros=2000", "--max_instances=8", "--max_body_bytes=200000",
-            "--max_image_pixels=20000"]
+    args = [
+        f"--model_base_path={trained['base']}",
+        f"--model_name={NAME}",
+        "--file_system_poll_wait_seconds=0.2",
+        "--enable_batching",
+        "--max_batch_size=8",
+        "--batch_timeout_micros=2000",
+        "--max_instances=8",
+        "--max_body_bytes=200000",
+        "--max_image_pixels=20000",
+    ]
     with fx.running_server(args) as (url, proc):
         yield url, proc
 
@@ -78,32 +87,56 @@ def test_tf_serving_row_request_with_b64_jpegs_equals_estimator_predict(trained,
     url, _ = server
     images, expected = trained["images"], trained["expected"]
     # The TF Serving REST documentation's form: {"instances": [{"b64": ...}, ...]}.
-    r = requests.post(f"{url}/v1/models/{NAME}:predict",
-                      json={"instances": [{"b64": b64(b)} for b in images]})
+    r = requests.post(
+        f"{url}/v1/models/{NAME}:predict", json={"instances": [{"b64": b64(b)} for b in images]}
+    )
     assert r.status_code == 200, r.text
     assert_matches(r.json()["predictions"], expected)
     # Named-input rows, URL-safe base64 without padding, an explicit version and signature.
-    r = requests.post(f"{url}/v1/models/{NAME}/versions/1:predict",
-                      json={"signature_name": "serving_default", "instances": [
-                          {"image_bytes": {"b64": b64(b, urlsafe=True).rstrip("=")}}
-                          for b in images]})
+    r = requests.post(
+        f"{url}/v1/models/{NAME}/versions/1:predict",
+        json={
+            "signature_name": "serving_default",
+            "instances": [
+                {"image_bytes": {"b64": b64(b, urlsafe=True).rstrip("=")}} for b in images
+            ],
+        },
+    )
     assert r.status_code == 200, r.text
     assert_matches(r.json()["predictions"], expected)
     # Columnar: {"inputs": {...}} -> {"outputs": {name: [...]}}.
-    r = requests.post(f"{url}/v1/models/{NAME}:predict",
-                      json={"inputs": {"image_bytes": [{"b64": b64(b)} for b in images]}})
+    r = requests.post(
+        f"{url}/v1/models/{NAME}:predict",
+        json={"inputs": {"image_bytes": [{"b64": b64(b)} for b in images]}},
+    )
     assert r.status_code == 200, r.text
     out = r.json()["outputs"]
-    assert_matches([{"classes": c, "probabilities": p}
-                    for c, p in zip(out["classes"], out["probabilities"])], expected)
+    assert_matches(
+        [
+            {"classes": c, "probabilities": p}
+            for c, p in zip(out["classes"], out["probabilities"], strict=False)
+        ],
+        expected,
+    )
 
 
 def test_v2_infer_equals_estimator_predict(trained, server):
     url, _ = server
     images, expected = trained["images"], trained["expected"]
-    r = requests.post(f"{url}/v2/models/{NAME}/infer", json={
-        "id": "req-1", "inputs": [{"name": "image_bytes", "shape": [len(images)],
-                                   "datatype": "BYTES", "data": [b64(b) for b in images]}]})
+    r = requests.post(
+        f"{url}/v2/models/{NAME}/infer",
+        json={
+            "id": "req-1",
+            "inputs": [
+                {
+                    "name": "image_bytes",
+                    "shape": [len(images)],
+                    "datatype": "BYTES",
+                    "data": [b64(b) for b in images],
+                }
+            ],
+        },
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["model_name"] == NAME and body["id"] == "req-1"
@@ -111,20 +144,34 @@ def test_v2_infer_equals_estimator_predict(trained, server):
     assert outs["classes"]["datatype"] == "INT32" and outs["classes"]["shape"] == [len(images)]
     assert outs["probabilities"]["shape"] == [len(images), fx.NUM_CLASSES]
     probabilities = np.reshape(outs["probabilities"]["data"], outs["probabilities"]["shape"])
-    assert_matches([{"classes": c, "probabilities": p}
-                    for c, p in zip(outs["classes"]["data"], probabilities)], expected)
+    assert_matches(
+        [
+            {"classes": c, "probabilities": p}
+            for c, p in zip(outs["classes"]["data"], probabilities, strict=False)
+        ],
+        expected,
+    )
     # Only the requested output comes back.
-    r = requests.post(f"{url}/v2/models/{NAME}/versions/1/infer", json={
-        "inputs": [{"name": "image_bytes", "shape": [1], "datatype": "BYTES",
-                    "data": [b64(images[0])]}], "outputs": [{"name": "classes"}]})
+    r = requests.post(
+        f"{url}/v2/models/{NAME}/versions/1/infer",
+        json={
+            "inputs": [
+                {"name": "image_bytes", "shape": [1], "datatype": "BYTES", "data": [b64(images[0])]}
+            ],
+            "outputs": [{"name": "classes"}],
+        },
+    )
     assert [o["name"] for o in r.json()["outputs"]] == ["classes"]
 
 
 def test_metadata_and_status_list_the_signature(trained, server):
     url, _ = server
     status = requests.get(f"{url}/v1/models/{NAME}").json()
-    assert {"version": "1", "state": "AVAILABLE",
-            "status": {"error_code": "OK", "error_message": ""}} in status["model_version_status"]
+    assert {
+        "version": "1",
+        "state": "AVAILABLE",
+        "status": {"error_code": "OK", "error_message": ""},
+    } in status["model_version_status"]
     meta = requests.get(f"{url}/v1/models/{NAME}/versions/1/metadata").json()
     assert meta["model_spec"] == {"name": NAME, "signature_name": "", "version": "1"}
     sig = meta["metadata"]["signature_def"]["signature_def"]["serving_default"]
@@ -132,13 +179,19 @@ def test_metadata_and_status_list_the_signature(trained, server):
     assert sig["inputs"]["image_bytes"]["tensor_shape"]["dim"] == [{"size": "-1", "name": ""}]
     assert sig["outputs"]["classes"]["dtype"] == "DT_INT32"
     assert [d["size"] for d in sig["outputs"]["probabilities"]["tensor_shape"]["dim"]] == [
-        "-1", str(fx.NUM_CLASSES)]
+        "-1",
+        str(fx.NUM_CLASSES),
+    ]
     assert meta["metadata"]["signature_def"]["preprocessing"] == {
-        "name": "resnet_eval", "version": 1, "params": {"image_size": fx.IMAGE_SIZE}}
+        "name": "resnet_eval",
+        "version": 1,
+        "params": {"image_size": fx.IMAGE_SIZE},
+    }
     v2 = requests.get(f"{url}/v2/models/{NAME}").json()
     assert v2["inputs"] == [{"name": "image_bytes", "datatype": "BYTES", "shape": [-1]}]
     assert {"name": "probabilities", "datatype": "FP32", "shape": [-1, fx.NUM_CLASSES]} in (
-        v2["outputs"])
+        v2["outputs"]
+    )
     assert requests.get(f"{url}/v2/health/live").status_code == 200
     assert requests.get(f"{url}/v2/models/{NAME}/ready").status_code == 200
     assert requests.get(f"{url}/v2/models/other/ready").status_code == 404
@@ -153,6 +206,7 @@ def test_every_bad_request_gets_its_4xx_and_the_server_keeps_serving(trained, se
     good = b64(trained["images"][0])
     big = fx.make_jpegs(1, seed=5)[0][0]
     import simplejpeg
+
     huge = simplejpeg.encode_jpeg(np.zeros((200, 150, 3), np.uint8), colorspace="RGB")
     predict = f"{url}/v1/models/{NAME}:predict"
     infer = f"{url}/v2/models/{NAME}/infer"
@@ -164,54 +218,149 @@ def test_every_bad_request_gets_its_4xx_and_the_server_keeps_serving(trained, se
         ("post", predict, {"instances": [{"b64": b64(huge)}]}, 400, "--max_image_pixels"),
         ("post", predict, {"instances": ["raw string"]}, 400, "encoded image bytes"),
         ("post", predict, {"instances": [{"pixels": {"b64": good}}]}, 400, "image_bytes"),
-        ("post", predict, {"instances": [{"b64": good}], "inputs": [{"b64": good}]}, 400,
-         "Not both"),
-        ("post", predict, {"signature_name": "serving_default"}, 400,
-         "Missing 'inputs' or 'instances' key"),
+        (
+            "post",
+            predict,
+            {"instances": [{"b64": good}], "inputs": [{"b64": good}]},
+            400,
+            "Not both",
+        ),
+        (
+            "post",
+            predict,
+            {"signature_name": "serving_default"},
+            400,
+            "Missing 'inputs' or 'instances' key",
+        ),
         ("post", predict, {"instances": []}, 400, "non-empty"),
         ("post", predict, [1, 2], 400, "JSON object"),
         ("post", predict, {"instances": [{"b64": good}] * 9}, 400, "--max_instances"),
         ("post", predict, {"instances": [{"b64": "A" * 300_000}]}, 413, "--max_body_bytes"),
-        ("post", predict, {"signature_name": "nope", "instances": [{"b64": good}]}, 400,
-         "not found in signature def"),
-        ("post", f"{url}/v1/models/other:predict", {"instances": [{"b64": good}]}, 404,
-         "Servable not found for request: Latest(other)"),
-        ("post", f"{url}/v1/models/{NAME}/versions/7:predict", {"instances": [{"b64": good}]},
-         404, "Specific(tiny, 7)"),
-        ("post", f"{url}/v1/models/{NAME}/versions/x:predict", {"instances": [{"b64": good}]},
-         400, "versions are integers"),
+        (
+            "post",
+            predict,
+            {"signature_name": "nope", "instances": [{"b64": good}]},
+            400,
+            "not found in signature def",
+        ),
+        (
+            "post",
+            f"{url}/v1/models/other:predict",
+            {"instances": [{"b64": good}]},
+            404,
+            "Servable not found for request: Latest(other)",
+        ),
+        (
+            "post",
+            f"{url}/v1/models/{NAME}/versions/7:predict",
+            {"instances": [{"b64": good}]},
+            404,
+            "Specific(tiny, 7)",
+        ),
+        (
+            "post",
+            f"{url}/v1/models/{NAME}/versions/x:predict",
+            {"instances": [{"b64": good}]},
+            400,
+            "versions are integers",
+        ),
         ("get", f"{url}/v1/models/other", None, 404, "Could not find any versions"),
         ("get", f"{url}/v1/models/{NAME}/versions/9/metadata", None, 404, "Servable not found"),
         ("post", f"{url}/v1/models/{NAME}:classify", {"examples": []}, 400, "not supported"),
         ("get", f"{url}/v1/nothing/here", None, 404, "Malformed request"),
-        ("post", infer, {"inputs": [{"name": "image_bytes", "shape": [1], "datatype": "FP32",
-                                     "data": [1.0]}]}, 400, "datatype"),
-        ("post", infer, {"inputs": [{"name": "image_bytes", "shape": [2], "datatype": "BYTES",
-                                     "data": [good]}]}, 400, "does not match"),
-        ("post", infer, {"inputs": [{"name": "x", "shape": [1], "datatype": "BYTES",
-                                     "data": [good]}]}, 400, "unknown input"),
+        (
+            "post",
+            infer,
+            {"inputs": [{"name": "image_bytes", "shape": [1], "datatype": "FP32", "data": [1.0]}]},
+            400,
+            "datatype",
+        ),
+        (
+            "post",
+            infer,
+            {
+                "inputs": [
+                    {"name": "image_bytes", "shape": [2], "datatype": "BYTES", "data": [good]}
+                ]
+            },
+            400,
+            "does not match",
+        ),
+        (
+            "post",
+            infer,
+            {"inputs": [{"name": "x", "shape": [1], "datatype": "BYTES", "data": [good]}]},
+            400,
+            "unknown input",
+        ),
         ("post", infer, {"inputs": [{"name": "image_bytes", "shape": [1]}]}, 400, "'data'"),
-        ("post", infer, {"inputs": [{"name": "image_bytes", "shape": [1], "datatype": "BYTES",
-                                     "data": [good]}], "outputs": [{"name": "logits"}]}, 400,
-         "unknown outputs"),
+        (
+            "post",
+            infer,
+            {
+                "inputs": [
+                    {"name": "image_bytes", "shape": [1], "datatype": "BYTES", "data": [good]}
+                ],
+                "outputs": [{"name": "logits"}],
+            },
+            400,
+            "unknown outputs",
+        ),
         ("post", infer, {"nope": 1}, 400, "'inputs' list"),
-        ("post", infer, {"inputs": [{"name": ["image_bytes"], "shape": [1], "datatype": "BYTES",
-                                     "data": [good]}]}, 400, "unknown input"),
-        ("post", infer, {"inputs": [{"name": "image_bytes", "shape": [1], "datatype": "BYTES",
-                                     "data": [good]}] * 2}, 400, "given twice"),
-        ("post", infer, {"inputs": [{"name": "image_bytes", "shape": [1.5], "datatype": "BYTES",
-                                     "data": [good]}]}, 400, "'shape'"),
+        (
+            "post",
+            infer,
+            {
+                "inputs": [
+                    {"name": ["image_bytes"], "shape": [1], "datatype": "BYTES", "data": [good]}
+                ]
+            },
+            400,
+            "unknown input",
+        ),
+        (
+            "post",
+            infer,
+            {
+                "inputs": [
+                    {"name": "image_bytes", "shape": [1], "datatype": "BYTES", "data": [good]}
+                ]
+                * 2
+            },
+            400,
+            "given twice",
+        ),
+        (
+            "post",
+            infer,
+            {
+                "inputs": [
+                    {"name": "image_bytes", "shape": [1.5], "datatype": "BYTES", "data": [good]}
+                ]
+            },
+            400,
+            "'shape'",
+        ),
         ("post", predict, {"instances": [[{"b64": good}]]}, 400, "encoded image bytes"),
         ("post", predict, {"inputs": {"b64": good}}, 400, "must be a list"),
         ("post", f"{url}/v2/models/other/infer", {"inputs": []}, 404, "Servable not found"),
         ("post", predict, b"[" * 100_000, 400, ""),
     ]
     for method, target, body, status, message in cases:
-        kwargs = ({"data": body} if isinstance(body, bytes) else {"json": body}
-                  if body is not None else {})
+        kwargs = (
+            {"data": body}
+            if isinstance(body, bytes)
+            else {"json": body}
+            if body is not None
+            else {}
+        )
         r = getattr(requests, method)(target, timeout=60, **kwargs)
-        assert r.status_code == status, (target, body if not isinstance(body, dict) else
-                                         str(body)[:200], r.status_code, r.text[:300])
+        assert r.status_code == status, (
+            target,
+            body if not isinstance(body, dict) else str(body)[:200],
+            r.status_code,
+            r.text[:300],
+        )
         assert message in r.json()["error"], (message, r.text[:300])
     assert proc.poll() is None
     r = requests.post(predict, json={"instances": [{"b64": good}]})
@@ -225,17 +374,24 @@ def test_new_version_is_picked_up_with_no_failed_request(trained, server):
 
     def client():  # keeps sending while the new version is loaded and the old one unloaded
         while not stop.is_set():
-            r = requests.post(f"{url}/v2/models/{NAME}/infer", timeout=60, json={
-                "inputs": [{"name": "image_bytes", "shape": [1], "datatype": "BYTES",
-                            "data": [image]}]})
+            r = requests.post(
+                f"{url}/v2/models/{NAME}/infer",
+                timeout=60,
+                json={
+                    "inputs": [
+                        {"name": "image_bytes", "shape": [1], "datatype": "BYTES", "data": [image]}
+                    ]
+                },
+            )
             results.append((r.status_code, r.json().get("model_version", r.text)))
 
     threads = [threading.Thread(target=client) for _ in range(3)]
     for t in threads:
         t.start()
     try:
-        path = serving.export_version(trained["est"], str(base),
-                                      preprocessing=serving.resnet_eval(fx.IMAGE_SIZE))
+        path = serving.export_version(
+            trained["est"], str(base), preprocessing=serving.resnet_eval(fx.IMAGE_SIZE)
+        )
         assert path == str(base / "2")
         wait_for(lambda: states(url) == {"2": "AVAILABLE", "1": "END"})
         seen = len(results)
@@ -258,8 +414,12 @@ def test_new_version_is_picked_up_with_no_failed_request(trained, server):
     status = requests.get(f"{url}/v1/models/{NAME}/versions/3").json()["model_version_status"]
     assert status[0]["status"]["error_code"] != "OK" and status[0]["status"]["error_message"]
     assert states(url)["2"] == "AVAILABLE"
-    r = requests.post(f"{url}/v2/models/{NAME}/infer", json={"inputs": [
-        {"name": "image_bytes", "shape": [1], "datatype": "BYTES", "data": [image]}]})
+    r = requests.post(
+        f"{url}/v2/models/{NAME}/infer",
+        json={
+            "inputs": [{"name": "image_bytes", "shape": [1], "datatype": "BYTES", "data": [image]}]
+        },
+    )
     assert r.status_code == 200 and r.json()["model_version"] == "2"
 
 
@@ -271,6 +431,7 @@ def states(url):
 def wait_for(condition, timeout=120.0):
     """Polls a condition of another process (not a timed assertion)."""
     import time
+
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, "condition not reached"
@@ -286,17 +447,24 @@ def test_predict_and_export_check_run_without_the_model_code(trained, tmp_path, 
         image_files.append(str(tmp_path / f"{i}.jpg"))
         with open(image_files[-1], "wb") as f:
             f.write(data)
-    guard = ("import sys\n"
-             "for m in ('estimax.models', 'estimax.programs', 'estimax.estimator',"
-             " 'optax', 'orbax'):\n    sys.modules[m] = None\n"
-             "from estimax.serving import cli\nsys.exit(cli.main(sys.argv[1:]))\n")
-    run = lambda *a: subprocess.run([sys.executable, "-c", guard, *a], env=fx.server_env(),  # noqa
-                                    capture_output=True, text=True, timeout=300)
+    guard = (
+        "import sys\n"
+        "for m in ('estimax.models', 'estimax.programs', 'estimax.estimator',"
+        " 'optax', 'orbax'):\n    sys.modules[m] = None\n"
+        "from estimax.serving import cli\nsys.exit(cli.main(sys.argv[1:]))\n"
+    )
+    run = lambda *a: subprocess.run(
+        [sys.executable, "-c", guard, *a],
+        env=fx.server_env(),  # noqa
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     proc = run("predict", f"--model_base_path={base}", "--top_k=2", *image_files)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [json.loads(x) for x in proc.stdout.splitlines()]
     assert [x["classes"] for x in lines] == trained["expected"]["classes"].tolist()
-    for line, probs in zip(lines, trained["expected"]["probabilities"]):
+    for line, probs in zip(lines, trained["expected"]["probabilities"], strict=False):
         top = np.argsort(-probs)[:2]
         assert [c for c, _ in line["top_k"]] == top.tolist()
         np.testing.assert_allclose([p for _, p in line["top_k"]], probs[top], rtol=1e-5)
@@ -312,13 +480,21 @@ def test_predict_and_export_check_run_without_the_model_code(trained, tmp_path, 
     assert proc.returncode == 1 and "FAILED" in proc.stderr and "example #1" in proc.stderr
     # Bad command lines: one line, non-zero exit, no traceback (in this process: cheaper).
     from estimax.serving import cli
-    for args, message in ((["predict", f"--model_base_path={tmp_path}/none", "x.jpg"],
-                           "does not exist"),
-                          (["predict", f"--model_base_path={base}", str(tmp_path / "no.jpg")],
-                           "no.jpg"),
-                          (["serve", f"--model_base_path={tmp_path}/none"], "does not exist"),
-                          (["serve", f"--model_base_path={base}", "--max_batch_size=4",
-                            "--allowed_batch_sizes=1,2"], "--allowed_batch_sizes")):
+
+    for args, message in (
+        (["predict", f"--model_base_path={tmp_path}/none", "x.jpg"], "does not exist"),
+        (["predict", f"--model_base_path={base}", str(tmp_path / "no.jpg")], "no.jpg"),
+        (["serve", f"--model_base_path={tmp_path}/none"], "does not exist"),
+        (
+            [
+                "serve",
+                f"--model_base_path={base}",
+                "--max_batch_size=4",
+                "--allowed_batch_sizes=1,2",
+            ],
+            "--allowed_batch_sizes",
+        ),
+    ):
         capsys.readouterr()
         assert cli.main(args) == 2
         err = capsys.readouterr().err
@@ -327,6 +503,7 @@ def test_predict_and_export_check_run_without_the_model_code(trained, tmp_path, 
 
 def test_export_check_refuses_an_export_that_differs(trained, tmp_path):
     from estimax.serving.versions import ExportCheckError, compare
+
     expected = trained["expected"]
     compare(expected, expected, 1e-3, 1e-4, "same")
     changed = dict(expected, classes=expected["classes"] + 1)
@@ -336,10 +513,12 @@ def test_export_check_refuses_an_export_that_differs(trained, tmp_path):
 
 def test_versions_on_an_object_store_appear_only_when_complete(trained):
     import fsspec
+
     base = "memory://serving-test/models"
     fs = fsspec.filesystem("memory")
-    path = serving.export_version(trained["est"], base, top_k=2,
-                                  preprocessing=serving.resnet_eval(fx.IMAGE_SIZE))
+    path = serving.export_version(
+        trained["est"], base, top_k=2, preprocessing=serving.resnet_eval(fx.IMAGE_SIZE)
+    )
     assert path.rstrip("/").endswith("serving-test/models/1") and path.startswith("memory://")
     # A version still being uploaded (no serving.json yet) is not listed.
     for name in ("model.jaxexport", "variables.msgpack", "signature.json"):
@@ -351,10 +530,15 @@ def test_versions_on_an_object_store_appear_only_when_complete(trained):
     order = np.argsort(-trained["expected"]["probabilities"], axis=1, kind="stable")[:, :2]
     np.testing.assert_array_equal(got["top_k_classes"], order)
     np.testing.assert_array_equal(got["top_k_classes"][:, 0], got["classes"])
-    np.testing.assert_allclose(got["top_k_probabilities"], np.take_along_axis(
-        trained["expected"]["probabilities"], order, axis=1), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(got["probabilities"], trained["expected"]["probabilities"],
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        got["top_k_probabilities"],
+        np.take_along_axis(trained["expected"]["probabilities"], order, axis=1),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    np.testing.assert_allclose(
+        got["probabilities"], trained["expected"]["probabilities"], rtol=1e-5, atol=1e-6
+    )
 
 
 def test_unloaded_version_releases_its_device_memory(trained, tmp_path):
@@ -368,8 +552,10 @@ def test_unloaded_version_releases_its_device_memory(trained, tmp_path):
     shutil.copytree(base / "1", base / ".tmp")
     os.rename(base / ".tmp", base / "2")
     manager.poll()
-    assert manager.get().version == 2 and [s.state for s in manager.states()] == ["AVAILABLE",
-                                                                                  "END"]
+    assert manager.get().version == 2 and [s.state for s in manager.states()] == [
+        "AVAILABLE",
+        "END",
+    ]
     assert all(b.is_deleted() for b in buffers) and not old.acquire()
 
 
@@ -383,11 +569,16 @@ def test_batcher_merges_concurrent_requests_and_refuses_past_its_queue():
     async def scenario():
         with ThreadPoolExecutor(1) as pool:
             # max_batch_size reached: the batch closes at once (a 60 s timeout is never waited).
-            batcher = Batcher(BatchingOptions(max_batch_size=4, batch_timeout_micros=60_000_000,
-                                              max_enqueued_batches=2), pool)
+            batcher = Batcher(
+                BatchingOptions(
+                    max_batch_size=4, batch_timeout_micros=60_000_000, max_enqueued_batches=2
+                ),
+                pool,
+            )
             key = object()
-            outs = await asyncio.gather(*[
-                batcher.submit(key, run, {"x": np.full((1, 2), i)}) for i in range(4)])
+            outs = await asyncio.gather(
+                *[batcher.submit(key, run, {"x": np.full((1, 2), i)}) for i in range(4)]
+            )
             assert calls == [4]
             for i, out in enumerate(outs):
                 np.testing.assert_array_equal(out["y"], np.full((1, 2), 2 * i))
@@ -395,8 +586,10 @@ def test_batcher_merges_concurrent_requests_and_refuses_past_its_queue():
 
             # A full queue answers at once.
             gate = threading.Event()
-            blocked = Batcher(BatchingOptions(max_batch_size=2, batch_timeout_micros=0,
-                                              max_enqueued_batches=1), pool)
+            blocked = Batcher(
+                BatchingOptions(max_batch_size=2, batch_timeout_micros=0, max_enqueued_batches=1),
+                pool,
+            )
             slow = lambda f: (gate.wait(), run(f))[1]  # noqa: E731
             first = asyncio.ensure_future(blocked.submit(key, slow, {"x": np.ones((2, 1))}))
             await asyncio.sleep(0)
@@ -427,8 +620,12 @@ def test_array_export_and_the_demo_answer_a_held_out_digit(tmp_path):
         predictions = {"classes": logits.argmax(-1), "probabilities": jax.nn.softmax(logits)}
         if mode == ex.ModeKeys.PREDICT:
             return ex.EstimatorSpec(mode=mode, predictions=predictions)
-        return ex.EstimatorSpec(mode=mode, loss=ex.losses.softmax_cross_entropy(logits, labels),
-                                optimizer=optax.sgd(0.5), predictions=predictions)
+        return ex.EstimatorSpec(
+            mode=mode,
+            loss=ex.losses.softmax_cross_entropy(logits, labels),
+            optimizer=optax.sgd(0.5),
+            predictions=predictions,
+        )
 
     rng = np.random.default_rng(0)
     pixels = rng.integers(0, 256, (16, 784), dtype=np.uint8)
@@ -436,35 +633,53 @@ def test_array_export_and_the_demo_answer_a_held_out_digit(tmp_path):
     data_dir = tmp_path / "data"
     data_dir.mkdir()
     with TFRecordWriter(str(data_dir / "validation.tfrecords")) as w:
-        for p, y in zip(pixels, labels):
+        for p, y in zip(pixels, labels, strict=False):
             w.write(encode_example({"image_raw": p.tobytes(), "label": int(y)}))
     x = pixels.astype(np.float32) / 255.0 - 0.5
-    est = ex.Estimator(model_fn, ex.RunConfig(model_dir=str(tmp_path / "model")),
-                       train_batch_size=8, predict_batch_size=8)
+    est = ex.Estimator(
+        model_fn,
+        ex.RunConfig(model_dir=str(tmp_path / "model")),
+        train_batch_size=8,
+        predict_batch_size=8,
+    )
     est.train(ex.numpy_input_fn(x, labels), max_steps=2)
     base = tmp_path / "serving"
-    serving.export_version(est, str(base), serving_input=ex.TensorSpec((None, 784), np.float32),
-                           check_inputs=x[:4])
-    expected = next(iter(est.predict(ex.numpy_input_fn(x[:1], None, shuffle=False,
-                                                       num_epochs=1))))
+    serving.export_version(
+        est, str(base), serving_input=ex.TensorSpec((None, 784), np.float32), check_inputs=x[:4]
+    )
+    expected = next(iter(est.predict(ex.numpy_input_fn(x[:1], None, shuffle=False, num_epochs=1))))
 
     servable = serving.Servable(str(base / "1"))
     assert servable.inputs == {"input": {"shape": [None, 784], "dtype": "float32"}}
-    for bad, message in (({"input": [[0.0] * 783]}, r"shape \[1, 783\].*\[batch, 784\]"),
-                         ({"input": [["a"] * 784]}, "numbers"),
-                         ({"input": [[0.0] * 784, [0.0]]}, "ragged|shape"),
-                         ({"pixels": [[0.0] * 784]}, "unknown")):
+    for bad, message in (
+        ({"input": [[0.0] * 783]}, r"shape \[1, 783\].*\[batch, 784\]"),
+        ({"input": [["a"] * 784]}, "numbers"),
+        ({"input": [[0.0] * 784, [0.0]]}, "ragged|shape"),
+        ({"pixels": [[0.0] * 784]}, "unknown"),
+    ):
         with pytest.raises(serving.InvalidInput, match=message):
             servable.prepare(bad)
 
-    proc = subprocess.run([sys.executable, "-m", "estimax.serving.demo",
-                           f"--model_base_path={base}", f"--data_dir={data_dir}"],
-                          env=fx.server_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "estimax.serving.demo",
+            f"--model_base_path={base}",
+            f"--data_dir={data_dir}",
+        ],
+        env=fx.server_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"curl -d @{tmp_path / 'request.json'} http://127.0.0.1:" in proc.stdout
-    assert (f"held-out digit #0: class {int(expected['classes'])} (probability "
-            f"{float(expected['probabilities'][expected['classes']]):.3f}); its label is "
-            f"{labels[0]}") in proc.stdout, proc.stdout
+    assert (
+        f"held-out digit #0: class {int(expected['classes'])} (probability "
+        f"{float(expected['probabilities'][expected['classes']]):.3f}); its label is "
+        f"{labels[0]}"
+    ) in proc.stdout, proc.stdout
     body = json.loads((tmp_path / "request.json").read_text())
     np.testing.assert_allclose(body["instances"][0], x[0], rtol=1e-6)
 
@@ -474,13 +689,16 @@ def test_the_export_holds_the_ema_weights_the_estimator_predicts_with(trained):
     # (served predictions equal Estimator.predict, which uses the EMA, in the tests above).
     import jax
     from flax import serialization
+
     raw = trained["est"].get_variables()
     exported = serialization.msgpack_restore(
-        (trained["base"] / "1" / "variables.msgpack").read_bytes())
+        (trained["base"] / "1" / "variables.msgpack").read_bytes()
+    )
     raw_leaves = jax.tree.leaves(raw["params"])
     exported_leaves = jax.tree.leaves(exported["params"])
     assert [x.shape for x in raw_leaves] == [x.shape for x in exported_leaves]
     assert any(not np.allclose(a, b) for a, b in zip(raw_leaves, exported_leaves, strict=True))
-    for a, b in zip(jax.tree.leaves(raw["batch_stats"]), jax.tree.leaves(exported["batch_stats"]),
-                    strict=True):
+    for a, b in zip(
+        jax.tree.leaves(raw["batch_stats"]), jax.tree.leaves(exported["batch_stats"]), strict=True
+    ):
         np.testing.assert_array_equal(a, b)

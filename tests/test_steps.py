@@ -19,11 +19,14 @@ def model_fn(features, labels, mode):
     x = nn.BatchNorm(use_running_average=mode != ex.ModeKeys.TRAIN, momentum=0.9)(features)
     logits = nn.Dense(3)(nn.relu(nn.Dense(8)(x)))
     loss = None if labels is None else ex.losses.softmax_cross_entropy(logits, labels)
-    return ex.EstimatorSpec(mode=mode, loss=loss, optimizer=optax.sgd(0.5),
-                            eval_metrics=None if labels is None else {
-                                "accuracy": ex.metrics.accuracy(labels, logits)},
-                            predictions={"classes": jnp.argmax(logits, -1)},
-                            scalars={"step_seen": ex.get_global_step().astype(jnp.float32)})
+    return ex.EstimatorSpec(
+        mode=mode,
+        loss=loss,
+        optimizer=optax.sgd(0.5),
+        eval_metrics=None if labels is None else {"accuracy": ex.metrics.accuracy(labels, logits)},
+        predictions={"classes": jnp.argmax(logits, -1)},
+        scalars={"step_seen": ex.get_global_step().astype(jnp.float32)},
+    )
 
 
 def batches(n, size=16, seed=0):
@@ -41,20 +44,26 @@ def test_train_step_is_a_plain_sgd_step_on_one_device():
     new_state, metrics = jax.jit(functools.partial(steps.train_step, model))(state, batch, rng)
 
     def loss_of(params):
-        spec, _ = model.apply({"params": params, **state.model_state}, *batch, state.step,
-                              mutable=["batch_stats"])
+        spec, _ = model.apply(
+            {"params": params, **state.model_state}, *batch, state.step, mutable=["batch_stats"]
+        )
         return jnp.mean(spec.loss)
 
     loss, grads = jax.value_and_grad(loss_of)(state.params)
     expected = jax.tree.map(lambda p, g: p - 0.5 * g, state.params, grads)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-                 new_state.params, expected)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+        new_state.params,
+        expected,
+    )
     assert int(new_state.step) == 1
     np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-6)
     assert float(metrics["step_seen"]) == 0.0  # get_global_step() is the step being taken
     # The batch statistics moved towards this batch's.
-    assert not np.allclose(new_state.model_state["batch_stats"]["BatchNorm_0"]["mean"],
-                           state.model_state["batch_stats"]["BatchNorm_0"]["mean"])
+    assert not np.allclose(
+        new_state.model_state["batch_stats"]["BatchNorm_0"]["mean"],
+        state.model_state["batch_stats"]["BatchNorm_0"]["mean"],
+    )
 
 
 def test_eval_and_predict_steps_mask_padding():
@@ -83,16 +92,25 @@ def test_estimator_runs_the_same_steps(tmp_path):
     for batch in data:
         state, _ = step(state, batch, jax.random.PRNGKey(0))
 
-    est = ex.Estimator(lambda features, labels, mode: model_fn(features, labels, mode),
-                       ex.RunConfig(model_dir=str(tmp_path), iterations_per_loop=3, num_shards=1,
-                                    save_checkpoints_steps=3),
-                       train_batch_size=16)
+    est = ex.Estimator(
+        lambda features, labels, mode: model_fn(features, labels, mode),
+        ex.RunConfig(
+            model_dir=str(tmp_path), iterations_per_loop=3, num_shards=1, save_checkpoints_steps=3
+        ),
+        train_batch_size=16,
+    )
     est.train(lambda params: iter(data), max_steps=7)
     got = est.get_variables()
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-                 got["params"], jax.device_get(state.params))
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-                 got["batch_stats"], jax.device_get(state.model_state["batch_stats"]))
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+        got["params"],
+        jax.device_get(state.params),
+    )
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+        got["batch_stats"],
+        jax.device_get(state.model_state["batch_stats"]),
+    )
 
 
 class FakeClock:

@@ -18,8 +18,11 @@ from estimax.data import tfrecord
 
 
 def test_configure_maps_the_standard_variables_for_tensorstore():
-    env = {"STORAGE_EMULATOR_HOST": "127.0.0.1:4443", "AWS_ENDPOINT_URL": "http://127.0.0.1:5",
-           "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent"}
+    env = {
+        "STORAGE_EMULATOR_HOST": "127.0.0.1:4443",
+        "AWS_ENDPOINT_URL": "http://127.0.0.1:5",
+        "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
+    }
     storage.configure(env)
     assert env["TENSORSTORE_GCS_HTTP_URL"] == "http://127.0.0.1:4443"
     assert env["GOOGLE_AUTH_TOKEN_FOR_TESTING"]  # no credential lookup against an emulator
@@ -27,9 +30,14 @@ def test_configure_maps_the_standard_variables_for_tensorstore():
     env["STORAGE_EMULATOR_HOST"] = "http://127.0.0.1:9"  # the emulator moved: follow it
     storage.configure(env)
     assert env["TENSORSTORE_GCS_HTTP_URL"] == "http://127.0.0.1:9"
-    mine = {"STORAGE_EMULATOR_HOST": "h:1", "TENSORSTORE_GCS_HTTP_URL": "http://other:2",
-            "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_REGION": "eu-west-1",
-            "AWS_ENDPOINT_URL": "http://x"}
+    mine = {
+        "STORAGE_EMULATOR_HOST": "h:1",
+        "TENSORSTORE_GCS_HTTP_URL": "http://other:2",
+        "AWS_ACCESS_KEY_ID": "k",
+        "AWS_SECRET_ACCESS_KEY": "s",
+        "AWS_REGION": "eu-west-1",
+        "AWS_ENDPOINT_URL": "http://x",
+    }
     storage.configure(mine)  # what the user set explicitly wins
     assert mine["TENSORSTORE_GCS_HTTP_URL"] == "http://other:2" and mine["AWS_ACCESS_KEY_ID"] == "k"
     assert "AWS_DEFAULT_REGION" not in mine
@@ -51,8 +59,10 @@ def test_shards_round_trip_and_a_failed_write_leaves_nothing(object_store):
     with tfrecord.TFRecordWriter(f"{root}/data/train-00000-of-00001") as w:
         for r in records:
             w.write(r)
-    with (pytest.raises(RuntimeError, match="boom"),
-          tfrecord.TFRecordWriter(f"{root}/data/train-00000-of-00002") as w):
+    with (
+        pytest.raises(RuntimeError, match="boom"),
+        tfrecord.TFRecordWriter(f"{root}/data/train-00000-of-00002") as w,
+    ):
         w.write(b"partial")
         raise RuntimeError("boom")
     assert tfrecord.list_files(f"{root}/data/train-*") == [f"{root}/data/train-00000-of-00001"]
@@ -68,8 +78,9 @@ def test_checkpoints_summaries_and_exports_on_the_object_store(object_store, tmp
     root, _ = object_store
     model_dir = f"{root}/run"
     seen = []
-    follower = checkpoints.checkpoints_iterator(model_dir, timeout=0, sleep=seen.append,
-                                                clock=lambda: 0.0)
+    follower = checkpoints.checkpoints_iterator(
+        model_dir, timeout=0, sleep=seen.append, clock=lambda: 0.0
+    )
     assert list(follower) == []  # nothing yet: stops at the timeout, no error
     ckpt = checkpoints.Checkpointer(model_dir, keep_checkpoint_max=2)
     for step in (1, 2, 3):
@@ -94,8 +105,13 @@ def test_checkpoints_summaries_and_exports_on_the_object_store(object_store, tmp
     writer = summaries.Summaries(f"{model_dir}/eval")
     writer.scalars(5, {"loss": 0.25})
     writer.close()
-    (event_file,) = [p for p in storage.filesystem(f"{model_dir}/eval")[0].ls(
-        storage.filesystem(f"{model_dir}/eval")[1]) if "tfevents" in p]
+    (event_file,) = [
+        p
+        for p in storage.filesystem(f"{model_dir}/eval")[0].ls(
+            storage.filesystem(f"{model_dir}/eval")[1]
+        )
+        if "tfevents" in p
+    ]
     local = tmp_path / "events" / os.path.basename(event_file)
     local.parent.mkdir()
     storage.filesystem(model_dir)[0].get_file(event_file, str(local))
@@ -148,8 +164,9 @@ class FaultProxy:
                     proxy._record(self.command, self.path, 503)
                     return
                 conn = http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=30)
-                headers = {k: v for k, v in self.headers.items()
-                           if k.lower() not in ("host", "connection")}
+                headers = {
+                    k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")
+                }
                 conn.request(self.command, self.path, body=body, headers=headers)
                 resp = conn.getresponse()
                 data = resp.read()
@@ -227,8 +244,10 @@ def test_shard_upload_retries_then_fails_clearly_and_leaves_no_shard(faulty_gcs)
     assert list(tfrecord.read_records(f"{root}/data/train-00000-of-00002")) == [b"first"]
 
     proxy.fail(_uploads, times=None)  # the store keeps failing
-    with (pytest.raises(storage.StorageError) as e,
-          tfrecord.TFRecordWriter(f"{root}/data/train-00001-of-00002") as w):
+    with (
+        pytest.raises(storage.StorageError) as e,
+        tfrecord.TFRecordWriter(f"{root}/data/train-00001-of-00002") as w,
+    ):
         w.write(b"second")
     message = str(e.value)
     assert message.startswith(f"{root}/data/train-00001-of-00002: could not finish writing it")
@@ -257,7 +276,8 @@ def test_checkpoint_whose_commit_fails_is_never_listed(faulty_gcs):
 
     def commit_of_step_2(method: str, path: str) -> bool:
         return _uploads(method, path) and "checkpoints%2F2%2Fcommit_success" in path.replace(
-            "/", "%2F")
+            "/", "%2F"
+        )
 
     proxy.fail(commit_of_step_2, times=None)  # everything of step 2 is written but its commit
     with pytest.raises(storage.StorageError) as e:
@@ -300,13 +320,19 @@ def test_a_follower_sees_checkpoints_another_process_writes(object_store):
 
     def train_job_saves(step: int) -> None:
         env = {**os.environ, "PYTHONPATH": root_dir, "JAX_PLATFORMS": "cpu"}
-        subprocess.run([sys.executable, "-c", _WRITER, model_dir, str(step)], env=env,
-                       check=True, capture_output=True, timeout=300)
+        subprocess.run(
+            [sys.executable, "-c", _WRITER, model_dir, str(step)],
+            env=env,
+            check=True,
+            capture_output=True,
+            timeout=300,
+        )
 
     train_job_saves(1)
     polls = []
-    follower = checkpoints.checkpoints_iterator(model_dir, timeout=3, sleep=polls.append,
-                                                clock=lambda: len(polls))
+    follower = checkpoints.checkpoints_iterator(
+        model_dir, timeout=3, sleep=polls.append, clock=lambda: len(polls)
+    )
     assert next(follower) == 1
     train_job_saves(2)
     assert list(follower) == [2]

@@ -20,11 +20,19 @@ from estimax.tools import convert
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
-import seed_command_lines
+import seed_command_lines  # noqa: E402 (scripts/ is not a package)
 
-TINY = ["--resnet_depth=18", "--image_size=32", "--train_batch_size=8", "--eval_batch_size=8",
-        "--precision=float32", "--num_cores=1", "--iterations_per_loop=1",
-        "--num_train_images=32", "--num_eval_images=16"]
+TINY = [
+    "--resnet_depth=18",
+    "--image_size=32",
+    "--train_batch_size=8",
+    "--eval_batch_size=8",
+    "--precision=float32",
+    "--num_cores=1",
+    "--iterations_per_loop=1",
+    "--num_train_images=32",
+    "--num_eval_images=16",
+]
 
 
 def _resnet(argv: list[str]):
@@ -47,12 +55,30 @@ def test_convert_train_eval_export_resume_all_in_the_bucket(object_store, monkey
     data, model, export = f"{root}/data", f"{root}/model", f"{root}/export"
 
     # The converter writes shards and the manifest to the bucket; verify reads them back.
-    assert convert.main(["fake-imagenet", f"--output_dir={data}", "--train_examples=32",
-                         "--validation_examples=16", "--num_classes=10", "--train_shards=2",
-                         "--validation_shards=1", "--min_size=40", "--max_size=64",
-                         "--num_workers=1", "--no_progress"]) == 0
-    assert _ls(data) == ["manifest.json", "train-00000-of-00002", "train-00001-of-00002",
-                         "validation-00000-of-00001"]
+    assert (
+        convert.main(
+            [
+                "fake-imagenet",
+                f"--output_dir={data}",
+                "--train_examples=32",
+                "--validation_examples=16",
+                "--num_classes=10",
+                "--train_shards=2",
+                "--validation_shards=1",
+                "--min_size=40",
+                "--max_size=64",
+                "--num_workers=1",
+                "--no_progress",
+            ]
+        )
+        == 0
+    )
+    assert _ls(data) == [
+        "manifest.json",
+        "train-00000-of-00002",
+        "train-00001-of-00002",
+        "validation-00000-of-00001",
+    ]
     capsys.readouterr()
     assert convert.main(["verify", f"--output_dir={data}", "--num_workers=1"]) == 0
     assert "verify: OK: 3 shards, 48 examples" in capsys.readouterr().out
@@ -72,8 +98,7 @@ def test_convert_train_eval_export_resume_all_in_the_bucket(object_store, monkey
     assert any("tfevents" in n for n in _ls(f"{model}/eval"))
 
     # Resume from the bucket: two more steps start at step 2, not from scratch.
-    results = _resnet([*common, "--mode=train_and_eval", "--train_steps=4",
-                       "--steps_per_eval=2"])
+    results = _resnet([*common, "--mode=train_and_eval", "--train_steps=4", "--steps_per_eval=2"])
     assert results["global_step"] == 4
     assert _ls(f"{model}/checkpoints") == ["2", "4"]
 
@@ -84,18 +109,30 @@ def _seed_001() -> str:
 
 
 def _run_program(program: str, argv: list[str], env: dict[str, str]) -> str:
-    proc = subprocess.run([sys.executable, "-m", f"estimax.programs.{program}", *argv],
-                          check=False, env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", f"estimax.programs.{program}", *argv],
+        check=False,
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout + proc.stderr
 
 
 def _env(server_url: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING")}
-    env.update(STORAGE_EMULATOR_HOST=server_url, ESTIMAX_ONEDNN="0",
-               PYTHONPATH=os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]))
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING")
+    }
+    env.update(
+        STORAGE_EMULATOR_HOST=server_url,
+        ESTIMAX_ONEDNN="0",
+        PYTHONPATH=os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]),
+    )
     return env
 
 
@@ -110,8 +147,9 @@ def test_seed_001_line_with_tpu_model_dir_in_the_emulator_bucket(gcs_emulator, m
     point_clients_at(monkeypatch, "gs", gcs_emulator.url)
     monkeypatch.setenv("ESTIMAX_ONEDNN", "0")
     # The tiny variant of its network, as tests/test_programs.py runs the seed lines.
-    monkeypatch.setattr(resnet, "resnet_v1",
-                        lambda depth, classes, **kw: ResNetTiny(num_classes=classes, **kw))
+    monkeypatch.setattr(
+        resnet, "resnet_v1", lambda depth, classes, **kw: ResNetTiny(num_classes=classes, **kw)
+    )
     results = _resnet(argv)  # --mode=train_and_eval (the default), an evaluation every step
     assert results["global_step"] == 2 and "top_1_accuracy" in results
     assert _ls(f"{model_dir}/checkpoints") == ["1", "2"]
@@ -125,8 +163,11 @@ def test_seed_001_line_without_model_dir_takes_tpu_model_dir(gcs_emulator, monke
     model_dir = "gs://gradient-job-env/output_data"
     program, argv = seed_command_lines.to_estimax_argv(_seed_001(), model_dir)
     argv = [a for a in argv if not a.startswith("--model_dir")] + ["--resnet_depth=18"]
-    env = {**_env(gcs_emulator.url), "TPU_MODEL_DIR": model_dir,
-           "TPU_GRPC_URL": "grpc://10.240.1.2:8470"}
+    env = {
+        **_env(gcs_emulator.url),
+        "TPU_MODEL_DIR": model_dir,
+        "TPU_GRPC_URL": "grpc://10.240.1.2:8470",
+    }
     out = _run_program(program, argv, env)
     assert "top_1_accuracy" in out, shlex.join(argv)
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_emulator.url)

@@ -69,7 +69,8 @@ def test_reads_memory_filesystem():
             w.write(r)
     assert list(tfrecord.read_records(path)) == RECORDS
     assert tfrecord.list_files("memory://estimax-test-tfrecord/train-*") == [
-        "memory:///estimax-test-tfrecord/train-00000-of-00001"]
+        "memory:///estimax-test-tfrecord/train-00000-of-00001"
+    ]
 
 
 def _bad_file(tmp_path, blob: bytes) -> str:
@@ -110,11 +111,14 @@ def test_wrong_length_crc(tmp_path):
         list(tfrecord.read_records(path))
 
 
-@pytest.mark.parametrize("cut, problem", [
-    (3, "truncated data CRC (1 of 4 bytes)"),          # tail CRC cut
-    (10, "truncated data (4 of 10 bytes)"),           # 26-byte frame cut to 12 + 4
-    (18, "truncated length header (8 of 12 bytes)"),  # inside the header
-])
+@pytest.mark.parametrize(
+    "cut, problem",
+    [
+        (3, "truncated data CRC (1 of 4 bytes)"),  # tail CRC cut
+        (10, "truncated data (4 of 10 bytes)"),  # 26-byte frame cut to 12 + 4
+        (18, "truncated length header (8 of 12 bytes)"),  # inside the header
+    ],
+)
 def test_truncated_tail(tmp_path, cut, problem):
     first = _frame(b"ok")
     path = _bad_file(tmp_path, first + _frame(b"0123456789")[:-cut])
@@ -140,7 +144,8 @@ def test_writer_is_atomic_on_error(tmp_path):
 def test_sharded_name_and_list_files(tmp_path):
     assert tfrecord.sharded_name("train", 3, 10) == "train-00003-of-00010"
     assert tfrecord.sharded_name("gs://b/validation", 127, 128) == (
-        "gs://b/validation-00127-of-00128")
+        "gs://b/validation-00127-of-00128"
+    )
     with pytest.raises(ValueError, match="shard 10 out of range"):
         tfrecord.sharded_name("train", 10, 10)
     for i in reversed(range(3)):
@@ -150,7 +155,10 @@ def test_sharded_name_and_list_files(tmp_path):
     files = tfrecord.list_files(str(tmp_path / "train-*"))
     # sorted, and index files are not shards
     assert [os.path.basename(f) for f in files] == [
-        "train-00000-of-00003", "train-00001-of-00003", "train-00002-of-00003"]
+        "train-00000-of-00003",
+        "train-00001-of-00003",
+        "train-00002-of-00003",
+    ]
     with pytest.raises(FileNotFoundError, match="validation-\\*"):
         tfrecord.list_files(str(tmp_path / "validation-*"))
 
@@ -164,7 +172,7 @@ def test_index_and_random_access(tmp_path):
     index = tfrecord.write_index(path)
     lines = open(index).read().splitlines()
     # DALI tfrecord2idx format: "<offset> <framed size>"
-    assert lines[0] == "0 %d" % (16 + len(records[0]))
+    assert lines[0] == f"0 {16 + len(records[0])}"
     assert len(lines) == 20
     rf = tfrecord.RecordFile(path)
     assert rf.index_path == index
@@ -236,6 +244,7 @@ def test_index_of_other_file_detected(tmp_path):
 def test_scan_reports_truncation_like_the_reader(tmp_path):
     path = tmp_path / "f"
     path.write_bytes(_frame(b"abc") + _frame(b"0123456789")[:-2])
-    with pytest.raises(CorruptRecordError,
-                       match=r"byte offset 19: truncated data CRC \(2 of 4 bytes\)"):
+    with pytest.raises(
+        CorruptRecordError, match=r"byte offset 19: truncated data CRC \(2 of 4 bytes\)"
+    ):
         tfrecord.record_offsets(str(path), verify_crc=False)

@@ -36,8 +36,19 @@ import numpy as np
 
 from estimax.data import loader
 
-__all__ = ["BigtableError", "BigtableSource", "BigtableTable", "EMULATOR_ENV", "admin_client",
-           "data_client", "explain", "import_bigtable", "prefix_end", "row_key", "table_path"]
+__all__ = [
+    "BigtableError",
+    "BigtableSource",
+    "BigtableTable",
+    "EMULATOR_ENV",
+    "admin_client",
+    "data_client",
+    "explain",
+    "import_bigtable",
+    "prefix_end",
+    "row_key",
+    "table_path",
+]
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +82,7 @@ class BigtableTable:
     column_qualifier: str = "example"
     timeout: float = 60.0
 
-    def source(self, is_training: bool) -> "BigtableSource":
+    def source(self, is_training: bool) -> BigtableSource:
         """The training or evaluation rows as a record source.
 
         Their keys are listed once per process and kept: ``train_and_eval`` calls the input
@@ -82,10 +93,16 @@ class BigtableTable:
 
 
 @functools.lru_cache(maxsize=8)
-def _cached_source(spec: BigtableTable, is_training: bool) -> "BigtableSource":
-    return BigtableSource(spec.project, spec.instance, spec.table,
-                          spec.train_prefix if is_training else spec.eval_prefix,
-                          spec.column_family, spec.column_qualifier, timeout=spec.timeout)
+def _cached_source(spec: BigtableTable, is_training: bool) -> BigtableSource:
+    return BigtableSource(
+        spec.project,
+        spec.instance,
+        spec.table,
+        spec.train_prefix if is_training else spec.eval_prefix,
+        spec.column_family,
+        spec.column_qualifier,
+        timeout=spec.timeout,
+    )
 
 
 def row_key(prefix: str, index: int) -> bytes:
@@ -93,8 +110,9 @@ def row_key(prefix: str, index: int) -> bytes:
     return f"{prefix}{index:0{INDEX_DIGITS}d}".encode()
 
 
-def table_path(project: str | None, instance: str, table: str,
-               emulator_host: str | None | bool = True) -> str:
+def table_path(
+    project: str | None, instance: str, table: str, emulator_host: str | None | bool = True
+) -> str:
     """``projects/P/instances/I/tables/T`` plus where it is served, for messages.
 
     ``emulator_host``: True reads ``BIGTABLE_EMULATOR_HOST``; else the host (None: Cloud).
@@ -109,8 +127,10 @@ def import_bigtable() -> Any:
     try:
         from google.cloud.bigtable import data
     except ImportError as e:
-        raise ImportError("Cloud Bigtable input needs the google-cloud-bigtable package: "
-                          "pip install google-cloud-bigtable") from e
+        raise ImportError(
+            "Cloud Bigtable input needs the google-cloud-bigtable package: "
+            "pip install google-cloud-bigtable"
+        ) from e
     return data
 
 
@@ -144,8 +164,7 @@ def data_client(project: str | None, emulator_host: str | None | bool = True) ->
     data = import_bigtable()
     from google.auth import exceptions as auth_exceptions
 
-    env = contextlib.nullcontext() if emulator_host is True else _emulator_env(
-        emulator_host)  # type: ignore[arg-type]
+    env = contextlib.nullcontext() if emulator_host is True else _emulator_env(emulator_host)  # type: ignore[arg-type]
     try:
         with warnings.catch_warnings(), env:
             # It warns "Connecting to Bigtable emulator at ..." on every construction.
@@ -155,7 +174,8 @@ def data_client(project: str | None, emulator_host: str | None | bool = True) ->
         raise BigtableError(
             f"no Google Cloud credentials for Cloud Bigtable (project {project!r}): run "
             f"`gcloud auth application-default login`, or set {EMULATOR_ENV}=host:port to use "
-            f"the Bigtable emulator. ({e})") from e
+            f"the Bigtable emulator. ({e})"
+        ) from e
 
 
 def admin_client(project: str | None, quiet: bool = False) -> Any:
@@ -178,11 +198,13 @@ def admin_client(project: str | None, quiet: bool = False) -> Any:
         raise BigtableError(
             f"no Google Cloud credentials for Cloud Bigtable (project {project!r}): run "
             f"`gcloud auth application-default login`, or set {EMULATOR_ENV}=host:port to use "
-            f"the Bigtable emulator. ({e})") from e
+            f"the Bigtable emulator. ({e})"
+        ) from e
 
 
-def explain(error: Exception, path: str, timeout: float,
-            emulator_host: str | None | bool = True) -> BigtableError:
+def explain(
+    error: Exception, path: str, timeout: float, emulator_host: str | None | bool = True
+) -> BigtableError:
     """A client or server error as a BigtableError saying what to check.
 
     ``emulator_host``: as for :func:`table_path`.
@@ -193,17 +215,25 @@ def explain(error: Exception, path: str, timeout: float,
         return BigtableError(
             f"{path}: not found ({error.message}). Check --bigtable_project, "
             "--bigtable_instance and --bigtable_table; load a table with `estimax-convert "
-            "to-bigtable`.")
+            "to-bigtable`."
+        )
     if isinstance(error, (api.DeadlineExceeded, api.ServiceUnavailable, api.RetryError)):
         emulator = os.environ.get(EMULATOR_ENV) if emulator_host is True else emulator_host
-        hint = (f"is the emulator running at {EMULATOR_ENV}={emulator}?" if emulator else
-                f"check the network, the project and the instance (or set {EMULATOR_ENV}=host:port "
-                "for the emulator)")
-        return BigtableError(f"{path}: Cloud Bigtable did not answer within {timeout:g} s; "
-                             f"{hint} ({type(error).__name__}: {error})")
+        hint = (
+            f"is the emulator running at {EMULATOR_ENV}={emulator}?"
+            if emulator
+            else "check the network, the project and the instance (or set "
+            f"{EMULATOR_ENV}=host:port for the emulator)"
+        )
+        return BigtableError(
+            f"{path}: Cloud Bigtable did not answer within {timeout:g} s; "
+            f"{hint} ({type(error).__name__}: {error})"
+        )
     if isinstance(error, (api.PermissionDenied, api.Unauthenticated)):
-        return BigtableError(f"{path}: access denied ({error}); the credentials need the "
-                             "Bigtable Reader role (roles/bigtable.reader) on the instance")
+        return BigtableError(
+            f"{path}: access denied ({error}); the credentials need the "
+            "Bigtable Reader role (roles/bigtable.reader) on the instance"
+        )
     return BigtableError(f"{path}: {type(error).__name__}: {error}")
 
 
@@ -226,13 +256,24 @@ class BigtableSource:
       BigtableError: the table cannot be reached or found, or has no rows under ``prefix``.
     """
 
-    def __init__(self, project: str | None, instance: str, table: str, prefix: str,
-                 column_family: str = "tfexample", column_qualifier: str = "example", *,
-                 timeout: float = 60.0, app_profile_id: str | None = None):
+    def __init__(
+        self,
+        project: str | None,
+        instance: str,
+        table: str,
+        prefix: str,
+        column_family: str = "tfexample",
+        column_qualifier: str = "example",
+        *,
+        timeout: float = 60.0,
+        app_profile_id: str | None = None,
+    ):
         if not instance or not table or not prefix:
-            raise ValueError(f"a Bigtable source needs an instance, a table and a row key "
-                             f"prefix, got instance={instance!r}, table={table!r}, "
-                             f"prefix={prefix!r}")
+            raise ValueError(
+                f"a Bigtable source needs an instance, a table and a row key "
+                f"prefix, got instance={instance!r}, table={table!r}, "
+                f"prefix={prefix!r}"
+            )
         self.project = project
         self.instance = instance
         self.table = table
@@ -250,7 +291,8 @@ class BigtableSource:
             raise BigtableError(
                 f"{self.path}: no rows whose key starts with {prefix!r}. The rows of a split are "
                 f"keyed <prefix><index> (e.g. {row_key(prefix, 0).decode()}); load them with "
-                "`estimax-convert to-bigtable`, or check the prefix flags.")
+                "`estimax-convert to-bigtable`, or check the prefix flags."
+            )
         # One bytes blob and offsets: 1.28M keys pickle to each worker process in one piece.
         self._key_blob = b"".join(keys)
         self._key_ends = np.cumsum([len(k) for k in keys], dtype=np.int64)
@@ -280,8 +322,9 @@ class BigtableSource:
         with self._lock:
             if self._table is None:
                 self._client = data_client(self.project, self.emulator_host)
-                self._table = self._client.get_table(self.instance, self.table,
-                                                     app_profile_id=self.app_profile_id)
+                self._table = self._client.get_table(
+                    self.instance, self.table, app_profile_id=self.app_profile_id
+                )
             return self._table
 
     def close(self) -> None:
@@ -295,9 +338,12 @@ class BigtableSource:
     def _cell_filter(self) -> Any:
         f = import_bigtable().row_filters
         qualifier = self.column_qualifier.encode()
-        return f.RowFilterChain([
-            f.ColumnRangeFilter(self.column_family, qualifier, qualifier),
-            f.CellsColumnLimitFilter(1)])
+        return f.RowFilterChain(
+            [
+                f.ColumnRangeFilter(self.column_family, qualifier, qualifier),
+                f.CellsColumnLimitFilter(1),
+            ]
+        )
 
     def _list_keys(self) -> list[bytes]:
         data = import_bigtable()
@@ -310,15 +356,21 @@ class BigtableSource:
         start = self.prefix.encode()
         rows = data.RowRange(start_key=start, end_key=prefix_end(start))
         # Keys only: one cell per row, its value stripped by the server.
-        keys_only = f.RowFilterChain([f.CellsRowLimitFilter(1),
-                                      f.StripValueTransformerFilter(True)])
+        keys_only = f.RowFilterChain(
+            [f.CellsRowLimitFilter(1), f.StripValueTransformerFilter(True)]
+        )
         try:
             # A one-row probe first, with the short timeout, so a wrong host fails fast.
-            table.read_rows(data.ReadRowsQuery(row_ranges=rows, limit=1, row_filter=keys_only),
-                            operation_timeout=self.timeout, attempt_timeout=self.timeout)
+            table.read_rows(
+                data.ReadRowsQuery(row_ranges=rows, limit=1, row_filter=keys_only),
+                operation_timeout=self.timeout,
+                attempt_timeout=self.timeout,
+            )
             listing = table.read_rows_stream(
                 data.ReadRowsQuery(row_ranges=rows, row_filter=keys_only),
-                operation_timeout=10 * self.timeout, attempt_timeout=None)
+                operation_timeout=10 * self.timeout,
+                attempt_timeout=None,
+            )
             keys = [row.row_key for row in listing]
         except api.GoogleAPIError as e:
             raise explain(e, self.path, self.timeout, self.emulator_host) from e
@@ -333,7 +385,7 @@ class BigtableSource:
         if not 0 <= i < len(self):
             raise IndexError(f"record {i} out of range [0, {len(self)})")
         start = int(self._key_ends[i - 1]) if i else 0
-        return self._key_blob[start:int(self._key_ends[i])]
+        return self._key_blob[start : int(self._key_ends[i])]
 
     def describe(self, i: int) -> str:
         """``"<table path>: row <key>"`` for error messages."""
@@ -352,9 +404,11 @@ class BigtableSource:
         keys = [self.row_key(int(i)) for i in indices]
         try:
             rows = self._get_table().read_rows(
-                data.ReadRowsQuery(row_keys=list(dict.fromkeys(keys)),
-                                   row_filter=self._cell_filter()),
-                operation_timeout=self.timeout)
+                data.ReadRowsQuery(
+                    row_keys=list(dict.fromkeys(keys)), row_filter=self._cell_filter()
+                ),
+                operation_timeout=self.timeout,
+            )
         except api.GoogleAPIError as e:
             raise explain(e, self.path, self.timeout, self.emulator_host) from e
         values = {}
@@ -363,14 +417,17 @@ class BigtableSource:
             if cells:
                 values[row.row_key] = cells[0].value
         out: list[bytes | Exception] = []
-        for i, key in zip(indices, keys):
+        for i, key in zip(indices, keys, strict=False):
             if key in values:
                 out.append(values[key])
             else:
-                out.append(loader.BadRecordError(
-                    self.describe(int(i)),
-                    f"the row has no cell {self.column_family}:{self.column_qualifier} "
-                    "(or was deleted after the row keys were listed)"))
+                out.append(
+                    loader.BadRecordError(
+                        self.describe(int(i)),
+                        f"the row has no cell {self.column_family}:{self.column_qualifier} "
+                        "(or was deleted after the row keys were listed)",
+                    )
+                )
         return out
 
     def __getitem__(self, i: int) -> bytes:
@@ -380,8 +437,10 @@ class BigtableSource:
         return record
 
     def __repr__(self) -> str:
-        return (f"BigtableSource({self.path}, prefix={self.prefix!r}, "
-                f"column={self.column_family}:{self.column_qualifier}, rows={len(self)})")
+        return (
+            f"BigtableSource({self.path}, prefix={self.prefix!r}, "
+            f"column={self.column_family}:{self.column_qualifier}, rows={len(self)})"
+        )
 
 
 def prefix_end(prefix: bytes) -> bytes:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
@@ -52,7 +52,8 @@ __all__ = [
 def _build_file() -> descriptor_pb2.FileDescriptorProto:
     F = descriptor_pb2.FieldDescriptorProto
     fd = descriptor_pb2.FileDescriptorProto(
-        name="estimax/tensorflow_example.proto", package="tensorflow", syntax="proto3")
+        name="estimax/tensorflow_example.proto", package="tensorflow", syntax="proto3"
+    )
 
     def message(name: str) -> descriptor_pb2.DescriptorProto:
         return fd.message_type.add(name=name)
@@ -65,8 +66,11 @@ def _build_file() -> descriptor_pb2.FileDescriptorProto:
             f.oneof_index = oneof
         return f
 
-    for name, ftype in (("BytesList", F.TYPE_BYTES), ("FloatList", F.TYPE_FLOAT),
-                        ("Int64List", F.TYPE_INT64)):
+    for name, ftype in (
+        ("BytesList", F.TYPE_BYTES),
+        ("FloatList", F.TYPE_FLOAT),
+        ("Int64List", F.TYPE_INT64),
+    ):
         f = field(message(name), "value", 1, ftype, F.LABEL_REPEATED)
         if ftype != F.TYPE_BYTES:
             f.options.packed = True  # proto3 default; explicit as in feature.proto
@@ -83,12 +87,24 @@ def _build_file() -> descriptor_pb2.FileDescriptorProto:
         e.options.map_entry = True
         field(e, "key", 1, F.TYPE_STRING)
         field(e, "value", 2, F.TYPE_MESSAGE, type_name=value_type)
-        field(msg, field_name, 1, F.TYPE_MESSAGE, F.LABEL_REPEATED,
-              type_name=f".tensorflow.{name}.{entry}")
+        field(
+            msg,
+            field_name,
+            1,
+            F.TYPE_MESSAGE,
+            F.LABEL_REPEATED,
+            type_name=f".tensorflow.{name}.{entry}",
+        )
 
     map_message("Features", "feature", "FeatureEntry", ".tensorflow.Feature")
-    field(message("FeatureList"), "feature", 1, F.TYPE_MESSAGE, F.LABEL_REPEATED,
-          type_name=".tensorflow.Feature")
+    field(
+        message("FeatureList"),
+        "feature",
+        1,
+        F.TYPE_MESSAGE,
+        F.LABEL_REPEATED,
+        type_name=".tensorflow.Feature",
+    )
     map_message("FeatureLists", "feature_list", "FeatureListEntry", ".tensorflow.FeatureList")
     field(message("Example"), "features", 1, F.TYPE_MESSAGE, type_name=".tensorflow.Features")
     seq = message("SequenceExample")
@@ -115,7 +131,7 @@ FeatureLists = _cls("FeatureLists")
 Example = _cls("Example")
 SequenceExample = _cls("SequenceExample")
 
-FeatureValue = Union[bytes, str, int, float, np.ndarray, Sequence[Any]]
+FeatureValue = bytes | str | int | float | np.ndarray | Sequence[Any]
 
 
 def _fill_feature(feature: Any, name: str, value: FeatureValue) -> None:
@@ -134,25 +150,31 @@ def _fill_feature(feature: Any, name: str, value: FeatureValue) -> None:
         elif kind in "UO":
             _fill_feature(feature, name, arr.tolist())
         else:
-            raise TypeError(f"feature {name!r}: numpy dtype {arr.dtype} has no tf.Example kind "
-                            "(use integer, float or bytes arrays)")
+            raise TypeError(
+                f"feature {name!r}: numpy dtype {arr.dtype} has no tf.Example kind "
+                "(use integer, float or bytes arrays)"
+            )
         return
     values = list(value)
     if not values:
         raise TypeError(
             f"feature {name!r}: an empty list has no type; pass a typed empty numpy array, e.g. "
-            "np.array([], np.float32), to write an empty float_list")
+            "np.array([], np.float32), to write an empty float_list"
+        )
     if all(isinstance(v, (bytes, str)) for v in values):
         feature.bytes_list.value.extend(
-            v.encode("utf-8") if isinstance(v, str) else v for v in values)
+            v.encode("utf-8") if isinstance(v, str) else v for v in values
+        )
     elif all(isinstance(v, (bool, int, np.integer, np.bool_)) for v in values):
         feature.int64_list.value.extend(int(v) for v in values)
     elif all(isinstance(v, (bool, int, float, np.integer, np.floating)) for v in values):
         feature.float_list.value.extend(float(v) for v in values)
     else:
         types = sorted({type(v).__name__ for v in values})
-        raise TypeError(f"feature {name!r}: values must be all bytes/str, all ints or all "
-                        f"numbers; got a mix of {types}")
+        raise TypeError(
+            f"feature {name!r}: values must be all bytes/str, all ints or all "
+            f"numbers; got a mix of {types}"
+        )
 
 
 def encode_example(features: Mapping[str, FeatureValue]) -> bytes:
@@ -208,9 +230,18 @@ def decode_example(serialized: bytes) -> dict[str, list[bytes] | np.ndarray]:
 
 
 _DTYPES = {
-    "string": "bytes", "bytes": "bytes", bytes: "bytes", str: "bytes", np.bytes_: "bytes",
-    "int64": "int64", int: "int64", np.int64: "int64",
-    "float32": "float32", "float": "float32", float: "float32", np.float32: "float32",
+    "string": "bytes",
+    "bytes": "bytes",
+    bytes: "bytes",
+    str: "bytes",
+    np.bytes_: "bytes",
+    "int64": "int64",
+    int: "int64",
+    np.int64: "int64",
+    "float32": "float32",
+    "float": "float32",
+    float: "float32",
+    np.float32: "float32",
 }
 _KIND_OF = {"bytes": "bytes_list", "int64": "int64_list", "float32": "float_list"}
 _SCALAR = {"int64": np.int64, "float32": np.float32}
@@ -220,8 +251,9 @@ def _canonical_dtype(dtype: Any) -> str:
     try:
         return _DTYPES[dtype]
     except (KeyError, TypeError):
-        raise ValueError(f"unsupported tf.Example dtype {dtype!r}; use 'string'/bytes, "
-                         "'int64' or 'float32'") from None
+        raise ValueError(
+            f"unsupported tf.Example dtype {dtype!r}; use 'string'/bytes, 'int64' or 'float32'"
+        ) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,8 +310,9 @@ def parse_example(
         if feature is not None:
             actual = feature.WhichOneof("kind")
             if actual is not None and actual != kind:
-                raise ValueError(f"feature {name!r} is a {actual} but the schema expects {dtype} "
-                                 f"({kind})")
+                raise ValueError(
+                    f"feature {name!r} is a {actual} but the schema expects {dtype} ({kind})"
+                )
             # The repeated field itself (empty when no kind is set): no copy until needed.
             values: Any = getattr(feature, kind).value
         if isinstance(spec, VarLenFeature):
@@ -289,18 +322,24 @@ def parse_example(
                 out[name] = list(values) if dtype == "bytes" else np.asarray(values, dtype=dtype)
             continue
         if not isinstance(spec, FixedLenFeature):
-            raise TypeError(f"schema entry {name!r} must be a FixedLenFeature or VarLenFeature, "
-                            f"got {type(spec).__name__}")
+            raise TypeError(
+                f"schema entry {name!r} must be a FixedLenFeature or VarLenFeature, "
+                f"got {type(spec).__name__}"
+            )
         shape = tuple(spec.shape)
         size = math.prod(shape)
         if feature is not None:
             if len(values) != size:
-                raise ValueError(f"feature {name!r} has {len(values)} values but the schema's "
-                                 f"FixedLenFeature shape {shape} needs {size}")
+                raise ValueError(
+                    f"feature {name!r} has {len(values)} values but the schema's "
+                    f"FixedLenFeature shape {shape} needs {size}"
+                )
         elif spec.default_value is None:
-            raise ValueError(f"tf.Example has no feature {name!r}, which the schema requires "
-                             f"(FixedLenFeature without default_value); it has: "
-                             f"{sorted(fmap.keys())}")
+            raise ValueError(
+                f"tf.Example has no feature {name!r}, which the schema requires "
+                f"(FixedLenFeature without default_value); it has: "
+                f"{sorted(fmap.keys())}"
+            )
         else:
             default = spec.default_value
             if dtype == "bytes":

@@ -33,9 +33,17 @@ class FakeImages:
       seed: RNG seed for ``"random"``.
     """
 
-    def __init__(self, batch_size: int, image_size: int = 224, *, kind: str = "zeros",
-                 dtype: Any = np.float32, num_examples: int | None = None,
-                 num_classes: int = 1000, seed: int = 0):
+    def __init__(
+        self,
+        batch_size: int,
+        image_size: int = 224,
+        *,
+        kind: str = "zeros",
+        dtype: Any = np.float32,
+        num_examples: int | None = None,
+        num_classes: int = 1000,
+        seed: int = 0,
+    ):
         if kind not in ("zeros", "random"):
             raise ValueError(f"fake data kind must be 'zeros' or 'random', got {kind!r}")
         if batch_size <= 0:
@@ -48,7 +56,7 @@ class FakeImages:
         self.num_classes = num_classes
         self.seed = seed
 
-    def __iter__(self) -> "_FakeIterator":
+    def __iter__(self) -> _FakeIterator:
         return _FakeIterator(self)
 
     def __len__(self) -> int:

@@ -75,9 +75,15 @@ IMAGENET_SCHEMA: dict[str, ex.FixedLenFeature | ex.VarLenFeature] = {
 
 # What the input reads per record: parsing only these two keeps the per-record cost low.
 _INPUT_SCHEMA = {k: IMAGENET_SCHEMA[k] for k in ("image/encoded", "image/class/label")}
-_BBOX_SCHEMA = {k: IMAGENET_SCHEMA[k] for k in (
-    "image/object/bbox/ymin", "image/object/bbox/xmin", "image/object/bbox/ymax",
-    "image/object/bbox/xmax")}
+_BBOX_SCHEMA = {
+    k: IMAGENET_SCHEMA[k]
+    for k in (
+        "image/object/bbox/ymin",
+        "image/object/bbox/xmin",
+        "image/object/bbox/ymax",
+        "image/object/bbox/xmax",
+    )
+}
 
 _FAKE_DATA_DIRS = (None, "", "null")
 
@@ -106,7 +112,8 @@ def label_from_example(parsed: dict[str, Any], num_classes: int = NUM_CLASSES) -
         missing = " (the record has no image/class/label)" if raw == -1 else ""
         raise ValueError(
             f"label out of range: image/class/label = {raw}{missing}; the files' labels are "
-            f"1-based and must be in [1, {num_classes}]")
+            f"1-based and must be in [1, {num_classes}]"
+        )
     return np.int32(raw - 1)
 
 
@@ -116,8 +123,10 @@ def bbox_from_example(parsed: dict[str, Any]) -> np.ndarray | None:
     if coords[0].size == 0:
         return None
     if len({c.size for c in coords}) != 1:
-        raise ValueError("image/object/bbox/{ymin,xmin,ymax,xmax} have different lengths: "
-                         f"{[c.size for c in coords]}")
+        raise ValueError(
+            "image/object/bbox/{ymin,xmin,ymax,xmax} have different lengths: "
+            f"{[c.size for c in coords]}"
+        )
     return np.stack(coords, axis=-1)
 
 
@@ -126,8 +135,10 @@ def _preprocess_fn(name: str) -> Callable[..., np.ndarray]:
     # which TFRecord tools and fake data do not need.
     from estimax.data import preprocessing
 
-    fns = {"resnet": preprocessing.resnet_preprocess,
-           "inception": preprocessing.inception_preprocess}
+    fns = {
+        "resnet": preprocessing.resnet_preprocess,
+        "inception": preprocessing.inception_preprocess,
+    }
     if name not in fns:
         raise ValueError(f"preprocessing must be one of {sorted(fns)} or a callable, got {name!r}")
     return fns[name]
@@ -165,27 +176,33 @@ class ImageNetTransform:
         return image, label
 
 
-def _tfrecord_source(data_dir: str, is_training: bool, shard_by: str, host_index: int,
-                     num_hosts: int, verify_crc: bool, skip_bad_records: bool
-                     ) -> tuple[loader.TFRecordSource, np.ndarray | None]:
+def _tfrecord_source(
+    data_dir: str,
+    is_training: bool,
+    shard_by: str,
+    host_index: int,
+    num_hosts: int,
+    verify_crc: bool,
+    skip_bad_records: bool,
+) -> tuple[loader.TFRecordSource, np.ndarray | None]:
     """This host's TFRecord source and record ids (None: all of the source's records)."""
     files = tfrecord.list_files(file_pattern(data_dir, is_training))
     if shard_by == "file" and len(files) >= num_hosts:
         files = loader.host_shard(files, host_index, num_hosts)
-        return loader.TFRecordSource(files, verify_crc=verify_crc,
-                                     skip_bad_records=skip_bad_records), None
+        return loader.TFRecordSource(
+            files, verify_crc=verify_crc, skip_bad_records=skip_bad_records
+        ), None
     if shard_by == "file":
-        log.warning("%d files for %d hosts: sharding by record instead of by file",
-                    len(files), num_hosts)
-    source = loader.TFRecordSource(files, verify_crc=verify_crc,
-                                   skip_bad_records=skip_bad_records)
+        log.warning(
+            "%d files for %d hosts: sharding by record instead of by file", len(files), num_hosts
+        )
+    source = loader.TFRecordSource(files, verify_crc=verify_crc, skip_bad_records=skip_bad_records)
     return source, loader.host_shard(np.arange(len(source)), host_index, num_hosts)
 
 
 def _host(params: dict[str, Any]) -> tuple[int, int]:
     context = params.get("context")
-    return (int(getattr(context, "host_index", 0) or 0),
-            int(getattr(context, "num_hosts", 1) or 1))
+    return (int(getattr(context, "host_index", 0) or 0), int(getattr(context, "num_hosts", 1) or 1))
 
 
 def input_fn(
@@ -252,17 +269,24 @@ def input_fn(
         raise ValueError(f"shard_by must be 'file' or 'record', got {shard_by!r}")
     preprocess = preprocessing if callable(preprocessing) else None
     if preprocess is None and preprocessing not in ("resnet", "inception"):
-        raise ValueError(f"preprocessing must be 'resnet', 'inception' or a callable, got "
-                         f"{preprocessing!r}")
+        raise ValueError(
+            f"preprocessing must be 'resnet', 'inception' or a callable, got {preprocessing!r}"
+        )
 
     def fn(params: dict[str, Any]) -> loader.Loader | fake.FakeImages:
         batch_size = int(params["batch_size"])
         host_index, num_hosts = _host(params)
         if bigtable is None and (use_fake_data or is_fake_data_dir(data_dir)):
             dtype = np.float32 if preprocessing == "inception" else np.uint8
-            return fake.FakeImages(batch_size, image_size, kind=fake_data, dtype=dtype,
-                                   num_examples=None if is_training else fake_eval_examples,
-                                   num_classes=num_classes, seed=seed + host_index)
+            return fake.FakeImages(
+                batch_size,
+                image_size,
+                kind=fake_data,
+                dtype=dtype,
+                num_examples=None if is_training else fake_eval_examples,
+                num_classes=num_classes,
+                seed=seed + host_index,
+            )
         source: loader.RecordSource
         if bigtable is not None:
             # Rows are not files: every host lists the keys and reads every num_hosts-th row.
@@ -270,16 +294,29 @@ def input_fn(
             record_ids = loader.host_shard(np.arange(len(source)), host_index, num_hosts)
         else:
             assert data_dir is not None
-            source, record_ids = _tfrecord_source(data_dir, is_training, shard_by, host_index,
-                                                  num_hosts, verify_crc, skip_bad_records)
+            source, record_ids = _tfrecord_source(
+                data_dir, is_training, shard_by, host_index, num_hosts, verify_crc, skip_bad_records
+            )
         transform = ImageNetTransform(
             preprocess=preprocess or _preprocess_fn(str(preprocessing)),
-            is_training=is_training, image_size=image_size, num_classes=num_classes,
-            use_annotated_bbox=use_annotated_bbox)
+            is_training=is_training,
+            image_size=image_size,
+            num_classes=num_classes,
+            use_annotated_bbox=use_annotated_bbox,
+        )
         return loader.Loader(
-            source, transform, batch_size, shuffle=is_training, seed=seed,
-            num_epochs=None if is_training else 1, drop_remainder=is_training,
-            num_workers=num_parallel_calls, worker_type=worker_type, prefetch=prefetch,
-            skip_bad_records=skip_bad_records, record_ids=record_ids)
+            source,
+            transform,
+            batch_size,
+            shuffle=is_training,
+            seed=seed,
+            num_epochs=None if is_training else 1,
+            drop_remainder=is_training,
+            num_workers=num_parallel_calls,
+            worker_type=worker_type,
+            prefetch=prefetch,
+            skip_bad_records=skip_bad_records,
+            record_ids=record_ids,
+        )
 
     return fn

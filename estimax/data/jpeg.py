@@ -64,13 +64,14 @@ def image_shape(image_bytes: bytes) -> tuple[int, int]:
         width, height = struct.unpack(">II", bytes(image_bytes[16:24]))
         return int(height), int(width)
     if bytes(image_bytes[:2]) != _JPEG_SOI:
-        raise ImageDecodeError(f"not a decodable JPEG ({_describe(image_bytes)}): no JPEG "
-                               "start-of-image marker (FF D8) and not a PNG either")
+        raise ImageDecodeError(
+            f"not a decodable JPEG ({_describe(image_bytes)}): no JPEG "
+            "start-of-image marker (FF D8) and not a PNG either"
+        )
     try:
         height, width, _, _ = simplejpeg.decode_jpeg_header(image_bytes)
     except (ValueError, TypeError) as e:
-        raise ImageDecodeError(
-            f"not a decodable JPEG ({_describe(image_bytes)}): {e}") from None
+        raise ImageDecodeError(f"not a decodable JPEG ({_describe(image_bytes)}): {e}") from None
     return int(height), int(width)
 
 
@@ -78,10 +79,16 @@ def _decode_jpeg(image_bytes: bytes, min_height: int = 0, min_width: int = 0) ->
     """Full (or DCT-scaled) decode to RGB; grayscale and CMYK JPEGs come out as RGB too."""
     if bytes(image_bytes[:2]) != _JPEG_SOI:
         raise ImageDecodeError(
-            f"not a decodable JPEG ({_describe(image_bytes)}): no JPEG start-of-image marker")
-    kwargs = dict(colorspace="RGB", fastdct=True, fastupsample=False,
-                  min_height=min_height, min_width=min_width,
-                  min_factor=2 if (min_height or min_width) else 1)
+            f"not a decodable JPEG ({_describe(image_bytes)}): no JPEG start-of-image marker"
+        )
+    kwargs = dict(
+        colorspace="RGB",
+        fastdct=True,
+        fastupsample=False,
+        min_height=min_height,
+        min_width=min_width,
+        min_factor=2 if (min_height or min_width) else 1,
+    )
     try:
         return simplejpeg.decode_jpeg(image_bytes, strict=True, **kwargs)
     except ValueError as e:
@@ -90,12 +97,12 @@ def _decode_jpeg(image_bytes: bytes, min_height: int = 0, min_width: int = 0) ->
     # like, which a few ImageNet files have) but fails on truncated data; do the same.
     if "Premature end" in strict_error:
         raise ImageDecodeError(
-            f"not a decodable JPEG: truncated ({_describe(image_bytes)}): {strict_error}")
+            f"not a decodable JPEG: truncated ({_describe(image_bytes)}): {strict_error}"
+        )
     try:
         return simplejpeg.decode_jpeg(image_bytes, strict=False, **kwargs)
     except ValueError as e:
-        raise ImageDecodeError(
-            f"not a decodable JPEG ({_describe(image_bytes)}): {e}") from None
+        raise ImageDecodeError(f"not a decodable JPEG ({_describe(image_bytes)}): {e}") from None
 
 
 def _decode_png(image_bytes: bytes) -> np.ndarray:
@@ -121,8 +128,9 @@ def decode(image_bytes: bytes) -> np.ndarray:
     return _decode_jpeg(image_bytes)
 
 
-def decode_crop(image_bytes: bytes, crop: tuple[int, int, int, int],
-                min_size: int | None = None) -> np.ndarray:
+def decode_crop(
+    image_bytes: bytes, crop: tuple[int, int, int, int], min_size: int | None = None
+) -> np.ndarray:
     """Decodes the window `crop` = (y, x, height, width) (pixels of the full image) to RGB.
 
     With `min_size`, the JPEG may be decoded at 1/2, 1/4 or 1/8 scale in the DCT domain (libjpeg's
@@ -155,9 +163,11 @@ def decode_crop(image_bytes: bytes, crop: tuple[int, int, int, int],
             y, x = int(round(y * sy)), int(round(x * sx))
             h = min(max(int(round(h * sy)), 1), img.shape[0] - y)
             w = min(max(int(round(w * sx)), 1), img.shape[1] - x)
-            return img[y:y + h, x:x + w]
+            return img[y : y + h, x : x + w]
         img = _decode_jpeg(image_bytes)
     if h <= 0 or w <= 0 or y < 0 or x < 0 or y + h > img.shape[0] or x + w > img.shape[1]:
-        raise ValueError(f"crop window (y={y}, x={x}, h={h}, w={w}) is not inside the "
-                         f"{img.shape[0]}x{img.shape[1]} image")
-    return img[y:y + h, x:x + w]
+        raise ValueError(
+            f"crop window (y={y}, x={x}, h={h}, w={w}) is not inside the "
+            f"{img.shape[0]}x{img.shape[1]} image"
+        )
+    return img[y : y + h, x : x + w]

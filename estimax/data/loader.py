@@ -97,8 +97,9 @@ class RecordSource(Protocol):
         ...
 
 
-def host_shard(items: Sequence[Any] | np.ndarray, host_index: int,
-               num_hosts: int) -> list[Any] | np.ndarray:
+def host_shard(
+    items: Sequence[Any] | np.ndarray, host_index: int, num_hosts: int
+) -> list[Any] | np.ndarray:
     """This host's share of ``items``: ``items[host_index::num_hosts]``, as tf.data's ``shard``.
 
     Every item goes to exactly one host; hosts get ``len // num_hosts`` or one more. An array
@@ -125,8 +126,9 @@ class TFRecordSource:
         instead of raising ``CorruptRecordError``.
     """
 
-    def __init__(self, files: Sequence[str], verify_crc: bool = True,
-                 skip_bad_records: bool = False):
+    def __init__(
+        self, files: Sequence[str], verify_crc: bool = True, skip_bad_records: bool = False
+    ):
         if not files:
             raise ValueError("TFRecordSource needs at least one file")
         self.files = list(files)
@@ -164,8 +166,9 @@ class TFRecordSource:
         return [len(rf) for rf in self._record_files]
 
 
-def _partial_record_file(path: str, error: tfrecord.CorruptRecordError,
-                         verify_crc: bool) -> tfrecord.RecordFile:
+def _partial_record_file(
+    path: str, error: tfrecord.CorruptRecordError, verify_crc: bool
+) -> tfrecord.RecordFile:
     """A RecordFile of the records before the damage ``error`` reported."""
     offsets: list[int] = []
     # Reading stops at the damage ``error`` already reports; keep the records before it.
@@ -174,8 +177,9 @@ def _partial_record_file(path: str, error: tfrecord.CorruptRecordError,
             if off >= error.offset:
                 break
             offsets.append(off)
-    return tfrecord.RecordFile(path, verify_crc=verify_crc,
-                               offsets=np.asarray(offsets + [error.offset], dtype=np.int64))
+    return tfrecord.RecordFile(
+        path, verify_crc=verify_crc, offsets=np.asarray(offsets + [error.offset], dtype=np.int64)
+    )
 
 
 class _BadElement:
@@ -199,8 +203,13 @@ def _init_worker(source: RecordSource, transform: Callable, seed: int) -> None:
     _WORKER["source"], _WORKER["transform"], _WORKER["seed"] = source, transform, seed
 
 
-def _run_chunk(epoch: int, record_ids: list[int], source: RecordSource | None = None,
-               transform: Callable | None = None, seed: int | None = None) -> list[Any]:
+def _run_chunk(
+    epoch: int,
+    record_ids: list[int],
+    source: RecordSource | None = None,
+    transform: Callable | None = None,
+    seed: int | None = None,
+) -> list[Any]:
     """Reads and transforms records; a failure becomes a _BadElement (order is preserved)."""
     if source is None:
         source, transform, seed = _WORKER["source"], _WORKER["transform"], _WORKER["seed"]
@@ -219,8 +228,7 @@ def _run_chunk(epoch: int, record_ids: list[int], source: RecordSource | None = 
             rng = np.random.default_rng([seed, epoch, rid])
             out.append(transform(record, rng))
         except tfrecord.CorruptRecordError as e:
-            out.append(_BadElement(rid, f"{e.path}: record at byte offset {e.offset}",
-                                   e.problem))
+            out.append(_BadElement(rid, f"{e.path}: record at byte offset {e.offset}", e.problem))
         except SourceError:
             raise
         except BadRecordError as e:
@@ -268,11 +276,23 @@ class Loader:
       record_ids: the records of ``source`` this loader reads (e.g. a per-host shard); default all.
     """
 
-    def __init__(self, source: RecordSource, transform: Callable[[bytes, np.random.Generator], Any],
-                 batch_size: int, *, shuffle: bool, seed: int = 0, num_epochs: int | None = None,
-                 drop_remainder: bool = True, num_workers: int | None = None,
-                 worker_type: str = "thread", prefetch: int = 2, skip_bad_records: bool = False,
-                 record_ids: Sequence[int] | np.ndarray | None = None, chunk_size: int = 8):
+    def __init__(
+        self,
+        source: RecordSource,
+        transform: Callable[[bytes, np.random.Generator], Any],
+        batch_size: int,
+        *,
+        shuffle: bool,
+        seed: int = 0,
+        num_epochs: int | None = None,
+        drop_remainder: bool = True,
+        num_workers: int | None = None,
+        worker_type: str = "thread",
+        prefetch: int = 2,
+        skip_bad_records: bool = False,
+        record_ids: Sequence[int] | np.ndarray | None = None,
+        chunk_size: int = 8,
+    ):
         if batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         if worker_type not in ("thread", "process"):
@@ -291,8 +311,11 @@ class Loader:
         self.prefetch = max(1, int(prefetch))
         self.skip_bad_records = skip_bad_records
         self.chunk_size = max(1, int(chunk_size))
-        ids = np.arange(len(source), dtype=np.int64) if record_ids is None else np.asarray(
-            record_ids, dtype=np.int64)
+        ids = (
+            np.arange(len(source), dtype=np.int64)
+            if record_ids is None
+            else np.asarray(record_ids, dtype=np.int64)
+        )
         if ids.size == 0:
             raise ValueError("the loader has no records to read (empty source or shard)")
         self.record_ids = ids
@@ -306,10 +329,11 @@ class Loader:
         """The source record ids of ``epoch``, in visiting order: [num_records] int64."""
         if not self.shuffle:
             return self.record_ids
-        return self.record_ids[np.random.default_rng([self.seed, epoch]).permutation(
-            self.record_ids.size)]
+        return self.record_ids[
+            np.random.default_rng([self.seed, epoch]).permutation(self.record_ids.size)
+        ]
 
-    def __iter__(self) -> "LoaderIterator":
+    def __iter__(self) -> LoaderIterator:
         return LoaderIterator(self)
 
     def __len__(self) -> int:
@@ -362,9 +386,15 @@ class LoaderIterator(Iterator[Any]):
     def get_state(self) -> dict[str, Any]:
         """The position after the last batch returned by ``next()``; JSON-serialisable."""
         ld = self._loader
-        return {"version": _STATE_VERSION, "epoch": self._epoch, "position": self._position,
-                "num_skipped": self.num_skipped, "seed": ld.seed, "shuffle": ld.shuffle,
-                "num_records": ld.num_records}
+        return {
+            "version": _STATE_VERSION,
+            "epoch": self._epoch,
+            "position": self._position,
+            "num_skipped": self.num_skipped,
+            "seed": ld.seed,
+            "shuffle": ld.shuffle,
+            "num_records": ld.num_records,
+        }
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Continues from ``state`` (from ``get_state`` of an iterator over the same data).
@@ -374,14 +404,20 @@ class LoaderIterator(Iterator[Any]):
         """
         ld = self._loader
         if state.get("version") != _STATE_VERSION:
-            raise ValueError(f"unknown loader state version {state.get('version')!r} "
-                             f"(expected {_STATE_VERSION}): {state}")
-        for key, mine in (("num_records", ld.num_records), ("seed", ld.seed),
-                          ("shuffle", ld.shuffle)):
+            raise ValueError(
+                f"unknown loader state version {state.get('version')!r} "
+                f"(expected {_STATE_VERSION}): {state}"
+            )
+        for key, mine in (
+            ("num_records", ld.num_records),
+            ("seed", ld.seed),
+            ("shuffle", ld.shuffle),
+        ):
             if state[key] != mine:
                 raise ValueError(
                     f"loader state has {key}={state[key]!r} but this loader has {key}={mine!r}; "
-                    "the saved input position belongs to other data or settings")
+                    "the saved input position belongs to other data or settings"
+                )
         position = int(state["position"])
         if not 0 <= position <= ld.num_records:
             raise ValueError(f"loader state position {position} outside [0, {ld.num_records}]")
@@ -391,7 +427,7 @@ class LoaderIterator(Iterator[Any]):
         self._done = False
 
     # -- iteration ------------------------------------------------------------------------------
-    def __iter__(self) -> "LoaderIterator":
+    def __iter__(self) -> LoaderIterator:
         return self
 
     def __next__(self) -> Any:
@@ -431,14 +467,27 @@ class LoaderIterator(Iterator[Any]):
             self._executor = concurrent.futures.ThreadPoolExecutor(ld.num_workers)
         elif ld.num_workers > 0:
             self._executor = concurrent.futures.ProcessPoolExecutor(
-                ld.num_workers, mp_context=_process_context(),
-                initializer=_init_worker, initargs=(ld.source, ld.transform, ld.seed))
+                ld.num_workers,
+                mp_context=_process_context(),
+                initializer=_init_worker,
+                initargs=(ld.source, ld.transform, ld.seed),
+            )
         # The thread gets the loader, not this iterator, so an iterator dropped without close()
         # can be garbage-collected, and its __del__ stops the thread and the workers.
         self._thread = threading.Thread(
-            target=_produce, args=(ld, self._epoch, self._position, self.num_skipped,
-                                   self._stop, self._queue, self._executor),
-            name="estimax-loader", daemon=True)
+            target=_produce,
+            args=(
+                ld,
+                self._epoch,
+                self._position,
+                self.num_skipped,
+                self._stop,
+                self._queue,
+                self._executor,
+            ),
+            name="estimax-loader",
+            daemon=True,
+        )
         self._thread.start()
 
     def _shutdown(self, wait: bool = True) -> None:
@@ -458,8 +507,15 @@ class LoaderIterator(Iterator[Any]):
             self._executor = None
 
 
-def _produce(ld: Loader, epoch: int, position: int, num_skipped: int, stop: threading.Event,
-             out: queue.Queue, executor: concurrent.futures.Executor | None) -> None:
+def _produce(
+    ld: Loader,
+    epoch: int,
+    position: int,
+    num_skipped: int,
+    stop: threading.Event,
+    out: queue.Queue,
+    executor: concurrent.futures.Executor | None,
+) -> None:
     """Background thread: schedules chunks in order, assembles batches, queues them."""
 
     def put(item: Any) -> bool:
@@ -478,7 +534,7 @@ def _produce(ld: Loader, epoch: int, position: int, num_skipped: int, stop: thre
             while ld.num_epochs is None or e < ld.num_epochs:
                 order = ld.order(e)
                 while p < order.size:
-                    ids = order[p:p + ld.chunk_size]
+                    ids = order[p : p + ld.chunk_size]
                     yield e, p, ids
                     p += ids.size
                 e, p = e + 1, 0
@@ -500,16 +556,16 @@ def _produce(ld: Loader, epoch: int, position: int, num_skipped: int, stop: thre
                 if executor is None:
                     result: Any = _run_chunk(e, id_list, ld.source, ld.transform, ld.seed)
                 elif ld.worker_type == "thread":
-                    result = executor.submit(_run_chunk, e, id_list, ld.source,
-                                             ld.transform, ld.seed)
+                    result = executor.submit(
+                        _run_chunk, e, id_list, ld.source, ld.transform, ld.seed
+                    )
                 else:
                     result = executor.submit(_run_chunk, e, id_list)
                 pending.append((e, p, result))
             if not pending:
                 break
             e, p, result = pending.popleft()
-            elements = result.result() if isinstance(result, concurrent.futures.Future) \
-                else result
+            elements = result.result() if isinstance(result, concurrent.futures.Future) else result
             for k, element in enumerate(elements):
                 if isinstance(element, _BadElement):
                     if not ld.skip_bad_records:
@@ -522,7 +578,8 @@ def _produce(ld: Loader, epoch: int, position: int, num_skipped: int, stop: thre
                     # State after this batch: the element after the one just used.
                     e_next, p_next = e, p + k + 1
                     if p_next >= ld.num_records and (
-                            ld.num_epochs is None or e_next + 1 < ld.num_epochs):
+                        ld.num_epochs is None or e_next + 1 < ld.num_epochs
+                    ):
                         e_next, p_next = e_next + 1, 0
                     if not put((_collate(batch), (e_next, p_next, skipped))):
                         return

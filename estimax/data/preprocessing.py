@@ -36,9 +36,17 @@ from estimax.data import jpeg
 from estimax.data.jpeg import ImageDecodeError
 
 __all__ = [
-    "IMAGE_SIZE", "CROP_PADDING", "MEAN_RGB", "STDDEV_RGB", "ImageDecodeError",
-    "normalize", "sample_distorted_bounding_box", "center_crop_window",
-    "resnet_preprocess", "inception_preprocess", "distort_color_fast",
+    "IMAGE_SIZE",
+    "CROP_PADDING",
+    "MEAN_RGB",
+    "STDDEV_RGB",
+    "ImageDecodeError",
+    "normalize",
+    "sample_distorted_bounding_box",
+    "center_crop_window",
+    "resnet_preprocess",
+    "inception_preprocess",
+    "distort_color_fast",
 ]
 
 # resnet_preprocessing.py
@@ -82,9 +90,13 @@ def _rint(v: float) -> int:
     return int(round(v))
 
 
-def _random_crop_once(height: int, width: int, area_range: tuple[float, float],
-                      aspect_ratio: float, rng: np.random.Generator
-                      ) -> tuple[int, int, int, int] | None:
+def _random_crop_once(
+    height: int,
+    width: int,
+    area_range: tuple[float, float],
+    aspect_ratio: float,
+    rng: np.random.Generator,
+) -> tuple[int, int, int, int] | None:
     """One attempt of TF's GenerateRandomCrop (sample_distorted_bounding_box_op.cc)."""
     min_area = area_range[0] * width * height
     max_area = area_range[1] * width * height
@@ -153,12 +165,15 @@ def sample_distorted_bounding_box(
             raise ValueError("no bounding boxes given and use_image_if_no_bounding_boxes=False")
         boxes = np.array([[0.0, 0.0, 1.0, 1.0]], np.float32)
     if np.any(boxes[:, 0] > boxes[:, 2]) or np.any(boxes[:, 1] > boxes[:, 3]):
-        raise ValueError(f"bounding boxes must be (ymin, xmin, ymax, xmax) with min <= max, "
-                         f"got {boxes.tolist()}")
+        raise ValueError(
+            f"bounding boxes must be (ymin, xmin, ymax, xmax) with min <= max, got {boxes.tolist()}"
+        )
     # TF casts the boxes to integer pixel rectangles (truncating). Plain Python below: there is
     # usually one box, and numpy's per-call overhead would be most of the sampler's cost.
-    rects = [(int(b[0] * height), int(b[1] * width), int(b[2] * height), int(b[3] * width))
-             for b in boxes.tolist()]
+    rects = [
+        (int(b[0] * height), int(b[1] * width), int(b[2] * height), int(b[3] * width))
+        for b in boxes.tolist()
+    ]
     lo, hi = aspect_ratio_range
     for _ in range(max_attempts):
         aspect = rng.random() * (hi - lo) + lo
@@ -170,14 +185,15 @@ def sample_distorted_bounding_box(
             area = (y1 - y0) * (x1 - x0)
             if area <= 0:
                 continue  # a degenerate box is covered by nothing, as in TF
-            inter = (max(0, min(y + h, y1) - max(y, y0)) * max(0, min(x + w, x1) - max(x, x0)))
+            inter = max(0, min(y + h, y1) - max(y, y0)) * max(0, min(x + w, x1) - max(x, x0))
             if inter / area >= min_object_covered:
                 return window
     return 0, 0, height, width
 
 
-def center_crop_window(image_shape: tuple[int, int], image_size: int = IMAGE_SIZE
-                       ) -> tuple[int, int, int, int]:
+def center_crop_window(
+    image_shape: tuple[int, int], image_size: int = IMAGE_SIZE
+) -> tuple[int, int, int, int]:
     """The ResNet eval window: a centred square of image_size / (image_size + 32) of the short side.
 
     Mirrors ``_decode_and_center_crop``: the fraction is computed in float32 as TF did and
@@ -198,9 +214,14 @@ def _resize(image: np.ndarray, size: int, interpolation: int) -> np.ndarray:
     return cv2.resize(image, (size, size), interpolation=interpolation)
 
 
-def resnet_preprocess(image_bytes: bytes, is_training: bool, image_size: int = IMAGE_SIZE,
-                      rng: np.random.Generator | None = None, bbox: np.ndarray | None = None,
-                      scaled_decode: bool | None = None) -> np.ndarray:
+def resnet_preprocess(
+    image_bytes: bytes,
+    is_training: bool,
+    image_size: int = IMAGE_SIZE,
+    rng: np.random.Generator | None = None,
+    bbox: np.ndarray | None = None,
+    scaled_decode: bool | None = None,
+) -> np.ndarray:
     """The original's resnet_preprocessing.preprocess_image, returning uint8.
 
     Train (``_decode_and_random_crop``): a window from `sample_distorted_bounding_box`
@@ -233,11 +254,18 @@ def resnet_preprocess(image_bytes: bytes, is_training: bool, image_size: int = I
         scaled_decode = is_training
     if is_training:
         if rng is None:
-            raise ValueError("resnet_preprocess(is_training=True) needs rng "
-                             "(a numpy.random.Generator)")
+            raise ValueError(
+                "resnet_preprocess(is_training=True) needs rng (a numpy.random.Generator)"
+            )
         window = sample_distorted_bounding_box(
-            shape, rng, bbox, min_object_covered=0.1, aspect_ratio_range=(3 / 4, 4 / 3),
-            area_range=(0.08, 1.0), max_attempts=10)
+            shape,
+            rng,
+            bbox,
+            min_object_covered=0.1,
+            aspect_ratio_range=(3 / 4, 4 / 3),
+            area_range=(0.08, 1.0),
+            max_attempts=10,
+        )
         if window[2:] == shape:  # sampling failed: the original's `bad` branch
             window = center_crop_window(shape, image_size)
     else:
@@ -249,8 +277,9 @@ def resnet_preprocess(image_bytes: bytes, is_training: bool, image_size: int = I
     return image
 
 
-def _central_crop_window(image_shape: tuple[int, int], fraction: float
-                         ) -> tuple[int, int, int, int]:
+def _central_crop_window(
+    image_shape: tuple[int, int], fraction: float
+) -> tuple[int, int, int, int]:
     # tf.image.central_crop: start = int((dim - dim * fraction) / 2) in float64,
     # size = dim - 2 * start.
     height, width = image_shape
@@ -259,10 +288,15 @@ def _central_crop_window(image_shape: tuple[int, int], fraction: float
     return y, x, height - 2 * y, width - 2 * x
 
 
-def inception_preprocess(image_bytes: bytes, is_training: bool, image_size: int = 299,
-                         rng: np.random.Generator | None = None, bbox: np.ndarray | None = None,
-                         fast_mode: bool = True, scaled_decode: bool | None = None
-                         ) -> np.ndarray:
+def inception_preprocess(
+    image_bytes: bytes,
+    is_training: bool,
+    image_size: int = 299,
+    rng: np.random.Generator | None = None,
+    bbox: np.ndarray | None = None,
+    fast_mode: bool = True,
+    scaled_decode: bool | None = None,
+) -> np.ndarray:
     """The original's inception_preprocessing (TPU r1.8) with its fast colour distortion.
 
     Train: window from `sample_distorted_bounding_box` (min_object_covered 0.1, aspect
@@ -296,17 +330,25 @@ def inception_preprocess(image_bytes: bytes, is_training: bool, image_size: int 
         scaled_decode = is_training
     if not is_training:
         window = _central_crop_window(shape, 0.875)
-        image = jpeg.decode_crop(image_bytes, window,
-                                 min_size=image_size if scaled_decode else None)
+        image = jpeg.decode_crop(
+            image_bytes, window, min_size=image_size if scaled_decode else None
+        )
         image = _resize(image, image_size, cv2.INTER_LINEAR)
         return image.astype(np.float32) * np.float32(2 / 255) - np.float32(1)
 
     if rng is None:
-        raise ValueError("inception_preprocess(is_training=True) needs rng "
-                         "(a numpy.random.Generator)")
+        raise ValueError(
+            "inception_preprocess(is_training=True) needs rng (a numpy.random.Generator)"
+        )
     window = sample_distorted_bounding_box(
-        shape, rng, bbox, min_object_covered=0.1, aspect_ratio_range=(3 / 4, 4 / 3),
-        area_range=(0.05, 1.0), max_attempts=100)
+        shape,
+        rng,
+        bbox,
+        min_object_covered=0.1,
+        aspect_ratio_range=(3 / 4, 4 / 3),
+        area_range=(0.05, 1.0),
+        max_attempts=100,
+    )
     image = jpeg.decode_crop(image_bytes, window, min_size=image_size if scaled_decode else None)
     method = _RESIZE_METHODS[0] if fast_mode else _RESIZE_METHODS[int(rng.integers(4))]
     # The original resized floats in [0, 1]; resizing the uint8 window (4x less memory traffic)
@@ -320,9 +362,13 @@ def inception_preprocess(image_bytes: bytes, is_training: bool, image_size: int 
     return out
 
 
-def distort_color_fast(image: np.ndarray, rng: np.random.Generator,
-                       brightness_delta: float = 32 / 255, cb_range: float = 0.1,
-                       cr_range: float = 0.1) -> np.ndarray:
+def distort_color_fast(
+    image: np.ndarray,
+    rng: np.random.Generator,
+    brightness_delta: float = 32 / 255,
+    cb_range: float = 0.1,
+    cr_range: float = 0.1,
+) -> np.ndarray:
     """The original's ``distort_color_fast``: random brightness and chroma shifts.
 
     Draws brightness ~ U(-brightness_delta, brightness_delta), cb ~ U(-cb_range, cb_range),
@@ -338,7 +384,12 @@ def distort_color_fast(image: np.ndarray, rng: np.random.Generator,
     brightness = rng.uniform(-brightness_delta, brightness_delta)
     cb = rng.uniform(-cb_range, cb_range)
     cr = rng.uniform(-cr_range, cr_range)
-    image += np.array([1.402 * cr + brightness,
-                       -0.344136 * cb - 0.714136 * cr + brightness,
-                       1.772 * cb + brightness], np.float32)
+    image += np.array(
+        [
+            1.402 * cr + brightness,
+            -0.344136 * cb - 0.714136 * cr + brightness,
+            1.772 * cb + brightness,
+        ],
+        np.float32,
+    )
     return np.clip(image, 0.0, 1.0, out=image)

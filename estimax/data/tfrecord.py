@@ -88,7 +88,7 @@ def sharded_name(prefix: str, shard: int, num_shards: int) -> str:
     """``prefix-00003-of-00010``: the original converter's ``'%s-%.5d-of-%.5d'`` shard name."""
     if not 0 <= shard < num_shards:
         raise ValueError(f"shard {shard} out of range for num_shards={num_shards} ({prefix!r})")
-    return "%s-%.5d-of-%.5d" % (prefix, shard, num_shards)
+    return f"{prefix}-{shard:05d}-of-{num_shards:05d}"
 
 
 def _fs_and_path(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -209,7 +209,7 @@ class TFRecordWriter:
         except FileNotFoundError:
             pass
 
-    def __enter__(self) -> "TFRecordWriter":
+    def __enter__(self) -> TFRecordWriter:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -233,30 +233,35 @@ def _read_one(f: IO[bytes], path: str, offset: int, verify_crc: bool) -> bytes |
         return None
     if len(header) < _HEADER_SIZE:
         raise CorruptRecordError(
-            path, offset, f"truncated length header ({len(header)} of {_HEADER_SIZE} bytes)")
+            path, offset, f"truncated length header ({len(header)} of {_HEADER_SIZE} bytes)"
+        )
     length, length_crc = _HEADER.unpack(header)
     # The length CRC is checked even without verify_crc: it costs nothing, and a damaged
     # length would otherwise make us read (and allocate) an arbitrary number of bytes.
     if masked_crc32c(header[:8]) != length_crc:
         raise CorruptRecordError(
-            path, offset,
+            path,
+            offset,
             f"length CRC mismatch (stored {length_crc:#010x}, computed "
-            f"{masked_crc32c(header[:8]):#010x}); not a TFRecord file, compressed, or damaged")
+            f"{masked_crc32c(header[:8]):#010x}); not a TFRecord file, compressed, or damaged",
+        )
     data = f.read(length)
     if len(data) < length:
-        raise CorruptRecordError(
-            path, offset, f"truncated data ({len(data)} of {length} bytes)")
+        raise CorruptRecordError(path, offset, f"truncated data ({len(data)} of {length} bytes)")
     footer = f.read(_FOOTER_SIZE)
     if len(footer) < _FOOTER_SIZE:
         raise CorruptRecordError(
-            path, offset, f"truncated data CRC ({len(footer)} of {_FOOTER_SIZE} bytes)")
+            path, offset, f"truncated data CRC ({len(footer)} of {_FOOTER_SIZE} bytes)"
+        )
     if verify_crc:
         (data_crc,) = _U32.unpack(footer)
         computed = masked_crc32c(data)
         if computed != data_crc:
             raise CorruptRecordError(
-                path, offset,
-                f"data CRC mismatch (stored {data_crc:#010x}, computed {computed:#010x})")
+                path,
+                offset,
+                f"data CRC mismatch (stored {data_crc:#010x}, computed {computed:#010x})",
+            )
     return data
 
 
@@ -264,31 +269,42 @@ def _parse_frame(blob: bytes, path: str, offset: int, verify_crc: bool) -> bytes
     """The data of the one framed record ``blob`` (read from ``offset``; sized by an index)."""
     if len(blob) < _HEADER_SIZE:
         raise CorruptRecordError(
-            path, offset, f"truncated length header ({len(blob)} of {_HEADER_SIZE} bytes)")
+            path, offset, f"truncated length header ({len(blob)} of {_HEADER_SIZE} bytes)"
+        )
     length, length_crc = _HEADER.unpack_from(blob)
     if masked_crc32c(blob[:8]) != length_crc:
         raise CorruptRecordError(
-            path, offset, f"length CRC mismatch (stored {length_crc:#010x}, computed "
-            f"{masked_crc32c(blob[:8]):#010x})")
+            path,
+            offset,
+            f"length CRC mismatch (stored {length_crc:#010x}, computed "
+            f"{masked_crc32c(blob[:8]):#010x})",
+        )
     end = _HEADER_SIZE + length
     if len(blob) < end:
         raise CorruptRecordError(
-            path, offset, f"truncated data ({len(blob) - _HEADER_SIZE} of {length} bytes)")
+            path, offset, f"truncated data ({len(blob) - _HEADER_SIZE} of {length} bytes)"
+        )
     if len(blob) < end + _FOOTER_SIZE:
         raise CorruptRecordError(
-            path, offset, f"truncated data CRC ({len(blob) - end} of {_FOOTER_SIZE} bytes)")
+            path, offset, f"truncated data CRC ({len(blob) - end} of {_FOOTER_SIZE} bytes)"
+        )
     if len(blob) != end + _FOOTER_SIZE:
         raise CorruptRecordError(
-            path, offset, f"record of {end + _FOOTER_SIZE} bytes where the index says "
-            f"{len(blob)}; the index does not match the file")
+            path,
+            offset,
+            f"record of {end + _FOOTER_SIZE} bytes where the index says "
+            f"{len(blob)}; the index does not match the file",
+        )
     data = blob[_HEADER_SIZE:end]
     if verify_crc:
         (data_crc,) = _U32.unpack_from(blob, end)
         computed = masked_crc32c(data)
         if computed != data_crc:
             raise CorruptRecordError(
-                path, offset,
-                f"data CRC mismatch (stored {data_crc:#010x}, computed {computed:#010x})")
+                path,
+                offset,
+                f"data CRC mismatch (stored {data_crc:#010x}, computed {computed:#010x})",
+            )
     return data
 
 
@@ -367,25 +383,32 @@ def record_offsets(path: str, verify_crc: bool = True) -> np.ndarray:
         def read_at(n: int, off: int) -> bytes:
             f.seek(off)
             return f.read(n)
+
     try:
         offset = 0
         while offset < size:
             header = read_at(_HEADER_SIZE, offset)
             if len(header) < _HEADER_SIZE:
                 raise CorruptRecordError(
-                    path, offset,
-                    f"truncated length header ({len(header)} of {_HEADER_SIZE} bytes)")
+                    path, offset, f"truncated length header ({len(header)} of {_HEADER_SIZE} bytes)"
+                )
             length, length_crc = _HEADER.unpack(header)
             if masked_crc32c(header[:8]) != length_crc:
                 # Always checked: a wrong length would send the scan astray.
                 raise CorruptRecordError(
-                    path, offset, f"length CRC mismatch (stored {length_crc:#010x}, "
-                    f"computed {masked_crc32c(header[:8]):#010x})")
+                    path,
+                    offset,
+                    f"length CRC mismatch (stored {length_crc:#010x}, "
+                    f"computed {masked_crc32c(header[:8]):#010x})",
+                )
             end = offset + _HEADER_SIZE + length + _FOOTER_SIZE
             if end > size:
                 have = size - offset - _HEADER_SIZE
-                problem = (f"truncated data ({have} of {length} bytes)" if have < length else
-                           f"truncated data CRC ({have - length} of {_FOOTER_SIZE} bytes)")
+                problem = (
+                    f"truncated data ({have} of {length} bytes)"
+                    if have < length
+                    else f"truncated data CRC ({have - length} of {_FOOTER_SIZE} bytes)"
+                )
                 raise CorruptRecordError(path, offset, problem)
             offsets.append(offset)
             offset = end
@@ -419,7 +442,9 @@ def write_index(path: str, index_path: str | None = None, verify_crc: bool = Fal
     """
     index_path = index_path or default_index_path(path)
     offsets = record_offsets(path, verify_crc=verify_crc)
-    lines = "".join(f"{int(a)} {int(b - a)}\n" for a, b in zip(offsets[:-1], offsets[1:]))
+    lines = "".join(
+        f"{int(a)} {int(b - a)}\n" for a, b in zip(offsets[:-1], offsets[1:], strict=False)
+    )
     fs, fs_path = _fs_and_path(index_path)
     if _is_local(fs):
         tmp = fs_path + f".tmp-{uuid.uuid4().hex[:12]}"
@@ -458,7 +483,8 @@ def read_index(index_path: str) -> np.ndarray:
         if start != offsets[-1]:
             raise ValueError(
                 f"{index_path}: line {lineno}: record offset {start} does not follow the "
-                f"previous record's end {offsets[-1]}; the index does not match its file")
+                f"previous record's end {offsets[-1]}; the index does not match its file"
+            )
         offsets.append(start + length)
     return np.asarray(offsets, dtype=np.int64)
 
@@ -477,8 +503,13 @@ class RecordFile(Sequence[bytes]):
       offsets: [N + 1] record offsets, if already known (then no index is read, no scan done).
     """
 
-    def __init__(self, path: str, index_path: str | None = None, verify_crc: bool = True,
-                 offsets: np.ndarray | None = None):
+    def __init__(
+        self,
+        path: str,
+        index_path: str | None = None,
+        verify_crc: bool = True,
+        offsets: np.ndarray | None = None,
+    ):
         self.path = path
         self.verify_crc = verify_crc
         self._fs, self._fs_path = _fs_and_path(path)

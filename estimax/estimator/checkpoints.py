@@ -1,4 +1,4 @@
-"""Checkpoints in ``model_dir``: Orbax, async, atomic, with the input position saved beside the model.
+"""Checkpoints in ``model_dir``: Orbax, async, atomic, the input position saved beside the model.
 
 Layout: ``<model_dir>/checkpoints/<step>/state`` (the train state: step, params, mutable
 collections, optimizer state, EMA) and ``.../<step>/input`` (the input iterator's position, JSON),
@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 import numpy as np
@@ -43,8 +44,13 @@ class Checkpointer:
     input iterator's position and which items exist).
     """
 
-    def __init__(self, model_dir: str, keep_checkpoint_max: int | None = 5,
-                 async_save: bool = True, read_only: bool = False):
+    def __init__(
+        self,
+        model_dir: str,
+        keep_checkpoint_max: int | None = 5,
+        async_save: bool = True,
+        read_only: bool = False,
+    ):
         self.model_dir = model_dir
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep_checkpoint_max,
@@ -57,8 +63,10 @@ class Checkpointer:
             **storage.orbax_manager_options(model_dir),
         )
         self._manager = ocp.CheckpointManager(
-            checkpoint_dir(model_dir), options=options,
-            item_names=("model", "optimizer", "ema", "meta"))
+            checkpoint_dir(model_dir),
+            options=options,
+            item_names=("model", "optimizer", "ema", "meta"),
+        )
 
     def latest_step(self) -> int | None:
         """Returns the newest complete checkpoint's step, or None if there is none."""
@@ -72,8 +80,9 @@ class Checkpointer:
         self._manager.reload()
         return sorted(self._manager.all_steps())
 
-    def save(self, step: int, model: Any, optimizer: Any, ema: Any,
-             input_state: dict | None) -> None:
+    def save(
+        self, step: int, model: Any, optimizer: Any, ema: Any, input_state: dict | None
+    ) -> None:
         """Starts saving a checkpoint at ``step``; ``wait_until_finished`` makes it durable.
 
         Args:
@@ -90,8 +99,14 @@ class Checkpointer:
             items["optimizer"] = ocp.args.StandardSave(optimizer)
         if has_ema:
             items["ema"] = ocp.args.StandardSave(ema)
-        items["meta"] = ocp.args.JsonSave({"input_state": input_state, "has_ema": has_ema,
-                                           "has_optimizer": has_optimizer, "step": int(step)})
+        items["meta"] = ocp.args.JsonSave(
+            {
+                "input_state": input_state,
+                "has_ema": has_ema,
+                "has_optimizer": has_optimizer,
+                "step": int(step),
+            }
+        )
         with storage.errors_named(checkpoint_dir(self.model_dir), f"save checkpoint {step}"):
             self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 
@@ -102,8 +117,12 @@ class Checkpointer:
 
     def restore(self, step: int, **abstract_items: Any) -> dict[str, Any]:
         """Restores the named items at ``step``, each laid out like its abstract pytree."""
-        restored = self._manager.restore(step, args=ocp.args.Composite(**{
-            name: ocp.args.StandardRestore(item) for name, item in abstract_items.items()}))
+        restored = self._manager.restore(
+            step,
+            args=ocp.args.Composite(
+                **{name: ocp.args.StandardRestore(item) for name, item in abstract_items.items()}
+            ),
+        )
         return {name: restored[name] for name in abstract_items}
 
     def restore_numpy(self, step: int, name: str = "model") -> Any:
@@ -112,8 +131,9 @@ class Checkpointer:
         tree = getattr(metadata, "tree", metadata)
         # numpy leaves in the target make the standard handler restore host arrays.
         target = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), tree)
-        restored = self._manager.restore(step, args=ocp.args.Composite(**{
-            name: ocp.args.StandardRestore(target)}))
+        restored = self._manager.restore(
+            step, args=ocp.args.Composite(**{name: ocp.args.StandardRestore(target)})
+        )
         return restored[name]
 
     def wait_until_finished(self) -> None:
@@ -134,14 +154,18 @@ def step_from_checkpoint_path(path: str) -> tuple[str, int]:
     if not base.isdigit() or os.path.basename(parent) != CHECKPOINT_SUBDIR:
         raise ValueError(
             f"checkpoint_path={path!r} is not a checkpoint: expected "
-            f"'<model_dir>/{CHECKPOINT_SUBDIR}/<step>' as written by estimax.")
+            f"'<model_dir>/{CHECKPOINT_SUBDIR}/<step>' as written by estimax."
+        )
     return os.path.dirname(parent), int(base)
 
 
-def checkpoints_iterator(model_dir: str, timeout: float | None = None,
-                         poll_secs: float = 5.0,
-                         clock: Callable[[], float] = time.monotonic,
-                         sleep: Callable[[float], None] = time.sleep) -> Iterator[int]:
+def checkpoints_iterator(
+    model_dir: str,
+    timeout: float | None = None,
+    poll_secs: float = 5.0,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> Iterator[int]:
     """Yields the step of the newest checkpoint in ``model_dir`` each time a newer one appears.
 
     Like ``tf.train.checkpoints_iterator``: it waits for checkpoints a training job writes and
@@ -165,11 +189,20 @@ def checkpoints_iterator(model_dir: str, timeout: float | None = None,
         new = [s for s in steps if last is None or s > last]
         if new:
             if len(new) > 1 and last is None:
-                logging.info("Found checkpoints %s in %s; evaluating the newest, %d.", new,
-                             checkpoint_dir(model_dir), new[-1])
+                logging.info(
+                    "Found checkpoints %s in %s; evaluating the newest, %d.",
+                    new,
+                    checkpoint_dir(model_dir),
+                    new[-1],
+                )
             elif len(new) > 1:
-                logging.info("Checkpoints %s were written while step %d was evaluated; "
-                             "evaluating the newest, %d.", new, last, new[-1])
+                logging.info(
+                    "Checkpoints %s were written while step %d was evaluated; "
+                    "evaluating the newest, %d.",
+                    new,
+                    last,
+                    new[-1],
+                )
             last = new[-1]
             waited_since = clock()
             yield last

@@ -2,19 +2,19 @@
 
 Who owns what:
 
-| piece                                        | owner                   | where                      |
-|----------------------------------------------|-------------------------|----------------------------|
-| layers, loss, metrics, choice of optimizer   | the user's ``model_fn`` | traced in ``ModelFnModule``|
-| gradients, cross-replica mean, optimizer     | pure steps              | ``steps.train_step`` etc.  |
-| update, weight decay, clip, EMA              |                         |                            |
-| the steps on the mesh (jit, shardings,       | ``Estimator``           | ``_*_fn`` below            |
-| donation), the loops, host syncs             |                         |                            |
-| batches (per host)                           | the user's ``input_fn`` | host; we pad/shard them    |
-| batches ahead on the devices (bounded)       | ``DevicePrefetcher``    | ``feeding.py``             |
-| position in the input                        | the input iterator      | ``get_state``/``set_state``|
-| checkpoints (model + input position)         | ``Checkpointer`` (Orbax)| ``model_dir/checkpoints``  |
-| cadences (save, log, summaries)              | ``PeriodicAction``      | ``periodic.py``            |
-| summaries and log lines                      | ``Summaries``           | ``model_dir[/eval]``       |
+| piece                                    | owner                   | where                       |
+|------------------------------------------|-------------------------|-----------------------------|
+| layers, loss, metrics, optimizer choice  | the user's ``model_fn`` | traced in ``ModelFnModule`` |
+| gradients, cross-replica mean, optimizer | pure steps              | ``steps.train_step`` etc.   |
+| update, weight decay, clip, EMA          |                         |                             |
+| the steps on the mesh (jit, shardings,   | ``Estimator``           | ``_*_fn`` below             |
+| donation), the loops, host syncs         |                         |                             |
+| batches (per host)                       | the user's ``input_fn`` | host; we pad/shard them     |
+| batches ahead on the devices (bounded)   | ``DevicePrefetcher``    | ``feeding.py``              |
+| position in the input                    | the input iterator      | ``get_state``/``set_state`` |
+| checkpoints (model + input position)     | Orbax ``Checkpointer``  | ``model_dir/checkpoints``   |
+| cadences (save, log, summaries)          | ``PeriodicAction``      | ``periodic.py``             |
+| summaries and log lines                  | ``Summaries``           | ``model_dir[/eval]``        |
 
 Replication: one ``jit`` over a ``Mesh`` whose ``data`` axis holds the replicas. Inside
 ``shard_map`` each replica runs ``model_fn`` on its slice of the batch (so the model sees
@@ -39,7 +39,8 @@ import os
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -49,9 +50,7 @@ from jax.sharding import PartitionSpec as P
 
 from estimax.estimator import checkpoints as ckpt_lib
 from estimax.estimator import export as export_lib
-from estimax.estimator import feeding
-from estimax.estimator import periodic
-from estimax.estimator import replication
+from estimax.estimator import feeding, periodic, replication
 from estimax.estimator import steps as steps_lib
 from estimax.estimator import summaries as summaries_lib
 from estimax.estimator.replication import REPLICA_AXIS
@@ -83,10 +82,18 @@ def _leading_rows(tree: Any, n: int) -> Any:
 class Estimator:
     """Trains, evaluates, predicts with and exports a model defined by a ``model_fn``."""
 
-    def __init__(self, model_fn: Callable[..., EstimatorSpec], config: RunConfig | None = None,
-                 params: Mapping[str, Any] | None = None, train_batch_size: int | None = None,
-                 eval_batch_size: int | None = None, predict_batch_size: int | None = None,
-                 model_dir: str | None = None, *, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        model_fn: Callable[..., EstimatorSpec],
+        config: RunConfig | None = None,
+        params: Mapping[str, Any] | None = None,
+        train_batch_size: int | None = None,
+        eval_batch_size: int | None = None,
+        predict_batch_size: int | None = None,
+        model_dir: str | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         """Creates an Estimator.
 
         Args:
@@ -109,8 +116,10 @@ class Estimator:
         params = dict(params or {})
         reserved = [k for k in _RESERVED_PARAMS_KEYS if k in params]
         if reserved:
-            raise ValueError(f"params must not contain the reserved keys {reserved}: the "
-                             "Estimator sets params['batch_size'] and params['context'].")
+            raise ValueError(
+                f"params must not contain the reserved keys {reserved}: the "
+                "Estimator sets params['batch_size'] and params['context']."
+            )
         self._model_fn_args = self._check_model_fn(model_fn)
         self._model_fn = model_fn
         self.config = config
@@ -118,10 +127,16 @@ class Estimator:
         self.model_dir = config.model_dir
         self.mesh = replication.make_mesh(config.num_shards)
         self.num_replicas = self.mesh.size
-        self._batch_sizes = {ModeKeys.TRAIN: train_batch_size, ModeKeys.EVAL: eval_batch_size,
-                             ModeKeys.PREDICT: predict_batch_size}
-        for mode, what in ((ModeKeys.TRAIN, "train_batch_size"), (ModeKeys.EVAL, "eval_batch_size"),
-                           (ModeKeys.PREDICT, "predict_batch_size")):
+        self._batch_sizes = {
+            ModeKeys.TRAIN: train_batch_size,
+            ModeKeys.EVAL: eval_batch_size,
+            ModeKeys.PREDICT: predict_batch_size,
+        }
+        for mode, what in (
+            (ModeKeys.TRAIN, "train_batch_size"),
+            (ModeKeys.EVAL, "eval_batch_size"),
+            (ModeKeys.PREDICT, "predict_batch_size"),
+        ):
             if self._batch_sizes[mode] is not None:
                 replication.per_replica_batch(self._batch_sizes[mode], self.num_replicas, what)
         self._clock = clock
@@ -149,19 +164,26 @@ class Estimator:
         except (TypeError, ValueError):
             return ("features", "labels", "mode", "params")
         if "features" not in names:
-            raise ValueError(f"model_fn {model_fn!r} must have a `features` argument; it has "
-                             f"{list(names)}.")
+            raise ValueError(
+                f"model_fn {model_fn!r} must have a `features` argument; it has {list(names)}."
+            )
         unknown = [n for n in names if n not in _MODEL_FN_ARGS]
         if unknown:
-            raise ValueError(f"model_fn has unexpected argument(s) {unknown}; allowed: "
-                             f"{list(_MODEL_FN_ARGS)}.")
+            raise ValueError(
+                f"model_fn has unexpected argument(s) {unknown}; allowed: {list(_MODEL_FN_ARGS)}."
+            )
         return names
 
     def _call_model_fn(self, features, labels, mode) -> EstimatorSpec:
         params = dict(self.params)
         params["batch_size"] = self._per_replica_batch(mode)
-        available = {"features": features, "labels": labels, "mode": mode, "params": params,
-                     "config": self.config}
+        available = {
+            "features": features,
+            "labels": labels,
+            "mode": mode,
+            "params": params,
+            "config": self.config,
+        }
         return self._model_fn(**{n: available[n] for n in self._model_fn_args})
 
     def _module(self, mode: str) -> steps_lib.ModelFnModule:
@@ -170,10 +192,15 @@ class Estimator:
     def _batch_size(self, mode: str) -> int:
         size = self._batch_sizes[mode]
         if size is None:
-            what = {ModeKeys.TRAIN: "train_batch_size", ModeKeys.EVAL: "eval_batch_size",
-                    ModeKeys.PREDICT: "predict_batch_size"}[mode]
-            raise ValueError(f"Estimator needs {what} to run mode {mode!r}; pass it to the "
-                             "constructor (a global batch size).")
+            what = {
+                ModeKeys.TRAIN: "train_batch_size",
+                ModeKeys.EVAL: "eval_batch_size",
+                ModeKeys.PREDICT: "predict_batch_size",
+            }[mode]
+            raise ValueError(
+                f"Estimator needs {what} to run mode {mode!r}; pass it to the "
+                "constructor (a global batch size)."
+            )
         return size
 
     def _per_replica_batch(self, mode: str) -> int | None:
@@ -184,10 +211,12 @@ class Estimator:
         global_batch = self._batch_size(mode)
         params = dict(self.params)
         params["batch_size"] = replication.per_host_batch(global_batch)
-        params["context"] = InputContext(host_index=jax.process_index(),
-                                         num_hosts=jax.process_count(),
-                                         num_replicas=self.num_replicas,
-                                         global_batch_size=global_batch)
+        params["context"] = InputContext(
+            host_index=jax.process_index(),
+            num_hosts=jax.process_count(),
+            num_replicas=self.num_replicas,
+            global_batch_size=global_batch,
+        )
         return params
 
     # ------------------------------------------------------------------ state
@@ -201,22 +230,30 @@ class Estimator:
 
     def _with_replicated_sharding(self, abstract: Any) -> Any:
         sharding = replication.replicated(self.mesh)
-        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
-                            abstract)
+        return jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), abstract
+        )
 
     def _initial_state(self, features: Any, labels: Any) -> TrainState:
         sample = self._replica_slice((features, labels), ModeKeys.TRAIN)
         init = jax.jit(self._init_fn, out_shardings=replication.replicated(self.mesh))
         return init(self._base_rng, *sample)
 
-    def _restore_train_state(self, checkpointer: ckpt_lib.Checkpointer, step: int,
-                             features: Any, labels: Any) -> TrainState:
+    def _restore_train_state(
+        self, checkpointer: ckpt_lib.Checkpointer, step: int, features: Any, labels: Any
+    ) -> TrainState:
         sample = self._replica_slice((features, labels), ModeKeys.TRAIN)
         abstract = self._with_replicated_sharding(
-            jax.eval_shape(self._init_fn, self._base_rng, *sample))
+            jax.eval_shape(self._init_fn, self._base_rng, *sample)
+        )
         meta = checkpointer.restore_meta(step)
-        items = {"model": {"step": abstract.step, "params": abstract.params,
-                           "model_state": abstract.model_state}}
+        items = {
+            "model": {
+                "step": abstract.step,
+                "params": abstract.params,
+                "model_state": abstract.model_state,
+            }
+        }
         if meta.get("has_optimizer", True) and jax.tree.leaves(abstract.opt_state):
             items["optimizer"] = abstract.opt_state
         if meta.get("has_ema") and jax.tree.leaves(abstract.ema_params):
@@ -227,14 +264,19 @@ class Estimator:
         if jax.tree.leaves(abstract.ema_params) and "ema" not in restored:
             logging.warning("Checkpoint %d has no EMA of the weights; starting it from them.", step)
             ema = model["params"]
-        return TrainState(step=model["step"], params=model["params"],
-                          model_state=model["model_state"],
-                          opt_state=restored.get("optimizer", abstract.opt_state), ema_params=ema)
+        return TrainState(
+            step=model["step"],
+            params=model["params"],
+            model_state=model["model_state"],
+            opt_state=restored.get("optimizer", abstract.opt_state),
+            ema_params=ema,
+        )
 
     def _get_checkpointer(self) -> ckpt_lib.Checkpointer:
         if self._checkpointer is None:
-            self._checkpointer = ckpt_lib.Checkpointer(self.model_dir,
-                                                       self.config.keep_checkpoint_max)
+            self._checkpointer = ckpt_lib.Checkpointer(
+                self.model_dir, self.config.keep_checkpoint_max
+            )
         return self._checkpointer
 
     def latest_checkpoint(self) -> str | None:
@@ -268,10 +310,12 @@ class Estimator:
     def _init_variables_fn(self, mode: str) -> Callable:
         def init(rng, features, labels):
             return steps_lib.init_variables(self._module(mode), rng, (features, labels))
+
         return init
 
-    def _load_variables(self, features: Any, labels: Any, mode: str,
-                        checkpoint_path: str | None) -> tuple[dict, int]:
+    def _load_variables(
+        self, features: Any, labels: Any, mode: str, checkpoint_path: str | None
+    ) -> tuple[dict, int]:
         """Returns (variables, step) of the given/latest checkpoint, for EVAL or PREDICT.
 
         Uses the EMA of the weights when the checkpoint has one. Without any checkpoint the
@@ -288,18 +332,29 @@ class Estimator:
         sample = self._replica_slice((features, labels), mode)
         init = self._init_variables_fn(mode)
         if step is None:
-            logging.warning("Could not find trained model in model_dir: %s, running "
-                            "initialization to %s.", self.model_dir, mode)
+            logging.warning(
+                "Could not find trained model in model_dir: %s, running initialization to %s.",
+                self.model_dir,
+                mode,
+            )
             variables = jax.jit(init, out_shardings=replication.replicated(self.mesh))(
-                self._base_rng, *sample)
+                self._base_rng, *sample
+            )
             return dict(variables), 0
-        abstract = dict(self._with_replicated_sharding(
-            jax.eval_shape(init, self._base_rng, *sample)))
+        abstract = dict(
+            self._with_replicated_sharding(jax.eval_shape(init, self._base_rng, *sample))
+        )
         abstract_params = abstract.pop("params", {})
         meta = checkpointer.restore_meta(step)
-        items = {"model": {"step": jax.ShapeDtypeStruct((), jnp.int32,
-                                                        sharding=replication.replicated(self.mesh)),
-                           "params": abstract_params, "model_state": abstract}}
+        items = {
+            "model": {
+                "step": jax.ShapeDtypeStruct(
+                    (), jnp.int32, sharding=replication.replicated(self.mesh)
+                ),
+                "params": abstract_params,
+                "model_state": abstract,
+            }
+        }
         if meta.get("has_ema"):
             items["ema"] = abstract_params
         restored = checkpointer.restore(step, **items)
@@ -312,21 +367,30 @@ class Estimator:
         """``(state, rng, features, labels) -> (state, metrics)``: one step on the mesh."""
         key = ("train_step",)
         if key not in self._compiled:
-            step = functools.partial(steps_lib.train_step, self._module(ModeKeys.TRAIN),
-                                     axis_name=REPLICA_AXIS)
+            step = functools.partial(
+                steps_lib.train_step, self._module(ModeKeys.TRAIN), axis_name=REPLICA_AXIS
+            )
 
             def per_replica(state, rng, features, labels):
                 return step(state, (features, labels), rng)
 
-            sharded = jax.shard_map(per_replica, mesh=self.mesh,
-                                    in_specs=(P(), P(), P(REPLICA_AXIS), P(REPLICA_AXIS)),
-                                    out_specs=(P(), P()))
+            sharded = jax.shard_map(
+                per_replica,
+                mesh=self.mesh,
+                in_specs=(P(), P(), P(REPLICA_AXIS), P(REPLICA_AXIS)),
+                out_specs=(P(), P()),
+            )
             self._compiled[key] = jax.jit(sharded, donate_argnums=(0,))
         return self._compiled[key]
 
-    def train(self, input_fn: Callable[[dict], Iterable], hooks: Any = None,
-              steps: int | None = None, max_steps: int | None = None,
-              saving_listeners: Iterable[Callable[[int], Any]] | None = None) -> "Estimator":
+    def train(
+        self,
+        input_fn: Callable[[dict], Iterable],
+        hooks: Any = None,
+        steps: int | None = None,
+        max_steps: int | None = None,
+        saving_listeners: Iterable[Callable[[int], Any]] | None = None,
+    ) -> Estimator:
         """Trains, resuming from the latest checkpoint in ``model_dir``.
 
         Args:
@@ -343,8 +407,9 @@ class Estimator:
           self, as the original.
         """
         if hooks:
-            raise ValueError("hooks are not supported; use RunConfig settings or train in "
-                             "chunks with max_steps.")
+            raise ValueError(
+                "hooks are not supported; use RunConfig settings or train in chunks with max_steps."
+            )
         if steps is not None and max_steps is not None:
             raise ValueError("Can not provide both steps and max_steps.")
         if steps is None and max_steps is None:
@@ -356,8 +421,13 @@ class Estimator:
         self._run_training(input_fn, steps, max_steps, list(saving_listeners or []))
         return self
 
-    def _run_training(self, input_fn: Callable[[dict], Iterable], steps: int | None,
-                      max_steps: int | None, listeners: list[Callable[[int], Any]]) -> int:
+    def _run_training(
+        self,
+        input_fn: Callable[[dict], Iterable],
+        steps: int | None,
+        max_steps: int | None,
+        listeners: list[Callable[[int], Any]],
+    ) -> int:
         checkpointer = self._get_checkpointer()
         start = checkpointer.latest_step() or 0
         if max_steps is not None and start >= max_steps:
@@ -372,8 +442,11 @@ class Estimator:
             if input_state is not None and stateful:
                 iterator.set_state(input_state)
             elif input_state is not None:
-                logging.warning("The input iterator has no set_state(): resuming at step %d "
-                                "restarts the input from its beginning.", start)
+                logging.warning(
+                    "The input iterator has no set_state(): resuming at step %d "
+                    "restarts the input from its beginning.",
+                    start,
+                )
         sample: list[tuple[Any, Any]] = []
 
         def prepare(element: Any) -> tuple[tuple[Any, Any], None]:
@@ -383,15 +456,21 @@ class Estimator:
                 raise ValueError(
                     f"input_fn yielded a training batch of {size} examples; this host must "
                     f"feed {per_host} (train_batch_size / number of hosts). Training "
-                    "batches need a fixed size: repeat the data and drop the remainder.")
+                    "batches need a fixed size: repeat the data and drop the remainder."
+                )
             if not sample:  # what init/restore trace the model with
-                sample.append(_leading_rows((features, labels),
-                                            self._per_replica_batch(ModeKeys.TRAIN)))
+                sample.append(
+                    _leading_rows((features, labels), self._per_replica_batch(ModeKeys.TRAIN))
+                )
             return (features, labels), None
 
         feeder = feeding.DevicePrefetcher(
-            iterator, prepare, lambda b: replication.to_device(b, self.mesh, P(REPLICA_AXIS)),
-            size=self.config.device_prefetch, limit=target - start)
+            iterator,
+            prepare,
+            lambda b: replication.to_device(b, self.mesh, P(REPLICA_AXIS)),
+            size=self.config.device_prefetch,
+            limit=target - start,
+        )
         fed = feeder.next()
         if fed is None:
             raise ValueError("input_fn produced no training batch.")
@@ -404,10 +483,20 @@ class Estimator:
         rng = jax.device_put(self._base_rng, replication.replicated(self.mesh))
         step_fn = self._train_step_fn()
         summaries = self._summary_writer("")
-        logger = _StepLogger(self.config, self._batch_size(ModeKeys.TRAIN), self._clock, start,
-                             target, summaries if self._is_chief else None)
-        saver = periodic.PeriodicAction(self.config.save_checkpoints_steps,
-                                        self.config.save_checkpoints_secs, self._clock, start)
+        logger = _StepLogger(
+            self.config,
+            self._batch_size(ModeKeys.TRAIN),
+            self._clock,
+            start,
+            target,
+            summaries if self._is_chief else None,
+        )
+        saver = periodic.PeriodicAction(
+            self.config.save_checkpoints_steps,
+            self.config.save_checkpoints_secs,
+            self._clock,
+            start,
+        )
         timeline = feeding.DeviceTimeline()
         step, last_skipped = start, 0
         try:
@@ -436,13 +525,15 @@ class Estimator:
                     break
                 step = begin + len(loop_metrics)
                 fetched = jax.device_get(loop_metrics)  # the loop's one host sync
-                host_metrics = {k: np.stack([np.asarray(m[k]) for m in fetched])
-                                for k in fetched[0]}
+                host_metrics = {
+                    k: np.stack([np.asarray(m[k]) for m in fetched]) for k in fetched[0]
+                }
                 idle_secs, loop_secs = timeline.end_loop()
                 self._check_finite(host_metrics["loss"], begin, step, checkpointer)
                 logger.record(begin, host_metrics)
-                self._report_input_wait(step, idle_secs, loop_secs,
-                                        summaries if self._is_chief else None)
+                self._report_input_wait(
+                    step, idle_secs, loop_secs, summaries if self._is_chief else None
+                )
                 if skipped is not None and skipped != last_skipped and self._is_chief:
                     # Bad records the input skipped (skip_bad_records=True): never silent.
                     summaries.scalars(step, {"input/skipped_records": skipped})
@@ -450,9 +541,17 @@ class Estimator:
                     last_skipped = skipped
                 fed = feeder.next()  # None: the steps asked for are done, or the input ended
                 if saver.due(step) or fed is None:
-                    checkpointer.save(step, {"step": state.step, "params": state.params,
-                                             "model_state": state.model_state},
-                                      state.opt_state, state.ema_params, input_state)
+                    checkpointer.save(
+                        step,
+                        {
+                            "step": state.step,
+                            "params": state.params,
+                            "model_state": state.model_state,
+                        },
+                        state.opt_state,
+                        state.ema_params,
+                        input_state,
+                    )
                     logging.info("Saving checkpoints for %d into %s.", step, self.model_dir)
                     saver.fired(step)
                     if listeners:
@@ -460,8 +559,7 @@ class Estimator:
                         for listener in listeners:
                             listener(step)
             if step < target:
-                logging.info("Input ended at step %d, before the %d steps asked for.", step,
-                             target)
+                logging.info("Input ended at step %d, before the %d steps asked for.", step, target)
         finally:
             timeline.close()
             checkpointer.wait_until_finished()
@@ -470,8 +568,13 @@ class Estimator:
         logging.info("Loss for final step: %s.", logger.last_loss)
         return step
 
-    def _report_input_wait(self, step: int, idle_secs: float, loop_secs: float,
-                           summaries: summaries_lib.Summaries | None) -> None:
+    def _report_input_wait(
+        self,
+        step: int,
+        idle_secs: float,
+        loop_secs: float,
+        summaries: summaries_lib.Summaries | None,
+    ) -> None:
         """Writes ``input/wait_fraction`` and warns (once) when the input held training back."""
         if loop_secs <= 0:
             return
@@ -484,10 +587,14 @@ class Estimator:
                 "Training is input-bound: the devices waited for input %.0f%% of the loop ending "
                 "at step %d. Try more input parallelism (--num_parallel_calls, the loader's "
                 "process workers), caching or a cheaper preprocessing; TensorBoard shows "
-                "input/wait_fraction.", 100 * fraction, step)
+                "input/wait_fraction.",
+                100 * fraction,
+                step,
+            )
 
-    def _check_finite(self, losses: np.ndarray, begin: int, end: int,
-                      checkpointer: ckpt_lib.Checkpointer) -> None:
+    def _check_finite(
+        self, losses: np.ndarray, begin: int, end: int, checkpointer: ckpt_lib.Checkpointer
+    ) -> None:
         bad = np.flatnonzero(~np.isfinite(losses))
         if bad.size:
             checkpointer.wait_until_finished()
@@ -497,7 +604,8 @@ class Estimator:
                 f"{begin + bad[0] + 1} (steps {begin + 1}..{end} ran in one device loop). "
                 f"Nothing from that loop was saved; the latest checkpoint "
                 f"({'step ' + str(saved) if saved is not None else 'none'}) in "
-                f"{self.model_dir} is intact.")
+                f"{self.model_dir} is intact."
+            )
 
     # ------------------------------------------------------------------ evaluation
 
@@ -505,16 +613,19 @@ class Estimator:
         """``(totals, variables, step, features, labels, mask) -> (totals, batch metrics)``."""
         key = ("eval",)
         if key not in self._compiled:
-            step_fn = functools.partial(steps_lib.eval_step, self._module(ModeKeys.EVAL),
-                                        axis_name=REPLICA_AXIS)
+            step_fn = functools.partial(
+                steps_lib.eval_step, self._module(ModeKeys.EVAL), axis_name=REPLICA_AXIS
+            )
 
             def per_replica(variables, step, features, labels, mask):
                 return step_fn(variables, step, (features, labels), mask)
 
             sharded = jax.shard_map(
-                per_replica, mesh=self.mesh,
+                per_replica,
+                mesh=self.mesh,
                 in_specs=(P(), P(), P(REPLICA_AXIS), P(REPLICA_AXIS), P(REPLICA_AXIS)),
-                out_specs=P())
+                out_specs=P(),
+            )
 
             def accumulate(totals, variables, step, features, labels, mask):
                 batch = sharded(variables, step, features, labels, mask)
@@ -522,13 +633,17 @@ class Estimator:
                     return batch, batch
                 return jax.tree.map(jnp.add, totals, batch), batch
 
-            self._compiled[key] = (jax.jit(accumulate),
-                                   jax.jit(accumulate, donate_argnums=(0,)))
+            self._compiled[key] = (jax.jit(accumulate), jax.jit(accumulate, donate_argnums=(0,)))
         return self._compiled[key]
 
-    def evaluate(self, input_fn: Callable[[dict], Iterable], steps: int | None = None,
-                 hooks: Any = None, checkpoint_path: str | None = None,
-                 name: str | None = None) -> dict[str, float]:
+    def evaluate(
+        self,
+        input_fn: Callable[[dict], Iterable],
+        steps: int | None = None,
+        hooks: Any = None,
+        checkpoint_path: str | None = None,
+        name: str | None = None,
+    ) -> dict[str, float]:
         """Evaluates a checkpoint on ``input_fn``'s examples.
 
         With ``steps=None`` every example of the (finite) eval input counts exactly once: the
@@ -558,13 +673,18 @@ class Estimator:
             features, labels = _split_batch(element)
             (features, labels), mask, n = replication.pad_batch((features, labels), per_host)
             if not sample:
-                sample.append(_leading_rows((features, labels),
-                                            self._per_replica_batch(ModeKeys.EVAL) or 1))
+                sample.append(
+                    _leading_rows((features, labels), self._per_replica_batch(ModeKeys.EVAL) or 1)
+                )
             return (features, labels, mask), n
 
         feeder = feeding.DevicePrefetcher(
-            iterator, prepare, lambda b: replication.to_device(b, self.mesh, P(REPLICA_AXIS)),
-            size=self.config.device_prefetch, limit=steps)
+            iterator,
+            prepare,
+            lambda b: replication.to_device(b, self.mesh, P(REPLICA_AXIS)),
+            size=self.config.device_prefetch,
+            limit=steps,
+        )
         fed = feeder.next()
         if fed is None:
             raise ValueError("The eval input_fn produced no examples.")
@@ -587,12 +707,17 @@ class Estimator:
         results["global_step"] = global_step
         # Examples counted on every host, not only this one.
         results["num_examples"] = int(_sum_over_hosts(num_examples))
-        logging.info("Saving dict for global step %d: %s", global_step,
-                     ", ".join(f"{k} = {v}" for k, v in sorted(results.items())))
+        logging.info(
+            "Saving dict for global step %d: %s",
+            global_step,
+            ", ".join(f"{k} = {v}" for k, v in sorted(results.items())),
+        )
         if self._is_chief:
             writer = self._summary_writer("eval" if name is None else f"eval_{name}")
-            writer.scalars(global_step, {k: v for k, v in results.items()
-                                         if k not in ("global_step", "num_examples")})
+            writer.scalars(
+                global_step,
+                {k: v for k, v in results.items() if k not in ("global_step", "num_examples")},
+            )
             writer.flush()
         return results
 
@@ -602,14 +727,24 @@ class Estimator:
         key = ("predict",)
         if key not in self._compiled:
             step_fn = functools.partial(steps_lib.predict_step, self._module(ModeKeys.PREDICT))
-            self._compiled[key] = jax.jit(jax.shard_map(
-                step_fn, mesh=self.mesh, in_specs=(P(), P(), P(REPLICA_AXIS)),
-                out_specs=P(REPLICA_AXIS)))
+            self._compiled[key] = jax.jit(
+                jax.shard_map(
+                    step_fn,
+                    mesh=self.mesh,
+                    in_specs=(P(), P(), P(REPLICA_AXIS)),
+                    out_specs=P(REPLICA_AXIS),
+                )
+            )
         return self._compiled[key]
 
-    def predict(self, input_fn: Callable[[dict], Iterable], predict_keys: list[str] | None = None,
-                hooks: Any = None, checkpoint_path: str | None = None,
-                yield_single_examples: bool = True) -> Iterator[Any]:
+    def predict(
+        self,
+        input_fn: Callable[[dict], Iterable],
+        predict_keys: list[str] | None = None,
+        hooks: Any = None,
+        checkpoint_path: str | None = None,
+        yield_single_examples: bool = True,
+    ) -> Iterator[Any]:
         """Yields predictions for every example of ``input_fn`` (padding rows removed).
 
         Streams: results are yielded while the input is still being read, with a bounded number
@@ -632,13 +767,17 @@ class Estimator:
             features, _ = _split_batch(element)
             features, _, n = replication.pad_batch(features, per_host)
             if not sample:
-                sample.append(_leading_rows(features,
-                                            self._per_replica_batch(ModeKeys.PREDICT) or 1))
+                sample.append(
+                    _leading_rows(features, self._per_replica_batch(ModeKeys.PREDICT) or 1)
+                )
             return features, n
 
         feeder = feeding.DevicePrefetcher(
-            iterator, prepare, lambda b: replication.to_device(b, self.mesh, P(REPLICA_AXIS)),
-            size=self.config.device_prefetch)
+            iterator,
+            prepare,
+            lambda b: replication.to_device(b, self.mesh, P(REPLICA_AXIS)),
+            size=self.config.device_prefetch,
+        )
         predict_fn = self._predict_fn()
         variables = step_array = None
         pending: list[tuple[Any, int]] = []  # dispatched, not yet yielded: at most 2
@@ -648,19 +787,21 @@ class Estimator:
             if isinstance(preds, dict) and predict_keys is not None:
                 missing = [k for k in predict_keys if k not in preds]
                 if missing:
-                    raise ValueError(f"predict_keys {missing} are not among the predictions "
-                                     f"{sorted(preds)}.")
+                    raise ValueError(
+                        f"predict_keys {missing} are not among the predictions {sorted(preds)}."
+                    )
                 preds = {k: preds[k] for k in predict_keys}
             if not yield_single_examples:
                 yield preds
                 return
             for i in range(n):
-                yield jax.tree.map(lambda x: x[i], preds)
+                yield jax.tree.map(lambda x, i=i: x[i], preds)
 
         while (fed := feeder.next()) is not None:
             if variables is None:
-                variables, step = self._load_variables(sample[0], None, ModeKeys.PREDICT,
-                                                       checkpoint_path)
+                variables, step = self._load_variables(
+                    sample[0], None, ModeKeys.PREDICT, checkpoint_path
+                )
                 step_array = jnp.asarray(step, jnp.int32)
             pending.append((predict_fn(variables, step_array, fed.value), fed.info))
             fed = None
@@ -672,10 +813,13 @@ class Estimator:
 
     # ------------------------------------------------------------------ export
 
-    def export_saved_model(self, export_dir_base: str,
-                           serving_input_receiver_fn: Callable[[], Any],
-                           checkpoint_path: str | None = None,
-                           platforms: tuple[str, ...] | None = None) -> str:
+    def export_saved_model(
+        self,
+        export_dir_base: str,
+        serving_input_receiver_fn: Callable[[], Any],
+        checkpoint_path: str | None = None,
+        platforms: tuple[str, ...] | None = None,
+    ) -> str:
         """Exports the model for serving; returns the export directory.
 
         Writes ``export_dir_base/<timestamp>/``: the PREDICT-mode computation as a serialized
@@ -691,16 +835,19 @@ class Estimator:
         """
         input_specs = serving_input_receiver_fn()
         export_lib.check_input_specs(input_specs)
-        variables, step = self._load_variables(export_lib.example_batch(input_specs), None,
-                                               ModeKeys.PREDICT, checkpoint_path)
+        variables, step = self._load_variables(
+            export_lib.example_batch(input_specs), None, ModeKeys.PREDICT, checkpoint_path
+        )
         module = self._module(ModeKeys.PREDICT)
 
         def serve(variables: Any, features: Any) -> Any:
-            return steps_lib.serving_outputs(module, variables, jnp.asarray(step, jnp.int32),
-                                             features)
+            return steps_lib.serving_outputs(
+                module, variables, jnp.asarray(step, jnp.int32), features
+            )
 
-        return export_lib.export_saved_model(export_dir_base, serve, variables, input_specs,
-                                             step, platforms)
+        return export_lib.export_saved_model(
+            export_dir_base, serve, variables, input_specs, step, platforms
+        )
 
     # ------------------------------------------------------------------ summaries
 
@@ -722,25 +869,35 @@ def _sum_over_hosts(value: int) -> int:
     if jax.process_count() == 1:
         return value
     from jax.experimental import multihost_utils
+
     return int(np.sum(multihost_utils.process_allgather(np.int64(value))))
 
 
 class _StepLogger:
     """Writes training scalars and the original's log lines at their true step numbers."""
 
-    def __init__(self, config: RunConfig, global_batch: int, clock: Callable[[], float],
-                 start: int, target: int, summaries: summaries_lib.Summaries | None):
+    def __init__(
+        self,
+        config: RunConfig,
+        global_batch: int,
+        clock: Callable[[], float],
+        start: int,
+        target: int,
+        summaries: summaries_lib.Summaries | None,
+    ):
         self._config = config
         self._global_batch = global_batch
         self._summaries = summaries
         # Speed is measured over whole loops: the host sees steps finish once per loop.
-        self._speed = periodic.PeriodicAction(every_steps=config.log_step_count_steps,
-                                              clock=clock, start_step=start)
+        self._speed = periodic.PeriodicAction(
+            every_steps=config.log_step_count_steps, clock=clock, start_step=start
+        )
         self._first = start + 1
         self.last_loss: float | None = None
         self._bar = None
         if sys.stderr.isatty():
             from tqdm import tqdm
+
             self._bar = tqdm(total=target, initial=start, unit="step", dynamic_ncols=True)
 
     def record(self, begin: int, metrics: Mapping[str, np.ndarray]) -> None:
@@ -748,12 +905,14 @@ class _StepLogger:
         losses = np.asarray(metrics["loss"]).reshape(-1)
         end = begin + losses.shape[0]
         if self._summaries is not None:
-            for step in periodic.steps_due(begin, end, self._config.save_summary_steps,
-                                           self._first):
-                self._summaries.scalars(step, {k: np.asarray(v).reshape(-1)[step - begin - 1]
-                                               for k, v in metrics.items()})
-        for step in periodic.steps_due(begin, end, self._config.log_step_count_steps,
-                                       self._first):
+            for step in periodic.steps_due(
+                begin, end, self._config.save_summary_steps, self._first
+            ):
+                self._summaries.scalars(
+                    step,
+                    {k: np.asarray(v).reshape(-1)[step - begin - 1] for k, v in metrics.items()},
+                )
+        for step in periodic.steps_due(begin, end, self._config.log_step_count_steps, self._first):
             summaries_lib.log_step(step, losses[step - begin - 1])
         self.last_loss = float(losses[-1])
         if self._bar is not None:
@@ -765,9 +924,13 @@ class _StepLogger:
                 steps_per_sec = (end - self._speed.last_step) / elapsed
                 summaries_lib.log_speed(steps_per_sec, steps_per_sec * self._global_batch)
                 if self._summaries is not None:
-                    self._summaries.scalars(end, {
-                        "global_step/sec": steps_per_sec,
-                        "examples/sec": steps_per_sec * self._global_batch})
+                    self._summaries.scalars(
+                        end,
+                        {
+                            "global_step/sec": steps_per_sec,
+                            "examples/sec": steps_per_sec * self._global_batch,
+                        },
+                    )
             self._speed.fired(end)
 
     def close(self) -> None:

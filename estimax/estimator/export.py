@@ -15,7 +15,8 @@ import dataclasses
 import json
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -48,31 +49,42 @@ def _is_spec(x: Any) -> bool:
 
 
 def _describe(tree: Any) -> Any:
-    return jax.tree.map(lambda s: {"shape": list(s.shape), "dtype": str(np.dtype(s.dtype))}, tree,
-                        is_leaf=lambda x: isinstance(x, (TensorSpec, jax.ShapeDtypeStruct)))
+    return jax.tree.map(
+        lambda s: {"shape": list(s.shape), "dtype": str(np.dtype(s.dtype))},
+        tree,
+        is_leaf=lambda x: isinstance(x, (TensorSpec, jax.ShapeDtypeStruct)),
+    )
 
 
 def check_input_specs(spec_tree: Any) -> None:
     """Raises unless ``spec_tree`` is a TensorSpec pytree with only the batch dimension None."""
     leaves = jax.tree.leaves(spec_tree, is_leaf=_is_spec)
     if not leaves or not all(_is_spec(s) for s in leaves):
-        raise TypeError("serving_input_receiver_fn must return a TensorSpec or a dict of them, "
-                        f"got {spec_tree!r}.")
+        raise TypeError(
+            "serving_input_receiver_fn must return a TensorSpec or a dict of them, "
+            f"got {spec_tree!r}."
+        )
     for s in leaves:
         if not s.shape or s.shape[0] is not None or any(d is None for d in s.shape[1:]):
-            raise ValueError(f"Serving input {s} must have shape (None, d1, d2, ...): only the "
-                             "batch dimension may be None.")
+            raise ValueError(
+                f"Serving input {s} must have shape (None, d1, d2, ...): only the "
+                "batch dimension may be None."
+            )
 
 
 def example_batch(spec_tree: Any) -> Any:
     """A batch of one zero example per input of ``spec_tree`` (``[1, d1, ...]`` arrays)."""
-    return jax.tree.map(lambda s: np.zeros((1, *s.shape[1:]), s.dtype), spec_tree,
-                        is_leaf=_is_spec)
+    return jax.tree.map(lambda s: np.zeros((1, *s.shape[1:]), s.dtype), spec_tree, is_leaf=_is_spec)
 
 
-def export_saved_model(export_dir_base: str, apply_fn: Callable[[Any, Any], Any],
-                       variables: Any, input_specs: Any, global_step: int,
-                       platforms: tuple[str, ...] | None = None) -> str:
+def export_saved_model(
+    export_dir_base: str,
+    apply_fn: Callable[[Any, Any], Any],
+    variables: Any,
+    input_specs: Any,
+    global_step: int,
+    platforms: tuple[str, ...] | None = None,
+) -> str:
     """Writes ``export_dir_base/<timestamp>/`` and returns its path (see module docstring).
 
     Args:
@@ -89,16 +101,19 @@ def export_saved_model(export_dir_base: str, apply_fn: Callable[[Any, Any], Any]
     step = int(global_step)
     variables = jax.device_get(variables)
     (batch,) = jax.export.symbolic_shape("batch")
-    feature_specs = jax.tree.map(lambda s: jax.ShapeDtypeStruct((batch, *s.shape[1:]), s.dtype),
-                                 spec_tree, is_leaf=_is_spec)
-    variable_specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
-                                  variables)
+    feature_specs = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct((batch, *s.shape[1:]), s.dtype), spec_tree, is_leaf=_is_spec
+    )
+    variable_specs = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), variables
+    )
     platforms = tuple(platforms or DEFAULT_PLATFORMS)
     # Traced without estimax's oneDNN kernels: the artifact must run where that library is
     # not built (its CPU lowering then uses XLA's own convolutions).
     with native_kernels(False):
-        exported = jax.export.export(jax.jit(apply_fn), platforms=platforms)(variable_specs,
-                                                                         feature_specs)
+        exported = jax.export.export(jax.jit(apply_fn), platforms=platforms)(
+            variable_specs, feature_specs
+        )
     timestamp = int(time.time())
     while storage.exists(storage.join(export_dir_base, str(timestamp))):
         timestamp += 1
@@ -113,9 +128,16 @@ def export_saved_model(export_dir_base: str, apply_fn: Callable[[Any, Any], Any]
         "global_step": int(step),
         "platforms": list(platforms),
         "inputs": _describe(spec_tree),
-        "outputs": jax.tree.unflatten(exported.out_tree, [
-            {"shape": [d if isinstance(d, int) else None for d in a.shape],
-             "dtype": str(np.dtype(a.dtype))} for a in exported.out_avals]),
+        "outputs": jax.tree.unflatten(
+            exported.out_tree,
+            [
+                {
+                    "shape": [d if isinstance(d, int) else None for d in a.shape],
+                    "dtype": str(np.dtype(a.dtype)),
+                }
+                for a in exported.out_avals
+            ],
+        ),
     }
     with open(os.path.join(staging, SIGNATURE_FILE), "w") as f:
         json.dump(signature, f, indent=2)

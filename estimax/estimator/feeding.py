@@ -18,7 +18,8 @@ import dataclasses
 import queue
 import threading
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 
@@ -53,9 +54,15 @@ class DevicePrefetcher:
       timer: seconds, for the time spent waiting for the input.
     """
 
-    def __init__(self, iterator: Iterator, prepare: Callable[[Any], tuple[Any, Any]],
-                 put: Callable[[Any], Any], size: int = 2, limit: int | None = None,
-                 timer: Callable[[], float] = time.perf_counter):
+    def __init__(
+        self,
+        iterator: Iterator,
+        prepare: Callable[[Any], tuple[Any, Any]],
+        put: Callable[[Any], Any],
+        size: int = 2,
+        limit: int | None = None,
+        timer: Callable[[], float] = time.perf_counter,
+    ):
         if size < 1:
             raise ValueError(f"prefetch size must be >= 1, got {size}.")
         self._iterator = iterator
@@ -72,8 +79,11 @@ class DevicePrefetcher:
 
     def fill(self) -> None:
         """Reads and transfers batches until ``size`` are waiting (or the input/limit ends)."""
-        while (len(self._queue) < self._size and not self._ended
-               and (self._limit is None or self.num_read < self._limit)):
+        while (
+            len(self._queue) < self._size
+            and not self._ended
+            and (self._limit is None or self.num_read < self._limit)
+        ):
             start = self._timer()
             try:
                 element = next(self._iterator)
@@ -113,8 +123,9 @@ class DeviceTimeline:
         self._dispatch: list[tuple[float, float]] = []  # (dispatch time, input wait so far)
         self._prev: tuple[float, float, float] | None = None  # (dispatch, wait, done) before
         self._loop_start = timer()
-        self._thread = threading.Thread(target=self._wait_loop, daemon=True,
-                                        name="estimax-device-timeline")
+        self._thread = threading.Thread(
+            target=self._wait_loop, daemon=True, name="estimax-device-timeline"
+        )
         self._thread.start()
 
     def _wait_loop(self) -> None:
@@ -147,7 +158,7 @@ class DeviceTimeline:
             self._done.clear()
         idle = 0.0
         prev = self._prev
-        for (dispatch, wait), finished in zip(self._dispatch, done):
+        for (dispatch, wait), finished in zip(self._dispatch, done, strict=False):
             if prev is not None:
                 prev_dispatch, prev_wait, prev_done = prev
                 idle += max(0.0, min(wait - prev_wait, dispatch - prev_done))

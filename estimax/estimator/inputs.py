@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -10,14 +11,24 @@ import numpy as np
 class NumpyIterator:
     """Batches of in-memory arrays with a seeded shuffle per epoch and a savable position."""
 
-    def __init__(self, x: Any, y: Any, batch_size: int, shuffle: bool, num_epochs: int | None,
-                 seed: int, host_index: int, num_hosts: int):
+    def __init__(
+        self,
+        x: Any,
+        y: Any,
+        batch_size: int,
+        shuffle: bool,
+        num_epochs: int | None,
+        seed: int,
+        host_index: int,
+        num_hosts: int,
+    ):
         leaves = [v for v in (x.values() if isinstance(x, dict) else [x])]
         n = len(leaves[0])
         for v in leaves + ([y] if y is not None else []):
             if len(v) != n:
-                raise ValueError(f"numpy_input_fn: arrays have different lengths "
-                                 f"({len(v)} vs {n}).")
+                raise ValueError(
+                    f"numpy_input_fn: arrays have different lengths ({len(v)} vs {n})."
+                )
         # Host h reads examples h, h + H, h + 2H, ...: every example on exactly one host.
         self._indices = np.arange(host_index, n, num_hosts)
         self._x, self._y = x, y
@@ -45,7 +56,7 @@ class NumpyIterator:
         self._position = int(state["position"])
         self._order = self._epoch_order(self._epoch)
 
-    def __iter__(self) -> "NumpyIterator":
+    def __iter__(self) -> NumpyIterator:
         return self
 
     def __next__(self) -> tuple[Any, Any]:
@@ -60,22 +71,26 @@ class NumpyIterator:
                 self._order = self._epoch_order(self._epoch)
                 if not len(self._order):
                     break
-            take = self._order[self._position:self._position + needed]
+            take = self._order[self._position : self._position + needed]
             picked.append(take)
             self._position += len(take)
             needed -= len(take)
         if not picked:
             raise StopIteration
         idx = np.concatenate(picked)
-        x = ({k: np.asarray(v)[idx] for k, v in self._x.items()} if isinstance(self._x, dict)
-             else np.asarray(self._x)[idx])
+        x = (
+            {k: np.asarray(v)[idx] for k, v in self._x.items()}
+            if isinstance(self._x, dict)
+            else np.asarray(self._x)[idx]
+        )
         if self._y is None:
             return x, None
         return x, np.asarray(self._y)[idx]
 
 
-def numpy_input_fn(x: Any, y: Any = None, shuffle: bool = True, num_epochs: int | None = None,
-                   seed: int = 0) -> Callable[[dict], Iterator]:
+def numpy_input_fn(
+    x: Any, y: Any = None, shuffle: bool = True, num_epochs: int | None = None, seed: int = 0
+) -> Callable[[dict], Iterator]:
     """Returns an input_fn feeding in-memory arrays.
 
     Args:
@@ -86,8 +101,18 @@ def numpy_input_fn(x: Any, y: Any = None, shuffle: bool = True, num_epochs: int 
         last batch may be partial (evaluation counts it exactly).
       seed: the shuffle seed.
     """
+
     def input_fn(params: dict) -> NumpyIterator:
         context = params.get("context")
-        return NumpyIterator(x, y, params["batch_size"], shuffle, num_epochs, seed,
-                             getattr(context, "host_index", 0), getattr(context, "num_hosts", 1))
+        return NumpyIterator(
+            x,
+            y,
+            params["batch_size"],
+            shuffle,
+            num_epochs,
+            seed,
+            getattr(context, "host_index", 0),
+            getattr(context, "num_hosts", 1),
+        )
+
     return input_fn

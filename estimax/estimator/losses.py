@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import optax
 
 
-def softmax_cross_entropy(logits: jax.Array, labels: jax.Array, *,
-                          label_smoothing: float = 0.0) -> jax.Array:
+def softmax_cross_entropy(
+    logits: jax.Array, labels: jax.Array, *, label_smoothing: float = 0.0
+) -> jax.Array:
     """Softmax cross-entropy per example (``tf.losses.softmax_cross_entropy`` without the mean).
 
     Args:

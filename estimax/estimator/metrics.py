@@ -23,7 +23,7 @@ class Mean:
     total: jax.Array
     count: jax.Array
 
-    def merge(self, other: "Mean") -> "Mean":
+    def merge(self, other: Mean) -> Mean:
         """Returns the metric over both sets of examples."""
         return Mean(self.total + other.total, self.count + other.count)
 
@@ -54,12 +54,14 @@ def _as_class_ids(labels: jax.Array, predictions: jax.Array) -> jax.Array:
     if predictions.shape != labels.shape:
         raise ValueError(
             f"accuracy: predictions of shape {predictions.shape} match neither labels "
-            f"{labels.shape} (class ids) nor labels + a class axis (logits).")
+            f"{labels.shape} (class ids) nor labels + a class axis (logits)."
+        )
     return predictions
 
 
-def accuracy(labels: jax.Array, predictions: jax.Array,
-             weights: jax.Array | None = None) -> PerExample:
+def accuracy(
+    labels: jax.Array, predictions: jax.Array, weights: jax.Array | None = None
+) -> PerExample:
     """Top-1 accuracy (``tf.metrics.accuracy``).
 
     Args:
@@ -72,8 +74,9 @@ def accuracy(labels: jax.Array, predictions: jax.Array,
     return PerExample((ids == labels).astype(jnp.float32), weights)
 
 
-def top_k_accuracy(labels: jax.Array, logits: jax.Array, k: int = 5,
-                   weights: jax.Array | None = None) -> PerExample:
+def top_k_accuracy(
+    labels: jax.Array, logits: jax.Array, k: int = 5, weights: jax.Array | None = None
+) -> PerExample:
     """Whether the label is among the ``k`` highest logits (``tf.nn.in_top_k`` + mean).
 
     Ties are broken as ``in_top_k`` does: a label counts when fewer than ``k`` classes score
@@ -104,4 +107,5 @@ def as_per_example(metric: Any, name: str) -> PerExample:
     raise TypeError(
         f"eval_metrics[{name!r}] is a {type(metric).__name__}; expected a metric from "
         "estimax.metrics (accuracy, top_k_accuracy, mean). The original's (metric_fn, tensors) "
-        "tuple is replaced by a dict of these.")
+        "tuple is replaced by a dict of these."
+    )

@@ -11,7 +11,7 @@ written at their true steps after a loop).
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 class PeriodicAction:
@@ -24,8 +24,13 @@ class PeriodicAction:
       start_step: the step counted as the last firing (e.g. the step training resumed at).
     """
 
-    def __init__(self, every_steps: int | None = None, every_secs: float | None = None,
-                 clock: Callable[[], float] = time.monotonic, start_step: int = 0):
+    def __init__(
+        self,
+        every_steps: int | None = None,
+        every_secs: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        start_step: int = 0,
+    ):
         if every_steps is not None and every_steps < 1:
             raise ValueError(f"every_steps must be >= 1 or None, got {every_steps}.")
         if every_secs is not None and every_secs < 0:

@@ -6,7 +6,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 # The mesh axis replicas are laid along. Pass it as ``axis_name`` to ``nn.BatchNorm`` (or to any
 # ``lax`` collective) inside a ``model_fn`` for cross-replica batch norm.
@@ -21,7 +22,8 @@ def make_mesh(num_shards: int | None = None) -> Mesh:
     if not 1 <= num_shards <= len(devices):
         raise ValueError(
             f"num_shards={num_shards} but this job sees {len(devices)} device(s) "
-            f"({devices[0].platform}). Use a value from 1 to {len(devices)}, or None for all.")
+            f"({devices[0].platform}). Use a value from 1 to {len(devices)}, or None for all."
+        )
     return Mesh(np.array(devices[:num_shards]), (REPLICA_AXIS,))
 
 
@@ -33,7 +35,9 @@ def per_replica_batch(global_batch: int, num_replicas: int, what: str) -> int:
         raise ValueError(
             f"{what}={global_batch} is not divisible by the number of replicas "
             f"({num_replicas}): each replica must get the same number of examples. "
-            f"Use a multiple of {num_replicas}, e.g. {global_batch - global_batch % num_replicas or num_replicas}.")
+            f"Use a multiple of {num_replicas}, e.g. "
+            f"{global_batch - global_batch % num_replicas or num_replicas}."
+        )
     return global_batch // num_replicas
 
 
@@ -82,10 +86,12 @@ def pad_batch(tree: Any, size: int) -> tuple[Any, np.ndarray, int]:
         if np.shape(leaf)[0] != n:
             raise ValueError(
                 "All arrays of a batch must have the same leading (batch) size; got "
-                f"{[np.shape(l) for l in leaves]}.")
+                f"{[np.shape(leaf) for leaf in leaves]}."
+            )
     if n > size:
-        raise ValueError(f"input_fn yielded a batch of {n} examples, more than the per-host "
-                         f"batch size {size}.")
+        raise ValueError(
+            f"input_fn yielded a batch of {n} examples, more than the per-host batch size {size}."
+        )
     mask = np.zeros([size], np.float32)
     mask[:n] = 1.0
     if n == size:

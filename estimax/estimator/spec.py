@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import optax
 
@@ -127,18 +128,22 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.iterations_per_loop < 1:
             raise ValueError(
-                f"RunConfig.iterations_per_loop must be >= 1, got {self.iterations_per_loop}.")
+                f"RunConfig.iterations_per_loop must be >= 1, got {self.iterations_per_loop}."
+            )
         if self.save_checkpoints_steps is not None and self.save_checkpoints_secs is not None:
-            raise ValueError("RunConfig: set save_checkpoints_steps or save_checkpoints_secs, "
-                             "not both.")
+            raise ValueError(
+                "RunConfig: set save_checkpoints_steps or save_checkpoints_secs, not both."
+            )
         if self.save_checkpoints_steps is None and self.save_checkpoints_secs is None:
             object.__setattr__(self, "save_checkpoints_secs", 600.0)  # frozen: set once here
         for name in ("save_summary_steps", "log_step_count_steps", "device_prefetch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RunConfig.{name} must be >= 1, got {getattr(self, name)}.")
         if self.keep_checkpoint_max is not None and self.keep_checkpoint_max < 1:
-            raise ValueError("RunConfig.keep_checkpoint_max must be >= 1 or None, got "
-                             f"{self.keep_checkpoint_max}.")
+            raise ValueError(
+                "RunConfig.keep_checkpoint_max must be >= 1 or None, got "
+                f"{self.keep_checkpoint_max}."
+            )
 
 
 @dataclasses.dataclass

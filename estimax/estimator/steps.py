@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -37,8 +38,10 @@ def get_global_step() -> jax.Array:
     """
     step = getattr(_tracing, "step", None)
     if step is None:
-        raise RuntimeError("estimax.get_global_step() can only be called inside a model_fn "
-                           "while the Estimator runs it.")
+        raise RuntimeError(
+            "estimax.get_global_step() can only be called inside a model_fn "
+            "while the Estimator runs it."
+        )
     return step
 
 
@@ -85,13 +88,17 @@ class ModelFnModule(nn.Module):
 def check_spec(spec: Any, mode: str) -> None:
     """Raises a ValueError/TypeError naming what a ``model_fn`` left out for ``mode``."""
     if not isinstance(spec, EstimatorSpec):
-        raise TypeError(f"model_fn must return an estimax.EstimatorSpec, got {type(spec).__name__}.")
+        raise TypeError(
+            f"model_fn must return an estimax.EstimatorSpec, got {type(spec).__name__}."
+        )
     if mode == ModeKeys.TRAIN:
         if spec.loss is None:
             raise ValueError("model_fn returned no loss in TRAIN mode.")
         if spec.optimizer is None:
-            raise ValueError("model_fn returned no optimizer in TRAIN mode: set "
-                             "EstimatorSpec(optimizer=optax....); it replaces train_op.")
+            raise ValueError(
+                "model_fn returned no optimizer in TRAIN mode: set "
+                "EstimatorSpec(optimizer=optax....); it replaces train_op."
+            )
     if mode == ModeKeys.EVAL and spec.loss is None and not spec.eval_metrics:
         raise ValueError("model_fn returned neither loss nor eval_metrics in EVAL mode.")
     if mode == ModeKeys.PREDICT and spec.predictions is None:
@@ -136,8 +143,14 @@ def init_variables(model: nn.Module, rng: jax.Array, batch: tuple[Any, Any]) -> 
     """Returns the variables ``model`` creates on ``batch`` = (features, labels)."""
     params_rng, dropout_rng = jax.random.split(rng)
     features, labels = batch
-    return dict(model.init({"params": params_rng, "dropout": dropout_rng}, features, labels,
-                           jnp.zeros((), jnp.int32)))
+    return dict(
+        model.init(
+            {"params": params_rng, "dropout": dropout_rng},
+            features,
+            labels,
+            jnp.zeros((), jnp.int32),
+        )
+    )
 
 
 def init_state(model: nn.Module, rng: jax.Array, batch: tuple[Any, Any]) -> TrainState:
@@ -148,16 +161,28 @@ def init_state(model: nn.Module, rng: jax.Array, batch: tuple[Any, Any]) -> Trai
     params_rng, dropout_rng = jax.random.split(rng)
     features, labels = batch
     spec, variables = model.init_with_output(
-        {"params": params_rng, "dropout": dropout_rng}, features, labels, jnp.zeros((), jnp.int32))
+        {"params": params_rng, "dropout": dropout_rng}, features, labels, jnp.zeros((), jnp.int32)
+    )
     variables = dict(variables)
     params = variables.pop("params", {})
     ema = params if spec.ema_decay else {}
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=variables,
-                      opt_state=spec.optimizer.init(params), ema_params=ema)
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        model_state=variables,
+        opt_state=spec.optimizer.init(params),
+        ema_params=ema,
+    )
 
 
-def train_step(model: nn.Module, state: TrainState, batch: tuple[Any, Any], rng: jax.Array, *,
-               axis_name: str | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
+def train_step(
+    model: nn.Module,
+    state: TrainState,
+    batch: tuple[Any, Any],
+    rng: jax.Array,
+    *,
+    axis_name: str | None = None,
+) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step on ``batch`` = (features, labels).
 
     The dropout key of the step is ``rng`` folded with ``state.step`` (and the replica index
@@ -185,8 +210,9 @@ def train_step(model: nn.Module, state: TrainState, batch: tuple[Any, Any], rng:
 
     def loss_fn(params):
         variables = {"params": params, **state.model_state}
-        spec, new_model_state = model.apply(variables, features, labels, step,
-                                            rngs={"dropout": rng}, mutable=mutable)
+        spec, new_model_state = model.apply(
+            variables, features, labels, step, rngs={"dropout": rng}, mutable=mutable
+        )
         captured["spec"] = spec
         loss, _ = mean_loss(spec.loss)
         if spec.weight_decay:
@@ -198,8 +224,7 @@ def train_step(model: nn.Module, state: TrainState, batch: tuple[Any, Any], rng:
         # Mark the (replicated) params as varying per replica before differentiating, so each
         # replica's gradient is its own; otherwise shard_map's autodiff would already sum them.
         params = lax.pcast(params, axis_name, to="varying")
-    (loss, (new_model_state, scalars)), grads = jax.value_and_grad(
-        loss_fn, has_aux=True)(params)
+    (loss, (new_model_state, scalars)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     spec = captured["spec"]
     mean = (lambda x: x) if axis_name is None else (lambda x: lax.pmean(x, axis_name))
     grads = mean(grads)
@@ -218,13 +243,25 @@ def train_step(model: nn.Module, state: TrainState, batch: tuple[Any, Any], rng:
     metrics = {"loss": mean(loss)}
     for name, value in scalars.items():
         metrics[name] = mean(jnp.asarray(value, jnp.float32))
-    new_state = TrainState(step=step + 1, params=params, model_state=new_model_state,
-                           opt_state=opt_state, ema_params=ema)
+    new_state = TrainState(
+        step=step + 1,
+        params=params,
+        model_state=new_model_state,
+        opt_state=opt_state,
+        ema_params=ema,
+    )
     return new_state, metrics
 
 
-def eval_step(model: nn.Module, variables: Any, step: jax.Array, batch: tuple[Any, Any],
-              mask: jax.Array, *, axis_name: str | None = None) -> dict[str, metrics_lib.Mean]:
+def eval_step(
+    model: nn.Module,
+    variables: Any,
+    step: jax.Array,
+    batch: tuple[Any, Any],
+    mask: jax.Array,
+    *,
+    axis_name: str | None = None,
+) -> dict[str, metrics_lib.Mean]:
     """The eval metrics of one (padded) batch, reduced under ``mask``.
 
     Args:

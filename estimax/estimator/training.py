@@ -13,8 +13,9 @@ if TYPE_CHECKING:
     from estimax.estimator.estimator import Estimator
 
 
-def train_and_evaluate(estimator: "Estimator", train_spec: TrainSpec,
-                       eval_spec: EvalSpec) -> tuple[dict[str, Any] | None, list]:
+def train_and_evaluate(
+    estimator: Estimator, train_spec: TrainSpec, eval_spec: EvalSpec
+) -> tuple[dict[str, Any] | None, list]:
     """Trains to ``train_spec.max_steps``, evaluating along the way and at the end.
 
     With ``eval_spec.every_steps`` it alternates ``train(max_steps=next)`` and ``evaluate`` (the
@@ -45,8 +46,9 @@ def train_and_evaluate(estimator: "Estimator", train_spec: TrainSpec,
             current = estimator.get_global_step()
             results = evaluate()
     else:
-        throttle = periodic.PeriodicAction(every_secs=eval_spec.throttle_secs,
-                                           clock=estimator.clock, start_step=-1)
+        throttle = periodic.PeriodicAction(
+            every_secs=eval_spec.throttle_secs, clock=estimator.clock, start_step=-1
+        )
 
         def after_save(step: int) -> None:  # the checkpoint of `step` is complete on disk
             nonlocal results
@@ -56,8 +58,7 @@ def train_and_evaluate(estimator: "Estimator", train_spec: TrainSpec,
                 throttle.fired(step)
 
         if estimator.get_global_step() < max_steps:
-            estimator.train(train_spec.input_fn, max_steps=max_steps,
-                            saving_listeners=[after_save])
+            estimator.train(train_spec.input_fn, max_steps=max_steps, saving_listeners=[after_save])
     if estimator.get_global_step() not in evaluated_at:
         results = evaluate()
     return results, []

@@ -11,7 +11,8 @@ tests.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 
@@ -66,9 +67,22 @@ def get_model(name: str, **kwargs: Any) -> nn.Module:
 
 
 __all__ = [
-    "MODELS", "get_model", "resnet_v1",
-    "ResNet", "ResidualBlock", "BottleneckBlock",
-    "ResNet18", "ResNet34", "ResNet50", "ResNet101", "ResNet152", "ResNet200",
-    "ResNetTiny", "ResNetTinyBottleneck",
-    "InceptionV3", "InceptionV3Tiny", "InceptionV4", "InceptionV4Tiny",
+    "MODELS",
+    "get_model",
+    "resnet_v1",
+    "ResNet",
+    "ResidualBlock",
+    "BottleneckBlock",
+    "ResNet18",
+    "ResNet34",
+    "ResNet50",
+    "ResNet101",
+    "ResNet152",
+    "ResNet200",
+    "ResNetTiny",
+    "ResNetTinyBottleneck",
+    "InceptionV3",
+    "InceptionV3Tiny",
+    "InceptionV4",
+    "InceptionV4Tiny",
 ]

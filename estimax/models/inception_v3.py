@@ -23,8 +23,14 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from estimax import ops
-from estimax.models.layers import (ConvBNReLU, InceptionBlock, ModuleDef, PoolFn, same_avg_pool,
-                                   scaled_depth)
+from estimax.models.layers import (
+    ConvBNReLU,
+    InceptionBlock,
+    ModuleDef,
+    PoolFn,
+    same_avg_pool,
+    scaled_depth,
+)
 
 # The original's constants (inception_v3.py BATCH_NORM_DECAY / BATCH_NORM_EPSILON).
 BATCH_NORM_DECAY = 0.996
@@ -114,12 +120,19 @@ class InceptionE(InceptionBlock):
         """``x: [B, 8, 8, C] -> [B, 8, 8, 2048]`` (full width)."""
         b0 = self.c(320, (1, 1), "branch_1x1")(x)
         b1 = self.c(384, (1, 1), "branch_3x3_1")(x)
-        b1 = jnp.concatenate([self.c(384, (1, 3), "branch_3x3_2a")(b1),
-                              self.c(384, (3, 1), "branch_3x3_2b")(b1)], axis=-1)
+        b1 = jnp.concatenate(
+            [self.c(384, (1, 3), "branch_3x3_2a")(b1), self.c(384, (3, 1), "branch_3x3_2b")(b1)],
+            axis=-1,
+        )
         b2 = self.c(448, (1, 1), "branch_3x3dbl_1")(x)
         b2 = self.c(384, (3, 3), "branch_3x3dbl_2")(b2)
-        b2 = jnp.concatenate([self.c(384, (1, 3), "branch_3x3dbl_3a")(b2),
-                              self.c(384, (3, 1), "branch_3x3dbl_3b")(b2)], axis=-1)
+        b2 = jnp.concatenate(
+            [
+                self.c(384, (1, 3), "branch_3x3dbl_3a")(b2),
+                self.c(384, (3, 1), "branch_3x3dbl_3b")(b2),
+            ],
+            axis=-1,
+        )
         b3 = self.c(192, (1, 1), "branch_pool")(same_avg_pool(x, 3))
         return jnp.concatenate([b0, b1, b2, b3], axis=-1)
 
@@ -137,13 +150,21 @@ class InceptionAux(InceptionBlock):
         x = self.c(128, (1, 1), "conv0")(x)
         # slim's _reduced_kernel_size_for_small_input: at most 5x5, at most the map (5x5 at 299).
         kernel = (min(x.shape[1], 5), min(x.shape[2], 5))
-        x = ConvBNReLU(scaled_depth(768, self.depth_multiplier, self.min_depth), kernel,
-                       conv=functools.partial(self.conv,
-                                              kernel_init=nn.initializers.truncated_normal(0.01)),
-                       norm=self.norm, padding="VALID", name="conv1")(x)
+        x = ConvBNReLU(
+            scaled_depth(768, self.depth_multiplier, self.min_depth),
+            kernel,
+            conv=functools.partial(self.conv, kernel_init=nn.initializers.truncated_normal(0.01)),
+            norm=self.norm,
+            padding="VALID",
+            name="conv1",
+        )(x)
         x = jnp.mean(x, axis=(1, 2))  # [B, 1, 1, 768] at 299; flattens like slim's squeeze
-        return nn.Dense(self.num_classes, dtype=self.dtype,
-                        kernel_init=nn.initializers.truncated_normal(0.001), name="fc")(x)
+        return nn.Dense(
+            self.num_classes,
+            dtype=self.dtype,
+            kernel_init=nn.initializers.truncated_normal(0.001),
+            name="fc",
+        )(x)
 
 
 class InceptionV3(nn.Module):
@@ -192,50 +213,71 @@ class InceptionV3(nn.Module):
           else ``logits``.
         """
         if x.shape[1] < MIN_IMAGE_SIZE or x.shape[2] < MIN_IMAGE_SIZE:
-            raise ValueError(f"InceptionV3 needs images of at least {MIN_IMAGE_SIZE}x"
-                             f"{MIN_IMAGE_SIZE} (the aux head pools Mixed_6e 5x5/3), got "
-                             f"{x.shape[1]}x{x.shape[2]}; the original uses 299x299")
-        conv = functools.partial(self.conv, use_bias=False, dtype=self.dtype,
-                                 kernel_init=conv_kernel_init)
-        norm = functools.partial(self.norm, use_running_average=not train,
-                                 momentum=self.bn_momentum, epsilon=self.bn_epsilon,
-                                 dtype=self.dtype, use_scale=self.bn_scale)
-        kw = dict(conv=conv, norm=norm, max_pool=self.max_pool,
-                  depth_multiplier=self.depth_multiplier, min_depth=self.min_depth)
+            raise ValueError(
+                f"InceptionV3 needs images of at least {MIN_IMAGE_SIZE}x"
+                f"{MIN_IMAGE_SIZE} (the aux head pools Mixed_6e 5x5/3), got "
+                f"{x.shape[1]}x{x.shape[2]}; the original uses 299x299"
+            )
+        conv = functools.partial(
+            self.conv, use_bias=False, dtype=self.dtype, kernel_init=conv_kernel_init
+        )
+        norm = functools.partial(
+            self.norm,
+            use_running_average=not train,
+            momentum=self.bn_momentum,
+            epsilon=self.bn_epsilon,
+            dtype=self.dtype,
+            use_scale=self.bn_scale,
+        )
+        kw = dict(
+            conv=conv,
+            norm=norm,
+            max_pool=self.max_pool,
+            depth_multiplier=self.depth_multiplier,
+            min_depth=self.min_depth,
+        )
 
         def c(features, kernel, name, strides=1, padding="VALID"):
             # The stem's default padding is VALID in slim (inception_v3_base arg_scope).
-            return ConvBNReLU(scaled_depth(features, self.depth_multiplier, self.min_depth),
-                              kernel, conv=conv, norm=norm, strides=(strides, strides),
-                              padding=padding, name=name)
+            return ConvBNReLU(
+                scaled_depth(features, self.depth_multiplier, self.min_depth),
+                kernel,
+                conv=conv,
+                norm=norm,
+                strides=(strides, strides),
+                padding=padding,
+                name=name,
+            )
 
-        x = c(32, (3, 3), "Conv2d_1a_3x3", strides=2)(x)        # 149 x 149 x 32
-        x = c(32, (3, 3), "Conv2d_2a_3x3")(x)                   # 147 x 147 x 32
-        x = c(64, (3, 3), "Conv2d_2b_3x3", padding="SAME")(x)   # 147 x 147 x 64
+        x = c(32, (3, 3), "Conv2d_1a_3x3", strides=2)(x)  # 149 x 149 x 32
+        x = c(32, (3, 3), "Conv2d_2a_3x3")(x)  # 147 x 147 x 32
+        x = c(64, (3, 3), "Conv2d_2b_3x3", padding="SAME")(x)  # 147 x 147 x 64
         x = self.max_pool(x, (3, 3), strides=(2, 2), padding="VALID")  # 73 x 73 x 64
-        x = c(80, (1, 1), "Conv2d_3b_1x1")(x)                   # 73 x 73 x 80
-        x = c(192, (3, 3), "Conv2d_4a_3x3")(x)                  # 71 x 71 x 192
+        x = c(80, (1, 1), "Conv2d_3b_1x1")(x)  # 73 x 73 x 80
+        x = c(192, (3, 3), "Conv2d_4a_3x3")(x)  # 71 x 71 x 192
         x = self.max_pool(x, (3, 3), strides=(2, 2), padding="VALID")  # 35 x 35 x 192
-        x = InceptionA(**kw, pool_features=32, name="Mixed_5b")(x)     # 35 x 35 x 256
-        x = InceptionA(**kw, pool_features=64, name="Mixed_5c")(x)     # 35 x 35 x 288
-        x = InceptionA(**kw, pool_features=64, name="Mixed_5d")(x)     # 35 x 35 x 288
-        x = InceptionB(**kw, name="Mixed_6a")(x)                       # 17 x 17 x 768
+        x = InceptionA(**kw, pool_features=32, name="Mixed_5b")(x)  # 35 x 35 x 256
+        x = InceptionA(**kw, pool_features=64, name="Mixed_5c")(x)  # 35 x 35 x 288
+        x = InceptionA(**kw, pool_features=64, name="Mixed_5d")(x)  # 35 x 35 x 288
+        x = InceptionB(**kw, name="Mixed_6a")(x)  # 17 x 17 x 768
         x = InceptionC(**kw, channels_7x7=128, name="Mixed_6b")(x)
         x = InceptionC(**kw, channels_7x7=160, name="Mixed_6c")(x)
         x = InceptionC(**kw, channels_7x7=160, name="Mixed_6d")(x)
-        x = InceptionC(**kw, channels_7x7=192, name="Mixed_6e")(x)     # 17 x 17 x 768
+        x = InceptionC(**kw, channels_7x7=192, name="Mixed_6e")(x)  # 17 x 17 x 768
         aux = None
         if self.aux_logits:
-            aux = InceptionAux(**kw, num_classes=self.num_classes, dtype=self.dtype,
-                               name="AuxLogits")(x)
-        x = InceptionD(**kw, name="Mixed_7a")(x)                       # 8 x 8 x 1280
-        x = InceptionE(**kw, name="Mixed_7b")(x)                       # 8 x 8 x 2048
-        x = InceptionE(**kw, name="Mixed_7c")(x)                       # 8 x 8 x 2048
+            aux = InceptionAux(
+                **kw, num_classes=self.num_classes, dtype=self.dtype, name="AuxLogits"
+            )(x)
+        x = InceptionD(**kw, name="Mixed_7a")(x)  # 8 x 8 x 1280
+        x = InceptionE(**kw, name="Mixed_7b")(x)  # 8 x 8 x 2048
+        x = InceptionE(**kw, name="Mixed_7c")(x)  # 8 x 8 x 2048
         x = jnp.mean(x, axis=(1, 2))
         x = nn.Dropout(self.dropout_rate, deterministic=not train, name="Dropout_1b")(x)
         # slim's Conv2d_1c_1x1 on the 1x1 map: a dense layer with the conv initializer.
-        logits = nn.Dense(self.num_classes, dtype=self.dtype, kernel_init=conv_kernel_init,
-                          name="Logits")(x).astype(jnp.float32)
+        logits = nn.Dense(
+            self.num_classes, dtype=self.dtype, kernel_init=conv_kernel_init, name="Logits"
+        )(x).astype(jnp.float32)
         if self.aux_logits:
             return logits, aux.astype(jnp.float32)
         return logits

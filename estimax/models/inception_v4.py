@@ -37,14 +37,17 @@ class Stem(InceptionBlock):
     @nn.compact
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
         """``x: [B, 299, 299, 3] -> [B, 35, 35, 384]`` (full width)."""
-        x = self.c(32, (3, 3), "Conv2d_1a_3x3", strides=2, padding="VALID")(x)   # 149
-        x = self.c(32, (3, 3), "Conv2d_2a_3x3", padding="VALID")(x)              # 147
-        x = self.c(64, (3, 3), "Conv2d_2b_3x3")(x)                               # 147 x 64
+        x = self.c(32, (3, 3), "Conv2d_1a_3x3", strides=2, padding="VALID")(x)  # 149
+        x = self.c(32, (3, 3), "Conv2d_2a_3x3", padding="VALID")(x)  # 147
+        x = self.c(64, (3, 3), "Conv2d_2b_3x3")(x)  # 147 x 64
         # Mixed_3a                                                                 73 x 160
-        x = jnp.concatenate([
-            self.max_pool(x, (3, 3), strides=(2, 2), padding="VALID"),
-            self.c(96, (3, 3), "Mixed_3a_branch_3x3", strides=2, padding="VALID")(x),
-        ], axis=-1)
+        x = jnp.concatenate(
+            [
+                self.max_pool(x, (3, 3), strides=(2, 2), padding="VALID"),
+                self.c(96, (3, 3), "Mixed_3a_branch_3x3", strides=2, padding="VALID")(x),
+            ],
+            axis=-1,
+        )
         # Mixed_4a                                                                 71 x 192
         b0 = self.c(64, (1, 1), "Mixed_4a_branch_3x3_1")(x)
         b0 = self.c(96, (3, 3), "Mixed_4a_branch_3x3_2", padding="VALID")(b0)
@@ -54,10 +57,13 @@ class Stem(InceptionBlock):
         b1 = self.c(96, (3, 3), "Mixed_4a_branch_7x7_4", padding="VALID")(b1)
         x = jnp.concatenate([b0, b1], axis=-1)
         # Mixed_5a                                                                 35 x 384
-        return jnp.concatenate([
-            self.c(192, (3, 3), "Mixed_5a_branch_3x3", strides=2, padding="VALID")(x),
-            self.max_pool(x, (3, 3), strides=(2, 2), padding="VALID"),
-        ], axis=-1)
+        return jnp.concatenate(
+            [
+                self.c(192, (3, 3), "Mixed_5a_branch_3x3", strides=2, padding="VALID")(x),
+                self.max_pool(x, (3, 3), strides=(2, 2), padding="VALID"),
+            ],
+            axis=-1,
+        )
 
 
 class InceptionA(InceptionBlock):
@@ -133,13 +139,20 @@ class InceptionC(InceptionBlock):
         """``x: [B, 8, 8, C] -> [B, 8, 8, 1536]`` (full width)."""
         b0 = self.c(256, (1, 1), "branch_1x1")(x)
         b1 = self.c(384, (1, 1), "branch_3x3_1")(x)
-        b1 = jnp.concatenate([self.c(256, (1, 3), "branch_3x3_2a")(b1),
-                              self.c(256, (3, 1), "branch_3x3_2b")(b1)], axis=-1)
+        b1 = jnp.concatenate(
+            [self.c(256, (1, 3), "branch_3x3_2a")(b1), self.c(256, (3, 1), "branch_3x3_2b")(b1)],
+            axis=-1,
+        )
         b2 = self.c(384, (1, 1), "branch_3x3dbl_1")(x)
         b2 = self.c(448, (3, 1), "branch_3x3dbl_2")(b2)
         b2 = self.c(512, (1, 3), "branch_3x3dbl_3")(b2)
-        b2 = jnp.concatenate([self.c(256, (1, 3), "branch_3x3dbl_4a")(b2),
-                              self.c(256, (3, 1), "branch_3x3dbl_4b")(b2)], axis=-1)
+        b2 = jnp.concatenate(
+            [
+                self.c(256, (1, 3), "branch_3x3dbl_4a")(b2),
+                self.c(256, (3, 1), "branch_3x3dbl_4b")(b2),
+            ],
+            axis=-1,
+        )
         b3 = self.c(256, (1, 1), "branch_pool")(same_avg_pool(x, 3))
         return jnp.concatenate([b0, b1, b2, b3], axis=-1)
 
@@ -158,8 +171,9 @@ class InceptionV4Aux(InceptionBlock):
         # The original's kernel is the map's own shape (5x5 at 299), so the output is 1x1.
         x = self.c(768, (x.shape[1], x.shape[2]), "Conv2d_2a", padding="VALID")(x)
         x = x.reshape((x.shape[0], -1))
-        return nn.Dense(self.num_classes, dtype=self.dtype, kernel_init=fc_kernel_init,
-                        name="Aux_logits")(x)
+        return nn.Dense(
+            self.num_classes, dtype=self.dtype, kernel_init=fc_kernel_init, name="Aux_logits"
+        )(x)
 
 
 class InceptionV4(nn.Module):
@@ -209,34 +223,49 @@ class InceptionV4(nn.Module):
           else ``logits``.
         """
         if x.shape[1] < MIN_IMAGE_SIZE or x.shape[2] < MIN_IMAGE_SIZE:
-            raise ValueError(f"InceptionV4 needs images of at least {MIN_IMAGE_SIZE}x"
-                             f"{MIN_IMAGE_SIZE} (the aux head pools Mixed_6h 5x5/3), got "
-                             f"{x.shape[1]}x{x.shape[2]}; the original uses 299x299")
-        conv = functools.partial(self.conv, use_bias=False, dtype=self.dtype,
-                                 kernel_init=conv_kernel_init)
-        norm = functools.partial(self.norm, use_running_average=not train,
-                                 momentum=self.bn_momentum, epsilon=self.bn_epsilon,
-                                 dtype=self.dtype, use_scale=self.bn_scale)
-        kw = dict(conv=conv, norm=norm, max_pool=self.max_pool,
-                  depth_multiplier=self.depth_multiplier, min_depth=self.min_depth)
-        x = Stem(**kw, name="stem")(x)                                  # 35 x 35 x 384
+            raise ValueError(
+                f"InceptionV4 needs images of at least {MIN_IMAGE_SIZE}x"
+                f"{MIN_IMAGE_SIZE} (the aux head pools Mixed_6h 5x5/3), got "
+                f"{x.shape[1]}x{x.shape[2]}; the original uses 299x299"
+            )
+        conv = functools.partial(
+            self.conv, use_bias=False, dtype=self.dtype, kernel_init=conv_kernel_init
+        )
+        norm = functools.partial(
+            self.norm,
+            use_running_average=not train,
+            momentum=self.bn_momentum,
+            epsilon=self.bn_epsilon,
+            dtype=self.dtype,
+            use_scale=self.bn_scale,
+        )
+        kw = dict(
+            conv=conv,
+            norm=norm,
+            max_pool=self.max_pool,
+            depth_multiplier=self.depth_multiplier,
+            min_depth=self.min_depth,
+        )
+        x = Stem(**kw, name="stem")(x)  # 35 x 35 x 384
         num_a, num_b, num_c = self.block_repeats
         for i in range(num_a):
-            x = InceptionA(**kw, name=f"Mixed_5{'bcde'[i]}")(x)         # 35 x 35 x 384
-        x = ReductionA(**kw, name="Mixed_6a")(x)                        # 17 x 17 x 1024
+            x = InceptionA(**kw, name=f"Mixed_5{'bcde'[i]}")(x)  # 35 x 35 x 384
+        x = ReductionA(**kw, name="Mixed_6a")(x)  # 17 x 17 x 1024
         for i in range(num_b):
-            x = InceptionB(**kw, name=f"Mixed_6{'bcdefgh'[i]}")(x)      # 17 x 17 x 1024
+            x = InceptionB(**kw, name=f"Mixed_6{'bcdefgh'[i]}")(x)  # 17 x 17 x 1024
         aux = None
         if self.aux_logits:
-            aux = InceptionV4Aux(**kw, num_classes=self.num_classes, dtype=self.dtype,
-                                 name="AuxLogits")(x)
-        x = ReductionB(**kw, name="Mixed_7a")(x)                        # 8 x 8 x 1536
+            aux = InceptionV4Aux(
+                **kw, num_classes=self.num_classes, dtype=self.dtype, name="AuxLogits"
+            )(x)
+        x = ReductionB(**kw, name="Mixed_7a")(x)  # 8 x 8 x 1536
         for i in range(num_c):
-            x = InceptionC(**kw, name=f"Mixed_7{'bcd'[i]}")(x)          # 8 x 8 x 1536
-        x = jnp.mean(x, axis=(1, 2))                                    # AvgPool_1a over 8x8
+            x = InceptionC(**kw, name=f"Mixed_7{'bcd'[i]}")(x)  # 8 x 8 x 1536
+        x = jnp.mean(x, axis=(1, 2))  # AvgPool_1a over 8x8
         x = nn.Dropout(self.dropout_rate, deterministic=not train, name="Dropout_1b")(x)
-        logits = nn.Dense(self.num_classes, dtype=self.dtype, kernel_init=fc_kernel_init,
-                          name="Logits")(x).astype(jnp.float32)
+        logits = nn.Dense(
+            self.num_classes, dtype=self.dtype, kernel_init=fc_kernel_init, name="Logits"
+        )(x).astype(jnp.float32)
         if self.aux_logits:
             return logits, aux.astype(jnp.float32)
         return logits
@@ -244,5 +273,6 @@ class InceptionV4(nn.Module):
 
 # For tests: one block of each kind, every layer at min_depth channels; same code paths as the
 # full model.
-InceptionV4Tiny = functools.partial(InceptionV4, depth_multiplier=0.05, min_depth=8,
-                                    block_repeats=(1, 1, 1))
+InceptionV4Tiny = functools.partial(
+    InceptionV4, depth_multiplier=0.05, min_depth=8, block_repeats=(1, 1, 1)
+)

@@ -18,7 +18,8 @@ Contracts of the injectables (the blocks only call them like this):
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -86,8 +87,13 @@ class ConvBNReLU(nn.Module):
     @nn.compact
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
         """``x: [B, H, W, Cin] -> [B, H', W', features]``."""
-        x = self.conv(self.features, tuple(self.kernel_size), strides=tuple(self.strides),
-                      padding=self.padding, name="conv")(x)
+        x = self.conv(
+            self.features,
+            tuple(self.kernel_size),
+            strides=tuple(self.strides),
+            padding=self.padding,
+            name="conv",
+        )(x)
         x = self.norm(name="bn")(x)
         return nn.relu(x)
 
@@ -125,9 +131,21 @@ class InceptionBlock(nn.Module):
     depth_multiplier: float = 1.0
     min_depth: int = 16
 
-    def c(self, features: int, kernel: Sequence[int], name: str, strides: int = 1,
-          padding: str = "SAME") -> ConvBNReLU:
+    def c(
+        self,
+        features: int,
+        kernel: Sequence[int],
+        name: str,
+        strides: int = 1,
+        padding: str = "SAME",
+    ) -> ConvBNReLU:
         """A conv-BN-ReLU with ``features`` scaled by ``depth_multiplier``."""
-        return ConvBNReLU(scaled_depth(features, self.depth_multiplier, self.min_depth),
-                          tuple(kernel), conv=self.conv, norm=self.norm,
-                          strides=(strides, strides), padding=padding, name=name)
+        return ConvBNReLU(
+            scaled_depth(features, self.depth_multiplier, self.min_depth),
+            tuple(kernel),
+            conv=self.conv,
+            norm=self.norm,
+            strides=(strides, strides),
+            padding=padding,
+            name=name,
+        )

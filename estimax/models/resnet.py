@@ -19,7 +19,8 @@ What the original does, and so do we (ORIGINAL_SYSTEM.md §3):
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -36,13 +37,19 @@ conv_kernel_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_no
 dense_kernel_init = nn.initializers.normal(stddev=0.01)
 
 
-def _conv_fixed_padding(conv: ModuleDef, x: jnp.ndarray, filters: int, kernel_size: int,
-                        strides: int, name: str) -> jnp.ndarray:
+def _conv_fixed_padding(
+    conv: ModuleDef, x: jnp.ndarray, filters: int, kernel_size: int, strides: int, name: str
+) -> jnp.ndarray:
     """The original's ``conv2d_fixed_padding``: explicit pad + VALID when strided, else SAME."""
     if strides > 1:
         x = fixed_padding(x, kernel_size)
-    return conv(filters, (kernel_size, kernel_size), strides=(strides, strides),
-                padding="VALID" if strides > 1 else "SAME", name=name)(x)
+    return conv(
+        filters,
+        (kernel_size, kernel_size),
+        strides=(strides, strides),
+        padding="VALID" if strides > 1 else "SAME",
+        name=name,
+    )(x)
 
 
 class ResidualBlock(nn.Module):
@@ -67,8 +74,7 @@ class ResidualBlock(nn.Module):
         """``x: [B, H, W, C] -> [B, H/s, W/s, filters]``."""
         shortcut = x
         if self.use_projection:
-            shortcut = _conv_fixed_padding(self.conv, x, self.filters, 1, self.strides,
-                                           "proj_conv")
+            shortcut = _conv_fixed_padding(self.conv, x, self.filters, 1, self.strides, "proj_conv")
             shortcut = self.norm(name="proj_bn")(shortcut)
         y = _conv_fixed_padding(self.conv, x, self.filters, 3, self.strides, "conv1")
         y = nn.relu(self.norm(name="bn1")(y))
@@ -99,8 +105,9 @@ class BottleneckBlock(nn.Module):
         """``x: [B, H, W, C] -> [B, H/s, W/s, 4 * filters]``."""
         shortcut = x
         if self.use_projection:
-            shortcut = _conv_fixed_padding(self.conv, x, 4 * self.filters, 1, self.strides,
-                                           "proj_conv")
+            shortcut = _conv_fixed_padding(
+                self.conv, x, 4 * self.filters, 1, self.strides, "proj_conv"
+            )
             shortcut = self.norm(name="proj_bn")(shortcut)
         y = _conv_fixed_padding(self.conv, x, self.filters, 1, 1, "conv1")
         y = nn.relu(self.norm(name="bn1")(y))
@@ -135,10 +142,14 @@ class BlockGroup(nn.Module):
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
         """``x: [B, H, W, C] -> [B, H/strides, W/strides, C']``."""
         for i in range(self.num_blocks):
-            x = self.block_cls(filters=self.filters, conv=self.conv, norm=self.norm,
-                               strides=self.strides if i == 0 else 1,
-                               use_projection=i == 0 and self.project_first,
-                               name=f"block{i}")(x)
+            x = self.block_cls(
+                filters=self.filters,
+                conv=self.conv,
+                norm=self.norm,
+                strides=self.strides if i == 0 else 1,
+                use_projection=i == 0 and self.project_first,
+                name=f"block{i}",
+            )(x)
         return x
 
 
@@ -186,11 +197,16 @@ class ResNet(nn.Module):
         Returns:
           ``[B, num_classes]`` float32 logits.
         """
-        conv = functools.partial(self.conv, use_bias=False, dtype=self.dtype,
-                                 kernel_init=conv_kernel_init)
-        norm = functools.partial(self.norm, use_running_average=not train,
-                                 momentum=self.bn_momentum, epsilon=self.bn_epsilon,
-                                 dtype=self.dtype)
+        conv = functools.partial(
+            self.conv, use_bias=False, dtype=self.dtype, kernel_init=conv_kernel_init
+        )
+        norm = functools.partial(
+            self.norm,
+            use_running_average=not train,
+            momentum=self.bn_momentum,
+            epsilon=self.bn_epsilon,
+            dtype=self.dtype,
+        )
         x = _conv_fixed_padding(conv, x, self.num_filters, 7, 2, "initial_conv")
         x = nn.relu(norm(name="initial_bn")(x))
         x = self.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
@@ -199,14 +215,21 @@ class ResNet(nn.Module):
             # Group 1 of a basic-block ResNet keeps the stem's width at stride 1, so its shortcut
             # needs no projection; the original adds one anyway (always_project).
             needs_projection = g > 0 or self.block_cls is not ResidualBlock
-            x = BlockGroup(block_cls=self.block_cls, num_blocks=num_blocks, filters=filters,
-                           strides=1 if g == 0 else 2, conv=conv, norm=norm,
-                           project_first=self.always_project or needs_projection,
-                           name=f"block_group{g + 1}")(x)
+            x = BlockGroup(
+                block_cls=self.block_cls,
+                num_blocks=num_blocks,
+                filters=filters,
+                strides=1 if g == 0 else 2,
+                conv=conv,
+                norm=norm,
+                project_first=self.always_project or needs_projection,
+                name=f"block_group{g + 1}",
+            )(x)
         # The original pools over the whole final feature map (7x7 at 224).
         x = jnp.mean(x, axis=(1, 2))
-        x = nn.Dense(self.num_classes, dtype=self.dtype, kernel_init=dense_kernel_init,
-                     name="final_dense")(x)
+        x = nn.Dense(
+            self.num_classes, dtype=self.dtype, kernel_init=dense_kernel_init, name="final_dense"
+        )(x)
         return x.astype(jnp.float32)
 
 
@@ -219,11 +242,17 @@ ResNet152 = functools.partial(ResNet, stage_sizes=(3, 8, 36, 3), block_cls=Bottl
 ResNet200 = functools.partial(ResNet, stage_sizes=(3, 24, 36, 3), block_cls=BottleneckBlock)
 # For tests: two groups of one block each, 8 stem filters; same code paths as the full models.
 ResNetTiny = functools.partial(ResNet, stage_sizes=(1, 1), block_cls=ResidualBlock, num_filters=8)
-ResNetTinyBottleneck = functools.partial(ResNet, stage_sizes=(1, 1), block_cls=BottleneckBlock,
-                                         num_filters=8)
+ResNetTinyBottleneck = functools.partial(
+    ResNet, stage_sizes=(1, 1), block_cls=BottleneckBlock, num_filters=8
+)
 
 RESNET_DEPTHS: dict[int, Callable[..., ResNet]] = {
-    18: ResNet18, 34: ResNet34, 50: ResNet50, 101: ResNet101, 152: ResNet152, 200: ResNet200,
+    18: ResNet18,
+    34: ResNet34,
+    50: ResNet50,
+    101: ResNet101,
+    152: ResNet152,
+    200: ResNet200,
 }
 
 
@@ -239,6 +268,7 @@ def resnet_v1(resnet_depth: int, num_classes: int = 1000, **kwargs: Any) -> ResN
       An (unbound) ``ResNet`` module.
     """
     if resnet_depth not in RESNET_DEPTHS:
-        raise ValueError(f"--resnet_depth={resnet_depth} is not supported; choose one of "
-                         f"{sorted(RESNET_DEPTHS)}")
+        raise ValueError(
+            f"--resnet_depth={resnet_depth} is not supported; choose one of {sorted(RESNET_DEPTHS)}"
+        )
     return RESNET_DEPTHS[resnet_depth](num_classes=num_classes, **kwargs)

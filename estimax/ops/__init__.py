@@ -11,15 +11,21 @@ from typing import Any
 
 import flax.linen as nn
 
-from estimax.ops.cpu_conv import conv_general_dilated
-from estimax.ops.cpu_conv import conv_strategies
-from estimax.ops.cpu_conv import conv_with_strategy
+from estimax.ops.cpu_conv import conv_general_dilated, conv_strategies, conv_with_strategy
 from estimax.ops.cpu_pool import max_pool
-from estimax.ops.cpu_runtime import restore_cpu_allocator
-from estimax.ops.cpu_runtime import tune_cpu_allocator
+from estimax.ops.cpu_runtime import restore_cpu_allocator, tune_cpu_allocator
 
-__all__ = ["FastConv", "conv_general_dilated", "conv_strategies", "conv_with_strategy", "fast_layers", "max_pool",
-           "restore_cpu_allocator", "standard_layers", "tune_cpu_allocator"]
+__all__ = [
+    "FastConv",
+    "conv_general_dilated",
+    "conv_strategies",
+    "conv_with_strategy",
+    "fast_layers",
+    "max_pool",
+    "restore_cpu_allocator",
+    "standard_layers",
+    "tune_cpu_allocator",
+]
 
 # ``nn.Conv`` whose gradients XLA:CPU runs fast; GPU/TPU lower to the standard convolution.
 FastConv = functools.partial(nn.Conv, conv_general_dilated=conv_general_dilated)

@@ -29,98 +29,128 @@ _MAX_WINDOW_ELEMENTS = 16
 
 
 class _PoolSpec(NamedTuple):
-  window: tuple[int, int]
-  strides: tuple[int, int]
-  pads: tuple[tuple[int, int], tuple[int, int]]
+    window: tuple[int, int]
+    strides: tuple[int, int]
+    pads: tuple[tuple[int, int], tuple[int, int]]
 
 
-def max_pool(inputs: Array, window_shape: Sequence[int],
-             strides: Sequence[int] | None = None,
-             padding: str | Sequence[tuple[int, int]] = "VALID") -> Array:
-  """``flax.linen.max_pool`` with a CPU-fast backward pass.
+def max_pool(
+    inputs: Array,
+    window_shape: Sequence[int],
+    strides: Sequence[int] | None = None,
+    padding: str | Sequence[tuple[int, int]] = "VALID",
+) -> Array:
+    """``flax.linen.max_pool`` with a CPU-fast backward pass.
 
-  Same signature and values as ``flax.linen.max_pool``; on the CPU backend the
-  gradient is computed elementwise instead of with ``select_and_scatter_add``. Other
-  backends, and inputs outside the fast path (not ``[B, H, W, C]`` floating point,
-  windows over 16 elements), use ``flax.linen.max_pool`` itself.
+    Same signature and values as ``flax.linen.max_pool``; on the CPU backend the
+    gradient is computed elementwise instead of with ``select_and_scatter_add``. Other
+    backends, and inputs outside the fast path (not ``[B, H, W, C]`` floating point,
+    windows over 16 elements), use ``flax.linen.max_pool`` itself.
 
-  Args:
-    inputs: ``[B, H, W, C]``.
-    window_shape: ``(kh, kw)``.
-    strides: ``(sh, sw)``; default ``(1, 1)`` as in Flax.
-    padding: ``'SAME'``, ``'VALID'`` or ``((top, bottom), (left, right))``; padded
-      positions never win (they are ``-inf``).
+    Args:
+      inputs: ``[B, H, W, C]``.
+      window_shape: ``(kh, kw)``.
+      strides: ``(sh, sw)``; default ``(1, 1)`` as in Flax.
+      padding: ``'SAME'``, ``'VALID'`` or ``((top, bottom), (left, right))``; padded
+        positions never win (they are ``-inf``).
 
-  Returns:
-    ``[B, Ho, Wo, C]``.
-  """
-  window = tuple(int(k) for k in window_shape)
-  strides_t = tuple(int(s) for s in (strides if strides is not None else (1,) * len(window)))
-  if (inputs.ndim != 4 or len(window) != 2 or len(strides_t) != 2
-      or not jnp.issubdtype(inputs.dtype, jnp.floating)
-      or window[0] * window[1] > _MAX_WINDOW_ELEMENTS):
-    import flax.linen as nn  # Local: the fallback is the only use of Flax here.
-    return nn.max_pool(inputs, window_shape, strides=strides, padding=padding)
-  if isinstance(padding, str):
-    pads = lax.padtype_to_pads(inputs.shape[1:3], window, strides_t, padding)
-  else:
-    pads = padding
-  spec = _PoolSpec(window, strides_t, tuple((int(lo), int(hi)) for lo, hi in pads))  # type: ignore[arg-type]
-  return _pool(inputs, spec)
+    Returns:
+      ``[B, Ho, Wo, C]``.
+    """
+    window = tuple(int(k) for k in window_shape)
+    strides_t = tuple(int(s) for s in (strides if strides is not None else (1,) * len(window)))
+    if (
+        inputs.ndim != 4
+        or len(window) != 2
+        or len(strides_t) != 2
+        or not jnp.issubdtype(inputs.dtype, jnp.floating)
+        or window[0] * window[1] > _MAX_WINDOW_ELEMENTS
+    ):
+        import flax.linen as nn  # Local: the fallback is the only use of Flax here.
+
+        return nn.max_pool(inputs, window_shape, strides=strides, padding=padding)
+    if isinstance(padding, str):
+        pads = lax.padtype_to_pads(inputs.shape[1:3], window, strides_t, padding)
+    else:
+        pads = padding
+    spec = _PoolSpec(window, strides_t, tuple((int(lo), int(hi)) for lo, hi in pads))  # type: ignore[arg-type]
+    return _pool(inputs, spec)
 
 
 def _ref_pool(x: Array, spec: _PoolSpec) -> Array:
-  # Same op flax.linen.max_pool builds: reduce_window(max) with -inf padding.
-  return lax.reduce_window(x, -jnp.inf, lax.max, (1, *spec.window, 1),
-                           (1, *spec.strides, 1),
-                           ((0, 0), *spec.pads, (0, 0)))
+    # Same op flax.linen.max_pool builds: reduce_window(max) with -inf padding.
+    return lax.reduce_window(
+        x,
+        -jnp.inf,
+        lax.max,
+        (1, *spec.window, 1),
+        (1, *spec.strides, 1),
+        ((0, 0), *spec.pads, (0, 0)),
+    )
 
 
 def _ref_bwd(spec: _PoolSpec, x: Array, g: Array) -> Array:
-  return jax.vjp(functools.partial(_ref_pool, spec=spec), x)[1](g)[0]
+    return jax.vjp(functools.partial(_ref_pool, spec=spec), x)[1](g)[0]
 
 
 def _cpu_bwd(spec: _PoolSpec, x: Array, g: Array) -> Array:
-  if x.dtype in (jnp.bfloat16, jnp.float16):
-    # XLA:CPU emulates half-precision elementwise math; fp32 is faster, and the
-    # compares and the (<= KH*KW-term) sums are exact or better in fp32.
-    return _cpu_bwd(spec, x.astype(jnp.float32), g.astype(jnp.float32)).astype(x.dtype)
-  (kh, kw), (sh, sw), ((pt, pb), (pl, pr)) = spec.window, spec.strides, spec.pads
-  b, h, w, c = x.shape
-  xp = lax.pad(x, jnp.asarray(-jnp.inf, x.dtype),
-               ((0, 0, 0), (pt, pb, 0), (pl, pr, 0), (0, 0, 0)))
-  hp, wp = h + pt + pb, w + pl + pr
-  _, ho, wo, _ = g.shape
-  views = [lax.slice(xp, (0, i, j, 0), (b, i + (ho - 1) * sh + 1, j + (wo - 1) * sw + 1, c),
-                     (1, sh, sw, 1)) for i in range(kh) for j in range(kw)]
-  y = functools.reduce(jnp.maximum, views)
-  taken = jnp.zeros(g.shape, bool)
-  total = None
-  zero = jnp.zeros((), g.dtype)
-  for idx, v in enumerate(views):
-    i, j = divmod(idx, kw)
-    hit = (v == y) & ~taken
-    taken = taken | hit
-    part = jnp.where(hit, g, zero)
-    placed = lax.pad(part, zero, ((0, 0, 0), (i, hp - (i + (ho - 1) * sh + 1), sh - 1),
-                                  (j, wp - (j + (wo - 1) * sw + 1), sw - 1), (0, 0, 0)))
-    total = placed if total is None else total + placed
-  assert total is not None
-  return lax.pad(total, zero, ((0, 0, 0), (-pt, -pb, 0), (-pl, -pr, 0), (0, 0, 0)))
+    if x.dtype in (jnp.bfloat16, jnp.float16):
+        # XLA:CPU emulates half-precision elementwise math; fp32 is faster, and the
+        # compares and the (<= KH*KW-term) sums are exact or better in fp32.
+        return _cpu_bwd(spec, x.astype(jnp.float32), g.astype(jnp.float32)).astype(x.dtype)
+    (kh, kw), (sh, sw), ((pt, pb), (pl, pr)) = spec.window, spec.strides, spec.pads
+    b, h, w, c = x.shape
+    xp = lax.pad(
+        x, jnp.asarray(-jnp.inf, x.dtype), ((0, 0, 0), (pt, pb, 0), (pl, pr, 0), (0, 0, 0))
+    )
+    hp, wp = h + pt + pb, w + pl + pr
+    _, ho, wo, _ = g.shape
+    views = [
+        lax.slice(
+            xp, (0, i, j, 0), (b, i + (ho - 1) * sh + 1, j + (wo - 1) * sw + 1, c), (1, sh, sw, 1)
+        )
+        for i in range(kh)
+        for j in range(kw)
+    ]
+    y = functools.reduce(jnp.maximum, views)
+    taken = jnp.zeros(g.shape, bool)
+    total = None
+    zero = jnp.zeros((), g.dtype)
+    for idx, v in enumerate(views):
+        i, j = divmod(idx, kw)
+        hit = (v == y) & ~taken
+        taken = taken | hit
+        part = jnp.where(hit, g, zero)
+        placed = lax.pad(
+            part,
+            zero,
+            (
+                (0, 0, 0),
+                (i, hp - (i + (ho - 1) * sh + 1), sh - 1),
+                (j, wp - (j + (wo - 1) * sw + 1), sw - 1),
+                (0, 0, 0),
+            ),
+        )
+        total = placed if total is None else total + placed
+    assert total is not None
+    return lax.pad(total, zero, ((0, 0, 0), (-pt, -pb, 0), (-pl, -pr, 0), (0, 0, 0)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _pool(x: Array, spec: _PoolSpec) -> Array:
-  return _ref_pool(x, spec)
+    return _ref_pool(x, spec)
 
 
 def _pool_fwd(x: Array, spec: _PoolSpec) -> tuple[Array, Array]:
-  return _ref_pool(x, spec), x
+    return _ref_pool(x, spec), x
 
 
 def _pool_bwd(spec: _PoolSpec, x: Array, g: Array) -> tuple[Array]:
-  return (lax.platform_dependent(x, g, cpu=functools.partial(_cpu_bwd, spec),
-                                 default=functools.partial(_ref_bwd, spec)),)
+    return (
+        lax.platform_dependent(
+            x, g, cpu=functools.partial(_cpu_bwd, spec), default=functools.partial(_ref_bwd, spec)
+        ),
+    )
 
 
 _pool.defvjp(_pool_fwd, _pool_bwd)

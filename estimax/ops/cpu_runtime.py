@@ -26,43 +26,44 @@ _DEFAULT_MMAP_THRESHOLD = 1 << 30  # 1 GiB: larger than any activation of the mo
 _DEFAULT_TRIM_THRESHOLD = (1 << 31) - 1  # int max: never trim the heap top.
 
 
-def tune_cpu_allocator(mmap_threshold: int = _DEFAULT_MMAP_THRESHOLD,
-                       trim_threshold: int = _DEFAULT_TRIM_THRESHOLD) -> bool:
-  """Keeps large freed buffers in glibc's heap so XLA:CPU steps reuse mapped pages.
+def tune_cpu_allocator(
+    mmap_threshold: int = _DEFAULT_MMAP_THRESHOLD, trim_threshold: int = _DEFAULT_TRIM_THRESHOLD
+) -> bool:
+    """Keeps large freed buffers in glibc's heap so XLA:CPU steps reuse mapped pages.
 
-  Process-wide; call it once when training on the CPU backend (it only concerns
-  host memory, so it is harmless but useless on GPU/TPU hosts). Safe to call more
-  than once.
+    Process-wide; call it once when training on the CPU backend (it only concerns
+    host memory, so it is harmless but useless on GPU/TPU hosts). Safe to call more
+    than once.
 
-  Args:
-    mmap_threshold: bytes; allocations below this come from the heap, not mmap.
-    trim_threshold: bytes of free heap top kept before returning memory to the OS.
+    Args:
+      mmap_threshold: bytes; allocations below this come from the heap, not mmap.
+      trim_threshold: bytes of free heap top kept before returning memory to the OS.
 
-  Returns:
-    True if both settings were applied; False on non-glibc platforms (macOS,
-    musl), where nothing is changed.
-  """
-  if not sys.platform.startswith("linux"):
-    return False
-  try:
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    mallopt = libc.mallopt
-  except (OSError, AttributeError):
-    return False
-  mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-  mallopt.restype = ctypes.c_int
-  ok_mmap = mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold)) == 1
-  ok_trim = mallopt(_M_TRIM_THRESHOLD, int(trim_threshold)) == 1
-  return ok_mmap and ok_trim
+    Returns:
+      True if both settings were applied; False on non-glibc platforms (macOS,
+      musl), where nothing is changed.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    ok_mmap = mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold)) == 1
+    ok_trim = mallopt(_M_TRIM_THRESHOLD, int(trim_threshold)) == 1
+    return ok_mmap and ok_trim
 
 
 def restore_cpu_allocator() -> bool:
-  """Approximates glibc's default steady state again, for A/B benchmarks.
+    """Approximates glibc's default steady state again, for A/B benchmarks.
 
-  glibc's dynamic mmap threshold grows to at most 32 MiB (trim threshold twice
-  that) once large blocks have been freed; this sets those values explicitly.
+    glibc's dynamic mmap threshold grows to at most 32 MiB (trim threshold twice
+    that) once large blocks have been freed; this sets those values explicitly.
 
-  Returns:
-    True if applied (see ``tune_cpu_allocator``).
-  """
-  return tune_cpu_allocator(32 << 20, 64 << 20)
+    Returns:
+      True if applied (see ``tune_cpu_allocator``).
+    """
+    return tune_cpu_allocator(32 << 20, 64 << 20)

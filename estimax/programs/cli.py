@@ -24,7 +24,8 @@ import os
 import posixpath
 import sys
 import time
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import fsspec
 from absl import app, flags, logging
@@ -40,8 +41,11 @@ class UsageError(ValueError):
     """A mistake in the command line or its setting: shown as one line, without a traceback."""
 
 
-def main(define_flags: Callable[[flags.FlagValues], None],
-         run_from_flags: Callable[[flags.FlagValues], Any], doc: str | None) -> None:
+def main(
+    define_flags: Callable[[flags.FlagValues], None],
+    run_from_flags: Callable[[flags.FlagValues], Any],
+    doc: str | None,
+) -> None:
     """Console-script entry point of a program.
 
     Args:
@@ -59,8 +63,7 @@ def main(define_flags: Callable[[flags.FlagValues], None],
     main_module = sys.modules["__main__"]
     if not main_module.__doc__:
         main_module.__doc__ = doc
-    app.run(functools.partial(_run, run_from_flags, fv),
-            flags_parser=functools.partial(_parse, fv))
+    app.run(functools.partial(_run, run_from_flags, fv), flags_parser=functools.partial(_parse, fv))
 
 
 def _parse(fv: flags.FlagValues, argv: list[str]) -> list[str]:
@@ -72,21 +75,25 @@ def _parse(fv: flags.FlagValues, argv: list[str]) -> list[str]:
         raise  # unreachable: _fatal exits
 
 
-def _run(run_from_flags: Callable[[flags.FlagValues], Any], fv: flags.FlagValues,
-         argv: list[str]) -> None:
+def _run(
+    run_from_flags: Callable[[flags.FlagValues], Any], fv: flags.FlagValues, argv: list[str]
+) -> None:
     from estimax import storage
     from estimax.data import bigtable
 
     try:
         if len(argv) > 1:
-            raise UsageError(f"unexpected arguments {argv[1:]}: every setting is a --flag "
-                             "(see --help).")
+            raise UsageError(
+                f"unexpected arguments {argv[1:]}: every setting is a --flag (see --help)."
+            )
         apply_environment(fv, os.environ)
         results = run_from_flags(fv)
         if "mode" in fv and fv.mode == "eval" and results is None:
-            raise UsageError(f"no checkpoint appeared in --model_dir={fv.model_dir} within "
-                             f"--eval_timeout={fv.eval_timeout} s: is it the training job's "
-                             "--model_dir?")
+            raise UsageError(
+                f"no checkpoint appeared in --model_dir={fv.model_dir} within "
+                f"--eval_timeout={fv.eval_timeout} s: is it the training job's "
+                "--model_dir?"
+            )
     except (UsageError, app.UsageError) as e:
         _fatal(str(e))
     except bigtable.BigtableError as e:
@@ -129,11 +136,16 @@ def apply_environment(fv: flags.FlagValues, environ: Mapping[str, str]) -> dict[
             used[name] = var
     for name in ("tpu", "master"):
         if used.get(name) in JOB_RUNNER_ENV:
-            logging.info("$%s=%s (the Cloud TPU the job runner gave this job): not needed; "
-                         "estimax runs on the JAX devices it finds.", used[name], fv[name].value)
+            logging.info(
+                "$%s=%s (the Cloud TPU the job runner gave this job): not needed; "
+                "estimax runs on the JAX devices it finds.",
+                used[name],
+                fv[name].value,
+            )
     if used:
-        logging.info("From the environment: %s", ", ".join(
-            f"--{n}=${v}" for n, v in sorted(used.items())))
+        logging.info(
+            "From the environment: %s", ", ".join(f"--{n}=${v}" for n, v in sorted(used.items()))
+        )
     return used
 
 
@@ -159,12 +171,16 @@ def check_location(name: str, value: str | None, *, required: bool = False) -> s
       UsageError: the value is empty (a variable in the command line was unset), names no
         bucket (``gs:///x``), or is missing though required.
     """
-    hint = (f"an environment variable in the command line (such as $MODEL_DIR, $DATA_DIR or "
-            f"$STORAGE_BUCKET) or ${ENV_PREFIX}{name.upper()} is probably unset")
+    hint = (
+        f"an environment variable in the command line (such as $MODEL_DIR, $DATA_DIR or "
+        f"$STORAGE_BUCKET) or ${ENV_PREFIX}{name.upper()} is probably unset"
+    )
     if value is None:
         if required:
-            raise UsageError(f"--{name} is required (a local path, gs:// or s3://); it can "
-                             f"also come from ${ENV_PREFIX}{name.upper()}.")
+            raise UsageError(
+                f"--{name} is required (a local path, gs:// or s3://); it can "
+                f"also come from ${ENV_PREFIX}{name.upper()}."
+            )
         return None
     if not value.strip():
         raise UsageError(f"--{name} is empty: {hint}. Set it to a local path, gs:// or s3://.")
@@ -172,9 +188,15 @@ def check_location(name: str, value: str | None, *, required: bool = False) -> s
     if sep and (not rest or rest.startswith("/")):
         raise UsageError(f"--{name}={value} names no bucket: {hint}.")
     if not sep and os.path.isabs(value) and os.path.dirname(value.rstrip("/")) == "/":
-        logging.warning("*** --%s=%s is directly under the filesystem root: %s (an unset "
-                        "${STORAGE_BUCKET} turns ${STORAGE_BUCKET}/inception into /inception). "
-                        "Continuing with %s. ***", name, value, hint, value)
+        logging.warning(
+            "*** --%s=%s is directly under the filesystem root: %s (an unset "
+            "${STORAGE_BUCKET} turns ${STORAGE_BUCKET}/inception into /inception). "
+            "Continuing with %s. ***",
+            name,
+            value,
+            hint,
+            value,
+        )
     return value
 
 
@@ -182,12 +204,15 @@ def check_given(fv: flags.FlagValues, names: tuple[str, ...]) -> None:
     """Refuses a flag of ``names`` given as '' (``--bigtable_instance=$INSTANCE``, unset)."""
     for name in names:
         if fv[name].present and not (fv[name].value or "").strip():
-            raise UsageError(f"--{name} is empty: an environment variable in the command line "
-                             f"is probably unset. Give --{name} a value or leave the flag out.")
+            raise UsageError(
+                f"--{name} is empty: an environment variable in the command line "
+                f"is probably unset. Give --{name} a value or leave the flag out."
+            )
 
 
-def check_model_dir(model_dir: str, program: str, model_flags: Mapping[str, Any], *,
-                    write: bool) -> None:
+def check_model_dir(
+    model_dir: str, program: str, model_flags: Mapping[str, Any], *, write: bool
+) -> None:
     """Compares the flags that shape the model with those of the run that wrote ``model_dir``.
 
     ``model_dir/flags.json`` holds the program and the model-shaping flags of the last training
@@ -211,22 +236,26 @@ def check_model_dir(model_dir: str, program: str, model_flags: Mapping[str, Any]
     except FileNotFoundError:
         before = None
     except ValueError as e:  # not JSON (edited by hand?): nothing to compare with
-        logging.warning("%s is not readable JSON (%s); the model's flags are not compared.",
-                        path, e)
+        logging.warning(
+            "%s is not readable JSON (%s); the model's flags are not compared.", path, e
+        )
         before = None
     if before is not None:
         if before.get("program", program) != program:
-            raise UsageError(f"--model_dir={model_dir} holds a {before['program']} model (see "
-                             f"{path}), not {program}: use another --model_dir.")
+            raise UsageError(
+                f"--model_dir={model_dir} holds a {before['program']} model (see "
+                f"{path}), not {program}: use another --model_dir."
+            )
         for name, value in model_flags.items():
             old = before.get("flags", {}).get(name, value)
             if old != value:
                 raise UsageError(
                     f"--{name}={value}, but the checkpoints in --model_dir={model_dir} were "
                     f"written with --{name}={old} (see {path}): use another --model_dir to "
-                    f"train a new model, or --{name}={old} to continue this one.")
+                    f"train a new model, or --{name}={old} to continue this one."
+                )
     if write:
-        fs.makedirs(fs._parent(fs_path), exist_ok=True)
+        fs.makedirs(posixpath.dirname(fs_path), exist_ok=True)
         record = {"program": program, "flags": dict(model_flags), "written": time.time()}
         # Written aside and moved into place, so an eval job reading it never sees half of it.
         tmp = f"{fs_path}.tmp-{os.getpid()}"

@@ -34,7 +34,8 @@ import dataclasses
 import os
 import posixpath
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import fsspec
 import jax
@@ -63,27 +64,47 @@ def define_tpu_flags(fv: flags.FlagValues, *, master: bool = True) -> None:
       fv: the flag registry (``flags.FLAGS`` for a program, a fresh one in tests).
       master: also define ``--master`` (the older programs' way to name the TPU).
     """
-    flags.DEFINE_bool("use_tpu", True, f"{UNUSED_HELP}: the same code runs on whatever JAX "
-                      "backend is present (TPU, GPU or CPU).", flag_values=fv)
-    flags.DEFINE_string("tpu", None, f"{UNUSED_HELP}: the Cloud TPU name (e.g. $TPU_NAME). JAX "
-                        "finds local TPU chips itself; multi-host jobs use jax.distributed.",
-                        flag_values=fv)
-    flags.DEFINE_string("gcp_project", None, f"{UNUSED_HELP} (it located the Cloud TPU).",
-                        flag_values=fv)
-    flags.DEFINE_string("tpu_zone", None, f"{UNUSED_HELP} (it located the Cloud TPU).",
-                        flag_values=fv)
+    flags.DEFINE_bool(
+        "use_tpu",
+        True,
+        f"{UNUSED_HELP}: the same code runs on whatever JAX backend is present (TPU, GPU or CPU).",
+        flag_values=fv,
+    )
+    flags.DEFINE_string(
+        "tpu",
+        None,
+        f"{UNUSED_HELP}: the Cloud TPU name (e.g. $TPU_NAME). JAX "
+        "finds local TPU chips itself; multi-host jobs use jax.distributed.",
+        flag_values=fv,
+    )
+    flags.DEFINE_string(
+        "gcp_project", None, f"{UNUSED_HELP} (it located the Cloud TPU).", flag_values=fv
+    )
+    flags.DEFINE_string(
+        "tpu_zone", None, f"{UNUSED_HELP} (it located the Cloud TPU).", flag_values=fv
+    )
     if master:
-        flags.DEFINE_string("master", None, f"{UNUSED_HELP}: the TPU's gRPC address (e.g. "
-                            "$TPU_GRPC_URL).", flag_values=fv)
+        flags.DEFINE_string(
+            "master",
+            None,
+            f"{UNUSED_HELP}: the TPU's gRPC address (e.g. $TPU_GRPC_URL).",
+            flag_values=fv,
+        )
 
 
 def log_unused_tpu_flags(fv: flags.FlagValues) -> None:
     """Says, once, that the TPU-locating flags given on the command line are not needed."""
-    given = [f"--{name}={fv[name].value}" for name in ("tpu", "master", "gcp_project", "tpu_zone")
-             if name in fv and fv[name].present and fv[name].value]
+    given = [
+        f"--{name}={fv[name].value}"
+        for name in ("tpu", "master", "gcp_project", "tpu_zone")
+        if name in fv and fv[name].present and fv[name].value
+    ]
     if given:
-        logging.info("%s: not needed by estimax, which runs on the local JAX devices %s.",
-                     " ".join(given), jax.devices())
+        logging.info(
+            "%s: not needed by estimax, which runs on the local JAX devices %s.",
+            " ".join(given),
+            jax.devices(),
+        )
 
 
 def resolve_num_shards(requested: int | None, flag_name: str) -> int | None:
@@ -106,14 +127,26 @@ def resolve_num_shards(requested: int | None, flag_name: str) -> int | None:
         logging.warning(
             "--%s=%d but this job has %d %s device(s); using all %d. (The original's default "
             "8 was the cores of one Cloud TPU; set --%s to at most %d to silence this.)",
-            flag_name, requested, available, jax.default_backend(), available, flag_name,
-            available)
+            flag_name,
+            requested,
+            available,
+            jax.default_backend(),
+            available,
+            flag_name,
+            available,
+        )
         return None
     return requested
 
 
-def define_run_flags(fv: flags.FlagValues, *, data_dir_default: str | None, data_dir_help: str,
-                     steps_per_eval_flag: str, precision_default: str) -> None:
+def define_run_flags(
+    fv: flags.FlagValues,
+    *,
+    data_dir_default: str | None,
+    data_dir_help: str,
+    steps_per_eval_flag: str,
+    precision_default: str,
+) -> None:
     """Defines the flags every ImageNet program has, with one wording, on ``fv``.
 
     Args:
@@ -123,37 +156,75 @@ def define_run_flags(fv: flags.FlagValues, *, data_dir_default: str | None, data
       precision_default: the program's compute dtype.
     """
     flags.DEFINE_string("data_dir", data_dir_default, data_dir_help, flag_values=fv)
-    flags.DEFINE_string("model_dir", None, "Directory for checkpoints and TensorBoard summaries "
-                        "(local, gs:// or s3://; default $TPU_MODEL_DIR when a job runner sets "
-                        "it). One trainer at a time: a second one on the same directory stops.",
-                        flag_values=fv)
-    flags.DEFINE_enum("mode", "train_and_eval", list(MODES),
-                      "train: train to --train_steps; eval: evaluate each new checkpoint in "
-                      "--model_dir until the one at --train_steps (another job trains); "
-                      f"train_and_eval: alternate --{steps_per_eval_flag} training steps and an "
-                      "evaluation.", flag_values=fv)
-    flags.DEFINE_integer("eval_timeout", None, "In eval mode, stop after this many seconds "
-                         "without a new checkpoint (default: wait for the one at --train_steps).",
-                         lower_bound=0, flag_values=fv)
-    flags.DEFINE_string("export_dir", None, "After training, publish the model for serving as "
-                        "the next numbered version under this directory (export_dir/1, 2, ...: "
-                        "`estimax serve --model_base_path=DIR` serves it; clients send JPEG/PNG "
-                        "bytes); with a moving average of the weights, the averaged weights are "
-                        "exported.", flag_values=fv)
-    flags.DEFINE_bool("skip_bad_records", False, "Skip (and count, with a warning) records "
-                      "that cannot be read or decoded instead of stopping.", flag_values=fv)
-    flags.DEFINE_enum("precision", precision_default, ["bfloat16", "float32"],
-                      "Compute dtype of the network (parameters and loss stay float32). On a "
-                      "CPU, bfloat16 convolutions run natively only where the CPU has bf16 "
-                      "instructions (AVX-512 bf16 or AMX); elsewhere (AVX2-only CPUs such as "
-                      "AMD Zen 2) they run as float32 kernels on bf16 values, one rounding back "
-                      "to bf16 each (`python -m estimax.ops.native status` says which), so "
-                      "float32 is as fast there.", flag_values=fv)
-    flags.DEFINE_integer("keep_checkpoint_max", 5, "Number of recent checkpoints kept.",
-                         lower_bound=1, flag_values=fv)
-    flags.DEFINE_bool("cpu_fast_ops", True, "Use estimax.ops' convolution and max-pool, whose "
-                      "gradients XLA:CPU runs several times faster; identical ops on GPU/TPU.",
-                      flag_values=fv)
+    flags.DEFINE_string(
+        "model_dir",
+        None,
+        "Directory for checkpoints and TensorBoard summaries "
+        "(local, gs:// or s3://; default $TPU_MODEL_DIR when a job runner sets "
+        "it). One trainer at a time: a second one on the same directory stops.",
+        flag_values=fv,
+    )
+    flags.DEFINE_enum(
+        "mode",
+        "train_and_eval",
+        list(MODES),
+        "train: train to --train_steps; eval: evaluate each new checkpoint in "
+        "--model_dir until the one at --train_steps (another job trains); "
+        f"train_and_eval: alternate --{steps_per_eval_flag} training steps and an "
+        "evaluation.",
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "eval_timeout",
+        None,
+        "In eval mode, stop after this many seconds "
+        "without a new checkpoint (default: wait for the one at --train_steps).",
+        lower_bound=0,
+        flag_values=fv,
+    )
+    flags.DEFINE_string(
+        "export_dir",
+        None,
+        "After training, publish the model for serving as "
+        "the next numbered version under this directory (export_dir/1, 2, ...: "
+        "`estimax serve --model_base_path=DIR` serves it; clients send JPEG/PNG "
+        "bytes); with a moving average of the weights, the averaged weights are "
+        "exported.",
+        flag_values=fv,
+    )
+    flags.DEFINE_bool(
+        "skip_bad_records",
+        False,
+        "Skip (and count, with a warning) records "
+        "that cannot be read or decoded instead of stopping.",
+        flag_values=fv,
+    )
+    flags.DEFINE_enum(
+        "precision",
+        precision_default,
+        ["bfloat16", "float32"],
+        "Compute dtype of the network (parameters and loss stay float32). On a "
+        "CPU, bfloat16 convolutions run natively only where the CPU has bf16 "
+        "instructions (AVX-512 bf16 or AMX); elsewhere (AVX2-only CPUs such as "
+        "AMD Zen 2) they run as float32 kernels on bf16 values, one rounding back "
+        "to bf16 each (`python -m estimax.ops.native status` says which), so "
+        "float32 is as fast there.",
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "keep_checkpoint_max",
+        5,
+        "Number of recent checkpoints kept.",
+        lower_bound=1,
+        flag_values=fv,
+    )
+    flags.DEFINE_bool(
+        "cpu_fast_ops",
+        True,
+        "Use estimax.ops' convolution and max-pool, whose "
+        "gradients XLA:CPU runs several times faster; identical ops on GPU/TPU.",
+        flag_values=fv,
+    )
 
 
 def check_locations(fv: flags.FlagValues) -> None:
@@ -185,8 +256,9 @@ def resolve_data_dir(data_dir: str | None, *, use_fake: bool = False) -> tuple[s
     return data_dir, "random"
 
 
-def check_data(data_dir: str | None, mode: str, *, use_fake: bool = False,
-               fake_hint: str = "--data_dir=fake") -> tuple[str | None, str, list[str]]:
+def check_data(
+    data_dir: str | None, mode: str, *, use_fake: bool = False, fake_hint: str = "--data_dir=fake"
+) -> tuple[str | None, str, list[str]]:
     """``resolve_data_dir`` plus what a user must hear at start: fake data, a missing split.
 
     Args:
@@ -205,16 +277,26 @@ def check_data(data_dir: str | None, mode: str, *, use_fake: bool = False,
     from estimax.data import imagenet, tfrecord
 
     if data_dir is None and not use_fake:
-        raise UsageError(f"--data_dir is not set: give the directory of the ImageNet TFRecords "
-                         f"(train-*, validation-*), or ask for fake data with {fake_hint}.")
+        raise UsageError(
+            f"--data_dir is not set: give the directory of the ImageNet TFRecords "
+            f"(train-*, validation-*), or ask for fake data with {fake_hint}."
+        )
     resolved, kind = resolve_data_dir(data_dir, use_fake=use_fake)
     if resolved is None:
-        why = ("--use_data=fake" if use_fake else
-               f"--data_dir={data_dir}" + (" (the original's public fake ImageNet, which cannot "
-                                           "be read from here)" if kind == "random" and
-                                           data_dir not in FAKE_DATA_DIRS else ""))
-        note = (f"FAKE DATA: {why}: training and evaluating on "
-                f"{'all-zero' if kind == 'zeros' else 'random'} images, not a real data set.")
+        why = (
+            "--use_data=fake"
+            if use_fake
+            else f"--data_dir={data_dir}"
+            + (
+                " (the original's public fake ImageNet, which cannot be read from here)"
+                if kind == "random" and data_dir not in FAKE_DATA_DIRS
+                else ""
+            )
+        )
+        note = (
+            f"FAKE DATA: {why}: training and evaluating on "
+            f"{'all-zero' if kind == 'zeros' else 'random'} images, not a real data set."
+        )
         logging.warning("*** %s ***", note)
         return None, kind, [note]
     splits = {"train": [True], "eval": [False], "train_and_eval": [True, False]}[mode]
@@ -226,7 +308,8 @@ def check_data(data_dir: str | None, mode: str, *, use_fake: bool = False,
             raise UsageError(
                 f"--data_dir={data_dir} has no {posixpath.basename(pattern)} files, which "
                 f"--mode={mode} reads: point --data_dir at the ImageNet TFRecords "
-                f"(estimax-convert writes them), or ask for fake data with {fake_hint}.") from None
+                f"(estimax-convert writes them), or ask for fake data with {fake_hint}."
+            ) from None
     return resolved, kind, []
 
 
@@ -259,12 +342,14 @@ class LoopConfig:
         if self.train_steps < 1:
             raise UsageError(f"--train_steps={self.train_steps}: must be >= 1.")
         if self.steps_per_eval < 1:
-            raise UsageError(f"the steps between evaluations must be >= 1, got "
-                             f"{self.steps_per_eval}.")
+            raise UsageError(
+                f"the steps between evaluations must be >= 1, got {self.steps_per_eval}."
+            )
 
     @classmethod
-    def from_flags(cls, fv: flags.FlagValues, *, steps_per_eval: int, eval_examples: int,
-                   train_examples: int) -> "LoopConfig":
+    def from_flags(
+        cls, fv: flags.FlagValues, *, steps_per_eval: int, eval_examples: int, train_examples: int
+    ) -> LoopConfig:
         """The loop of an ImageNet program's flags (``define_run_flags`` and the batch sizes).
 
         Args:
@@ -274,10 +359,15 @@ class LoopConfig:
           eval_examples: evaluation examples (every one evaluated once).
           train_examples: examples per epoch (for the log line).
         """
-        return cls(mode=fv.mode, train_steps=fv.train_steps, steps_per_eval=steps_per_eval,
-                   eval_steps=-(-eval_examples // fv.eval_batch_size),
-                   eval_timeout=fv.eval_timeout, export_dir=fv.export_dir,
-                   epochs_per_step=fv.train_batch_size / train_examples)
+        return cls(
+            mode=fv.mode,
+            train_steps=fv.train_steps,
+            steps_per_eval=steps_per_eval,
+            eval_steps=-(-eval_examples // fv.eval_batch_size),
+            eval_timeout=fv.eval_timeout,
+            export_dir=fv.export_dir,
+            epochs_per_step=fv.train_batch_size / train_examples,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,12 +412,13 @@ class Job:
 def checkpoint_path(model_dir: str, step: int) -> str:
     """The path ``Estimator.evaluate(checkpoint_path=...)`` takes for ``step`` in ``model_dir``."""
     from estimax.estimator import checkpoints
+
     return os.path.join(checkpoints.checkpoint_dir(model_dir), str(step))
 
 
-def evaluate_checkpoints(est: Any, eval_input_fn: Callable, loop: LoopConfig,
-                         clock: Callable[[], float] = time.monotonic
-                         ) -> dict[str, Any] | None:
+def evaluate_checkpoints(
+    est: Any, eval_input_fn: Callable, loop: LoopConfig, clock: Callable[[], float] = time.monotonic
+) -> dict[str, Any] | None:
     """``--mode=eval``: evaluates each new checkpoint until the one at ``train_steps``.
 
     As the original: ``for ckpt in checkpoints_iterator(model_dir, timeout=eval_timeout)``;
@@ -340,21 +431,31 @@ def evaluate_checkpoints(est: Any, eval_input_fn: Callable, loop: LoopConfig,
 
     where = checkpoints.checkpoint_dir(est.model_dir)
     fs, fs_path = fsspec.core.url_to_fs(est.model_dir)
-    logging.info("Waiting for checkpoints in %s (a training job's --model_dir=%s%s) and "
-                 "evaluating each new one until step %d; %s.", where, est.model_dir,
-                 "" if fs.exists(fs_path) else ", which does not exist yet",
-                 loop.train_steps, "no --eval_timeout: waiting as long as it takes"
-                 if loop.eval_timeout is None else
-                 f"giving up after --eval_timeout={loop.eval_timeout:g} s without a new one")
+    logging.info(
+        "Waiting for checkpoints in %s (a training job's --model_dir=%s%s) and "
+        "evaluating each new one until step %d; %s.",
+        where,
+        est.model_dir,
+        "" if fs.exists(fs_path) else ", which does not exist yet",
+        loop.train_steps,
+        "no --eval_timeout: waiting as long as it takes"
+        if loop.eval_timeout is None
+        else f"giving up after --eval_timeout={loop.eval_timeout:g} s without a new one",
+    )
     results = None
     for step in ex.checkpoints_iterator(est.model_dir, timeout=loop.eval_timeout):
         start = clock()
         try:
-            results = est.evaluate(eval_input_fn, steps=loop.eval_steps,
-                                   checkpoint_path=checkpoint_path(est.model_dir, step))
+            results = est.evaluate(
+                eval_input_fn,
+                steps=loop.eval_steps,
+                checkpoint_path=checkpoint_path(est.model_dir, step),
+            )
         except FileNotFoundError:
-            logging.info("Checkpoint %s no longer exists, skipping checkpoint",
-                         checkpoint_path(est.model_dir, step))
+            logging.info(
+                "Checkpoint %s no longer exists, skipping checkpoint",
+                checkpoint_path(est.model_dir, step),
+            )
             continue
         logging.info("Eval results: %s. Elapsed seconds: %d", results, clock() - start)
         if step >= loop.train_steps:
@@ -363,8 +464,13 @@ def evaluate_checkpoints(est: Any, eval_input_fn: Callable, loop: LoopConfig,
     return results
 
 
-def run_mode(est: Any, train_input_fn: Callable, eval_input_fn: Callable, loop: LoopConfig,
-             clock: Callable[[], float] = time.monotonic) -> dict[str, Any] | None:
+def run_mode(
+    est: Any,
+    train_input_fn: Callable,
+    eval_input_fn: Callable,
+    loop: LoopConfig,
+    clock: Callable[[], float] = time.monotonic,
+) -> dict[str, Any] | None:
     """Runs ``loop.mode`` (the original's main after the estimator is built).
 
     Returns:
@@ -374,18 +480,27 @@ def run_mode(est: Any, train_input_fn: Callable, eval_input_fn: Callable, loop: 
         return evaluate_checkpoints(est, eval_input_fn, loop, clock)
     start = clock()
     results = None
-    logging.info("Training for %d steps (%.2f epochs in total). Current step %d.",
-                 loop.train_steps, loop.train_steps * loop.epochs_per_step, est.get_global_step())
+    logging.info(
+        "Training for %d steps (%.2f epochs in total). Current step %d.",
+        loop.train_steps,
+        loop.train_steps * loop.epochs_per_step,
+        est.get_global_step(),
+    )
     if loop.mode == "train":
         est.train(train_input_fn, max_steps=loop.train_steps)
     else:
         # Train to the next multiple of steps_per_eval, evaluate, repeat: by absolute step, so a
         # restarted job resumes the same schedule (the original's train(max_steps=next) loop).
         results, _ = ex.train_and_evaluate(
-            est, ex.TrainSpec(train_input_fn, max_steps=loop.train_steps),
-            ex.EvalSpec(eval_input_fn, steps=loop.eval_steps, every_steps=loop.steps_per_eval))
-    logging.info("Finished training up to step %d. Elapsed seconds %d.", est.get_global_step(),
-                 clock() - start)
+            est,
+            ex.TrainSpec(train_input_fn, max_steps=loop.train_steps),
+            ex.EvalSpec(eval_input_fn, steps=loop.eval_steps, every_steps=loop.steps_per_eval),
+        )
+    logging.info(
+        "Finished training up to step %d. Elapsed seconds %d.",
+        est.get_global_step(),
+        clock() - start,
+    )
     return results
 
 
@@ -401,8 +516,14 @@ def export(est: Any, job: Job) -> str:
     logging.info("Starting to export model.")
     rtol, atol = job.export_tolerance
     path = serving.export_version(
-        est, job.loop.export_dir, serving_input=job.serving, preprocessing=job.preprocessing,
-        check_inputs=job.check_inputs() if job.check_inputs else None, rtol=rtol, atol=atol)
+        est,
+        job.loop.export_dir,
+        serving_input=job.serving,
+        preprocessing=job.preprocessing,
+        check_inputs=job.check_inputs() if job.check_inputs else None,
+        rtol=rtol,
+        atol=atol,
+    )
     logging.info("Exported the model to %s", path)
     return path
 
@@ -455,13 +576,18 @@ def run(job: Job) -> dict[str, Any] | None:
         cli.check_model_dir(model_dir, job.program, job.model_flags, write=writer)
         if job.notes and jax.process_index() == 0:
             write_run_description(model_dir, job.notes)
-        est = ex.Estimator(job.model_fn, job.config, params=job.params,
-                           train_batch_size=job.batch_sizes[0],
-                           eval_batch_size=job.batch_sizes[1],
-                           predict_batch_size=job.batch_sizes[1])
+        est = ex.Estimator(
+            job.model_fn,
+            job.config,
+            params=job.params,
+            train_batch_size=job.batch_sizes[0],
+            eval_batch_size=job.batch_sizes[1],
+            predict_batch_size=job.batch_sizes[1],
+        )
         try:
-            results = run_mode(est, job.input_fn(is_training=True),
-                               job.input_fn(is_training=False), job.loop)
+            results = run_mode(
+                est, job.input_fn(is_training=True), job.input_fn(is_training=False), job.loop
+            )
             if training and job.loop.export_dir:
                 export(est, job)
         finally:
@@ -469,7 +595,9 @@ def run(job: Job) -> dict[str, Any] | None:
     if results is not None:
         names, examples = job.metrics
         values = ", ".join(f"{name} = {results[name]:.4f}" for name in names)
-        print(f"Eval results at step {results['global_step']}: {values} on "
-              f"{results['num_examples']} {examples}")
+        print(
+            f"Eval results at step {results['global_step']}: {values} on "
+            f"{results['num_examples']} {examples}"
+        )
     print(f"TensorBoard logs: tensorboard --logdir={est.model_dir}", flush=True)
     return results

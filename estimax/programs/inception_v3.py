@@ -33,7 +33,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -86,27 +87,38 @@ class Variant:
     def make_schedule(self, fv: flags.FlagValues) -> optax.Schedule:
         """The schedule of the parsed flags."""
         return self.schedule(
-            fv.learning_rate, fv.train_batch_size, learning_rate_decay=fv.learning_rate_decay,
+            fv.learning_rate,
+            fv.train_batch_size,
+            learning_rate_decay=fv.learning_rate_decay,
             learning_rate_decay_epochs=fv.learning_rate_decay_epochs,
-            **{name: fv[name].value for name, _, _ in self.schedule_flags})
+            **{name: fv[name].value for name, _, _ in self.schedule_flags},
+        )
 
 
 V3 = Variant(
     name="inception_v3",
     model=InceptionV3,
-    defaults={"train_batch_size": 1024, "train_steps": 213000, "learning_rate": 0.165,
-              "use_annotated_bbox": False, "learning_rate_decay_epochs": 3},
+    defaults={
+        "train_batch_size": 1024,
+        "train_steps": 213000,
+        "learning_rate": 0.165,
+        "use_annotated_bbox": False,
+        "learning_rate_decay_epochs": 3,
+    },
     schedule_flags=(
-        ("use_learning_rate_warmup", False, "Cold start at 0.1x the rate for --cold_epochs, "
-         "then a linear warm-up for --warmup_epochs."),
+        (
+            "use_learning_rate_warmup",
+            False,
+            "Cold start at 0.1x the rate for --cold_epochs, "
+            "then a linear warm-up for --warmup_epochs.",
+        ),
         ("cold_epochs", 2, "Epochs at the cold learning rate (with --use_learning_rate_warmup)."),
         ("warmup_epochs", 7, "Epochs of linear warm-up (with --use_learning_rate_warmup)."),
     ),
     schedule=schedules.inception_v3_schedule,
 )
 
-_DEFINE_BY_TYPE = {bool: flags.DEFINE_bool, int: flags.DEFINE_integer,
-                   float: flags.DEFINE_float}
+_DEFINE_BY_TYPE = {bool: flags.DEFINE_bool, int: flags.DEFINE_integer, float: flags.DEFINE_float}
 
 
 def define_flags(fv: flags.FlagValues, variant: Variant = V3) -> None:
@@ -115,83 +127,218 @@ def define_flags(fv: flags.FlagValues, variant: Variant = V3) -> None:
     dv = variant.defaults
     common.define_tpu_flags(fv)
     common.define_run_flags(
-        fv, data_dir_default="", steps_per_eval_flag="train_steps_per_eval",
-        precision_default="float32", data_dir_help=(
+        fv,
+        data_dir_default="",
+        steps_per_eval_flag="train_steps_per_eval",
+        precision_default="float32",
+        data_dir_help=(
             "Directory of the ImageNet TFRecords (train-*, validation-*), local, gs:// or s3://; "
             "read with --use_data=real. The original's public "
             "gs://cloud-tpu-test-datasets/fake_imagenet means random fake data here (it cannot "
-            "be reached), with a warning."))
-    flags.DEFINE_integer("num_shards", 8, "Number of replicas (devices); if this job has fewer "
-                         "devices, all of them are used (with a warning).", lower_bound=1,
-                         flag_values=fv)
-    flags.DEFINE_integer("iterations", 100, "Training steps per device call "
-                         "(iterations_per_loop).", lower_bound=1, flag_values=fv)
-    flags.DEFINE_integer("train_batch_size", dv["train_batch_size"], "Global (not per-shard) "
-                         "training batch size.", lower_bound=1, flag_values=fv)
-    flags.DEFINE_integer("eval_batch_size", 1024, "Global (not per-shard) evaluation batch "
-                         "size.", lower_bound=1, flag_values=fv)
-    flags.DEFINE_integer("eval_total_size", 0, "Number of evaluation images; 0 means all "
-                         f"{imagenet.NUM_EVAL_IMAGES:,}. estimax evaluates each exactly once (the "
-                         "original dropped the last partial batch).", lower_bound=0,
-                         flag_values=fv)
-    flags.DEFINE_integer("train_steps", dv["train_steps"], "Number of training steps (global, "
-                         "absolute).", lower_bound=1, flag_values=fv)
-    flags.DEFINE_integer("train_steps_per_eval", 2000, "Training steps between evaluations in "
-                         "train_and_eval.", lower_bound=1, flag_values=fv)
-    flags.DEFINE_integer("min_eval_interval", 180, f"{unused} (defined but unused by the "
-                         "original too).", flag_values=fv)
-    flags.DEFINE_bool("per_host_input_for_training", True, f"{unused}: each host always feeds "
-                      "its own devices.", flag_values=fv)
-    flags.DEFINE_enum("use_data", "real", ["fake", "real"], "'fake': random images (no files "
-                      "read), with a warning; 'real': the TFRecords in --data_dir.",
-                      flag_values=fv)
-    flags.DEFINE_float("learning_rate", dv["learning_rate"], "Learning rate for a batch of 256; "
-                       "scaled by train_batch_size / 256.", flag_values=fv)
-    flags.DEFINE_enum("optimizer", "RMS", ["sgd", "RMS", "momentum"], "Optimizer: RMSProp "
-                      "(decay 0.9, momentum 0.9, epsilon 1.0), plain SGD, or SGD with momentum "
-                      "0.9.", flag_values=fv)
-    flags.DEFINE_integer("num_classes", 1001, "Number of logits (1000 ImageNet classes + "
-                         "background at 0).", lower_bound=2, flag_values=fv)
-    flags.DEFINE_integer("width", 299, "Width of the network's input images.",
-                         lower_bound=MIN_IMAGE_SIZE, flag_values=fv)
-    flags.DEFINE_integer("height", 299, "Height of the network's input images (== width).",
-                         lower_bound=MIN_IMAGE_SIZE, flag_values=fv)
-    flags.DEFINE_bool("transpose_enabled", False, f"{unused}: it fed the TPU infeed in HWCN "
-                      "layout.", flag_values=fv)
-    flags.DEFINE_bool("log_device_placement", False, f"{unused} (a TF session option).",
-                      flag_values=fv)
-    flags.DEFINE_integer("save_summary_steps", 100, "Write training summaries every N steps.",
-                         lower_bound=1, flag_values=fv)
-    flags.DEFINE_integer("save_checkpoints_secs", 1000, "Save a checkpoint every N seconds (and "
-                         "at the end of each training phase).", lower_bound=1, flag_values=fv)
-    flags.DEFINE_bool("moving_average", True, "Keep an exponential moving average (0.995) of "
-                      "the weights and evaluate/export with it.", flag_values=fv)
-    flags.DEFINE_string("preprocessing", "inception", "Preprocessing: 'inception' (estimax has "
-                        "no 'vgg').", flag_values=fv)
-    flags.DEFINE_bool("use_annotated_bbox", dv["use_annotated_bbox"], "Sample training crops "
-                      "around the records' image/object/bbox boxes.", flag_values=fv)
-    flags.DEFINE_float("learning_rate_decay", 0.94, "Factor of the staircase learning-rate "
-                       "decay.", flag_values=fv)
-    flags.DEFINE_float("learning_rate_decay_epochs", dv["learning_rate_decay_epochs"],
-                       "Epochs between learning-rate decays.", flag_values=fv)
-    flags.DEFINE_bool("display_tensors", False, f"{unused} (a TPU debugging aid).",
-                      flag_values=fv)
-    flags.DEFINE_bool("clear_update_collections", True, f"{unused}: batch-norm statistics always "
-                      "update in the training step.", flag_values=fv)
+            "be reached), with a warning."
+        ),
+    )
+    flags.DEFINE_integer(
+        "num_shards",
+        8,
+        "Number of replicas (devices); if this job has fewer "
+        "devices, all of them are used (with a warning).",
+        lower_bound=1,
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "iterations",
+        100,
+        "Training steps per device call (iterations_per_loop).",
+        lower_bound=1,
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "train_batch_size",
+        dv["train_batch_size"],
+        "Global (not per-shard) training batch size.",
+        lower_bound=1,
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "eval_batch_size",
+        1024,
+        "Global (not per-shard) evaluation batch size.",
+        lower_bound=1,
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "eval_total_size",
+        0,
+        "Number of evaluation images; 0 means all "
+        f"{imagenet.NUM_EVAL_IMAGES:,}. estimax evaluates each exactly once (the "
+        "original dropped the last partial batch).",
+        lower_bound=0,
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "train_steps",
+        dv["train_steps"],
+        "Number of training steps (global, absolute).",
+        lower_bound=1,
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "train_steps_per_eval",
+        2000,
+        "Training steps between evaluations in train_and_eval.",
+        lower_bound=1,
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "min_eval_interval",
+        180,
+        f"{unused} (defined but unused by the original too).",
+        flag_values=fv,
+    )
+    flags.DEFINE_bool(
+        "per_host_input_for_training",
+        True,
+        f"{unused}: each host always feeds its own devices.",
+        flag_values=fv,
+    )
+    flags.DEFINE_enum(
+        "use_data",
+        "real",
+        ["fake", "real"],
+        "'fake': random images (no files "
+        "read), with a warning; 'real': the TFRecords in --data_dir.",
+        flag_values=fv,
+    )
+    flags.DEFINE_float(
+        "learning_rate",
+        dv["learning_rate"],
+        "Learning rate for a batch of 256; scaled by train_batch_size / 256.",
+        flag_values=fv,
+    )
+    flags.DEFINE_enum(
+        "optimizer",
+        "RMS",
+        ["sgd", "RMS", "momentum"],
+        "Optimizer: RMSProp "
+        "(decay 0.9, momentum 0.9, epsilon 1.0), plain SGD, or SGD with momentum "
+        "0.9.",
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "num_classes",
+        1001,
+        "Number of logits (1000 ImageNet classes + background at 0).",
+        lower_bound=2,
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "width",
+        299,
+        "Width of the network's input images.",
+        lower_bound=MIN_IMAGE_SIZE,
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "height",
+        299,
+        "Height of the network's input images (== width).",
+        lower_bound=MIN_IMAGE_SIZE,
+        flag_values=fv,
+    )
+    flags.DEFINE_bool(
+        "transpose_enabled",
+        False,
+        f"{unused}: it fed the TPU infeed in HWCN layout.",
+        flag_values=fv,
+    )
+    flags.DEFINE_bool(
+        "log_device_placement", False, f"{unused} (a TF session option).", flag_values=fv
+    )
+    flags.DEFINE_integer(
+        "save_summary_steps",
+        100,
+        "Write training summaries every N steps.",
+        lower_bound=1,
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "save_checkpoints_secs",
+        1000,
+        "Save a checkpoint every N seconds (and at the end of each training phase).",
+        lower_bound=1,
+        flag_values=fv,
+    )
+    flags.DEFINE_bool(
+        "moving_average",
+        True,
+        "Keep an exponential moving average (0.995) of the weights and evaluate/export with it.",
+        flag_values=fv,
+    )
+    flags.DEFINE_string(
+        "preprocessing",
+        "inception",
+        "Preprocessing: 'inception' (estimax has no 'vgg').",
+        flag_values=fv,
+    )
+    flags.DEFINE_bool(
+        "use_annotated_bbox",
+        dv["use_annotated_bbox"],
+        "Sample training crops around the records' image/object/bbox boxes.",
+        flag_values=fv,
+    )
+    flags.DEFINE_float(
+        "learning_rate_decay", 0.94, "Factor of the staircase learning-rate decay.", flag_values=fv
+    )
+    flags.DEFINE_float(
+        "learning_rate_decay_epochs",
+        dv["learning_rate_decay_epochs"],
+        "Epochs between learning-rate decays.",
+        flag_values=fv,
+    )
+    flags.DEFINE_bool("display_tensors", False, f"{unused} (a TPU debugging aid).", flag_values=fv)
+    flags.DEFINE_bool(
+        "clear_update_collections",
+        True,
+        f"{unused}: batch-norm statistics always update in the training step.",
+        flag_values=fv,
+    )
     for name, default, help_text in variant.schedule_flags:
         _DEFINE_BY_TYPE[type(default)](name, default, help_text, flag_values=fv)
-    flags.DEFINE_bool("prefetch_enabled", True, f"{unused}: the loader always prefetches.",
-                      flag_values=fv)
-    flags.DEFINE_integer("prefetch_dataset_buffer_size", 8 * 1024 * 1024, f"{unused} (a tf.data "
-                         "read buffer).", flag_values=fv)
-    flags.DEFINE_integer("num_files_infeed", 8, f"{unused}: the loader reads every file of this "
-                         "host.", flag_values=fv)
-    flags.DEFINE_integer("num_parallel_calls", 64, "Parallel JPEG decode/preprocess workers (at "
-                         "most the CPU count).", lower_bound=1, flag_values=fv)
-    flags.DEFINE_integer("initial_shuffle_buffer_size", 1024, f"{unused}: the loader shuffles "
-                         "the whole epoch.", flag_values=fv)
-    flags.DEFINE_integer("followup_shuffle_buffer_size", 1000, f"{unused}: the loader shuffles "
-                         "the whole epoch.", flag_values=fv)
+    flags.DEFINE_bool(
+        "prefetch_enabled", True, f"{unused}: the loader always prefetches.", flag_values=fv
+    )
+    flags.DEFINE_integer(
+        "prefetch_dataset_buffer_size",
+        8 * 1024 * 1024,
+        f"{unused} (a tf.data read buffer).",
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "num_files_infeed",
+        8,
+        f"{unused}: the loader reads every file of this host.",
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "num_parallel_calls",
+        64,
+        "Parallel JPEG decode/preprocess workers (at most the CPU count).",
+        lower_bound=1,
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "initial_shuffle_buffer_size",
+        1024,
+        f"{unused}: the loader shuffles the whole epoch.",
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "followup_shuffle_buffer_size",
+        1000,
+        f"{unused}: the loader shuffles the whole epoch.",
+        flag_values=fv,
+    )
 
 
 def make_optimizer(name: str, schedule: optax.Schedule) -> optax.GradientTransformation:
@@ -206,10 +353,12 @@ def make_optimizer(name: str, schedule: optax.Schedule) -> optax.GradientTransfo
     """
     if name == "RMS":
         return optax.chain(
-            optax.scale_by_rms(decay=RMSPROP_DECAY, eps=RMSPROP_EPSILON, initial_scale=1.0,
-                               eps_in_sqrt=True),
+            optax.scale_by_rms(
+                decay=RMSPROP_DECAY, eps=RMSPROP_EPSILON, initial_scale=1.0, eps_in_sqrt=True
+            ),
             optax.scale_by_learning_rate(schedule),
-            optax.trace(decay=RMSPROP_MOMENTUM))
+            optax.trace(decay=RMSPROP_MOMENTUM),
+        )
     if name == "momentum":
         return optax.sgd(schedule, momentum=0.9)
     if name == "sgd":
@@ -233,8 +382,7 @@ class InceptionConfig:
 
 def build_model(cfg: InceptionConfig) -> nn.Module:
     """The network of ``cfg`` (with its auxiliary head) in the compute dtype of ``precision``."""
-    kwargs: dict[str, Any] = {"dtype": jnp.bfloat16 if cfg.precision == "bfloat16"
-                              else jnp.float32}
+    kwargs: dict[str, Any] = {"dtype": jnp.bfloat16 if cfg.precision == "bfloat16" else jnp.float32}
     kwargs.update(ops.fast_layers() if cfg.cpu_fast_ops else ops.standard_layers())
     return cfg.model(num_classes=cfg.num_classes, **kwargs)
 
@@ -248,18 +396,24 @@ def make_model_fn(cfg: InceptionConfig):
         if isinstance(features, dict):
             features = features["feature"]
         model = build_model(cfg)
-        logits, aux_logits = model(jnp.asarray(features, model.dtype),
-                                   train=mode == ex.ModeKeys.TRAIN)
-        predictions = {"classes": jnp.argmax(logits, axis=1),
-                       "probabilities": jax.nn.softmax(logits)}
+        logits, aux_logits = model(
+            jnp.asarray(features, model.dtype), train=mode == ex.ModeKeys.TRAIN
+        )
+        predictions = {
+            "classes": jnp.argmax(logits, axis=1),
+            "probabilities": jax.nn.softmax(logits),
+        }
         if mode == ex.ModeKeys.PREDICT:
-            return ex.EstimatorSpec(mode=mode, predictions=predictions,
-                                    export_outputs={"classify": predictions})
+            return ex.EstimatorSpec(
+                mode=mode, predictions=predictions, export_outputs={"classify": predictions}
+            )
         # Back to the file's label (see the module docstring): logit 0 is background.
         targets = labels + 1
-        loss = (ex.losses.softmax_cross_entropy(logits, targets, label_smoothing=LABEL_SMOOTHING)
-                + AUX_LOSS_WEIGHT * ex.losses.softmax_cross_entropy(
-                    aux_logits, targets, label_smoothing=LABEL_SMOOTHING))
+        loss = ex.losses.softmax_cross_entropy(
+            logits, targets, label_smoothing=LABEL_SMOOTHING
+        ) + AUX_LOSS_WEIGHT * ex.losses.softmax_cross_entropy(
+            aux_logits, targets, label_smoothing=LABEL_SMOOTHING
+        )
         step = ex.get_global_step()
         return ex.EstimatorSpec(
             mode=mode,
@@ -267,13 +421,16 @@ def make_model_fn(cfg: InceptionConfig):
             optimizer=make_optimizer(cfg.optimizer, cfg.schedule),
             weight_decay=WEIGHT_DECAY,
             ema_decay=MOVING_AVERAGE_DECAY if cfg.moving_average else None,
-            eval_metrics={"accuracy": ex.metrics.accuracy(targets, logits),
-                          "accuracy@5": ex.metrics.top_k_accuracy(targets, logits, k=5)},
+            eval_metrics={
+                "accuracy": ex.metrics.accuracy(targets, logits),
+                "accuracy@5": ex.metrics.top_k_accuracy(targets, logits, k=5),
+            },
             predictions=predictions,
             # The original's host_call wrote the epoch as an integer.
-            scalars={"learning_rate": cfg.schedule(step),
-                     "current_epoch": jnp.floor(schedules.current_epoch(
-                         step, cfg.train_batch_size))},
+            scalars={
+                "learning_rate": cfg.schedule(step),
+                "current_epoch": jnp.floor(schedules.current_epoch(step, cfg.train_batch_size)),
+            },
         )
 
     return model_fn
@@ -285,46 +442,82 @@ def run_from_flags(fv: flags.FlagValues, variant: Variant = V3) -> dict[str, Any
     common.log_unused_tpu_flags(fv)
     common.check_locations(fv)
     if fv.width != fv.height:
-        raise cli.UsageError(f"--width={fv.width} and --height={fv.height}: estimax's input "
-                             "makes square images; give the same value to both.")
+        raise cli.UsageError(
+            f"--width={fv.width} and --height={fv.height}: estimax's input "
+            "makes square images; give the same value to both."
+        )
     if fv.preprocessing != "inception":
-        raise cli.UsageError(f"--preprocessing={fv.preprocessing!r}: estimax implements only "
-                             "'inception' preprocessing.")
+        raise cli.UsageError(
+            f"--preprocessing={fv.preprocessing!r}: estimax implements only "
+            "'inception' preprocessing."
+        )
     # The original's default --data_dir is '': "not set" unless given (an unset $DATA_DIR).
     given = fv.data_dir if fv["data_dir"].present or fv.data_dir else None
     data_dir, fake_kind, notes = common.check_data(
-        given, fv.mode, use_fake=fv.use_data == "fake", fake_hint="--use_data=fake")
+        given, fv.mode, use_fake=fv.use_data == "fake", fake_hint="--use_data=fake"
+    )
     eval_size = fv.eval_total_size or imagenet.NUM_EVAL_IMAGES
     inputs = functools.partial(
-        imagenet.input_fn, data_dir, image_size=fv.width, preprocessing="inception",
+        imagenet.input_fn,
+        data_dir,
+        image_size=fv.width,
+        preprocessing="inception",
         num_parallel_calls=max(1, min(fv.num_parallel_calls, os.cpu_count() or 1)),
-        fake_data=fake_kind, fake_eval_examples=eval_size, skip_bad_records=fv.skip_bad_records,
+        fake_data=fake_kind,
+        fake_eval_examples=eval_size,
+        skip_bad_records=fv.skip_bad_records,
         # Files hold labels 1..num_classes-1 (class 0 is the background logit).
-        num_classes=fv.num_classes - 1, use_annotated_bbox=fv.use_annotated_bbox)
+        num_classes=fv.num_classes - 1,
+        use_annotated_bbox=fv.use_annotated_bbox,
+    )
     cfg = InceptionConfig(
-        model=variant.model, schedule=variant.make_schedule(fv), optimizer=fv.optimizer,
-        num_classes=fv.num_classes, train_batch_size=fv.train_batch_size,
-        moving_average=fv.moving_average, precision=fv.precision, cpu_fast_ops=fv.cpu_fast_ops)
+        model=variant.model,
+        schedule=variant.make_schedule(fv),
+        optimizer=fv.optimizer,
+        num_classes=fv.num_classes,
+        train_batch_size=fv.train_batch_size,
+        moving_average=fv.moving_average,
+        precision=fv.precision,
+        cpu_fast_ops=fv.cpu_fast_ops,
+    )
     config = ex.RunConfig(
-        model_dir=fv.model_dir, iterations_per_loop=fv.iterations,
+        model_dir=fv.model_dir,
+        iterations_per_loop=fv.iterations,
         num_shards=common.resolve_num_shards(fv.num_shards, "num_shards"),
-        save_checkpoints_secs=fv.save_checkpoints_secs, save_summary_steps=fv.save_summary_steps,
-        keep_checkpoint_max=fv.keep_checkpoint_max)
-    loop = common.LoopConfig.from_flags(fv, steps_per_eval=fv.train_steps_per_eval,
-                                        eval_examples=eval_size,
-                                        train_examples=imagenet.NUM_TRAIN_IMAGES)
-    return common.run(common.Job(
-        program=variant.name, config=config, loop=loop, notes=tuple(notes), input_fn=inputs,
-        model_fn=make_model_fn(cfg), batch_sizes=(fv.train_batch_size, fv.eval_batch_size),
-        # Clients send JPEG/PNG bytes; the server applies the eval preprocessing, the export
-        # takes its images in [-1, 1] and holds the moving-average weights.
-        serving=ex.TensorSpec((None, fv.width, fv.width, 3), np.float32), metrics=METRICS,
-        preprocessing=serving.inception_eval(fv.width),
-        check_inputs=lambda: common.sample_images(data_dir),
-        export_tolerance=common.export_tolerance(fv.precision),
-        # The flags that change the checkpoint's tree (logits, optimizer slots, averages).
-        model_flags={"num_classes": fv.num_classes, "optimizer": fv.optimizer,
-                     "moving_average": fv.moving_average}))
+        save_checkpoints_secs=fv.save_checkpoints_secs,
+        save_summary_steps=fv.save_summary_steps,
+        keep_checkpoint_max=fv.keep_checkpoint_max,
+    )
+    loop = common.LoopConfig.from_flags(
+        fv,
+        steps_per_eval=fv.train_steps_per_eval,
+        eval_examples=eval_size,
+        train_examples=imagenet.NUM_TRAIN_IMAGES,
+    )
+    return common.run(
+        common.Job(
+            program=variant.name,
+            config=config,
+            loop=loop,
+            notes=tuple(notes),
+            input_fn=inputs,
+            model_fn=make_model_fn(cfg),
+            batch_sizes=(fv.train_batch_size, fv.eval_batch_size),
+            # Clients send JPEG/PNG bytes; the server applies the eval preprocessing, the export
+            # takes its images in [-1, 1] and holds the moving-average weights.
+            serving=ex.TensorSpec((None, fv.width, fv.width, 3), np.float32),
+            metrics=METRICS,
+            preprocessing=serving.inception_eval(fv.width),
+            check_inputs=lambda: common.sample_images(data_dir),
+            export_tolerance=common.export_tolerance(fv.precision),
+            # The flags that change the checkpoint's tree (logits, optimizer slots, averages).
+            model_flags={
+                "num_classes": fv.num_classes,
+                "optimizer": fv.optimizer,
+                "moving_average": fv.moving_average,
+            },
+        )
+    )
 
 
 def run() -> None:

@@ -22,13 +22,17 @@ from absl import flags
 from estimax.models.inception_v4 import InceptionV4
 from estimax.programs import cli, inception_v3, schedules
 
-
 V4 = dataclasses.replace(
     inception_v3.V3,
     name="inception_v4",
     model=InceptionV4,
-    defaults={"train_batch_size": 256, "train_steps": 80000, "learning_rate": 0.15,
-              "use_annotated_bbox": True, "learning_rate_decay_epochs": 2},
+    defaults={
+        "train_batch_size": 256,
+        "train_steps": 80000,
+        "learning_rate": 0.15,
+        "use_annotated_bbox": True,
+        "learning_rate_decay_epochs": 2,
+    },
     schedule_flags=(
         ("cold_learning_rate", 0.001, "Learning rate of the first --cold_epochs."),
         ("cold_epochs", 1, "Epochs at --cold_learning_rate."),

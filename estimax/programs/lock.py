@@ -28,7 +28,8 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import fsspec
 from absl import logging
@@ -60,10 +61,17 @@ class WriterLock:
       pid_alive: whether a pid runs on this host (injectable for tests).
     """
 
-    def __init__(self, model_dir: str, *, heartbeat_secs: float = 60.0,
-                 stale_secs: float = 300.0, clock: Callable[[], float] = time.time,
-                 host: str | None = None, pid: int | None = None,
-                 pid_alive: Callable[[int], bool] = _pid_alive):
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        heartbeat_secs: float = 60.0,
+        stale_secs: float = 300.0,
+        clock: Callable[[], float] = time.time,
+        host: str | None = None,
+        pid: int | None = None,
+        pid_alive: Callable[[int], bool] = _pid_alive,
+    ):
         self.path = posixpath.join(model_dir, LOCK_FILE)
         self._fs, self._fs_path = fsspec.core.url_to_fs(self.path)
         self._local = "file" in self._fs.protocol
@@ -78,7 +86,7 @@ class WriterLock:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def __enter__(self) -> "WriterLock":
+    def __enter__(self) -> WriterLock:
         self.acquire()
         return self
 
@@ -107,7 +115,7 @@ class WriterLock:
 
     def acquire(self) -> None:
         """Takes the lock, or raises ``UsageError`` naming the trainer that holds it."""
-        self._fs.makedirs(self._fs._parent(self._fs_path), exist_ok=True)
+        self._fs.makedirs(posixpath.dirname(self._fs_path), exist_ok=True)
         holder = self.read()
         if holder is not None:
             reason = self.stale_reason(holder)
@@ -116,16 +124,24 @@ class WriterLock:
                     f"--model_dir is in use by another trainer: pid {holder.get('pid')} on host "
                     f"{holder.get('host')} (see {self.path}). Stop it or use another "
                     f"--model_dir; a lock left by a process that died is taken over "
-                    f"automatically.")
-            logging.warning("Taking over %s from pid %s on %s: %s.", self.path,
-                            holder.get("pid"), holder.get("host"), reason)
+                    f"automatically."
+                )
+            logging.warning(
+                "Taking over %s from pid %s on %s: %s.",
+                self.path,
+                holder.get("pid"),
+                holder.get("host"),
+                reason,
+            )
             self._fs.rm(self._fs_path)
         self._started = self._clock()
         self._write(exclusive=True)
         now = self.read() or {}
         if now.get("token") != self._token:
-            raise UsageError(f"--model_dir is in use by another trainer: pid {now.get('pid')} "
-                             f"on host {now.get('host')} took {self.path} at the same time.")
+            raise UsageError(
+                f"--model_dir is in use by another trainer: pid {now.get('pid')} "
+                f"on host {now.get('host')} took {self.path} at the same time."
+            )
         self._thread = threading.Thread(target=self._beat, name="writer-lock", daemon=True)
         self._thread.start()
 
@@ -139,8 +155,15 @@ class WriterLock:
             self._fs.rm(self._fs_path)
 
     def _content(self) -> str:
-        return json.dumps({"host": self.host, "pid": self.pid, "token": self._token,
-                           "started": self._started, "heartbeat": self._clock()})
+        return json.dumps(
+            {
+                "host": self.host,
+                "pid": self.pid,
+                "token": self._token,
+                "started": self._started,
+                "heartbeat": self._clock(),
+            }
+        )
 
     def _write(self, exclusive: bool = False) -> None:
         if exclusive and self._local:
@@ -150,7 +173,8 @@ class WriterLock:
                 holder = self.read() or {}
                 raise UsageError(
                     f"--model_dir is in use by another trainer: pid {holder.get('pid')} on host "
-                    f"{holder.get('host')} took {self.path} at the same time.") from None
+                    f"{holder.get('host')} took {self.path} at the same time."
+                ) from None
             with os.fdopen(fd, "w") as f:
                 f.write(self._content())
             return
@@ -160,8 +184,10 @@ class WriterLock:
         while not self._stop.wait(self.heartbeat_secs):
             try:
                 if (self.read() or {}).get("token") != self._token:
-                    logging.warning("%s was taken over by another trainer; this run no longer "
-                                    "holds it.", self.path)
+                    logging.warning(
+                        "%s was taken over by another trainer; this run no longer holds it.",
+                        self.path,
+                    )
                     return
                 self._write()
             except OSError as e:  # a transient store error must not end the training run

@@ -41,42 +41,92 @@ def define_flags(fv: flags.FlagValues) -> None:
     """Defines the original mnist_tpu.py flags (same names and defaults) on ``fv``."""
     c = MnistConfig
     common.define_tpu_flags(fv)
-    flags.DEFINE_string("data_dir", "", "Directory (local, gs:// or s3://) with train.tfrecords "
-                        "and validation.tfrecords.", flag_values=fv)
-    flags.DEFINE_string("model_dir", None, "Where checkpoints and TensorBoard summaries go "
-                        "(one trainer at a time).", flag_values=fv)
-    flags.DEFINE_integer("batch_size", 1024, "Mini-batch size for training and evaluation: the "
-                         "global batch size, not the per-shard batch.", lower_bound=1,
-                         flag_values=fv)
-    flags.DEFINE_integer("train_steps", 1000, "Total number of training steps.", lower_bound=1,
-                         flag_values=fv)
-    flags.DEFINE_integer("eval_steps", 0, "Number of eval batches; 0 skips evaluation (as the "
-                         "original). -1 evaluates every held-out example exactly once (estimax).",
-                         lower_bound=-1, flag_values=fv)
-    flags.DEFINE_float("learning_rate", c.learning_rate, "Initial learning rate (exponential "
-                       "decay 0.96 every 100000 steps, as the guide).", flag_values=fv)
-    flags.DEFINE_integer("iterations", 50, "Number of iterations per device loop "
-                         "(iterations_per_loop).", lower_bound=1, flag_values=fv)
-    flags.DEFINE_integer("num_shards", None, "Number of replicas (devices); default: every "
-                         "device this job sees. The original's default was 8 TPU cores.",
-                         lower_bound=1, flag_values=fv)
+    flags.DEFINE_string(
+        "data_dir",
+        "",
+        "Directory (local, gs:// or s3://) with train.tfrecords and validation.tfrecords.",
+        flag_values=fv,
+    )
+    flags.DEFINE_string(
+        "model_dir",
+        None,
+        "Where checkpoints and TensorBoard summaries go (one trainer at a time).",
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "batch_size",
+        1024,
+        "Mini-batch size for training and evaluation: the "
+        "global batch size, not the per-shard batch.",
+        lower_bound=1,
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "train_steps", 1000, "Total number of training steps.", lower_bound=1, flag_values=fv
+    )
+    flags.DEFINE_integer(
+        "eval_steps",
+        0,
+        "Number of eval batches; 0 skips evaluation (as the "
+        "original). -1 evaluates every held-out example exactly once (estimax).",
+        lower_bound=-1,
+        flag_values=fv,
+    )
+    flags.DEFINE_float(
+        "learning_rate",
+        c.learning_rate,
+        "Initial learning rate (exponential decay 0.96 every 100000 steps, as the guide).",
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "iterations",
+        50,
+        "Number of iterations per device loop (iterations_per_loop).",
+        lower_bound=1,
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "num_shards",
+        None,
+        "Number of replicas (devices); default: every "
+        "device this job sees. The original's default was 8 TPU cores.",
+        lower_bound=1,
+        flag_values=fv,
+    )
     # estimax additions.
-    flags.DEFINE_integer("dense_units", c.dense_units, "Width of the hidden dense layer (128 in "
-                         "the guide; the later mnist_tpu.py used 1024).", lower_bound=1,
-                         flag_values=fv)
-    flags.DEFINE_string("export_dir", None, "If set, publish the trained model for serving as "
-                        "the next numbered version here (estimax serve --model_base_path=DIR).",
-                        flag_values=fv)
-    flags.DEFINE_integer("save_checkpoints_steps", None, "Checkpoint every N steps (default: "
-                         "every 600 s and at the end).", lower_bound=1, flag_values=fv)
-    flags.DEFINE_bool("skip_bad_records", False, "Skip (and count, with a warning) records that "
-                      "cannot be read or parsed instead of stopping.", flag_values=fv)
+    flags.DEFINE_integer(
+        "dense_units",
+        c.dense_units,
+        "Width of the hidden dense layer (128 in the guide; the later mnist_tpu.py used 1024).",
+        lower_bound=1,
+        flag_values=fv,
+    )
+    flags.DEFINE_string(
+        "export_dir",
+        None,
+        "If set, publish the trained model for serving as "
+        "the next numbered version here (estimax serve --model_base_path=DIR).",
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "save_checkpoints_steps",
+        None,
+        "Checkpoint every N steps (default: every 600 s and at the end).",
+        lower_bound=1,
+        flag_values=fv,
+    )
+    flags.DEFINE_bool(
+        "skip_bad_records",
+        False,
+        "Skip (and count, with a warning) records that "
+        "cannot be read or parsed instead of stopping.",
+        flag_values=fv,
+    )
 
 
 def model_fn(features, labels, mode, params):
     """The guide's model_fn, on estimax: same layers, loss, schedule and optimizer."""
-    logits = MnistCNN(dense_units=params["dense_units"])(features,
-                                                          train=mode == ex.ModeKeys.TRAIN)
+    logits = MnistCNN(dense_units=params["dense_units"])(features, train=mode == ex.ModeKeys.TRAIN)
     # tf.train.exponential_decay(learning_rate, global_step, 100000, 0.96)
     learning_rate = schedules.mnist_schedule(params["learning_rate"])(ex.get_global_step())
     loss = None if labels is None else ex.losses.softmax_cross_entropy(logits, labels)
@@ -84,8 +134,7 @@ def model_fn(features, labels, mode, params):
         mode=mode,
         loss=loss,
         optimizer=optax.sgd(learning_rate),
-        eval_metrics=None if labels is None else {
-            "accuracy": ex.metrics.accuracy(labels, logits)},
+        eval_metrics=None if labels is None else {"accuracy": ex.metrics.accuracy(labels, logits)},
         predictions={"classes": logits.argmax(-1), "probabilities": jax.nn.softmax(logits)},
         scalars={"learning_rate": learning_rate},
     )
@@ -98,8 +147,10 @@ def load_tfrecords(path: str, skip_bad_records: bool = False) -> tuple[np.ndarra
       UsageError: the file is missing, empty, or (without ``skip_bad_records``) holds a record
         that is not an MNIST example.
     """
-    schema = {"image_raw": example.FixedLenFeature([], "string"),
-              "label": example.FixedLenFeature([], "int64")}
+    schema = {
+        "image_raw": example.FixedLenFeature([], "string"),
+        "label": example.FixedLenFeature([], "int64"),
+    }
     images, labels, skipped = [], [], 0
     try:
         for record in tfrecord.read_records(path):
@@ -107,12 +158,15 @@ def load_tfrecords(path: str, skip_bad_records: bool = False) -> tuple[np.ndarra
                 parsed = example.parse_example(record, schema)
                 image = np.frombuffer(parsed["image_raw"], np.uint8)
                 if image.size != 784:
-                    raise ValueError(f"image_raw must hold 784 bytes (28x28 uint8), found "
-                                     f"{image.size}")
+                    raise ValueError(
+                        f"image_raw must hold 784 bytes (28x28 uint8), found {image.size}"
+                    )
             except ValueError as e:
                 if not skip_bad_records:
-                    raise cli.UsageError(f"{path}: record {len(images) + skipped}: {e} (skip "
-                                         "such records with --skip_bad_records).") from None
+                    raise cli.UsageError(
+                        f"{path}: record {len(images) + skipped}: {e} (skip "
+                        "such records with --skip_bad_records)."
+                    ) from None
                 skipped += 1
                 continue
             images.append(image)
@@ -126,20 +180,21 @@ def load_tfrecords(path: str, skip_bad_records: bool = False) -> tuple[np.ndarra
     if not images:
         raise cli.UsageError(f"{path} holds no examples.")
     # As the guide's parser: [0, 255] -> [-0.5, 0.5].
-    return (np.stack(images).astype(np.float32) / 255.0 - 0.5,
-            np.asarray(labels, np.int32))
+    return (np.stack(images).astype(np.float32) / 255.0 - 0.5, np.asarray(labels, np.int32))
 
 
 def input_fn(path: str, is_training: bool, skip_bad_records: bool):
     """The Estimator's input function for one file, read when the Estimator first calls it."""
+
     @functools.cache
     def data() -> tuple[np.ndarray, np.ndarray]:
         return load_tfrecords(path, skip_bad_records)
 
     def fn(params: dict[str, Any]):
         x, y = data()
-        return ex.numpy_input_fn(x, y, shuffle=is_training,
-                                 num_epochs=None if is_training else 1)(params)
+        return ex.numpy_input_fn(x, y, shuffle=is_training, num_epochs=None if is_training else 1)(
+            params
+        )
 
     return fn
 
@@ -153,33 +208,50 @@ def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
     common.log_unused_tpu_flags(fv)
     common.check_locations(fv)
     data_dir = cli.check_location("data_dir", fv.data_dir, required=True)
-    files = {True: posixpath.join(data_dir, "train.tfrecords"),
-             False: posixpath.join(data_dir, "validation.tfrecords")}
+    files = {
+        True: posixpath.join(data_dir, "train.tfrecords"),
+        False: posixpath.join(data_dir, "validation.tfrecords"),
+    }
     for is_training in (True, False) if fv.eval_steps else (True,):
         fs, path = fsspec.core.url_to_fs(files[is_training])
         if not fs.exists(path):
             raise cli.UsageError(
                 f"{files[is_training]} does not exist. --data_dir must hold train.tfrecords and "
                 "validation.tfrecords (write them with: python -m estimax.tools.mnist_data "
-                "--output_dir=DIR).")
+                "--output_dir=DIR)."
+            )
     cfg = MnistConfig(learning_rate=fv.learning_rate, dense_units=fv.dense_units)
-    config = ex.RunConfig(model_dir=fv.model_dir, iterations_per_loop=fv.iterations,
-                          num_shards=fv.num_shards,
-                          save_checkpoints_steps=fv.save_checkpoints_steps)
+    config = ex.RunConfig(
+        model_dir=fv.model_dir,
+        iterations_per_loop=fv.iterations,
+        num_shards=fv.num_shards,
+        save_checkpoints_steps=fv.save_checkpoints_steps,
+    )
     # Train to --train_steps, then one evaluation of --eval_steps batches (0: none).
     loop = common.LoopConfig(
-        mode="train_and_eval" if fv.eval_steps else "train", train_steps=fv.train_steps,
-        steps_per_eval=fv.train_steps, eval_steps=None if fv.eval_steps < 0 else fv.eval_steps,
-        export_dir=fv.export_dir)
-    return common.run(common.Job(
-        program="mnist", config=config, loop=loop, params=dataclasses.asdict(cfg),
-        model_flags={"dense_units": fv.dense_units}, model_fn=model_fn,
-        batch_sizes=(fv.batch_size, fv.batch_size),
-        input_fn=lambda is_training: input_fn(files[is_training], is_training,
-                                              fv.skip_bad_records),
-        serving=ex.TensorSpec((None, 784), np.float32),
-        check_inputs=lambda: load_tfrecords(files[False], fv.skip_bad_records)[0][:16],
-        metrics=(("accuracy",), "held-out examples")))
+        mode="train_and_eval" if fv.eval_steps else "train",
+        train_steps=fv.train_steps,
+        steps_per_eval=fv.train_steps,
+        eval_steps=None if fv.eval_steps < 0 else fv.eval_steps,
+        export_dir=fv.export_dir,
+    )
+    return common.run(
+        common.Job(
+            program="mnist",
+            config=config,
+            loop=loop,
+            params=dataclasses.asdict(cfg),
+            model_flags={"dense_units": fv.dense_units},
+            model_fn=model_fn,
+            batch_sizes=(fv.batch_size, fv.batch_size),
+            input_fn=lambda is_training: input_fn(
+                files[is_training], is_training, fv.skip_bad_records
+            ),
+            serving=ex.TensorSpec((None, 784), np.float32),
+            check_inputs=lambda: load_tfrecords(files[False], fv.skip_bad_records)[0][:16],
+            metrics=(("accuracy",), "held-out examples"),
+        )
+    )
 
 
 def run() -> None:

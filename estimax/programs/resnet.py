@@ -34,7 +34,6 @@ from estimax.data import bigtable, imagenet, preprocessing
 from estimax.models.resnet import RESNET_DEPTHS, resnet_v1
 from estimax.programs import cli, common, logs, schedules
 
-
 # What the result line shows: "Eval results at step N: top_1_accuracy = ... on N images".
 METRICS = (("top_1_accuracy", "top_5_accuracy"), "images")
 
@@ -64,90 +63,216 @@ def define_flags(fv: flags.FlagValues) -> None:
     c = ResNetConfig
     common.define_tpu_flags(fv)
     common.define_run_flags(
-        fv, data_dir_default=common.FAKE_DATA_DIR, steps_per_eval_flag="steps_per_eval",
-        precision_default=c.precision, data_dir_help=(
+        fv,
+        data_dir_default=common.FAKE_DATA_DIR,
+        steps_per_eval_flag="steps_per_eval",
+        precision_default=c.precision,
+        data_dir_help=(
             "Directory of the ImageNet TFRecords (train-* and validation-*), local, gs:// or "
             "s3://. The default, the original's public fake ImageNet bucket, cannot be reached "
             "from here: it means random fake data, with a warning. 'fake': random images; "
             "'null': zero images with label 0 (the original's null input). Not used with "
-            "--bigtable_instance."))
-    flags.DEFINE_integer("resnet_depth", c.resnet_depth, "Depth of ResNet: one of "
-                         f"{', '.join(map(str, sorted(RESNET_DEPTHS)))}.", flag_values=fv)
-    flags.DEFINE_integer("train_steps", 112590, "Number of training steps (global, absolute; "
-                         "112590 is about 90 epochs at batch 1024).", lower_bound=1,
-                         flag_values=fv)
-    flags.DEFINE_integer("train_batch_size", c.train_batch_size, "Global batch size for "
-                         "training.", lower_bound=1, flag_values=fv)
-    flags.DEFINE_integer("eval_batch_size", 1024, "Global batch size for evaluation.",
-                         lower_bound=1, flag_values=fv)
-    flags.DEFINE_integer("num_train_images", c.num_train_images, "Size of the training set (for "
-                         "epochs and the learning-rate schedule).", lower_bound=1, flag_values=fv)
-    flags.DEFINE_integer("num_eval_images", imagenet.NUM_EVAL_IMAGES, "Size of the evaluation "
-                         "set. estimax evaluates every one exactly once (the original dropped the "
-                         "remainder of num_eval_images / eval_batch_size).", lower_bound=1,
-                         flag_values=fv)
-    flags.DEFINE_integer("num_label_classes", c.num_label_classes, "Number of classes.",
-                         lower_bound=2, flag_values=fv)
-    flags.DEFINE_integer("steps_per_eval", 1251, "Training steps between evaluations in "
-                         "train_and_eval mode.", lower_bound=1, flag_values=fv)
-    flags.DEFINE_bool("skip_host_call", not c.write_scalars, "Do not write learning_rate and "
-                      "current_epoch to TensorBoard (the original's host_call).", flag_values=fv)
-    flags.DEFINE_integer("iterations_per_loop", 1251, "Training steps per device call (on CPU "
-                         "they are dispatched one by one, still with one host sync per loop).",
-                         lower_bound=1, flag_values=fv)
-    flags.DEFINE_integer("num_cores", 8, "Number of replicas (devices) to train on; if this job "
-                         "has fewer devices, all of them are used (with a warning).",
-                         lower_bound=1, flag_values=fv)
-    flags.DEFINE_integer("num_parallel_calls", 8, "Parallel JPEG decode/preprocess workers.",
-                         lower_bound=1, flag_values=fv)
-    flags.DEFINE_string("data_format", "channels_last", f"{common.UNUSED_HELP}: the models are "
-                        "NHWC and XLA picks device layouts itself.", flag_values=fv)
-    flags.DEFINE_bool("transpose_input", True, f"{common.UNUSED_HELP}: it fed the TPU infeed in "
-                      "HWCN layout.", flag_values=fv)
-    flags.DEFINE_bool("export_to_tpu", False, f"{common.UNUSED_HELP}: every export is lowered for "
-                      "cpu, cuda and tpu.", flag_values=fv)
-    flags.DEFINE_float("base_learning_rate", c.base_learning_rate, "Learning rate for a batch of "
-                       "256; scaled linearly by train_batch_size / 256.", flag_values=fv)
-    flags.DEFINE_float("momentum", c.momentum, "Nesterov momentum of the SGD optimizer.",
-                       flag_values=fv)
-    flags.DEFINE_float("weight_decay", c.weight_decay, "L2 weight decay on every weight but batch "
-                       "norm's.", flag_values=fv)
-    flags.DEFINE_float("label_smoothing", c.label_smoothing, "Label smoothing of the "
-                       "cross-entropy.", lower_bound=0.0, upper_bound=1.0, flag_values=fv)
-    flags.DEFINE_integer("log_step_count_steps", 64, "Log 'loss = X, step = N' and the speed "
-                         "every N steps.", lower_bound=1, flag_values=fv)
-    flags.DEFINE_bool("enable_lars", False, "LARS optimizer; the original used it only when "
-                      "train_batch_size >= 16384, which estimax does not implement (it stops "
-                      "with a message in that case).", flag_values=fv)
-    flags.DEFINE_float("poly_rate", 0.0, "LARS polynomial decay power (only with LARS).",
-                       flag_values=fv)
-    flags.DEFINE_bool("use_cache", True, f"{common.UNUSED_HELP}: the loader re-reads the files "
-                      "each epoch; the OS page cache does what tf.data's cache() did.",
-                      flag_values=fv)
-    flags.DEFINE_bool("use_async_checkpointing", False, "estimax checkpoints are always "
-                      "asynchronous (Orbax); accepted for compatibility.", flag_values=fv)
-    flags.DEFINE_integer("image_size", 224, "Side of the square images the network sees.",
-                         lower_bound=1, flag_values=fv)
-    flags.DEFINE_integer("profile_every_n_steps", 0, f"{common.UNUSED_HELP}: use jax.profiler.",
-                         flag_values=fv)
+            "--bigtable_instance."
+        ),
+    )
+    flags.DEFINE_integer(
+        "resnet_depth",
+        c.resnet_depth,
+        f"Depth of ResNet: one of {', '.join(map(str, sorted(RESNET_DEPTHS)))}.",
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "train_steps",
+        112590,
+        "Number of training steps (global, absolute; 112590 is about 90 epochs at batch 1024).",
+        lower_bound=1,
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "train_batch_size",
+        c.train_batch_size,
+        "Global batch size for training.",
+        lower_bound=1,
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "eval_batch_size", 1024, "Global batch size for evaluation.", lower_bound=1, flag_values=fv
+    )
+    flags.DEFINE_integer(
+        "num_train_images",
+        c.num_train_images,
+        "Size of the training set (for epochs and the learning-rate schedule).",
+        lower_bound=1,
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "num_eval_images",
+        imagenet.NUM_EVAL_IMAGES,
+        "Size of the evaluation "
+        "set. estimax evaluates every one exactly once (the original dropped the "
+        "remainder of num_eval_images / eval_batch_size).",
+        lower_bound=1,
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "num_label_classes",
+        c.num_label_classes,
+        "Number of classes.",
+        lower_bound=2,
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "steps_per_eval",
+        1251,
+        "Training steps between evaluations in train_and_eval mode.",
+        lower_bound=1,
+        flag_values=fv,
+    )
+    flags.DEFINE_bool(
+        "skip_host_call",
+        not c.write_scalars,
+        "Do not write learning_rate and current_epoch to TensorBoard (the original's host_call).",
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "iterations_per_loop",
+        1251,
+        "Training steps per device call (on CPU "
+        "they are dispatched one by one, still with one host sync per loop).",
+        lower_bound=1,
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "num_cores",
+        8,
+        "Number of replicas (devices) to train on; if this job "
+        "has fewer devices, all of them are used (with a warning).",
+        lower_bound=1,
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "num_parallel_calls",
+        8,
+        "Parallel JPEG decode/preprocess workers.",
+        lower_bound=1,
+        flag_values=fv,
+    )
+    flags.DEFINE_string(
+        "data_format",
+        "channels_last",
+        f"{common.UNUSED_HELP}: the models are NHWC and XLA picks device layouts itself.",
+        flag_values=fv,
+    )
+    flags.DEFINE_bool(
+        "transpose_input",
+        True,
+        f"{common.UNUSED_HELP}: it fed the TPU infeed in HWCN layout.",
+        flag_values=fv,
+    )
+    flags.DEFINE_bool(
+        "export_to_tpu",
+        False,
+        f"{common.UNUSED_HELP}: every export is lowered for cpu, cuda and tpu.",
+        flag_values=fv,
+    )
+    flags.DEFINE_float(
+        "base_learning_rate",
+        c.base_learning_rate,
+        "Learning rate for a batch of 256; scaled linearly by train_batch_size / 256.",
+        flag_values=fv,
+    )
+    flags.DEFINE_float(
+        "momentum", c.momentum, "Nesterov momentum of the SGD optimizer.", flag_values=fv
+    )
+    flags.DEFINE_float(
+        "weight_decay",
+        c.weight_decay,
+        "L2 weight decay on every weight but batch norm's.",
+        flag_values=fv,
+    )
+    flags.DEFINE_float(
+        "label_smoothing",
+        c.label_smoothing,
+        "Label smoothing of the cross-entropy.",
+        lower_bound=0.0,
+        upper_bound=1.0,
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "log_step_count_steps",
+        64,
+        "Log 'loss = X, step = N' and the speed every N steps.",
+        lower_bound=1,
+        flag_values=fv,
+    )
+    flags.DEFINE_bool(
+        "enable_lars",
+        False,
+        "LARS optimizer; the original used it only when "
+        "train_batch_size >= 16384, which estimax does not implement (it stops "
+        "with a message in that case).",
+        flag_values=fv,
+    )
+    flags.DEFINE_float(
+        "poly_rate", 0.0, "LARS polynomial decay power (only with LARS).", flag_values=fv
+    )
+    flags.DEFINE_bool(
+        "use_cache",
+        True,
+        f"{common.UNUSED_HELP}: the loader re-reads the files "
+        "each epoch; the OS page cache does what tf.data's cache() did.",
+        flag_values=fv,
+    )
+    flags.DEFINE_bool(
+        "use_async_checkpointing",
+        False,
+        "estimax checkpoints are always asynchronous (Orbax); accepted for compatibility.",
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "image_size",
+        224,
+        "Side of the square images the network sees.",
+        lower_bound=1,
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "profile_every_n_steps", 0, f"{common.UNUSED_HELP}: use jax.profiler.", flag_values=fv
+    )
     for name, default, help_text in BIGTABLE_FLAGS:
         flags.DEFINE_string(name, default, f"Cloud Bigtable input: {help_text}", flag_values=fv)
     # estimax additions.
-    flags.DEFINE_integer("save_checkpoints_steps", None, "Checkpoint every N steps (default: "
-                         "max(100, iterations_per_loop), as the original).", lower_bound=1,
-                         flag_values=fv)
+    flags.DEFINE_integer(
+        "save_checkpoints_steps",
+        None,
+        "Checkpoint every N steps (default: max(100, iterations_per_loop), as the original).",
+        lower_bound=1,
+        flag_values=fv,
+    )
 
 
 # The --bigtable_* flags: (name, default, help).
 BIGTABLE_FLAGS = (
-    ("bigtable_project", None, "the table's Google Cloud project (default: the credentials' "
-     "project, or the emulator's when BIGTABLE_EMULATOR_HOST is set)."),
-    ("bigtable_instance", None, "read the tf.Examples from the rows of --bigtable_table in this "
-     "instance instead of --data_dir (one serialized tf.Example per row; load a table with "
-     "`estimax-convert to-bigtable`)."),
+    (
+        "bigtable_project",
+        None,
+        "the table's Google Cloud project (default: the credentials' "
+        "project, or the emulator's when BIGTABLE_EMULATOR_HOST is set).",
+    ),
+    (
+        "bigtable_instance",
+        None,
+        "read the tf.Examples from the rows of --bigtable_table in this "
+        "instance instead of --data_dir (one serialized tf.Example per row; load a table with "
+        "`estimax-convert to-bigtable`).",
+    ),
     ("bigtable_table", "imagenet", "the table."),
-    ("bigtable_train_prefix", "train_", "row key prefix of the training rows (keys "
-     "<prefix><10-digit index>, e.g. train_0000003892)."),
+    (
+        "bigtable_train_prefix",
+        "train_",
+        "row key prefix of the training rows (keys "
+        "<prefix><10-digit index>, e.g. train_0000003892).",
+    ),
     ("bigtable_eval_prefix", "validation_", "row key prefix of the evaluation rows."),
     ("bigtable_column_family", "tfexample", "column family of the tf.Example cell."),
     ("bigtable_column_qualifier", "example", "column qualifier of the tf.Example cell."),
@@ -156,16 +281,16 @@ BIGTABLE_FLAGS = (
 
 def build_model(cfg: ResNetConfig) -> nn.Module:
     """The network of ``cfg``: ResNet v1 of ``resnet_depth``, computing in ``precision``."""
-    kwargs: dict[str, Any] = {"dtype": jnp.bfloat16 if cfg.precision == "bfloat16"
-                              else jnp.float32}
+    kwargs: dict[str, Any] = {"dtype": jnp.bfloat16 if cfg.precision == "bfloat16" else jnp.float32}
     kwargs.update(ops.fast_layers() if cfg.cpu_fast_ops else ops.standard_layers())
     return resnet_v1(cfg.resnet_depth, cfg.num_label_classes, **kwargs)
 
 
 def make_model_fn(cfg: ResNetConfig):
     """Returns ``model_fn(features, labels, mode, params)``: resnet_main.py's resnet_model_fn."""
-    schedule = schedules.resnet_schedule(cfg.base_learning_rate, cfg.train_batch_size,
-                                         cfg.num_train_images)
+    schedule = schedules.resnet_schedule(
+        cfg.base_learning_rate, cfg.train_batch_size, cfg.num_train_images
+    )
 
     def model_fn(features, labels, mode, params):
         """features: [B, S, S, 3] uint8 (or float) in [0, 255]; labels: [B] int32 in [0, C)."""
@@ -176,20 +301,25 @@ def make_model_fn(cfg: ResNetConfig):
         # Normalised on the device, as the original, so the host ships uint8.
         images = preprocessing.normalize(features, jnp, dtype=model.dtype)
         logits = model(images, train=mode == ex.ModeKeys.TRAIN)  # float32
-        predictions = {"classes": jnp.argmax(logits, axis=1),
-                       "probabilities": jax.nn.softmax(logits)}
+        predictions = {
+            "classes": jnp.argmax(logits, axis=1),
+            "probabilities": jax.nn.softmax(logits),
+        }
         if mode == ex.ModeKeys.PREDICT:
-            return ex.EstimatorSpec(mode=mode, predictions=predictions,
-                                    export_outputs={"classify": predictions})
-        loss = ex.losses.softmax_cross_entropy(logits, labels,
-                                               label_smoothing=cfg.label_smoothing)
+            return ex.EstimatorSpec(
+                mode=mode, predictions=predictions, export_outputs={"classify": predictions}
+            )
+        loss = ex.losses.softmax_cross_entropy(logits, labels, label_smoothing=cfg.label_smoothing)
         step = ex.get_global_step()
         learning_rate = schedule(step)
         scalars = None
         if cfg.write_scalars:
-            scalars = {"learning_rate": learning_rate,
-                       "current_epoch": schedules.current_epoch(step, cfg.train_batch_size,
-                                                                cfg.num_train_images)}
+            scalars = {
+                "learning_rate": learning_rate,
+                "current_epoch": schedules.current_epoch(
+                    step, cfg.train_batch_size, cfg.num_train_images
+                ),
+            }
         return ex.EstimatorSpec(
             mode=mode,
             loss=loss,
@@ -198,8 +328,10 @@ def make_model_fn(cfg: ResNetConfig):
             optimizer=optax.sgd(schedule, momentum=cfg.momentum, nesterov=True),
             # The Estimator adds weight_decay * sum(l2_loss(w)) over non-batch-norm weights.
             weight_decay=cfg.weight_decay,
-            eval_metrics={"top_1_accuracy": ex.metrics.accuracy(labels, logits),
-                          "top_5_accuracy": ex.metrics.top_k_accuracy(labels, logits, k=5)},
+            eval_metrics={
+                "top_1_accuracy": ex.metrics.accuracy(labels, logits),
+                "top_5_accuracy": ex.metrics.top_k_accuracy(labels, logits, k=5),
+            },
             predictions=predictions,
             scalars=scalars,
         )
@@ -210,9 +342,14 @@ def make_model_fn(cfg: ResNetConfig):
 def bigtable_table(fv: flags.FlagValues) -> bigtable.BigtableTable:
     """The ``--bigtable_*`` flags as the input's table spec."""
     return bigtable.BigtableTable(
-        project=fv.bigtable_project, instance=fv.bigtable_instance, table=fv.bigtable_table,
-        train_prefix=fv.bigtable_train_prefix, eval_prefix=fv.bigtable_eval_prefix,
-        column_family=fv.bigtable_column_family, column_qualifier=fv.bigtable_column_qualifier)
+        project=fv.bigtable_project,
+        instance=fv.bigtable_instance,
+        table=fv.bigtable_table,
+        train_prefix=fv.bigtable_train_prefix,
+        eval_prefix=fv.bigtable_eval_prefix,
+        column_family=fv.bigtable_column_family,
+        column_qualifier=fv.bigtable_column_qualifier,
+    )
 
 
 def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
@@ -224,49 +361,82 @@ def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
         raise cli.UsageError(
             f"--enable_lars with --train_batch_size={fv.train_batch_size}: LARS is not "
             "implemented in estimax. Use a batch below 16384 (SGD with momentum, as the "
-            "original did there) or --noenable_lars.")
+            "original did there) or --noenable_lars."
+        )
     if fv.resnet_depth not in RESNET_DEPTHS:
-        raise cli.UsageError(f"--resnet_depth={fv.resnet_depth}: must be one of "
-                             f"{sorted(RESNET_DEPTHS)}.")
+        raise cli.UsageError(
+            f"--resnet_depth={fv.resnet_depth}: must be one of {sorted(RESNET_DEPTHS)}."
+        )
     notes: list[str] = []
     data_dir = None
     inputs = functools.partial(
-        imagenet.input_fn, image_size=fv.image_size, preprocessing="resnet",
-        num_parallel_calls=fv.num_parallel_calls, fake_eval_examples=fv.num_eval_images,
-        num_classes=fv.num_label_classes, skip_bad_records=fv.skip_bad_records)
+        imagenet.input_fn,
+        image_size=fv.image_size,
+        preprocessing="resnet",
+        num_parallel_calls=fv.num_parallel_calls,
+        fake_eval_examples=fv.num_eval_images,
+        num_classes=fv.num_label_classes,
+        skip_bad_records=fv.skip_bad_records,
+    )
     cli.check_given(fv, tuple(name for name, _, _ in BIGTABLE_FLAGS))
     if fv.bigtable_instance:
-        logging.info("Reading the tf.Examples from Cloud Bigtable (--bigtable_instance); "
-                     "--data_dir is not used")
+        logging.info(
+            "Reading the tf.Examples from Cloud Bigtable (--bigtable_instance); "
+            "--data_dir is not used"
+        )
         inputs = functools.partial(inputs, None, bigtable=bigtable_table(fv))
     else:
         data_dir, fake_kind, notes = common.check_data(fv.data_dir, fv.mode)
         inputs = functools.partial(inputs, data_dir, fake_data=fake_kind)
     cfg = ResNetConfig(
-        resnet_depth=fv.resnet_depth, num_label_classes=fv.num_label_classes,
-        precision=fv.precision, base_learning_rate=fv.base_learning_rate, momentum=fv.momentum,
-        weight_decay=fv.weight_decay, label_smoothing=fv.label_smoothing,
-        train_batch_size=fv.train_batch_size, num_train_images=fv.num_train_images,
-        write_scalars=not fv.skip_host_call, cpu_fast_ops=fv.cpu_fast_ops)
+        resnet_depth=fv.resnet_depth,
+        num_label_classes=fv.num_label_classes,
+        precision=fv.precision,
+        base_learning_rate=fv.base_learning_rate,
+        momentum=fv.momentum,
+        weight_decay=fv.weight_decay,
+        label_smoothing=fv.label_smoothing,
+        train_batch_size=fv.train_batch_size,
+        num_train_images=fv.num_train_images,
+        write_scalars=not fv.skip_host_call,
+        cpu_fast_ops=fv.cpu_fast_ops,
+    )
     config = ex.RunConfig(
-        model_dir=fv.model_dir, iterations_per_loop=fv.iterations_per_loop,
+        model_dir=fv.model_dir,
+        iterations_per_loop=fv.iterations_per_loop,
         num_shards=common.resolve_num_shards(fv.num_cores, "num_cores"),
         save_checkpoints_steps=fv.save_checkpoints_steps or max(100, fv.iterations_per_loop),
-        keep_checkpoint_max=fv.keep_checkpoint_max, log_step_count_steps=fv.log_step_count_steps)
-    loop = common.LoopConfig.from_flags(fv, steps_per_eval=fv.steps_per_eval,
-                                        eval_examples=fv.num_eval_images,
-                                        train_examples=fv.num_train_images)
-    return common.run(common.Job(
-        program="resnet", config=config, loop=loop, notes=tuple(notes), input_fn=inputs,
-        batch_sizes=(fv.train_batch_size, fv.eval_batch_size), model_fn=make_model_fn(cfg),
-        # As the original's image_serving_input_fn, clients send JPEG/PNG bytes; the server
-        # applies estimax's eval preprocessing, the export takes its uint8 [0, 255] images.
-        serving=ex.TensorSpec((None, fv.image_size, fv.image_size, 3), np.uint8),
-        preprocessing=serving.resnet_eval(fv.image_size),
-        check_inputs=lambda: common.sample_images(data_dir),
-        export_tolerance=common.export_tolerance(fv.precision),
-        metrics=METRICS, model_flags={"resnet_depth": fv.resnet_depth,
-                                      "num_label_classes": fv.num_label_classes}))
+        keep_checkpoint_max=fv.keep_checkpoint_max,
+        log_step_count_steps=fv.log_step_count_steps,
+    )
+    loop = common.LoopConfig.from_flags(
+        fv,
+        steps_per_eval=fv.steps_per_eval,
+        eval_examples=fv.num_eval_images,
+        train_examples=fv.num_train_images,
+    )
+    return common.run(
+        common.Job(
+            program="resnet",
+            config=config,
+            loop=loop,
+            notes=tuple(notes),
+            input_fn=inputs,
+            batch_sizes=(fv.train_batch_size, fv.eval_batch_size),
+            model_fn=make_model_fn(cfg),
+            # As the original's image_serving_input_fn, clients send JPEG/PNG bytes; the server
+            # applies estimax's eval preprocessing, the export takes its uint8 [0, 255] images.
+            serving=ex.TensorSpec((None, fv.image_size, fv.image_size, 3), np.uint8),
+            preprocessing=serving.resnet_eval(fv.image_size),
+            check_inputs=lambda: common.sample_images(data_dir),
+            export_tolerance=common.export_tolerance(fv.precision),
+            metrics=METRICS,
+            model_flags={
+                "resnet_depth": fv.resnet_depth,
+                "num_label_classes": fv.num_label_classes,
+            },
+        )
+    )
 
 
 def run() -> None:

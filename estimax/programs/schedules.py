@@ -14,7 +14,7 @@ particular models; ``estimax.estimator`` knows no model.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax.numpy as jnp
 import optax
@@ -22,6 +22,7 @@ import optax
 # ImageNet's train-set size, the default of every original program (--num_train_images); stated
 # once, in the ImageNet input.
 from estimax.data.imagenet import NUM_TRAIN_IMAGES
+
 # ResNet's (start epoch, multiplier) decay points after warm-up (LR_SCHEDULE in resnet_main.py).
 RESNET_BOUNDARIES = ((30, 0.1), (60, 0.01), (80, 0.001))
 
@@ -34,13 +35,16 @@ def _batches_per_epoch(train_batch_size: int, num_train_images: int) -> float:
     return num_train_images / train_batch_size
 
 
-def _staircase_decay(initial: float, decay: float, decay_epochs: float,
-                     batches_per_epoch: float) -> optax.Schedule:
+def _staircase_decay(
+    initial: float, decay: float, decay_epochs: float, batches_per_epoch: float
+) -> optax.Schedule:
     """``initial * decay ** floor(step / int(decay_epochs * batches_per_epoch))`` (Inception)."""
     decay_steps = int(decay_epochs * batches_per_epoch)
     if decay_steps <= 0:
-        raise ValueError(f"learning_rate_decay_epochs={decay_epochs} is less than one step "
-                         f"({batches_per_epoch:g} steps per epoch)")
+        raise ValueError(
+            f"learning_rate_decay_epochs={decay_epochs} is less than one step "
+            f"({batches_per_epoch:g} steps per epoch)"
+        )
     return optax.exponential_decay(initial, decay_steps, decay, staircase=True)
 
 
@@ -96,8 +100,10 @@ def resnet_schedule(
         # 2019-01 get_lr_schedule: the 90-epoch recipe compressed/stretched to train_steps.
         steps_per_epoch = math.floor(num_train_images / train_batch_size)
         if steps_per_epoch <= 0:
-            raise ValueError(f"train_batch_size={train_batch_size} exceeds num_train_images="
-                             f"{num_train_images}; an epoch must hold at least one step")
+            raise ValueError(
+                f"train_batch_size={train_batch_size} exceeds num_train_images="
+                f"{num_train_images}; an epoch must hold at least one step"
+            )
         train_epochs = train_steps / steps_per_epoch
         starts = [(m, float(math.floor(e / 90 * train_epochs))) for m, e in starts]
     bpe = _batches_per_epoch(train_batch_size, num_train_images)
@@ -151,8 +157,9 @@ def inception_v3_schedule(
     final = 0.0001 * initial
     bpe = _batches_per_epoch(train_batch_size, num_train_images)
     decayed = _staircase_decay(initial, learning_rate_decay, learning_rate_decay_epochs, bpe)
-    adj = initial * learning_rate_decay ** ((warmup_epochs + cold_epochs)
-                                            / learning_rate_decay_epochs)
+    adj = initial * learning_rate_decay ** (
+        (warmup_epochs + cold_epochs) / learning_rate_decay_epochs
+    )
     wlr = 0.1 * adj
     wlr_height = 0.9 * adj / (warmup_epochs + learning_rate_decay_epochs - 1)
     exp_decay_start = warmup_epochs + cold_epochs + learning_rate_decay_epochs
@@ -163,11 +170,14 @@ def inception_v3_schedule(
         if use_learning_rate_warmup:
             # The original truncates the epoch to an int32 for the warm-up ramp.
             epoch = (step.astype(jnp.float32) / jnp.float32(bpe)).astype(jnp.int32)
-            lin_inc = jnp.float32(wlr) + (epoch - (cold_epochs - 1)).astype(jnp.float32) * \
-                jnp.float32(wlr_height)
-            lr = jnp.where(epoch >= cold_epochs,
-                           jnp.where(epoch >= exp_decay_start, lr, lin_inc),
-                           jnp.float32(wlr))
+            lin_inc = jnp.float32(wlr) + (epoch - (cold_epochs - 1)).astype(
+                jnp.float32
+            ) * jnp.float32(wlr_height)
+            lr = jnp.where(
+                epoch >= cold_epochs,
+                jnp.where(epoch >= exp_decay_start, lr, lin_inc),
+                jnp.float32(wlr),
+            )
         return jnp.maximum(lr, jnp.float32(final))
 
     return schedule
@@ -213,18 +223,23 @@ def inception_v4_schedule(
     def schedule(step):
         step = jnp.asarray(step)
         epoch = (step.astype(jnp.float32) / jnp.float32(bpe)).astype(jnp.int32)
-        lr = jnp.where(epoch >= cold_epochs,
-                       jnp.where(epoch >= warmup_epochs + cold_epochs,
-                                 jnp.asarray(decayed(step), jnp.float32),
-                                 epoch.astype(jnp.float32) * jnp.float32(wlr)),
-                       jnp.float32(cold_learning_rate))
+        lr = jnp.where(
+            epoch >= cold_epochs,
+            jnp.where(
+                epoch >= warmup_epochs + cold_epochs,
+                jnp.asarray(decayed(step), jnp.float32),
+                epoch.astype(jnp.float32) * jnp.float32(wlr),
+            ),
+            jnp.float32(cold_learning_rate),
+        )
         return jnp.maximum(lr, jnp.float32(final))
 
     return schedule
 
 
-def mnist_schedule(learning_rate: float = 0.05, decay_steps: int = 100000,
-                   decay_rate: float = 0.96) -> optax.Schedule:
+def mnist_schedule(
+    learning_rate: float = 0.05, decay_steps: int = 100000, decay_rate: float = 0.96
+) -> optax.Schedule:
     """MNIST: ``tf.train.exponential_decay(0.05, step, 100000, 0.96)`` (continuous, not staircase).
 
     Args:

@@ -18,10 +18,18 @@ Serving needs JAX and the export directory only: nothing here imports the model'
 from estimax.serving.artifact import ExportedModel, load
 from estimax.serving.preprocess import Preprocessing, inception_eval, resnet_eval
 from estimax.serving.servable import InvalidInput, Servable
-from estimax.serving.versions import (ExportCheckError, check_version, export_version,
-                                      list_versions)
+from estimax.serving.versions import ExportCheckError, check_version, export_version, list_versions
 
 __all__ = [
-    "ExportCheckError", "ExportedModel", "InvalidInput", "Preprocessing", "Servable",
-    "check_version", "export_version", "inception_eval", "list_versions", "load", "resnet_eval",
+    "ExportCheckError",
+    "ExportedModel",
+    "InvalidInput",
+    "Preprocessing",
+    "Servable",
+    "check_version",
+    "export_version",
+    "inception_eval",
+    "list_versions",
+    "load",
+    "resnet_eval",
 ]

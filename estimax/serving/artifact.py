@@ -23,7 +23,8 @@ VARIABLES_FILE = "variables.msgpack"
 SIGNATURE_FILE = "signature.json"
 
 
-def _is_leaf_spec(x: Any) -> bool:
+def is_leaf_spec(x: Any) -> bool:
+    """Whether ``x`` is one ``{"shape", "dtype"}`` spec rather than a tree of them."""
     return isinstance(x, dict) and set(x) == {"shape", "dtype"}
 
 
@@ -32,12 +33,12 @@ def named_specs(tree: Any, single_name: str) -> dict[str, dict]:
 
     A single unnamed tensor gets ``single_name``; nested dicts join their keys with "/".
     """
-    if _is_leaf_spec(tree):
+    if is_leaf_spec(tree):
         return {single_name: tree}
     out: dict[str, dict] = {}
 
     def walk(prefix: str, node: Any) -> None:
-        if _is_leaf_spec(node):
+        if is_leaf_spec(node):
             out[prefix] = node
         elif isinstance(node, dict):
             for k, v in node.items():
@@ -62,7 +63,8 @@ class ExportedModel:
         for name in (MODEL_FILE, VARIABLES_FILE, SIGNATURE_FILE):
             if not fs.exists(posixpath.join(root, name)):
                 raise FileNotFoundError(
-                    f"{export_dir} is not an estimax export: {name} is missing.")
+                    f"{export_dir} is not an estimax export: {name} is missing."
+                )
         with fs.open(posixpath.join(root, MODEL_FILE), "rb") as f:
             self._exported = jax.export.deserialize(bytearray(f.read()))
         with fs.open(posixpath.join(root, VARIABLES_FILE), "rb") as f:
@@ -72,8 +74,10 @@ class ExportedModel:
         platform = jax.default_backend()
         platforms = [p.lower() for p in self._exported.platforms]
         if platform not in platforms and not (platform == "gpu" and "cuda" in platforms):
-            raise ValueError(f"{export_dir} was lowered for {platforms}, not for this machine's "
-                             f"{platform}: export it again with platforms including {platform!r}.")
+            raise ValueError(
+                f"{export_dir} was lowered for {platforms}, not for this machine's "
+                f"{platform}: export it again with platforms including {platform!r}."
+            )
         self._variables = jax.device_put(variables)
         self._call = jax.jit(self._exported.call)
         self.export_dir = export_dir

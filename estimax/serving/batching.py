@@ -18,8 +18,9 @@ import asyncio
 import collections
 import dataclasses
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -56,15 +57,18 @@ class BatchingOptions:
         if self.max_enqueued_batches < 1 or self.num_batch_threads < 1:
             raise ValueError("--max_enqueued_batches and --num_batch_threads must be >= 1")
         sizes = list(self.allowed_batch_sizes)
-        if sizes and (sizes != sorted(set(sizes)) or sizes[-1] != self.max_batch_size
-                      or sizes[0] < 1):
-            raise ValueError("--allowed_batch_sizes must increase and end with --max_batch_size "
-                             f"({self.max_batch_size}), got {sizes}")
+        if sizes and (
+            sizes != sorted(set(sizes)) or sizes[-1] != self.max_batch_size or sizes[0] < 1
+        ):
+            raise ValueError(
+                "--allowed_batch_sizes must increase and end with --max_batch_size "
+                f"({self.max_batch_size}), got {sizes}"
+            )
 
 
 @dataclasses.dataclass
 class _Task:
-    key: Any                      # the servable: tasks of different versions never share a batch
+    key: Any  # the servable: tasks of different versions never share a batch
     run: Callable[[dict], dict]
     features: dict[str, np.ndarray]
     size: int
@@ -75,8 +79,12 @@ class _Task:
 class Batcher:
     """Merges concurrent ``submit`` calls into batches (see the module docstring)."""
 
-    def __init__(self, options: BatchingOptions, executor: Executor,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        options: BatchingOptions,
+        executor: Executor,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         """Starts nothing until the first ``submit`` (it needs the running loop)."""
         options.validate()
         self.options = options
@@ -94,8 +102,9 @@ class Batcher:
         """How many instances may wait."""
         return self.options.max_enqueued_batches * self.options.max_batch_size
 
-    async def submit(self, key: Any, run: Callable[[dict], dict],
-                     features: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    async def submit(
+        self, key: Any, run: Callable[[dict], dict], features: dict[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
         """Queues one request's instances; returns its rows of the batch's outputs.
 
         Raises:
@@ -111,7 +120,8 @@ class Batcher:
                 "The batch scheduling queue to which this task was submitted is full "
                 f"({self._queued} instances waiting, --max_enqueued_batches="
                 f"{self.options.max_enqueued_batches} x --max_batch_size="
-                f"{self.options.max_batch_size}); retry later")
+                f"{self.options.max_batch_size}); retry later"
+            )
         future = asyncio.get_running_loop().create_future()
         self._tasks.append(_Task(key, run, features, size, self._clock(), future))
         self._queued += size
@@ -138,8 +148,11 @@ class Batcher:
                     break
             batch = [self._tasks.popleft()]
             total = batch[0].size
-            while (self._tasks and self._tasks[0].key is batch[0].key
-                   and total + self._tasks[0].size <= self.options.max_batch_size):
+            while (
+                self._tasks
+                and self._tasks[0].key is batch[0].key
+                and total + self._tasks[0].size <= self.options.max_batch_size
+            ):
                 total += self._tasks[0].size
                 batch.append(self._tasks.popleft())
             self._queued -= total
@@ -157,16 +170,18 @@ class Batcher:
     async def _run(self, batch: list[_Task]) -> None:
         assert self._slots is not None
         try:
-            features = {k: np.concatenate([t.features[k] for t in batch])
-                        for k in batch[0].features}
+            features = {
+                k: np.concatenate([t.features[k] for t in batch]) for k in batch[0].features
+            }
             loop = asyncio.get_running_loop()
             outputs = await loop.run_in_executor(self._executor, batch[0].run, features)
             self.batches_run += 1
             start = 0
             for task in batch:
                 if not task.future.done():
-                    task.future.set_result({k: v[start:start + task.size]
-                                            for k, v in outputs.items()})
+                    task.future.set_result(
+                        {k: v[start : start + task.size] for k, v in outputs.items()}
+                    )
                 start += task.size
         except Exception as e:  # noqa: BLE001 - every waiting request gets the error
             for task in batch:

@@ -15,7 +15,7 @@ import json
 import logging as std_logging
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -27,7 +27,8 @@ def _sizes(text: str) -> tuple[int, ...]:
         return tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}") from None
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,27 +36,49 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="serve the versions under --model_base_path over HTTP")
-    serve.add_argument("--model_base_path", required=True,
-                       help="directory (or gs://, s3:// URL) holding numeric version folders")
+    serve.add_argument(
+        "--model_base_path",
+        required=True,
+        help="directory (or gs://, s3:// URL) holding numeric version folders",
+    )
     serve.add_argument("--model_name", default="default", help="the NAME in /v1/models/NAME")
-    serve.add_argument("--host", default="127.0.0.1",
-                       help="address to bind (default loopback only; 0.0.0.0 for all)")
+    serve.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default loopback only; 0.0.0.0 for all)",
+    )
     serve.add_argument("--port", "--rest_api_port", type=int, default=8501, dest="port")
-    serve.add_argument("--rest_api_timeout_in_ms", "--rest_api_timeout_ms", type=int,
-                       default=30_000, dest="rest_api_timeout_in_ms")
-    serve.add_argument("--file_system_poll_wait_seconds", type=float, default=1.0,
-                       help="poll for new versions this often (0: load once)")
-    serve.add_argument("--num_versions", type=int, default=1,
-                       help="serve the newest N versions (TF Serving's latest{N} policy)")
-    serve.add_argument("--enable_batching", action=argparse.BooleanOptionalAction,
-                       default=False)
+    serve.add_argument(
+        "--rest_api_timeout_in_ms",
+        "--rest_api_timeout_ms",
+        type=int,
+        default=30_000,
+        dest="rest_api_timeout_in_ms",
+    )
+    serve.add_argument(
+        "--file_system_poll_wait_seconds",
+        type=float,
+        default=1.0,
+        help="poll for new versions this often (0: load once)",
+    )
+    serve.add_argument(
+        "--num_versions",
+        type=int,
+        default=1,
+        help="serve the newest N versions (TF Serving's latest{N} policy)",
+    )
+    serve.add_argument("--enable_batching", action=argparse.BooleanOptionalAction, default=False)
     serve.add_argument("--max_batch_size", type=int, default=32)
     serve.add_argument("--batch_timeout_micros", type=int, default=1000)
     serve.add_argument("--max_enqueued_batches", type=int, default=16)
     serve.add_argument("--num_batch_threads", type=int, default=1)
-    serve.add_argument("--allowed_batch_sizes", type=_sizes, default=(),
-                       help="comma-separated sizes batches are padded to; the last must be "
-                       "--max_batch_size (default: powers of two)")
+    serve.add_argument(
+        "--allowed_batch_sizes",
+        type=_sizes,
+        default=(),
+        help="comma-separated sizes batches are padded to; the last must be "
+        "--max_batch_size (default: powers of two)",
+    )
     serve.add_argument("--max_body_bytes", type=int, default=64 << 20)
     serve.add_argument("--max_instances", type=int, default=1024)
     serve.add_argument("--max_image_pixels", type=int, default=1 << 26)
@@ -75,15 +98,19 @@ def _parser() -> argparse.ArgumentParser:
 
 def _version_dir(base: str, version: int | None) -> tuple[str, int]:
     from estimax.serving.versions import list_versions
+
     versions = list_versions(base)
     if not versions:
-        raise FileNotFoundError(f"--model_base_path={base} has no published version "
-                                "(numeric folders with serving.json or signature.json)")
+        raise FileNotFoundError(
+            f"--model_base_path={base} has no published version "
+            "(numeric folders with serving.json or signature.json)"
+        )
     if version is None:
         version = versions[-1]
     elif version not in versions:
-        raise FileNotFoundError(f"--model_version={version} is not under {base} "
-                                f"(versions: {versions})")
+        raise FileNotFoundError(
+            f"--model_version={version} is not under {base} (versions: {versions})"
+        )
     return f"{base.rstrip('/')}/{version}", version
 
 
@@ -97,31 +124,49 @@ def serve(args: argparse.Namespace) -> int:
     from estimax.serving.servable import default_batch_sizes
     from estimax.serving.versions import list_versions
 
-    batching = BatchingOptions(args.max_batch_size, args.batch_timeout_micros,
-                               args.max_enqueued_batches, args.num_batch_threads,
-                               tuple(args.allowed_batch_sizes))
+    batching = BatchingOptions(
+        args.max_batch_size,
+        args.batch_timeout_micros,
+        args.max_enqueued_batches,
+        args.num_batch_threads,
+        tuple(args.allowed_batch_sizes),
+    )
     batching.validate()
     list_versions(args.model_base_path)  # fails early, with the flag's name, if absent
     sizes = list(batching.allowed_batch_sizes) or default_batch_sizes(batching.max_batch_size)
-    manager = ModelManager(args.model_name, args.model_base_path, sizes,
-                           num_versions=args.num_versions,
-                           poll_wait_seconds=args.file_system_poll_wait_seconds)
-    options = ServerOptions(enable_batching=args.enable_batching, batching=batching,
-                            rest_api_timeout_in_ms=args.rest_api_timeout_in_ms,
-                            max_body_bytes=args.max_body_bytes, max_instances=args.max_instances,
-                            max_image_pixels=args.max_image_pixels)
+    manager = ModelManager(
+        args.model_name,
+        args.model_base_path,
+        sizes,
+        num_versions=args.num_versions,
+        poll_wait_seconds=args.file_system_poll_wait_seconds,
+    )
+    options = ServerOptions(
+        enable_batching=args.enable_batching,
+        batching=batching,
+        rest_api_timeout_in_ms=args.rest_api_timeout_in_ms,
+        max_body_bytes=args.max_body_bytes,
+        max_instances=args.max_instances,
+        max_image_pixels=args.max_image_pixels,
+    )
     server = Server(manager, options)
     manager.start()  # loads and warms the newest version before the port opens
     for state in manager.states():
         if state.error:
-            print(f"estimax serve: version {state.version} failed to load: {state.error}",
-                  file=sys.stderr)
-    print(f"Serving model {args.model_name!r} from {args.model_base_path} on "
-          f"http://{args.host}:{args.port} (REST: /v1/models/{args.model_name}, v2: "
-          f"/v2/models/{args.model_name})", flush=True)
+            print(
+                f"estimax serve: version {state.version} failed to load: {state.error}",
+                file=sys.stderr,
+            )
+    print(
+        f"Serving model {args.model_name!r} from {args.model_base_path} on "
+        f"http://{args.host}:{args.port} (REST: /v1/models/{args.model_name}, v2: "
+        f"/v2/models/{args.model_name})",
+        flush=True,
+    )
     try:
-        uvicorn.run(server.app, host=args.host, port=args.port, log_level=args.log_level,
-                    access_log=False)
+        uvicorn.run(
+            server.app, host=args.host, port=args.port, log_level=args.log_level, access_log=False
+        )
     finally:
         manager.stop()
     return 0
@@ -134,8 +179,10 @@ def predict(args: argparse.Namespace) -> int:
     path, version = _version_dir(args.model_base_path, args.model_version)
     servable = Servable(path, version)
     if servable.preprocessing is None:
-        raise ValueError(f"{path} takes arrays, not images (it was exported without "
-                         "preprocessing); send arrays to the server instead")
+        raise ValueError(
+            f"{path} takes arrays, not images (it was exported without "
+            "preprocessing); send arrays to the server instead"
+        )
     images = []
     for name in args.images:
         with open(name, "rb") as f:  # FileNotFoundError names the file
@@ -148,7 +195,7 @@ def predict(args: argparse.Namespace) -> int:
             if key != "probabilities":
                 line[key] = np.asarray(value[i]).tolist()
         if probabilities is not None:
-            top = np.argsort(-probabilities[i])[:args.top_k]
+            top = np.argsort(-probabilities[i])[: args.top_k]
             line["top_k"] = [[int(c), float(probabilities[i][c])] for c in top]
         print(json.dumps(line))
     return 0
@@ -160,8 +207,10 @@ def export_check(args: argparse.Namespace) -> int:
 
     path, _ = _version_dir(args.model_base_path, args.model_version)
     count, diffs = check_version(path)
-    print(f"export-check: {path}: {count} examples match "
-          + ", ".join(f"{k} (max |diff| {v:.3g})" for k, v in diffs.items()))
+    print(
+        f"export-check: {path}: {count} examples match "
+        + ", ".join(f"{k} (max |diff| {v:.3g})" for k, v in diffs.items())
+    )
     return 0
 
 
@@ -171,9 +220,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     std_logging.basicConfig(level=std_logging.WARNING)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     from estimax.serving.versions import ExportCheckError
+
     try:
-        return {"serve": serve, "predict": predict, "export-check": export_check}[
-            args.command](args)
+        return {"serve": serve, "predict": predict, "export-check": export_check}[args.command](
+            args
+        )
     except ExportCheckError as e:
         print(f"estimax {args.command}: FAILED: {e}", file=sys.stderr)
         return 1

@@ -31,10 +31,14 @@ def held_out_digit(data_dir: str, index: int) -> tuple[list[float], int]:
     """Digit ``index`` of ``data_dir/validation.tfrecords``: 784 floats in [-0.5, 0.5], label."""
     path = os.path.join(data_dir, "validation.tfrecords")
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} does not exist: run python -m estimax.tools.mnist_data "
-                                f"--output_dir={data_dir} first")
-    schema = {"image_raw": example.FixedLenFeature([], "string"),
-              "label": example.FixedLenFeature([], "int64")}
+        raise FileNotFoundError(
+            f"{path} does not exist: run python -m estimax.tools.mnist_data "
+            f"--output_dir={data_dir} first"
+        )
+    schema = {
+        "image_raw": example.FixedLenFeature([], "string"),
+        "label": example.FixedLenFeature([], "int64"),
+    }
     for i, record in enumerate(tfrecord.read_records(path)):
         if i == index:
             parsed = example.parse_example(record, schema)
@@ -66,18 +70,27 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         print(f"demo: {e}", file=sys.stderr)
         return 2
-    request_file = os.path.join(os.path.dirname(os.path.abspath(args.model_base_path)),
-                                "request.json")
+    request_file = os.path.join(
+        os.path.dirname(os.path.abspath(args.model_base_path)), "request.json"
+    )
     body = json.dumps({"instances": [pixels]}).encode()
     with open(request_file, "wb") as f:
         f.write(body)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "estimax.serving.cli", "serve",
-                               f"--model_base_path={args.model_base_path}",
-                               f"--model_name={args.model_name}", f"--port={port}",
-                               "--file_system_poll_wait_seconds=0"])
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "estimax.serving.cli",
+            "serve",
+            f"--model_base_path={args.model_base_path}",
+            f"--model_name={args.model_name}",
+            f"--port={port}",
+            "--file_system_poll_wait_seconds=0",
+        ]
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
@@ -103,8 +116,10 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         prediction = answer["predictions"][0]
         probability = prediction["probabilities"][prediction["classes"]]
-        print(f"Served prediction for held-out digit #{args.index}: class "
-              f"{prediction['classes']} (probability {probability:.3f}); its label is {label}")
+        print(
+            f"Served prediction for held-out digit #{args.index}: class "
+            f"{prediction['classes']} (probability {probability:.3f}); its label is {label}"
+        )
         return 0
     finally:
         server.terminate()

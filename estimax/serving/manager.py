@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import posixpath
 import threading
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import fsspec
 from absl import logging
@@ -36,9 +36,15 @@ class VersionState:
 class ModelManager:
     """Keeps the newest versions of ``model_base_path`` loaded (see module docstring)."""
 
-    def __init__(self, name: str, model_base_path: str, batch_sizes: Sequence[int],
-                 num_versions: int = 1, poll_wait_seconds: float = 1.0,
-                 load: Callable[[str, int, Sequence[int]], Servable] | None = None):
+    def __init__(
+        self,
+        name: str,
+        model_base_path: str,
+        batch_sizes: Sequence[int],
+        num_versions: int = 1,
+        poll_wait_seconds: float = 1.0,
+        load: Callable[[str, int, Sequence[int]], Servable] | None = None,
+    ):
         """Does not load anything until ``poll()`` or ``start()``."""
         self.name = name
         self.base_path = model_base_path
@@ -61,8 +67,11 @@ class ModelManager:
     def get(self, version: int | None = None) -> Servable | None:
         """The servable of ``version`` (None: the newest available), or None."""
         with self._lock:
-            available = {v: s for v, s in self._versions.items()
-                         if s.state == "AVAILABLE" and s.servable is not None}
+            available = {
+                v: s
+                for v, s in self._versions.items()
+                if s.state == "AVAILABLE" and s.servable is not None
+            }
             if version is None:
                 return available[max(available)].servable if available else None
             state = available.get(version)
@@ -94,7 +103,7 @@ class ModelManager:
                 logging.error("Model %s: cannot list versions: %s", self.name, e)
             self.last_poll_error = str(e)
             return
-        wanted = sorted(on_disk)[-self.num_versions:]
+        wanted = sorted(on_disk)[-self.num_versions :]
         for version in wanted:
             with self._lock:
                 state = self._versions.get(version)
@@ -132,7 +141,8 @@ class ModelManager:
             logging.error("Model %s: version %d failed to load: %s", self.name, version, e)
             with self._lock:
                 self._versions[version] = VersionState(
-                    version, "END", error=f"{type(e).__name__}: {e}", stamp=stamp)
+                    version, "END", error=f"{type(e).__name__}: {e}", stamp=stamp
+                )
             return
         with self._lock:
             self._versions[version] = VersionState(version, "AVAILABLE", servable=servable)
@@ -142,8 +152,7 @@ class ModelManager:
         """Polls once now, then every ``poll_wait_seconds`` in a thread (never if 0)."""
         self.poll()
         if self.poll_wait_seconds > 0:
-            self._thread = threading.Thread(target=self._run, name=f"poll-{self.name}",
-                                            daemon=True)
+            self._thread = threading.Thread(target=self._run, name=f"poll-{self.name}", daemon=True)
             self._thread.start()
 
     def _run(self) -> None:

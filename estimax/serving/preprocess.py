@@ -11,7 +11,8 @@ silently different pixels.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -67,8 +68,7 @@ def _resnet(image_bytes: bytes, image_size: int) -> np.ndarray:
 
 
 def _inception(image_bytes: bytes, image_size: int) -> np.ndarray:
-    return preprocessing.inception_preprocess(image_bytes, is_training=False,
-                                              image_size=image_size)
+    return preprocessing.inception_preprocess(image_bytes, is_training=False, image_size=image_size)
 
 
 # name -> (function, output dtype, current version)
@@ -85,21 +85,26 @@ def resnet_eval(image_size: int = preprocessing.IMAGE_SIZE) -> Preprocessing:
 
 def inception_eval(image_size: int = 299) -> Preprocessing:
     """inception_preprocessing's eval path: central crop 0.875, bilinear resize, [-1, 1]."""
-    return Preprocessing("inception_eval", _RECIPES["inception_eval"][2],
-                         {"image_size": image_size})
+    return Preprocessing(
+        "inception_eval", _RECIPES["inception_eval"][2], {"image_size": image_size}
+    )
 
 
 def from_spec(spec: dict[str, Any]) -> Preprocessing:
     """The ``Preprocessing`` a ``serving.json`` records; refuses unknown names and versions."""
     name, version = spec.get("name"), spec.get("version")
     if name not in _RECIPES:
-        raise ValueError(f"the export asks for preprocessing {name!r}, which this estimax does "
-                         f"not have (known: {sorted(_RECIPES)}); serve it with the estimax "
-                         "version that exported it.")
+        raise ValueError(
+            f"the export asks for preprocessing {name!r}, which this estimax does "
+            f"not have (known: {sorted(_RECIPES)}); serve it with the estimax "
+            "version that exported it."
+        )
     if version != _RECIPES[name][2]:
-        raise ValueError(f"the export asks for {name} version {version}, this estimax has "
-                         f"version {_RECIPES[name][2]}; serve it with the estimax version that "
-                         "exported it, or export it again.")
+        raise ValueError(
+            f"the export asks for {name} version {version}, this estimax has "
+            f"version {_RECIPES[name][2]}; serve it with the estimax version that "
+            "exported it, or export it again."
+        )
     return Preprocessing(name, int(version), dict(spec.get("params", {})))
 
 
@@ -112,6 +117,8 @@ def check_image_size(image_bytes: bytes, max_pixels: int) -> tuple[int, int]:
     """
     height, width = image_shape(image_bytes)
     if height * width > max_pixels or height <= 0 or width <= 0:
-        raise ValueError(f"image of {height}x{width} pixels is larger than this server accepts "
-                         f"({max_pixels} pixels; see --max_image_pixels)")
+        raise ValueError(
+            f"image of {height}x{width} pixels is larger than this server accepts "
+            f"({max_pixels} pixels; see --max_image_pixels)"
+        )
     return height, width

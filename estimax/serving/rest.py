@@ -66,47 +66,97 @@ class ApiError(Exception):
         self.message = message
 
 
-_V2_TYPES = {"bool": "BOOL", "uint8": "UINT8", "uint16": "UINT16", "uint32": "UINT32",
-             "uint64": "UINT64", "int8": "INT8", "int16": "INT16", "int32": "INT32",
-             "int64": "INT64", "float16": "FP16", "float32": "FP32", "float64": "FP64",
-             "bfloat16": "BF16", "string": "BYTES"}
-_TF_TYPES = {"bool": "DT_BOOL", "uint8": "DT_UINT8", "uint16": "DT_UINT16",
-             "uint32": "DT_UINT32", "uint64": "DT_UINT64", "int8": "DT_INT8", "int16": "DT_INT16",
-             "int32": "DT_INT32", "int64": "DT_INT64", "float16": "DT_HALF",
-             "float32": "DT_FLOAT", "float64": "DT_DOUBLE", "bfloat16": "DT_BFLOAT16",
-             "string": "DT_STRING"}
+_V2_TYPES = {
+    "bool": "BOOL",
+    "uint8": "UINT8",
+    "uint16": "UINT16",
+    "uint32": "UINT32",
+    "uint64": "UINT64",
+    "int8": "INT8",
+    "int16": "INT16",
+    "int32": "INT32",
+    "int64": "INT64",
+    "float16": "FP16",
+    "float32": "FP32",
+    "float64": "FP64",
+    "bfloat16": "BF16",
+    "string": "BYTES",
+}
+_TF_TYPES = {
+    "bool": "DT_BOOL",
+    "uint8": "DT_UINT8",
+    "uint16": "DT_UINT16",
+    "uint32": "DT_UINT32",
+    "uint64": "DT_UINT64",
+    "int8": "DT_INT8",
+    "int16": "DT_INT16",
+    "int32": "DT_INT32",
+    "int64": "DT_INT64",
+    "float16": "DT_HALF",
+    "float32": "DT_FLOAT",
+    "float64": "DT_DOUBLE",
+    "bfloat16": "DT_BFLOAT16",
+    "string": "DT_STRING",
+}
 SIGNATURE_NAME = "serving_default"
 
 _PREDICT_SCHEMA = {
-    "requestBody": {"required": True, "content": {"application/json": {"schema": {
-        "type": "object",
-        "properties": {
-            "signature_name": {"type": "string"},
-            "instances": {"type": "array", "items": {}},
-            "inputs": {},
-        }}}}},
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "properties": {
+                        "signature_name": {"type": "string"},
+                        "instances": {"type": "array", "items": {}},
+                        "inputs": {},
+                    },
+                }
+            }
+        },
+    },
 }
-_TENSOR_SCHEMA = {"type": "object", "required": ["name", "shape", "datatype", "data"],
-                  "properties": {"name": {"type": "string"},
-                                 "shape": {"type": "array", "items": {"type": "integer"}},
-                                 "datatype": {"type": "string", "enum": sorted(
-                                     set(_V2_TYPES.values()))},
-                                 "parameters": {"type": "object"},
-                                 "data": {}}}
+_TENSOR_SCHEMA = {
+    "type": "object",
+    "required": ["name", "shape", "datatype", "data"],
+    "properties": {
+        "name": {"type": "string"},
+        "shape": {"type": "array", "items": {"type": "integer"}},
+        "datatype": {"type": "string", "enum": sorted(set(_V2_TYPES.values()))},
+        "parameters": {"type": "object"},
+        "data": {},
+    },
+}
 _INFER_SCHEMA = {
-    "requestBody": {"required": True, "content": {"application/json": {"schema": {
-        "type": "object", "required": ["inputs"],
-        "properties": {"id": {"type": "string"}, "parameters": {"type": "object"},
-                       "inputs": {"type": "array", "items": _TENSOR_SCHEMA},
-                       "outputs": {"type": "array", "items": {
-                           "type": "object", "properties": {"name": {"type": "string"}}}}}}}}},
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "required": ["inputs"],
+                    "properties": {
+                        "id": {"type": "string"},
+                        "parameters": {"type": "object"},
+                        "inputs": {"type": "array", "items": _TENSOR_SCHEMA},
+                        "outputs": {
+                            "type": "array",
+                            "items": {"type": "object", "properties": {"name": {"type": "string"}}},
+                        },
+                    },
+                }
+            }
+        },
+    },
 }
 
 
 def _json(body: Any, status: int = 200) -> Response:
     # NaN/Infinity tokens as TF Serving writes them; separators keep big arrays small.
-    return Response(json.dumps(body, separators=(",", ":")), status_code=status,
-                    media_type="application/json")
+    return Response(
+        json.dumps(body, separators=(",", ":")), status_code=status, media_type="application/json"
+    )
 
 
 def _b64decode(text: Any, where: str) -> bytes:
@@ -126,8 +176,11 @@ def _decode_value(value: Any, where: str) -> Any:
     if isinstance(value, dict):
         if set(value) == {"b64"}:
             return _b64decode(value["b64"], where)
-        raise ApiError(400, f"{where}: unexpected object {_short(value)}; binary values are "
-                       'written {"b64": "..."}')
+        raise ApiError(
+            400,
+            f"{where}: unexpected object {_short(value)}; binary values are "
+            'written {"b64": "..."}',
+        )
     if isinstance(value, list):
         return [_decode_value(v, where) for v in value]
     return value
@@ -154,10 +207,12 @@ class Server:
         options.batching.validate()
         workers = options.batching.num_batch_threads
         self._run_pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="run")
-        self._decode_pool = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2),
-                                               thread_name_prefix="decode")
-        self.batcher = (Batcher(options.batching, self._run_pool)
-                        if options.enable_batching else None)
+        self._decode_pool = ThreadPoolExecutor(
+            max_workers=max(2, os.cpu_count() or 2), thread_name_prefix="decode"
+        )
+        self.batcher = (
+            Batcher(options.batching, self._run_pool) if options.enable_batching else None
+        )
         self.app = self._build_app()
 
     # ----------------------------------------------------------------- plumbing
@@ -183,14 +238,20 @@ class Server:
         limit = self.options.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise ApiError(413, f"Request body of {declared} bytes is larger than this server "
-                           f"accepts ({limit} bytes; see --max_body_bytes)")
+            raise ApiError(
+                413,
+                f"Request body of {declared} bytes is larger than this server "
+                f"accepts ({limit} bytes; see --max_body_bytes)",
+            )
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise ApiError(413, f"Request body is larger than this server accepts ({limit} "
-                               "bytes; see --max_body_bytes)")
+                raise ApiError(
+                    413,
+                    f"Request body is larger than this server accepts ({limit} "
+                    "bytes; see --max_body_bytes)",
+                )
             chunks.append(chunk)
         raw = b"".join(chunks)
         try:
@@ -206,7 +267,8 @@ class Server:
         async def work() -> dict[str, np.ndarray]:
             try:
                 features = await loop.run_in_executor(
-                    self._decode_pool, servable.prepare, columns, self.options.max_image_pixels)
+                    self._decode_pool, servable.prepare, columns, self.options.max_image_pixels
+                )
             except InvalidInput as e:
                 raise ApiError(400, str(e)) from None
             if self.batcher is not None:
@@ -219,14 +281,19 @@ class Server:
         try:
             return await asyncio.wait_for(work(), self.options.rest_api_timeout_in_ms / 1000)
         except TimeoutError:
-            raise ApiError(504, "Request timed out after "
-                           f"{self.options.rest_api_timeout_in_ms} ms (--rest_api_timeout_in_ms)"
-                           ) from None
+            raise ApiError(
+                504,
+                "Request timed out after "
+                f"{self.options.rest_api_timeout_in_ms} ms (--rest_api_timeout_in_ms)",
+            ) from None
 
     def _count(self, n: int) -> None:
         if n > self.options.max_instances:
-            raise ApiError(400, f"{n} instances in one request; this server accepts at most "
-                           f"{self.options.max_instances} (see --max_instances)")
+            raise ApiError(
+                400,
+                f"{n} instances in one request; this server accepts at most "
+                f"{self.options.max_instances} (see --max_instances)",
+            )
 
     # ----------------------------------------------------------------- TF Serving
     def status(self, name: str, version: str | None) -> dict:
@@ -240,32 +307,62 @@ class Server:
                 raise ApiError(404, f"Could not find version {version} of model {name}")
         if not states:
             raise ApiError(404, f"Could not find any versions of model {name}")
-        return {"model_version_status": [{
-            "version": str(s.version), "state": s.state,
-            "status": {"error_code": "UNKNOWN" if s.error else "OK",
-                       "error_message": s.error}} for s in states]}
+        return {
+            "model_version_status": [
+                {
+                    "version": str(s.version),
+                    "state": s.state,
+                    "status": {
+                        "error_code": "UNKNOWN" if s.error else "OK",
+                        "error_message": s.error,
+                    },
+                }
+                for s in states
+            ]
+        }
 
     def metadata(self, name: str, version: str | None) -> dict:
         """``GET .../metadata``: the signature in TF Serving's ``SignatureDef`` JSON."""
         servable = self._servable(name, version)
         try:
+
             def tensors(specs: dict) -> dict:
-                return {n: {"dtype": _TF_TYPES.get(s["dtype"], s["dtype"]),
-                            "tensor_shape": {"dim": [{"size": str(-1 if d is None else d),
-                                                      "name": ""} for d in s["shape"]],
-                                             "unknown_rank": False},
-                            "name": n} for n, s in specs.items()}
+                return {
+                    n: {
+                        "dtype": _TF_TYPES.get(s["dtype"], s["dtype"]),
+                        "tensor_shape": {
+                            "dim": [
+                                {"size": str(-1 if d is None else d), "name": ""}
+                                for d in s["shape"]
+                            ],
+                            "unknown_rank": False,
+                        },
+                        "name": n,
+                    }
+                    for n, s in specs.items()
+                }
+
             return {
-                "model_spec": {"name": name, "signature_name": "",
-                               "version": str(servable.version)},
-                "metadata": {"signature_def": {
-                    "signature_def": {SIGNATURE_NAME: {
-                        "inputs": tensors(servable.inputs),
-                        "outputs": tensors(servable.outputs),
-                        "method_name": "tensorflow/serving/predict"}},
-                    "global_step": str(servable.global_step),
-                    "preprocessing": (servable.preprocessing.to_json()
-                                      if servable.preprocessing else None)}},
+                "model_spec": {
+                    "name": name,
+                    "signature_name": "",
+                    "version": str(servable.version),
+                },
+                "metadata": {
+                    "signature_def": {
+                        "signature_def": {
+                            SIGNATURE_NAME: {
+                                "inputs": tensors(servable.inputs),
+                                "outputs": tensors(servable.outputs),
+                                "method_name": "tensorflow/serving/predict",
+                            }
+                        },
+                        "global_step": str(servable.global_step),
+                        "preprocessing": (
+                            servable.preprocessing.to_json() if servable.preprocessing else None
+                        ),
+                    }
+                },
             }
         finally:
             servable.release()
@@ -281,8 +378,11 @@ class Server:
             for i, item in enumerate(instances):
                 if isinstance(item, dict) and set(item) != {"b64"}:
                     if set(item) != {name}:
-                        raise ApiError(400, f"instance {i}: keys {sorted(item)} do not match the "
-                                       f"model's input {name!r}")
+                        raise ApiError(
+                            400,
+                            f"instance {i}: keys {sorted(item)} do not match the "
+                            f"model's input {name!r}",
+                        )
                     item = item[name]
                 values.append(_decode_value(item, f"instance {i}"))
             return {name: values}
@@ -298,8 +398,9 @@ class Server:
         names = list(servable.inputs)
         if isinstance(inputs, dict) and set(inputs) != {"b64"}:
             if set(inputs) != set(names):
-                raise ApiError(400, f"'inputs' has keys {sorted(inputs)}; the model's inputs "
-                               f"are {names}")
+                raise ApiError(
+                    400, f"'inputs' has keys {sorted(inputs)}; the model's inputs are {names}"
+                )
             columns = {n: _decode_value(inputs[n], f"input {n!r}") for n in names}
         elif len(names) == 1:
             columns = {names[0]: _decode_value(inputs, "inputs")}
@@ -307,8 +408,9 @@ class Server:
             raise ApiError(400, f"'inputs' must be an object with the keys {names}")
         for n, v in columns.items():
             if not isinstance(v, list):
-                raise ApiError(400, f"input {n!r} must be a list (its first dimension is the "
-                               "batch)")
+                raise ApiError(
+                    400, f"input {n!r} must be a list (its first dimension is the batch)"
+                )
             self._count(len(v))
         return columns
 
@@ -319,16 +421,22 @@ class Server:
             raise ApiError(400, "The request body must be a JSON object")
         signature = body.get("signature_name", SIGNATURE_NAME)
         if signature not in (SIGNATURE_NAME, "classify", "predict", ""):
-            raise ApiError(400, f'Serving signature name: "{signature}" not found in signature '
-                           "def")
+            raise ApiError(400, f'Serving signature name: "{signature}" not found in signature def')
         if ("instances" in body) == ("inputs" in body):
-            raise ApiError(400, "Not both 'inputs' and 'instances' may be given"
-                           if "inputs" in body else "Missing 'inputs' or 'instances' key")
+            raise ApiError(
+                400,
+                "Not both 'inputs' and 'instances' may be given"
+                if "inputs" in body
+                else "Missing 'inputs' or 'instances' key",
+            )
         servable = self._servable(name, version)
         try:
             row = "instances" in body
-            columns = (self._row_columns(servable, body["instances"]) if row
-                       else self._columnar(servable, body["inputs"]))
+            columns = (
+                self._row_columns(servable, body["instances"])
+                if row
+                else self._columnar(servable, body["inputs"])
+            )
             outputs = await self._infer(servable, columns)
         finally:
             servable.release()
@@ -348,15 +456,26 @@ class Server:
         """``GET /v2/models/NAME[/versions/V]``."""
         servable = self._servable(name, version)
         try:
+
             def tensors(specs: dict) -> list:
-                return [{"name": n, "datatype": _V2_TYPES.get(s["dtype"], s["dtype"]),
-                         "shape": [-1 if d is None else d for d in s["shape"]]}
-                        for n, s in specs.items()]
-            return {"name": name,
-                    "versions": [str(s.version) for s in self.manager.states()
-                                 if s.state == "AVAILABLE"],
-                    "platform": "estimax_jax_export",
-                    "inputs": tensors(servable.inputs), "outputs": tensors(servable.outputs)}
+                return [
+                    {
+                        "name": n,
+                        "datatype": _V2_TYPES.get(s["dtype"], s["dtype"]),
+                        "shape": [-1 if d is None else d for d in s["shape"]],
+                    }
+                    for n, s in specs.items()
+                ]
+
+            return {
+                "name": name,
+                "versions": [
+                    str(s.version) for s in self.manager.states() if s.state == "AVAILABLE"
+                ],
+                "platform": "estimax_jax_export",
+                "inputs": tensors(servable.inputs),
+                "outputs": tensors(servable.outputs),
+            }
         finally:
             servable.release()
 
@@ -377,57 +496,85 @@ class Server:
             wanted = list(servable.outputs)
             if requested is not None:
                 if not isinstance(requested, list) or not all(
-                        isinstance(o, dict) and isinstance(o.get("name"), str) for o in requested):
+                    isinstance(o, dict) and isinstance(o.get("name"), str) for o in requested
+                ):
                     raise ApiError(400, "'outputs' must be a list of {\"name\": ...} objects")
                 wanted = [o["name"] for o in requested]
                 unknown = sorted(set(wanted) - set(servable.outputs))
                 if unknown:
-                    raise ApiError(400, f"unknown outputs {unknown}; the model's outputs are "
-                                   f"{sorted(servable.outputs)}")
+                    raise ApiError(
+                        400,
+                        f"unknown outputs {unknown}; the model's outputs are "
+                        f"{sorted(servable.outputs)}",
+                    )
             outputs = await self._infer(servable, columns)
         finally:
             servable.release()
-        response = {"model_name": name, "model_version": str(servable.version),
-                    "outputs": [{"name": n, "shape": list(outputs[n].shape),
-                                 "datatype": _V2_TYPES.get(str(outputs[n].dtype),
-                                                           str(outputs[n].dtype)),
-                                 "data": outputs[n].ravel().tolist()} for n in wanted]}
+        response = {
+            "model_name": name,
+            "model_version": str(servable.version),
+            "outputs": [
+                {
+                    "name": n,
+                    "shape": list(outputs[n].shape),
+                    "datatype": _V2_TYPES.get(str(outputs[n].dtype), str(outputs[n].dtype)),
+                    "data": outputs[n].ravel().tolist(),
+                }
+                for n in wanted
+            ],
+        }
         if "id" in body:
             response["id"] = body["id"]
         return response
 
     def _v2_tensor(self, servable: Servable, tensor: Any, i: int) -> dict[str, Any]:
-        if not isinstance(tensor, dict) or not {"name", "shape", "datatype", "data"} <= set(
-                tensor):
+        if not isinstance(tensor, dict) or not {"name", "shape", "datatype", "data"} <= set(tensor):
             raise ApiError(400, f"inputs[{i}] must have 'name', 'shape', 'datatype' and 'data'")
         name, shape, datatype = tensor["name"], tensor["shape"], tensor["datatype"]
         if not isinstance(name, str) or name not in servable.inputs:
-            raise ApiError(400, f"inputs[{i}]: unknown input {name!r}; the model's inputs are "
-                           f"{sorted(servable.inputs)}")
-        if (not isinstance(shape, list) or not shape
-                or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                           for d in shape)):
-            raise ApiError(400, f"inputs[{i}]: 'shape' must be a non-empty list of "
-                           "non-negative integers")
+            raise ApiError(
+                400,
+                f"inputs[{i}]: unknown input {name!r}; the model's inputs are "
+                f"{sorted(servable.inputs)}",
+            )
+        if (
+            not isinstance(shape, list)
+            or not shape
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        ):
+            raise ApiError(
+                400, f"inputs[{i}]: 'shape' must be a non-empty list of non-negative integers"
+            )
         spec = servable.inputs[name]
         want_type = _V2_TYPES.get(spec["dtype"], spec["dtype"])
         if datatype != want_type:
-            raise ApiError(400, f"inputs[{i}]: datatype {datatype!r}; input {name!r} is "
-                           f"{want_type}")
+            raise ApiError(
+                400, f"inputs[{i}]: datatype {datatype!r}; input {name!r} is {want_type}"
+            )
         self._count(shape[0])
         count = math.prod(shape)
         if name == IMAGE_INPUT and servable.preprocessing is not None:
             flat = _flatten_list(tensor["data"])
             if len(shape) != 1 or len(flat) != count:
-                raise ApiError(400, f"inputs[{i}]: shape {shape} does not match {len(flat)} "
-                               "elements (BYTES inputs have shape [batch])")
-            return {name: [_b64decode(x["b64"] if isinstance(x, dict) and set(x) == {"b64"}
-                                      else x, f"inputs[{i}] element {j}")
-                           for j, x in enumerate(flat)]}
+                raise ApiError(
+                    400,
+                    f"inputs[{i}]: shape {shape} does not match {len(flat)} "
+                    "elements (BYTES inputs have shape [batch])",
+                )
+            return {
+                name: [
+                    _b64decode(
+                        x["b64"] if isinstance(x, dict) and set(x) == {"b64"} else x,
+                        f"inputs[{i}] element {j}",
+                    )
+                    for j, x in enumerate(flat)
+                ]
+            }
         flat = _flatten_list(tensor["data"])
         if len(flat) != count:
-            raise ApiError(400, f"inputs[{i}]: shape {shape} needs {count} elements, got "
-                           f"{len(flat)}")
+            raise ApiError(
+                400, f"inputs[{i}]: shape {shape} needs {count} elements, got {len(flat)}"
+            )
         if not all(isinstance(x, (int, float)) for x in flat):
             raise ApiError(400, f"inputs[{i}]: data must be numbers for {datatype}")
         try:
@@ -438,16 +585,22 @@ class Server:
 
     # ----------------------------------------------------------------- app
     def _build_app(self) -> FastAPI:
-        app = FastAPI(title="estimax serving",
-                      description="TensorFlow Serving REST API and Open Inference Protocol v2 "
-                      "for an estimax export.", version="1")
+        app = FastAPI(
+            title="estimax serving",
+            description="TensorFlow Serving REST API and Open Inference Protocol v2 "
+            "for an estimax export.",
+            version="1",
+        )
 
         async def api_error(request: Request, exc: ApiError) -> Response:
             return _json({"error": exc.message}, exc.status)
 
         async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-            message = (f"Malformed request: {request.method} {request.url.path}"
-                       if exc.status_code in (404, 405) else str(exc.detail))
+            message = (
+                f"Malformed request: {request.method} {request.url.path}"
+                if exc.status_code in (404, 405)
+                else str(exc.detail)
+            )
             return _json({"error": message}, exc.status_code)
 
         async def validation_error(request: Request, exc: RequestValidationError) -> Response:
@@ -466,11 +619,23 @@ class Server:
         app.add_exception_handler(StarletteHTTPException, http_error)
         app.add_exception_handler(RequestValidationError, validation_error)
 
-        errors = {c: {"description": d, "content": {"application/json": {"schema": {
-            "type": "object", "properties": {"error": {"type": "string"}}}}}}
-            for c, d in ((400, "bad request"), (404, "unknown model or version"),
-                         (413, "body too large"), (429, "batching queue full"),
-                         (504, "timed out"))}
+        errors = {
+            c: {
+                "description": d,
+                "content": {
+                    "application/json": {
+                        "schema": {"type": "object", "properties": {"error": {"type": "string"}}}
+                    }
+                },
+            }
+            for c, d in (
+                (400, "bad request"),
+                (404, "unknown model or version"),
+                (413, "body too large"),
+                (429, "batching queue full"),
+                (504, "timed out"),
+            )
+        }
 
         @app.get("/v1/models/{name}", responses=errors)
         async def v1_status(name: str) -> Response:
@@ -488,8 +653,11 @@ class Server:
         async def v1_metadata_version(name: str, version: str) -> Response:
             return _json(self.metadata(name, version))
 
-        @app.post("/v1/models/{name}/versions/{version}:predict", responses=errors,
-                  openapi_extra=_PREDICT_SCHEMA)
+        @app.post(
+            "/v1/models/{name}/versions/{version}:predict",
+            responses=errors,
+            openapi_extra=_PREDICT_SCHEMA,
+        )
         async def v1_predict_version(name: str, version: str, request: Request) -> Response:
             return _json(await self.predict(name, version, request))
 
@@ -499,9 +667,10 @@ class Server:
 
         @app.post("/v1/models/{name}:{method}", responses=errors)
         async def v1_other(name: str, method: str) -> Response:
-            raise ApiError(400 if method in ("classify", "regress") else 404,
-                           f"Malformed request: :{method} is not supported by this model; use "
-                           ":predict")
+            raise ApiError(
+                400 if method in ("classify", "regress") else 404,
+                f"Malformed request: :{method} is not supported by this model; use :predict",
+            )
 
         @app.get("/v2")
         async def v2_server() -> Response:
@@ -530,8 +699,11 @@ class Server:
             if version is not None and not version.isdigit():
                 raise ApiError(400, f"Invalid version {version!r}: versions are integers")
             ok = self.manager.get(int(version) if version else None) is not None
-            if version is not None and not ok and int(version) not in {
-                    s.version for s in self.manager.states()}:
+            if (
+                version is not None
+                and not ok
+                and int(version) not in {s.version for s in self.manager.states()}
+            ):
                 raise ApiError(404, f"Model {name} has no version {version}")
             return _json({"name": name, "ready": ok}, 200 if ok else 503)
 
@@ -547,8 +719,11 @@ class Server:
         async def v2_infer(name: str, request: Request) -> Response:
             return _json(await self.v2_infer(name, None, request))
 
-        @app.post("/v2/models/{name}/versions/{version}/infer", responses=errors,
-                  openapi_extra=_INFER_SCHEMA)
+        @app.post(
+            "/v2/models/{name}/versions/{version}/infer",
+            responses=errors,
+            openapi_extra=_INFER_SCHEMA,
+        )
         async def v2_infer_version(name: str, version: str, request: Request) -> Response:
             return _json(await self.v2_infer(name, version, request))
 

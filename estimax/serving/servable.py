@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import posixpath
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import fsspec
 import numpy as np
@@ -22,7 +23,7 @@ from estimax.serving import preprocess as preprocess_lib
 SERVING_FILE = "serving.json"
 SERVING_FORMAT = "estimax.serving/1"
 IMAGE_INPUT = "image_bytes"  # the original's image_serving_input_fn key
-DEFAULT_INPUT = "input"      # the name of a single unnamed tensor input
+DEFAULT_INPUT = "input"  # the name of a single unnamed tensor input
 
 
 class InvalidInput(ValueError):
@@ -49,8 +50,12 @@ class Servable:
       preprocessing: the recorded ``Preprocessing``, or None (the export takes arrays).
     """
 
-    def __init__(self, path: str, version: int | None = None,
-                 batch_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32)):
+    def __init__(
+        self,
+        path: str,
+        version: int | None = None,
+        batch_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32),
+    ):
         """Loads ``path`` (an export directory, local or fsspec URL)."""
         self.path = path
         self.version = version
@@ -62,13 +67,15 @@ class Servable:
             with fs.open(spec_path, "r") as f:
                 self.spec = json.load(f)
             if self.spec.get("format") != SERVING_FORMAT:
-                raise ValueError(f"{path}/{SERVING_FILE} has format {self.spec.get('format')!r}; "
-                                 f"this estimax reads {SERVING_FORMAT!r}")
+                raise ValueError(
+                    f"{path}/{SERVING_FILE} has format {self.spec.get('format')!r}; "
+                    f"this estimax reads {SERVING_FORMAT!r}"
+                )
         signature = self.model.signature
         self._model_inputs = artifact.named_specs(signature["inputs"], DEFAULT_INPUT)
-        self._single_input = artifact._is_leaf_spec(signature["inputs"])
+        self._single_input = artifact.is_leaf_spec(signature["inputs"])
         self.outputs = artifact.named_specs(signature["outputs"], "output")
-        self._single_output = artifact._is_leaf_spec(signature["outputs"])
+        self._single_output = artifact.is_leaf_spec(signature["outputs"])
         pre = self.spec.get("preprocessing")
         self.preprocessing = preprocess_lib.from_spec(pre) if pre else None
         if self.preprocessing is not None:
@@ -76,8 +83,10 @@ class Servable:
             want = (list(model_input["shape"][1:]), np.dtype(model_input["dtype"]))
             got = (list(self.preprocessing.output_shape), self.preprocessing.output_dtype)
             if want != got:
-                raise ValueError(f"{path}: preprocessing {self.preprocessing.name} makes "
-                                 f"{got}, the export takes {want}")
+                raise ValueError(
+                    f"{path}: preprocessing {self.preprocessing.name} makes "
+                    f"{got}, the export takes {want}"
+                )
             self.inputs = {IMAGE_INPUT: {"shape": [None], "dtype": "string"}}
         else:
             self.inputs = self._model_inputs
@@ -85,13 +94,15 @@ class Servable:
         if self.top_k is not None:
             probs = self.outputs.get("probabilities")
             if probs is None or len(probs["shape"]) != 2:
-                raise ValueError(f"{path}: top_k needs a [batch, classes] output named "
-                                 "'probabilities'")
+                raise ValueError(
+                    f"{path}: top_k needs a [batch, classes] output named 'probabilities'"
+                )
             self.top_k = min(int(self.top_k), int(probs["shape"][1]))
-            self.outputs = {**self.outputs,
-                            "top_k_classes": {"shape": [None, self.top_k], "dtype": "int32"},
-                            "top_k_probabilities": {"shape": [None, self.top_k],
-                                                    "dtype": probs["dtype"]}}
+            self.outputs = {
+                **self.outputs,
+                "top_k_classes": {"shape": [None, self.top_k], "dtype": "int32"},
+                "top_k_probabilities": {"shape": [None, self.top_k], "dtype": probs["dtype"]},
+            }
         self.batch_sizes = sorted({int(b) for b in batch_sizes})
         self._in_flight = 0
         self._retired = False
@@ -120,14 +131,18 @@ class Servable:
         unknown = sorted(set(columns) - set(self.inputs))
         missing = sorted(set(self.inputs) - set(columns))
         if unknown or missing:
-            raise InvalidInput(f"the model's inputs are {sorted(self.inputs)}; "
-                               + (f"unknown: {unknown}" if unknown else f"missing: {missing}"))
+            raise InvalidInput(
+                f"the model's inputs are {sorted(self.inputs)}; "
+                + (f"unknown: {unknown}" if unknown else f"missing: {missing}")
+            )
         if self.preprocessing is not None:
             images = []
             for i, data in enumerate(columns[IMAGE_INPUT]):
                 if not isinstance(data, (bytes, bytearray)):
-                    raise InvalidInput(f"instance {i}: {IMAGE_INPUT} must be encoded image bytes "
-                                       '(in JSON: {"b64": "<base64 of the JPEG/PNG>"})')
+                    raise InvalidInput(
+                        f"instance {i}: {IMAGE_INPUT} must be encoded image bytes "
+                        '(in JSON: {"b64": "<base64 of the JPEG/PNG>"})'
+                    )
                 try:
                     preprocess_lib.check_image_size(data, max_pixels)
                     images.append(self.preprocessing(bytes(data)))
@@ -159,29 +174,36 @@ class Servable:
         largest = self.batch_sizes[-1]
         pieces = []
         for start in range(0, n, largest):
-            chunk = {k: v[start:start + largest] for k, v in features.items()}
+            chunk = {k: v[start : start + largest] for k, v in features.items()}
             m = min(largest, n - start)
             size = next(b for b in self.batch_sizes if b >= m)
             if size != m:  # pad with copies of the first row; the extra outputs are dropped
-                chunk = {k: np.concatenate([v, np.repeat(v[:1], size - m, axis=0)])
-                         for k, v in chunk.items()}
+                chunk = {
+                    k: np.concatenate([v, np.repeat(v[:1], size - m, axis=0)])
+                    for k, v in chunk.items()
+                }
             out = self.model(next(iter(chunk.values())) if self._single_input else chunk)
             out = {"output": out} if self._single_output else _flatten(out)
             pieces.append({k: np.asarray(v)[:m] for k, v in out.items()})
         outputs = {k: np.concatenate([p[k] for p in pieces]) for k in pieces[0]}
         if self.top_k is not None:
             # Ties keep the lower class first, as tf.nn.top_k.
-            order = np.argsort(-outputs["probabilities"], axis=1, kind="stable")[:, :self.top_k]
+            order = np.argsort(-outputs["probabilities"], axis=1, kind="stable")[:, : self.top_k]
             outputs["top_k_classes"] = order.astype(np.int32)
-            outputs["top_k_probabilities"] = np.take_along_axis(outputs["probabilities"], order,
-                                                                axis=1)
+            outputs["top_k_probabilities"] = np.take_along_axis(
+                outputs["probabilities"], order, axis=1
+            )
         return outputs
 
     def warm(self) -> None:
         """Compiles the export for every batch size it will be called with."""
         for size in self.batch_sizes:
-            self.run({name: np.zeros((size, *spec["shape"][1:]), spec["dtype"])
-                      for name, spec in self._model_inputs.items()})
+            self.run(
+                {
+                    name: np.zeros((size, *spec["shape"][1:]), spec["dtype"])
+                    for name, spec in self._model_inputs.items()
+                }
+            )
 
     def predict_images(self, images: Sequence[bytes]) -> dict[str, np.ndarray]:
         """prepare + run for a list of encoded images (``estimax predict``, the parity check)."""
@@ -224,23 +246,28 @@ def _as_array(name: str, value: Any, spec: dict) -> np.ndarray:
     try:
         array = np.asarray(value)
     except ValueError:
-        raise InvalidInput(f"input {name!r} is a ragged list; all instances need the shape "
-                           f"{spec['shape'][1:]}") from None
+        raise InvalidInput(
+            f"input {name!r} is a ragged list; all instances need the shape {spec['shape'][1:]}"
+        ) from None
     if array.dtype == object or array.dtype.kind in "SUV":
         raise InvalidInput(f"input {name!r} must be numbers of dtype {dtype.name}")
     want = tuple(spec["shape"][1:])
     if tuple(array.shape[1:]) != want:
-        raise InvalidInput(f"input {name!r} has shape {list(array.shape)}; the model takes "
-                           f"[batch, {', '.join(map(str, want))}]" if want else
-                           f"input {name!r} has shape {list(array.shape)}; the model takes [batch]")
+        raise InvalidInput(
+            f"input {name!r} has shape {list(array.shape)}; the model takes "
+            f"[batch, {', '.join(map(str, want))}]"
+            if want
+            else f"input {name!r} has shape {list(array.shape)}; the model takes [batch]"
+        )
     if dtype.kind in "iu" and array.dtype.kind == "f":
         if not np.all(np.isfinite(array)) or not np.all(array == np.round(array)):
             raise InvalidInput(f"input {name!r} must be integers ({dtype.name}), got floats")
     if dtype.kind in "iu" and array.size:
         info = np.iinfo(dtype)
         if array.min() < info.min or array.max() > info.max:
-            raise InvalidInput(f"input {name!r} has values outside {dtype.name}'s range "
-                               f"[{info.min}, {info.max}]")
+            raise InvalidInput(
+                f"input {name!r} has values outside {dtype.name}'s range [{info.min}, {info.max}]"
+            )
     if dtype.kind == "b" and array.dtype.kind != "b":
         raise InvalidInput(f"input {name!r} must be booleans")
     return array.astype(dtype)

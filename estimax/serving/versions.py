@@ -18,7 +18,8 @@ import posixpath
 import shutil
 import tempfile
 import uuid
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import fsspec
 import numpy as np
@@ -26,7 +27,7 @@ from absl import logging
 
 from estimax.serving import artifact
 from estimax.serving.preprocess import Preprocessing
-from estimax.serving.servable import (IMAGE_INPUT, SERVING_FILE, SERVING_FORMAT, Servable)
+from estimax.serving.servable import IMAGE_INPUT, SERVING_FILE, SERVING_FORMAT, Servable
 
 if TYPE_CHECKING:
     from estimax.estimator.estimator import Estimator
@@ -50,8 +51,9 @@ def list_versions(model_base_path: str) -> list[int]:
     """
     fs, root = fsspec.core.url_to_fs(model_base_path)
     if not fs.isdir(root):
-        raise FileNotFoundError(f"--model_base_path={model_base_path} does not exist or is not "
-                                "a directory")
+        raise FileNotFoundError(
+            f"--model_base_path={model_base_path} does not exist or is not a directory"
+        )
     local = _is_local(fs)
     versions = []
     for entry in fs.ls(root, detail=False):
@@ -59,23 +61,37 @@ def list_versions(model_base_path: str) -> list[int]:
         if not name.isdigit():
             continue  # temporary and foreign entries
         if fs.exists(posixpath.join(entry, SERVING_FILE)) or (
-                local and fs.exists(posixpath.join(entry, artifact.SIGNATURE_FILE))):
+            local and fs.exists(posixpath.join(entry, artifact.SIGNATURE_FILE))
+        ):
             versions.append(int(name))
     return sorted(versions)
 
 
 def _next_version(fs: fsspec.AbstractFileSystem, root: str) -> int:
-    taken = [int(posixpath.basename(e.rstrip("/"))) for e in fs.ls(root, detail=False)
-             if posixpath.basename(e.rstrip("/")).isdigit()] if fs.isdir(root) else []
+    taken = (
+        [
+            int(posixpath.basename(e.rstrip("/")))
+            for e in fs.ls(root, detail=False)
+            if posixpath.basename(e.rstrip("/")).isdigit()
+        ]
+        if fs.isdir(root)
+        else []
+    )
     return max(taken, default=0) + 1
 
 
-def export_version(estimator: "Estimator", model_base_path: str,
-                   serving_input: Any = None, preprocessing: Preprocessing | None = None,
-                   check_inputs: Sequence[Any] | np.ndarray | None = None,
-                   rtol: float = 1e-3, atol: float = 1e-4, top_k: int | None = None,
-                   checkpoint_path: str | None = None,
-                   platforms: tuple[str, ...] | None = None) -> str:
+def export_version(
+    estimator: Estimator,
+    model_base_path: str,
+    serving_input: Any = None,
+    preprocessing: Preprocessing | None = None,
+    check_inputs: Sequence[Any] | np.ndarray | None = None,
+    rtol: float = 1e-3,
+    atol: float = 1e-4,
+    top_k: int | None = None,
+    checkpoint_path: str | None = None,
+    platforms: tuple[str, ...] | None = None,
+) -> str:
     """Exports ``estimator``'s model as the next version under ``model_base_path``.
 
     Calls ``estimator.export_saved_model`` (the weights it evaluates with: the EMA when the run
@@ -109,19 +125,26 @@ def export_version(estimator: "Estimator", model_base_path: str,
 
     if serving_input is None:
         if preprocessing is None:
-            raise ValueError("export_version needs serving_input (a TensorSpec) or "
-                             "preprocessing (e.g. estimax.serving.resnet_eval(224))")
-        serving_input = TensorSpec((None, *preprocessing.output_shape),
-                                   preprocessing.output_dtype)
+            raise ValueError(
+                "export_version needs serving_input (a TensorSpec) or "
+                "preprocessing (e.g. estimax.serving.resnet_eval(224))"
+            )
+        serving_input = TensorSpec((None, *preprocessing.output_shape), preprocessing.output_dtype)
     fs, root = fsspec.core.url_to_fs(model_base_path)
     fs.makedirs(root, exist_ok=True)
     local = _is_local(fs)
-    staging_parent = (os.path.join(root, f".tmp-export-{uuid.uuid4().hex}") if local
-                      else tempfile.mkdtemp(prefix="estimax-export-"))
+    staging_parent = (
+        os.path.join(root, f".tmp-export-{uuid.uuid4().hex}")
+        if local
+        else tempfile.mkdtemp(prefix="estimax-export-")
+    )
     try:
-        export_dir = estimator.export_saved_model(staging_parent, lambda: serving_input,
-                                                  checkpoint_path=checkpoint_path,
-                                                  platforms=platforms)
+        export_dir = estimator.export_saved_model(
+            staging_parent,
+            lambda: serving_input,
+            checkpoint_path=checkpoint_path,
+            platforms=platforms,
+        )
         spec: dict[str, Any] = {
             "format": SERVING_FORMAT,
             "preprocessing": preprocessing.to_json() if preprocessing else None,
@@ -133,8 +156,9 @@ def export_version(estimator: "Estimator", model_base_path: str,
         with open(os.path.join(export_dir, SERVING_FILE), "w") as f:
             json.dump(spec, f, indent=2)
         if check_inputs is not None:
-            record = _check(estimator, export_dir, preprocessing, check_inputs, rtol, atol,
-                            numpy_input_fn)
+            record = _check(
+                estimator, export_dir, preprocessing, check_inputs, rtol, atol, numpy_input_fn
+            )
             with open(os.path.join(export_dir, CHECK_FILE), "w") as f:
                 json.dump(record, f)
         while True:
@@ -163,8 +187,15 @@ def _encode(x: Any) -> Any:
     return np.asarray(x).tolist()
 
 
-def _check(estimator: "Estimator", export_dir: str, preprocessing: Preprocessing | None,
-           check_inputs: Any, rtol: float, atol: float, numpy_input_fn: Any) -> dict:
+def _check(
+    estimator: Estimator,
+    export_dir: str,
+    preprocessing: Preprocessing | None,
+    check_inputs: Any,
+    rtol: float,
+    atol: float,
+    numpy_input_fn: Any,
+) -> dict:
     """Runs ``check_inputs`` through the served path and through ``estimator.predict``."""
     servable = Servable(export_dir)
     if preprocessing is not None:
@@ -176,28 +207,37 @@ def _check(estimator: "Estimator", export_dir: str, preprocessing: Preprocessing
     served = servable.run(features)
     (array,) = features.values() if len(features) == 1 else (features,)
     predicted = list(estimator.predict(numpy_input_fn(array, None, shuffle=False, num_epochs=1)))
-    expected = {k: np.stack([np.asarray(p[k]) for p in predicted]) for k in served
-                if k in predicted[0]}
+    expected = {
+        k: np.stack([np.asarray(p[k]) for p in predicted]) for k in served if k in predicted[0]
+    }
     compare(served, expected, rtol, atol, what=f"the export in {export_dir} vs Estimator.predict")
     servable.model.close()
-    return {"inputs": raw, "expected": {k: v.tolist() for k, v in expected.items()},
-            "rtol": rtol, "atol": atol}
+    return {
+        "inputs": raw,
+        "expected": {k: v.tolist() for k, v in expected.items()},
+        "rtol": rtol,
+        "atol": atol,
+    }
 
 
-def compare(got: dict[str, np.ndarray], want: dict[str, np.ndarray], rtol: float, atol: float,
-            what: str) -> None:
+def compare(
+    got: dict[str, np.ndarray], want: dict[str, np.ndarray], rtol: float, atol: float, what: str
+) -> None:
     """Raises ``ExportCheckError`` naming the output and the worst example if they differ."""
     for name in want:
         a, b = np.asarray(got[name]), np.asarray(want[name])
         if a.shape != b.shape:
-            raise ExportCheckError(f"{what}: output {name!r} has shape {a.shape}, expected "
-                                   f"{b.shape}")
+            raise ExportCheckError(
+                f"{what}: output {name!r} has shape {a.shape}, expected {b.shape}"
+            )
         if a.dtype.kind in "iub":
             bad = np.flatnonzero((a != b).reshape(len(a), -1).any(axis=1))
             if bad.size:
-                raise ExportCheckError(f"{what}: output {name!r} differs for {bad.size} of "
-                                       f"{len(a)} examples (first: #{bad[0]}: {a[bad[0]]} vs "
-                                       f"{b[bad[0]]})")
+                raise ExportCheckError(
+                    f"{what}: output {name!r} differs for {bad.size} of "
+                    f"{len(a)} examples (first: #{bad[0]}: {a[bad[0]]} vs "
+                    f"{b[bad[0]]})"
+                )
         else:
             err = np.abs(a.astype(np.float64) - b) - rtol * np.abs(b)
             if (err > atol).any():
@@ -205,7 +245,8 @@ def compare(got: dict[str, np.ndarray], want: dict[str, np.ndarray], rtol: float
                 raise ExportCheckError(
                     f"{what}: output {name!r} differs beyond rtol={rtol}, atol={atol} (worst: "
                     f"example #{worst}, max |diff| "
-                    f"{np.abs(a[worst].astype(np.float64) - b[worst]).max():.3g})")
+                    f"{np.abs(a[worst].astype(np.float64) - b[worst]).max():.3g})"
+                )
 
 
 def check_version(version_dir: str) -> tuple[int, dict[str, float]]:
@@ -222,8 +263,10 @@ def check_version(version_dir: str) -> tuple[int, dict[str, float]]:
     fs, root = fsspec.core.url_to_fs(version_dir)
     path = posixpath.join(root, CHECK_FILE)
     if not fs.exists(path):
-        raise FileNotFoundError(f"{version_dir} has no {CHECK_FILE}: export it with "
-                                "export_version(..., check_inputs=...)")
+        raise FileNotFoundError(
+            f"{version_dir} has no {CHECK_FILE}: export it with "
+            "export_version(..., check_inputs=...)"
+        )
     with fs.open(path, "r") as f:
         record = json.load(f)
     servable = Servable(version_dir)
@@ -234,6 +277,5 @@ def check_version(version_dir: str) -> tuple[int, dict[str, float]]:
         got = servable.run(servable.prepare({n: record["inputs"] for n in servable.inputs}))
     expected = {k: np.asarray(v) for k, v in record["expected"].items()}
     compare(got, expected, record["rtol"], record["atol"], what=f"{version_dir} on this machine")
-    diffs = {k: float(np.abs(np.asarray(got[k], np.float64) - expected[k]).max())
-             for k in expected}
+    diffs = {k: float(np.abs(np.asarray(got[k], np.float64) - expected[k]).max()) for k in expected}
     return len(next(iter(expected.values()))), diffs

@@ -38,8 +38,12 @@ def find_emulator() -> str | None:
     gcloud = shutil.which("gcloud")
     if gcloud:
         with contextlib.suppress(OSError, subprocess.SubprocessError):
-            out = subprocess.run([gcloud, "info", "--format=value(installation.sdk_root)"],
-                                 capture_output=True, text=True, timeout=60)
+            out = subprocess.run(
+                [gcloud, "info", "--format=value(installation.sdk_root)"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             if out.returncode == 0 and out.stdout.strip():
                 roots.append(out.stdout.strip())
     roots.append(_DEBIAN_SDK_ROOT)
@@ -59,21 +63,26 @@ def _free_port() -> int:
 class Emulator:
     """A running emulator process. ``host`` is the value for ``BIGTABLE_EMULATOR_HOST``."""
 
-    def __init__(self, binary: str | None = None, port: int | None = None,
-                 startup_timeout: float = 30.0):
+    def __init__(
+        self, binary: str | None = None, port: int | None = None, startup_timeout: float = 30.0
+    ):
         binary = binary or find_emulator()
         if binary is None:
             raise FileNotFoundError(
                 "the Cloud Bigtable emulator (cbtemulator) was not found on PATH nor in the "
                 "Google Cloud SDK; install it with `gcloud components install bigtable` or the "
-                "google-cloud-cli-bigtable-emulator package")
+                "google-cloud-cli-bigtable-emulator package"
+            )
         self.port = port or _free_port()
         self.host = f"localhost:{self.port}"
         # A file, not a pipe: nobody reads the emulator's log while it runs, and a full pipe
         # would block it.
         self._log = tempfile.TemporaryFile()
-        self.process = subprocess.Popen([binary, "-host", "localhost", "-port", str(self.port)],
-                                        stdout=self._log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(
+            [binary, "-host", "localhost", "-port", str(self.port)],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + startup_timeout
         while True:
             if self.process.poll() is not None:
@@ -81,13 +90,17 @@ class Emulator:
                 out = self._log.read().decode(errors="replace")
                 self._log.close()
                 raise RuntimeError(f"{binary} exited with {self.process.returncode}: {out}")
-            with contextlib.suppress(OSError), socket.create_connection(
-                    ("localhost", self.port), timeout=0.5):
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection(("localhost", self.port), timeout=0.5),
+            ):
                 break
             if time.monotonic() > deadline:
                 self.stop()
-                raise TimeoutError(f"{binary} did not accept connections on {self.host} "
-                                   f"within {startup_timeout:g} s")
+                raise TimeoutError(
+                    f"{binary} did not accept connections on {self.host} "
+                    f"within {startup_timeout:g} s"
+                )
             time.sleep(0.05)
 
     def stop(self) -> None:
@@ -122,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     """Starts the emulator and waits (Ctrl-C stops it)."""
     parser = argparse.ArgumentParser(
         prog="python -m estimax.tools.bigtable_emulator",
-        description=__doc__.split("\n\n")[0].replace("``", ""))
+        description=__doc__.split("\n\n")[0].replace("``", ""),
+    )
     parser.add_argument("--port", type=int, default=None, help="default: a free port")
     args = parser.parse_args(argv)
     try:

@@ -40,60 +40,106 @@ RUNNERS = ("local", "DirectRunner", "DataflowRunner", "FlinkRunner", "SparkRunne
 
 
 def _add_common(p: argparse.ArgumentParser, shards: tuple[int, int] = (1024, 128)) -> None:
-    p.add_argument("--output_dir", "--gcs_output_path", dest="output_dir", required=True,
-                   help="where the shards and manifest.json go (any fsspec path, e.g. gs://)")
-    p.add_argument("--train_shards", type=int, default=shards[0],
-                   help="number of train-SSSSS-of-NNNNN files (default %(default)s)")
-    p.add_argument("--validation_shards", type=int, default=shards[1],
-                   help="number of validation-SSSSS-of-NNNNN files (default %(default)s)")
-    p.add_argument("--runner", choices=RUNNERS, default="local",
-                   help="'local': a process pool on this machine; else an Apache Beam runner")
-    p.add_argument("--num_workers", type=int, default=None,
-                   help="worker processes (local and DirectRunner); default: all usable cores")
-    p.add_argument("--check", choices=convert_images.CHECKS, default="scaled",
-                   help="how each JPEG is checked: 'scaled' entropy-decodes all data but "
-                        "reconstructs at 1/8 scale (catches what a full decode catches, faster), "
-                        "'decode' full decode as the original, 'header' header only")
-    p.add_argument("--skip_bad", action="store_true",
-                   help="skip unreadable images and unknown labels (listed in the manifest) "
-                        "instead of stopping with an error")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace shards/manifest of a different conversion in --output_dir "
-                        "(default: refuse; the same conversion resumes)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="train shuffle seed (default 0, the original's random.seed(0))")
-    p.add_argument("--no_progress", dest="progress", action="store_false",
-                   help="no progress bar")
+    p.add_argument(
+        "--output_dir",
+        "--gcs_output_path",
+        dest="output_dir",
+        required=True,
+        help="where the shards and manifest.json go (any fsspec path, e.g. gs://)",
+    )
+    p.add_argument(
+        "--train_shards",
+        type=int,
+        default=shards[0],
+        help="number of train-SSSSS-of-NNNNN files (default %(default)s)",
+    )
+    p.add_argument(
+        "--validation_shards",
+        type=int,
+        default=shards[1],
+        help="number of validation-SSSSS-of-NNNNN files (default %(default)s)",
+    )
+    p.add_argument(
+        "--runner",
+        choices=RUNNERS,
+        default="local",
+        help="'local': a process pool on this machine; else an Apache Beam runner",
+    )
+    p.add_argument(
+        "--num_workers",
+        type=int,
+        default=None,
+        help="worker processes (local and DirectRunner); default: all usable cores",
+    )
+    p.add_argument(
+        "--check",
+        choices=convert_images.CHECKS,
+        default="scaled",
+        help="how each JPEG is checked: 'scaled' entropy-decodes all data but "
+        "reconstructs at 1/8 scale (catches what a full decode catches, faster), "
+        "'decode' full decode as the original, 'header' header only",
+    )
+    p.add_argument(
+        "--skip_bad",
+        action="store_true",
+        help="skip unreadable images and unknown labels (listed in the manifest) "
+        "instead of stopping with an error",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace shards/manifest of a different conversion in --output_dir "
+        "(default: refuse; the same conversion resumes)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="train shuffle seed (default 0, the original's random.seed(0))",
+    )
+    p.add_argument("--no_progress", dest="progress", action="store_false", help="no progress bar")
     # Tests set 0 (save after every shard) to interrupt a run at a known point.
     p.add_argument("--manifest_save_secs", type=float, default=2.0, help=argparse.SUPPRESS)
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="estimax-convert", description=__doc__.split("\n\n")[0].replace("``", ""),
+        prog="estimax-convert",
+        description=__doc__.split("\n\n")[0].replace("``", ""),
         epilog="examples:\n" + __doc__.split("\n\n")[2].replace("\\\n", "\\\n"),
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("imagenet", help="raw ImageNet (train/<synset>/*.JPEG, validation/, "
-                       "synset_labels.txt) -> train-*/validation-* shards")
-    p.add_argument("--raw_data_dir", required=True,
-                   help="directory with train/<synset>/*.JPEG, validation/*.JPEG and "
-                        "synset_labels.txt (one synset per sorted validation file)")
+    p = sub.add_parser(
+        "imagenet",
+        help="raw ImageNet (train/<synset>/*.JPEG, validation/, "
+        "synset_labels.txt) -> train-*/validation-* shards",
+    )
+    p.add_argument(
+        "--raw_data_dir",
+        required=True,
+        help="directory with train/<synset>/*.JPEG, validation/*.JPEG and "
+        "synset_labels.txt (one synset per sorted validation file)",
+    )
     _add_common(p)
 
     p = sub.add_parser("folder", help="<label>/<image> trees -> shards")
     p.add_argument("--train_dir", help="<label>/<image> tree of training images")
     p.add_argument("--validation_dir", help="<label>/<image> tree of validation images")
-    p.add_argument("--labels_file", help="one label per line: fixes the label order "
-                   "(1-based); default: sorted label directory names")
+    p.add_argument(
+        "--labels_file",
+        help="one label per line: fixes the label order "
+        "(1-based); default: sorted label directory names",
+    )
     _add_common(p)
 
     p = sub.add_parser("csv", help="CSV files of path_or_url,label + a labels file -> shards")
     p.add_argument("--train_csv", help="lines 'path_or_url,label' of training images")
     p.add_argument("--validation_csv", help="lines 'path_or_url,label' of validation images")
-    p.add_argument("--labels_file", required=True,
-                   help="one label per line; label = line number (1-based)")
+    p.add_argument(
+        "--labels_file", required=True, help="one label per line; label = line number (1-based)"
+    )
     _add_common(p)
 
     p = sub.add_parser("fake-imagenet", help="random JPEGs in ImageNet-format shards")
@@ -105,35 +151,84 @@ def _parser() -> argparse.ArgumentParser:
     _add_common(p)
 
     p = sub.add_parser("verify", help="check shards against their manifest.json")
-    p.add_argument("--output_dir", "--data_dir", dest="output_dir", required=True,
-                   help="directory with manifest.json and the shards")
-    p.add_argument("--decode", action="store_true",
-                   help="also decode every image and compare its size with the record's")
+    p.add_argument(
+        "--output_dir",
+        "--data_dir",
+        dest="output_dir",
+        required=True,
+        help="directory with manifest.json and the shards",
+    )
+    p.add_argument(
+        "--decode",
+        action="store_true",
+        help="also decode every image and compare its size with the record's",
+    )
     p.add_argument("--num_workers", type=int, default=None)
 
-    p = sub.add_parser("to-bigtable", help="train-*/validation-* shards -> Cloud Bigtable rows "
-                       "train_0000000000... (one tf.Example per row), for --bigtable_* input")
-    p.add_argument("--data_dir", "--output_dir", dest="data_dir", required=True,
-                   help="directory with the train-* and validation-* TFRecord shards")
-    p.add_argument("--bigtable_project", default=None,
-                   help="Google Cloud project (default: the credentials' project, or the "
-                        "emulator's with BIGTABLE_EMULATOR_HOST)")
-    p.add_argument("--bigtable_instance", required=True, help="Cloud Bigtable instance (must exist)")
-    p.add_argument("--bigtable_table", default="imagenet",
-                   help="table, created with the column family if absent (default %(default)s)")
-    p.add_argument("--bigtable_train_prefix", "--train_prefix", dest="train_prefix",
-                   default="train_", help="row key prefix of training rows (default %(default)s)")
-    p.add_argument("--bigtable_eval_prefix", "--eval_prefix", dest="eval_prefix",
-                   default="validation_",
-                   help="row key prefix of validation rows (default %(default)s)")
-    p.add_argument("--bigtable_column_family", "--column_family", dest="column_family",
-                   default="tfexample", help="column family (default %(default)s)")
-    p.add_argument("--bigtable_column_qualifier", "--column_qualifier", dest="column_qualifier",
-                   default="example", help="column qualifier (default %(default)s)")
-    p.add_argument("--splits", default="train,validation",
-                   help="comma-separated splits to copy (default %(default)s)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="delete rows already under a prefix and copy again (default: refuse)")
+    p = sub.add_parser(
+        "to-bigtable",
+        help="train-*/validation-* shards -> Cloud Bigtable rows "
+        "train_0000000000... (one tf.Example per row), for --bigtable_* input",
+    )
+    p.add_argument(
+        "--data_dir",
+        "--output_dir",
+        dest="data_dir",
+        required=True,
+        help="directory with the train-* and validation-* TFRecord shards",
+    )
+    p.add_argument(
+        "--bigtable_project",
+        default=None,
+        help="Google Cloud project (default: the credentials' project, or the "
+        "emulator's with BIGTABLE_EMULATOR_HOST)",
+    )
+    p.add_argument(
+        "--bigtable_instance", required=True, help="Cloud Bigtable instance (must exist)"
+    )
+    p.add_argument(
+        "--bigtable_table",
+        default="imagenet",
+        help="table, created with the column family if absent (default %(default)s)",
+    )
+    p.add_argument(
+        "--bigtable_train_prefix",
+        "--train_prefix",
+        dest="train_prefix",
+        default="train_",
+        help="row key prefix of training rows (default %(default)s)",
+    )
+    p.add_argument(
+        "--bigtable_eval_prefix",
+        "--eval_prefix",
+        dest="eval_prefix",
+        default="validation_",
+        help="row key prefix of validation rows (default %(default)s)",
+    )
+    p.add_argument(
+        "--bigtable_column_family",
+        "--column_family",
+        dest="column_family",
+        default="tfexample",
+        help="column family (default %(default)s)",
+    )
+    p.add_argument(
+        "--bigtable_column_qualifier",
+        "--column_qualifier",
+        dest="column_qualifier",
+        default="example",
+        help="column qualifier (default %(default)s)",
+    )
+    p.add_argument(
+        "--splits",
+        default="train,validation",
+        help="comma-separated splits to copy (default %(default)s)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete rows already under a prefix and copy again (default: refuse)",
+    )
     return parser
 
 
@@ -144,21 +239,32 @@ def _to_bigtable(args: argparse.Namespace) -> int:
     splits = [s for s in args.splits.split(",") if s]
     unknown = sorted(set(splits) - {"train", "validation"})
     if unknown:
-        print(f"estimax-convert to-bigtable: error: unknown splits {unknown} (train, validation)",
-              file=sys.stderr)
+        print(
+            f"estimax-convert to-bigtable: error: unknown splits {unknown} (train, validation)",
+            file=sys.stderr,
+        )
         return 2
     try:
         written = tfrecords_to_bigtable.tfrecords_to_bigtable(
-            args.data_dir, args.bigtable_project, args.bigtable_instance, args.bigtable_table,
-            train_prefix=args.train_prefix, eval_prefix=args.eval_prefix,
-            column_family=args.column_family, column_qualifier=args.column_qualifier,
-            overwrite=args.overwrite, splits=splits)
+            args.data_dir,
+            args.bigtable_project,
+            args.bigtable_instance,
+            args.bigtable_table,
+            train_prefix=args.train_prefix,
+            eval_prefix=args.eval_prefix,
+            column_family=args.column_family,
+            column_qualifier=args.column_qualifier,
+            overwrite=args.overwrite,
+            splits=splits,
+        )
     except (bigtable.BigtableError, FileNotFoundError, ImportError, storage.StorageError) as e:
         print(f"estimax-convert to-bigtable: error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {written} rows to "
-          f"{bigtable.table_path(args.bigtable_project, args.bigtable_instance, args.bigtable_table)}"
-          f" ({args.column_family}:{args.column_qualifier})")
+    print(
+        f"wrote {written} rows to "
+        f"{bigtable.table_path(args.bigtable_project, args.bigtable_instance, args.bigtable_table)}"
+        f" ({args.column_family}:{args.column_qualifier})"
+    )
     return 0
 
 
@@ -167,20 +273,26 @@ def _dataset(args: argparse.Namespace) -> tuple[convert_sources.Dataset, dict]:
         ds = convert_sources.imagenet_source(args.raw_data_dir, args.seed, args.skip_bad)
         return ds, {"command": "imagenet", "raw_data_dir": args.raw_data_dir, "seed": args.seed}
     if args.command == "folder":
-        dirs = {s: d for s, d in (("train", args.train_dir),
-                                  ("validation", args.validation_dir)) if d}
+        dirs = {
+            s: d for s, d in (("train", args.train_dir), ("validation", args.validation_dir)) if d
+        }
         ds = convert_sources.folder_source(dirs, args.labels_file, args.seed, args.skip_bad)
-        return ds, {"command": "folder", **dirs, "labels_file": args.labels_file,
-                    "seed": args.seed}
+        return ds, {"command": "folder", **dirs, "labels_file": args.labels_file, "seed": args.seed}
     if args.command == "csv":
-        csvs = {s: c for s, c in (("train", args.train_csv),
-                                  ("validation", args.validation_csv)) if c}
+        csvs = {
+            s: c for s, c in (("train", args.train_csv), ("validation", args.validation_csv)) if c
+        }
         ds = convert_sources.csv_source(csvs, args.labels_file, args.seed, args.skip_bad)
         return ds, {"command": "csv", **csvs, "labels_file": args.labels_file, "seed": args.seed}
-    ds = fake_imagenet.fake_dataset(args.train_examples, args.validation_examples,
-                                    args.num_classes, args.seed, args.min_size, args.max_size)
-    return ds, {"command": "fake-imagenet", "seed": args.seed,
-                "num_classes": args.num_classes}
+    ds = fake_imagenet.fake_dataset(
+        args.train_examples,
+        args.validation_examples,
+        args.num_classes,
+        args.seed,
+        args.min_size,
+        args.max_size,
+    )
+    return ds, {"command": "fake-imagenet", "seed": args.seed, "num_classes": args.num_classes}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -188,8 +300,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     if extra and (args.command in ("verify", "to-bigtable") or args.runner == "local"):
-        parser.error(f"unrecognized arguments: {' '.join(extra)} (only Beam runners take "
-                     "extra pipeline options)")
+        parser.error(
+            f"unrecognized arguments: {' '.join(extra)} (only Beam runners take "
+            "extra pipeline options)"
+        )
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     # Beam logs every worker's start and stop at INFO; keep our progress readable.
     logging.getLogger("apache_beam").setLevel(logging.WARNING)
@@ -206,33 +320,58 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 1
             assert manifest is not None
             n = sum(s["num_examples"] for s in manifest.shards.values())
-            print(f"verify: OK: {len(manifest.shards)} shards, {n} examples, "
-                  f"{len(manifest.label_map)} labels in {args.output_dir}")
+            print(
+                f"verify: OK: {len(manifest.shards)} shards, {n} examples, "
+                f"{len(manifest.label_map)} labels in {args.output_dir}"
+            )
             return 0
         dataset, source = _dataset(args)
         num_shards = {"train": args.train_shards, "validation": args.validation_shards}
-        kwargs = dict(num_workers=args.num_workers, check=args.check, skip_bad=args.skip_bad,
-                      overwrite=args.overwrite, source=source)
+        kwargs = dict(
+            num_workers=args.num_workers,
+            check=args.check,
+            skip_bad=args.skip_bad,
+            overwrite=args.overwrite,
+            source=source,
+        )
         if args.runner == "local":
             manifest = convert_shards.convert_local(
-                dataset, args.output_dir, num_shards, progress=args.progress,
-                manifest_save_secs=args.manifest_save_secs, **kwargs)
+                dataset,
+                args.output_dir,
+                num_shards,
+                progress=args.progress,
+                manifest_save_secs=args.manifest_save_secs,
+                **kwargs,
+            )
         else:
             from estimax.tools import convert_beam
 
-            manifest = convert_beam.convert_beam(dataset, args.output_dir, num_shards,
-                                                 runner=args.runner, pipeline_args=extra,
-                                                 **kwargs)
-    except (convert_sources.InputError, convert_images.BadImageError, ImportError,
-            storage.StorageError) as e:
+            manifest = convert_beam.convert_beam(
+                dataset,
+                args.output_dir,
+                num_shards,
+                runner=args.runner,
+                pipeline_args=extra,
+                **kwargs,
+            )
+    except (
+        convert_sources.InputError,
+        convert_images.BadImageError,
+        ImportError,
+        storage.StorageError,
+    ) as e:
         print(f"estimax-convert {args.command}: error: {e}", file=sys.stderr)
         return 2
-    counts = {s: sum(e["num_examples"] for e in manifest.shards.values() if e["split"] == s)
-              for s in manifest.splits}
+    counts = {
+        s: sum(e["num_examples"] for e in manifest.shards.values() if e["split"] == s)
+        for s in manifest.splits
+    }
     skipped = len(manifest.skipped) + sum(len(e["skipped"]) for e in manifest.shards.values())
     fixed = sum(len(e["fixed"]) for e in manifest.shards.values())
-    print(f"wrote {counts} examples in {len(manifest.shards)} shards to {args.output_dir} "
-          f"({fixed} images re-encoded as RGB JPEG, {skipped} skipped; see manifest.json)")
+    print(
+        f"wrote {counts} examples in {len(manifest.shards)} shards to {args.output_dir} "
+        f"({fixed} images re-encoded as RGB JPEG, {skipped} skipped; see manifest.json)"
+    )
     return 0
 
 

@@ -26,8 +26,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from estimax.tools.convert_shards import (Manifest, load_manifest, plan_shards, prepare_manifest,
-                                          write_shard)
+from estimax.tools.convert_shards import (
+    Manifest,
+    load_manifest,
+    plan_shards,
+    prepare_manifest,
+    write_shard,
+)
 from estimax.tools.convert_sources import Dataset
 
 __all__ = ["RUNNERS", "convert_beam"]
@@ -35,8 +40,9 @@ __all__ = ["RUNNERS", "convert_beam"]
 RUNNERS = ("DirectRunner", "DataflowRunner", "FlinkRunner", "SparkRunner")
 
 
-def _write_final_manifest(results: list[dict[str, Any]], base_json: str, output_dir: str,
-                          num_tasks: int) -> int:
+def _write_final_manifest(
+    results: list[dict[str, Any]], base_json: str, output_dir: str, num_tasks: int
+) -> int:
     manifest = Manifest.from_json(base_json, "<driver manifest>")
     for r in results:
         manifest.add_shard(r)
@@ -72,8 +78,10 @@ def convert_beam(
         import apache_beam as beam
         from apache_beam.options.pipeline_options import PipelineOptions
     except ImportError as e:
-        raise ImportError("the Beam pipeline needs apache-beam: pip install 'estimax[beam]' "
-                          f"(or apache-beam==2.77.0); {e}") from None
+        raise ImportError(
+            "the Beam pipeline needs apache-beam: pip install 'estimax[beam]' "
+            f"(or apache-beam==2.77.0); {e}"
+        ) from None
     if runner not in RUNNERS:
         raise ValueError(f"--runner must be one of local, {', '.join(RUNNERS)}; got {runner!r}")
     tasks = plan_shards(dataset, num_shards, output_dir, check, skip_bad)
@@ -84,19 +92,23 @@ def convert_beam(
     extra: dict[str, Any] = {"runner": runner}
     if runner == "DirectRunner":
         # multi_processing: one SDK worker process per core (the in-memory mode is one process).
-        extra.update(direct_num_workers=num_workers or len(os.sched_getaffinity(0)),
-                     direct_running_mode="multi_processing")
+        extra.update(
+            direct_num_workers=num_workers or len(os.sched_getaffinity(0)),
+            direct_running_mode="multi_processing",
+        )
     opts = PipelineOptions(pipeline_args or [], **extra)
     with beam.Pipeline(options=opts) as p:
-        _ = (p
-             | "Shards" >> beam.Create(todo)
-             # Spread the shards over workers (Create's output would otherwise stay in one
-             # bundle on some runners).
-             | "Spread" >> beam.Reshuffle()
-             | "WriteShard" >> beam.Map(write_shard)
-             | "Collect" >> beam.combiners.ToList()
-             | "WriteManifest" >> beam.Map(_write_final_manifest, manifest.to_json(),
-                                           output_dir, len(tasks)))
+        _ = (
+            p
+            | "Shards" >> beam.Create(todo)
+            # Spread the shards over workers (Create's output would otherwise stay in one
+            # bundle on some runners).
+            | "Spread" >> beam.Reshuffle()
+            | "WriteShard" >> beam.Map(write_shard)
+            | "Collect" >> beam.combiners.ToList()
+            | "WriteManifest"
+            >> beam.Map(_write_final_manifest, manifest.to_json(), output_dir, len(tasks))
+        )
     final = load_manifest(output_dir)
     assert final is not None
     return final

@@ -31,8 +31,14 @@ import simplejpeg
 
 from estimax.data.example import encode_example
 
-__all__ = ["CHECKS", "BadImageError", "ConvertedImage", "convert_image", "make_example",
-           "read_image_bytes"]
+__all__ = [
+    "CHECKS",
+    "BadImageError",
+    "ConvertedImage",
+    "convert_image",
+    "make_example",
+    "read_image_bytes",
+]
 
 # How much of each image is decoded to check it: 'decode' fully (as the original), 'scaled' at
 # 1/8 scale in the DCT domain (every coefficient is still entropy-decoded), 'header' not at all.
@@ -116,10 +122,16 @@ def _reencode(data: bytes) -> tuple[bytes, int, int, str]:
             fmt = (img.format or "unknown").lower()
             mode = img.mode
             rgb = img.convert("RGB")
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError,
-            Image.DecompressionBombError) as e:
-        raise BadImageError(f"not a readable image ({len(data)} bytes, starting "
-                            f"{data[:8]!r}): {e}") from None
+    except (
+        UnidentifiedImageError,
+        OSError,
+        ValueError,
+        SyntaxError,
+        Image.DecompressionBombError,
+    ) as e:
+        raise BadImageError(
+            f"not a readable image ({len(data)} bytes, starting {data[:8]!r}): {e}"
+        ) from None
     out = io.BytesIO()
     rgb.save(out, format="JPEG", quality=_REENCODE_QUALITY, subsampling=2)
     if fmt == "jpeg":
@@ -162,14 +174,16 @@ def make_example(image: ConvertedImage, label: int, synset: str, filename: str) 
     image/class/label (the 1-based label), image/class/synset, image/format 'JPEG',
     image/filename (the basename), image/encoded.
     """
-    return encode_example({
-        "image/height": image.height,
-        "image/width": image.width,
-        "image/colorspace": b"RGB",
-        "image/channels": 3,
-        "image/class/label": int(label),
-        "image/class/synset": synset,
-        "image/format": b"JPEG",
-        "image/filename": os.path.basename(filename),
-        "image/encoded": image.encoded,
-    })
+    return encode_example(
+        {
+            "image/height": image.height,
+            "image/width": image.width,
+            "image/colorspace": b"RGB",
+            "image/channels": 3,
+            "image/class/label": int(label),
+            "image/class/synset": synset,
+            "image/format": b"JPEG",
+            "image/filename": os.path.basename(filename),
+            "image/encoded": image.encoded,
+        }
+    )

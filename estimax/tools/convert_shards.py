@@ -43,12 +43,25 @@ from typing import Any
 
 from estimax import storage
 from estimax.data import tfrecord
-from estimax.tools.convert_images import (BadImageError, convert_image, make_example,
-                                          read_image_bytes)
+from estimax.tools.convert_images import (
+    BadImageError,
+    convert_image,
+    make_example,
+    read_image_bytes,
+)
 from estimax.tools.convert_sources import Dataset, InputError, Item
 
-__all__ = ["MANIFEST_NAME", "Manifest", "ShardTask", "convert_local", "plan_shards",
-           "prepare_manifest", "sha256_file", "verify", "write_shard"]
+__all__ = [
+    "MANIFEST_NAME",
+    "Manifest",
+    "ShardTask",
+    "convert_local",
+    "plan_shards",
+    "prepare_manifest",
+    "sha256_file",
+    "verify",
+    "write_shard",
+]
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +93,13 @@ class ShardTask:
         return posixpath.join(self.output_dir, self.name)
 
 
-def plan_shards(dataset: Dataset, num_shards: dict[str, int], output_dir: str,
-                check: str = "scaled", skip_bad: bool = False) -> list[ShardTask]:
+def plan_shards(
+    dataset: Dataset,
+    num_shards: dict[str, int],
+    output_dir: str,
+    check: str = "scaled",
+    skip_bad: bool = False,
+) -> list[ShardTask]:
     """Splits every split's items into its shards (sizes differ by at most one).
 
     Raises:
@@ -94,10 +112,12 @@ def plan_shards(dataset: Dataset, num_shards: dict[str, int], output_dir: str,
         if k < 1:
             raise InputError(f"--{split}_shards must be >= 1, got {k}")
         if n < k:
-            raise InputError(f"{split}: {n} images cannot fill {k} shards without writing empty "
-                             f"shards; pass --{split}_shards={n} or fewer")
+            raise InputError(
+                f"{split}: {n} images cannot fill {k} shards without writing empty "
+                f"shards; pass --{split}_shards={n} or fewer"
+            )
         for s in range(k):
-            chunk = tuple(items[s * n // k:(s + 1) * n // k])
+            chunk = tuple(items[s * n // k : (s + 1) * n // k])
             tasks.append(ShardTask(output_dir, split, s, k, chunk, check, skip_bad))
     return tasks
 
@@ -140,21 +160,31 @@ def write_shard(task: ShardTask) -> dict[str, Any]:
             except (BadImageError, OSError) as e:
                 problem = f"{item.path}: {e}"
                 if not task.skip_bad:
-                    raise BadImageError(f"{problem} (--skip_bad skips bad images and lists them "
-                                        "in the manifest)") from None
+                    raise BadImageError(
+                        f"{problem} (--skip_bad skips bad images and lists them in the manifest)"
+                    ) from None
                 skipped.append({"file": item.path, "reason": problem})
                 continue
             if image.fixed:
                 fixed.append({"file": item.path, "reason": image.fixed})
             writer.write(make_example(image, item.label, item.synset, item.path))
         if writer.num_records == 0:
-            raise BadImageError(f"{task.name}: all {len(task.items)} of its images are bad "
-                                f"(first: {skipped[0]['reason'] if skipped else 'none'}); "
-                                "refusing to write an empty shard")
+            raise BadImageError(
+                f"{task.name}: all {len(task.items)} of its images are bad "
+                f"(first: {skipped[0]['reason'] if skipped else 'none'}); "
+                "refusing to write an empty shard"
+            )
         num_examples = writer.num_records
-    return {"name": task.name, "split": task.split, "index": task.index,
-            "num_examples": num_examples, "bytes": writer.num_bytes,
-            "sha256": sha256_file(task.path), "skipped": skipped, "fixed": fixed}
+    return {
+        "name": task.name,
+        "split": task.split,
+        "index": task.index,
+        "num_examples": num_examples,
+        "bytes": writer.num_bytes,
+        "sha256": sha256_file(task.path),
+        "skipped": skipped,
+        "fixed": fixed,
+    }
 
 
 @dataclasses.dataclass
@@ -174,17 +204,20 @@ class Manifest:
         d = dataclasses.asdict(self)
         d = {"format": MANIFEST_FORMAT, **d}
         for split, info in d["splits"].items():
-            info["num_examples"] = sum(s["num_examples"] for s in self.shards.values()
-                                       if s["split"] == split)
+            info["num_examples"] = sum(
+                s["num_examples"] for s in self.shards.values() if s["split"] == split
+            )
         d["shards"] = dict(sorted(d["shards"].items()))
         return json.dumps(d, indent=1, sort_keys=False)
 
     @classmethod
-    def from_json(cls, text: str, path: str) -> "Manifest":
+    def from_json(cls, text: str, path: str) -> Manifest:
         d = json.loads(text)
         if d.get("format") != MANIFEST_FORMAT:
-            raise InputError(f"{path}: not an estimax-convert manifest "
-                             f"(format {d.get('format')!r}, expected {MANIFEST_FORMAT!r})")
+            raise InputError(
+                f"{path}: not an estimax-convert manifest "
+                f"(format {d.get('format')!r}, expected {MANIFEST_FORMAT!r})"
+            )
         for info in d["splits"].values():
             info.pop("num_examples", None)
         d.pop("format")
@@ -195,8 +228,11 @@ class Manifest:
         self.shards[entry.pop("name")] = entry
 
     def expected_shards(self) -> list[str]:
-        return [tfrecord.sharded_name(split, s, info["num_shards"])
-                for split, info in self.splits.items() for s in range(info["num_shards"])]
+        return [
+            tfrecord.sharded_name(split, s, info["num_shards"])
+            for split, info in self.splits.items()
+            for s in range(info["num_shards"])
+        ]
 
     def save(self, output_dir: str) -> None:
         """Writes the manifest (locally via a temporary name and an atomic rename)."""
@@ -240,8 +276,14 @@ def _remove_stale_temporaries(output_dir: str) -> None:
             os.remove(os.path.join(output_dir, name))
 
 
-def prepare_manifest(tasks: list[ShardTask], dataset: Dataset, output_dir: str,
-                     source: dict, options: dict, overwrite: bool = False) -> Manifest:
+def prepare_manifest(
+    tasks: list[ShardTask],
+    dataset: Dataset,
+    output_dir: str,
+    source: dict,
+    options: dict,
+    overwrite: bool = False,
+) -> Manifest:
     """The manifest to continue from: the existing one (its intact shards kept) or a new one.
 
     Raises:
@@ -249,20 +291,27 @@ def prepare_manifest(tasks: list[ShardTask], dataset: Dataset, output_dir: str,
         a manifest, and ``overwrite`` is False.
     """
     fp = fingerprint(tasks, dataset.label_map, options)
-    splits = {s: {"num_shards": next(t.num_shards for t in tasks if t.split == s),
-                  "num_inputs": len(items)} for s, items in dataset.splits.items()}
-    fresh = Manifest(fp, dataset.label_map, splits, source, options,
-                     skipped=list(dataset.skipped))
+    splits = {
+        s: {
+            "num_shards": next(t.num_shards for t in tasks if t.split == s),
+            "num_inputs": len(items),
+        }
+        for s, items in dataset.splits.items()
+    }
+    fresh = Manifest(fp, dataset.label_map, splits, source, options, skipped=list(dataset.skipped))
     old = load_manifest(output_dir)
     existing = _existing_shards(output_dir, dataset.splits)
     if old is not None and old.fingerprint != fp and not overwrite:
         raise InputError(
             f"{posixpath.join(output_dir, MANIFEST_NAME)} is from a different conversion (its "
             "inputs, labels, shard counts, seed or options differ); use another --output_dir "
-            "or --overwrite to replace it")
+            "or --overwrite to replace it"
+        )
     if old is None and existing and not overwrite:
-        raise InputError(f"--output_dir {output_dir} already has shards ({existing[0]}, ...) but "
-                         f"no {MANIFEST_NAME}; use another --output_dir or --overwrite")
+        raise InputError(
+            f"--output_dir {output_dir} already has shards ({existing[0]}, ...) but "
+            f"no {MANIFEST_NAME}; use another --output_dir or --overwrite"
+        )
     _remove_stale_temporaries(output_dir)
     if overwrite or old is None:
         fs, fs_dir = storage.filesystem(output_dir)
@@ -287,8 +336,11 @@ def _mp_context() -> multiprocessing.context.BaseContext:
     exist (JAX's, in a test run or a notebook; tqdm's monitor), whose locks the child would
     inherit in an undefined state; then spawn.
     """
-    if ("fork" in multiprocessing.get_all_start_methods() and threading.active_count() == 1
-            and "jax" not in sys.modules):
+    if (
+        "fork" in multiprocessing.get_all_start_methods()
+        and threading.active_count() == 1
+        and "jax" not in sys.modules
+    ):
         return multiprocessing.get_context("fork")
     return multiprocessing.get_context("spawn")
 
@@ -296,8 +348,14 @@ def _mp_context() -> multiprocessing.context.BaseContext:
 def _progress(total: int, initial: int, enabled: bool) -> Any:
     from tqdm import tqdm
 
-    return tqdm(total=total, initial=initial, unit="img", disable=not enabled,
-                desc="converting", smoothing=0.1)
+    return tqdm(
+        total=total,
+        initial=initial,
+        unit="img",
+        disable=not enabled,
+        desc="converting",
+        smoothing=0.1,
+    )
 
 
 def convert_local(
@@ -345,8 +403,12 @@ def convert_local(
     total = sum(len(t.items) for t in tasks)
     done_items = total - sum(len(t.items) for t in todo)
     if len(todo) < len(tasks):
-        log.info("resuming: %d of %d shards already complete in %s", len(tasks) - len(todo),
-                 len(tasks), output_dir)
+        log.info(
+            "resuming: %d of %d shards already complete in %s",
+            len(tasks) - len(todo),
+            len(tasks),
+            output_dir,
+        )
     manifest.save(output_dir)
     num_workers = num_workers or len(os.sched_getaffinity(0))
     last_save = time.monotonic()
@@ -358,6 +420,7 @@ def convert_local(
         futures = {pool.submit(write_shard, t): t for t in todo}
     try:
         with _progress(total, done_items, progress) as bar:
+
             def finished(result: dict[str, Any], task: ShardTask) -> None:
                 nonlocal last_save
                 manifest.add_shard(result)
@@ -387,13 +450,22 @@ def convert_local(
 
 # ---------------------------------------------------------------------------------- verify
 
-_REQUIRED = ("image/height", "image/width", "image/colorspace", "image/channels",
-             "image/class/label", "image/class/synset", "image/format", "image/filename",
-             "image/encoded")
+_REQUIRED = (
+    "image/height",
+    "image/width",
+    "image/colorspace",
+    "image/channels",
+    "image/class/label",
+    "image/class/synset",
+    "image/format",
+    "image/filename",
+    "image/encoded",
+)
 
 
-def verify_shard(path: str, entry: dict[str, Any], label_map: dict[str, int],
-                 decode: bool = False) -> list[str]:
+def verify_shard(
+    path: str, entry: dict[str, Any], label_map: dict[str, int], decode: bool = False
+) -> list[str]:
     """Problems of one shard against its manifest entry (empty list: none).
 
     Checks: SHA-256 and size; every record's CRC; the record count; every record is a tf.Example
@@ -409,8 +481,10 @@ def verify_shard(path: str, entry: dict[str, Any], label_map: dict[str, int],
     problems = []
     digest = sha256_file(path)
     if digest != entry["sha256"]:
-        problems.append(f"{path}: SHA-256 {digest[:16]}... differs from the manifest's "
-                        f"{entry['sha256'][:16]}... (the file changed since it was written)")
+        problems.append(
+            f"{path}: SHA-256 {digest[:16]}... differs from the manifest's "
+            f"{entry['sha256'][:16]}... (the file changed since it was written)"
+        )
     count = 0
     try:
         for count, record in enumerate(tfrecord.read_records(path), start=1):
@@ -426,10 +500,15 @@ def verify_shard(path: str, entry: dict[str, Any], label_map: dict[str, int],
                 continue
             label, synset = int(ex["image/class/label"][0]), ex["image/class/synset"][0].decode()
             if label_map.get(synset) != label:
-                problems.append(f"{where}: label {label} for synset {synset!r}, but the label "
-                                f"map gives {label_map.get(synset)}")
-            if (int(ex["image/channels"][0]) != 3 or ex["image/colorspace"][0] != b"RGB"
-                    or ex["image/format"][0] != b"JPEG"):
+                problems.append(
+                    f"{where}: label {label} for synset {synset!r}, but the label "
+                    f"map gives {label_map.get(synset)}"
+                )
+            if (
+                int(ex["image/channels"][0]) != 3
+                or ex["image/colorspace"][0] != b"RGB"
+                or ex["image/format"][0] != b"JPEG"
+            ):
                 problems.append(f"{where}: not a 3-channel RGB JPEG record")
             if decode:
                 from estimax.data import jpeg
@@ -440,8 +519,10 @@ def verify_shard(path: str, entry: dict[str, Any], label_map: dict[str, int],
                     problems.append(f"{where}: image does not decode: {e}")
                     continue
                 if (h, w) != (int(ex["image/height"][0]), int(ex["image/width"][0])):
-                    problems.append(f"{where}: image is {h}x{w} but the record says "
-                                    f"{int(ex['image/height'][0])}x{int(ex['image/width'][0])}")
+                    problems.append(
+                        f"{where}: image is {h}x{w} but the record says "
+                        f"{int(ex['image/height'][0])}x{int(ex['image/width'][0])}"
+                    )
     except tfrecord.CorruptRecordError as e:
         problems.append(str(e))
     if count != entry["num_examples"]:
@@ -457,28 +538,33 @@ def verify(output_dir: str, decode: bool = False, num_workers: int | None = None
     """
     manifest = load_manifest(output_dir)
     if manifest is None:
-        return [f"{posixpath.join(output_dir, MANIFEST_NAME)}: no manifest (not written by "
-                "estimax-convert, or the conversion never started)"]
+        return [
+            f"{posixpath.join(output_dir, MANIFEST_NAME)}: no manifest (not written by "
+            "estimax-convert, or the conversion never started)"
+        ]
     problems = []
     expected = manifest.expected_shards()
     unfinished = [n for n in expected if n not in manifest.shards]
     if unfinished:
-        problems.append(f"{output_dir}: conversion incomplete: {len(unfinished)} of "
-                        f"{len(expected)} shards not finished ({unfinished[0]}, ...); rerun the "
-                        "same convert command to resume")
+        problems.append(
+            f"{output_dir}: conversion incomplete: {len(unfinished)} of "
+            f"{len(expected)} shards not finished ({unfinished[0]}, ...); rerun the "
+            "same convert command to resume"
+        )
     extra = sorted(set(_existing_shards(output_dir, manifest.splits)) - set(expected))
     if extra:
         problems.append(f"{output_dir}: shard files not in the manifest: {extra[:5]}")
     names = sorted(manifest.shards)
-    args = [(posixpath.join(output_dir, n), manifest.shards[n], manifest.label_map, decode)
-            for n in names]
+    args = [
+        (posixpath.join(output_dir, n), manifest.shards[n], manifest.label_map, decode)
+        for n in names
+    ]
     num_workers = num_workers or len(os.sched_getaffinity(0))
     if num_workers == 1 or len(args) <= 1:
         results = [verify_shard(*a) for a in args]
     else:
-        with cf.ProcessPoolExecutor(min(num_workers, len(args)),
-                                    mp_context=_mp_context()) as pool:
-            results = list(pool.map(verify_shard, *zip(*args)))
+        with cf.ProcessPoolExecutor(min(num_workers, len(args)), mp_context=_mp_context()) as pool:
+            results = list(pool.map(verify_shard, *zip(*args, strict=False)))
     for r in results:
         problems.extend(r)
     return problems

@@ -34,8 +34,15 @@ import re
 
 import fsspec
 
-__all__ = ["Dataset", "InputError", "Item", "csv_source", "folder_source", "imagenet_source",
-           "shuffle_train"]
+__all__ = [
+    "Dataset",
+    "InputError",
+    "Item",
+    "csv_source",
+    "folder_source",
+    "imagenet_source",
+    "shuffle_train",
+]
 
 _SYNSET = re.compile(r"^n\d{8}$")
 
@@ -136,12 +143,16 @@ def _class_tree(root: str, what: str) -> dict[str, list[str]]:
         raise InputError(f"{what} directory {root} does not exist")
     labels, loose = _list_dir(root)
     if not labels:
-        raise InputError(f"{what} directory {root} has no <label>/ subdirectories (empty split)"
-                         + (f"; it has {len(loose)} loose files" if loose else ""))
+        raise InputError(
+            f"{what} directory {root} has no <label>/ subdirectories (empty split)"
+            + (f"; it has {len(loose)} loose files" if loose else "")
+        )
     tree = {label: _list_dir(posixpath.join(root, label))[1] for label in labels}
     if not any(tree.values()):
-        raise InputError(f"{what} directory {root}: no images in any of its {len(labels)} "
-                         "label directories (empty split)")
+        raise InputError(
+            f"{what} directory {root}: no images in any of its {len(labels)} "
+            "label directories (empty split)"
+        )
     return tree
 
 
@@ -159,8 +170,10 @@ def imagenet_source(raw_data_dir: str, seed: int = 0, skip_bad: bool = False) ->
     labels_file = posixpath.join(raw_data_dir, "synset_labels.txt")
     has_train, has_val = _isdir(train_dir), _isdir(val_dir)
     if not (has_train or has_val):
-        raise InputError(f"--raw_data_dir {raw_data_dir} has neither train/ nor validation/ "
-                         "(expected train/<synset>/*.JPEG, validation/*.JPEG, synset_labels.txt)")
+        raise InputError(
+            f"--raw_data_dir {raw_data_dir} has neither train/ nor validation/ "
+            "(expected train/<synset>/*.JPEG, validation/*.JPEG, synset_labels.txt)"
+        )
     skipped: list[dict[str, str]] = []
     train: list[tuple[str, str]] = []
     train_synsets: list[str] = []
@@ -168,8 +181,10 @@ def imagenet_source(raw_data_dir: str, seed: int = 0, skip_bad: bool = False) ->
         tree = _class_tree(train_dir, "train")
         for synset, files in tree.items():
             if not _SYNSET.match(synset):
-                raise InputError(f"{posixpath.join(train_dir, synset)}: not a synset directory "
-                                 "name (expected n + 8 digits, e.g. n01440764)")
+                raise InputError(
+                    f"{posixpath.join(train_dir, synset)}: not a synset directory "
+                    "name (expected n + 8 digits, e.g. n01440764)"
+                )
             train_synsets.append(synset)
             train.extend((f, synset) for f in files)
     val: list[tuple[str, str]] = []
@@ -181,15 +196,18 @@ def imagenet_source(raw_data_dir: str, seed: int = 0, skip_bad: bool = False) ->
         if len(synsets) != len(val_files):
             raise InputError(
                 f"{labels_file} has {len(synsets)} synsets but {val_dir} has {len(val_files)} "
-                "files; it must have one line per validation file, in sorted file order")
+                "files; it must have one line per validation file, in sorted file order"
+            )
         known = set(train_synsets)
-        for line_no, (f, synset) in enumerate(zip(val_files, synsets), start=1):
+        for line_no, (f, synset) in enumerate(zip(val_files, synsets, strict=False), start=1):
             problem = None
             if not _SYNSET.match(synset):
                 problem = f"{labels_file} line {line_no}: {synset!r} is not a synset"
             elif has_train and synset not in known:
-                problem = (f"{labels_file} line {line_no}: unknown synset {synset!r} (for "
-                           f"{posixpath.basename(f)}): there is no train/{synset}/ directory")
+                problem = (
+                    f"{labels_file} line {line_no}: unknown synset {synset!r} (for "
+                    f"{posixpath.basename(f)}): there is no train/{synset}/ directory"
+                )
             if problem:
                 if not skip_bad:
                     raise InputError(problem + " (--skip_bad leaves such images out)")
@@ -197,8 +215,7 @@ def imagenet_source(raw_data_dir: str, seed: int = 0, skip_bad: bool = False) ->
                 continue
             val.append((f, synset))
     # Exactly the original's label rule: the union of both splits' synsets, sorted, 1-based.
-    label_map = {s: k + 1 for k, s in enumerate(sorted(set(train_synsets) |
-                                                       {s for _, s in val}))}
+    label_map = {s: k + 1 for k, s in enumerate(sorted(set(train_synsets) | {s for _, s in val}))}
     splits = {}
     if has_train:
         splits["train"] = shuffle_train([Item(f, label_map[s], s) for f, s in train], seed)
@@ -209,8 +226,12 @@ def imagenet_source(raw_data_dir: str, seed: int = 0, skip_bad: bool = False) ->
     return Dataset(splits, label_map, skipped)
 
 
-def folder_source(split_dirs: dict[str, str], labels_file: str | None = None, seed: int = 0,
-                  skip_bad: bool = False) -> Dataset:
+def folder_source(
+    split_dirs: dict[str, str],
+    labels_file: str | None = None,
+    seed: int = 0,
+    skip_bad: bool = False,
+) -> Dataset:
     """``<dir>/<label>/<image>`` trees -> a Dataset; the 'train' split is shuffled.
 
     Args:
@@ -236,8 +257,10 @@ def folder_source(split_dirs: dict[str, str], labels_file: str | None = None, se
         items = []
         for name, files in tree.items():
             if name not in label_map:
-                problem = (f"{posixpath.join(split_dirs[split], name)}: label {name!r} is not "
-                           f"in the labels file {labels_file}")
+                problem = (
+                    f"{posixpath.join(split_dirs[split], name)}: label {name!r} is not "
+                    f"in the labels file {labels_file}"
+                )
                 if not skip_bad:
                     raise InputError(problem + " (--skip_bad leaves it out)")
                 skipped.extend({"file": f, "reason": problem} for f in files)
@@ -249,8 +272,9 @@ def folder_source(split_dirs: dict[str, str], labels_file: str | None = None, se
     return Dataset(splits, label_map, skipped)
 
 
-def csv_source(split_csvs: dict[str, str], labels_file: str, seed: int = 0,
-               skip_bad: bool = False) -> Dataset:
+def csv_source(
+    split_csvs: dict[str, str], labels_file: str, seed: int = 0, skip_bad: bool = False
+) -> Dataset:
     """CSV files of ``path_or_url,label`` lines + a labels file -> a Dataset.
 
     Relative local paths are relative to the CSV file's directory. The 'train' split is shuffled.

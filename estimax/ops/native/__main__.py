@@ -12,8 +12,11 @@ def main(argv: list[str] | None = None) -> int:
     """Runs the command; returns the exit code."""
     parser = argparse.ArgumentParser(prog="python -m estimax.ops.native", description=__doc__)
     parser.add_argument("command", choices=("build", "status"))
-    parser.add_argument("--if_possible", action="store_true",
-                        help="build: on failure print why and exit 0 (XLA's kernels are used)")
+    parser.add_argument(
+        "--if_possible",
+        action="store_true",
+        help="build: on failure print why and exit 0 (XLA's kernels are used)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     if args.command == "status":
