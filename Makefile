@@ -15,7 +15,7 @@ BEAM_PINS := apache-beam==2.77.0 protobuf==6.33.6 pillow==12.3.0 numpy==2.4.6 \
 	crc32c==2.9.post0 fsspec==2026.9.0 simplejpeg==1.9.0 opencv-python-headless==5.0.0.93 \
 	tqdm==4.70.1 absl-py==2.5.1 pytest==9.2.0 hypothesis==6.170.15
 
-.PHONY: demo test venv native bench clean
+.PHONY: demo test lint venv native bench clean
 
 venv: $(STAMP)
 
@@ -60,7 +60,14 @@ demo: $(STAMP) $(NATIVE_STAMP)
 	$(BIN)/python -m estimax.serving.demo --model_base_path=$(DEMO_DIR)/serving \
 	    --data_dir=$(DEMO_DIR)/data --index=0
 
-test: $(STAMP) $(NATIVE_STAMP) $(BEAM_STAMP)
+# One style (issue 17): the formatter's check, the linter (config in pyproject's [tool.ruff]) and
+# the type checker on estimax/ (pyproject's [tool.mypy]). `make test` runs it first.
+lint: $(STAMP)
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+test: lint $(STAMP) $(NATIVE_STAMP) $(BEAM_STAMP)
 	ESTIMAX_REQUIRE_BEAM=1 $(BEAM_VENV)/bin/python -m pytest -q -p no:cacheprovider \
 	    tests/test_convert.py -k beam
 	$(TEST_ENV) ESTIMAX_REQUIRE_ONEDNN=$(ESTIMAX_REQUIRE_ONEDNN) $(BIN)/python -m pytest -q --durations=15
