@@ -187,39 +187,14 @@ def run_jax(layers, pools, dtype: str, reps: int) -> dict[str, dict[str, float]]
             "jax dx": _time(lambda: block(ref_dx(x, wt, g)), reps),
             "jax dw": _time(lambda: block(ref_dw(x, wt, g)), reps),
         }
-        for label, fn in (
-            (
-                "ops fwd im2col",
-                lambda s_=spec._replace(fwd="im2col"): jax.jit(
-                    functools.partial(cpu_conv._cpu_fwd, s_)
-                ),
-            ),
-            (
-                "ops dx matmul",
-                lambda s_=spec._replace(dx="matmul"): jax.jit(
-                    functools.partial(cpu_conv._cpu_dx, s_)
-                ),
-            ),
-            (
-                "ops dw im2col",
-                lambda s_=spec._replace(dw="im2col"): jax.jit(
-                    functools.partial(cpu_conv._cpu_dw, s_)
-                ),
-            ),
-            (
-                "ops dw offsets",
-                lambda s_=spec._replace(dw="offsets"): jax.jit(
-                    functools.partial(cpu_conv._cpu_dw, s_)
-                ),
-            ),
-            (
-                "ops dw im2col_t",
-                lambda s_=spec._replace(dw="im2col_t"): jax.jit(
-                    functools.partial(cpu_conv._cpu_dw, s_)
-                ),
-            ),
+        for label, impl, s_ in (
+            ("ops fwd im2col", cpu_conv._cpu_fwd, spec._replace(fwd="im2col")),
+            ("ops dx matmul", cpu_conv._cpu_dx, spec._replace(dx="matmul")),
+            ("ops dw im2col", cpu_conv._cpu_dw, spec._replace(dw="im2col")),
+            ("ops dw offsets", cpu_conv._cpu_dw, spec._replace(dw="offsets")),
+            ("ops dw im2col_t", cpu_conv._cpu_dw, spec._replace(dw="im2col_t")),
         ):
-            f = fn()
+            f = jax.jit(functools.partial(impl, s_))
             args = (x, wt) if "fwd" in label else (x, wt, g)
             res[label] = _time(lambda f=f, args=args: block(f(*args)), reps)
         onednn = spec._replace(fwd="onednn", dx="onednn", dw="onednn")
@@ -385,7 +360,7 @@ def main() -> None:
         help="tuned: estimax.ops.tune_cpu_allocator() before the JAX timings",
     )
     args = parser.parse_args()
-    layers = [l for l in LAYERS if args.only in (None, l[1])]
+    layers = [layer for layer in LAYERS if args.only in (None, layer[1])]
     pools = [p for p in POOLS if args.only in (None, p[1])]
     if args.torch_worker:
         json.dump(run_torch(layers, pools, args.dtype, args.reps), sys.stdout)
@@ -395,7 +370,8 @@ def main() -> None:
         "reps": args.reps,
         "note": (
             f"{os.cpu_count()} CPU cores, shared with other jobs while measured "
-            f"(timings noisy; compare within a run). {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}."
+            "(timings noisy; compare within a run). "
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}."
         ),
     }
     if not args.no_torch:

@@ -98,11 +98,13 @@ def _process_dataset(filenames, synsets, labels, output_directory, prefix, num_s
     for shard in range(num_shards):
         chunk_files = filenames[shard * chunksize:(shard + 1) * chunksize]
         chunk_synsets = synsets[shard * chunksize:(shard + 1) * chunksize]
-        output_file = os.path.join(output_directory, "%s-%.5d-of-%.5d" % (prefix, shard, num_shards))
+        output_file = os.path.join(
+            output_directory, "%s-%.5d-of-%.5d" % (prefix, shard, num_shards))
         with tf.io.TFRecordWriter(output_file) as writer:
             for filename, synset in zip(chunk_files, chunk_synsets):
                 image_buffer, height, width = _process_image(filename, coder)
-                ex = _convert_to_example(filename, image_buffer, labels[synset], synset, height, width)
+                ex = _convert_to_example(
+                    filename, image_buffer, labels[synset], synset, height, width)
                 writer.write(ex.SerializeToString())
 
 train_files = tf.io.gfile.glob(os.path.join(raw, "train", "*", "*.JPEG"))
@@ -134,9 +136,9 @@ def make_raw_tree(copies: int) -> int:
     num_val = len(files) // 8
     val_synsets = []
     for i, (n, c) in enumerate(files):
-        synset = "n%08d" % (1000 + i % NUM_SYNSETS)
+        synset = f"n{1000 + i % NUM_SYNSETS:08d}"
         if i < num_val:
-            dst = os.path.join(RAW, "validation", "ILSVRC2012_val_%08d.JPEG" % (i + 1))
+            dst = os.path.join(RAW, "validation", f"ILSVRC2012_val_{i + 1:08d}.JPEG")
             val_synsets.append(synset)
         else:
             dst = os.path.join(RAW, "train", synset, f"{synset}_{c}{n[3:-4]}.JPEG")
@@ -281,7 +283,7 @@ def main() -> None:
         spc = results.get("speedup_vs_tf_core", {}).get(s)
         lines.append(
             f"| {s} | {med[s]:.1f} | {n / med[s]:.0f} | "
-            f"{'{:.2f}x'.format(sp) if sp else '-'} | {'{:.2f}x'.format(spc) if spc else '-'} | "
+            f"{f'{sp:.2f}x' if sp else '-'} | {f'{spc:.2f}x' if spc else '-'} | "
             f"{results['median_cpu_seconds'][s]:.1f} | "
             f"{n / results['median_cpu_seconds'][s]:.0f} |"
         )
