@@ -135,7 +135,7 @@ def _preprocess_fn(name: str) -> Callable[..., np.ndarray]:
     # which TFRecord tools and fake data do not need.
     from estimax.data import preprocessing
 
-    fns = {
+    fns: dict[str, Callable[..., np.ndarray]] = {
         "resnet": preprocessing.resnet_preprocess,
         "inception": preprocessing.inception_preprocess,
     }
@@ -288,6 +288,7 @@ def input_fn(
                 seed=seed + host_index,
             )
         source: loader.RecordSource
+        record_ids: np.ndarray | None
         if bigtable is not None:
             # Rows are not files: every host lists the keys and reads every num_hosts-th row.
             source = bigtable.source(is_training)

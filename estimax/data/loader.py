@@ -46,7 +46,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar, overload
 
 import numpy as np
 
@@ -64,6 +64,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _STATE_VERSION = 1
+_T = TypeVar("_T")
 
 
 class BadRecordError(ValueError):
@@ -97,6 +98,10 @@ class RecordSource(Protocol):
         ...
 
 
+@overload
+def host_shard(items: np.ndarray, host_index: int, num_hosts: int) -> np.ndarray: ...
+@overload
+def host_shard(items: Sequence[_T], host_index: int, num_hosts: int) -> list[_T]: ...
 def host_shard(
     items: Sequence[Any] | np.ndarray, host_index: int, num_hosts: int
 ) -> list[Any] | np.ndarray:
@@ -213,6 +218,7 @@ def _run_chunk(
     """Reads and transforms records; a failure becomes a _BadElement (order is preserved)."""
     if source is None:
         source, transform, seed = _WORKER["source"], _WORKER["transform"], _WORKER["seed"]
+    assert transform is not None and seed is not None, "given, or set by _init_worker"
     out: list[Any] = []
     read_many = getattr(source, "read_many", None)
     # A SourceError from read_many propagates: the whole source is unreadable, not a record.
@@ -442,9 +448,9 @@ class LoaderIterator(Iterator[Any]):
             # Not waiting for worker processes to exit: that would add their shutdown time
             # (~1 s) to the end of every eval pass.
             self._shutdown(wait=False)
-            if item is _END:
-                raise StopIteration
-            raise item
+            if isinstance(item, BaseException):
+                raise item
+            raise StopIteration
         batch, (epoch, position, num_skipped) = item
         self._epoch, self._position, self.num_skipped = epoch, position, num_skipped
         return batch

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from estimax import ops
 from estimax.models.layers import (
+    BlockArgs,
     ConvBNReLU,
     InceptionBlock,
     ModuleDef,
@@ -199,7 +200,9 @@ class InceptionV3(nn.Module):
     bn_scale: bool = False
 
     @nn.compact
-    def __call__(self, x: jnp.ndarray, train: bool):
+    def __call__(
+        self, x: jnp.ndarray, train: bool
+    ) -> jnp.ndarray | tuple[jnp.ndarray, jnp.ndarray]:
         """Logits (and auxiliary logits) for a batch of images.
 
         Args:
@@ -229,7 +232,7 @@ class InceptionV3(nn.Module):
             dtype=self.dtype,
             use_scale=self.bn_scale,
         )
-        kw = dict(
+        kw = BlockArgs(
             conv=conv,
             norm=norm,
             max_pool=self.max_pool,
@@ -237,7 +240,13 @@ class InceptionV3(nn.Module):
             min_depth=self.min_depth,
         )
 
-        def c(features, kernel, name, strides=1, padding="VALID"):
+        def c(
+            features: int,
+            kernel: tuple[int, int],
+            name: str,
+            strides: int = 1,
+            padding: str = "VALID",
+        ) -> ConvBNReLU:
             # The stem's default padding is VALID in slim (inception_v3_base arg_scope).
             return ConvBNReLU(
                 scaled_depth(features, self.depth_multiplier, self.min_depth),
@@ -278,7 +287,7 @@ class InceptionV3(nn.Module):
         logits = nn.Dense(
             self.num_classes, dtype=self.dtype, kernel_init=conv_kernel_init, name="Logits"
         )(x).astype(jnp.float32)
-        if self.aux_logits:
+        if aux is not None:  # self.aux_logits
             return logits, aux.astype(jnp.float32)
         return logits
 

@@ -19,7 +19,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from estimax import ops
-from estimax.models.layers import InceptionBlock, ModuleDef, PoolFn, same_avg_pool
+from estimax.models.layers import BlockArgs, InceptionBlock, ModuleDef, PoolFn, same_avg_pool
 
 # The original's constants (inception_v4.py BATCH_NORM_DECAY / BATCH_NORM_EPSILON).
 BATCH_NORM_DECAY = 0.995
@@ -210,7 +210,9 @@ class InceptionV4(nn.Module):
     block_repeats: tuple[int, int, int] = (4, 7, 3)
 
     @nn.compact
-    def __call__(self, x: jnp.ndarray, train: bool):
+    def __call__(
+        self, x: jnp.ndarray, train: bool
+    ) -> jnp.ndarray | tuple[jnp.ndarray, jnp.ndarray]:
         """Logits (and auxiliary logits) for a batch of images.
 
         Args:
@@ -239,7 +241,7 @@ class InceptionV4(nn.Module):
             dtype=self.dtype,
             use_scale=self.bn_scale,
         )
-        kw = dict(
+        kw = BlockArgs(
             conv=conv,
             norm=norm,
             max_pool=self.max_pool,
@@ -266,7 +268,7 @@ class InceptionV4(nn.Module):
         logits = nn.Dense(
             self.num_classes, dtype=self.dtype, kernel_init=fc_kernel_init, name="Logits"
         )(x).astype(jnp.float32)
-        if self.aux_logits:
+        if aux is not None:  # self.aux_logits
             return logits, aux.astype(jnp.float32)
         return logits
 

@@ -19,7 +19,7 @@ Contracts of the injectables (the blocks only call them like this):
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -112,6 +112,16 @@ def scaled_depth(depth: int, multiplier: float, min_depth: int) -> int:
     if multiplier <= 0:
         raise ValueError(f"depth_multiplier must be > 0, got {multiplier}")
     return max(int(depth * multiplier), min_depth)
+
+
+class BlockArgs(TypedDict):
+    """The fields every ``InceptionBlock`` takes from its model, passed as ``**block_args``."""
+
+    conv: ModuleDef
+    norm: ModuleDef
+    max_pool: PoolFn
+    depth_multiplier: float
+    min_depth: int
 
 
 class InceptionBlock(nn.Module):

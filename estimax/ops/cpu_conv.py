@@ -37,7 +37,7 @@ Supported fast path: 2 spatial dims, NHWC/HWIO/NHWC layout, any strides, 'SAME',
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -103,8 +103,8 @@ def _default_strategy(
 
 
 def _normalize(
-    lhs: Array,
-    rhs: Array,
+    lhs: Array | jax.ShapeDtypeStruct,
+    rhs: Array | jax.ShapeDtypeStruct,
     window_strides: Sequence[int],
     padding: str | Sequence[tuple[int, int]],
     lhs_dilation: Sequence[int] | None,
@@ -137,29 +137,32 @@ def _normalize(
     kh, kw, cin, _ = rhs.shape
     if lhs.shape[3] != cin:
         return None
-    strides = tuple(int(s) for s in window_strides)
+    strides_any = tuple(int(s) for s in window_strides)
+    pads_any: Sequence[tuple[int, int]]
     if isinstance(padding, str):
-        pads = lax.padtype_to_pads(lhs.shape[1:3], (kh, kw), strides, padding)
+        pads_any = lax.padtype_to_pads(lhs.shape[1:3], (kh, kw), strides_any, padding)
     else:
-        pads = padding
-    pads = tuple((int(lo), int(hi)) for lo, hi in pads)
-    if len(strides) != 2 or len(pads) != 2 or any(p < 0 for pair in pads for p in pair):
+        pads_any = padding
+    pads_all = tuple((int(lo), int(hi)) for lo, hi in pads_any)
+    if len(strides_any) != 2 or len(pads_all) != 2 or any(p < 0 for pr in pads_all for p in pr):
         return None
+    strides = (strides_any[0], strides_any[1])
+    pads = (pads_all[0], pads_all[1])
     fwd, dx, dw = _default_strategy(kh, kw, cin, rhs.shape[3], strides)
     if native.enabled():
         fwd, dx, dw = (
             _onednn_strategy(kind, lhs.shape, rhs.shape, strides, pads, lhs.dtype, xla)
             for kind, xla in zip(native.CONV_KINDS, (fwd, dx, dw), strict=True)
         )
-    return _ConvSpec(strides, pads, precision, fwd, dx, dw)  # type: ignore[arg-type]
+    return _ConvSpec(strides, pads, precision, fwd, dx, dw)
 
 
 def _onednn_strategy(
     kind: str,
     x_shape: Sequence[int],
     w_shape: Sequence[int],
-    strides: tuple[int, ...],
-    pads: tuple[tuple[int, int], ...],
+    strides: tuple[int, int],
+    pads: tuple[tuple[int, int], tuple[int, int]],
     dtype: Any,
     xla_strategy: str,
 ) -> str:
@@ -173,24 +176,26 @@ def _onednn_strategy(
     b, h, w, cin = x_shape
     kh, kw, _, cout = w_shape
     (sh, sw), ((pt, pb), (pl, pr)) = strides, pads
-    dims = (
-        b,
-        cin,
-        h,
-        w,
-        cout,
-        kh,
-        kw,
-        _out_size(h, kh, sh, pt, pb),
-        _out_size(w, kw, sw, pl, pr),
-        sh,
-        sw,
-        pt,
-        pb,
-        pl,
-        pr,
+    dims = tuple(
+        int(d)
+        for d in (
+            b,
+            cin,
+            h,
+            w,
+            cout,
+            kh,
+            kw,
+            _out_size(h, kh, sh, pt, pb),
+            _out_size(w, kw, sw, pl, pr),
+            sh,
+            sw,
+            pt,
+            pb,
+            pl,
+            pr,
+        )
     )
-    dims = tuple(int(d) for d in dims)
     name = jnp.dtype(dtype).name
     if native.probe(kind, name, dims) is None:
         return "onednn"
@@ -525,7 +530,7 @@ def _cpu_bwd(spec: _ConvSpec, x: Array, w: Array, g: Array) -> tuple[Array, Arra
     return _cpu_dx(spec, x, w, g), _cpu_dw(spec, x, w, g)
 
 
-def _in_fp32(fn):
+def _in_fp32(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Runs a CPU formulation in fp32 for half-precision operands, casting results back.
 
     XLA:CPU's half-precision convolutions are no faster than its fp32 ones, and the
@@ -536,7 +541,7 @@ def _in_fp32(fn):
     """
 
     @functools.wraps(fn)
-    def wrapped(spec, *args):
+    def wrapped(spec: _ConvSpec, *args: Array) -> Any:
         dtype = args[0].dtype
         if dtype not in (jnp.bfloat16, jnp.float16):
             return fn(spec, *args)

@@ -69,11 +69,17 @@ def max_pool(
         import flax.linen as nn  # Local: the fallback is the only use of Flax here.
 
         return nn.max_pool(inputs, window_shape, strides=strides, padding=padding)
+    pads: Sequence[tuple[int, int]]
     if isinstance(padding, str):
         pads = lax.padtype_to_pads(inputs.shape[1:3], window, strides_t, padding)
     else:
         pads = padding
-    spec = _PoolSpec(window, strides_t, tuple((int(lo), int(hi)) for lo, hi in pads))  # type: ignore[arg-type]
+    (pt, pb), (pl, pr) = pads
+    spec = _PoolSpec(
+        (window[0], window[1]),
+        (strides_t[0], strides_t[1]),
+        ((int(pt), int(pb)), (int(pl), int(pr))),
+    )
     return _pool(inputs, spec)
 
 

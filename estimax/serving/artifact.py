@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import posixpath
+from collections.abc import Callable
 from typing import Any
 
 import fsspec
@@ -78,8 +79,9 @@ class ExportedModel:
                 f"{export_dir} was lowered for {platforms}, not for this machine's "
                 f"{platform}: export it again with platforms including {platform!r}."
             )
-        self._variables = jax.device_put(variables)
-        self._call = jax.jit(self._exported.call)
+        self._variables: Any = jax.device_put(variables)
+        # None once close()d.
+        self._call: Callable[..., Any] | None = jax.jit(self._exported.call)
         self.export_dir = export_dir
 
     @property
@@ -92,6 +94,8 @@ class ExportedModel:
 
         Returns the outputs' pytree as numpy arrays (leading dimension = batch).
         """
+        if self._call is None:
+            raise RuntimeError(f"{self.export_dir}: this model was closed; load it again")
         features = jax.tree.map(np.asarray, features)
         return jax.device_get(self._call(self._variables, features))
 

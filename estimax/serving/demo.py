@@ -36,8 +36,8 @@ def held_out_digit(data_dir: str, index: int) -> tuple[list[float], int]:
             f"--output_dir={data_dir} first"
         )
     schema = {
-        "image_raw": example.FixedLenFeature([], "string"),
-        "label": example.FixedLenFeature([], "int64"),
+        "image_raw": example.FixedLenFeature((), "string"),
+        "label": example.FixedLenFeature((), "int64"),
     }
     for i, record in enumerate(tfrecord.read_records(path)):
         if i == index:

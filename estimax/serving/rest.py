@@ -22,8 +22,9 @@ import dataclasses
 import json
 import math
 import os
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -150,6 +151,18 @@ _INFER_SCHEMA = {
         },
     },
 }
+
+
+_E = TypeVar("_E", bound=Exception)
+
+
+def _on_exception(
+    app: FastAPI, cls: type[_E], handler: Callable[[Request, _E], Awaitable[Response]]
+) -> None:
+    """Registers ``handler`` for ``cls`` (and its subclasses) with the handler's precise type."""
+    # Starlette types every handler as taking any Exception, though it calls it only with
+    # `cls`'s instances; this one ignore keeps each handler's argument typed as what it gets.
+    app.add_exception_handler(cls, handler)  # type: ignore[arg-type]
 
 
 def _json(body: Any, status: int = 200) -> Response:
@@ -613,13 +626,13 @@ class Server:
             # TF Serving's Internal -> 500, still as {"error": ...}; the server keeps serving.
             return _json({"error": f"Internal: {type(exc).__name__}: {exc}"}, 500)
 
-        app.add_exception_handler(Exception, internal_error)
-        app.add_exception_handler(ApiError, api_error)
-        app.add_exception_handler(RecursionError, too_deep)
-        app.add_exception_handler(StarletteHTTPException, http_error)
-        app.add_exception_handler(RequestValidationError, validation_error)
+        _on_exception(app, Exception, internal_error)
+        _on_exception(app, ApiError, api_error)
+        _on_exception(app, RecursionError, too_deep)
+        _on_exception(app, StarletteHTTPException, http_error)
+        _on_exception(app, RequestValidationError, validation_error)
 
-        errors = {
+        errors: dict[int | str, dict[str, Any]] = {
             c: {
                 "description": d,
                 "content": {

@@ -87,7 +87,9 @@ class Servable:
                     f"{path}: preprocessing {self.preprocessing.name} makes "
                     f"{got}, the export takes {want}"
                 )
-            self.inputs = {IMAGE_INPUT: {"shape": [None], "dtype": "string"}}
+            self.inputs: dict[str, dict[str, Any]] = {
+                IMAGE_INPUT: {"shape": [None], "dtype": "string"}
+            }
         else:
             self.inputs = self._model_inputs
         self.top_k = self.spec.get("top_k")
@@ -143,9 +145,10 @@ class Servable:
                         f"instance {i}: {IMAGE_INPUT} must be encoded image bytes "
                         '(in JSON: {"b64": "<base64 of the JPEG/PNG>"})'
                     )
+                data = bytes(data)
                 try:
                     preprocess_lib.check_image_size(data, max_pixels)
-                    images.append(self.preprocessing(bytes(data)))
+                    images.append(self.preprocessing(data))
                 except ValueError as e:  # ImageDecodeError is a ValueError
                     raise InvalidInput(f"instance {i}: {e}") from None
             if not images:

@@ -254,7 +254,7 @@ def folder_source(
     skipped: list[dict[str, str]] = []
     splits = {}
     for split, tree in trees.items():
-        items = []
+        items: list[Item] = []
         for name, files in tree.items():
             if name not in label_map:
                 problem = (

@@ -76,7 +76,7 @@ def fake_jpeg(path: str) -> bytes:
     rng = np.random.default_rng([int(seed), _SPLIT_IDS[split], index, 1])
     h, w = (int(v) for v in rng.integers(int(min_size), int(max_size) + 1, size=2))
     coarse = rng.integers(0, 256, size=(8, 8, 3)).astype(np.float32)
-    img = cv2.resize(coarse, (w, h), interpolation=cv2.INTER_CUBIC)
+    img = np.asarray(cv2.resize(coarse, (w, h), interpolation=cv2.INTER_CUBIC), np.float32)
     img += rng.normal(0, 8, size=img.shape)
     img = np.clip(np.rint(img), 0, 255).astype(np.uint8)
     return simplejpeg.encode_jpeg(img, quality=90, colorspace="RGB", colorsubsampling="420")
