@@ -20,7 +20,26 @@ The whole user contract::
 """
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+# The static mirror of _EXPORTS and _SUBMODULES below, for type checkers, IDEs and help();
+# never run. tests/test_public_api.py checks that the two name the same objects.
+if TYPE_CHECKING:
+    from estimax.estimator import losses, metrics
+    from estimax.estimator.checkpoints import checkpoints_iterator
+    from estimax.estimator.estimator import Estimator, NanLossError, TrainState, get_global_step
+    from estimax.estimator.export import TensorSpec
+    from estimax.estimator.inputs import numpy_input_fn
+    from estimax.estimator.replication import REPLICA_AXIS
+    from estimax.estimator.spec import (
+        EstimatorSpec,
+        EvalSpec,
+        InputContext,
+        ModeKeys,
+        RunConfig,
+        TrainSpec,
+    )
+    from estimax.estimator.training import train_and_evaluate
 
 # Public name -> module that defines it. Imported on first use, so that `import estimax.data`
 # in input worker processes does not pay for importing JAX (1.8 s and ~150 MB each).
@@ -43,15 +62,38 @@ _EXPORTS = {
 }
 _SUBMODULES = {"losses": "estimax.estimator.losses", "metrics": "estimax.estimator.metrics"}
 
-__all__ = sorted([*_EXPORTS, *_SUBMODULES])
+# The public names, as _EXPORTS and _SUBMODULES (tests/test_public_api.py checks that they agree).
+__all__ = [
+    "Estimator",
+    "EstimatorSpec",
+    "EvalSpec",
+    "InputContext",
+    "ModeKeys",
+    "NanLossError",
+    "REPLICA_AXIS",
+    "RunConfig",
+    "TensorSpec",
+    "TrainSpec",
+    "TrainState",
+    "checkpoints_iterator",
+    "get_global_step",
+    "losses",
+    "metrics",
+    "numpy_input_fn",
+    "train_and_evaluate",
+]
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    if name in _SUBMODULES:
-        return importlib.import_module(_SUBMODULES[name])
-    raise AttributeError(f"module 'estimax' has no attribute {name!r}")
+# Hidden from type checkers, which would otherwise take any `estimax.<name>` as valid.
+if not TYPE_CHECKING:
+
+    def __getattr__(name: str) -> Any:
+        """Imports a public name's module on first use (PEP 562)."""
+        if name in _EXPORTS:
+            return getattr(importlib.import_module(_EXPORTS[name]), name)
+        if name in _SUBMODULES:
+            return importlib.import_module(_SUBMODULES[name])
+        raise AttributeError(f"module 'estimax' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:

@@ -36,6 +36,9 @@ from estimax.serving.batching import Batcher, BatchingOptions, QueueFullError
 from estimax.serving.manager import ModelManager
 from estimax.serving.servable import IMAGE_INPUT, InvalidInput, Servable
 
+# Public (README "Public API"); not re-exported by estimax.serving, which loads no FastAPI.
+__all__ = ["ApiError", "Server", "ServerOptions"]
+
 
 @dataclasses.dataclass
 class ServerOptions:
