@@ -23,10 +23,6 @@ class Mean:
     total: jax.Array
     count: jax.Array
 
-    def merge(self, other: Mean) -> Mean:
-        """Returns the metric over both sets of examples."""
-        return Mean(self.total + other.total, self.count + other.count)
-
     def compute(self) -> jax.Array:
         """Returns the mean, or NaN when no example was counted."""
         return jnp.where(self.count > 0, self.total / jnp.maximum(self.count, 1e-12), jnp.nan)

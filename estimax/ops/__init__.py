@@ -1,4 +1,4 @@
-"""Low-level JAX ops: drop-ins whose gradients XLA:CPU runs fast.
+"""Low-level JAX ops: drop-ins that XLA:CPU runs fast, forward and backward.
 
 Use them in Flax models (GPU/TPU lower to the standard ops unchanged)::
 
@@ -27,7 +27,8 @@ __all__ = [
     "tune_cpu_allocator",
 ]
 
-# ``nn.Conv`` whose gradients XLA:CPU runs fast; GPU/TPU lower to the standard convolution.
+# ``nn.Conv`` that XLA:CPU runs fast (oneDNN where built, forward and gradients); GPU/TPU lower
+# to the standard convolution.
 FastConv = functools.partial(nn.Conv, conv_general_dilated=conv_general_dilated)
 
 

@@ -1,4 +1,4 @@
-"""Convolution whose gradients (and 1x1 forward) XLA:CPU runs fast.
+"""A convolution that runs fast on XLA:CPU, forward and both gradients (oneDNN where built).
 
 XLA:CPU lowers the backward convolutions of a convnet to its generic convolution
 kernels, which reach only 3-40 GFLOP/s for the filter gradient (against ~190 GFLOP/s
@@ -16,22 +16,29 @@ runs natively where the CPU has bf16 convolutions (AVX-512 with AMX or bf16), an
 (AVX2-only CPUs such as AMD Zen 2, or ``ONEDNN_MAX_CPU_ISA=AVX2``) as oneDNN's fp32 kernels on
 values cast up, one rounding back to bf16 at the end (``bench/results/train_cpu*.md`` measures
 this against XLA's own bf16). A piece oneDNN cannot serve at all, and every piece without the
-library (or with ``ESTIMAX_ONEDNN=0``), uses the pure-XLA formulations: 1x1 convolutions
-(forward and both gradients) as dots, and the gradients of larger kernels, where measured
-faster, as matrix products over shifted, strided views of the input (the im2col formulation)
-plus elementwise pads and adds that XLA fuses (``_default_strategy`` has the rules).
-The choice is made at lowering time with ``jax.lax.platform_dependent``, so a
-program traced on a host and run on GPU/TPU lowers to exactly the standard
-``jax.vjp`` of the reference op there.
+library (or with ``ESTIMAX_ONEDNN=0``, or inside ``native.native_kernels(False)``, as exports
+are traced), uses the pure-XLA strategies, computed in fp32 for bf16/fp16 operands: 1x1
+convolutions (forward and both gradients) as dots, the gradients of larger kernels, where
+measured faster, as matrix products over shifted, strided views of the input (the im2col
+formulation) plus elementwise pads and adds that XLA fuses, and XLA's own convolution for the
+rest (``_default_strategy`` has the rules).
+
+The strategies per direction (``conv_strategies`` reports them, ``conv_with_strategy`` forces
+them): forward ``xla`` | ``im2col`` | ``onednn`` | ``onednn_f32``; input gradient ``xla`` |
+``matmul`` | ``onednn`` | ``onednn_f32``; filter gradient ``xla`` | ``im2col`` | ``offsets`` |
+``im2col_t`` | ``onednn`` | ``onednn_f32``. They are chosen when the convolution is traced
+(oneDNN's probe per shape and dtype); whether the CPU kernels run at all is chosen at lowering
+time with ``jax.lax.platform_dependent``, so a program traced on a host and run on GPU/TPU
+lowers to exactly the standard ``jax.vjp`` of the reference op there.
 
 Why by hand: no maintained library provides a JAX convolution or pooling VJP
-tuned for XLA:CPU, and no package ships oneDNN for JAX; the formulation is ~150
-lines of lax and the oneDNN glue ~250 lines of C++.
+tuned for XLA:CPU, and no package ships oneDNN for JAX; the formulations are ~150
+lines of lax and the oneDNN glue ~330 lines of C++ (``native/onednn_conv.cc``).
 
-Supported fast path: 2 spatial dims, NHWC/HWIO/NHWC layout, any strides, 'SAME',
-'VALID' or explicit padding, any kernel size (1x1, 3x3, 5x5, 7x7, 1x7, 7x1, ...),
-``feature_group_count == 1``, no dilation. Anything else falls back to
-``lax.conv_general_dilated`` unchanged.
+Supported fast path: 2 spatial dims, NHWC/HWIO/NHWC layout, floating point operands of one
+dtype, any strides, 'SAME', 'VALID' or explicit padding, any kernel size (1x1, 3x3, 5x5, 7x7,
+1x7, 7x1, ...), ``feature_group_count == batch_group_count == 1``, no dilation, no
+``preferred_element_type``. Anything else falls back to ``lax.conv_general_dilated`` unchanged.
 """
 
 from __future__ import annotations
@@ -49,8 +56,8 @@ from estimax.ops import native
 
 Array = jax.Array
 
-# Fast-path strategies, per gradient. "xla" keeps XLA's own convolution for that
-# piece; the others are the matmul formulations below.
+# Fast-path strategies, per direction. "xla" keeps XLA's own convolution for that piece;
+# "im2col", "matmul", "offsets" and "im2col_t" are the matrix-product formulations below;
 # "onednn" runs oneDNN's kernel in the operands' dtype, "onednn_f32" its fp32 kernel on
 # operands cast up (bf16 on CPUs without bf16 convolutions).
 _FWD_STRATEGIES = ("xla", "im2col", "onednn", "onednn_f32")
@@ -76,8 +83,10 @@ def _default_strategy(
 ) -> tuple[str, str, str]:
     """Picks the pure-XLA (fwd, dx, dw) strategies for a kernel shape.
 
-    From the per-layer measurements in bench/results/conv_cpu.md (ResNet-50 at 224,
-    batch 16; MNIST CNN at batch 128):
+    These serve the directions oneDNN does not (no library, turned off, or its probe refuses
+    the shape/dtype); ``_onednn_strategy`` replaces them where it can. From the per-layer
+    measurements in bench/results/conv_cpu.md (ResNet-50 at 224, batch 16; MNIST CNN at batch
+    128):
     * 1x1 convolutions are plain matrix products; XLA:CPU's own convolutions for them
       run at 4-40 GFLOP/s against 100-200 as dots, in all three directions.
     * For larger kernels XLA's forward convolution is as fast as the im2col product
@@ -221,11 +230,14 @@ def conv_general_dilated(
 ) -> Array:
     """``lax.conv_general_dilated`` with a CPU-fast backward pass.
 
-    Same signature and same values as ``jax.lax.conv_general_dilated``; pass it to
-    Flax as ``nn.Conv(..., conv_general_dilated=estimax.ops.conv_general_dilated)``.
-    On the CPU backend the input and filter gradients are computed as matrix
-    products; on other backends (and for shapes outside the fast path: grouped,
-    dilated, non-NHWC/HWIO) it is exactly ``lax.conv_general_dilated``.
+    Same signature and the same values (to floating-point rounding) as
+    ``jax.lax.conv_general_dilated``; pass it to Flax as
+    ``nn.Conv(..., conv_general_dilated=estimax.ops.conv_general_dilated)``. On the CPU backend
+    the forward pass and both gradients run oneDNN's convolutions where the library is built and
+    serves the shape, else the pure-XLA strategies (dots, matrix products over shifted views, or
+    XLA's own convolution; see the module docstring and ``conv_strategies``). On other backends,
+    and for convolutions outside the fast path (grouped, dilated, non-NHWC/HWIO,
+    ``preferred_element_type``), it is exactly ``lax.conv_general_dilated``.
 
     Args:
       lhs: input, ``[B, H, W, Cin]`` for the fast path (``dimension_numbers``
@@ -238,7 +250,8 @@ def conv_general_dilated(
       dimension_numbers: as in ``lax.conv_general_dilated``.
       feature_group_count: must be 1 for the fast path.
       batch_group_count: must be 1 for the fast path.
-      precision: passed to the forward convolution and the gradient matmuls.
+      precision: passed to XLA's convolutions and the matrix products of the XLA strategies;
+        oneDNN's kernels compute in the operands' dtype (or fp32) whatever it says.
       preferred_element_type: must be None for the fast path.
 
     Returns:
@@ -284,7 +297,8 @@ def conv_strategies(
     """The CPU kernels ``conv_general_dilated`` would choose now, as ``(fwd, dx, dw)``.
 
     Each is one of the strategies of ``conv_with_strategy``; None if the convolution is outside
-    the fast path (it then runs as ``lax.conv_general_dilated``). Follows ``native_kernels``.
+    the fast path (it then runs as ``lax.conv_general_dilated``). Follows
+    ``estimax.ops.native.native_kernels`` (oneDNN off: the pure-XLA strategies).
 
     Args:
       lhs_shape: ``[B, H, W, Cin]``.
@@ -531,13 +545,14 @@ def _cpu_bwd(spec: _ConvSpec, x: Array, w: Array, g: Array) -> tuple[Array, Arra
 
 
 def _in_fp32(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Runs a CPU formulation in fp32 for half-precision operands, casting results back.
+    """Runs a CPU kernel in fp32 for half-precision operands, casting results back.
 
-    XLA:CPU's half-precision convolutions are no faster than its fp32 ones, and the
-    patch matrices these formulations build cost more than the bf16 dots save, so bf16 is
-    computed in fp32 here (oneDNN, when built, computes bf16 natively on AMX instead);
-    converting costs one elementwise pass. Values are at
-    least as accurate as bf16 arithmetic (fp32 accumulation, one final rounding).
+    Wraps every pure-XLA strategy: XLA:CPU's half-precision convolutions are no faster than
+    its fp32 ones, and the patch matrices these formulations build cost more than the bf16 dots
+    save. Wraps oneDNN's kernels as "onednn_f32", for CPUs without bf16 convolutions (AVX2-only,
+    measured faster than XLA's bf16 in ``bench/results/train_cpu*.md``); "onednn" runs bf16
+    natively where the CPU can (AVX-512 bf16 or AMX). Converting costs one elementwise pass.
+    Values are at least as accurate as bf16 arithmetic (fp32 accumulation, one final rounding).
     """
 
     @functools.wraps(fn)
