@@ -51,6 +51,7 @@ from typing import Any, Protocol, TypeVar, overload
 import numpy as np
 
 from estimax.data import tfrecord
+from estimax.data.worker_exit import exit_with_parent
 
 __all__ = [
     "BadRecordError",
@@ -204,7 +205,9 @@ class _BadElement:
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(source: RecordSource, transform: Callable, seed: int) -> None:
+def _init_worker(source: RecordSource, transform: Callable, seed: int, owner_pid: int) -> None:
+    # A worker ends with the loader's process, even one killed with SIGKILL (worker_exit).
+    exit_with_parent(owner_pid)
     _WORKER["source"], _WORKER["transform"], _WORKER["seed"] = source, transform, seed
 
 
@@ -476,7 +479,7 @@ class LoaderIterator(Iterator[Any]):
                 ld.num_workers,
                 mp_context=_process_context(),
                 initializer=_init_worker,
-                initargs=(ld.source, ld.transform, ld.seed),
+                initargs=(ld.source, ld.transform, ld.seed, os.getpid()),
             )
         # The thread gets the loader, not this iterator, so an iterator dropped without close()
         # can be garbage-collected, and its __del__ stops the thread and the workers.

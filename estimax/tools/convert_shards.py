@@ -43,6 +43,7 @@ from typing import Any
 
 from estimax import storage
 from estimax.data import tfrecord
+from estimax.data.worker_exit import exit_with_parent
 from estimax.tools.convert_images import (
     BadImageError,
     convert_image,
@@ -345,6 +346,16 @@ def _mp_context() -> multiprocessing.context.BaseContext:
     return multiprocessing.get_context("spawn")
 
 
+def _pool(num_workers: int) -> cf.ProcessPoolExecutor:
+    """Worker processes that exit when this process does, even when it is SIGKILLed."""
+    return cf.ProcessPoolExecutor(
+        num_workers,
+        mp_context=_mp_context(),
+        initializer=exit_with_parent,
+        initargs=(os.getpid(),),
+    )
+
+
 def _progress(total: int, initial: int, enabled: bool) -> Any:
     from tqdm import tqdm
 
@@ -416,7 +427,7 @@ def convert_local(
     pool, futures = None, {}
     if parallel:
         # Started (and, with fork, forked) before the progress bar starts tqdm's monitor thread.
-        pool = cf.ProcessPoolExecutor(min(num_workers, len(todo)), mp_context=_mp_context())
+        pool = _pool(min(num_workers, len(todo)))
         futures = {pool.submit(write_shard, t): t for t in todo}
     try:
         with _progress(total, done_items, progress) as bar:
@@ -563,7 +574,7 @@ def verify(output_dir: str, decode: bool = False, num_workers: int | None = None
     if num_workers == 1 or len(args) <= 1:
         results = [verify_shard(*a) for a in args]
     else:
-        with cf.ProcessPoolExecutor(min(num_workers, len(args)), mp_context=_mp_context()) as pool:
+        with _pool(min(num_workers, len(args))) as pool:
             results = list(pool.map(verify_shard, *zip(*args, strict=False)))
     for r in results:
         problems.extend(r)
