@@ -30,7 +30,7 @@ import os
 import threading
 import warnings
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -111,7 +111,7 @@ def row_key(prefix: str, index: int) -> bytes:
 
 
 def table_path(
-    project: str | None, instance: str, table: str, emulator_host: str | None | bool = True
+    project: str | None, instance: str, table: str, emulator_host: str | None | Literal[True] = True
 ) -> str:
     """``projects/P/instances/I/tables/T`` plus where it is served, for messages.
 
@@ -155,7 +155,7 @@ def _emulator_env(host: str | None) -> Iterator[None]:
                 os.environ[EMULATOR_ENV] = previous
 
 
-def data_client(project: str | None, emulator_host: str | None | bool = True) -> Any:
+def data_client(project: str | None, emulator_host: str | None | Literal[True] = True) -> Any:
     """A ``BigtableDataClient`` for ``project``; BigtableError if there are no credentials.
 
     ``emulator_host``: True follows ``BIGTABLE_EMULATOR_HOST``; a host (or None for Cloud
@@ -164,7 +164,7 @@ def data_client(project: str | None, emulator_host: str | None | bool = True) ->
     data = import_bigtable()
     from google.auth import exceptions as auth_exceptions
 
-    env = contextlib.nullcontext() if emulator_host is True else _emulator_env(emulator_host)  # type: ignore[arg-type]
+    env = contextlib.nullcontext() if emulator_host is True else _emulator_env(emulator_host)
     try:
         with warnings.catch_warnings(), env:
             # It warns "Connecting to Bigtable emulator at ..." on every construction.
@@ -203,7 +203,7 @@ def admin_client(project: str | None, quiet: bool = False) -> Any:
 
 
 def explain(
-    error: Exception, path: str, timeout: float, emulator_host: str | None | bool = True
+    error: Exception, path: str, timeout: float, emulator_host: str | None | Literal[True] = True
 ) -> BigtableError:
     """A client or server error as a BigtableError saying what to check.
 

@@ -501,12 +501,13 @@ class LoaderIterator(Iterator[Any]):
 
     def _shutdown(self, wait: bool = True) -> None:
         if self._thread is not None:
+            assert self._queue is not None  # made with the thread
             self._stop.set()
             # Unblock a producer waiting on a full queue.
             while self._thread.is_alive():
                 try:
                     while True:
-                        self._queue.get_nowait()  # type: ignore[union-attr]
+                        self._queue.get_nowait()
                 except queue.Empty:
                     pass
                 self._thread.join(timeout=0.05)
