@@ -118,7 +118,11 @@ V3 = Variant(
     schedule=schedules.inception_v3_schedule,
 )
 
-_DEFINE_BY_TYPE = {bool: flags.DEFINE_bool, int: flags.DEFINE_integer, float: flags.DEFINE_float}
+_DEFINE_BY_TYPE: dict[type, Callable[..., Any]] = {
+    bool: flags.DEFINE_bool,
+    int: flags.DEFINE_integer,
+    float: flags.DEFINE_float,
+}
 
 
 def define_flags(fv: flags.FlagValues, variant: Variant = V3) -> None:

@@ -148,10 +148,12 @@ def load_tfrecords(path: str, skip_bad_records: bool = False) -> tuple[np.ndarra
         that is not an MNIST example.
     """
     schema = {
-        "image_raw": example.FixedLenFeature([], "string"),
-        "label": example.FixedLenFeature([], "int64"),
+        "image_raw": example.FixedLenFeature((), "string"),
+        "label": example.FixedLenFeature((), "int64"),
     }
-    images, labels, skipped = [], [], 0
+    images: list[np.ndarray] = []
+    labels: list[int] = []
+    skipped = 0
     try:
         for record in tfrecord.read_records(path):
             try:
@@ -208,6 +210,7 @@ def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
     common.log_unused_tpu_flags(fv)
     common.check_locations(fv)
     data_dir = cli.check_location("data_dir", fv.data_dir, required=True)
+    assert data_dir is not None  # required=True: a missing one is a UsageError
     files = {
         True: posixpath.join(data_dir, "train.tfrecords"),
         False: posixpath.join(data_dir, "validation.tfrecords"),
