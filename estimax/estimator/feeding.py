@@ -93,7 +93,8 @@ class DevicePrefetcher:
             finally:
                 self.input_wait_secs += self._timer() - start
             self.num_read += 1
-            state = self._iterator.get_state() if self._stateful else None
+            # get_state: the stateful-iterator protocol (checked once in __init__).
+            state = self._iterator.get_state() if self._stateful else None  # type: ignore[attr-defined]
             skipped = getattr(self._iterator, "num_skipped", None)
             host, info = self._prepare(element)
             self._queue.append(Fed(self._put(host), info, state, skipped))

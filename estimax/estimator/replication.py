@@ -64,7 +64,7 @@ def to_local_numpy(x: jax.Array) -> np.ndarray:
     """Returns this host's rows of a batch-sharded array, in order (all rows on one host)."""
     if x.is_fully_addressable:
         return np.asarray(x)
-    pieces = {}
+    pieces: dict[int, np.ndarray] = {}
     for shard in x.addressable_shards:
         start = shard.index[0].start or 0
         pieces.setdefault(start, np.asarray(shard.data))
