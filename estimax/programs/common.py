@@ -90,6 +90,7 @@ def define_tpu_flags(fv: flags.FlagValues, *, master: bool = True) -> None:
             f"{UNUSED_HELP}: the TPU's gRPC address (e.g. $TPU_GRPC_URL).",
             flag_values=fv,
         )
+    cli.define_cluster_flags(fv)
 
 
 def log_unused_tpu_flags(fv: flags.FlagValues) -> None:
