@@ -12,9 +12,31 @@ import os
 import multihost_helpers as mh
 import pytest
 
-pytestmark = pytest.mark.slow
+from estimax.estimator import distributed, preflight
 
 
+def test_preflight_names_the_field_and_every_process_value():
+    same = {"flags": {"batch_size": 8}, "data_files": {"train.tfrecords": 100}}
+    preflight.compare([same, same])
+    other = {"flags": {"batch_size": 8}, "data_files": {"train.tfrecords": 99}}
+    with pytest.raises(preflight.PreflightError) as e:
+        preflight.compare([same, other, same])
+    assert str(e.value).startswith(
+        "pre-flight check: the 3 processes disagree on data_files.train.tfrecords (process 0: "
+        "100, process 1: 99, process 2: 100)."
+    )
+    with pytest.raises(preflight.PreflightError, match="on flags.extra .*process 1: '<missing>'"):
+        preflight.compare([{"flags": {"extra": 1}}, {"flags": {}}])
+
+
+def test_cluster_numbers_without_an_address_are_refused(monkeypatch):
+    monkeypatch.delenv("JAX_COORDINATOR_ADDRESS", raising=False)
+    with pytest.raises(ValueError, match="give --coordinator_address=HOST:PORT"):
+        distributed.initialize(None, num_processes=2, process_id=1)
+    assert distributed.initialize(None, None, None) is False  # one process: nothing to join
+
+
+@pytest.mark.slow
 def test_two_processes_train_and_evaluate_as_one(tmp_path_factory):
     _, one_dir, one = mh.reference(1, tmp_path_factory)
     _, two_dir, two = mh.reference(2, tmp_path_factory)
@@ -35,11 +57,12 @@ def test_two_processes_train_and_evaluate_as_one(tmp_path_factory):
     assert len(events) == 1, events
 
 
+@pytest.mark.slow
 def test_killed_job_restarts_exactly(tmp_path_factory, tmp_path):
     data_dir, two_dir, _ = mh.reference(2, tmp_path_factory)
-    # Both processes die (SIGKILL) when reading their 6th batch: after a checkpoint at step 2
-    # or 4, before step 6.
-    killed = mh.run_job(2, data_dir, str(tmp_path), faults={0: "kill:6", 1: "kill:6"})
+    # Both processes die (SIGKILL) when reading their 6th batch, once the checkpoint of step 2
+    # is complete: before step 6.
+    killed = mh.run_job(2, data_dir, str(tmp_path), faults={0: "kill:6:2", 1: "kill:6:2"})
     assert [p.returncode for p in killed] == [-9, -9], [p.stderr[-2000:] for p in killed]
     resumed_from = mh.params(str(tmp_path))["step"]
     assert resumed_from in (2, 4)
@@ -51,6 +74,7 @@ def test_killed_job_restarts_exactly(tmp_path_factory, tmp_path):
     mh.assert_same_params(mh.params(str(tmp_path)), mh.params(two_dir), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_a_mismatched_flag_stops_every_process_naming_it(tmp_path_factory, tmp_path):
     data_dir = mh.write_data(str(tmp_path_factory.getbasetemp() / "multihost_data"))
     procs = mh.run_job(2, data_dir, str(tmp_path), per_process={1: ("--learning_rate=0.2",)})
@@ -64,15 +88,16 @@ def test_a_mismatched_flag_stops_every_process_naming_it(tmp_path_factory, tmp_p
     assert not os.path.exists(tmp_path / "checkpoints")
 
 
+@pytest.mark.slow
 def test_a_host_that_stops_stepping_trips_every_watchdog(tmp_path_factory, tmp_path):
     data_dir = mh.write_data(str(tmp_path_factory.getbasetemp() / "multihost_data"))
     # Process 1's input blocks at its 4th batch; process 0 then waits in the step's collective.
     procs = mh.run_job(
-        2, data_dir, str(tmp_path), "--watchdog_timeout=15", faults={1: "hang:4"}, timeout=240
+        2, data_dir, str(tmp_path), "--watchdog_timeout=20", faults={1: "hang:4"}, timeout=240
     )
     for proc in procs:
         assert proc.returncode == 75, proc.stderr[-3000:]
-        assert "estimax watchdog: no training step completed in 15 s; last completed step:" in (
+        assert "estimax watchdog: no training step completed in 20 s; last completed step:" in (
             proc.stderr
         )
         assert "Thread MainThread" in proc.stderr

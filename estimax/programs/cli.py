@@ -183,7 +183,10 @@ def join_processes(fv: flags.FlagValues, program_flags: list[str]) -> None:
     try:
         many = distributed.initialize(fv.coordinator_address, fv.num_processes, fv.process_id)
     except ValueError as e:
-        raise UsageError(str(e)) from None
+        raise UsageError(
+            f"could not join the multi-process job: {e} Give --coordinator_address=HOST:PORT "
+            "--num_processes=N --process_id=I (or 'auto' where JAX detects the cluster)."
+        ) from None
     if not many:
         return
     compared = {
