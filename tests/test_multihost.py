@@ -103,3 +103,31 @@ def test_a_host_that_stops_stepping_trips_every_watchdog(tmp_path_factory, tmp_p
         assert "Thread MainThread" in proc.stderr
     # The stuck host's stack shows where it is stuck.
     assert "in blocked_reading_input" in procs[1].stderr
+
+
+def test_a_program_refuses_cluster_numbers_without_an_address_in_one_line(tmp_path):
+    data_dir = mh.write_data(str(tmp_path / "data"))
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "estimax.programs.mnist",
+            f"--data_dir={data_dir}",
+            f"--model_dir={tmp_path / 'model'}",
+            "--num_processes=2",
+            "--process_id=1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "ESTIMAX_"))},
+    )
+    assert proc.returncode == 2
+    assert (
+        "FATAL: could not join the multi-process job: num_processes=2, process_id=1 given "
+        "without a coordinator address" in proc.stderr
+    )
+    assert "Traceback" not in proc.stderr

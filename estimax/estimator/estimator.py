@@ -15,6 +15,10 @@ Who owns what:
 | checkpoints (model + input position)     | Orbax ``Checkpointer``  | ``model_dir/checkpoints``   |
 | cadences (save, log, summaries)          | ``PeriodicAction``      | ``periodic.py``             |
 | summaries and log lines                  | ``Summaries``           | ``model_dir[/eval]``        |
+| many hosts (joining, comparing notes)    | ``jax.distributed``     | ``distributed.py``          |
+| processes agree before step 0            | pre-flight check        | ``preflight.py``            |
+| preemption: save at an agreed step       | ``PreemptionNotice``    | ``distributed.py``          |
+| no step completes -> stacks, exit 75     | ``Watchdog``            | ``watchdog.py``             |
 
 Replication: one ``jit`` over a ``Mesh`` whose ``data`` axis holds the replicas. Inside
 ``shard_map`` each replica runs ``model_fn`` on its slice of the batch (so the model sees
@@ -27,7 +31,12 @@ the devices, with ``RunConfig.device_prefetch`` batches transferred ahead and at
 step queued behind the running one, so input memory is O(prefetch x batch) whatever
 ``iterations_per_loop`` is. Once per loop the host fetches that loop's per-step metrics (one
 small scalar per step and metric), checks them for NaN, writes them at their true step numbers,
-and may checkpoint.
+and may checkpoint. After every step the loop asks whether a preemption notice (SIGTERM) has
+come; if so it stops after that step, saves it with the input position and raises ``Preempted``
+(exit status 0).
+
+With many processes (``jax.distributed``) each reads its own shard of the input; every process
+takes part in each step, save and evaluation batch, and each host's input position is saved.
 """
 
 from __future__ import annotations
@@ -95,12 +104,12 @@ def _to_host(tree: Any) -> Any:
     whole copy of a replicated one.
     """
 
-    def get(x: Any) -> np.ndarray:
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            return np.asarray(x.addressable_data(0))
-        return np.asarray(x)
-
-    return jax.tree.map(get, tree)
+    leaves = jax.tree.leaves(tree)
+    if all(not isinstance(x, jax.Array) or x.is_fully_addressable for x in leaves):
+        return jax.device_get(tree)  # one process: all transfers started at once
+    return jax.tree.map(
+        lambda x: np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x), tree
+    )
 
 
 def _input_state_of_this_process(meta: Mapping[str, Any]) -> Any:

@@ -28,7 +28,7 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
         out: dict[str, Any] = {}
         for key in sorted(tree, key=str):
             out.update(_flatten(tree[key], f"{prefix}.{key}" if prefix else str(key)))
-        return out or {prefix: {}}
+        return out
     return {prefix: tree}
 
 
