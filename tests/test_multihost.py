@@ -89,6 +89,16 @@ def test_a_mismatched_flag_stops_every_process_naming_it(tmp_path_factory, tmp_p
 
 
 @pytest.mark.slow
+def test_export_with_many_processes_is_refused_before_training(tmp_path_factory, tmp_path):
+    data_dir = mh.write_data(str(tmp_path_factory.getbasetemp() / "multihost_data"))
+    procs = mh.run_job(2, data_dir, str(tmp_path), f"--export_dir={tmp_path / 'exports'}")
+    for proc in procs:
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert "FATAL: --export_dir with 2 processes: export from one process" in proc.stderr
+    assert not os.path.exists(tmp_path / "checkpoints")
+
+
+@pytest.mark.slow
 def test_a_host_that_stops_stepping_trips_every_watchdog(tmp_path_factory, tmp_path):
     # After the reference run: its compiled programs are in the compilation cache, so the first
     # step is quick and the watchdog's timeout measures the hang, not compiling.
