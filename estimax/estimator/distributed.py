@@ -117,7 +117,9 @@ class PreemptionNotice:
     on the step to save at (``multihost_utils.reached_preemption_sync_point``, which every host
     must call at every step, as Orbax's ``CheckpointManager.reached_preemption`` does). With one
     process there is no such service (it returns False), so a SIGTERM handler sets a flag that
-    the next step's check sees; the handler is installed while the context is open.
+    the next step's check sees; the handler is installed while the context is open, from the
+    main thread only (Python's rule for signal handlers; from another thread SIGTERM keeps its
+    default action).
     """
 
     def __init__(self) -> None:
@@ -152,5 +154,8 @@ class PreemptionNotice:
         if self._many:
             from jax.experimental import multihost_utils
 
-            return multihost_utils.reached_preemption_sync_point(step)
+            try:
+                return multihost_utils.reached_preemption_sync_point(step)
+            except RuntimeError:  # jax_enable_preemption_service is off: no notice can come
+                return False
         return self._received

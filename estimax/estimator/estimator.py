@@ -656,7 +656,9 @@ class Estimator:
             summaries.flush()
         logging.info("Loss for final step: %s.", logger.last_loss)
         if preempted:
-            raise Preempted(step, str(self.model_dir))
+            stop = Preempted(step, str(self.model_dir))
+            logging.warning("%s", stop)
+            raise stop
         return step
 
     def _preflight(self, state: TrainState, start: int) -> None:
