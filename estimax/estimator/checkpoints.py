@@ -81,7 +81,13 @@ class Checkpointer:
         return sorted(self._manager.all_steps())
 
     def save(
-        self, step: int, model: Any, optimizer: Any, ema: Any, input_state: dict | None
+        self,
+        step: int,
+        model: Any,
+        optimizer: Any,
+        ema: Any,
+        input_state: dict | None,
+        input_states: list | None = None,
     ) -> None:
         """Starts saving a checkpoint at ``step``; ``wait_until_finished`` makes it durable.
 
@@ -91,6 +97,8 @@ class Checkpointer:
           optimizer: the optimizer state pytree (may be empty).
           ema: moving averages of params, or an empty pytree.
           input_state: the input iterator's JSON-serialisable position, or None.
+          input_states: with many processes, every process's position in process order (each
+            host reads its own shard; only the primary host writes ``meta``), or None.
         """
         items = {"model": ocp.args.StandardSave(model)}
         has_optimizer = bool(jax.tree.leaves(optimizer))
@@ -102,6 +110,7 @@ class Checkpointer:
         items["meta"] = ocp.args.JsonSave(
             {
                 "input_state": input_state,
+                **({"input_states": input_states} if input_states is not None else {}),
                 "has_ema": has_ema,
                 "has_optimizer": has_optimizer,
                 "step": int(step),
@@ -131,8 +140,14 @@ class Checkpointer:
         tree = getattr(metadata, "tree", metadata)
         # numpy leaves in the target make the standard handler restore host arrays.
         target = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), tree)
+        # A checkpoint written by many processes names devices this process does not have:
+        # whatever Orbax cannot place as saved goes to this process's first device.
+        fallback = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         restored = self._manager.restore(
-            step, args=ocp.args.Composite(**{name: ocp.args.StandardRestore(target)})
+            step,
+            args=ocp.args.Composite(
+                **{name: ocp.args.StandardRestore(target, fallback_sharding=fallback)}
+            ),
         )
         return restored[name]
 

@@ -15,6 +15,10 @@ Who owns what:
 | checkpoints (model + input position)     | Orbax ``Checkpointer``  | ``model_dir/checkpoints``   |
 | cadences (save, log, summaries)          | ``PeriodicAction``      | ``periodic.py``             |
 | summaries and log lines                  | ``Summaries``           | ``model_dir[/eval]``        |
+| many hosts (joining, comparing notes)    | ``jax.distributed``     | ``distributed.py``          |
+| processes agree before step 0            | pre-flight check        | ``preflight.py``            |
+| preemption: save at an agreed step       | ``PreemptionNotice``    | ``distributed.py``          |
+| no step completes -> stacks, exit 75     | ``Watchdog``            | ``watchdog.py``             |
 
 Replication: one ``jit`` over a ``Mesh`` whose ``data`` axis holds the replicas. Inside
 ``shard_map`` each replica runs ``model_fn`` on its slice of the batch (so the model sees
@@ -27,7 +31,12 @@ the devices, with ``RunConfig.device_prefetch`` batches transferred ahead and at
 step queued behind the running one, so input memory is O(prefetch x batch) whatever
 ``iterations_per_loop`` is. Once per loop the host fetches that loop's per-step metrics (one
 small scalar per step and metric), checks them for NaN, writes them at their true step numbers,
-and may checkpoint.
+and may checkpoint. After every step the loop asks whether a preemption notice (SIGTERM) has
+come; if so it stops after that step, saves it with the input position and raises ``Preempted``
+(exit status 0).
+
+With many processes (``jax.distributed``) each reads its own shard of the input; every process
+takes part in each step, save and evaluation batch, and each host's input position is saved.
 """
 
 from __future__ import annotations
@@ -49,13 +58,14 @@ from absl import logging
 from jax.sharding import PartitionSpec as P
 
 from estimax.estimator import checkpoints as ckpt_lib
+from estimax.estimator import distributed, feeding, periodic, preflight, replication
 from estimax.estimator import export as export_lib
-from estimax.estimator import feeding, periodic, replication
 from estimax.estimator import steps as steps_lib
 from estimax.estimator import summaries as summaries_lib
 from estimax.estimator.replication import REPLICA_AXIS
 from estimax.estimator.spec import EstimatorSpec, InputContext, ModeKeys, RunConfig
 from estimax.estimator.steps import TrainState, get_global_step  # noqa: F401 (public names)
+from estimax.estimator.watchdog import Watchdog
 from estimax.ops import native
 
 _RESERVED_PARAMS_KEYS = ("batch_size", "context")
@@ -66,6 +76,62 @@ INPUT_BOUND_WARNING_FRACTION = 0.1
 
 class NanLossError(RuntimeError):
     """Training produced a NaN or infinite loss. Checkpoints written before it are intact."""
+
+
+class Preempted(SystemExit):
+    """Training stopped on a preemption notice (SIGTERM) after saving a checkpoint at ``step``.
+
+    A ``SystemExit`` with status 0: a script that does not catch it ends as a job runner expects
+    of a preempted job (saved, exit 0); the next start of the same command continues at ``step``.
+    """
+
+    def __init__(self, step: int, model_dir: str):
+        super().__init__(0)
+        self.step = step
+        self.model_dir = model_dir
+
+    def __str__(self) -> str:
+        return (
+            f"Preempted (SIGTERM): saved a checkpoint at step {self.step} in {self.model_dir}; "
+            "run the same command again to continue from it."
+        )
+
+
+def _to_host(tree: Any) -> Any:
+    """Fetches replicated device values (metrics) as numpy, from this process's first copy.
+
+    ``jax.device_get`` refuses arrays spanning other processes' devices; every process holds a
+    whole copy of a replicated one.
+    """
+
+    leaves = jax.tree.leaves(tree)
+    if all(not isinstance(x, jax.Array) or x.is_fully_addressable for x in leaves):
+        return jax.device_get(tree)  # one process: all transfers started at once
+    return jax.tree.map(
+        lambda x: np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x), tree
+    )
+
+
+def _input_state_of_this_process(meta: Mapping[str, Any]) -> Any:
+    """This process's input position in a checkpoint's meta (each host saved its own)."""
+    states = meta.get("input_states")
+    if states is None:  # written by one process, or before positions were kept per host
+        if jax.process_count() > 1 and meta.get("input_state") is not None:
+            logging.warning(
+                "The checkpoint holds one input position (written by a single process); every "
+                "process resumes from it."
+            )
+        return meta.get("input_state")
+    if len(states) != jax.process_count():
+        logging.warning(
+            "The checkpoint holds the input positions of %d processes; this job has %d. The "
+            "input restarts from its beginning (the examples seen differ from an "
+            "uninterrupted run).",
+            len(states),
+            jax.process_count(),
+        )
+        return None
+    return states[jax.process_index()]
 
 
 def _split_batch(element: Any) -> tuple[Any, Any]:
@@ -438,7 +504,7 @@ class Estimator:
         iterator = iter(input_fn(self._input_params(ModeKeys.TRAIN)))
         stateful = hasattr(iterator, "get_state") and hasattr(iterator, "set_state")
         if start:
-            input_state = checkpointer.restore_meta(start).get("input_state")
+            input_state = _input_state_of_this_process(checkpointer.restore_meta(start))
             if input_state is not None and stateful:
                 iterator.set_state(input_state)
             elif input_state is not None:
@@ -480,6 +546,7 @@ class Estimator:
         else:
             state = self._initial_state(*sample[0])
         del sample[:]
+        self._preflight(state, start)
         rng = jax.device_put(self._base_rng, replication.replicated(self.mesh))
         step_fn = self._train_step_fn()
         summaries = self._summary_writer("")
@@ -499,8 +566,11 @@ class Estimator:
         )
         timeline = feeding.DeviceTimeline()
         step, last_skipped = start, 0
+        preempted = False
+        watchdog = Watchdog(self.config.watchdog_timeout_secs).start(start)
+        notice = distributed.PreemptionNotice().__enter__()
         try:
-            while fed is not None:
+            while fed is not None and not preempted:
                 begin = step
                 loop_metrics = []  # per step: a dict of device scalars, fetched once per loop
                 previous_loss = input_state = None
@@ -519,12 +589,19 @@ class Estimator:
                         # At most one step queued behind the running one: the host never runs
                         # ahead (holding batches) by more than that, whatever the loop length.
                         previous_loss.block_until_ready()
+                        watchdog.heartbeat(begin + len(loop_metrics) - 1)
                     previous_loss = metrics["loss"]
+                    if notice.reached(begin + len(loop_metrics)):
+                        # Every process stops after this same step and saves it (see
+                        # PreemptionNotice); the batches read ahead are not trained on.
+                        preempted = True
+                        break
                     feeder.fill()  # read and transfer the next batches while this step runs
                 if not loop_metrics:
                     break
                 step = begin + len(loop_metrics)
-                fetched = jax.device_get(loop_metrics)  # the loop's one host sync
+                fetched = _to_host(loop_metrics)  # the loop's one host sync
+                watchdog.heartbeat(step)
                 host_metrics = {
                     k: np.stack([np.asarray(m[k]) for m in fetched]) for k in fetched[0]
                 }
@@ -539,8 +616,13 @@ class Estimator:
                     summaries.scalars(step, {"input/skipped_records": skipped})
                     logging.warning("The input has skipped %d bad records so far.", skipped)
                     last_skipped = skipped
-                fed = feeder.next()  # None: the steps asked for are done, or the input ended
-                if saver.due(step) or fed is None:
+                if not preempted:
+                    fed = feeder.next()  # None: the steps asked for are done, or input ended
+                # All processes must take part in a save: they agree on a time-based cadence.
+                due = saver.due(step)
+                if self.config.save_checkpoints_secs is not None:
+                    due = distributed.agree(due)
+                if due or fed is None or preempted:
                     checkpointer.save(
                         step,
                         {
@@ -551,6 +633,11 @@ class Estimator:
                         state.opt_state,
                         state.ema_params,
                         input_state,
+                        input_states=(
+                            distributed.allgather_json(input_state)
+                            if jax.process_count() > 1
+                            else None
+                        ),
                     )
                     logging.info("Saving checkpoints for %d into %s.", step, self.model_dir)
                     saver.fired(step)
@@ -558,15 +645,38 @@ class Estimator:
                         checkpointer.wait_until_finished()
                         for listener in listeners:
                             listener(step)
-            if step < target:
+            if step < target and not preempted:
                 logging.info("Input ended at step %d, before the %d steps asked for.", step, target)
         finally:
+            notice.__exit__()
             timeline.close()
             checkpointer.wait_until_finished()
+            watchdog.stop()
             logger.close()
             summaries.flush()
         logging.info("Loss for final step: %s.", logger.last_loss)
+        if preempted:
+            stop = Preempted(step, str(self.model_dir))
+            logging.warning("%s", stop)
+            raise stop
         return step
+
+    def _preflight(self, state: TrainState, start: int) -> None:
+        """With many processes: all must train the same config, batches and parameter shapes."""
+        if jax.process_count() == 1:
+            return
+        config = {k: repr(v) for k, v in dataclasses.asdict(self.config).items()}
+        preflight.check(
+            {
+                "config": config,
+                "batch_sizes": {k: v for k, v in self._batch_sizes.items()},
+                "params": {
+                    jax.tree_util.keystr(path): list(np.shape(leaf))
+                    for path, leaf in jax.tree_util.tree_leaves_with_path(state.params)
+                },
+                "start_step": start,
+            }
+        )
 
     def _report_input_wait(
         self,
@@ -668,6 +778,11 @@ class Estimator:
         per_host = replication.per_host_batch(self._batch_size(ModeKeys.EVAL))
         iterator = iter(input_fn(self._input_params(ModeKeys.EVAL)))
         sample: list[tuple[Any, Any]] = []
+        # With many hosts every process must run the same number of batches (each is one
+        # collective computation), though the hosts' shards may hold different numbers of
+        # examples: a host whose input has ended runs this batch again, fully masked.
+        masked: list[Any] = []
+        many = jax.process_count() > 1
 
         def prepare(element: Any) -> tuple[tuple[Any, Any, np.ndarray], int]:
             features, labels = _split_batch(element)
@@ -676,6 +791,8 @@ class Estimator:
                 sample.append(
                     _leading_rows((features, labels), self._per_replica_batch(ModeKeys.EVAL) or 1)
                 )
+                if many:
+                    masked.append((features, labels, np.zeros_like(mask)))
             return (features, labels, mask), n
 
         feeder = feeding.DevicePrefetcher(
@@ -686,22 +803,33 @@ class Estimator:
             limit=steps,
         )
         fed = feeder.next()
-        if fed is None:
-            raise ValueError("The eval input_fn produced no examples.")
+        empty = [i for i, has in enumerate(distributed.any_process(fed is not None)) if not has]
+        if empty:
+            raise ValueError(
+                "The eval input_fn produced no examples"
+                + (f" on process(es) {empty}: every host needs at least one." if many else ".")
+            )
+        assert fed is not None
         variables, step = self._load_variables(*sample[0], ModeKeys.EVAL, checkpoint_path)
         step_array = jnp.asarray(step, jnp.int32)
         first_fn, accumulate = self._eval_batch_fn()
         totals, _ = first_fn(None, variables, step_array, *fed.value)
         num_examples = fed.info
         previous = None
-        while (fed := feeder.next()) is not None:
-            totals, batch = accumulate(totals, variables, step_array, *fed.value)
-            num_examples += fed.info
-            fed = None
+        while True:
+            fed = feeder.next()
+            if not any(distributed.any_process(fed is not None)):
+                break
+            if fed is None:  # this host's shard has ended; others still have examples
+                value = replication.to_device(masked[0], self.mesh, P(REPLICA_AXIS))
+            else:
+                value, num_examples = fed.value, num_examples + fed.info
+            totals, batch = accumulate(totals, variables, step_array, *value)
+            fed = value = None
             if previous is not None:  # at most one batch queued behind the running one
                 jax.block_until_ready(previous)
             previous = batch
-        totals = jax.device_get(totals)
+        totals = _to_host(totals)
         results = {k: float(np.asarray(m.compute())) for k, m in totals.items()}
         global_step = int(step or 0)
         results["global_step"] = global_step

@@ -29,8 +29,13 @@ class NumpyIterator:
                 raise ValueError(
                     f"numpy_input_fn: arrays have different lengths ({len(v)} vs {n})."
                 )
-        # Host h reads examples h, h + H, h + 2H, ...: every example on exactly one host.
-        self._indices = np.arange(host_index, n, num_hosts)
+        # One global order of the examples (shuffled per epoch), cut into global batches of
+        # batch_size x num_hosts; host h reads the h-th block of batch_size of each. Every example
+        # is on exactly one host, and the hosts' batches placed side by side (process order, as
+        # the devices are) are the global batches one process would read, rows in the same
+        # order: the same training whatever the number of hosts.
+        self._n = n
+        self._mine = (np.arange(n) // batch_size) % num_hosts == host_index
         self._x, self._y = x, y
         self._batch_size = batch_size
         self._shuffle = shuffle
@@ -42,9 +47,9 @@ class NumpyIterator:
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
         if not self._shuffle:
-            return self._indices
+            return np.flatnonzero(self._mine)
         rng = np.random.default_rng([self._seed, epoch])  # a different order every epoch
-        return rng.permutation(self._indices)
+        return rng.permutation(self._n)[self._mine]
 
     def get_state(self) -> dict:
         """Returns the position after the last batch handed out."""

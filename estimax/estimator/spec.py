@@ -108,6 +108,11 @@ class RunConfig:
       device_prefetch: how many input batches are transferred to the devices ahead of the step
         that uses them (flax's ``prefetch_to_device`` default, 2); input memory is about
         ``device_prefetch + 3`` batches whatever ``iterations_per_loop`` is.
+      watchdog_timeout_secs: if no training step completes for this long, log every thread's
+        Python stack and the last completed step and exit with status 75
+        (``estimax.estimator.watchdog.HANG_EXIT_CODE``) so a job runner restarts the job from
+        its last checkpoint. Generous by default (30 min: compiling a large model's first step
+        takes minutes); None or 0 disables it.
 
     Mutable collections such as ``batch_stats`` are computed per replica, as on TPU, and
     averaged over replicas after each step (one consistent copy to checkpoint); pass
@@ -124,6 +129,7 @@ class RunConfig:
     log_step_count_steps: int = 100
     seed: int = 0
     device_prefetch: int = 2
+    watchdog_timeout_secs: float | None = 1800.0
 
     def __post_init__(self) -> None:
         if self.iterations_per_loop < 1:
@@ -139,6 +145,11 @@ class RunConfig:
         for name in ("save_summary_steps", "log_step_count_steps", "device_prefetch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RunConfig.{name} must be >= 1, got {getattr(self, name)}.")
+        if self.watchdog_timeout_secs is not None and self.watchdog_timeout_secs < 0:
+            raise ValueError(
+                "RunConfig.watchdog_timeout_secs must be >= 0 (0 or None disables it), got "
+                f"{self.watchdog_timeout_secs}."
+            )
         if self.keep_checkpoint_max is not None and self.keep_checkpoint_max < 1:
             raise ValueError(
                 "RunConfig.keep_checkpoint_max must be >= 1 or None, got "

@@ -14,6 +14,12 @@
   ``/`` (an unset ``${STORAGE_BUCKET}/inception``) are warned about before anything is written.
 * ``check_model_dir``: the run's model-shaping flags are kept in ``model_dir/flags.json``; a later
   run that differs is stopped with the flag's name before any checkpoint is read.
+* Many hosts (``define_cluster_flags``): ``--coordinator_address --num_processes --process_id``
+  (or ``ESTIMAX_*``/``$JAX_COORDINATOR_ADDRESS``, or ``auto``) join JAX's multi-process runtime
+  before anything touches the devices; then the processes compare their flags, data files and
+  code (the pre-flight check) and any difference is one ``FATAL`` line on every process.
+* A preemption notice (SIGTERM) ends training after a checkpoint at the current step: the
+  program prints ``Preempted (SIGTERM): saved a checkpoint at step N ...`` and exits 0.
 """
 
 from __future__ import annotations
@@ -41,6 +47,45 @@ class UsageError(ValueError):
     """A mistake in the command line or its setting: shown as one line, without a traceback."""
 
 
+# Flags that differ between the processes of one job by design: not compared by the pre-flight.
+PER_PROCESS_FLAGS = ("process_id",)
+
+
+def define_cluster_flags(fv: flags.FlagValues) -> None:
+    """Defines the many-hosts flags (``jax.distributed``) and the hang watchdog's on ``fv``."""
+    flags.DEFINE_string(
+        "coordinator_address",
+        None,
+        "Many hosts: HOST:PORT of process 0's coordination service, the same on every process "
+        "(JAX's jax.distributed); 'auto' lets JAX detect the cluster (Cloud TPU VM pods, SLURM, "
+        "Open MPI, Kubernetes). Default: $JAX_COORDINATOR_ADDRESS if set, else one process.",
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "num_processes",
+        None,
+        "Many hosts: how many processes the job has (one per host). Default: detected by JAX.",
+        lower_bound=1,
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "process_id",
+        None,
+        "Many hosts: this process's index, 0 .. num_processes - 1. Default: detected by JAX.",
+        lower_bound=0,
+        flag_values=fv,
+    )
+    flags.DEFINE_float(
+        "watchdog_timeout",
+        1800.0,
+        "Seconds without a completed training step after which the process logs the stacks of "
+        "all its threads and its last step and exits with status 75 (so a job runner restarts "
+        "it from the last checkpoint); 0 disables the watchdog.",
+        lower_bound=0.0,
+        flag_values=fv,
+    )
+
+
 def main(
     define_flags: Callable[[flags.FlagValues], None],
     run_from_flags: Callable[[flags.FlagValues], Any],
@@ -58,12 +103,16 @@ def main(
     define_flags(fv)
     # absl's --help lists the key flags of the module named by sys.argv[0]: for a console script
     # that is the pip-made wrapper, which defines none, so the program's flags are declared here.
-    for name in sorted(set(fv) - before):
+    program_flags = sorted(set(fv) - before)
+    for name in program_flags:
         fv.register_key_flag_for_module(sys.argv[0], fv[name])
     main_module = sys.modules["__main__"]
     if not main_module.__doc__:
         main_module.__doc__ = doc
-    app.run(functools.partial(_run, run_from_flags, fv), flags_parser=functools.partial(_parse, fv))
+    app.run(
+        functools.partial(_run, run_from_flags, fv, program_flags),
+        flags_parser=functools.partial(_parse, fv),
+    )
 
 
 def _parse(fv: flags.FlagValues, argv: list[str]) -> list[str]:
@@ -76,10 +125,15 @@ def _parse(fv: flags.FlagValues, argv: list[str]) -> list[str]:
 
 
 def _run(
-    run_from_flags: Callable[[flags.FlagValues], Any], fv: flags.FlagValues, argv: list[str]
+    run_from_flags: Callable[[flags.FlagValues], Any],
+    fv: flags.FlagValues,
+    program_flags: list[str],
+    argv: list[str],
 ) -> None:
     from estimax import storage
     from estimax.data import bigtable
+    from estimax.estimator import preflight
+    from estimax.estimator.estimator import Preempted
 
     try:
         if len(argv) > 1:
@@ -87,6 +141,7 @@ def _run(
                 f"unexpected arguments {argv[1:]}: every setting is a --flag (see --help)."
             )
         apply_environment(fv, os.environ)
+        join_processes(fv, program_flags)
         results = run_from_flags(fv)
         if "mode" in fv and fv.mode == "eval" and results is None:
             raise UsageError(
@@ -102,7 +157,62 @@ def _run(
     except storage.StorageError as e:
         # The clients' retries ran out; the message names the path (no traceback: not a bug).
         _fatal(str(e))
+    except preflight.PreflightError as e:
+        _fatal(str(e))
+    except Preempted as e:
+        # The job runner's preemption notice: saved, and a clean exit (status 0).
+        print(str(e), flush=True)
+        sys.exit(0)
     sys.stdout.flush()
+
+
+def join_processes(fv: flags.FlagValues, program_flags: list[str]) -> None:
+    """Joins a multi-process job if the flags (or environment) ask for one; pre-flight check.
+
+    Runs before the program touches JAX's devices. With many processes every process then
+    compares its program flags, the files under ``--data_dir`` (names and sizes) and the code.
+
+    Raises:
+      UsageError: bad cluster flags (the message says which).
+      PreflightError: the processes differ.
+    """
+    from estimax.estimator import distributed, preflight
+
+    if "coordinator_address" not in fv:
+        return
+    try:
+        many = distributed.initialize(fv.coordinator_address, fv.num_processes, fv.process_id)
+    except ValueError as e:
+        raise UsageError(
+            f"could not join the multi-process job: {e} Give --coordinator_address=HOST:PORT "
+            "--num_processes=N --process_id=I (or 'auto' where JAX detects the cluster)."
+        ) from None
+    if not many:
+        return
+    compared = {
+        name: fv[name].value
+        for name in program_flags
+        if name not in PER_PROCESS_FLAGS and name in fv
+    }
+    facts: dict[str, Any] = {"flags": compared}
+    data_dir = fv["data_dir"].value if "data_dir" in fv else None
+    if data_dir:
+        facts["data_files"] = _file_sizes(data_dir)
+    preflight.check(facts)
+
+
+def _file_sizes(data_dir: str) -> dict[str, Any]:
+    """``{file name: size}`` of the files directly in ``data_dir`` (empty if unreadable)."""
+    try:
+        fs, path = fsspec.core.url_to_fs(data_dir)
+        entries = fs.ls(path, detail=True)
+    except (OSError, ValueError):
+        return {}
+    return {
+        posixpath.basename(e["name"].rstrip("/")): e.get("size")
+        for e in entries
+        if e.get("type") == "file"
+    }
 
 
 def _fatal(message: str) -> None:

@@ -90,6 +90,7 @@ def define_tpu_flags(fv: flags.FlagValues, *, master: bool = True) -> None:
             f"{UNUSED_HELP}: the TPU's gRPC address (e.g. $TPU_GRPC_URL).",
             flag_values=fv,
         )
+    cli.define_cluster_flags(fv)
 
 
 def log_unused_tpu_flags(fv: flags.FlagValues) -> None:
@@ -569,6 +570,15 @@ def run(job: Job) -> dict[str, Any] | None:
     """
     model_dir = job.config.model_dir
     training = job.loop.mode != "eval"
+    if training and job.loop.export_dir and jax.process_count() > 1:
+        # Each host predicts only its own shard, so the export's parity check (and the single
+        # version directory every host would publish) needs one process. Said before training.
+        raise UsageError(
+            f"--export_dir with {jax.process_count()} processes: export from one process once "
+            "training is done: run the same command as a single process (without "
+            "--coordinator_address/--num_processes/--process_id) with --export_dir; it finds "
+            "training finished and exports the latest checkpoint."
+        )
     # Eval mode only reads model_dir: no writer lock. A multi-host job is one trainer: its
     # first process holds the lock and records the flags for all.
     writer = training and jax.process_index() == 0

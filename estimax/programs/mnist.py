@@ -229,6 +229,7 @@ def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
         iterations_per_loop=fv.iterations,
         num_shards=fv.num_shards,
         save_checkpoints_steps=fv.save_checkpoints_steps,
+        watchdog_timeout_secs=fv.watchdog_timeout,
     )
     # Train to --train_steps, then one evaluation of --eval_steps batches (0: none).
     loop = common.LoopConfig(

@@ -408,6 +408,7 @@ def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
         save_checkpoints_steps=fv.save_checkpoints_steps or max(100, fv.iterations_per_loop),
         keep_checkpoint_max=fv.keep_checkpoint_max,
         log_step_count_steps=fv.log_step_count_steps,
+        watchdog_timeout_secs=fv.watchdog_timeout,
     )
     loop = common.LoopConfig.from_flags(
         fv,

@@ -1,0 +1,161 @@
+"""Many hosts: JAX's multi-process runtime (``jax.distributed``) and small helpers on it.
+
+One estimax process runs per host (a TPU VM worker, a GPU node); each feeds its own devices from
+its own shard of the input (``InputContext``). JAX's runtime connects them: process 0 runs the
+coordination service, every process connects to it, and ``jax.devices()`` then lists all hosts'
+devices, so the one ``jit`` over the global mesh spans every host. Nothing here re-implements
+cluster detection: ``coordinator_address="auto"`` (or nothing given, with
+``$JAX_COORDINATOR_ADDRESS`` set) leaves it to ``jax.distributed.initialize`` (Cloud TPU VMs,
+SLURM, Open MPI, Kubernetes).
+
+``allgather_json`` is how hosts compare notes (the pre-flight check) and pool what only each host
+knows (its input position) -- a ``process_allgather`` of the JSON's bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+
+AUTO = "auto"
+
+
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+) -> bool:
+    """Joins a multi-process JAX job when one is asked for; must run before JAX's first use.
+
+    Args:
+      coordinator_address: ``host:port`` of process 0's coordination service (the same on every
+        process), or ``"auto"``: JAX's cluster detection finds it and the two numbers below.
+        None: ``$JAX_COORDINATOR_ADDRESS`` if set, else a single-process job.
+      num_processes: how many processes the job has (None: JAX detects it).
+      process_id: this process's index, ``0 .. num_processes - 1`` (None: JAX detects it).
+
+    Returns:
+      True when this process is now part of a multi-process job, False for a single process.
+
+    Raises:
+      ValueError: numbers given without an address, or ones JAX refuses (the message says which).
+    """
+    if jax.distributed.is_initialized():
+        return True
+    if coordinator_address is None and not os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        if num_processes is not None and num_processes > 1 or process_id is not None:
+            raise ValueError(
+                f"num_processes={num_processes}, process_id={process_id} given without a "
+                "coordinator address: give --coordinator_address=HOST:PORT (process 0's host, the "
+                "same on every process), or 'auto' on a TPU VM / SLURM / MPI / Kubernetes job."
+            )
+        return False
+    if coordinator_address == AUTO:
+        coordinator_address = None
+    if num_processes == 1 and coordinator_address is None:
+        return False
+    jax.distributed.initialize(
+        coordinator_address=coordinator_address,
+        num_processes=num_processes,
+        process_id=process_id,
+    )
+    logging.info(
+        "Joined a JAX job of %d processes as process %d; %d of its %d devices are local.",
+        jax.process_count(),
+        jax.process_index(),
+        jax.local_device_count(),
+        jax.device_count(),
+    )
+    return jax.process_count() > 1
+
+
+def allgather_json(value: Any) -> list[Any]:
+    """Returns every process's ``value`` (JSON-serialisable), in process order.
+
+    A collective: every process must call it, in the same order as its other collectives. With
+    one process it returns ``[value]`` without touching the devices.
+    """
+    if jax.process_count() == 1:
+        return [value]
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(json.dumps(value, sort_keys=True).encode(), np.uint8)
+    lengths = np.asarray(multihost_utils.process_allgather(np.int32(data.size))).reshape(-1)
+    padded = np.zeros([int(lengths.max())], np.uint8)
+    padded[: data.size] = data
+    gathered = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(lengths), -1)
+    return [json.loads(bytes(row[:n]).decode()) for row, n in zip(gathered, lengths, strict=True)]
+
+
+def agree(flag: bool) -> bool:
+    """True on every process when ``flag`` is true on process 0 (a collective with many)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.broadcast_one_to_all(np.int32(flag)))
+
+
+def any_process(flag: bool) -> list[bool]:
+    """Every process's ``flag``, in process order (a collective with many)."""
+    if jax.process_count() == 1:
+        return [flag]
+    from jax.experimental import multihost_utils
+
+    return [bool(v) for v in np.asarray(multihost_utils.process_allgather(np.int32(flag)))]
+
+
+class PreemptionNotice:
+    """Whether training must stop and save at a step because of a preemption notice (SIGTERM).
+
+    With many processes, JAX's preemption service catches SIGTERM on any host and all hosts agree
+    on the step to save at (``multihost_utils.reached_preemption_sync_point``, which every host
+    must call at every step, as Orbax's ``CheckpointManager.reached_preemption`` does). With one
+    process there is no such service (it returns False), so a SIGTERM handler sets a flag that
+    the next step's check sees; the handler is installed while the context is open, from the
+    main thread only (Python's rule for signal handlers; from another thread SIGTERM keeps its
+    default action).
+    """
+
+    def __init__(self) -> None:
+        self._many = jax.process_count() > 1
+        self._received = False
+        self._previous: Any = None
+        self._installed = False
+
+    def __enter__(self) -> PreemptionNotice:
+        import signal
+        import threading
+
+        if not self._many and threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import signal
+
+        if self._installed:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._installed = False
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        # Only a flag: the step that runs finishes, and the loop saves at it.
+        self._received = True
+        logging.warning("SIGTERM (preemption notice): saving at the end of the current step.")
+
+    def reached(self, step: int) -> bool:
+        """Call after each step (every process, every step): True -> save at ``step`` and stop."""
+        if self._many:
+            from jax.experimental import multihost_utils
+
+            try:
+                return multihost_utils.reached_preemption_sync_point(step)
+            except RuntimeError:  # jax_enable_preemption_service is off: no notice can come
+                return False
+        return self._received

@@ -1,0 +1,193 @@
+"""Starting test jobs of 1 or 2 processes of the MNIST program on localhost (JAX's CPU runtime).
+
+A 2-process job: two ``tests/multihost_worker.py`` processes joined by ``jax.distributed`` on a
+free localhost port, each with 2 CPU devices; the 1-process job it is compared with has 4, so
+both run 4 replicas on the same global batches. Reference runs are cached for the session
+(``reference``): test_multihost and test_preemption compare against the same runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import numpy as np
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multihost_worker.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN_STEPS = 6
+# 35 held-out digits in blocks of 4 (the per-host batch): 19 on process 0, 16 on process 1, which
+# runs a fifth eval batch fully masked.
+NUM_EVAL = 35
+FLAGS = (
+    "--batch_size=8",
+    f"--train_steps={TRAIN_STEPS}",
+    "--iterations=2",
+    "--save_checkpoints_steps=2",
+    "--eval_steps=-1",
+    "--dense_units=16",
+    "--learning_rate=0.1",
+)
+
+
+@dataclasses.dataclass
+class Proc:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def write_data(path: str) -> str:
+    """The demo's digits, few of them: 64 to train on, ``NUM_EVAL`` held out."""
+    from estimax.tools import mnist_data
+
+    if not os.path.exists(os.path.join(path, "validation.tfrecords")):
+        os.makedirs(path, exist_ok=True)
+        images, labels = mnist_data.load_mnist_5k()
+        (train_x, train_y), (eval_x, eval_y) = mnist_data.split(images, labels)
+        mnist_data.write_tfrecords(
+            os.path.join(path, "train.tfrecords"), train_x[:64], train_y[:64]
+        )
+        mnist_data.write_tfrecords(
+            os.path.join(path, "validation.tfrecords"), eval_x[:NUM_EVAL], eval_y[:NUM_EVAL]
+        )
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_job(
+    num_processes: int,
+    data_dir: str,
+    model_dir: str,
+    *extra: str,
+    faults: dict[int, str] | None = None,
+    per_process: dict[int, tuple[str, ...]] | None = None,
+    timeout: float = 300,
+) -> list[Proc]:
+    """Runs the MNIST program as a job of ``num_processes``; returns each process's result.
+
+    Args:
+      faults: ``{process: "kind:N"}`` (see multihost_worker.py).
+      per_process: extra flags for one process only.
+    """
+    devices = 4 // num_processes
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("ESTIMAX_", "JAX_", "XLA_FLAGS", "PYTEST"))
+    }
+    base.update(
+        PYTHONPATH=ROOT,
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        ESTIMAX_REQUIRE_ONEDNN="0",
+        JAX_PLATFORMS="cpu",
+        # Every run compiles the same few programs: the second and later take them from here.
+        JAX_COMPILATION_CACHE_DIR=os.path.join(os.path.dirname(data_dir), "jax_cache"),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+    )
+    cluster: tuple[str, ...] = ()
+    port = _free_port()
+    procs = []
+    for i in range(num_processes):
+        env = dict(base)
+        if faults and i in faults:
+            env["ESTIMAX_TEST_FAULT"] = faults[i]
+        if num_processes > 1:
+            cluster = (
+                f"--coordinator_address=localhost:{port}",
+                f"--num_processes={num_processes}",
+                f"--process_id={i}",
+            )
+        args = [
+            sys.executable,
+            WORKER,
+            f"--data_dir={data_dir}",
+            f"--model_dir={model_dir}",
+            *FLAGS,
+            *cluster,
+            *extra,
+            *((per_process or {}).get(i, ())),
+        ]
+        procs.append(
+            subprocess.Popen(
+                args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            results.append(Proc(p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return results
+
+
+def assert_ok(results: list[Proc]) -> None:
+    for i, r in enumerate(results):
+        assert r.returncode == 0, f"process {i} exited {r.returncode}:\n{r.stderr[-4000:]}"
+
+
+def params(model_dir: str) -> dict:
+    """The latest checkpoint's variables, as numpy (read in this test process)."""
+    import estimax as ex
+    from estimax.estimator import checkpoints
+
+    step = checkpoints.Checkpointer(model_dir, None, read_only=True).latest_step()
+    path = os.path.join(checkpoints.checkpoint_dir(model_dir), str(step))
+    est = ex.Estimator(lambda features, labels, mode, params: None, ex.RunConfig(model_dir))
+    return {"step": step, **est.get_variables(path)}
+
+
+def assert_same_params(a: dict, b: dict, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    import jax
+
+    assert a["step"] == b["step"]
+    leaves_a = jax.tree_util.tree_leaves_with_path(a["params"])
+    leaves_b = dict(jax.tree_util.tree_leaves_with_path(b["params"]))
+    assert len(leaves_a) == len(leaves_b) > 0
+    for path, x in leaves_a:
+        np.testing.assert_allclose(
+            x, leaves_b[path], rtol=rtol, atol=atol, err_msg=jax.tree_util.keystr(path)
+        )
+
+
+def eval_results(stderr: str) -> dict[str, float]:
+    """The evaluation's full-precision results, from the 'Saving dict for global step' line."""
+    match = re.findall(r"Saving dict for global step \d+: (.*)", stderr)
+    assert match, stderr[-3000:]
+    return {k: float(v) for k, v in (kv.split(" = ") for kv in match[-1].split(", "))}
+
+
+def saved_step(stdout: str) -> int:
+    match = re.search(r"Preempted \(SIGTERM\): saved a checkpoint at step (\d+) in ", stdout)
+    assert match, stdout
+    return int(match.group(1))
+
+
+_REFERENCE: dict[int, tuple[str, list[Proc]]] = {}
+
+
+def reference(num_processes: int, tmp_path_factory) -> tuple[str, str, list[Proc]]:
+    """(data_dir, model_dir, results) of an uninterrupted job, run once per session."""
+    data_dir = write_data(str(tmp_path_factory.getbasetemp() / "multihost_data"))
+    if num_processes not in _REFERENCE:
+        model_dir = str(tmp_path_factory.mktemp(f"reference_{num_processes}"))
+        results = run_job(num_processes, data_dir, model_dir)
+        assert_ok(results)
+        _REFERENCE[num_processes] = (model_dir, results)
+    model_dir, results = _REFERENCE[num_processes]
+    return data_dir, model_dir, results

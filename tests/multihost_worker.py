@@ -1,0 +1,92 @@
+"""One process of a test job: the MNIST program, with a fault injected into its training input.
+
+The tests start it once per process (``python tests/multihost_worker.py --flags...``). The fault
+is the test's, not the program's: ``ESTIMAX_TEST_FAULT=KIND:N`` makes this process's training
+iterator, when it reads its N-th batch, send itself SIGTERM (``sigterm``: the preemption
+notice), SIGKILL (``kill``: a host dying) or block forever (``hang``: a host that stops
+stepping). ``kill:N:S`` first waits until the checkpoint of step S is complete (saves are
+asynchronous: without it the kill could come before any checkpoint exists). Without a fault
+this is ``python -m estimax.programs.mnist``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from estimax.programs import mnist  # noqa: E402
+
+
+class FaultyIterator:
+    """Forwards batches and the input position; injects the fault at the ``at``-th batch."""
+
+    def __init__(self, iterator: Any, kind: str, at: int, after_step: int | None = None):
+        self._iterator, self._kind, self._at, self._read = iterator, kind, at, 0
+        self._after_step = after_step
+
+    def get_state(self) -> dict:
+        return self._iterator.get_state()
+
+    def set_state(self, state: dict) -> None:
+        self._iterator.set_state(state)
+
+    def __iter__(self) -> FaultyIterator:
+        return self
+
+    def __next__(self) -> Any:
+        self._read += 1
+        if self._read == self._at:
+            if self._kind == "sigterm":
+                os.kill(os.getpid(), signal.SIGTERM)
+            elif self._kind == "kill":
+                if self._after_step is not None:
+                    wait_for_checkpoint(self._after_step)
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif self._kind == "hang":
+                blocked_reading_input()
+        return next(self._iterator)
+
+
+def blocked_reading_input() -> None:
+    """Never returns: the watchdog's stack dump shows this frame."""
+    threading.Event().wait()
+
+
+def wait_for_checkpoint(step: int) -> None:
+    """Waits (at most 2 minutes) until ``--model_dir``'s checkpoint of ``step`` is complete."""
+    model_dir = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--model_dir="))
+    # Orbax renames a local checkpoint to its step's name once it is complete.
+    done = os.path.join(os.path.abspath(model_dir), "checkpoints", str(step))
+    finished = threading.Event()
+    for _ in range(2400):
+        if os.path.isdir(done):
+            return
+        finished.wait(0.05)
+    raise RuntimeError(f"checkpoint {done} never appeared")
+
+
+def main() -> None:
+    fault = os.environ.get("ESTIMAX_TEST_FAULT")
+    if fault:
+        kind, at, *after = fault.split(":")
+        program_input_fn = mnist.input_fn
+
+        def input_fn(path: str, is_training: bool, skip_bad_records: bool) -> Any:
+            fn = program_input_fn(path, is_training, skip_bad_records)
+            if not is_training:
+                return fn
+            return lambda params: FaultyIterator(
+                fn(params), kind, int(at), int(after[0]) if after else None
+            )
+
+        mnist.input_fn = input_fn
+    mnist.run()
+
+
+if __name__ == "__main__":
+    main()
