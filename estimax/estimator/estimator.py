@@ -302,8 +302,7 @@ class Estimator:
 
     def _initial_state(self, features: Any, labels: Any) -> TrainState:
         sample = self._replica_slice((features, labels), ModeKeys.TRAIN)
-        init = jax.jit(self._init_fn, out_shardings=replication.replicated(self.mesh))
-        return init(self._base_rng, *sample)
+        return replication.run_init(self._init_fn, self.mesh, self._base_rng, *sample)
 
     def _restore_train_state(
         self, checkpointer: ckpt_lib.Checkpointer, step: int, features: Any, labels: Any
@@ -403,9 +402,7 @@ class Estimator:
                 self.model_dir,
                 mode,
             )
-            variables = jax.jit(init, out_shardings=replication.replicated(self.mesh))(
-                self._base_rng, *sample
-            )
+            variables = replication.run_init(init, self.mesh, self._base_rng, *sample)
             return dict(variables), 0
         abstract = dict(
             self._with_replicated_sharding(jax.eval_shape(init, self._base_rng, *sample))
