@@ -140,8 +140,8 @@ def _split_batch(element: Any) -> tuple[Any, Any]:
     return element, None
 
 
-def _leading_rows(tree: Any, n: int) -> Any:
-    """Copies of the first ``n`` rows of every leaf (a small sample that keeps no batch alive)."""
+def _leading_rows(tree: Any, n: int | None) -> Any:
+    """Copies of the first ``n`` (None: all) rows of every leaf (a sample that keeps no batch)."""
     return jax.tree.map(lambda x: np.array(np.asarray(x)[:n]), tree)
 
 
@@ -190,7 +190,8 @@ class Estimator:
         self._model_fn = model_fn
         self.config = config
         self.params = params
-        self.model_dir = config.model_dir
+        assert config.model_dir is not None  # set above
+        self.model_dir: str = config.model_dir
         self.mesh = replication.make_mesh(config.num_shards)
         self.num_replicas = self.mesh.size
         self._batch_sizes = {
@@ -203,12 +204,13 @@ class Estimator:
             (ModeKeys.EVAL, "eval_batch_size"),
             (ModeKeys.PREDICT, "predict_batch_size"),
         ):
-            if self._batch_sizes[mode] is not None:
-                replication.per_replica_batch(self._batch_sizes[mode], self.num_replicas, what)
+            size = self._batch_sizes[mode]
+            if size is not None:
+                replication.per_replica_batch(size, self.num_replicas, what)
         self._clock = clock
         self._base_rng = jax.random.PRNGKey(config.seed)
         self._checkpointer: ckpt_lib.Checkpointer | None = None
-        self._compiled: dict[Any, Callable] = {}
+        self._compiled: dict[Any, Any] = {}  # jitted step functions, by what they compute
         self._summaries: dict[str, summaries_lib.Summaries] = {}
         self._is_chief = jax.process_index() == 0
         self._warned_input_bound = False

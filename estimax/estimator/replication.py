@@ -110,7 +110,7 @@ def pad_batch(tree: Any, size: int) -> tuple[Any, np.ndarray, int]:
 # initialisers (Inception v3: 133 s at the default level, 24 s at level 0, measured on 2 shared
 # cores). The function runs once, so its speed does not matter. Other backends keep their
 # defaults (their compilers do not know these options).
-_CPU_INIT_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
+_CPU_INIT_COMPILER_OPTIONS: dict[str, str | bool] = {"xla_backend_optimization_level": "0"}
 
 
 def run_init(fn: Callable[..., Any], mesh: Mesh, *args: Any) -> Any:
