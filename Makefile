@@ -6,6 +6,9 @@ STAMP := $(VENV)/.installed-stamp
 DEMO_DIR ?= runs/mnist_demo
 # Eight virtual CPU devices so replication is tested on one machine.
 TEST_ENV := XLA_FLAGS=--xla_force_host_platform_device_count=8
+# Test processes (pytest-xdist): most of the suite's time is XLA compiling on one core, so two
+# workers use both cores of a small machine. `make test TEST_WORKERS=0` runs in one process.
+TEST_WORKERS ?= 2
 
 # Apache Beam pins protobuf<7 and pillow<13, so the Beam converter is tested in its own venv
 # (estimax.data and estimax.tools do not import JAX).
@@ -70,7 +73,8 @@ lint: $(STAMP)
 test: lint $(STAMP) $(NATIVE_STAMP) $(BEAM_STAMP)
 	ESTIMAX_REQUIRE_BEAM=1 $(BEAM_VENV)/bin/python -m pytest -q -p no:cacheprovider \
 	    tests/test_convert.py -k beam
-	$(TEST_ENV) ESTIMAX_REQUIRE_ONEDNN=$(ESTIMAX_REQUIRE_ONEDNN) $(BIN)/python -m pytest -q --durations=15
+	$(TEST_ENV) ESTIMAX_REQUIRE_ONEDNN=$(ESTIMAX_REQUIRE_ONEDNN) $(BIN)/python -m pytest -q --durations=15 \
+	    -n $(TEST_WORKERS) --dist worksteal
 
 clean:
 	rm -rf $(VENV) $(BEAM_VENV) runs
