@@ -95,7 +95,7 @@ def test_memory_limit_holds_in_the_child(out_dir):
     assert _run_child(["alloc_probe", "1", "0"], out_dir, 60) == {"limit_held": True}
 
 
-@pytest.mark.parametrize("target", sorted(CORPUS))
+@pytest.mark.parametrize("target", sorted(set(CORPUS) - {"example"}))  # none for it yet
 def test_corpus_regressions(target, out_dir):
     """Inputs that once failed (MemoryError from a crafted length or index, decompression
     bombs, a non-ASCII index) now give only documented errors."""
