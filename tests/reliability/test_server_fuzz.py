@@ -100,7 +100,10 @@ def _fuzz(url: str, max_examples: int, seed: int, har: str) -> tuple[int, str]:
         f"--report-har-path={har}",
         "--continue-on-failure",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    # In the test's directory: schemathesis keeps a cache (.schemathesis/) in its cwd.
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=900, cwd=os.path.dirname(har)
+    )
     with open(har) as f:
         entries = json.load(f)["log"]["entries"]
     assert proc.returncode == 0, proc.stdout[-6000:]
