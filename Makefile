@@ -18,7 +18,7 @@ BEAM_PINS := apache-beam==2.77.0 protobuf==6.33.6 pillow==12.3.0 numpy==2.4.6 \
 	crc32c==2.9.post0 fsspec==2026.9.0 simplejpeg==1.9.0 opencv-python-headless==5.0.0.93 \
 	tqdm==4.70.1 absl-py==2.5.1 pytest==9.2.0 hypothesis==6.170.15
 
-.PHONY: demo test lint venv native bench clean
+.PHONY: demo test lint reliability venv native bench clean
 
 venv: $(STAMP)
 
@@ -75,6 +75,16 @@ test: lint $(STAMP) $(NATIVE_STAMP) $(BEAM_STAMP)
 	    tests/test_convert.py -k beam
 	$(TEST_ENV) ESTIMAX_REQUIRE_ONEDNN=$(ESTIMAX_REQUIRE_ONEDNN) $(BIN)/python -m pytest -q --durations=15 \
 	    -n $(TEST_WORKERS) --dist worksteal
+
+# The long reliability suite (tests/reliability: 10^5 fuzz inputs per parser, 100 kills, ...)
+# and the table of what it tried. `make test` runs the same tests in their short version.
+RELIABILITY_DIR ?= runs/reliability
+reliability: $(STAMP) $(NATIVE_STAMP)
+	rm -rf $(RELIABILITY_DIR) && mkdir -p $(RELIABILITY_DIR)
+	$(TEST_ENV) ESTIMAX_REQUIRE_ONEDNN=$(ESTIMAX_REQUIRE_ONEDNN) ESTIMAX_RELIABILITY=long \
+	    ESTIMAX_RELIABILITY_RESULTS=$(RELIABILITY_DIR) $(BIN)/python -m pytest -q \
+	    -p no:cacheprovider tests/reliability; status=$$?; \
+	    $(BIN)/python tests/reliability/report.py $(RELIABILITY_DIR) || status=1; exit $$status
 
 clean:
 	rm -rf $(VENV) $(BEAM_VENV) runs

@@ -25,11 +25,18 @@ commits a checkpoint on GCS by writing ``commit_success.txt`` last and counting 
 have it; :func:`orbax_manager_options` asks for the same on S3 (Orbax would otherwise pick its
 rename protocol there, which S3 cannot do atomically).
 
-Retries: gcsfs retries transient errors (429, 5xx, connection errors) 6 times with exponential
-backoff, s3fs 5 times on top of botocore's own retries, TensorStore per ``gcs_request_retries`` /
-``s3_request_retries``. This module does not add a second retry loop over theirs (that would
-multiply the waits); it turns what is left after their retries into one :class:`StorageError`
-that names the path and says what to check.
+Retries and timeouts: the clients' own, configured here (:func:`configure_clients`), never a
+second loop of ours over theirs (that would multiply the waits). S3: botocore's "standard" retry
+mode (exponential backoff with jitter on 5xx, throttling, timeouts and connection errors) with
+``ESTIMAX_STORAGE_RETRIES`` retries (default 5) and connect/read timeouts of
+``ESTIMAX_STORAGE_TIMEOUT_S`` (default 60 s); s3fs retries on top of that only timeouts and
+connection or parse errors (its fixed 5 attempts, not configurable per filesystem). GCS:
+gcsfs retries 429, 5xx and connection errors 6 times with exponential backoff (a number fixed
+in gcsfs), and a request whose connection or any one read stalls longer than
+``ESTIMAX_STORAGE_TIMEOUT_S`` is one of those errors.
+TensorStore (checkpoint arrays) retries per ``gcs_request_retries`` / ``s3_request_retries``.
+What is left after the retries becomes one :class:`StorageError` that names the path and says
+what to check.
 """
 
 from __future__ import annotations
@@ -125,6 +132,79 @@ def configure(environ: dict[str, str] | None = None) -> None:
             env.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 
 
+RETRIES_ENV = "ESTIMAX_STORAGE_RETRIES"
+TIMEOUT_ENV = "ESTIMAX_STORAGE_TIMEOUT_S"
+_DEFAULT_RETRIES = 5
+_DEFAULT_TIMEOUT_S = 60.0
+_configured_clients: dict[str, tuple[int, float]] = {}
+
+
+def _env_number(environ: Any, name: str, default: float, kind: type) -> Any:
+    raw = environ.get(name, "")
+    if not raw:
+        return kind(default)
+    try:
+        value = kind(raw)
+    except ValueError:
+        value = -1
+    if value < 0 or (kind is float and value == 0):
+        raise ValueError(
+            f"{name}={raw!r} must be a {'positive' if kind is float else 'non-negative'} "
+            f"{'number' if kind is float else 'integer'}"
+        )
+    return value
+
+
+def configure_clients(environ: dict[str, str] | None = None) -> tuple[int, float]:
+    """Sets the retries and timeouts of the s3fs and gcsfs clients (fsspec's defaults for them).
+
+    Read from ``ESTIMAX_STORAGE_RETRIES`` (retries after the first attempt, default 5) and
+    ``ESTIMAX_STORAGE_TIMEOUT_S`` (connect and read timeout of one request, default 60). They
+    apply to filesystem instances created afterwards (instances are cached by their options,
+    so a change of the variables gives new instances). Options a user put in fsspec's config
+    themselves are left alone.
+
+    Returns:
+      ``(retries, timeout_s)`` in force.
+
+    Raises:
+      ValueError: a variable is not a number (names it).
+    """
+    env = os.environ if environ is None else environ
+    retries = _env_number(env, RETRIES_ENV, _DEFAULT_RETRIES, int)
+    timeout = _env_number(env, TIMEOUT_ENV, _DEFAULT_TIMEOUT_S, float)
+    for protocol in ("s3", "gs"):
+        conf = fsspec.config.conf.setdefault(protocol, {})
+        previous = _configured_clients.get(protocol)
+        ours = _client_options(protocol, retries, timeout)
+        mine_before = _client_options(protocol, *previous) if previous else {}
+        for key, value in ours.items():
+            # Ours are replaced when the variables change; a user's own settings never.
+            if key not in conf or conf[key] == mine_before.get(key):
+                conf[key] = value
+        _configured_clients[protocol] = (retries, timeout)
+    return retries, timeout
+
+
+def _client_options(protocol: str, retries: int, timeout: float) -> dict[str, Any]:
+    if protocol == "s3":
+        return {
+            "config_kwargs": {
+                "connect_timeout": timeout,
+                "read_timeout": timeout,
+                "retries": {"mode": "standard", "total_max_attempts": retries + 1},
+            },
+        }
+    import aiohttp  # gcsfs's HTTP client
+
+    # Per connect and per socket read, not in total: a stalled read then raises aiohttp's
+    # ServerTimeoutError, a ClientError that gcsfs retries; a total timeout raises a bare
+    # asyncio.TimeoutError, which gcsfs does not retry (a stalled request failed at once,
+    # found by tests/reliability/test_slow_storage.py). No total limit: a large upload may
+    # take long while every read and write makes progress.
+    return {"requests_timeout": aiohttp.ClientTimeout(sock_connect=timeout, sock_read=timeout)}
+
+
 def filesystem(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
     """The fsspec filesystem for ``path`` and the path within it.
 
@@ -132,6 +212,8 @@ def filesystem(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
       StorageError: the client for the scheme is not installed (names the package).
     """
     configure()
+    if scheme(path) in REMOTE_SCHEMES:
+        configure_clients()
     try:
         return fsspec.core.url_to_fs(path)
     except ImportError as e:

@@ -248,3 +248,84 @@ def test_scan_reports_truncation_like_the_reader(tmp_path):
         CorruptRecordError, match=r"byte offset 19: truncated data CRC \(2 of 4 bytes\)"
     ):
         tfrecord.record_offsets(str(path), verify_crc=False)
+
+
+def _every_read_path(path: str, index_text: str) -> dict[str, str]:
+    """The CorruptRecordError message of each read path: stream, offsets, scan, indexed."""
+    (open(path + ".alt-idx", "w")).write(index_text)
+    readers = {
+        "stream": lambda: list(tfrecord.read_records(path)),
+        "stream_no_crc": lambda: list(tfrecord.read_records(path, verify_crc=False)),
+        "offsets": lambda: tfrecord.record_offsets(path, verify_crc=False),
+        "offsets_crc": lambda: tfrecord.record_offsets(path, verify_crc=True),
+        "scanned": lambda: tfrecord.RecordFile(path)[0],
+        "indexed": lambda: tfrecord.RecordFile(path, index_path=path + ".alt-idx")[0],
+    }
+    messages = {}
+    for name, read in readers.items():
+        with pytest.raises(CorruptRecordError) as e:
+            read()
+        messages[name] = str(e.value)
+    return messages
+
+
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        # A gzip-compressed TFRecord file: its first 12 bytes are no length header.
+        (b"\x1f\x8b\x08\x00" + bytes(40), "length CRC mismatch"),
+        # A text file.
+        (b"image,label\nfoo.jpg,3\n" * 3, "length CRC mismatch"),
+        # Shorter than one header.
+        (b"\x00" * 7, "truncated length header (7 of 12 bytes)"),
+    ],
+)
+def test_not_a_tfrecord_same_hint_on_every_read_path(tmp_path, content, problem):
+    path = str(tmp_path / "train-00000-of-00001")
+    with open(path, "wb") as f:
+        f.write(content)
+    messages = _every_read_path(path, f"0 {max(len(content), 16)}\n")
+    assert set(messages.values()) == {next(iter(messages.values()))}, messages
+    msg = messages["stream"]
+    assert msg.startswith(f"{path}: record at byte offset 0: {problem}")
+    assert msg.endswith("; not a TFRecord file, compressed, or damaged")
+
+
+def test_truncation_same_message_on_every_read_path(tmp_path):
+    path = str(tmp_path / "f")
+    frame = _frame(b"0123456789")
+    with open(path, "wb") as f:
+        f.write(frame[:-6])  # 26 - 6 = 20 bytes: the header and 8 of the 10 data bytes
+    messages = _every_read_path(path, f"0 {len(frame)}\n")
+    assert set(messages.values()) == {
+        f"{path}: record at byte offset 0: truncated data (8 of 10 bytes)"
+    }
+
+
+def test_huge_length_with_valid_crc_is_truncation_not_memory_error(tmp_path):
+    # A header whose CRC matches a length of 2**62: a reader must not try to allocate it.
+    path = str(tmp_path / "f")
+    length = struct.pack("<Q", 2**62)
+    with open(path, "wb") as f:
+        f.write(length + struct.pack("<I", _masked(length)) + b"abc")
+    messages = _every_read_path(path, f"0 {2**40}\n")
+    assert set(messages.values()) == {
+        f"{path}: record at byte offset 0: truncated data (3 of {2**62} bytes)"
+    }
+
+
+@pytest.mark.parametrize(
+    "index_text, problem",
+    [
+        ("0 3\n", "line 1: record length 3 is not a TFRecord frame's"),
+        ("0 -20\n", "line 1: record length -20 is not a TFRecord frame's"),
+        (f"0 {2**62}\n{2**62} {2**62}\n", f"line 2: record length {2**62} is not"),
+        ("0 19 \x00\nx\n", "line 2: expected '<offset> <length>'"),
+        ("0 19\n\xff", "f.idx: not an index file \\(byte 5 is not ASCII\\)"),
+    ],
+)
+def test_malformed_index_is_value_error(tmp_path, index_text, problem):
+    idx = tmp_path / "f.idx"
+    idx.write_bytes(index_text.encode("latin-1"))
+    with pytest.raises(ValueError, match=problem):
+        tfrecord.read_index(str(idx))

@@ -36,8 +36,24 @@ _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _JPEG_SOI = b"\xff\xd8"
 
 
+# The largest image (height x width) decode() accepts: Pillow's decompression-bomb limit
+# (2 x its MAX_IMAGE_PIXELS). A damaged or crafted header can claim 65535 x 65535 pixels (a
+# 12 GiB array from a few hundred bytes, which libjpeg fills in); the largest ImageNet image has
+# about 12 million. Checked from the header, before any pixel is decoded.
+MAX_IMAGE_PIXELS = 178_956_970
+
+
 class ImageDecodeError(ValueError):
     """The bytes are not a decodable JPEG (or PNG) image. The loader adds file and offset."""
+
+
+def _check_size(height: int, width: int, image_bytes: bytes) -> None:
+    if height * width > MAX_IMAGE_PIXELS:
+        raise ImageDecodeError(
+            f"image of {height}x{width} pixels claimed by its header is larger than "
+            f"estimax.data.jpeg.MAX_IMAGE_PIXELS={MAX_IMAGE_PIXELS} ({_describe(image_bytes)}): "
+            "damaged, or a decompression bomb"
+        )
 
 
 def _describe(image_bytes: bytes) -> str:
@@ -89,6 +105,8 @@ def _decode_jpeg(image_bytes: bytes, min_height: int = 0, min_width: int = 0) ->
         min_width=min_width,
         min_factor=2 if (min_height or min_width) else 1,
     )
+    height, width = image_shape(image_bytes)
+    _check_size(height, width, image_bytes)
     try:
         return simplejpeg.decode_jpeg(image_bytes, strict=True, **kwargs)
     except ValueError as e:
@@ -105,9 +123,36 @@ def _decode_jpeg(image_bytes: bytes, min_height: int = 0, min_width: int = 0) ->
         raise ImageDecodeError(f"not a decodable JPEG ({_describe(image_bytes)}): {e}") from None
 
 
+def _check_png_chunks(image_bytes: bytes) -> None:
+    """Rejects a PNG whose chunks run past its end (a truncated or damaged file).
+
+    Why by hand: OpenCV's reader allocates a chunk's declared length before reading it, so a
+    damaged 744-byte PNG whose IDAT claims 1 GiB took seconds and a gigabyte (found by
+    tests/reliability's fuzzer); the walk over a few chunk headers costs microseconds.
+    """
+    pos, end = len(_PNG_SIGNATURE), len(image_bytes)
+    while pos < end:
+        if pos + 8 > end:
+            break  # trailing bytes after the last chunk: libpng ignores them
+        (length,) = struct.unpack(">I", bytes(image_bytes[pos : pos + 4]))
+        chunk_end = pos + 12 + length  # length, type, data, CRC
+        if chunk_end > end:
+            kind = bytes(image_bytes[pos + 4 : pos + 8])
+            raise ImageDecodeError(
+                f"not a decodable PNG: truncated ({_describe(image_bytes)}): chunk {kind!r} "
+                f"at byte {pos} claims {length} bytes, {end - pos - 12} are left"
+            )
+        if bytes(image_bytes[pos + 4 : pos + 8]) == b"IEND":
+            return
+        pos = chunk_end
+
+
 def _decode_png(image_bytes: bytes) -> np.ndarray:
     # One ImageNet "JPEG" is really a PNG; TF's decode_jpeg rejects it, we decode it (full
     # decode: PNG has no crop/scale decoding). Alpha is dropped, gray becomes RGB.
+    height, width = image_shape(image_bytes)
+    _check_size(height, width, image_bytes)
+    _check_png_chunks(image_bytes)
     img = cv2.imdecode(np.frombuffer(image_bytes, np.uint8), cv2.IMREAD_COLOR_RGB)
     if img is None:
         raise ImageDecodeError(f"not a decodable PNG ({_describe(image_bytes)})")
@@ -121,7 +166,8 @@ def decode(image_bytes: bytes) -> np.ndarray:
       [H, W, 3] uint8.
 
     Raises:
-      ImageDecodeError: the bytes are not a decodable JPEG/PNG (including truncated files).
+      ImageDecodeError: the bytes are not a decodable JPEG/PNG (including truncated files), or
+        the header claims more than ``MAX_IMAGE_PIXELS`` pixels.
     """
     if is_png(image_bytes):
         return _decode_png(image_bytes)

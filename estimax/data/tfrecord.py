@@ -226,35 +226,65 @@ def _open_read(path: str) -> IO[bytes]:
     return fs.open(fs_path, "rb", block_size=_REMOTE_BLOCK_SIZE)
 
 
-def _read_one(f: IO[bytes], path: str, offset: int, verify_crc: bool) -> bytes | None:
-    """Reads the record starting at ``offset`` (f is positioned there); None at a clean EOF."""
-    header = f.read(_HEADER_SIZE)
-    if not header:
-        return None
+# What a length-CRC mismatch (or a file shorter than one header) most likely means: gzip/zlib
+# TFRecords and other files fail here, on their first record (module docstring).
+_NOT_TFRECORD_HINT = "not a TFRecord file, compressed, or damaged"
+# Data is read in pieces of at most this size: a damaged (or crafted) header whose CRC happens
+# to match can claim up to 2**64 bytes, and ``f.read(length)`` allocates ``length`` up front.
+_READ_CHUNK = 16 * 1024 * 1024
+
+
+def _check_header(header: bytes | memoryview, path: str, offset: int) -> int:
+    """The record length from a 12-byte header; the one header check of every read path.
+
+    Raises:
+      CorruptRecordError: fewer than 12 bytes, or the length's CRC does not match.
+    """
     if len(header) < _HEADER_SIZE:
-        raise CorruptRecordError(
-            path, offset, f"truncated length header ({len(header)} of {_HEADER_SIZE} bytes)"
-        )
-    length, length_crc = _HEADER.unpack(header)
+        problem = f"truncated length header ({len(header)} of {_HEADER_SIZE} bytes)"
+        if offset == 0:  # the whole file is shorter than one header
+            problem += f"; {_NOT_TFRECORD_HINT}"
+        raise CorruptRecordError(path, offset, problem)
+    length, length_crc = _HEADER.unpack_from(header)
     # The length CRC is checked even without verify_crc: it costs nothing, and a damaged
-    # length would otherwise make us read (and allocate) an arbitrary number of bytes.
-    if masked_crc32c(header[:8]) != length_crc:
+    # length would otherwise send a scan astray or make a reader read an arbitrary size.
+    computed = masked_crc32c(header[:8])
+    if computed != length_crc:
         raise CorruptRecordError(
             path,
             offset,
-            f"length CRC mismatch (stored {length_crc:#010x}, computed "
-            f"{masked_crc32c(header[:8]):#010x}); not a TFRecord file, compressed, or damaged",
+            f"length CRC mismatch (stored {length_crc:#010x}, computed {computed:#010x}); "
+            f"{_NOT_TFRECORD_HINT}",
         )
-    data = f.read(length)
-    if len(data) < length:
-        raise CorruptRecordError(path, offset, f"truncated data ({len(data)} of {length} bytes)")
-    footer = f.read(_FOOTER_SIZE)
-    if len(footer) < _FOOTER_SIZE:
+    return int(length)
+
+
+def _check_footer(
+    path: str,
+    offset: int,
+    length: int,
+    available: int,
+    data: bytes | memoryview | None = None,
+    footer: bytes | memoryview | None = None,
+) -> None:
+    """The one footer check: ``available`` bytes follow the header of a ``length``-byte record.
+
+    With ``data`` and ``footer`` (the record's bytes and its 4 stored CRC bytes), also checks the
+    data CRC; without them (a scan that skips the data) only the sizes.
+
+    Raises:
+      CorruptRecordError: the data or its CRC is cut short, or the data CRC does not match.
+    """
+    if available < length:
+        raise CorruptRecordError(path, offset, f"truncated data ({available} of {length} bytes)")
+    if available < length + _FOOTER_SIZE:
         raise CorruptRecordError(
-            path, offset, f"truncated data CRC ({len(footer)} of {_FOOTER_SIZE} bytes)"
+            path,
+            offset,
+            f"truncated data CRC ({available - length} of {_FOOTER_SIZE} bytes)",
         )
-    if verify_crc:
-        (data_crc,) = _U32.unpack(footer)
+    if data is not None and footer is not None:
+        (data_crc,) = _U32.unpack_from(footer)
         computed = masked_crc32c(data)
         if computed != data_crc:
             raise CorruptRecordError(
@@ -262,32 +292,54 @@ def _read_one(f: IO[bytes], path: str, offset: int, verify_crc: bool) -> bytes |
                 offset,
                 f"data CRC mismatch (stored {data_crc:#010x}, computed {computed:#010x})",
             )
+
+
+def _read_up_to(f: IO[bytes], n: int) -> bytes:
+    """Up to ``n`` bytes from ``f`` (fewer at EOF), never allocating more than the file holds."""
+    if n <= _READ_CHUNK:
+        return f.read(n)
+    parts = []
+    while n > 0:
+        part = f.read(min(n, _READ_CHUNK))
+        if not part:
+            break
+        parts.append(part)
+        n -= len(part)
+    return b"".join(parts)
+
+
+def _read_one(f: IO[bytes], path: str, offset: int, verify_crc: bool) -> bytes | None:
+    """Reads the record starting at ``offset`` (f is positioned there); None at a clean EOF."""
+    header = f.read(_HEADER_SIZE)
+    if not header:
+        return None
+    length = _check_header(header, path, offset)
+    data = _read_up_to(f, length)
+    footer = f.read(_FOOTER_SIZE) if len(data) == length else b""
+    _check_footer(
+        path,
+        offset,
+        length,
+        len(data) + len(footer),
+        data if verify_crc else None,
+        footer if verify_crc else None,
+    )
     return data
 
 
 def _parse_frame(blob: bytes, path: str, offset: int, verify_crc: bool) -> bytes:
     """The data of the one framed record ``blob`` (read from ``offset``; sized by an index)."""
-    if len(blob) < _HEADER_SIZE:
-        raise CorruptRecordError(
-            path, offset, f"truncated length header ({len(blob)} of {_HEADER_SIZE} bytes)"
-        )
-    length, length_crc = _HEADER.unpack_from(blob)
-    if masked_crc32c(blob[:8]) != length_crc:
-        raise CorruptRecordError(
-            path,
-            offset,
-            f"length CRC mismatch (stored {length_crc:#010x}, computed "
-            f"{masked_crc32c(blob[:8]):#010x})",
-        )
+    length = _check_header(blob, path, offset)
     end = _HEADER_SIZE + length
-    if len(blob) < end:
-        raise CorruptRecordError(
-            path, offset, f"truncated data ({len(blob) - _HEADER_SIZE} of {length} bytes)"
-        )
-    if len(blob) < end + _FOOTER_SIZE:
-        raise CorruptRecordError(
-            path, offset, f"truncated data CRC ({len(blob) - end} of {_FOOTER_SIZE} bytes)"
-        )
+    view = memoryview(blob)
+    _check_footer(
+        path,
+        offset,
+        length,
+        len(blob) - _HEADER_SIZE,
+        view[_HEADER_SIZE:end] if verify_crc else None,
+        view[end : end + _FOOTER_SIZE] if verify_crc else None,
+    )
     if len(blob) != end + _FOOTER_SIZE:
         raise CorruptRecordError(
             path,
@@ -295,17 +347,7 @@ def _parse_frame(blob: bytes, path: str, offset: int, verify_crc: bool) -> bytes
             f"record of {end + _FOOTER_SIZE} bytes where the index says "
             f"{len(blob)}; the index does not match the file",
         )
-    data = blob[_HEADER_SIZE:end]
-    if verify_crc:
-        (data_crc,) = _U32.unpack_from(blob, end)
-        computed = masked_crc32c(data)
-        if computed != data_crc:
-            raise CorruptRecordError(
-                path,
-                offset,
-                f"data CRC mismatch (stored {data_crc:#010x}, computed {computed:#010x})",
-            )
-    return data
+    return blob[_HEADER_SIZE:end]
 
 
 def read_records(path: str, verify_crc: bool = True) -> Iterator[bytes]:
@@ -387,29 +429,10 @@ def record_offsets(path: str, verify_crc: bool = True) -> np.ndarray:
     try:
         offset = 0
         while offset < size:
-            header = read_at(_HEADER_SIZE, offset)
-            if len(header) < _HEADER_SIZE:
-                raise CorruptRecordError(
-                    path, offset, f"truncated length header ({len(header)} of {_HEADER_SIZE} bytes)"
-                )
-            length, length_crc = _HEADER.unpack(header)
-            if masked_crc32c(header[:8]) != length_crc:
-                # Always checked: a wrong length would send the scan astray.
-                raise CorruptRecordError(
-                    path,
-                    offset,
-                    f"length CRC mismatch (stored {length_crc:#010x}, "
-                    f"computed {masked_crc32c(header[:8]):#010x})",
-                )
+            length = _check_header(read_at(_HEADER_SIZE, offset), path, offset)
             end = offset + _HEADER_SIZE + length + _FOOTER_SIZE
             if end > size:
-                have = size - offset - _HEADER_SIZE
-                problem = (
-                    f"truncated data ({have} of {length} bytes)"
-                    if have < length
-                    else f"truncated data CRC ({have - length} of {_FOOTER_SIZE} bytes)"
-                )
-                raise CorruptRecordError(path, offset, problem)
+                _check_footer(path, offset, length, size - offset - _HEADER_SIZE)
             offsets.append(offset)
             offset = end
     finally:
@@ -467,8 +490,15 @@ def read_index(index_path: str) -> np.ndarray:
       ValueError: a malformed line or non-contiguous records; names the file and line.
     """
     fs, fs_path = _fs_and_path(index_path)
-    with fs.open(fs_path, "r") as f:
-        text = f.read()
+    with fs.open(fs_path, "rb") as f:
+        raw = f.read()
+    try:
+        text = raw.decode("ascii")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{index_path}: not an index file (byte {e.start} is not ASCII); "
+            "rewrite it with write_index"
+        ) from None
     offsets = [0]
     for lineno, line in enumerate(text.splitlines(), 1):
         parts = line.split()
@@ -484,6 +514,12 @@ def read_index(index_path: str) -> np.ndarray:
             raise ValueError(
                 f"{index_path}: line {lineno}: record offset {start} does not follow the "
                 f"previous record's end {offsets[-1]}; the index does not match its file"
+            )
+        # int64 offsets (np.asarray below); a frame is at least a header and a footer.
+        if length < _HEADER_SIZE + _FOOTER_SIZE or start + length >= 2**63:
+            raise ValueError(
+                f"{index_path}: line {lineno}: record length {length} is not a TFRecord "
+                f"frame's; the index does not match its file"
             )
         offsets.append(start + length)
     return np.asarray(offsets, dtype=np.int64)
@@ -546,7 +582,11 @@ class RecordFile(Sequence[bytes]):
         if self._is_local:
             fd = os.open(self._fs_path, os.O_RDONLY)
             try:
-                blob = os.pread(fd, end - start, start)
+                # pread allocates its size up front: a wrong index must not make it ask for
+                # terabytes. Past the file's end there is nothing to read; _parse_frame then
+                # reports the truncation.
+                size = os.fstat(fd).st_size
+                blob = os.pread(fd, max(0, min(end, size) - start), start)
             finally:
                 os.close(fd)
         else:

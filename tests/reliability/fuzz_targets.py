@@ -1,0 +1,403 @@
+"""The parser fuzzer's child process: runs one target over many generated inputs.
+
+Run by tests/reliability/test_fuzz_parsers.py as
+``python tests/reliability/fuzz_targets.py TARGET NUM_INPUTS SEED OUT_DIR MEMORY_LIMIT_MIB
+[INPUT_FILE ...]`` (with input files: replays those instead of generating).
+A child process, so that a segfault (or abort) in a C extension (crc32c, protobuf's upb,
+libjpeg-turbo in simplejpeg, libpng in OpenCV) is seen by the parent as a signal exit, not lost
+with the test process; ``RLIMIT_AS`` bounds its memory, so "unbounded memory" shows up as a
+``MemoryError`` (an undocumented error: a failure) instead of swapping the machine.
+
+Inputs come from seeded generators that are structure-aware (valid frames, Examples and
+images, then damaged): a blind or coverage-guided byte fuzzer (atheris) almost never gets past
+a TFRecord's CRC-32C or a JPEG's markers, so it would test little but the first check.
+
+Every input is written to ``OUT_DIR/current.bin`` before it runs (so the parent can name the
+input of a crash or a hang); an input that raises anything but the target's documented errors
+is written to ``OUT_DIR/failure.bin`` with the traceback in
+``failure.txt``. On success the child prints one JSON line: target, inputs, max RSS.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+import resource
+import signal
+import struct
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable
+
+# Per-input time limit: the slowest legitimate input (a 64x64 decode, a 100-record file) takes
+# milliseconds; a second means a hang.
+_INPUT_TIMEOUT_S = 2.0
+# Images larger than this (pixels) would be documented as rejected by jpeg.decode; the
+# generator makes headers that claim up to 65535 x 65535.
+_HEADER_DIMS = [0, 1, 2, 7, 8, 9, 16, 255, 256, 4096, 32768, 65500, 65535]
+
+
+class Hang(Exception):
+    """An input ran longer than _INPUT_TIMEOUT_S."""
+
+
+def _frame(data: bytes) -> bytes:
+    from estimax.data.tfrecord import masked_crc32c
+
+    length = struct.pack("<Q", len(data))
+    return (
+        length
+        + struct.pack("<I", masked_crc32c(length))
+        + data
+        + struct.pack("<I", masked_crc32c(data))
+    )
+
+
+def _valid_length_header(length: int) -> bytes:
+    from estimax.data.tfrecord import masked_crc32c
+
+    raw = struct.pack("<Q", length)
+    return raw + struct.pack("<I", masked_crc32c(raw))
+
+
+# ----------------------------------------------------------------------------------- targets
+# Each target takes the input bytes and returns normally or raises one of its documented errors.
+
+
+def _scratch_file(data: bytes, name: str = "f") -> str:
+    path = os.path.join(_SCRATCH, name)
+    with open(path, "wb") as f:
+        f.write(data)
+    return path
+
+
+def _target_tfrecord_stream(data: bytes) -> None:
+    from estimax.data import tfrecord
+
+    path = _scratch_file(data)
+    try:
+        for _ in tfrecord.read_records(path):
+            pass
+    except tfrecord.CorruptRecordError:
+        pass
+    try:
+        for _ in tfrecord.read_records(path, verify_crc=False):
+            pass
+    except tfrecord.CorruptRecordError:
+        pass
+
+
+def _target_tfrecord_offsets(data: bytes) -> None:
+    from estimax.data import tfrecord
+
+    path = _scratch_file(data)
+    for verify in (False, True):
+        try:
+            offsets = tfrecord.record_offsets(path, verify_crc=verify)
+        except tfrecord.CorruptRecordError:
+            continue
+        assert offsets[-1] == len(data), (offsets, len(data))
+        rf = tfrecord.RecordFile(path, offsets=offsets)
+        for i in range(len(rf)):
+            try:
+                rf[i]
+            except tfrecord.CorruptRecordError:
+                pass
+
+
+_INDEXED_FILE = b""
+
+
+def _target_tfrecord_index(data: bytes) -> None:
+    """``data`` is an index file's text for a fixed three-record TFRecord file."""
+    from estimax.data import tfrecord
+
+    path = _scratch_file(_INDEXED_FILE)
+    index = _scratch_file(data, "f.idx")
+    try:
+        rf = tfrecord.RecordFile(path, index_path=index)
+    except ValueError:  # read_index: malformed index (documented)
+        return
+    for i in range(min(len(rf), 64)):
+        try:
+            rf[i]
+        except tfrecord.CorruptRecordError:  # the index does not match the file
+            pass
+
+
+def _target_example(data: bytes) -> None:
+    from estimax.data import example
+
+    try:
+        example.decode_example(data)
+    except ValueError:
+        return
+    schema = {
+        "image/encoded": example.FixedLenFeature((), "string", default_value=b""),
+        "image/class/label": example.FixedLenFeature((), "int64", default_value=-1),
+        "image/object/bbox/xmin": example.VarLenFeature("float32"),
+        "pair": example.FixedLenFeature((2,), "int64", default_value=[0, 0]),
+    }
+    try:
+        example.parse_example(data, schema)
+    except ValueError:
+        pass
+
+
+def _target_jpeg(data: bytes) -> None:
+    from estimax.data import jpeg
+
+    try:
+        h, w = jpeg.image_shape(data)
+    except jpeg.ImageDecodeError:
+        h = w = 0
+    try:
+        img = jpeg.decode(data)
+        assert img.ndim == 3 and img.shape[2] == 3 and img.dtype.name == "uint8", img.shape
+    except jpeg.ImageDecodeError:
+        pass
+    if h and w:
+        try:
+            jpeg.decode_crop(data, (h // 4, w // 4, max(h // 2, 1), max(w // 2, 1)), min_size=1)
+        except (jpeg.ImageDecodeError, ValueError):
+            pass
+
+
+def _target_alloc_probe(data: bytes) -> None:
+    """Not a parser: tries to allocate 8 GiB, to show that RLIMIT_AS holds (MemoryError)."""
+    try:
+        bytearray(8 << 30)
+    except MemoryError:
+        print(json.dumps({"limit_held": True}), flush=True)
+        return
+    print(json.dumps({"limit_held": False}), flush=True)
+
+
+TARGETS: dict[str, Callable[[bytes], None]] = {
+    "tfrecord_stream": _target_tfrecord_stream,
+    "tfrecord_offsets": _target_tfrecord_offsets,
+    "tfrecord_index": _target_tfrecord_index,
+    "example": _target_example,
+    "jpeg": _target_jpeg,
+    "alloc_probe": _target_alloc_probe,
+}
+
+
+# -------------------------------------------------------------------------------- generators
+# Seeded ``random.Random`` generators, not Hypothesis strategies: Hypothesis spends ~3 ms of its
+# own per example (measured here), which would make 10^5 inputs per target take over an hour;
+# these take microseconds. A failing input is kept as is (no shrinking) under corpus/.
+
+
+def _damage(rng: random.Random, data: bytes) -> bytes:
+    """``data`` damaged 0-4 times: bit flips, cuts, inserts, overwrites, duplicated spans."""
+    out = bytearray(data)
+    for _ in range(rng.randint(0, 4)):
+        op = rng.choice(("flip", "cut", "insert", "overwrite", "dup"))
+        pos = rng.randint(0, max(len(out), 1))
+        if op == "flip" and out:
+            out[pos % len(out)] ^= 1 << rng.randint(0, 7)
+        elif op == "cut":
+            del out[pos:]
+        elif op == "insert":
+            out[pos:pos] = rng.randbytes(rng.randint(0, 16))
+        elif op == "overwrite":
+            chunk = rng.choice((b"\xff", b"\x00", b"\xff\xff", b"\x7f\xff\xff\xff"))
+            out[pos : pos + len(chunk)] = chunk
+        elif op == "dup" and out:
+            end = rng.randint(pos, len(out))
+            out[pos:pos] = out[pos:end]
+    return bytes(out)
+
+
+def _records(rng: random.Random) -> list[bytes]:
+    return [rng.randbytes(rng.randint(0, 64)) for _ in range(rng.randint(0, 6))]
+
+
+def _gen_tfrecord(rng: random.Random) -> bytes:
+    kind = rng.random()
+    if kind < 0.15:
+        return rng.randbytes(rng.randint(0, 128))
+    file = b"".join(_frame(r) for r in _records(rng))
+    if kind < 0.3:
+        # A header whose CRC is right but whose length is anything (up to 2**64 - 1).
+        length = rng.choice((rng.getrandbits(64), rng.getrandbits(rng.randint(1, 64)), 0))
+        return file + _valid_length_header(length) + rng.randbytes(rng.randint(0, 32))
+    return _damage(rng, file)
+
+
+def _gen_index(rng: random.Random) -> bytes:
+    kind = rng.random()
+    if kind < 0.1:
+        return rng.randbytes(rng.randint(0, 64))
+    if kind < 0.4:
+        return _damage(rng, b"0 19\n19 21\n40 26\n")
+    lines = []
+    for _ in range(rng.randint(0, 6)):
+        r = rng.random()
+        if r < 0.5:
+            big = rng.choice((8, 16, 32, 64, 70))
+            lines.append(f"{rng.getrandbits(big) - (1 << (big - 1))} {rng.getrandbits(big)}")
+        elif r < 0.8:
+            lines.append(
+                rng.choice(
+                    ("0 16", "0 19", "19 21", "40 26", "0", "", "  ", "a b", "0 0x10", "1_9 2")
+                )
+            )
+        else:
+            lines.append("".join(chr(rng.randint(0, 0x2FF)) for _ in range(rng.randint(0, 8))))
+    return "\n".join(lines).encode("utf-8")
+
+
+def _gen_example(rng: random.Random) -> bytes:
+    from estimax.data import example
+
+    if rng.random() < 0.15:
+        return rng.randbytes(rng.randint(0, 128))
+    features = {}
+    for _ in range(rng.randint(0, 4)):
+        name = rng.choice(
+            ("image/encoded", "image/class/label", "pair", "image/object/bbox/xmin", "x", "")
+        )
+        n = rng.randint(1, 3)
+        kind = rng.randint(0, 2)
+        if kind == 0:
+            features[name] = [rng.randbytes(rng.randint(0, 16)) for _ in range(n)]
+        elif kind == 1:
+            features[name] = [rng.getrandbits(64) - 2**63 for _ in range(n)]
+        else:
+            features[name] = [
+                rng.choice((rng.uniform(-1e30, 1e30), float("nan"), float("inf"), -0.0))
+                for _ in range(n)
+            ]
+    return _damage(rng, example.encode_example(features))
+
+
+_SEEDS: list[bytes] = []
+
+
+def _gen_jpeg(rng: random.Random) -> bytes:
+    if not _SEEDS:
+        _SEEDS.extend(_image_seeds())
+    kind = rng.random()
+    if kind < 0.05:
+        return rng.randbytes(rng.randint(0, 64))
+    data = rng.choice(_SEEDS)
+    if kind < 0.35:
+        data = _claim_dims(data, rng.choice(_HEADER_DIMS), rng.choice(_HEADER_DIMS))
+    return _damage(rng, data)
+
+
+def _image_seeds() -> list[bytes]:
+    import cv2
+    import numpy as np
+    import simplejpeg
+
+    rng = np.random.default_rng(0)
+    rgb = rng.integers(0, 256, (13, 17, 3), dtype=np.uint8)
+    gray = rng.integers(0, 256, (9, 8, 1), dtype=np.uint8)
+    return [
+        simplejpeg.encode_jpeg(rgb, quality=80, colorspace="RGB", colorsubsampling="420"),
+        simplejpeg.encode_jpeg(rgb, quality=95, colorspace="RGB", colorsubsampling="444"),
+        simplejpeg.encode_jpeg(gray, quality=90, colorspace="GRAY"),
+        cv2.imencode(".jpg", rgb, [cv2.IMWRITE_JPEG_PROGRESSIVE, 1])[1].tobytes(),
+        cv2.imencode(".png", rgb)[1].tobytes(),
+    ]
+
+
+def _claim_dims(image: bytes, height: int, width: int) -> bytes:
+    """The image with its header claiming ``height`` x ``width`` (a memory bomb when large)."""
+    data = bytearray(image)
+    for marker in (b"\xff\xc0", b"\xff\xc2"):
+        i = data.find(marker)
+        if i >= 0:  # FFCx, length(2), precision(1), height(2), width(2)
+            data[i + 5 : i + 9] = struct.pack(">HH", height, width)
+    if data[:8] == b"\x89PNG\r\n\x1a\n":
+        data[16:24] = struct.pack(">II", width, height)  # IHDR (its CRC is then wrong)
+    return bytes(data)
+
+
+GENERATORS: dict[str, Callable[[random.Random], bytes]] = {
+    "tfrecord_stream": _gen_tfrecord,
+    "tfrecord_offsets": _gen_tfrecord,
+    "tfrecord_index": _gen_index,
+    "example": _gen_example,
+    "jpeg": _gen_jpeg,
+}
+
+
+# -------------------------------------------------------------------------------------- main
+
+_SCRATCH = ""
+
+
+def _on_alarm(signum, frame):
+    raise Hang(f"input ran longer than {_INPUT_TIMEOUT_S} s")
+
+
+def run(target: str, num_inputs: int, seed: int, out_dir: str) -> dict:
+    """Runs ``target`` over ``num_inputs`` generated inputs; raises on the first failure."""
+    global _INDEXED_FILE
+    _INDEXED_FILE = _frame(b"abc") + _frame(b"defgh") + _frame(b"0123456789")
+    fn, generate = TARGETS[target], GENERATORS[target]
+    rng = random.Random(seed)
+    current = os.open(os.path.join(out_dir, "current.bin"), os.O_WRONLY | os.O_CREAT, 0o644)
+    signal.signal(signal.SIGALRM, _on_alarm)
+    for count in range(1, num_inputs + 1):
+        data = generate(rng)
+        os.ftruncate(current, 0)
+        os.pwrite(current, data, 0)
+        signal.setitimer(signal.ITIMER_REAL, _INPUT_TIMEOUT_S)
+        try:
+            fn(data)
+        except BaseException:
+            with open(os.path.join(out_dir, "failure.bin"), "wb") as f:
+                f.write(data)
+            with open(os.path.join(out_dir, "failure.txt"), "w") as f:
+                f.write(f"input {count} of target {target}, seed {seed}:\n")
+                f.write(traceback.format_exc())
+            raise
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return {"target": target, "inputs": count, "max_rss_mib": round(usage.ru_maxrss / 1024, 1)}
+
+
+def main(argv: list[str]) -> int:
+    global _SCRATCH
+    target, num_inputs, seed, out_dir, limit_mib = argv[1:6]
+    limit = int(limit_mib) << 20
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    from estimax.data import jpeg
+
+    # The same check as in production, at a lower number: a 4-megapixel image decodes in
+    # milliseconds, a 179-megapixel one (filled in by libjpeg from a damaged file) in seconds.
+    jpeg.MAX_IMAGE_PIXELS = 1 << 22
+    # Scratch files in memory where there is a tmpfs: two files are written per input.
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.TemporaryDirectory(prefix="estimax-fuzz-", dir=shm) as scratch:
+        _SCRATCH = scratch
+        if target == "alloc_probe":
+            _target_alloc_probe(b"")
+            return 0
+        if len(argv) > 6:  # replay saved inputs (regression tests); raises on a failure
+            for path in argv[6:]:
+                with open(path, "rb") as f:
+                    TARGETS[target](f.read())
+            print(json.dumps({"target": target, "inputs": len(argv) - 6}), flush=True)
+            return 0
+        try:
+            result = run(target, int(num_inputs), int(seed), out_dir)
+        except Exception:
+            traceback.print_exc(file=sys.stderr)
+            return 1
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.stdout = io.TextIOWrapper(sys.stdout.buffer, line_buffering=True)
+    sys.exit(main(sys.argv))

@@ -1,0 +1,132 @@
+"""Fuzzing the parsers of data users did not write: TFRecord framing, index files, tf.Example,
+JPEG/PNG decoding. Only the documented errors, no hang, no crash in a C extension, bounded memory.
+
+Each target runs in a child process (tests/reliability/fuzz_targets.py) under ``RLIMIT_AS``, so
+a segfault is a signal exit the test names, a hang is a timeout, and a memory bomb is a
+``MemoryError``. Short mode: a few thousand inputs per target; `make reliability`: 10^5.
+Inputs that once failed are kept under corpus/ and replayed every run.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import scale
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+CHILD = os.path.join(HERE, "fuzz_targets.py")
+MEMORY_LIMIT_MIB = 1536
+# Corpus file name prefixes replayed against each target.
+CORPUS = {
+    "tfrecord_stream": "tfrecord-",
+    "tfrecord_offsets": "tfrecord-",
+    "tfrecord_index": "tfrecord_index-",
+    "example": "example-",
+    "jpeg": "jpeg-",
+}
+
+
+def _run_child(args: list[str], out_dir: str, timeout: float) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, CHILD, *args[:2], args[2], out_dir, str(MEMORY_LIMIT_MIB), *args[3:]]
+    current = os.path.join(out_dir, "current.bin")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{args[0]}: hang (no result in {timeout:.0f} s); last input in {current}")
+    if proc.returncode < 0:
+        name = signal.Signals(-proc.returncode).name
+        pytest.fail(
+            f"{args[0]}: the child died of {name} (a crash in a C extension?); the input is in "
+            f"{current}; keep it under tests/reliability/corpus/. stderr:\n{proc.stderr[-3000:]}"
+        )
+    if proc.returncode != 0:
+        failure = os.path.join(out_dir, "failure.txt")
+        detail = open(failure).read() if os.path.exists(failure) else proc.stderr
+        pytest.fail(
+            f"{args[0]}: an undocumented error; input in {out_dir}/failure.bin (keep it under "
+            f"tests/reliability/corpus/):\n{detail[-4000:]}"
+        )
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def out_dir(tmp_path_factory):
+    # In memory where there is a tmpfs: the child rewrites its current input there each time.
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="estimax-fuzz-out-", dir=base)
+    yield d
+    import shutil
+
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.parametrize("target", sorted(CORPUS))
+def test_fuzz_parser(target, out_dir, reliability_record):
+    num_inputs = scale(3000, 100_000)
+    result = {}
+    try:
+        result = _run_child([target, str(num_inputs), "20261123"], out_dir, 120 + num_inputs / 50)
+    finally:
+        reliability_record(
+            "fuzz",
+            target,
+            result.get("inputs", 0),
+            result.get("inputs") == num_inputs,
+            max_rss_mib=result.get("max_rss_mib"),
+        )
+    assert result["inputs"] == num_inputs
+    # Memory stayed bounded: well under the limit (and the limit itself holds: next test).
+    assert result["max_rss_mib"] < MEMORY_LIMIT_MIB / 2, result
+
+
+def test_memory_limit_holds_in_the_child(out_dir):
+    """The child's RLIMIT_AS is real: an 8 GiB allocation there fails with MemoryError."""
+    assert _run_child(["alloc_probe", "1", "0"], out_dir, 60) == {"limit_held": True}
+
+
+@pytest.mark.parametrize("target", sorted(set(CORPUS) - {"example"}))  # none for it yet
+def test_corpus_regressions(target, out_dir):
+    """Inputs that once failed (MemoryError from a crafted length or index, decompression
+    bombs, a non-ASCII index) now give only documented errors."""
+    files = sorted(glob.glob(os.path.join(HERE, "corpus", CORPUS[target] + "*.bin")))
+    if target == "tfrecord_stream":  # the tfrecord- prefix would also match tfrecord_index-
+        files = [f for f in files if "tfrecord_index-" not in f]
+    if target == "tfrecord_offsets":
+        files = [f for f in files if "tfrecord_index-" not in f]
+    if not files:
+        pytest.skip(f"no corpus inputs for {target} yet")
+    assert _run_child([target, "0", "0", *files], out_dir, 120) == {
+        "target": target,
+        "inputs": len(files),
+    }
+
+
+def test_decompression_bomb_rejected_from_its_header():
+    """An 850-byte JPEG claiming 65500 x 65500 pixels (12 GiB decoded; libjpeg's maximum):
+    one clear error, raised before any pixel is allocated, naming the limit."""
+    from estimax.data import jpeg
+
+    with open(os.path.join(HERE, "corpus", "jpeg-sof-claims-65500x65500.bin"), "rb") as f:
+        bomb = f.read()
+    with pytest.raises(
+        jpeg.ImageDecodeError,
+        match=r"65500x65500 pixels claimed by its header is larger than "
+        r"estimax.data.jpeg.MAX_IMAGE_PIXELS",
+    ):
+        jpeg.decode(bomb)
+    with pytest.raises(jpeg.ImageDecodeError, match="decompression bomb"):
+        jpeg.decode_crop(bomb, (0, 0, 8, 8), min_size=4)
+    with open(os.path.join(HERE, "corpus", "jpeg-png-ihdr-claims-65535x65535.bin"), "rb") as f:
+        with pytest.raises(jpeg.ImageDecodeError, match="65535x65535 pixels"):
+            jpeg.decode(f.read())
