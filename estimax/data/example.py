@@ -58,7 +58,15 @@ def _build_file() -> descriptor_pb2.FileDescriptorProto:
     def message(name: str) -> descriptor_pb2.DescriptorProto:
         return fd.message_type.add(name=name)
 
-    def field(msg, name, number, ftype, label=F.LABEL_OPTIONAL, type_name=None, oneof=None):
+    def field(
+        msg: descriptor_pb2.DescriptorProto,
+        name: str,
+        number: int,
+        ftype: int,
+        label: int = F.LABEL_OPTIONAL,
+        type_name: str | None = None,
+        oneof: int | None = None,
+    ) -> descriptor_pb2.FieldDescriptorProto:
         f = msg.field.add(name=name, number=number, type=ftype, label=label)
         if type_name:
             f.type_name = type_name

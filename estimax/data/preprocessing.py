@@ -272,7 +272,7 @@ def resnet_preprocess(
         window = center_crop_window(shape, image_size)
     image = jpeg.decode_crop(image_bytes, window, min_size=image_size if scaled_decode else None)
     image = _resize(image, image_size, cv2.INTER_CUBIC)
-    if is_training and rng.random() < 0.5:
+    if is_training and rng is not None and rng.random() < 0.5:  # rng: checked above
         image = cv2.flip(image, 1)
     return image
 

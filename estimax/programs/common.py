@@ -515,6 +515,8 @@ def export(est: Any, job: Job) -> str:
     from estimax import serving  # a leaf: serving never imports programs or models
 
     logging.info("Starting to export model.")
+    if job.loop.export_dir is None:
+        raise ValueError("export() needs --export_dir.")
     rtol, atol = job.export_tolerance
     path = serving.export_version(
         est,
