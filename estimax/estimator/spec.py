@@ -108,6 +108,10 @@ class RunConfig:
       device_prefetch: how many input batches are transferred to the devices ahead of the step
         that uses them (flax's ``prefetch_to_device`` default, 2); input memory is about
         ``device_prefetch + 3`` batches whatever ``iterations_per_loop`` is.
+      skip_nonfinite_steps: a step whose loss or gradients are NaN/Inf makes no update (params,
+        optimizer state, batch statistics and EMA stay as they were) instead of stopping
+        training with ``NanLossError``; skipped steps are counted (TensorBoard scalar
+        ``train/nonfinite_skipped_steps`` and a warning per loop that had any).
 
     Mutable collections such as ``batch_stats`` are computed per replica, as on TPU, and
     averaged over replicas after each step (one consistent copy to checkpoint); pass
@@ -124,6 +128,7 @@ class RunConfig:
     log_step_count_steps: int = 100
     seed: int = 0
     device_prefetch: int = 2
+    skip_nonfinite_steps: bool = False
 
     def __post_init__(self) -> None:
         if self.iterations_per_loop < 1:

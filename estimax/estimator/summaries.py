@@ -1,8 +1,13 @@
-"""TensorBoard event files and the original's log lines."""
+"""TensorBoard event files, the durable record of evaluations, and the original's log lines."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import tempfile
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 from absl import logging
@@ -10,33 +15,156 @@ from tensorboardX import SummaryWriter
 
 from estimax import storage
 
+EVALUATIONS_FILE = "evaluations.json"
+
 
 class Summaries:
-    """Writes scalars to TensorBoard event files under one directory, lazily opened."""
+    """Writes scalars to TensorBoard event files under one directory, lazily opened.
 
-    def __init__(self, logdir: str):
+    With ``unique_steps`` (evaluation directories) a scalar already in the directory's event
+    files at the same step is not written again: a redone evaluation (its first run was killed
+    before it was recorded as done) adds no second point for that step.
+    """
+
+    def __init__(self, logdir: str, unique_steps: bool = False):
         self.logdir = logdir
         self._writer: SummaryWriter | None = None
+        self._unique_steps = unique_steps
+        self._written: set[tuple[str, int]] | None = None  # (tag, step) already in the files
 
     def scalars(self, step: int, values: Mapping[str, float]) -> None:
         """Writes each named scalar at ``step``."""
+        if self._unique_steps and self._written is None:
+            self._written = scalar_steps(self.logdir)
         if self._writer is None:
             storage.makedirs(self.logdir)
             storage.register_summary_writers()  # gs:// and s3:// event files through fsspec
             self._writer = SummaryWriter(self.logdir, flush_secs=30)
         for name, value in values.items():
+            if self._written is not None:
+                if (name, int(step)) in self._written:
+                    logging.info(
+                        "%s at step %d is already in %s; not written again.",
+                        name,
+                        step,
+                        self.logdir,
+                    )
+                    continue
+                self._written.add((name, int(step)))
             self._writer.add_scalar(name, float(np.asarray(value)), global_step=int(step))
 
     def flush(self) -> None:
-        """Makes everything written so far visible to readers."""
-        if self._writer is not None:
-            self._writer.flush()
+        """Makes everything written so far durable (written, fsynced) and visible to readers.
+
+        tensorboardX writes events from a queue in a background thread and its ``flush`` does
+        not wait for that queue, so a process killed right after it could leave an event file
+        with only its header. Closing the writer drains the queue, flushes and fsyncs; the next
+        scalar opens a new event file (TensorBoard reads them all).
+
+        Raises:
+          OSError: the event file could not be written (names the directory).
+        """
+        self.close()
 
     def close(self) -> None:
-        """Flushes and closes the event file."""
+        """Writes out, fsyncs and closes the event file."""
         if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+            writer, self._writer = self._writer, None
+            try:
+                writer.close()
+            except OSError as e:
+                raise OSError(
+                    e.errno, f"could not write TensorBoard summaries in {self.logdir}: {e}"
+                ) from e
+
+
+def scalar_steps(logdir: str) -> set[tuple[str, int]]:
+    """The (tag, step) pairs of the scalars in the event files directly in ``logdir``.
+
+    Read with TensorBoard's own loader; a torn last record (a writer killed mid-write) ends a
+    file's events, as in TensorBoard.
+    """
+    from tensorboard.backend.event_processing import event_file_loader
+
+    found: set[tuple[str, int]] = set()
+    if not storage.isdir(logdir):
+        return found
+    fs, path = storage.filesystem(logdir)
+    for name in sorted(fs.ls(path, detail=False)):
+        if "tfevents" not in os.path.basename(name):
+            continue
+        with contextlib.ExitStack() as stack:
+            local = name
+            if storage.is_remote(logdir):  # TensorBoard's loader reads local files here
+                tmp = stack.enter_context(tempfile.TemporaryDirectory())
+                local = os.path.join(tmp, os.path.basename(name))
+                fs.get_file(name, local)
+            for event in event_file_loader.EventFileLoader(local).Load():
+                for value in event.summary.value:
+                    found.add((value.tag, int(event.step)))
+    return found
+
+
+def recorded_evaluations(logdir: str) -> dict[int, dict[str, Any]]:
+    """``{global_step: results}`` of the evaluations durably recorded in ``logdir``."""
+    path = storage.join(logdir, EVALUATIONS_FILE)
+    if not storage.exists(path):
+        return {}
+    try:
+        with storage.open_file(path, "rb") as f:
+            recorded = json.loads(f.read())
+        return {int(step): dict(results) for step, results in recorded["evaluations"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        # Written by rename/one upload, so never torn by us; damaged by something else.
+        logging.warning(
+            "%s is unreadable (%s: %s): evaluations already done will be redone.",
+            path,
+            type(e).__name__,
+            e,
+        )
+        return {}
+
+
+def record_evaluation(logdir: str, results: Mapping[str, Any]) -> None:
+    """Adds ``results`` (with their ``global_step``) to ``logdir/evaluations.json``, durably.
+
+    Call after the evaluation's summaries are flushed (``Summaries.flush``): an evaluation
+    recorded here is one TensorBoard holds. Local: written beside, fsynced, renamed into place;
+    object stores: one upload.
+    """
+    recorded = recorded_evaluations(logdir)
+    recorded[int(results["global_step"])] = {k: _plain(v) for k, v in results.items()}
+    data = json.dumps(
+        {"evaluations": {str(k): recorded[k] for k in sorted(recorded)}}, indent=1
+    ).encode()
+    final = storage.join(logdir, EVALUATIONS_FILE)
+    if storage.is_remote(logdir):
+        with storage.open_file(final, "wb") as f:
+            f.write(data)
+        return
+    os.makedirs(logdir, exist_ok=True)
+    tmp = final + ".tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise OSError(e.errno, f"could not record the evaluation in {final}: {e}") from e
+    fd = os.open(logdir, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (int, float, str, bool)) or value is None:
+        return value
+    return np.asarray(value).item()
 
 
 def log_step(step: int, loss: float) -> None:

@@ -487,6 +487,7 @@ def run_from_flags(fv: flags.FlagValues, variant: Variant = V3) -> dict[str, Any
         save_checkpoints_secs=fv.save_checkpoints_secs,
         save_summary_steps=fv.save_summary_steps,
         keep_checkpoint_max=fv.keep_checkpoint_max,
+        skip_nonfinite_steps=fv.skip_nonfinite_steps,
     )
     loop = common.LoopConfig.from_flags(
         fv,

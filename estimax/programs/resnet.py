@@ -408,6 +408,7 @@ def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
         save_checkpoints_steps=fv.save_checkpoints_steps or max(100, fv.iterations_per_loop),
         keep_checkpoint_max=fv.keep_checkpoint_max,
         log_step_count_steps=fv.log_step_count_steps,
+        skip_nonfinite_steps=fv.skip_nonfinite_steps,
     )
     loop = common.LoopConfig.from_flags(
         fv,
