@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import tempfile
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,7 +40,11 @@ class Summaries:
         if self._writer is None:
             storage.makedirs(self.logdir)
             storage.register_summary_writers()  # gs:// and s3:// event files through fsspec
-            self._writer = SummaryWriter(self.logdir, flush_secs=30)
+            # tensorboardX names files by the second and truncates an existing one: every
+            # flush starts a new file, so the name must be unique (and sort in time order).
+            self._writer = SummaryWriter(
+                self.logdir, flush_secs=30, filename_suffix=f".{time.time_ns()}.{os.getpid()}"
+            )
         for name, value in values.items():
             if self._written is not None:
                 if (name, int(step)) in self._written:
