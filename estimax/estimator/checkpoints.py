@@ -20,8 +20,11 @@ warning naming the file and what was wrong, and the previous checkpoint is used.
 from __future__ import annotations
 
 import contextlib
+import errno
+import glob
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -39,6 +42,16 @@ CHECKPOINT_SUBDIR = "checkpoints"
 MANIFEST_NAME = "estimax_manifest.json"
 MANIFEST_FORMAT = "estimax.checkpoint_manifest/1"
 _READ_CHUNK = 8 << 20
+# How TensorStore/Orbax report a failed write (their errors are ValueErrors with the OS error).
+_WRITE_FAILURE_MARKS = ("os_error_code", "Error writing", "Failed writing", "Failed to write")
+_DISK_FULL_MARKS = (
+    "os_error_code='27'",
+    "os_error_code='28'",
+    "os_error_code='122'",
+    "File too large",
+    "No space left",
+    "Disk quota",
+)
 
 
 class CorruptCheckpointError(RuntimeError):
@@ -296,7 +309,10 @@ class Checkpointer:
         )
         # Orbax would wait for the previous async save here anyway; waiting first lets us seal it.
         self.wait_until_finished()
-        with storage.errors_named(checkpoint_dir(self.model_dir), f"save checkpoint {step}"):
+        with (
+            storage.errors_named(checkpoint_dir(self.model_dir), f"save checkpoint {step}"),
+            self._write_errors(step),
+        ):
             self._manager.save(step, args=ocp.args.Composite(**items), force=True)
         self._unsealed.append(step)
 
@@ -384,9 +400,50 @@ class Checkpointer:
 
     def wait_until_finished(self) -> None:
         """Blocks until pending async saves are durable, then writes their manifests."""
-        with storage.errors_named(checkpoint_dir(self.model_dir), "finish saving a checkpoint"):
+        pending = self._unsealed[-1] if self._unsealed else None
+        with (
+            storage.errors_named(checkpoint_dir(self.model_dir), "finish saving a checkpoint"),
+            self._write_errors(pending),
+        ):
             self._manager.wait_until_finished()
         self._seal()
+
+    @contextlib.contextmanager
+    def _write_errors(self, step: int | None) -> Iterator[None]:
+        """Turns a failed local write (disk full...) into one error naming the checkpoint.
+
+        The partial ``<step>.orbax-checkpoint-tmp*`` directory is removed (it was never under
+        the final name, and on a full disk its space is wanted back).
+        """
+        try:
+            yield
+        except storage.StorageError:
+            raise
+        except Exception as e:
+            text = f"{type(e).__name__}: {e}"
+            if storage.is_remote(self.model_dir) or not (
+                isinstance(e, OSError) or any(m in text for m in _WRITE_FAILURE_MARKS)
+            ):
+                raise
+            self._unsealed = [s for s in self._unsealed if s != step]
+            where = checkpoint_dir(self.model_dir)
+            for partial in glob.glob(os.path.join(where, f"{step}.orbax-checkpoint-tmp*")):
+                shutil.rmtree(partial, ignore_errors=True)
+            self._manager.reload()
+            previous = [s for s in self._manager.all_steps() if s != step and s not in self._bad]
+            full = any(m in text for m in _DISK_FULL_MARKS)
+            raise storage.StorageError(
+                getattr(e, "errno", None) or (errno.ENOSPC if full else errno.EIO),
+                f"Could not write checkpoint {step} in {where}: "
+                + (
+                    "the disk is full or a file size limit was reached"
+                    if full
+                    else text.splitlines()[0][:300]
+                )
+                + ". The partial checkpoint was removed; the previous one ("
+                + (f"step {max(previous)}" if previous else "none")
+                + ") is intact. Free space and run again to resume from it.",
+            ) from e
 
     def close(self) -> None:
         """Finishes pending saves (and their manifests) and releases Orbax's resources."""

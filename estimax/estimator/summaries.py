@@ -3,24 +3,32 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
 from absl import logging
-from tensorboardX import SummaryWriter
 
 from estimax import storage
 
 EVALUATIONS_FILE = "evaluations.json"
+_DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 
 
 class Summaries:
     """Writes scalars to TensorBoard event files under one directory, lazily opened.
+
+    Events are written synchronously, in the caller's thread, with tensorboardX's own event and
+    record writers (``EventsWriter``), not its ``SummaryWriter``: that one writes from a thread
+    whose death on a write error (disk full) goes unnoticed, after which ``add_scalar`` blocks
+    forever on its full queue, and whose ``flush`` does not wait for the queue (a process killed
+    right after it left an event file with only its 40-byte header). Here a failed write raises
+    at once, naming the directory, and ``flush`` makes everything written durable (fsync).
 
     With ``unique_steps`` (evaluation directories) a scalar already in the directory's event
     files at the same step is not written again: a redone evaluation (its first run was killed
@@ -29,22 +37,36 @@ class Summaries:
 
     def __init__(self, logdir: str, unique_steps: bool = False):
         self.logdir = logdir
-        self._writer: SummaryWriter | None = None
+        self._writer: Any = None  # tensorboardX.event_file_writer.EventsWriter
         self._unique_steps = unique_steps
         self._written: set[tuple[str, int]] | None = None  # (tag, step) already in the files
 
+    def _open(self) -> Any:
+        from tensorboardX.event_file_writer import EventsWriter
+
+        storage.makedirs(self.logdir)
+        storage.register_summary_writers()  # gs:// and s3:// event files through fsspec
+        with self._errors("open an event file"):
+            # tensorboardX names a file by the second and truncates an existing one: the name
+            # must be unique (a second writer in the same second) and sort in time order.
+            return EventsWriter(
+                storage.join(self.logdir, "events"),
+                filename_suffix=f".{time.time_ns()}.{os.getpid()}",
+            )
+
     def scalars(self, step: int, values: Mapping[str, float]) -> None:
-        """Writes each named scalar at ``step``."""
+        """Writes each named scalar at ``step``.
+
+        Raises:
+          OSError: the event file could not be written (names the directory).
+        """
+        from tensorboardX import summary as tbx_summary
+        from tensorboardX.proto import event_pb2
+
         if self._unique_steps and self._written is None:
             self._written = scalar_steps(self.logdir)
         if self._writer is None:
-            storage.makedirs(self.logdir)
-            storage.register_summary_writers()  # gs:// and s3:// event files through fsspec
-            # tensorboardX names files by the second and truncates an existing one: every
-            # flush starts a new file, so the name must be unique (and sort in time order).
-            self._writer = SummaryWriter(
-                self.logdir, flush_secs=30, filename_suffix=f".{time.time_ns()}.{os.getpid()}"
-            )
+            self._writer = self._open()
         for name, value in values.items():
             if self._written is not None:
                 if (name, int(step)) in self._written:
@@ -56,31 +78,52 @@ class Summaries:
                     )
                     continue
                 self._written.add((name, int(step)))
-            self._writer.add_scalar(name, float(np.asarray(value)), global_step=int(step))
+            event = event_pb2.Event(
+                wall_time=time.time(),
+                step=int(step),
+                summary=tbx_summary.scalar(name, float(np.asarray(value))),
+            )
+            with self._errors("write summaries"):
+                self._writer.write_event(event)
 
     def flush(self) -> None:
-        """Makes everything written so far durable (written, fsynced) and visible to readers.
-
-        tensorboardX writes events from a queue in a background thread and its ``flush`` does
-        not wait for that queue, so a process killed right after it could leave an event file
-        with only its header. Closing the writer drains the queue, flushes and fsyncs; the next
-        scalar opens a new event file (TensorBoard reads them all).
+        """Makes everything written so far durable (flushed, fsynced) and visible to readers.
 
         Raises:
           OSError: the event file could not be written (names the directory).
         """
-        self.close()
+        if self._writer is not None:
+            with self._errors("write summaries"):
+                self._writer.flush()
 
     def close(self) -> None:
         """Writes out, fsyncs and closes the event file."""
         if self._writer is not None:
             writer, self._writer = self._writer, None
-            try:
+            with self._errors("write summaries"):
                 writer.close()
-            except OSError as e:
-                raise OSError(
-                    e.errno, f"could not write TensorBoard summaries in {self.logdir}: {e}"
-                ) from e
+
+    @contextlib.contextmanager
+    def _errors(self, action: str) -> Iterator[None]:
+        """Names the directory in a write error; the event file is given up (a torn last record
+        ends it for readers) and the next write opens a new one."""
+        try:
+            yield
+        except OSError as e:
+            writer, self._writer = self._writer, None
+            if writer is not None:
+                with contextlib.suppress(OSError):
+                    writer.close()
+            raise storage.StorageError(
+                e.errno,
+                f"Could not {action} in {self.logdir}: {e.strerror or e}"
+                + (
+                    " (the disk is full or a file size limit was reached; free space and "
+                    "run again: checkpoints are unaffected)"
+                    if e.errno in _DISK_FULL_ERRNOS
+                    else ""
+                ),
+            ) from e
 
 
 def scalar_steps(logdir: str) -> set[tuple[str, int]]:
@@ -158,7 +201,9 @@ def record_evaluation(logdir: str, results: Mapping[str, Any]) -> None:
     except OSError as e:
         if os.path.exists(tmp):
             os.remove(tmp)
-        raise OSError(e.errno, f"could not record the evaluation in {final}: {e}") from e
+        raise storage.StorageError(
+            e.errno, f"Could not record the evaluation in {final}: {e.strerror or e}"
+        ) from e
     fd = os.open(logdir, os.O_RDONLY)
     try:
         os.fsync(fd)
