@@ -25,9 +25,9 @@ def model_fn(features, labels, mode, params):
     """A two-layer classifier; ``params['width']`` sets the hidden width (bigger files)."""
     h = nn.relu(nn.Dense(params.get("width", 8))(features))
     logits = nn.Dense(3)(h)
-    loss = ex.losses.softmax_cross_entropy(logits, labels)
     if mode == ex.ModeKeys.PREDICT:
         return ex.EstimatorSpec(mode=mode, predictions={"logits": logits})
+    loss = ex.losses.softmax_cross_entropy(logits, labels)
     return ex.EstimatorSpec(
         mode=mode,
         loss=loss,
