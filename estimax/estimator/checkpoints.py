@@ -253,8 +253,12 @@ class Checkpointer:
         self._set_aside(step, problem)
         return False
 
-    def _set_aside(self, step: int, problem: str) -> None:
-        """Warns that ``step`` is damaged; a writer renames it so that no later run reads it."""
+    def _set_aside(self, step: int, problem: str) -> str:
+        """Warns that ``step`` is damaged; a writer renames it so that no later run reads it.
+
+        Returns:
+          what became of it, in words (for the warning and errors).
+        """
         path = self.step_dir(step)
         self._bad[step] = problem
         if self._read_only or storage.is_remote(path) or not os.path.isdir(path):
@@ -269,6 +273,7 @@ class Checkpointer:
             "Checkpoint %s is damaged: %s. %s Using the previous checkpoint.", path, problem, fate
         )
         self._manager.reload()
+        return fate
 
     def _seal(self) -> None:
         """Writes the manifests of our saves that Orbax has finished (call after a wait)."""
@@ -365,10 +370,9 @@ class Checkpointer:
             if not self._unreadable(e):
                 raise
             problem = f"Orbax could not read it: {type(e).__name__}: {str(e).splitlines()[0]}"
-            self._set_aside(step, problem)
+            fate = self._set_aside(step, problem)
             raise CorruptCheckpointError(
-                f"Checkpoint {self.step_dir(step)} is damaged ({problem}); it has been set aside. "
-                "Run again: the previous checkpoint will be used."
+                f"Checkpoint {self.step_dir(step)} is damaged ({problem}). {fate}"
             ) from e
 
     @staticmethod

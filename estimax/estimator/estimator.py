@@ -422,7 +422,14 @@ class Estimator:
             raise ValueError(f"Must specify steps > 0, given: {steps}")
         if max_steps is not None and max_steps <= 0:
             raise ValueError(f"Must specify max_steps > 0, given: {max_steps}")
-        self._run_training(input_fn, steps, max_steps, list(saving_listeners or []))
+        while True:
+            try:
+                self._run_training(input_fn, steps, max_steps, list(saving_listeners or []))
+                break
+            except ckpt_lib.CorruptCheckpointError as e:
+                # issue 15: the damaged step (one without a manifest that Orbax could not read)
+                # has been set aside, so this cannot repeat for it: resume from the previous one.
+                logging.warning("%s Resuming from the previous checkpoint now.", e)
         return self
 
     def _run_training(

@@ -113,23 +113,36 @@ def test_every_finished_save_has_a_manifest_that_matches(runs):
         assert checkpoints.verify_manifest(step_dir) is None
 
 
-def test_unreadable_checkpoint_without_manifest_is_set_aside_not_a_crash_loop(runs, tmp_path):
+def test_unreadable_checkpoint_without_manifest_is_set_aside_and_the_previous_used(
+    runs, tmp_path, caplog
+):
     # A writer killed between Orbax's finalisation and the manifest: nothing to check against;
-    # Orbax's own failure becomes one clear error, and the next run uses the previous step.
+    # Orbax's own failure is caught, the step set aside, and training resumes from step 2.
     model_dir = tmp_path / "run"
     shutil.copytree(runs[0], model_dir)
     step_dir = model_dir / "checkpoints" / "4"
     os.remove(step_dir / checkpoints.MANIFEST_NAME)
     (step_dir / "meta" / "metadata").write_text('{"input_state": {"pos')
+    caplog.set_level(logging.WARNING)
     est = fx.estimator(str(model_dir))
     assert est.get_global_step() == 4  # unverified, so it is tried
-    with pytest.raises(checkpoints.CorruptCheckpointError) as e:
-        est.train(fx.train_input_fn(), max_steps=6)
+    est.train(fx.train_input_fn(), max_steps=6)
+    variables = est.get_variables()
     est.close()
-    assert f"Checkpoint {step_dir} is damaged" in str(e.value)
-    assert "Run again: the previous checkpoint will be used" in str(e.value)
+    (warning,) = [r.getMessage() for r in caplog.records if "Resuming from" in r.getMessage()]
+    assert f"Checkpoint {step_dir} is damaged (Orbax could not read it: " in warning
+    assert "It was moved aside to" in warning
     assert glob.glob(str(step_dir) + ".corrupt-*")
-    assert fx.leaves_equal(fx.train(str(model_dir), 6), runs[1])
+    assert fx.leaves_equal(variables, runs[1])
+    # A reader (an evaluator) gets one clear error, not Orbax's traceback, and renames nothing.
+    (aside,) = glob.glob(str(step_dir) + ".corrupt-*")
+    other = tmp_path / "other"
+    shutil.copytree(aside, other / "checkpoints" / "4")
+    reader = checkpoints.Checkpointer(str(other), None, read_only=True)
+    with pytest.raises(checkpoints.CorruptCheckpointError, match="does not own model_dir"):
+        reader.restore_meta(4)
+    reader.close()
+    assert os.path.isdir(other / "checkpoints" / "4")
 
 
 def test_checkpoints_iterator_skips_a_damaged_checkpoint_and_leaves_it(runs, tmp_path, caplog):
