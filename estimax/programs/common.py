@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import posixpath
 import time
@@ -459,7 +460,8 @@ def evaluate_checkpoints(
             results = training.evaluate_once(
                 est,
                 step,
-                lambda step=step: est.evaluate(
+                functools.partial(
+                    est.evaluate,
                     eval_input_fn,
                     steps=loop.eval_steps,
                     checkpoint_path=checkpoint_path(est.model_dir, step),
