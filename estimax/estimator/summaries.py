@@ -6,7 +6,6 @@ import contextlib
 import errno
 import json
 import os
-import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -129,10 +128,13 @@ class Summaries:
 def scalar_steps(logdir: str) -> set[tuple[str, int]]:
     """The (tag, step) pairs of the scalars in the event files directly in ``logdir``.
 
-    Read with TensorBoard's own loader; a torn last record (a writer killed mid-write) ends a
-    file's events, as in TensorBoard.
+    Event files are TFRecord files of ``Event`` protos (read with estimax's TFRecord reader and
+    tensorboardX's proto: TensorBoard itself is only a test dependency). A torn last record (a
+    writer killed mid-write) ends a file's events, as in TensorBoard.
     """
-    from tensorboard.backend.event_processing import event_file_loader
+    from tensorboardX.proto import event_pb2
+
+    from estimax.data import tfrecord
 
     found: set[tuple[str, int]] = set()
     if not storage.isdir(logdir):
@@ -141,15 +143,14 @@ def scalar_steps(logdir: str) -> set[tuple[str, int]]:
     for name in sorted(fs.ls(path, detail=False)):
         if "tfevents" not in os.path.basename(name):
             continue
-        with contextlib.ExitStack() as stack:
-            local = name
-            if storage.is_remote(logdir):  # TensorBoard's loader reads local files here
-                tmp = stack.enter_context(tempfile.TemporaryDirectory())
-                local = os.path.join(tmp, os.path.basename(name))
-                fs.get_file(name, local)
-            for event in event_file_loader.EventFileLoader(local).Load():
+        full = storage.join(logdir, os.path.basename(name))
+        try:
+            for record in tfrecord.read_records(full):
+                event = event_pb2.Event.FromString(record)
                 for value in event.summary.value:
                     found.add((value.tag, int(event.step)))
+        except tfrecord.CorruptRecordError:
+            continue  # its records before the torn one are counted
     return found
 
 
