@@ -148,3 +148,33 @@ def test_eval_mode_redoes_an_unrecorded_evaluation_and_skips_a_recorded_one(tmp_
     assert run_eval_mode() == first
     assert _points(model_dir) == [4]
     assert os.path.exists(record)
+
+
+def test_eval_points_and_record_on_an_object_store(object_store):
+    # The same promises on gs:// and s3://: the record is one upload, the points are found.
+    root, _ = object_store
+    logdir = f"{root}/run/eval"
+    writer = summaries.Summaries(logdir, unique_steps=True)
+    writer.scalars(10, {"loss": 0.5})
+    writer.flush()
+    summaries.record_evaluation(logdir, {"loss": 0.5, "global_step": 10})
+    writer.close()
+    again = summaries.Summaries(logdir, unique_steps=True)  # a restarted process
+    again.scalars(10, {"loss": 0.75, "accuracy": 0.25})  # loss at 10 is there: not rewritten
+    again.close()
+    assert summaries.scalar_steps(logdir) == {("loss", 10), ("accuracy", 10)}
+    from tensorboardX.proto import event_pb2
+
+    from estimax import storage
+    from estimax.data import tfrecord
+
+    fs, path = storage.filesystem(logdir)
+    values = [
+        (v.tag, v.simple_value)
+        for name in fs.ls(path, detail=False)
+        if "tfevents" in name
+        for record in tfrecord.read_records(f"{logdir}/{os.path.basename(name)}")
+        for v in event_pb2.Event.FromString(record).summary.value
+    ]
+    assert sorted(values) == [("accuracy", 0.25), ("loss", 0.5)]  # one loss point, the first
+    assert summaries.recorded_evaluations(logdir) == {10: {"loss": 0.5, "global_step": 10}}
