@@ -8,15 +8,29 @@ Orbax writes each checkpoint under a temporary name and renames it when complete
 killed during a save leaves no directory that ``latest_step`` would pick up. On ``gs://`` and
 ``s3://`` (no rename) it writes in place and writes ``commit_success.txt`` last; only steps with
 it count (see ``estimax.storage``).
+
+Once Orbax has finalised a step (for async saves: when the save completes), the chief writes
+``<step>/estimax_manifest.json``: every file's size and CRC32C. ``latest_step`` checks the
+newest checkpoints against their manifests, so a truncated, emptied, deleted or bit-flipped file
+is found before Orbax reads garbage (or fails deep inside TensorStore): the bad step is moved
+aside to ``<step>.corrupt-<unix time>`` (which Orbax no longer lists; kept for inspection) with a
+warning naming the file and what was wrong, and the previous checkpoint is used.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import glob
+import json
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import crc32c
+import fsspec
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
@@ -25,6 +39,23 @@ from absl import logging
 from estimax import storage
 
 CHECKPOINT_SUBDIR = "checkpoints"
+MANIFEST_NAME = "estimax_manifest.json"
+MANIFEST_FORMAT = "estimax.checkpoint_manifest/1"
+_READ_CHUNK = 8 << 20
+# How TensorStore/Orbax report a failed write (their errors are ValueErrors with the OS error).
+_WRITE_FAILURE_MARKS = ("os_error_code", "Error writing", "Failed writing", "Failed to write")
+_DISK_FULL_MARKS = (
+    "os_error_code='27'",
+    "os_error_code='28'",
+    "os_error_code='122'",
+    "File too large",
+    "No space left",
+    "Disk quota",
+)
+
+
+class CorruptCheckpointError(RuntimeError):
+    """A checkpoint's files do not match its manifest, or Orbax could not read them."""
 
 
 def checkpoint_dir(model_dir: str) -> str:
@@ -33,6 +64,103 @@ def checkpoint_dir(model_dir: str) -> str:
         # Orbax (tensorstore) refuses relative paths; users pass `--model_dir=runs/x`.
         model_dir = os.path.abspath(model_dir)
     return os.path.join(model_dir, CHECKPOINT_SUBDIR)
+
+
+# --- Manifests: what a complete checkpoint holds, checked before it is read ---------------------
+# Orbax and TensorStore keep no checksum of a step's files (OCDBT data files are zstd streams
+# without one), so a damaged file is found only as a decode error deep in a restore, or not at
+# all. crc32c (hardware-accelerated) over every byte is cheap next to writing them.
+
+
+def _step_files(step_dir: str) -> dict[str, str]:
+    """``{path relative to step_dir: full path}`` of every file under ``step_dir``."""
+    fs, root = storage.filesystem(step_dir)
+    root = root.rstrip("/")
+    found = fs.find(root) if fs.exists(root) else []
+    return {
+        full[len(root) + 1 :]: full
+        for full in found
+        if full[len(root) + 1 :] not in (MANIFEST_NAME, MANIFEST_NAME + ".tmp")
+    }
+
+
+def _digest(fs: fsspec.AbstractFileSystem, path: str) -> tuple[int, str]:
+    """(size, CRC32C as 8 hex digits) of one file."""
+    value, size = 0, 0
+    with fs.open(path, "rb") as f:
+        while chunk := f.read(_READ_CHUNK):
+            value = crc32c.crc32c(chunk, value)
+            size += len(chunk)
+    return size, f"{value:08x}"
+
+
+def write_manifest(step_dir: str) -> dict[str, Any]:
+    """Writes ``step_dir/estimax_manifest.json`` (each file's size and CRC32C); returns it.
+
+    Local paths: written beside, fsynced and renamed into place, so a reader sees the whole
+    manifest or none. Object stores: one upload (visible only when complete).
+    """
+    fs, _ = storage.filesystem(step_dir)
+    files = {}
+    for rel, full in sorted(_step_files(step_dir).items()):
+        size, crc = _digest(fs, full)
+        files[rel] = {"size": size, "crc32c": crc}
+    manifest = {"format": MANIFEST_FORMAT, "files": files}
+    data = json.dumps(manifest, indent=1, sort_keys=True).encode()
+    final = storage.join(step_dir, MANIFEST_NAME)
+    if storage.is_remote(step_dir):
+        with storage.errors_named(final, "write the checkpoint manifest"):
+            fs.pipe_file(storage.filesystem(final)[1], data)
+        return manifest
+    tmp = final + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    _fsync_dir(step_dir)
+    return manifest
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def verify_manifest(step_dir: str) -> str | None:
+    """Checks ``step_dir`` against its manifest.
+
+    Returns:
+      None when every file matches; ``"no manifest"`` when there is none (a step written by an
+      older estimax, or whose writer was killed between Orbax's finalisation and the manifest);
+      else what is wrong, naming the file and the expected vs found size or CRC32C.
+    """
+    fs, _ = storage.filesystem(step_dir)
+    manifest_path = storage.filesystem(storage.join(step_dir, MANIFEST_NAME))[1]
+    try:
+        if not fs.exists(manifest_path):
+            return "no manifest"
+        with fs.open(manifest_path, "rb") as f:
+            manifest = json.loads(f.read())
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{MANIFEST_NAME} is unreadable ({type(e).__name__}: {e})"
+    present = _step_files(step_dir)
+    for rel, want in sorted(files.items()):
+        if rel not in present:
+            return f"{rel} is missing (expected {want['size']} bytes)"
+        size, crc = _digest(fs, present[rel])
+        if size != want["size"]:
+            return f"{rel} has {size} bytes, expected {want['size']}"
+        if crc != want["crc32c"]:
+            return f"{rel} has CRC32C {crc}, expected {want['crc32c']} (same size: bytes changed)"
+    extra = sorted(set(present) - set(files))
+    if extra:
+        return f"{extra[0]} was not in the checkpoint when it was written"
+    return None
 
 
 class Checkpointer:
@@ -52,6 +180,10 @@ class Checkpointer:
         read_only: bool = False,
     ):
         self.model_dir = model_dir
+        self._read_only = read_only
+        self._unsealed: list[int] = []  # saved by us, manifest not yet written
+        self._verified: set[int] = set()
+        self._bad: dict[int, str] = {}
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep_checkpoint_max,
             create=not read_only,
@@ -69,16 +201,89 @@ class Checkpointer:
         )
 
     def latest_step(self) -> int | None:
-        """Returns the newest complete checkpoint's step, or None if there is none."""
+        """Returns the newest complete and intact checkpoint's step, or None if there is none.
+
+        A newer checkpoint whose files do not match its manifest is set aside with a warning
+        (see the module docstring) and the next older one is checked.
+        """
         storage.refresh(checkpoint_dir(self.model_dir))  # see another process's new steps
         self._manager.reload()
-        return self._manager.latest_step()
+        for step in sorted(self._manager.all_steps(), reverse=True):
+            if self.verify(step):
+                return step
+        return None
 
     def all_steps(self) -> list[int]:
-        """Returns the steps of all complete checkpoints, oldest first."""
+        """Returns the steps of all complete checkpoints, oldest first (known-bad ones left out).
+
+        Listing does not read the files; ``verify(step)`` checks one against its manifest.
+        """
         storage.refresh(checkpoint_dir(self.model_dir))  # see another process's new steps
         self._manager.reload()
-        return sorted(self._manager.all_steps())
+        return sorted(s for s in self._manager.all_steps() if s not in self._bad)
+
+    def step_dir(self, step: int) -> str:
+        """The directory of the checkpoint at ``step``."""
+        return storage.join(checkpoint_dir(self.model_dir), str(step))
+
+    def verify(self, step: int) -> bool:
+        """True if the checkpoint at ``step`` matches its manifest (checked once per process).
+
+        A step without a manifest (an older estimax's, or one whose writer was killed right
+        after Orbax finished it) counts as intact; a restore error then sets it aside. A bad
+        step is set aside with a warning (see ``_set_aside``) and False returned.
+        """
+        if step in self._verified or step in self._unsealed:
+            return True
+        if step in self._bad:
+            return False
+        path = self.step_dir(step)
+        with storage.errors_named(path, "check the checkpoint's files"):
+            problem = verify_manifest(path)
+        if problem == "no manifest":
+            logging.info("Checkpoint %s has no %s: not checked.", path, MANIFEST_NAME)
+            problem = None
+        if problem is None:
+            self._verified.add(step)
+            return True
+        if self._read_only and not storage.exists(path):
+            # Deleted (keep_checkpoint_max) by the training job while we read it: not damage.
+            self._bad[step] = "deleted"
+            return False
+        self._set_aside(step, problem)
+        return False
+
+    def _set_aside(self, step: int, problem: str) -> str:
+        """Warns that ``step`` is damaged; a writer renames it so that no later run reads it.
+
+        Returns:
+          what became of it, in words (for the warning and errors).
+        """
+        path = self.step_dir(step)
+        self._bad[step] = problem
+        if self._read_only or storage.is_remote(path) or not os.path.isdir(path):
+            fate = "It is skipped (left in place: this process does not own model_dir)."
+            if storage.is_remote(path) and not self._read_only:
+                fate = "It is skipped (left in place on the object store: delete it by hand)."
+        else:
+            aside = f"{path}.corrupt-{int(time.time())}"
+            os.rename(path, aside)
+            fate = f"It was moved aside to {aside} (delete it when done looking)."
+        logging.warning(
+            "Checkpoint %s is damaged: %s. %s Using the previous checkpoint.", path, problem, fate
+        )
+        self._manager.reload()
+        return fate
+
+    def _seal(self) -> None:
+        """Writes the manifests of our saves that Orbax has finished (call after a wait)."""
+        for step in self._unsealed:
+            path = self.step_dir(step)
+            if jax.process_index() == 0 and storage.exists(path):
+                with storage.errors_named(path, "write the checkpoint manifest"):
+                    write_manifest(path)
+                self._verified.add(step)
+        self._unsealed = []
 
     def save(
         self,
@@ -116,49 +321,155 @@ class Checkpointer:
                 "step": int(step),
             }
         )
-        with storage.errors_named(checkpoint_dir(self.model_dir), f"save checkpoint {step}"):
+        # Orbax would wait for the previous async save here anyway; waiting first lets us seal it.
+        self.wait_until_finished()
+        with (
+            storage.errors_named(checkpoint_dir(self.model_dir), f"save checkpoint {step}"),
+            self._write_errors(step),
+        ):
             self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+        self._unsealed.append(step)
 
     def restore_meta(self, step: int) -> dict:
-        """Returns the JSON metadata saved at ``step``."""
-        restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        return dict(restored.meta or {})
+        """Returns the JSON metadata saved at ``step``.
+
+        Raises:
+          CorruptCheckpointError: Orbax could not read it (the step is set aside).
+        """
+        with self._readable(step):
+            restored = self._manager.restore(
+                step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+            )
+            meta = restored.meta
+            if meta is not None and not isinstance(meta, dict):
+                raise ValueError(f"the meta item is a {type(meta).__name__}, not a JSON object")
+        return dict(meta or {})
 
     def restore(self, step: int, **abstract_items: Any) -> dict[str, Any]:
-        """Restores the named items at ``step``, each laid out like its abstract pytree."""
-        restored = self._manager.restore(
-            step,
-            args=ocp.args.Composite(
-                **{name: ocp.args.StandardRestore(item) for name, item in abstract_items.items()}
-            ),
-        )
+        """Restores the named items at ``step``, each laid out like its abstract pytree.
+
+        Raises:
+          CorruptCheckpointError: Orbax could not read it (the step is set aside).
+        """
+        with self._readable(step):
+            restored = self._manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    **{
+                        name: ocp.args.StandardRestore(item)
+                        for name, item in abstract_items.items()
+                    }
+                ),
+            )
         return {name: restored[name] for name in abstract_items}
+
+    @contextlib.contextmanager
+    def _readable(self, step: int) -> Iterator[None]:
+        """Turns Orbax's failure to read a damaged step (no manifest caught it) into one error.
+
+        Shape or structure mismatches (a different model) are the caller's error and pass.
+        """
+        try:
+            yield
+        except (ValueError, OSError) as e:
+            if isinstance(e, FileNotFoundError) and not storage.exists(self.step_dir(step)):
+                raise  # removed (keep_checkpoint_max) while we read it
+            if "shape" in str(e).lower() and "mismatch" in str(e).lower():
+                raise
+            if not self._unreadable(e):
+                raise
+            problem = f"Orbax could not read it: {type(e).__name__}: {str(e).splitlines()[0]}"
+            fate = self._set_aside(step, problem)
+            raise CorruptCheckpointError(
+                f"Checkpoint {self.step_dir(step)} is damaged ({problem}). {fate}"
+            ) from e
+
+    @staticmethod
+    def _unreadable(e: BaseException) -> bool:
+        """True for the errors a torn or damaged file gives (JSON, TensorStore, zstd, IO)."""
+        text = f"{type(e).__name__}: {e}"
+        return isinstance(e, (json.JSONDecodeError, OSError)) or any(
+            mark in text
+            for mark in (
+                "FAILED_PRECONDITION",
+                "DATA_LOSS",
+                "Truncated",
+                "Error reading",
+                "corrupt",
+            )
+        )
 
     def restore_numpy(self, step: int, name: str = "model") -> Any:
         """Restores item ``name`` at ``step`` as host numpy arrays, whatever devices saved it."""
-        metadata = self._manager.item_metadata(step)[name]
-        tree = getattr(metadata, "tree", metadata)
-        # numpy leaves in the target make the standard handler restore host arrays.
-        target = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), tree)
-        # A checkpoint written by many processes names devices this process does not have:
-        # whatever Orbax cannot place as saved goes to this process's first device.
-        fallback = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        restored = self._manager.restore(
-            step,
-            args=ocp.args.Composite(
-                **{name: ocp.args.StandardRestore(target, fallback_sharding=fallback)}
-            ),
-        )
+        with self._readable(step):
+            metadata = self._manager.item_metadata(step)[name]
+            tree = getattr(metadata, "tree", metadata)
+            # numpy leaves in the target make the standard handler restore host arrays.
+            target = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), tree)
+            # A checkpoint written by many processes names devices this process does not have:
+            # whatever Orbax cannot place as saved goes to this process's first device.
+            fallback = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+            restored = self._manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    **{name: ocp.args.StandardRestore(target, fallback_sharding=fallback)}
+                ),
+            )
         return restored[name]
 
     def wait_until_finished(self) -> None:
-        """Blocks until pending async saves are durable."""
-        with storage.errors_named(checkpoint_dir(self.model_dir), "finish saving a checkpoint"):
+        """Blocks until pending async saves are durable, then writes their manifests."""
+        pending = self._unsealed[-1] if self._unsealed else None
+        with (
+            storage.errors_named(checkpoint_dir(self.model_dir), "finish saving a checkpoint"),
+            self._write_errors(pending),
+        ):
             self._manager.wait_until_finished()
+        self._seal()
+
+    @contextlib.contextmanager
+    def _write_errors(self, step: int | None) -> Iterator[None]:
+        """Turns a failed local write (disk full...) into one error naming the checkpoint.
+
+        The partial ``<step>.orbax-checkpoint-tmp*`` directory is removed (it was never under
+        the final name, and on a full disk its space is wanted back).
+        """
+        try:
+            yield
+        except storage.StorageError:
+            raise
+        except Exception as e:
+            text = f"{type(e).__name__}: {e}"
+            if storage.is_remote(self.model_dir) or not (
+                isinstance(e, OSError) or any(m in text for m in _WRITE_FAILURE_MARKS)
+            ):
+                raise
+            self._unsealed = [s for s in self._unsealed if s != step]
+            where = checkpoint_dir(self.model_dir)
+            for partial in glob.glob(os.path.join(where, f"{step}.orbax-checkpoint-tmp*")):
+                shutil.rmtree(partial, ignore_errors=True)
+            self._manager.reload()
+            previous = [s for s in self._manager.all_steps() if s != step and s not in self._bad]
+            full = any(m in text for m in _DISK_FULL_MARKS)
+            raise storage.StorageError(
+                getattr(e, "errno", None) or (errno.ENOSPC if full else errno.EIO),
+                f"Could not write checkpoint {step} in {where}: "
+                + (
+                    "the disk is full or a file size limit was reached"
+                    if full
+                    else text.splitlines()[0][:300]
+                )
+                + ". The partial checkpoint was removed; the previous one ("
+                + (f"step {max(previous)}" if previous else "none")
+                + ") is intact. Free space and run again to resume from it.",
+            ) from e
 
     def close(self) -> None:
-        """Finishes pending saves and releases Orbax's background resources."""
-        self._manager.close()
+        """Finishes pending saves (and their manifests) and releases Orbax's resources."""
+        try:
+            self.wait_until_finished()
+        finally:
+            self._manager.close()
 
 
 def step_from_checkpoint_path(path: str) -> tuple[str, int]:
@@ -184,9 +495,10 @@ def checkpoints_iterator(
     """Yields the step of the newest checkpoint in ``model_dir`` each time a newer one appears.
 
     Like ``tf.train.checkpoints_iterator``: it waits for checkpoints a training job writes and
-    stops when none appears for ``timeout`` seconds (``None``: waits forever). Checkpoints
-    written while the caller was busy with the last one are skipped for the newest, with a log
-    line naming them.
+    stops when none appears for ``timeout`` seconds (``None``: waits forever). It yields the
+    newest only: checkpoints written while the caller was busy with the last one are skipped,
+    with a log line naming them. A checkpoint whose files do not match its manifest is skipped
+    with a warning saying what was wrong (``Checkpointer.verify``).
 
     Args:
       model_dir: the training job's model_dir.
@@ -202,6 +514,8 @@ def checkpoints_iterator(
             checkpointer = Checkpointer(model_dir, keep_checkpoint_max=None, read_only=True)
         steps = checkpointer.all_steps() if checkpointer else []
         new = [s for s in steps if last is None or s > last]
+        while new and checkpointer is not None and not checkpointer.verify(new[-1]):
+            new.pop()  # damaged (warned, with what was wrong): an older new one, or wait
         if new:
             if len(new) > 1 and last is None:
                 logging.info(

@@ -214,6 +214,7 @@ class Estimator:
         self._summaries: dict[str, summaries_lib.Summaries] = {}
         self._is_chief = jax.process_index() == 0
         self._warned_input_bound = False
+        self._nonfinite_skipped = 0  # steps skipped (skip_nonfinite_steps) by this process
         if jax.default_backend() == "cpu":
             # Which convolution kernels estimax.ops will call: a 2-5x difference on CPUs.
             logging.info("CPU convolutions (estimax.ops): %s", native.status())
@@ -433,7 +434,10 @@ class Estimator:
         key = ("train_step",)
         if key not in self._compiled:
             step = functools.partial(
-                steps_lib.train_step, self._module(ModeKeys.TRAIN), axis_name=REPLICA_AXIS
+                steps_lib.train_step,
+                self._module(ModeKeys.TRAIN),
+                axis_name=REPLICA_AXIS,
+                skip_nonfinite=self.config.skip_nonfinite_steps,
             )
 
             def per_replica(state, rng, features, labels):
@@ -483,7 +487,14 @@ class Estimator:
             raise ValueError(f"Must specify steps > 0, given: {steps}")
         if max_steps is not None and max_steps <= 0:
             raise ValueError(f"Must specify max_steps > 0, given: {max_steps}")
-        self._run_training(input_fn, steps, max_steps, list(saving_listeners or []))
+        while True:
+            try:
+                self._run_training(input_fn, steps, max_steps, list(saving_listeners or []))
+                break
+            except ckpt_lib.CorruptCheckpointError as e:
+                # issue 15: the damaged step (one without a manifest that Orbax could not read)
+                # has been set aside, so this cannot repeat for it: resume from the previous one.
+                logging.warning("%s Resuming from the previous checkpoint now.", e)
         return self
 
     def _run_training(
@@ -605,7 +616,7 @@ class Estimator:
                     k: np.stack([np.asarray(m[k]) for m in fetched]) for k in fetched[0]
                 }
                 idle_secs, loop_secs = timeline.end_loop()
-                self._check_finite(host_metrics["loss"], begin, step, checkpointer)
+                self._check_finite(host_metrics, begin, step, checkpointer)  # issue 15: dict
                 logger.record(begin, host_metrics)
                 self._report_input_wait(
                     step, idle_secs, loop_secs, summaries if self._is_chief else None
@@ -702,8 +713,38 @@ class Estimator:
             )
 
     def _check_finite(
-        self, losses: np.ndarray, begin: int, end: int, checkpointer: ckpt_lib.Checkpointer
+        self,
+        host_metrics: dict[str, np.ndarray],
+        begin: int,
+        end: int,
+        checkpointer: ckpt_lib.Checkpointer,
     ) -> None:
+        """Stops on a non-finite loss in steps ``begin+1..end``, or counts the skipped steps.
+
+        With ``RunConfig.skip_nonfinite_steps`` the step made no update (``steps.train_step``);
+        its ``nonfinite_skipped`` flag is taken out of ``host_metrics`` here and counted.
+        """
+        losses = host_metrics["loss"]
+        if "nonfinite_skipped" in host_metrics:
+            flags = np.asarray(host_metrics.pop("nonfinite_skipped")).reshape(-1)
+            skipped = np.flatnonzero(flags > 0)
+            if skipped.size:
+                self._nonfinite_skipped += int(skipped.size)
+                logging.warning(
+                    "Skipped %d training step(s) with a non-finite loss or gradient in steps "
+                    "%d..%d (first: step %d, loss %s); no update was made. %d skipped so far.",
+                    skipped.size,
+                    begin + 1,
+                    end,
+                    begin + skipped[0] + 1,
+                    losses[skipped[0]],
+                    self._nonfinite_skipped,
+                )
+                if self._is_chief:
+                    self._summary_writer("").scalars(
+                        end, {"train/nonfinite_skipped_steps": self._nonfinite_skipped}
+                    )
+            return
         bad = np.flatnonzero(~np.isfinite(losses))
         if bad.size:
             checkpointer.wait_until_finished()
@@ -980,7 +1021,11 @@ class Estimator:
 
     def _summary_writer(self, subdir: str) -> summaries_lib.Summaries:
         if subdir not in self._summaries:
-            self._summaries[subdir] = summaries_lib.Summaries(os.path.join(self.model_dir, subdir))
+            self._summaries[subdir] = summaries_lib.Summaries(
+                os.path.join(self.model_dir, subdir),
+                # issue 15: a redone evaluation adds no second point at a step.
+                unique_steps=subdir.startswith("eval"),
+            )
         return self._summaries[subdir]
 
     def close(self) -> None:

@@ -12,8 +12,10 @@ This module is a leaf: it receives the function to serve, its variables and its 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable
 from typing import Any
@@ -119,6 +121,36 @@ def export_saved_model(
         timestamp += 1
     final = storage.join(export_dir_base, str(timestamp))
     staging = storage.staging_dir(final)  # local: final + ".tmp"; gs://, s3://: a local temp dir
+    try:
+        _write_files(staging, exported, variables, spec_tree, step, platforms)
+    except OSError as e:
+        shutil.rmtree(staging, ignore_errors=True)  # never a partial export, even on a full disk
+        raise storage.StorageError(
+            e.errno,
+            f"Could not write the export {final}: {e.strerror or e}"
+            + (
+                " (the disk is full or a file size limit was reached)"
+                if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+                else ""
+            )
+            + ". Nothing was published; earlier exports are intact.",
+        ) from e
+    # The directory appears under its final name only when complete (object stores: the
+    # signature is uploaded last, so a loader waiting for it never reads half an export).
+    storage.publish_dir(staging, final, last=SIGNATURE_FILE)
+    logging.info("Exported the model at step %d to %s", step, final)
+    return final
+
+
+def _write_files(
+    staging: str,
+    exported: Any,
+    variables: Any,
+    spec_tree: Any,
+    step: int,
+    platforms: tuple[str, ...],
+) -> None:
+    """Writes the model, variables and signature files of an export into ``staging``."""
     with open(os.path.join(staging, MODEL_FILE), "wb") as f:
         f.write(exported.serialize())
     with open(os.path.join(staging, VARIABLES_FILE), "wb") as f:
@@ -141,8 +173,3 @@ def export_saved_model(
     }
     with open(os.path.join(staging, SIGNATURE_FILE), "w") as f:
         json.dump(signature, f, indent=2)
-    # The directory appears under its final name only when complete (object stores: the
-    # signature is uploaded last, so a loader waiting for it never reads half an export).
-    storage.publish_dir(staging, final, last=SIGNATURE_FILE)
-    logging.info("Exported the model at step %d to %s", step, final)
-    return final

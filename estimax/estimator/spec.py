@@ -113,6 +113,10 @@ class RunConfig:
         (``estimax.estimator.watchdog.HANG_EXIT_CODE``) so a job runner restarts the job from
         its last checkpoint. Generous by default (30 min: compiling a large model's first step
         takes minutes); None or 0 disables it.
+      skip_nonfinite_steps: a step whose loss or gradients are NaN/Inf makes no update (params,
+        optimizer state, batch statistics and EMA stay as they were) instead of stopping
+        training with ``NanLossError``; skipped steps are counted (TensorBoard scalar
+        ``train/nonfinite_skipped_steps`` and a warning per loop that had any).
 
     Mutable collections such as ``batch_stats`` are computed per replica, as on TPU, and
     averaged over replicas after each step (one consistent copy to checkpoint); pass
@@ -130,6 +134,7 @@ class RunConfig:
     seed: int = 0
     device_prefetch: int = 2
     watchdog_timeout_secs: float | None = 1800.0
+    skip_nonfinite_steps: bool = False
 
     def __post_init__(self) -> None:
         if self.iterations_per_loop < 1:

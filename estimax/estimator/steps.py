@@ -182,6 +182,7 @@ def train_step(
     rng: jax.Array,
     *,
     axis_name: str | None = None,
+    skip_nonfinite: bool = False,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step on ``batch`` = (features, labels).
 
@@ -196,9 +197,13 @@ def train_step(
       batch: (features, labels), each a pytree of arrays ``[B, ...]`` (labels may be None).
       rng: the run's base PRNG key.
       axis_name: the replica axis when run under ``shard_map``; None on one device.
+      skip_nonfinite: when the loss or any gradient is NaN/Inf, keep params, optimizer state,
+        mutable collections and EMA as they were (the step counter still advances, so the
+        input position and schedules stay aligned); decided on the device, no host sync.
 
     Returns:
-      (the state after the step, ``{"loss": [], <spec.scalars>: []}`` float32 scalars).
+      (the state after the step, ``{"loss": [], <spec.scalars>: []}`` float32 scalars; with
+      ``skip_nonfinite`` also ``"nonfinite_skipped"``: 1.0 if this step was skipped, else 0.0).
     """
     features, labels = batch
     step = state.step
@@ -243,6 +248,15 @@ def train_step(
     metrics = {"loss": mean(loss)}
     for name, value in scalars.items():
         metrics[name] = mean(jnp.asarray(value, jnp.float32))
+    if skip_nonfinite:
+        # The gradients are already averaged over replicas, so every replica decides alike.
+        finite = jnp.isfinite(metrics["loss"]) & _all_finite(grads)
+        params, opt_state, new_model_state, ema = jax.tree.map(
+            lambda new, old: jnp.where(finite, new, old),
+            (params, opt_state, new_model_state, ema),
+            (state.params, state.opt_state, dict(state.model_state), state.ema_params),
+        )
+        metrics["nonfinite_skipped"] = jnp.where(finite, 0.0, 1.0).astype(jnp.float32)
     new_state = TrainState(
         step=step + 1,
         params=params,
@@ -251,6 +265,12 @@ def train_step(
         ema_params=ema,
     )
     return new_state, metrics
+
+
+def _all_finite(tree: Any) -> jax.Array:
+    """A bool scalar: every element of every leaf of ``tree`` is finite."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
 
 
 def eval_step(

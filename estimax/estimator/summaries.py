@@ -1,42 +1,221 @@
-"""TensorBoard event files and the original's log lines."""
+"""TensorBoard event files, the durable record of evaluations, and the original's log lines."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import errno
+import json
+import os
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import numpy as np
 from absl import logging
-from tensorboardX import SummaryWriter
 
 from estimax import storage
 
+EVALUATIONS_FILE = "evaluations.json"
+_DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
 
 class Summaries:
-    """Writes scalars to TensorBoard event files under one directory, lazily opened."""
+    """Writes scalars to TensorBoard event files under one directory, lazily opened.
 
-    def __init__(self, logdir: str):
+    Events are written synchronously, in the caller's thread, with tensorboardX's own event and
+    record writers (``EventsWriter``), not its ``SummaryWriter``: that one writes from a thread
+    whose death on a write error (disk full) goes unnoticed, after which ``add_scalar`` blocks
+    forever on its full queue, and whose ``flush`` does not wait for the queue (a process killed
+    right after it left an event file with only its 40-byte header). Here a failed write raises
+    at once, naming the directory, and ``flush`` makes everything written durable (fsync).
+
+    With ``unique_steps`` (evaluation directories) a scalar already in the directory's event
+    files at the same step is not written again: a redone evaluation (its first run was killed
+    before it was recorded as done) adds no second point for that step.
+    """
+
+    def __init__(self, logdir: str, unique_steps: bool = False):
         self.logdir = logdir
-        self._writer: SummaryWriter | None = None
+        self._writer: Any = None  # tensorboardX.event_file_writer.EventsWriter
+        self._unique_steps = unique_steps
+        self._written: set[tuple[str, int]] | None = None  # (tag, step) already in the files
+
+    def _open(self) -> Any:
+        from tensorboardX.event_file_writer import EventsWriter
+
+        storage.makedirs(self.logdir)
+        storage.register_summary_writers()  # gs:// and s3:// event files through fsspec
+        with self._errors("open an event file"):
+            # tensorboardX names a file by the second and truncates an existing one: the name
+            # must be unique (a second writer in the same second) and sort in time order.
+            return EventsWriter(
+                storage.join(self.logdir, "events"),
+                filename_suffix=f".{time.time_ns()}.{os.getpid()}",
+            )
 
     def scalars(self, step: int, values: Mapping[str, float]) -> None:
-        """Writes each named scalar at ``step``."""
+        """Writes each named scalar at ``step``.
+
+        Raises:
+          OSError: the event file could not be written (names the directory).
+        """
+        from tensorboardX import summary as tbx_summary
+        from tensorboardX.proto import event_pb2
+
+        if self._unique_steps and self._written is None:
+            self._written = scalar_steps(self.logdir)
         if self._writer is None:
-            storage.makedirs(self.logdir)
-            storage.register_summary_writers()  # gs:// and s3:// event files through fsspec
-            self._writer = SummaryWriter(self.logdir, flush_secs=30)
+            self._writer = self._open()
         for name, value in values.items():
-            self._writer.add_scalar(name, float(np.asarray(value)), global_step=int(step))
+            if self._written is not None:
+                if (name, int(step)) in self._written:
+                    logging.info(
+                        "%s at step %d is already in %s; not written again.",
+                        name,
+                        step,
+                        self.logdir,
+                    )
+                    continue
+                self._written.add((name, int(step)))
+            event = event_pb2.Event(
+                wall_time=time.time(),
+                step=int(step),
+                summary=tbx_summary.scalar(name, float(np.asarray(value))),
+            )
+            with self._errors("write summaries"):
+                self._writer.write_event(event)
 
     def flush(self) -> None:
-        """Makes everything written so far visible to readers."""
+        """Makes everything written so far durable (flushed, fsynced) and visible to readers.
+
+        Raises:
+          OSError: the event file could not be written (names the directory).
+        """
         if self._writer is not None:
-            self._writer.flush()
+            with self._errors("write summaries"):
+                self._writer.flush()
 
     def close(self) -> None:
-        """Flushes and closes the event file."""
+        """Writes out, fsyncs and closes the event file."""
         if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+            writer, self._writer = self._writer, None
+            with self._errors("write summaries"):
+                writer.close()
+
+    @contextlib.contextmanager
+    def _errors(self, action: str) -> Iterator[None]:
+        """Names the directory in a write error; the event file is given up (a torn last record
+        ends it for readers) and the next write opens a new one."""
+        try:
+            yield
+        except OSError as e:
+            writer, self._writer = self._writer, None
+            if writer is not None:
+                with contextlib.suppress(OSError):
+                    writer.close()
+            raise storage.StorageError(
+                e.errno,
+                f"Could not {action} in {self.logdir}: {e.strerror or e}"
+                + (
+                    " (the disk is full or a file size limit was reached; free space and "
+                    "run again: checkpoints are unaffected)"
+                    if e.errno in _DISK_FULL_ERRNOS
+                    else ""
+                ),
+            ) from e
+
+
+def scalar_steps(logdir: str) -> set[tuple[str, int]]:
+    """The (tag, step) pairs of the scalars in the event files directly in ``logdir``.
+
+    Event files are TFRecord files of ``Event`` protos (read with estimax's TFRecord reader and
+    tensorboardX's proto: TensorBoard itself is only a test dependency). A torn last record (a
+    writer killed mid-write) ends a file's events, as in TensorBoard.
+    """
+    from tensorboardX.proto import event_pb2
+
+    from estimax.data import tfrecord
+
+    found: set[tuple[str, int]] = set()
+    if not storage.isdir(logdir):
+        return found
+    fs, path = storage.filesystem(logdir)
+    for name in sorted(fs.ls(path, detail=False)):
+        if "tfevents" not in os.path.basename(name):
+            continue
+        full = storage.join(logdir, os.path.basename(name))
+        try:
+            for record in tfrecord.read_records(full):
+                event = event_pb2.Event.FromString(record)
+                for value in event.summary.value:
+                    found.add((value.tag, int(event.step)))
+        except tfrecord.CorruptRecordError:
+            continue  # its records before the torn one are counted
+    return found
+
+
+def recorded_evaluations(logdir: str) -> dict[int, dict[str, Any]]:
+    """``{global_step: results}`` of the evaluations durably recorded in ``logdir``."""
+    path = storage.join(logdir, EVALUATIONS_FILE)
+    if not storage.exists(path):
+        return {}
+    try:
+        with storage.open_file(path, "rb") as f:
+            recorded = json.loads(f.read())
+        return {int(step): dict(results) for step, results in recorded["evaluations"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        # Written by rename/one upload, so never torn by us; damaged by something else.
+        logging.warning(
+            "%s is unreadable (%s: %s): evaluations already done will be redone.",
+            path,
+            type(e).__name__,
+            e,
+        )
+        return {}
+
+
+def record_evaluation(logdir: str, results: Mapping[str, Any]) -> None:
+    """Adds ``results`` (with their ``global_step``) to ``logdir/evaluations.json``, durably.
+
+    Call after the evaluation's summaries are flushed (``Summaries.flush``): an evaluation
+    recorded here is one TensorBoard holds. Local: written beside, fsynced, renamed into place;
+    object stores: one upload.
+    """
+    recorded = recorded_evaluations(logdir)
+    recorded[int(results["global_step"])] = {k: _plain(v) for k, v in results.items()}
+    data = json.dumps(
+        {"evaluations": {str(k): recorded[k] for k in sorted(recorded)}}, indent=1
+    ).encode()
+    final = storage.join(logdir, EVALUATIONS_FILE)
+    if storage.is_remote(logdir):
+        with storage.open_file(final, "wb") as f:
+            f.write(data)
+        return
+    os.makedirs(logdir, exist_ok=True)
+    tmp = final + ".tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise storage.StorageError(
+            e.errno, f"Could not record the evaluation in {final}: {e.strerror or e}"
+        ) from e
+    fd = os.open(logdir, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (int, float, str, bool)) or value is None:
+        return value
+    return np.asarray(value).item()
 
 
 def log_step(step: int, loss: float) -> None:

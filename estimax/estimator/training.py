@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import jax
 from absl import logging
 
-from estimax.estimator import periodic
+from estimax.estimator import periodic, summaries
 from estimax.estimator.spec import EvalSpec, TrainSpec
 
 if TYPE_CHECKING:
@@ -33,13 +36,24 @@ def train_and_evaluate(
     evaluated_at: set[int] = set()
 
     def evaluate() -> dict[str, Any]:
-        r = estimator.evaluate(eval_spec.input_fn, steps=eval_spec.steps, name=eval_spec.name)
+        r = evaluate_once(
+            estimator,
+            estimator.get_global_step(),
+            lambda: estimator.evaluate(
+                eval_spec.input_fn, steps=eval_spec.steps, name=eval_spec.name
+            ),
+            eval_spec.name,
+        )
         evaluated_at.add(r["global_step"])
         logging.info("Eval results at step %d: %s", r["global_step"], r)
         return r
 
     if eval_spec.every_steps:
         current = estimator.get_global_step()
+        if 0 < current < max_steps and current % eval_spec.every_steps == 0:
+            # A restarted run: the evaluation of this checkpoint may not have been recorded
+            # (the job was killed during or right after it); it is redone, else read back.
+            results = evaluate()
         while current < max_steps:
             target = min(max_steps, (current // eval_spec.every_steps + 1) * eval_spec.every_steps)
             estimator.train(train_spec.input_fn, max_steps=target)
@@ -62,3 +76,42 @@ def train_and_evaluate(
     if estimator.get_global_step() not in evaluated_at:
         results = evaluate()
     return results, []
+
+
+def eval_dir(model_dir: str, name: str | None) -> str:
+    """Where ``Estimator.evaluate(name=name)`` writes its summaries."""
+    return os.path.join(model_dir, "eval" if name is None else f"eval_{name}")
+
+
+def evaluate_once(
+    estimator: Estimator,
+    step: int,
+    run: Callable[[], dict[str, Any]],
+    name: str | None = None,
+) -> dict[str, Any]:
+    """Runs an evaluation of the checkpoint at ``step`` unless one is durably recorded.
+
+    The record (``<eval dir>/evaluations.json``) is written only after the evaluation's
+    summaries are flushed and fsynced, so a process killed during or right after an evaluation
+    redoes it on restart, and an evaluation already recorded is not run again (re-running a
+    finished command adds no second TensorBoard point).
+
+    Args:
+      estimator: whose ``model_dir`` holds the record.
+      step: the global step of the checkpoint ``run`` evaluates.
+      run: runs the evaluation (``Estimator.evaluate``) and returns its results.
+      name: the evaluation's name (``EvalSpec.name``).
+
+    Returns:
+      the results, run now or as recorded.
+    """
+    logdir = eval_dir(str(estimator.model_dir), name)
+    if step:
+        done = summaries.recorded_evaluations(logdir).get(step)
+        if done is not None:
+            logging.info("The evaluation at step %d is already recorded in %s.", step, logdir)
+            return done
+    results = run()
+    if jax.process_index() == 0:
+        summaries.record_evaluation(logdir, results)
+    return results

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import posixpath
 import time
@@ -198,6 +199,14 @@ def define_run_flags(
         False,
         "Skip (and count, with a warning) records "
         "that cannot be read or decoded instead of stopping.",
+        flag_values=fv,
+    )
+    flags.DEFINE_bool(
+        "skip_nonfinite_steps",
+        False,
+        "Skip (make no update for, and count in TensorBoard's "
+        "train/nonfinite_skipped_steps and a warning) training steps whose loss or gradients "
+        "are NaN/Inf, instead of stopping at the first one with the last good checkpoint kept.",
         flag_values=fv,
     )
     flags.DEFINE_enum(
@@ -428,7 +437,7 @@ def evaluate_checkpoints(
     Returns:
       the last evaluation's results (None if no checkpoint appeared before the timeout).
     """
-    from estimax.estimator import checkpoints
+    from estimax.estimator import checkpoints, training
 
     where = checkpoints.checkpoint_dir(est.model_dir)
     fs, fs_path = fsspec.core.url_to_fs(est.model_dir)
@@ -447,10 +456,17 @@ def evaluate_checkpoints(
     for step in ex.checkpoints_iterator(est.model_dir, timeout=loop.eval_timeout):
         start = clock()
         try:
-            results = est.evaluate(
-                eval_input_fn,
-                steps=loop.eval_steps,
-                checkpoint_path=checkpoint_path(est.model_dir, step),
+            # Recorded durably once its summaries are written: a restarted evaluator redoes an
+            # evaluation that was cut off, and never repeats a recorded one (issue 15).
+            results = training.evaluate_once(
+                est,
+                step,
+                functools.partial(
+                    est.evaluate,
+                    eval_input_fn,
+                    steps=loop.eval_steps,
+                    checkpoint_path=checkpoint_path(est.model_dir, step),
+                ),
             )
         except FileNotFoundError:
             logging.info(

@@ -409,6 +409,7 @@ def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
         keep_checkpoint_max=fv.keep_checkpoint_max,
         log_step_count_steps=fv.log_step_count_steps,
         watchdog_timeout_secs=fv.watchdog_timeout,
+        skip_nonfinite_steps=fv.skip_nonfinite_steps,
     )
     loop = common.LoopConfig.from_flags(
         fv,

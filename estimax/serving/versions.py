@@ -12,6 +12,7 @@ since that function also renames a complete directory into place.
 from __future__ import annotations
 
 import base64
+import errno
 import json
 import os
 import posixpath
@@ -28,6 +29,7 @@ from absl import logging
 from estimax.serving import artifact
 from estimax.serving.preprocess import Preprocessing
 from estimax.serving.servable import IMAGE_INPUT, SERVING_FILE, SERVING_FORMAT, Servable
+from estimax.storage import StorageError
 
 if TYPE_CHECKING:
     from estimax.estimator.estimator import Estimator
@@ -167,13 +169,23 @@ def export_version(
             if local:
                 try:
                     os.rename(export_dir, final)  # atomic; fails if another writer took it
-                except OSError:
-                    continue
+                except OSError as e:
+                    if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                        continue
+                    raise  # any other failure would retry forever
                 break
             files = sorted(os.listdir(export_dir), key=lambda n: n == SERVING_FILE)
             for name in files:  # serving.json last
                 fs.put_file(os.path.join(export_dir, name), posixpath.join(final, name))
             break
+    except OSError as e:
+        if isinstance(e, StorageError):
+            raise
+        raise StorageError(
+            e.errno,
+            f"Could not write the export under {model_base_path}: {e.strerror or e}. Nothing "
+            "was published; earlier versions are intact.",
+        ) from e
     finally:
         shutil.rmtree(staging_parent, ignore_errors=True)
     url = final if local else fs.unstrip_protocol(final)

@@ -27,7 +27,9 @@ most one and every image is written. The original used ``ceil(n/k)`` per shard (
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
@@ -152,7 +154,38 @@ def write_shard(task: ShardTask) -> dict[str, Any]:
     Raises:
       BadImageError: an image cannot be read/decoded (naming the file) unless ``skip_bad``; or
         every image of the shard was bad (an empty shard is never written).
+      OSError: the shard could not be written (disk full...): names the shard's path; nothing
+        is left under its final name or its temporary one.
     """
+    try:
+        return _write_shard(task)
+    except OSError as e:
+        if isinstance(e, storage.StorageError):
+            raise  # already names the path (object stores)
+        _remove_shard_temporaries(task)  # the writer's own clean-up fails too on a full disk
+        raise storage.StorageError(
+            e.errno,
+            f"{task.path}: could not write the shard: {e.strerror or e}"
+            + (
+                " (the disk is full or a file size limit was reached; free space and rerun: "
+                "the shards already written are kept)"
+                if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+                else ""
+            ),
+        ) from e
+
+
+def _remove_shard_temporaries(task: ShardTask) -> None:
+    """Deletes the ``.<shard>.tmp-*`` file(s) of one shard whose write failed (local only)."""
+    if "://" in task.output_dir or not os.path.isdir(task.output_dir):
+        return
+    for name in os.listdir(task.output_dir):
+        if name.startswith(f".{task.name}.tmp-"):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(task.output_dir, name))
+
+
+def _write_shard(task: ShardTask) -> dict[str, Any]:
     skipped, fixed = [], []
     with tfrecord.TFRecordWriter(task.path) as writer:
         for item in task.items:
