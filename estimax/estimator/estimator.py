@@ -364,6 +364,7 @@ class Estimator:
         ``{"params": ..., <collection>: ...}`` nested by module name; the counterpart of the
         original's ``get_variable_value``/``get_variable_names``.
         """
+        step: int | None
         if checkpoint_path is not None:
             model_dir, step = ckpt_lib.step_from_checkpoint_path(checkpoint_path)
             checkpointer = ckpt_lib.Checkpointer(model_dir, None, read_only=True)
@@ -389,6 +390,7 @@ class Estimator:
         Uses the EMA of the weights when the checkpoint has one. Without any checkpoint the
         model is initialised, with a warning, as the original did.
         """
+        step: int | None
         if checkpoint_path is not None:
             model_dir, step = ckpt_lib.step_from_checkpoint_path(checkpoint_path)
             checkpointer = ckpt_lib.Checkpointer(model_dir, None, read_only=True)
@@ -510,13 +512,14 @@ class Estimator:
             logging.info("Skipping training since max_steps has already saved.")
             return start
         target = start + steps if steps is not None else max_steps
+        assert target is not None  # train() asks for steps or max_steps
         per_host = replication.per_host_batch(self._batch_size(ModeKeys.TRAIN))
         iterator = iter(input_fn(self._input_params(ModeKeys.TRAIN)))
         stateful = hasattr(iterator, "get_state") and hasattr(iterator, "set_state")
         if start:
             input_state = _input_state_of_this_process(checkpointer.restore_meta(start))
             if input_state is not None and stateful:
-                iterator.set_state(input_state)
+                iterator.set_state(input_state)  # type: ignore[attr-defined]  # checked: stateful
             elif input_state is not None:
                 logging.warning(
                     "The input iterator has no set_state(): resuming at step %d "
@@ -575,7 +578,8 @@ class Estimator:
             start,
         )
         timeline = feeding.DeviceTimeline()
-        step, last_skipped = start, 0
+        step = start
+        last_skipped: int | None = 0  # bad records the input has skipped (None: it cannot say)
         preempted = False
         watchdog = Watchdog(self.config.watchdog_timeout_secs).start(start)
         notice = distributed.PreemptionNotice().__enter__()
@@ -759,7 +763,7 @@ class Estimator:
 
     # ------------------------------------------------------------------ evaluation
 
-    def _eval_batch_fn(self) -> Callable:
+    def _eval_batch_fn(self) -> tuple[Callable, Callable]:
         """``(totals, variables, step, features, labels, mask) -> (totals, batch metrics)``."""
         key = ("eval",)
         if key not in self._compiled:

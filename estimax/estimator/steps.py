@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import flax.linen as nn
 import jax
@@ -235,6 +235,7 @@ def train_step(
     grads = mean(grads)
     if spec.gradient_clip_norm:
         grads, _ = optax.clip_by_global_norm(spec.gradient_clip_norm).update(grads, None)
+    assert spec.optimizer is not None  # ModelFnModule refuses a TRAIN spec without one
     updates, opt_state = spec.optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     # Batch statistics are computed per replica; keep one consistent (averaged) copy.
@@ -296,7 +297,7 @@ def eval_step(
       ``{"loss": Mean, <metric>: Mean}``: totals and counts, to be summed over batches.
     """
     features, labels = batch
-    spec = model.apply(variables, features, labels, step)
+    spec = cast(EstimatorSpec, model.apply(variables, features, labels, step))
     out = {}
     if spec.loss is not None:
         total, count = mean_loss(spec.loss, mask)
@@ -308,12 +309,12 @@ def eval_step(
 
 def predict_step(model: nn.Module, variables: Any, step: jax.Array, features: Any) -> Any:
     """The predictions ``[B, ...]`` (an array or a dict of them) of a PREDICT-mode ``model``."""
-    return model.apply(variables, features, None, step).predictions
+    return cast(EstimatorSpec, model.apply(variables, features, None, step)).predictions
 
 
 def serving_outputs(model: nn.Module, variables: Any, step: jax.Array, features: Any) -> Any:
     """What an export returns: the spec's first ``export_outputs`` entry, else its predictions."""
-    spec = model.apply(variables, features, None, step)
+    spec = cast(EstimatorSpec, model.apply(variables, features, None, step))
     if spec.export_outputs:
         return next(iter(spec.export_outputs.values()))
     return spec.predictions

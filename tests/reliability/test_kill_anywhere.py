@@ -11,10 +11,9 @@ from the last log line the program wrote before it (and how long before), and co
 Compared with an uninterrupted run of the same command: the final checkpoint's parameters,
 optimizer state and input position (bit for bit), and the evaluation results in TensorBoard.
 The eval part is in two: the values of every eval point the killed run wrote equal the
-reference's (holds today), and "each of the reference's eval points is there exactly once"
-(:func:`test_kill_anywhere_eval_points_exactly_once`) needs the eval-redo fix of the ``ckpt``
-branch: it is ``xfail(strict=True)`` until then, so it fails (XPASS) the day the fix lands
-and the marker must go.
+reference's, and each of the reference's eval points is there exactly once
+(:func:`test_kill_anywhere_eval_points_exactly_once`: an evaluation cut off by a kill is redone
+on restart, and one already recorded is never written again).
 
 10 kills in CI (short mode), 100 under `make reliability`.
 """
@@ -349,12 +348,6 @@ def test_kill_anywhere_eval_values_match(killed_and_reference):
     }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="needs the eval-redo fix (branch ckpt): today re-running a finished command (and a "
-    "restart after a kill past the evaluation) adds a second eval point for the same step",
-)
 def test_kill_anywhere_eval_points_exactly_once(killed_and_reference):
     r = killed_and_reference
     got, want = _eval_points(r["killed"]), _eval_points(r["reference"])
