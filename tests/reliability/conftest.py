@@ -78,3 +78,26 @@ def reliability_record(request) -> Callable[..., dict[str, Any]]:
 def reliability_long() -> bool:
     """True under `make reliability` (long mode)."""
     return long_mode()
+
+
+# The single-fault tests (one fault each, its assertions checking what was kept and what the
+# user was told) count as "faults injected" in the table, under these targets; a failed test is
+# recorded as not ok (something lost or misreported).
+_FAULT_TARGETS = {
+    "test_checkpoints.py": "checkpoint damaged or torn",
+    "test_disk_full.py": "disk full while writing",
+    "test_evaluations.py": "kill around an evaluation",
+    "test_nonfinite.py": "non-finite loss",
+}
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Records each single-fault test's outcome (see ``_FAULT_TARGETS``)."""
+    target = _FAULT_TARGETS.get(os.path.basename(report.nodeid.split("::")[0]))
+    # Under pytest-xdist the controller sees each worker's report again (with ``node`` set):
+    # only the worker that ran the test records it.
+    if target is None or report.skipped or getattr(report, "node", None) is not None:
+        return
+    if report.when == "call" or (report.when == "setup" and report.failed):
+        write_record("fault", target, 1, report.passed, test=report.nodeid)
