@@ -1,22 +1,26 @@
 """estimax: the TPUEstimator contract, reference models and ImageNet pipeline, on JAX.
 
-The whole user contract::
+The whole user contract (the README's runnable version: ``examples/contract.py``)::
 
     import estimax as ex
 
     def model_fn(features, labels, mode, params):   # traced; create Flax modules inside
         logits = MyNet()(features, train=mode == ex.ModeKeys.TRAIN)
+        predictions = {"classes": logits.argmax(-1)}
+        if mode == ex.ModeKeys.PREDICT:              # labels are None in PREDICT
+            return ex.EstimatorSpec(mode=mode, predictions=predictions)
         return ex.EstimatorSpec(
             mode=mode,
             loss=ex.losses.softmax_cross_entropy(logits, labels),
             optimizer=optax.sgd(0.1),
             eval_metrics={"accuracy": ex.metrics.accuracy(labels, logits)},
-            predictions={"classes": logits.argmax(-1)})
+            predictions=predictions)
 
     est = ex.Estimator(model_fn, ex.RunConfig(model_dir="run"), train_batch_size=128,
-                       eval_batch_size=128)
+                       eval_batch_size=128, predict_batch_size=128)   # global batch sizes
     est.train(input_fn, max_steps=1000)
     est.evaluate(eval_input_fn)
+    est.predict(predict_input_fn)
 """
 
 import importlib

@@ -102,3 +102,32 @@ def test_a_skewed_serving_preprocessing_is_refused_at_export(custom_job, tmp_pat
             eval_preprocess=job.eval_preprocess,
         )
     assert serving.list_versions(str(base)) == []  # nothing published
+
+
+def _readme_contract_block() -> str:
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    section = readme[readme.index("## The contract") :]
+    start = section.index("```python\n") + len("```python\n")
+    return section[start : section.index("\n```", start)]
+
+
+@pytest.mark.slow
+def test_the_readme_contract_block_runs_as_written(tmp_path):
+    code = _readme_contract_block()
+    assert "..." not in code  # nothing left for the reader to fill in
+    script = tmp_path / "contract_block.py"
+    script.write_text(
+        code
+        + "\nr = est.evaluate(eval_input_fn)\n"
+        + "print('RESULT', r['global_step'], r['num_examples'], r['accuracy'])\n"
+        + "print('PREDICTED', len(list(est.predict(predict_input_fn))))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+        timeout=900,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    step, examples, accuracy = re.search(r"RESULT (\d+) (\d+) ([0-9.]+)", out.stdout).groups()
+    assert (int(step), int(examples)) == (600, 1000) and float(accuracy) > 0.5
+    assert "PREDICTED 10" in out.stdout
+    assert os.listdir(tmp_path / "exports")  # the export was written
