@@ -63,7 +63,13 @@ from estimax.estimator import export as export_lib
 from estimax.estimator import steps as steps_lib
 from estimax.estimator import summaries as summaries_lib
 from estimax.estimator.replication import REPLICA_AXIS
-from estimax.estimator.spec import EstimatorSpec, InputContext, ModeKeys, RunConfig
+from estimax.estimator.spec import (
+    EstimatorSpec,
+    InputContext,
+    ModeKeys,
+    RunConfig,
+    original_keywords,
+)
 from estimax.estimator.steps import TrainState, get_global_step  # noqa: F401 (public names)
 from estimax.estimator.watchdog import Watchdog
 from estimax.ops import native
@@ -145,6 +151,7 @@ def _leading_rows(tree: Any, n: int | None) -> Any:
     return jax.tree.map(lambda x: np.array(np.asarray(x)[:n]), tree)
 
 
+@original_keywords
 class Estimator:
     """Trains, evaluates, predicts with and exports a model defined by a ``model_fn``."""
 

@@ -14,16 +14,30 @@ def softmax_cross_entropy(
 
     Args:
       logits: [B, C] unnormalised scores (computed in any dtype; the loss is float32).
-      labels: [B] integer class ids in ``[0, C)``.
+      labels: [B] integer class ids in ``[0, C)``, or [B, C] one-hot (or probability) targets,
+        the original's ``onehot_labels``.
       label_smoothing: as the original: targets become ``(1 - s) * one_hot + s / C``.
 
     Returns:
       [B] float32 losses. Return them as ``EstimatorSpec.loss``; the Estimator takes the mean,
       and in evaluation leaves padding rows out of it.
+
+    Raises:
+      ValueError: the labels' shape fits neither form (the message names both shapes).
     """
     logits = jnp.asarray(logits, jnp.float32)
+    labels = jnp.asarray(labels)
     num_classes = logits.shape[-1]
-    targets = jax.nn.one_hot(labels, num_classes, dtype=jnp.float32)
+    if labels.shape == logits.shape:
+        targets = labels.astype(jnp.float32)  # one-hot / probabilities, as onehot_labels
+    elif labels.shape == logits.shape[:-1] and jnp.issubdtype(labels.dtype, jnp.integer):
+        targets = jax.nn.one_hot(labels, num_classes, dtype=jnp.float32)
+    else:
+        raise ValueError(
+            f"softmax_cross_entropy: labels of shape {labels.shape} ({labels.dtype}) do not fit "
+            f"logits of shape {logits.shape}: give integer class ids of shape "
+            f"{logits.shape[:-1]} or one-hot labels of shape {logits.shape}"
+        )
     if label_smoothing:
         targets = optax.smooth_labels(targets, label_smoothing)
     return optax.softmax_cross_entropy(logits, targets)

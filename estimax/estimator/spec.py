@@ -3,10 +3,89 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import optax
+
+_T = TypeVar("_T")
+
+_HOOKS = "SessionRunHooks go to Estimator.train/evaluate/predict(hooks=[...])"
+_DEVICES = "not needed: the same code runs on CPU, GPU and TPU (JAX finds the devices)"
+_HOSTS = (
+    "many hosts join through jax.distributed: --coordinator_address, --num_processes, "
+    "--process_id (README: 'Many hosts')"
+)
+
+# The original's keyword arguments that estimax does not take, with what replaces each. A user
+# porting a TPUEstimator job gets one line naming the replacement instead of Python's bare
+# "unexpected keyword argument".
+ORIGINAL_KEYWORDS: dict[str, dict[str, str]] = {
+    "EstimatorSpec": {
+        "train_op": "set optimizer=optax.<optimizer>(...): the Estimator differentiates loss "
+        "and applies it (gradients averaged over replicas: no CrossShardOptimizer)",
+        "eval_metric_ops": "set eval_metrics={name: ex.metrics.accuracy(labels, logits)} or "
+        "eval_metrics=(metric_fn, tensors)",
+        "host_call": "set scalars={name: scalar} (written every save_summary_steps at the true "
+        "step)",
+        "training_hooks": _HOOKS,
+        "evaluation_hooks": _HOOKS,
+        "prediction_hooks": _HOOKS,
+        "scaffold_fn": "initialisation is the Flax modules'; to start from another run's "
+        "weights, warm-start the Estimator",
+        "scaffold": "initialisation is the Flax modules'; to start from another run's weights, "
+        "warm-start the Estimator",
+    },
+    "RunConfig": {
+        "tf_random_seed": "set seed=",
+        "tpu_config": "its fields are RunConfig's own: iterations_per_loop=, num_shards=",
+        "cluster": _HOSTS,
+        "master": _HOSTS,
+        "evaluation_master": _HOSTS,
+        "session_config": "XLA is configured with XLA_FLAGS; there is no session",
+        "train_distribute": "not needed: replication over all devices is built in "
+        "(num_shards= to use fewer)",
+        "keep_checkpoint_every_n_hours": "set keep_checkpoint_max= (None keeps all)",
+    },
+    "TrainSpec": {},
+    "EvalSpec": {
+        "start_delay_secs": "evaluation follows checkpoints: set throttle_secs= (at most one "
+        "evaluation per that many seconds) or every_steps=",
+        "exporters": "export after training with estimax.serving.export_version(est, base, "
+        "...), or --export_dir on the programs",
+    },
+    "Estimator": {
+        "use_tpu": _DEVICES,
+        "eval_on_tpu": _DEVICES,
+        "export_to_tpu": "export_saved_model lowers for cpu, cuda and tpu at once",
+        "export_to_cpu": "export_saved_model lowers for cpu, cuda and tpu at once",
+        "embedding_config_spec": "TPU embeddings are not supported",
+        "batch_axis": "batches are split over replicas along axis 0",
+    },
+}
+
+
+def original_keywords(cls: type[_T]) -> type[_T]:
+    """Class decorator: the original's keywords in ``ORIGINAL_KEYWORDS`` get a one-line
+    ``TypeError`` naming their estimax replacement (keywords the class takes pass through)."""
+    table = ORIGINAL_KEYWORDS[cls.__name__]
+    init = cls.__init__
+    accepted = set(inspect.signature(init).parameters)
+    known = {k: v for k, v in table.items() if k not in accepted}
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        for key in kwargs:
+            if key in known:
+                raise TypeError(
+                    f"{cls.__name__}({key}=...) is TPUEstimator's; in estimax: {known[key]}."
+                )
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__  # type: ignore[method-assign]
+    return cls
 
 
 class ModeKeys:
@@ -45,21 +124,24 @@ class InputContext:
         return self.num_hosts
 
 
+@original_keywords
 @dataclasses.dataclass
 class EstimatorSpec:
     """What ``model_fn(features, labels, mode, params)`` returns.
 
     Replaces ``TPUEstimatorSpec``: the optimizer stands in for ``train_op`` (the Estimator
     differentiates ``loss`` and applies it), ``eval_metrics`` is a dict of metric objects from
-    ``estimax.metrics`` (no ``(metric_fn, tensors)`` tuple), and ``scalars`` stands in for the
-    ``host_call`` that wrote summaries.
+    ``estimax.metrics`` (or the original's ``(metric_fn, tensors)``), and ``scalars`` stands in
+    for the ``host_call`` that wrote summaries.
 
     Attributes:
       mode: the mode the spec was built for.
       loss: the training/eval loss: a scalar, or per-example losses ``[B]`` (then the Estimator
         averages them, and in eval masks padding rows so the eval loss is exact).
       optimizer: an ``optax.GradientTransformation``; required in TRAIN.
-      eval_metrics: ``{name: Metric}`` computed in EVAL, streamed over the whole eval input.
+      eval_metrics: ``{name: Metric}`` computed in EVAL, streamed over the whole eval input; or
+        TPUEstimatorSpec's ``(metric_fn, tensors)``, ``metric_fn(*tensors)`` (``**tensors`` for a
+        dict) returning that dict.
       predictions: an array ``[B, ...]`` or a dict of them; required in PREDICT.
       export_outputs: optional ``{signature_name: predictions_dict}`` for export; the first entry
         (or ``predictions``) is what the exported function returns.
@@ -84,6 +166,7 @@ class EstimatorSpec:
     gradient_clip_norm: float | None = None
 
 
+@original_keywords
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """Where and how a job runs: the original ``RunConfig`` + ``TPUConfig`` in one.
@@ -162,6 +245,7 @@ class RunConfig:
             )
 
 
+@original_keywords
 @dataclasses.dataclass
 class TrainSpec:
     """The training half of ``train_and_evaluate``: an input function and where to stop."""
@@ -170,6 +254,7 @@ class TrainSpec:
     max_steps: int | None = None
 
 
+@original_keywords
 @dataclasses.dataclass
 class EvalSpec:
     """The evaluation half of ``train_and_evaluate``.

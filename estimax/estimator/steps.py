@@ -302,8 +302,8 @@ def eval_step(
     if spec.loss is not None:
         total, count = mean_loss(spec.loss, mask)
         out["loss"] = metrics_lib.Mean(total, count)
-    for name, metric in (spec.eval_metrics or {}).items():
-        out[name] = metrics_lib.as_per_example(metric, name).reduce(mask)
+    for name, metric in metrics_lib.from_spec(spec.eval_metrics).items():
+        out[name] = metric.reduce(mask)
     return out if axis_name is None else lax.psum(out, axis_name)
 
 
