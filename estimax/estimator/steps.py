@@ -19,10 +19,12 @@ from typing import Any, cast
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import struct
 from jax import lax
 
+from estimax.estimator import losses
 from estimax.estimator import metrics as metrics_lib
 from estimax.estimator.spec import EstimatorSpec, ModeKeys
 
@@ -215,21 +217,24 @@ def train_step(
 
     def loss_fn(params):
         variables = {"params": params, **state.model_state}
-        spec, new_model_state = model.apply(
-            variables, features, labels, step, rngs={"dropout": rng}, mutable=mutable
-        )
+        with losses.label_checks() as checks:
+            spec, new_model_state = model.apply(
+                variables, features, labels, step, rngs={"dropout": rng}, mutable=mutable
+            )
         captured["spec"] = spec
         loss, _ = mean_loss(spec.loss)
         if spec.weight_decay:
             loss = loss + spec.weight_decay * l2_excluding_batch_norm(params, state.model_state)
-        return loss, (new_model_state, dict(spec.scalars or {}))
+        return loss, (new_model_state, _scalars(spec.scalars), _label_metrics(checks))
 
     params = state.params
     if axis_name is not None:
         # Mark the (replicated) params as varying per replica before differentiating, so each
         # replica's gradient is its own; otherwise shard_map's autodiff would already sum them.
         params = lax.pcast(params, axis_name, to="varying")
-    (loss, (new_model_state, scalars)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    (loss, (new_model_state, scalars, label_metrics)), grads = jax.value_and_grad(
+        loss_fn, has_aux=True
+    )(params)
     spec = captured["spec"]
     mean = (lambda x: x) if axis_name is None else (lambda x: lax.pmean(x, axis_name))
     grads = mean(grads)
@@ -249,6 +254,13 @@ def train_step(
     metrics = {"loss": mean(loss)}
     for name, value in scalars.items():
         metrics[name] = mean(jnp.asarray(value, jnp.float32))
+    if label_metrics:
+        count, example, classes = label_metrics
+        if axis_name is not None:  # any replica's invalid labels count; show the largest
+            count, example = lax.psum(count, axis_name), lax.pmax(example, axis_name)
+        metrics[INVALID_LABELS] = count.astype(jnp.float32)
+        metrics[INVALID_LABEL_EXAMPLE] = example.astype(jnp.float32)
+        metrics[LABEL_CLASSES] = jnp.float32(classes)
     if skip_nonfinite:
         # The gradients are already averaged over replicas, so every replica decides alike.
         finite = jnp.isfinite(metrics["loss"]) & _all_finite(grads)
@@ -266,6 +278,35 @@ def train_step(
         ema_params=ema,
     )
     return new_state, metrics
+
+
+# Per-step metrics of the label check (see ``losses.label_checks``); the loop raises on them.
+INVALID_LABELS = "invalid_labels"
+INVALID_LABEL_EXAMPLE = "invalid_label_example"
+LABEL_CLASSES = "label_classes"
+
+
+def _scalars(scalars: Any) -> dict[str, Any]:
+    """``EstimatorSpec.scalars`` as a dict, refusing values that are not one number."""
+    out = dict(scalars or {})
+    for name, value in out.items():
+        shape = jnp.shape(value)
+        if int(np.prod(shape)) != 1:
+            raise ValueError(
+                f"EstimatorSpec(scalars={{{name!r}: ...}}) has shape {shape}: scalars are one "
+                "number per step (reduce it, e.g. jnp.mean), images and histograms go in "
+                "summaries="
+            )
+    return out
+
+
+def _label_metrics(checks: list[tuple[jax.Array, jax.Array, int]]) -> tuple | None:
+    """The step's label check: (invalid count, an invalid label, classes) over all losses."""
+    if not checks:
+        return None
+    count = sum((c for c, _, _ in checks), jnp.int32(0))
+    example = jnp.max(jnp.stack([e for _, e, _ in checks]))
+    return count, example, checks[0][2]
 
 
 def _all_finite(tree: Any) -> jax.Array:
