@@ -54,6 +54,43 @@ _DISK_FULL_MARKS = (
 )
 
 
+class ModelMismatchError(ValueError):
+    """A checkpoint in ``model_dir`` was written by a different model than the one restoring."""
+
+
+def _leaves_by_path(tree: Any) -> dict[str, tuple[int, ...]]:
+    """``{"params/Dense_0/kernel": shape}`` for every array leaf of a pytree or its metadata."""
+
+    def name(key: Any) -> str:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                return str(getattr(key, attr))
+        return str(key)
+
+    return {
+        "/".join(name(k) for k in path): tuple(getattr(leaf, "shape", ()))
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+
+
+def first_difference(saved: Any, wanted: Any) -> str | None:
+    """Names the first parameter whose presence or shape differs, or None if all agree.
+
+    Args:
+      saved: the checkpoint's tree (its Orbax metadata).
+      wanted: the restoring model's abstract tree.
+    """
+    have, want = _leaves_by_path(saved), _leaves_by_path(wanted)
+    for path in sorted(set(have) | set(want)):
+        if path not in have:
+            return f"{path} {want[path]} is not in the checkpoint"
+        if path not in want:
+            return f"the checkpoint's {path} {have[path]} is not in this model"
+        if have[path] != want[path]:
+            return f"{path} has shape {have[path]} in the checkpoint, {want[path]} in this model"
+    return None
+
+
 class CorruptCheckpointError(RuntimeError):
     """A checkpoint's files do not match its manifest, or Orbax could not read them."""
 
@@ -351,17 +388,45 @@ class Checkpointer:
         Raises:
           CorruptCheckpointError: Orbax could not read it (the step is set aside).
         """
-        with self._readable(step):
-            restored = self._manager.restore(
-                step,
-                args=ocp.args.Composite(
-                    **{
-                        name: ocp.args.StandardRestore(item)
-                        for name, item in abstract_items.items()
-                    }
-                ),
-            )
+        try:
+            with self._readable(step):
+                restored = self._manager.restore(
+                    step,
+                    args=ocp.args.Composite(
+                        **{
+                            name: ocp.args.StandardRestore(item)
+                            for name, item in abstract_items.items()
+                        }
+                    ),
+                )
+        except ValueError as e:
+            mismatch = self._mismatch(step, abstract_items)
+            if mismatch is None:
+                raise
+            # Orbax's own message is a tree dump with advice (partial_restore, strict=False)
+            # that an estimax user cannot act on: keep it for the debug log only.
+            logging.debug("Orbax's restore error for %s: %s", self.step_dir(step), e)
+            raise ModelMismatchError(
+                f"{self.model_dir} holds a different model: {mismatch} (checkpoint "
+                f"{self.step_dir(step)}). Train this model in a new --model_dir, or start it "
+                "from that checkpoint's weights with warm_start_from (--warm_start_from)."
+            ) from None
         return {name: restored[name] for name in abstract_items}
+
+    def _mismatch(self, step: int, abstract_items: dict[str, Any]) -> str | None:
+        """The first difference between the checkpoint's items and ``abstract_items``, if any."""
+        for name, item in abstract_items.items():
+            try:
+                metadata = ocp.StandardCheckpointer().metadata(
+                    os.path.join(self.step_dir(step), name)
+                )
+            except Exception:  # no readable metadata: not a mismatch this can name
+                return None
+            tree = getattr(metadata, "item_metadata", metadata)
+            difference = first_difference(getattr(tree, "tree", tree), item)
+            if difference is not None:
+                return difference if name == "model" else f"{name}: {difference}"
+        return None
 
     @contextlib.contextmanager
     def _readable(self, step: int) -> Iterator[None]:

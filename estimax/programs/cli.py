@@ -132,7 +132,7 @@ def _run(
 ) -> None:
     from estimax import storage
     from estimax.data import bigtable
-    from estimax.estimator import preflight
+    from estimax.estimator import checkpoints, preflight
     from estimax.estimator.estimator import Preempted
 
     try:
@@ -157,7 +157,7 @@ def _run(
     except storage.StorageError as e:
         # The clients' retries ran out; the message names the path (no traceback: not a bug).
         _fatal(str(e))
-    except preflight.PreflightError as e:
+    except (preflight.PreflightError, checkpoints.ModelMismatchError) as e:
         _fatal(str(e))
     except Preempted as e:
         # The job runner's preemption notice: saved, and a clean exit (status 0).
