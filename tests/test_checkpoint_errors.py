@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import flax.linen as nn
 import numpy as np
 import optax
@@ -57,3 +62,52 @@ def test_a_model_dir_holding_another_model_names_the_first_difference(
     assert "partial_restore" not in message and "strict=False" not in message  # Orbax's advice
     # Nothing was lost: the first model still resumes from its checkpoint.
     assert _train(model_dir, classes=3, steps=4).get_global_step() == 4
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_SCRIPT = textwrap.dedent("""
+    import resource, signal, sys
+    sys.path.insert(0, {fixtures!r})
+    import ckpt_fixtures as fx
+    fx.train({model_dir!r}, 2, width=256)
+    if {full}:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))  # as a full disk: EFBIG
+    est = fx.estimator({model_dir!r}, width=256, log_step_count_steps=1)
+    est.train(fx.train_input_fn(), max_steps=4)
+""")
+
+
+def _library_script(model_dir: str, full: bool) -> subprocess.CompletedProcess:
+    """A user's script with no logging set-up; its output goes through a pipe (no size limit)."""
+    code = _SCRIPT.format(
+        fixtures=os.path.join(ROOT, "tests", "reliability"), model_dir=model_dir, full=full
+    )
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
+    )
+
+
+@pytest.mark.slow  # child processes that import JAX and train
+def test_a_full_disk_at_checkpoint_time_is_the_last_line_of_a_short_output(tmp_path):
+    model_dir = str(tmp_path / "run")
+    proc = _library_script(model_dir, full=True)
+    assert proc.returncode == 1
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert lines[-1].startswith("estimax.storage.StorageError: [Errno 28] Could not write "
+                                "checkpoint 4 in"), lines[-5:]  # fmt: skip
+    assert "the previous one (step 2) is intact" in lines[-1]
+    assert len(lines) < 30, "\n".join(lines)  # no Orbax/asyncio/TensorStore tracebacks
+    assert not any("orbax" in line.lower() and "Traceback" in line for line in lines)
+
+
+@pytest.mark.slow
+def test_a_script_without_logging_setup_shows_estimax_lines_and_not_orbaxs(tmp_path):
+    proc = _library_script(str(tmp_path / "run"), full=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stderr.splitlines()
+    assert any("loss = " in line and "step = 3" in line for line in lines), proc.stderr
+    # Orbax's per-checkpoint chatter (array transfers, commit steps) is debug-only.
+    assert not [line for line in lines if "orbax" in line.lower()], proc.stderr

@@ -25,6 +25,7 @@ import glob
 import json
 import os
 import shutil
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -52,6 +53,42 @@ _DISK_FULL_MARKS = (
     "No space left",
     "Disk quota",
 )
+
+
+_UNRAISABLE_HOOKED = False
+
+
+def _quiet_late_tensorstore_callbacks() -> None:
+    """Sends "Event loop is closed" from TensorStore's late callbacks to the debug log.
+
+    When a save fails (a full disk), Orbax closes its asyncio loop while TensorStore still
+    completes the other writes; each completion's ``call_soon_threadsafe`` then raises into
+    ``sys.unraisablehook`` and prints a traceback after estimax's own error. Nothing is lost
+    (the save already failed and was reported), so only those are taken out.
+    """
+    global _UNRAISABLE_HOOKED
+    if _UNRAISABLE_HOOKED:
+        return
+    _UNRAISABLE_HOOKED = True
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        value = unraisable.exc_value
+        tb = unraisable.exc_traceback
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        late = (
+            isinstance(value, RuntimeError)
+            and str(value) == "Event loop is closed"
+            and tb is not None
+            and tb.tb_frame.f_code.co_filename.endswith(os.path.join("asyncio", "base_events.py"))
+        )
+        if late:
+            logging.debug("A TensorStore callback after its event loop closed: %s", value)
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
 
 
 class ModelMismatchError(ValueError):
@@ -218,6 +255,7 @@ class Checkpointer:
     ):
         self.model_dir = model_dir
         self._read_only = read_only
+        _quiet_late_tensorstore_callbacks()
         self._unsealed: list[int] = []  # saved by us, manifest not yet written
         self._verified: set[int] = set()
         self._bad: dict[int, str] = {}
@@ -516,6 +554,9 @@ class Checkpointer:
             self._manager.reload()
             previous = [s for s in self._manager.all_steps() if s != step and s not in self._bad]
             full = any(m in text for m in _DISK_FULL_MARKS)
+            # The cause (Orbax's and TensorStore's tracebacks) is for the debug log; the user
+            # gets this one error with the path and what to do.
+            logging.debug("Writing checkpoint %s failed:", step, exc_info=e)
             raise storage.StorageError(
                 getattr(e, "errno", None) or (errno.ENOSPC if full else errno.EIO),
                 f"Could not write checkpoint {step} in {where}: "
@@ -527,7 +568,7 @@ class Checkpointer:
                 + ". The partial checkpoint was removed; the previous one ("
                 + (f"step {max(previous)}" if previous else "none")
                 + ") is intact. Free space and run again to resume from it.",
-            ) from e
+            ) from None
 
     def close(self) -> None:
         """Finishes pending saves (and their manifests) and releases Orbax's resources."""

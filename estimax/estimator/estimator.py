@@ -58,7 +58,7 @@ from absl import logging
 from jax.sharding import PartitionSpec as P
 
 from estimax.estimator import checkpoints as ckpt_lib
-from estimax.estimator import distributed, feeding, periodic, preflight, replication
+from estimax.estimator import distributed, feeding, logs, periodic, preflight, replication
 from estimax.estimator import export as export_lib
 from estimax.estimator import steps as steps_lib
 from estimax.estimator import summaries as summaries_lib
@@ -215,6 +215,7 @@ class Estimator:
             if size is not None:
                 replication.per_replica_batch(size, self.num_replicas, what)
         self._clock = clock
+        logs.show_progress()  # TF printed `loss = X, step = N` without any logging set-up
         self._base_rng = jax.random.PRNGKey(config.seed)
         self._checkpointer: ckpt_lib.Checkpointer | None = None
         self._compiled: dict[Any, Any] = {}  # jitted step functions, by what they compute
