@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 # The static mirror of _EXPORTS and _SUBMODULES below, for type checkers, IDEs and help();
 # never run. tests/test_public_api.py checks that the two name the same objects.
 if TYPE_CHECKING:
-    from estimax.estimator import losses, metrics
+    from estimax.estimator import losses, metrics, summary
     from estimax.estimator.checkpoints import checkpoints_iterator
     from estimax.estimator.estimator import Estimator, NanLossError, TrainState, get_global_step
     from estimax.estimator.export import TensorSpec
@@ -64,7 +64,11 @@ _EXPORTS = {
     "checkpoints_iterator": "estimax.estimator.checkpoints",
     "train_and_evaluate": "estimax.estimator.training",
 }
-_SUBMODULES = {"losses": "estimax.estimator.losses", "metrics": "estimax.estimator.metrics"}
+_SUBMODULES = {
+    "losses": "estimax.estimator.losses",
+    "metrics": "estimax.estimator.metrics",
+    "summary": "estimax.estimator.summary",
+}
 
 # The public names, as _EXPORTS and _SUBMODULES (tests/test_public_api.py checks that they agree).
 __all__ = [
@@ -84,6 +88,7 @@ __all__ = [
     "losses",
     "metrics",
     "numpy_input_fn",
+    "summary",
     "train_and_evaluate",
 ]
 

@@ -147,6 +147,8 @@ class EstimatorSpec:
         (or ``predictions``) is what the exported function returns.
       scalars: ``{name: scalar}`` written to TensorBoard every summary step in TRAIN (e.g. the
         learning rate, the epoch), like the original's ``host_call``.
+      summaries: ``{name: ex.summary.image(...) | histogram(...) | text(...)}`` written with the
+        scalars in TRAIN (the original's image/histogram/text summaries in ``host_call``).
       weight_decay: if set, ``weight_decay * sum(l2 of kernels)`` is added to the loss, excluding
         batch-norm parameters (as the original ResNet did by name).
       ema_decay: if set, an exponential moving average of the parameters is kept and used for
@@ -161,6 +163,7 @@ class EstimatorSpec:
     predictions: Any = None
     export_outputs: Mapping[str, Any] | None = None
     scalars: Mapping[str, Any] | None = None
+    summaries: Mapping[str, Any] | None = None
     weight_decay: float | None = None
     ema_decay: float | None = None
     gradient_clip_norm: float | None = None

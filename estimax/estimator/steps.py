@@ -26,6 +26,7 @@ from jax import lax
 
 from estimax.estimator import losses
 from estimax.estimator import metrics as metrics_lib
+from estimax.estimator import summary as summary_lib
 from estimax.estimator.spec import EstimatorSpec, ModeKeys
 
 _tracing = threading.local()
@@ -225,14 +226,15 @@ def train_step(
         loss, _ = mean_loss(spec.loss)
         if spec.weight_decay:
             loss = loss + spec.weight_decay * l2_excluding_batch_norm(params, state.model_state)
-        return loss, (new_model_state, _scalars(spec.scalars), _label_metrics(checks))
+        reduced = summary_lib.reduce(summary_lib.check(spec.summaries), axis_name)
+        return loss, (new_model_state, _scalars(spec.scalars), _label_metrics(checks), reduced)
 
     params = state.params
     if axis_name is not None:
         # Mark the (replicated) params as varying per replica before differentiating, so each
         # replica's gradient is its own; otherwise shard_map's autodiff would already sum them.
         params = lax.pcast(params, axis_name, to="varying")
-    (loss, (new_model_state, scalars, label_metrics)), grads = jax.value_and_grad(
+    (loss, (new_model_state, scalars, label_metrics, reduced)), grads = jax.value_and_grad(
         loss_fn, has_aux=True
     )(params)
     spec = captured["spec"]
@@ -261,6 +263,9 @@ def train_step(
         metrics[INVALID_LABELS] = count.astype(jnp.float32)
         metrics[INVALID_LABEL_EXAMPLE] = example.astype(jnp.float32)
         metrics[LABEL_CLASSES] = jnp.float32(classes)
+    if reduced:
+        # Not per-step scalars: the loop takes them out at once and keeps summary steps' only.
+        metrics[SUMMARIES] = reduced
     if skip_nonfinite:
         # The gradients are already averaged over replicas, so every replica decides alike.
         finite = jnp.isfinite(metrics["loss"]) & _all_finite(grads)
@@ -284,6 +289,8 @@ def train_step(
 INVALID_LABELS = "invalid_labels"
 INVALID_LABEL_EXAMPLE = "invalid_label_example"
 LABEL_CLASSES = "label_classes"
+# The step's reduced ``EstimatorSpec.summaries`` (images, histograms, text) in its metrics.
+SUMMARIES = "summaries"
 
 
 def _scalars(scalars: Any) -> dict[str, Any]:
