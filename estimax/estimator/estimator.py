@@ -41,6 +41,7 @@ takes part in each step, save and evaluation batch, and each host's input positi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -581,9 +582,15 @@ class Estimator:
         step = start
         last_skipped: int | None = 0  # bad records the input has skipped (None: it cannot say)
         preempted = False
-        watchdog = Watchdog(self.config.watchdog_timeout_secs).start(start)
-        notice = distributed.PreemptionNotice().__enter__()
-        try:
+        with contextlib.ExitStack() as cleanups:
+            # Every cleanup runs whatever raises (a failed final save included), last first.
+            cleanups.callback(summaries.flush)
+            cleanups.callback(logger.close)
+            watchdog = cleanups.enter_context(Watchdog(self.config.watchdog_timeout_secs))
+            watchdog.start(start)
+            cleanups.callback(checkpointer.wait_until_finished)
+            cleanups.callback(timeline.close)
+            notice = cleanups.enter_context(distributed.PreemptionNotice())
             while fed is not None and not preempted:
                 begin = step
                 loop_metrics = []  # per step: a dict of device scalars, fetched once per loop
@@ -657,17 +664,11 @@ class Estimator:
                     saver.fired(step)
                     if listeners:
                         checkpointer.wait_until_finished()
-                        for listener in listeners:
-                            listener(step)
+                        with watchdog.paused():  # listeners (evaluations) complete no step
+                            for listener in listeners:
+                                listener(step)
             if step < target and not preempted:
                 logging.info("Input ended at step %d, before the %d steps asked for.", step, target)
-        finally:
-            notice.__exit__()
-            timeline.close()
-            checkpointer.wait_until_finished()
-            watchdog.stop()
-            logger.close()
-            summaries.flush()
         logging.info("Loss for final step: %s.", logger.last_loss)
         if preempted:
             stop = Preempted(step, str(self.model_dir))
