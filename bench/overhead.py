@@ -10,12 +10,14 @@ of ``train`` nor the checkpoint at its end. The checkpoint is measured separatel
 the last loop's log line to ``train`` returning: the final save and its wait). Rounds are
 interleaved and medians compared, since this machine's timings drift.
 
+    .venv/bin/python bench/overhead.py --model zero --iterations_per_loop 100 --window 2000
     .venv/bin/python bench/overhead.py --model mnist --iterations_per_loop 1 100
     .venv/bin/python bench/overhead.py --model resnet50 --iterations_per_loop 100 \
         --rounds 3 --window 3 --skip 3
 
-Writes bench/results/overhead_<model>.json and .md (mnist: MNIST CNN, batch 128; resnet50:
-ResNet-50, 224x224, batch 16, float32).
+Writes bench/results/overhead_<model>.json and .md (zero: a near-zero-cost model, whose step
+time is the host's cost per step, reported in microseconds over the bare loop; mnist: MNIST
+CNN, batch 128; resnet50: ResNet-50, 224x224, batch 16, float32).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import statistics
 import tempfile
 import time
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,8 +42,19 @@ import estimax as ex
 from estimax.models import resnet
 from estimax.models.mnist import MnistCNN
 
+
+class NearZero(nn.Module):
+    """One 1x2 dense layer on 8 numbers: a step that costs the device nothing, so what is left
+    is the host's cost per step (dispatch, feeding, the loop's bookkeeping)."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        return nn.Dense(2)(x)
+
+
 MODELS = {
     # name: (module factory, batch, example shape, classes)
+    "zero": (lambda: NearZero(), 8, (1,), 2),
     "mnist": (lambda: MnistCNN(), 128, (784,), 10),
     "resnet50": (lambda: resnet.ResNet50(num_classes=1000), 16, (224, 224, 3), 1000),
 }
@@ -100,10 +114,14 @@ class Bare:
             jax.random.PRNGKey(0)
         )
         params = variables.pop("params")
-        self.state = (params, dict(variables), tx.init(params))
+        self.state = (params, dict(variables), tx.init(params), jnp.zeros((), jnp.int32))
+        base_rng = jax.random.PRNGKey(1)
 
-        def step(state, xb, yb, rng):
-            params, extra, opt_state = state
+        def step(state, xb, yb):
+            params, extra, opt_state, count = state
+            # The step's dropout stream derived on the device, as the Estimator does: a
+            # host-side fold_in per step would add an eager dispatch to the bare side.
+            rng = jax.random.fold_in(base_rng, count)
 
             def loss_fn(p):
                 logits, new_extra = model.apply(
@@ -117,17 +135,16 @@ class Bare:
 
             (loss, new_extra), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
             updates, opt_state = tx.update(grads, opt_state, params)
-            return (optax.apply_updates(params, updates), new_extra, opt_state), loss
+            return (optax.apply_updates(params, updates), new_extra, opt_state, count + 1), loss
 
         self.step = jax.jit(step, donate_argnums=(0,))
         self.batches = batches
-        self.rng = jax.random.PRNGKey(1)
         self.run(TimedInput(batches), 2)  # compile and warm up
 
     def run(self, source: TimedInput, steps: int) -> None:
         loss = previous = None
-        for i, (xb, yb) in zip(range(steps), prefetch_to_device(source, 2), strict=False):
-            self.state, loss = self.step(self.state, xb, yb, jax.random.fold_in(self.rng, i))
+        for _, (xb, yb) in zip(range(steps), prefetch_to_device(source, 2), strict=False):
+            self.state, loss = self.step(self.state, xb, yb)
             if previous is not None:
                 # One step queued behind the running one, as the Estimator: otherwise the host
                 # may run ahead by many steps and the read times would not track the device.
@@ -255,7 +272,15 @@ def main() -> None:
         for k, v in cpu_medians.items()
         if k != "bare_jit_loop"
     }
+    # Host time per step (the zero model: all of it is host time) and the loop's excess over bare.
+    us_per_step = {k: round(batch * 1e6 / v, 1) for k, v in medians.items()}
+    overhead_us = {
+        k: round(v - us_per_step["bare_jit_loop"], 1)
+        for k, v in us_per_step.items()
+        if k != "bare_jit_loop"
+    }
     what = {
+        "zero": "near-zero-cost model (one 1x2 dense layer), batch 8",
         "mnist": "MNIST CNN (seed 002), batch 128, float32",
         "resnet50": "ResNet-50, 224x224, batch 16, float32",
     }[args.model]
@@ -273,6 +298,8 @@ def main() -> None:
         "images_per_cpu_sec": {k: [round(r, 2) for r in v] for k, v in cpu_rates.items()},
         "median_images_per_cpu_sec": {k: round(v, 2) for k, v in cpu_medians.items()},
         "cpu_ratio_estimax_over_bare": cpu_ratios,
+        "median_us_per_step": us_per_step,
+        "overhead_us_per_step_over_bare": overhead_us,
         "checkpoint_secs_median": checkpoint,
         "checkpoint_repeats": args.checkpoint_repeats,
         "loadavg_start": [round(x, 2) for x in load_start],
@@ -309,6 +336,9 @@ def main() -> None:
                 f"{cpu_ratios.get(k, 1.0):.3f} | "
                 f"{', '.join(f'{r:.1f}' for r in cpu_rates[k])} |\n"
             )
+        f.write(
+            f"\nMicroseconds per step (median): {us_per_step}; over the bare loop: {overhead_us}\n"
+        )
         f.write(
             "\nCheckpoint at the end of a train() call (not in the window), seconds, "
             f"median of {args.checkpoint_repeats}: {checkpoint}\n"

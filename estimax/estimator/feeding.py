@@ -77,6 +77,11 @@ class DevicePrefetcher:
         self.num_read = 0
         self.input_wait_secs = 0.0  # host seconds blocked on the input iterator
 
+    @property
+    def iterator(self) -> Iterator:
+        """The input iterator (to restore its position before the first read)."""
+        return self._iterator
+
     def fill(self) -> None:
         """Reads and transfers batches until ``size`` are waiting (or the input/limit ends)."""
         while (

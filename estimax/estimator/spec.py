@@ -117,6 +117,9 @@ class RunConfig:
         optimizer state, batch statistics and EMA stay as they were) instead of stopping
         training with ``NanLossError``; skipped steps are counted (TensorBoard scalar
         ``train/nonfinite_skipped_steps`` and a warning per loop that had any).
+      profile_steps: ``(START, STOP)``: capture a ``jax.profiler`` trace of training steps
+        START..STOP (inclusive, with step markers) under ``model_dir/plugins/profile/``, where
+        TensorBoard's profile plugin finds it (``estimax.ProfilerHook``); None: no trace.
 
     Mutable collections such as ``batch_stats`` are computed per replica, as on TPU, and
     averaged over replicas after each step (one consistent copy to checkpoint); pass
@@ -135,6 +138,7 @@ class RunConfig:
     device_prefetch: int = 2
     watchdog_timeout_secs: float | None = 1800.0
     skip_nonfinite_steps: bool = False
+    profile_steps: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.iterations_per_loop < 1:
@@ -154,6 +158,13 @@ class RunConfig:
             raise ValueError(
                 "RunConfig.watchdog_timeout_secs must be >= 0 (0 or None disables it), got "
                 f"{self.watchdog_timeout_secs}."
+            )
+        if self.profile_steps is not None and not (
+            len(self.profile_steps) == 2 and 1 <= self.profile_steps[0] <= self.profile_steps[1]
+        ):
+            raise ValueError(
+                "RunConfig.profile_steps must be (START, STOP) with 1 <= START <= STOP, got "
+                f"{self.profile_steps}."
             )
         if self.keep_checkpoint_max is not None and self.keep_checkpoint_max < 1:
             raise ValueError(
