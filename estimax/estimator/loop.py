@@ -39,7 +39,7 @@ from estimax.estimator import checkpoints as ckpt_lib
 from estimax.estimator import distributed, feeding, periodic
 from estimax.estimator import hooks as hooks_lib
 from estimax.estimator import summaries as summaries_lib
-from estimax.estimator.spec import RunConfig
+from estimax.estimator.spec import ModeKeys, RunConfig
 from estimax.estimator.watchdog import Watchdog
 
 # The share of a loop the devices may sit idle waiting for input before we warn.
@@ -286,7 +286,8 @@ class Hooks:
 
     def before_run(self, step: int) -> bool:
         """Calls ``before_run``; returns whether the loop's steps are to be traced."""
-        self.session.global_step = step
+        if self.session.mode == ModeKeys.TRAIN:  # evaluation/prediction: the checkpoint's step
+            self.session.global_step = step
         for hook in self.hooks:
             hook.before_run(self.context)
         return any(getattr(h, "tracing", False) for h in self.hooks)
@@ -295,7 +296,8 @@ class Hooks:
         """Calls ``after_run``; returns whether a hook (on any process) asked to stop."""
         if not self.hooks:
             return False
-        self.session.global_step = end
+        if self.session.mode == ModeKeys.TRAIN:
+            self.session.global_step = end
         values = hooks_lib.SessionRunValues(results, begin, end)
         for hook in self.hooks:
             hook.after_run(self.context, values)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import optax
@@ -175,10 +175,12 @@ class RunConfig:
 
 @dataclasses.dataclass
 class TrainSpec:
-    """The training half of ``train_and_evaluate``: an input function and where to stop."""
+    """The training half of ``train_and_evaluate``: an input function, where to stop, and the
+    ``SessionRunHook``s passed to ``Estimator.train``."""
 
     input_fn: Callable[[dict], Any]
     max_steps: int | None = None
+    hooks: Sequence[Any] = ()
 
 
 @dataclasses.dataclass
@@ -192,6 +194,7 @@ class EvalSpec:
       every_steps: evaluate each time this many training steps have been done (the original
         programs' ``steps_per_eval``). None: after each checkpoint save (throttled).
       throttle_secs: with ``every_steps=None``, do not evaluate more often than this.
+      hooks: ``SessionRunHook``s passed to each ``Estimator.evaluate``.
     """
 
     input_fn: Callable[[dict], Any]
@@ -199,3 +202,4 @@ class EvalSpec:
     name: str | None = None
     every_steps: int | None = None
     throttle_secs: float = 600.0
+    hooks: Sequence[Any] = ()

@@ -40,7 +40,10 @@ def train_and_evaluate(
             estimator,
             estimator.get_global_step(),
             lambda: estimator.evaluate(
-                eval_spec.input_fn, steps=eval_spec.steps, name=eval_spec.name
+                eval_spec.input_fn,
+                steps=eval_spec.steps,
+                name=eval_spec.name,
+                hooks=eval_spec.hooks,
             ),
             eval_spec.name,
         )
@@ -56,9 +59,11 @@ def train_and_evaluate(
             results = evaluate()
         while current < max_steps:
             target = min(max_steps, (current // eval_spec.every_steps + 1) * eval_spec.every_steps)
-            estimator.train(train_spec.input_fn, max_steps=target)
+            estimator.train(train_spec.input_fn, max_steps=target, hooks=train_spec.hooks)
             current = estimator.get_global_step()
             results = evaluate()
+            if current < target:  # a hook or listener stopped training, or the input ended
+                break
     else:
         throttle = periodic.PeriodicAction(
             every_secs=eval_spec.throttle_secs, clock=estimator.clock, start_step=-1
@@ -72,7 +77,12 @@ def train_and_evaluate(
                 throttle.fired(step)
 
         if estimator.get_global_step() < max_steps:
-            estimator.train(train_spec.input_fn, max_steps=max_steps, saving_listeners=[after_save])
+            estimator.train(
+                train_spec.input_fn,
+                max_steps=max_steps,
+                hooks=train_spec.hooks,
+                saving_listeners=[after_save],
+            )
     if estimator.get_global_step() not in evaluated_at:
         results = evaluate()
     return results, []
