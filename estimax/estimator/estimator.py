@@ -72,6 +72,22 @@ from estimax.ops import native
 
 _RESERVED_PARAMS_KEYS = ("batch_size", "context")
 _MODEL_FN_ARGS = ("features", "labels", "mode", "params", "config")
+# The constructor argument that sets each mode's global batch size (one place for the map).
+_BATCH_SIZE_ARGS = {
+    ModeKeys.TRAIN: "train_batch_size",
+    ModeKeys.EVAL: "eval_batch_size",
+    ModeKeys.PREDICT: "predict_batch_size",
+}
+
+
+def _with_model_dir(config: RunConfig, model_dir: str | None) -> RunConfig:
+    """``config`` with ``model_dir`` (the argument's, the config's, or a new temporary one)."""
+    if model_dir is not None:
+        config = dataclasses.replace(config, model_dir=model_dir)
+    if config.model_dir is None:
+        config = dataclasses.replace(config, model_dir=tempfile.mkdtemp(prefix="estimax_"))
+        logging.warning("Using temporary folder as model directory: %s", config.model_dir)
+    return config
 
 
 def _input_state_of_this_process(meta: Mapping[str, Any]) -> Any:
@@ -161,12 +177,7 @@ class Estimator:
           model_dir: overrides ``config.model_dir``.
           clock: time source for the ``*_secs`` settings (tests inject one).
         """
-        config = config or RunConfig()
-        if model_dir is not None:
-            config = dataclasses.replace(config, model_dir=model_dir)
-        if config.model_dir is None:
-            config = dataclasses.replace(config, model_dir=tempfile.mkdtemp(prefix="estimax_"))
-            logging.warning("Using temporary folder as model directory: %s", config.model_dir)
+        config = _with_model_dir(config or RunConfig(), model_dir)
         params = dict(params or {})
         reserved = [k for k in _RESERVED_PARAMS_KEYS if k in params]
         if reserved:
@@ -187,14 +198,9 @@ class Estimator:
             ModeKeys.EVAL: eval_batch_size,
             ModeKeys.PREDICT: predict_batch_size,
         }
-        for mode, what in (
-            (ModeKeys.TRAIN, "train_batch_size"),
-            (ModeKeys.EVAL, "eval_batch_size"),
-            (ModeKeys.PREDICT, "predict_batch_size"),
-        ):
-            size = self._batch_sizes[mode]
+        for mode, size in self._batch_sizes.items():
             if size is not None:
-                replication.per_replica_batch(size, self.num_replicas, what)
+                replication.per_replica_batch(size, self.num_replicas, _BATCH_SIZE_ARGS[mode])
         self._clock = clock
         self._base_rng = jax.random.PRNGKey(config.seed)
         self._checkpointer: ckpt_lib.Checkpointer | None = None
@@ -249,13 +255,8 @@ class Estimator:
     def _batch_size(self, mode: str) -> int:
         size = self._batch_sizes[mode]
         if size is None:
-            what = {
-                ModeKeys.TRAIN: "train_batch_size",
-                ModeKeys.EVAL: "eval_batch_size",
-                ModeKeys.PREDICT: "predict_batch_size",
-            }[mode]
             raise ValueError(
-                f"Estimator needs {what} to run mode {mode!r}; pass it to the "
+                f"Estimator needs {_BATCH_SIZE_ARGS[mode]} to run mode {mode!r}; pass it to the "
                 "constructor (a global batch size)."
             )
         return size
@@ -677,9 +678,17 @@ class Estimator:
         run.started()
         totals, num_examples = self._eval_loop(feeder, variables, step, sample[0], run)
         results: dict[str, Any] = _metric_values(totals)
-        global_step = results["global_step"] = int(step or 0)
+        results["global_step"] = int(step or 0)
         # Examples counted on every host, not only this one.
         results["num_examples"] = int(_sum_over_hosts(num_examples))
+        self._write_eval(results, name)
+        run.session.results = results
+        run.end()
+        return results
+
+    def _write_eval(self, results: dict[str, Any], name: str | None) -> None:
+        """Logs the results as the original did and writes them to TensorBoard (durably)."""
+        global_step = results["global_step"]
         logging.info(
             "Saving dict for global step %d: %s",
             global_step,
@@ -692,9 +701,6 @@ class Estimator:
                 {k: v for k, v in results.items() if k not in ("global_step", "num_examples")},
             )
             writer.flush()
-        run.session.results = results
-        run.end()
-        return results
 
     def _eval_loop(
         self,

@@ -205,6 +205,41 @@ def train_step(
       (the state after the step, ``{"loss": [], <spec.scalars>: []}`` float32 scalars; with
       ``skip_nonfinite`` also ``"nonfinite_skipped"``: 1.0 if this step was skipped, else 0.0).
     """
+    step = state.step
+    spec, loss, new_model_state, scalars, grads = _gradients(model, state, batch, rng, axis_name)
+    mean = (lambda x: x) if axis_name is None else (lambda x: lax.pmean(x, axis_name))
+    grads = mean(grads)
+    if spec.gradient_clip_norm:
+        grads, _ = optax.clip_by_global_norm(spec.gradient_clip_norm).update(grads, None)
+    assert spec.optimizer is not None  # ModelFnModule refuses a TRAIN spec without one
+    updates, opt_state = spec.optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    # Batch statistics are computed per replica; keep one consistent (averaged) copy.
+    new_model_state = mean(dict(new_model_state))
+    ema = _ema(spec.ema_decay, step, state.ema_params, params)
+    metrics = {"loss": mean(loss)}
+    for name, value in scalars.items():
+        metrics[name] = mean(jnp.asarray(value, jnp.float32))
+    if skip_nonfinite:
+        # The gradients are already averaged over replicas, so every replica decides alike.
+        finite = jnp.isfinite(metrics["loss"]) & _all_finite(grads)
+        params, opt_state, new_model_state, ema = jax.tree.map(
+            lambda new, old: jnp.where(finite, new, old),
+            (params, opt_state, new_model_state, ema),
+            (state.params, state.opt_state, dict(state.model_state), state.ema_params),
+        )
+        metrics["nonfinite_skipped"] = jnp.where(finite, 0.0, 1.0).astype(jnp.float32)
+    return TrainState(step + 1, params, new_model_state, opt_state, ema), metrics
+
+
+def _gradients(
+    model: nn.Module,
+    state: TrainState,
+    batch: tuple[Any, Any],
+    rng: jax.Array,
+    axis_name: str | None,
+) -> tuple[EstimatorSpec, jax.Array, Any, dict[str, Any], Any]:
+    """(spec, this replica's loss, new mutable collections, scalars, this replica's gradients)."""
     features, labels = batch
     step = state.step
     rng = jax.random.fold_in(rng, step)
@@ -230,42 +265,17 @@ def train_step(
         # replica's gradient is its own; otherwise shard_map's autodiff would already sum them.
         params = lax.pcast(params, axis_name, to="varying")
     (loss, (new_model_state, scalars)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    spec = captured["spec"]
-    mean = (lambda x: x) if axis_name is None else (lambda x: lax.pmean(x, axis_name))
-    grads = mean(grads)
-    if spec.gradient_clip_norm:
-        grads, _ = optax.clip_by_global_norm(spec.gradient_clip_norm).update(grads, None)
-    assert spec.optimizer is not None  # ModelFnModule refuses a TRAIN spec without one
-    updates, opt_state = spec.optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    # Batch statistics are computed per replica; keep one consistent (averaged) copy.
-    new_model_state = mean(dict(new_model_state))
-    ema = state.ema_params
-    if spec.ema_decay:
-        # tf.train.ExponentialMovingAverage(decay, num_updates=global_step)
-        n = (step + 1).astype(jnp.float32)
-        decay = jnp.minimum(spec.ema_decay, (1.0 + n) / (10.0 + n))
-        ema = jax.tree.map(lambda e, p: decay * e + (1.0 - decay) * p, ema, params)
-    metrics = {"loss": mean(loss)}
-    for name, value in scalars.items():
-        metrics[name] = mean(jnp.asarray(value, jnp.float32))
-    if skip_nonfinite:
-        # The gradients are already averaged over replicas, so every replica decides alike.
-        finite = jnp.isfinite(metrics["loss"]) & _all_finite(grads)
-        params, opt_state, new_model_state, ema = jax.tree.map(
-            lambda new, old: jnp.where(finite, new, old),
-            (params, opt_state, new_model_state, ema),
-            (state.params, state.opt_state, dict(state.model_state), state.ema_params),
-        )
-        metrics["nonfinite_skipped"] = jnp.where(finite, 0.0, 1.0).astype(jnp.float32)
-    new_state = TrainState(
-        step=step + 1,
-        params=params,
-        model_state=new_model_state,
-        opt_state=opt_state,
-        ema_params=ema,
-    )
-    return new_state, metrics
+    return captured["spec"], loss, new_model_state, scalars, grads
+
+
+def _ema(decay: float | None, step: jax.Array, ema: Any, params: Any) -> Any:
+    """The moving average of the weights after a step (``ema`` unchanged without a decay)."""
+    if not decay:
+        return ema
+    # tf.train.ExponentialMovingAverage(decay, num_updates=global_step)
+    n = (step + 1).astype(jnp.float32)
+    rate = jnp.minimum(decay, (1.0 + n) / (10.0 + n))
+    return jax.tree.map(lambda e, p: rate * e + (1.0 - rate) * p, ema, params)
 
 
 def _all_finite(tree: Any) -> jax.Array:
