@@ -254,3 +254,19 @@ def test_profile_steps_write_a_trace_of_those_steps(tmp_path):
     assert steps == {3, 4, 5}  # loops were cut at 2 and 5 so the trace holds exactly those
     with pytest.raises(ValueError, match="profile_steps"):
         ex.RunConfig(profile_steps=(5, 3))
+
+
+def test_profile_steps_flag_of_every_program():
+    from absl import flags
+
+    from estimax.programs import cli
+
+    fv = flags.FlagValues()
+    cli.define_cluster_flags(fv)  # every program defines these
+    fv(["prog", "--profile_steps=3,5"])
+    assert cli.profile_steps(fv) == (3, 5)
+    fv(["prog", "--profile_steps=7"])
+    assert cli.profile_steps(fv) == (7, 7)
+    fv(["prog", "--profile_steps=5,x"])
+    with pytest.raises(cli.UsageError, match="--profile_steps: .*START,STOP"):
+        cli.profile_steps(fv)
