@@ -119,7 +119,8 @@ def _split_batch(element: Any) -> tuple[Any, Any]:
 
 
 def _check_train_batch(features: Any, per_host: int) -> None:
-    size = int(np.shape(jax.tree.leaves(features)[0])[0])
+    first = features if isinstance(features, np.ndarray) else jax.tree.leaves(features)[0]
+    size = int(np.shape(first)[0])
     if size != per_host:
         raise ValueError(
             f"input_fn yielded a training batch of {size} examples; this host must "

@@ -12,7 +12,7 @@ checkpoint write, a NaN, a hook's error, ``Preempted``).
 | ``PreemptionNotice`` | after every step       | stop, save at an agreed step     | SIGTERM      |
 | ``Watchdog``         | heartbeat every step   | no step in time: stacks, exit 75 | its thread   |
 |                      |                        | (paused around listeners)        |              |
-| ``DeviceTimeline``   | after every dispatch   | device idle time per loop        | its thread   |
+| ``DeviceIdle``       | after every input read | device idle time per loop        |              |
 | ``ProfilerHook``     | around steps it traces | a trace with step markers        | stops it     |
 | ``NonfiniteCheck``   | every loop             | NaN/Inf loss -> ``NanLossError`` |              |
 | ``SkippedStepsReport`` | every loop           | counts non-finite skipped steps  |              |
@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
@@ -82,6 +83,12 @@ def to_host(tree: Any) -> Any:
     return jax.tree.map(
         lambda x: np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x), tree
     )
+
+
+@jax.jit
+def _stack(metrics_list: list[dict[str, jax.Array]]) -> dict[str, jax.Array]:
+    """``[{name: scalar}] * n -> {name: [n]}`` (compiled once per loop length)."""
+    return {k: jnp.stack([m[k] for m in metrics_list]) for k in metrics_list[0]}
 
 
 @dataclasses.dataclass
@@ -229,14 +236,14 @@ class InputReports:
     """Whether the input held training back (``input/wait_fraction``, a warning once) and how
     many bad records it skipped (``input/skipped_records``, a warning when it changes)."""
 
-    def __init__(self, timeline: feeding.DeviceTimeline, summaries: summaries_lib.Summaries | None):
-        self._timeline = timeline
+    def __init__(self, idle: feeding.DeviceIdle, summaries: summaries_lib.Summaries | None):
+        self._idle = idle
         self._summaries = summaries
         self._warned = False
         self._skipped: int | None = 0
 
     def after_loop(self, loop: LoopEnd) -> None:
-        idle_secs, loop_secs = self._timeline.end_loop()
+        idle_secs, loop_secs = self._idle.end_loop()
         if loop_secs > 0:
             self._wait_fraction(loop.end, min(1.0, idle_secs / loop_secs))
         if loop.skipped is not None and loop.skipped != self._skipped:
@@ -417,15 +424,14 @@ class TrainingRun:
         self.watchdog = stack.enter_context(Watchdog(s.config.watchdog_timeout_secs))
         self.watchdog.start(s.start)
         stack.callback(s.checkpointer.wait_until_finished)
-        self.timeline = feeding.DeviceTimeline()
-        stack.callback(self.timeline.close)
+        self.idle = feeding.DeviceIdle()
         self.notice = stack.enter_context(distributed.PreemptionNotice())
         self.saver = Saver(s.config, s.clock, s.start, s.checkpointer, s.listeners, self.watchdog)
         self.reports: list[_Report] = [
             NonfiniteCheck(s.checkpointer, s.model_dir),
             SkippedStepsReport(s.summaries),
             self.logger,
-            InputReports(self.timeline, s.summaries),
+            InputReports(self.idle, s.summaries),
         ]
         self.preempted = self.stopped = False
         self._input_state: Any = None
@@ -465,7 +471,7 @@ class TrainingRun:
 
     def _steps(self, count: int, traced: bool) -> list[Any]:
         """Dispatches up to ``count`` steps, one queued behind the running one; their metrics."""
-        s, feeder, timeline = self.setup, self.setup.feeder, self.timeline
+        s, feeder, idle = self.setup, self.setup.feeder, self.idle
         step_fn, rng, watchdog, notice = s.step_fn, s.rng, self.watchdog, self.notice
         metrics_list: list[Any] = []
         previous = fed = None
@@ -477,7 +483,6 @@ class TrainingRun:
             step += 1
             with jax.profiler.StepTraceAnnotation("train", step_num=step) if traced else _NO_SCOPE:
                 state, metrics = step_fn(state, rng, *fed.value)
-            timeline.dispatched(metrics["loss"], feeder.input_wait_secs)
             metrics_list.append(metrics)
             self._input_state, self._skipped = fed.input_state, fed.num_skipped
             fed = None  # its device buffers go once the step is done with them
@@ -492,13 +497,16 @@ class TrainingRun:
                 # the batches read ahead are not trained on.
                 self.preempted = True
                 break
+            waited = feeder.input_wait_secs
             feeder.fill()  # read and transfer the next batches while this step runs
+            idle.after_read(previous, feeder.input_wait_secs - waited)
         self.state, self.step = state, step
         return metrics_list
 
     def _sync(self, begin: int, metrics_list: list[Any]) -> LoopEnd:
         """The loop's one host sync: its per-step metrics as ``{name: [n]}`` numpy arrays."""
-        fetched = to_host(metrics_list)
+        # Stacked on the devices: one transfer per metric, not one per step and metric (that
+        # cost 6 us per step of host time, bench/overhead.py).
+        metrics = to_host(_stack(metrics_list))
         self.watchdog.heartbeat(self.step)
-        metrics = {k: np.stack([np.asarray(m[k]) for m in fetched]) for k in fetched[0]}
         return LoopEnd(begin, self.step, metrics, self._input_state, self._skipped)
