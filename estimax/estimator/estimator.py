@@ -8,11 +8,15 @@ Who owns what:
 | gradients, cross-replica mean, optimizer | pure steps              | ``steps.train_step`` etc.   |
 | update, weight decay, clip, EMA          |                         |                             |
 | the steps on the mesh (jit, shardings,   | ``Estimator``           | ``_*_fn`` below             |
-| donation), the loops, host syncs         |                         |                             |
+| donation); eval and predict loops        |                         |                             |
+| the training loop and its parts (checks, | ``TrainingRun``         | ``loop.py``                 |
+| reports, saves, listeners, watchdog)     |                         |                             |
+| user code once per host loop             | ``SessionRunHook``      | ``hooks.py``                |
 | batches (per host)                       | the user's ``input_fn`` | host; we pad/shard them     |
-| batches ahead on the devices (bounded)   | ``DevicePrefetcher``    | ``feeding.py``              |
+| batches ahead on the devices (bounded)   | ``DevicePrefetcher``    | ``feeding.py`` (``_feeder``) |
 | position in the input                    | the input iterator      | ``get_state``/``set_state`` |
 | checkpoints (model + input position)     | Orbax ``Checkpointer``  | ``model_dir/checkpoints``   |
+| restoring one (train, eval, predict)     | ``Estimator._restore``  | below                       |
 | cadences (save, log, summaries)          | ``PeriodicAction``      | ``periodic.py``             |
 | summaries and log lines                  | ``Summaries``           | ``model_dir[/eval]``        |
 | many hosts (joining, comparing notes)    | ``jax.distributed``     | ``distributed.py``          |

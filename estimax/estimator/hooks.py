@@ -159,6 +159,7 @@ class LoggingTensorHook(SessionRunHook):
       tensors: metric names (``loss`` or the spec's ``scalars``), or ``{label: name}``.
       every_n_iter: log the values of the steps on this grid.
       every_n_secs: log the loop's last values at most this often.
+      at_end: also log the last values when the run ends.
       formatter: ``{label: value} -> str``; default ``label = value, ...``.
     """
 
@@ -413,7 +414,7 @@ def parse_profile_steps(text: str | None) -> tuple[int, int] | None:
 
 def as_listener(listener: Any) -> Callable[[int], Any]:
     """A saving listener as ``step -> stop?``: a callable, or a ``CheckpointSaverListener``-like
-    object whose ``after_save(session, global_step)`` is called (its ``begin``/``end`` too)."""
+    object whose ``after_save(None, global_step)`` is called (its other methods are not)."""
     if hasattr(listener, "after_save"):
         return lambda step: listener.after_save(None, step)
     return listener
