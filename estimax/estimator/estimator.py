@@ -13,7 +13,7 @@ Who owns what:
 | reports, saves, listeners, watchdog)     |                         |                             |
 | user code once per host loop             | ``SessionRunHook``      | ``hooks.py``                |
 | batches (per host)                       | the user's ``input_fn`` | host; we pad/shard them     |
-| batches ahead on the devices (bounded)   | ``DevicePrefetcher``    | ``feeding.py`` (``_feeder``) |
+| batches ahead on the devices (bounded)   | ``DevicePrefetcher``    | ``feeding.py``; ``_feeder`` |
 | position in the input                    | the input iterator      | ``get_state``/``set_state`` |
 | checkpoints (model + input position)     | Orbax ``Checkpointer``  | ``model_dir/checkpoints``   |
 | restoring one (train, eval, predict)     | ``Estimator._restore``  | below                       |
