@@ -106,7 +106,8 @@ class Bare:
     """init, one jitted donated step, batches through prefetch_to_device(2), no host syncs."""
 
     def __init__(self, name: str, batches):
-        factory, self.batch, _, _ = MODELS[name]
+        factory = MODELS[name][0]
+        self.batch = len(batches[0][1])
         model = factory()
         tx = optax.sgd(0.05, momentum=0.9)
         x0 = jnp.asarray(batches[0][0])
@@ -157,7 +158,8 @@ class Estimated:
     """estimax.Estimator.train on the same model, one long train() call per round."""
 
     def __init__(self, name: str, batches, iterations_per_loop: int):
-        factory, self.batch, _, _ = MODELS[name]
+        factory = MODELS[name][0]
+        self.batch = len(batches[0][1])
 
         def model_fn(features, labels, mode, params):
             logits = factory()(features, train=mode == ex.ModeKeys.TRAIN)
@@ -213,6 +215,7 @@ class Estimated:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", choices=sorted(MODELS), default="mnist")
+    parser.add_argument("--batch_size", type=int, default=None, help="default: the model's")
     parser.add_argument("--iterations_per_loop", type=int, nargs="+", default=[1, 100])
     parser.add_argument("--rounds", type=int, default=5)
     # At least device_prefetch + 1: the Estimator reads its first 2 batches before it restores
@@ -229,6 +232,7 @@ def main() -> None:
     if args.skip < 3:
         parser.error("--skip must be >= 3: the Estimator restores after reading 2 batches.")
     _, batch, shape, classes = MODELS[args.model]
+    batch = args.batch_size or batch
     rng = np.random.default_rng(0)
     batches = [
         (
@@ -287,10 +291,10 @@ def main() -> None:
         if k != "bare_jit_loop"
     }
     what = {
-        "zero": "near-zero-cost model (one 1x2 dense layer), batch 8",
-        "mnist": "MNIST CNN (seed 002), batch 128, float32",
-        "resnet50": "ResNet-50, 224x224, batch 16, float32",
-    }[args.model]
+        "zero": "near-zero-cost model (one 1x2 dense layer)",
+        "mnist": "MNIST CNN (seed 002), float32",
+        "resnet50": "ResNet-50, 224x224, float32",
+    }[args.model] + f", batch {batch}"
     result = {
         "what": f"{what}: train images/s over steps {args.skip}..{args.skip + args.window} of "
         "one train() call (no compile, restore or checkpoint in the window); median of "

@@ -270,3 +270,21 @@ def test_profile_steps_flag_of_every_program():
     fv(["prog", "--profile_steps=5,x"])
     with pytest.raises(cli.UsageError, match="--profile_steps: .*START,STOP"):
         cli.profile_steps(fv)
+
+
+def test_profile_to_an_object_store(tmp_path, object_store):
+    """The trace is written locally, then uploaded where TensorBoard reads it (gs://, s3://)."""
+    from estimax import storage
+
+    url, _ = object_store
+    x, y = data()
+    est = estimator(tmp_path, iterations_per_loop=4)
+    out = f"{url}/run"
+    est.train(ex.numpy_input_fn(x, y), hooks=[ex.ProfilerHook((2, 3), output_dir=out)], max_steps=4)
+    est.close()
+    fs, root = storage.filesystem(out)
+    found = fs.glob(f"{root}/plugins/profile/*/*.xplane.pb")
+    assert len(found) == 1, found
+    local = tmp_path / "downloaded"
+    fs.get(found[0], str(local / "plugins" / "profile" / "run" / "host.xplane.pb"))
+    assert _trace_steps(str(local))[1] == {2, 3}
