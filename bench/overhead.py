@@ -328,11 +328,16 @@ def main() -> None:
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
     }
     out = os.path.join(os.path.dirname(__file__), "results")
+    # A non-default batch gets its own files (the default's results stay comparable).
+    name = args.model + (f"_b{args.batch_size}" if args.batch_size else "")
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, f"overhead_{args.model}.json"), "w") as f:
+    with open(os.path.join(out, f"overhead_{name}.json"), "w") as f:
         json.dump(result, f, indent=2)
-    with open(os.path.join(out, f"overhead_{args.model}.md"), "w") as f:
-        f.write(f"# Estimator.train overhead (bench/overhead.py --model {args.model})\n\n")
+    with open(os.path.join(out, f"overhead_{name}.md"), "w") as f:
+        flags = f"--model {args.model}" + (
+            f" --batch_size {args.batch_size}" if args.batch_size else ""
+        )
+        f.write(f"# Estimator.train overhead (bench/overhead.py {flags})\n\n")
         f.write(
             f"{result['what']}; {args.rounds} rounds. Load average (1, 5, 15 min) "
             f"{result['loadavg_start']} at the start, {result['loadavg_end']} at the end "
