@@ -33,6 +33,17 @@ if TYPE_CHECKING:
     from estimax.estimator.checkpoints import checkpoints_iterator
     from estimax.estimator.estimator import Estimator, NanLossError, TrainState, get_global_step
     from estimax.estimator.export import TensorSpec
+    from estimax.estimator.hooks import (
+        HookSession,
+        LoggingTensorHook,
+        ProfilerHook,
+        SessionRunContext,
+        SessionRunHook,
+        SessionRunValues,
+        StepCounterHook,
+        StopAtStepHook,
+        stop_if_no_decrease_hook,
+    )
     from estimax.estimator.inputs import numpy_input_fn
     from estimax.estimator.replication import REPLICA_AXIS
     from estimax.estimator.spec import (
@@ -59,6 +70,15 @@ _EXPORTS = {
     "RunConfig": "estimax.estimator.spec",
     "TrainSpec": "estimax.estimator.spec",
     "TensorSpec": "estimax.estimator.export",
+    "HookSession": "estimax.estimator.hooks",
+    "LoggingTensorHook": "estimax.estimator.hooks",
+    "ProfilerHook": "estimax.estimator.hooks",
+    "SessionRunContext": "estimax.estimator.hooks",
+    "SessionRunHook": "estimax.estimator.hooks",
+    "SessionRunValues": "estimax.estimator.hooks",
+    "StepCounterHook": "estimax.estimator.hooks",
+    "StopAtStepHook": "estimax.estimator.hooks",
+    "stop_if_no_decrease_hook": "estimax.estimator.hooks",
     "numpy_input_fn": "estimax.estimator.inputs",
     "REPLICA_AXIS": "estimax.estimator.replication",
     "checkpoints_iterator": "estimax.estimator.checkpoints",
@@ -75,11 +95,19 @@ __all__ = [
     "Estimator",
     "EstimatorSpec",
     "EvalSpec",
+    "HookSession",
     "InputContext",
+    "LoggingTensorHook",
     "ModeKeys",
     "NanLossError",
+    "ProfilerHook",
     "REPLICA_AXIS",
     "RunConfig",
+    "SessionRunContext",
+    "SessionRunHook",
+    "SessionRunValues",
+    "StepCounterHook",
+    "StopAtStepHook",
     "TensorSpec",
     "TrainSpec",
     "TrainState",
@@ -88,6 +116,7 @@ __all__ = [
     "losses",
     "metrics",
     "numpy_input_fn",
+    "stop_if_no_decrease_hook",
     "summary",
     "train_and_evaluate",
 ]

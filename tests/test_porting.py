@@ -113,3 +113,58 @@ def test_labels_that_fit_neither_form_are_one_error_naming_both_shapes():
         ex.metrics.accuracy(jnp.eye(10)[:4], logits[:4])
     with pytest.raises(TypeError, match=r"metric_fn returned a list"):
         ex.metrics.from_spec((lambda a: [a], [1]))
+
+
+def _three_class_model_fn(features, labels, mode, params):
+    logits = _Linear()(features)
+    return ex.EstimatorSpec(
+        mode=mode,
+        loss=ex.losses.softmax_cross_entropy(logits, labels),
+        optimizer=optax.sgd(0.1),
+        predictions=logits,
+    )
+
+
+def test_labels_outside_the_class_range_stop_training_with_one_line(tmp_path):
+    from estimax.estimator.label_check import InvalidLabelError
+
+    x, y = _data()
+    y1 = y + 1  # the converters' 1-based labels, fed to 3 logits: label 3 is out of range
+    config = ex.RunConfig(model_dir=str(tmp_path / "run"), iterations_per_loop=4)
+    est = ex.Estimator(_three_class_model_fn, config, train_batch_size=8)
+    with pytest.raises(InvalidLabelError) as raised:
+        est.train(ex.numpy_input_fn(x, y1, shuffle=False), max_steps=8)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert "label value 3 is outside the valid range [0, 3) at step 1" in message
+    assert "subtract 1" in message and "allow_invalid_labels" in message
+    assert est.get_global_step() == 0  # nothing from the bad loop was saved
+
+    # Opting out trains on, counting them in TensorBoard.
+    allowed = ex.Estimator(
+        _three_class_model_fn,
+        ex.RunConfig(
+            model_dir=str(tmp_path / "allowed"), iterations_per_loop=4, allow_invalid_labels=True
+        ),
+        train_batch_size=8,
+    )
+    allowed.train(ex.numpy_input_fn(x, y1, shuffle=False), max_steps=8)
+    assert allowed.get_global_step() == 8
+    from tensorboard.backend.event_processing import event_accumulator
+
+    acc = event_accumulator.EventAccumulator(str(tmp_path / "allowed"))
+    acc.Reload()
+    counted = acc.Scalars("train/invalid_labels")
+    fed = np.concatenate([y1, y1[:24]])  # 8 steps of 8 in order: one pass of 40, then 24 more
+    assert (counted[-1].step, counted[-1].value) == (8, (fed == 3).sum())
+
+
+def test_valid_labels_train_and_eval_as_before(tmp_path):
+    x, y = _data()
+    est = ex.Estimator(
+        _three_class_model_fn,
+        ex.RunConfig(model_dir=str(tmp_path / "run"), iterations_per_loop=4),
+        train_batch_size=8,
+    )
+    est.train(ex.numpy_input_fn(x, y, shuffle=False), max_steps=8)
+    assert est.get_global_step() == 8

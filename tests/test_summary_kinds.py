@@ -89,3 +89,45 @@ def test_a_non_summary_in_summaries_names_the_key():
 
     with pytest.raises(TypeError, match=r"summaries=\{'lr': \.\.\.\}.*scalars="):
         summary.check({"lr": jnp.float32(0.1)})
+
+
+def test_the_estimator_writes_spec_summaries_at_their_true_steps(tmp_path):
+    import flax.linen as nn
+    import optax
+    from tensorboard.backend.event_processing import event_accumulator
+
+    def model_fn(features, labels, mode, params):
+        logits = nn.Dense(3)(features.reshape(features.shape[0], -1))
+        return ex.EstimatorSpec(
+            mode=mode,
+            loss=ex.losses.softmax_cross_entropy(logits, labels),
+            optimizer=optax.sgd(0.1),
+            predictions=logits,
+            summaries={
+                "inputs": ex.summary.image(features, max_outputs=2),
+                "logits": ex.summary.histogram(logits),
+                "predicted": ex.summary.text(logits.argmax(-1), vocabulary=("a", "b", "c")),
+            },
+        )
+
+    rng = np.random.default_rng(0)
+    x = rng.random((32, 4, 4, 1)).astype(np.float32)
+    y = rng.integers(0, 3, 32).astype(np.int32)
+    config = ex.RunConfig(
+        model_dir=str(tmp_path),
+        iterations_per_loop=5,
+        save_summary_steps=3,
+        save_checkpoints_steps=5,
+    )
+    est = ex.Estimator(model_fn, config, train_batch_size=8)
+    est.train(ex.numpy_input_fn(x, y), max_steps=10)
+    acc = event_accumulator.EventAccumulator(
+        str(tmp_path), size_guidance={"images": 0, "histograms": 0, "tensors": 0}
+    )
+    acc.Reload()
+    # The first step and every third, as the scalars; loops of 5 do not change which.
+    assert [e.step for e in acc.Images("inputs/0")] == [1, 3, 6, 9]
+    assert [e.step for e in acc.Histograms("logits")] == [1, 3, 6, 9]
+    assert [e.step for e in acc.Histograms("logits")] == [e.step for e in acc.Scalars("loss")]
+    assert all(h.histogram_value.num == 8 * 3 for h in acc.Histograms("logits"))
+    assert [e.step for e in acc.Tensors("predicted/text_summary")] == [1, 3, 6, 9]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import optax
@@ -203,6 +203,12 @@ class RunConfig:
         optimizer state, batch statistics and EMA stay as they were) instead of stopping
         training with ``NanLossError``; skipped steps are counted (TensorBoard scalar
         ``train/nonfinite_skipped_steps`` and a warning per loop that had any).
+      allow_invalid_labels: train on integer labels outside ``[0, num_classes)`` (their loss is
+        0), counting them (``train/invalid_labels``) with a warning per loop, instead of
+        stopping with ``InvalidLabelError``.
+      profile_steps: ``(START, STOP)``: capture a ``jax.profiler`` trace of training steps
+        START..STOP (inclusive, with step markers) under ``model_dir/plugins/profile/``, where
+        TensorBoard's profile plugin finds it (``estimax.ProfilerHook``); None: no trace.
 
     Mutable collections such as ``batch_stats`` are computed per replica, as on TPU, and
     averaged over replicas after each step (one consistent copy to checkpoint); pass
@@ -221,6 +227,8 @@ class RunConfig:
     device_prefetch: int = 2
     watchdog_timeout_secs: float | None = 1800.0
     skip_nonfinite_steps: bool = False
+    profile_steps: tuple[int, int] | None = None
+    allow_invalid_labels: bool = False
 
     def __post_init__(self) -> None:
         if self.iterations_per_loop < 1:
@@ -241,6 +249,13 @@ class RunConfig:
                 "RunConfig.watchdog_timeout_secs must be >= 0 (0 or None disables it), got "
                 f"{self.watchdog_timeout_secs}."
             )
+        if self.profile_steps is not None and not (
+            len(self.profile_steps) == 2 and 1 <= self.profile_steps[0] <= self.profile_steps[1]
+        ):
+            raise ValueError(
+                "RunConfig.profile_steps must be (START, STOP) with 1 <= START <= STOP, got "
+                f"{self.profile_steps}."
+            )
         if self.keep_checkpoint_max is not None and self.keep_checkpoint_max < 1:
             raise ValueError(
                 "RunConfig.keep_checkpoint_max must be >= 1 or None, got "
@@ -251,10 +266,12 @@ class RunConfig:
 @original_keywords
 @dataclasses.dataclass
 class TrainSpec:
-    """The training half of ``train_and_evaluate``: an input function and where to stop."""
+    """The training half of ``train_and_evaluate``: an input function, where to stop, and the
+    ``SessionRunHook``s passed to ``Estimator.train``."""
 
     input_fn: Callable[[dict], Any]
     max_steps: int | None = None
+    hooks: Sequence[Any] = ()
 
 
 @original_keywords
@@ -269,6 +286,7 @@ class EvalSpec:
       every_steps: evaluate each time this many training steps have been done (the original
         programs' ``steps_per_eval``). None: after each checkpoint save (throttled).
       throttle_secs: with ``every_steps=None``, do not evaluate more often than this.
+      hooks: ``SessionRunHook``s passed to each ``Estimator.evaluate``.
     """
 
     input_fn: Callable[[dict], Any]
@@ -276,3 +294,4 @@ class EvalSpec:
     name: str | None = None
     every_steps: int | None = None
     throttle_secs: float = 600.0
+    hooks: Sequence[Any] = ()
