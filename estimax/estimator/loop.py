@@ -73,6 +73,22 @@ class Preempted(SystemExit):
         )
 
 
+class Interrupted(KeyboardInterrupt):
+    """Training stopped on Ctrl-C (SIGINT) after saving a checkpoint at ``step``.
+
+    A ``KeyboardInterrupt``, as Ctrl-C always is (a notebook cell stops; a script exits 130),
+    but the steps trained since the last checkpoint are saved first, as on SIGTERM.
+    """
+
+    def __init__(self, step: int, model_dir: str):
+        super().__init__(
+            f"Interrupted (Ctrl-C): saved a checkpoint at step {step} in {model_dir}; run the "
+            "same command again to continue from it."
+        )
+        self.step = step
+        self.model_dir = model_dir
+
+
 def to_host(tree: Any) -> Any:
     """Fetches replicated device values (metrics) as numpy, from this process's first copy.
 
@@ -471,7 +487,11 @@ class TrainingRun:
         hooks.end()
         logging.info("Loss for final step: %s.", self.logger.last_loss)
         if self.preempted:
-            stop = Preempted(self.step, self.setup.model_dir)
+            stop: BaseException = (
+                Interrupted(self.step, self.setup.model_dir)
+                if self.notice.signal_name == "SIGINT"
+                else Preempted(self.step, self.setup.model_dir)
+            )
             logging.warning("%s", stop)
             raise stop
         return self.step

@@ -154,6 +154,8 @@ def _run(
     from estimax.data import bigtable
     from estimax.estimator import checkpoints, preflight
     from estimax.estimator.estimator import Preempted
+    from estimax.estimator.label_check import InvalidLabelError
+    from estimax.estimator.loop import Interrupted
 
     try:
         if len(argv) > 1:
@@ -179,10 +181,16 @@ def _run(
         _fatal(str(e))
     except (preflight.PreflightError, checkpoints.ModelMismatchError) as e:
         _fatal(str(e))
+    except InvalidLabelError as e:
+        _fatal(str(e))
     except Preempted as e:
         # The job runner's preemption notice: saved, and a clean exit (status 0).
         print(str(e), flush=True)
         sys.exit(0)
+    except Interrupted as e:
+        # Ctrl-C: saved; the shell's status for an interrupted command.
+        print(str(e), flush=True)
+        sys.exit(130)
     sys.stdout.flush()
 
 
