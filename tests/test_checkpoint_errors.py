@@ -74,15 +74,20 @@ _SCRIPT = textwrap.dedent("""
     if {full}:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))  # as a full disk: EFBIG
-    est = fx.estimator({model_dir!r}, width=256, log_step_count_steps=1)
+    est = fx.estimator({model_dir!r}, width=256, log_step_count_steps={log_every})
     est.train(fx.train_input_fn(), max_steps=4)
 """)
 
 
-def _library_script(model_dir: str, full: bool) -> subprocess.CompletedProcess:
+def _library_script(
+    model_dir: str, full: bool, log_every: int = 100
+) -> subprocess.CompletedProcess:
     """A user's script with no logging set-up; its output goes through a pipe (no size limit)."""
     code = _SCRIPT.format(
-        fixtures=os.path.join(ROOT, "tests", "reliability"), model_dir=model_dir, full=full
+        fixtures=os.path.join(ROOT, "tests", "reliability"),
+        model_dir=model_dir,
+        full=full,
+        log_every=log_every,
     )
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return subprocess.run(
@@ -105,7 +110,7 @@ def test_a_full_disk_at_checkpoint_time_is_the_last_line_of_a_short_output(tmp_p
 
 @pytest.mark.slow
 def test_a_script_without_logging_setup_shows_estimax_lines_and_not_orbaxs(tmp_path):
-    proc = _library_script(str(tmp_path / "run"), full=False)
+    proc = _library_script(str(tmp_path / "run"), full=False, log_every=1)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stderr.splitlines()
     assert any("loss = " in line and "step = 3" in line for line in lines), proc.stderr

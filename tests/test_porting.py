@@ -168,3 +168,59 @@ def test_valid_labels_train_and_eval_as_before(tmp_path):
     )
     est.train(ex.numpy_input_fn(x, y, shuffle=False), max_steps=8)
     assert est.get_global_step() == 8
+
+
+def test_features_and_labels_of_different_batch_sizes_name_both_shapes(tmp_path):
+    est = ex.Estimator(
+        _three_class_model_fn, ex.RunConfig(model_dir=str(tmp_path)), train_batch_size=8
+    )
+
+    def input_fn(params):
+        yield np.zeros((8, 4), np.float32), np.zeros((7,), np.int32)
+
+    with pytest.raises(ValueError, match=r"features \(8, 4\), labels \(7,\)") as raised:
+        est.train(input_fn, max_steps=1)
+    assert "\n" not in str(raised.value)
+
+
+def test_a_training_input_shorter_than_a_batch_says_why(tmp_path):
+    est = ex.Estimator(
+        _three_class_model_fn, ex.RunConfig(model_dir=str(tmp_path)), train_batch_size=16
+    )
+
+    def one_short_epoch(params):  # as a 1-epoch loader of 3 examples with drop_remainder
+        yield from ()
+
+    with pytest.raises(ValueError, match=r"before a whole batch of 16 examples.*num_epochs=None"):
+        est.train(one_short_epoch, max_steps=1)
+
+
+def test_an_endless_eval_input_is_reported(tmp_path, caplog):
+    import logging
+
+    x, y = _data()
+    est = ex.Estimator(
+        _three_class_model_fn,
+        ex.RunConfig(model_dir=str(tmp_path)),
+        train_batch_size=8,
+        eval_batch_size=8,
+        clock=iter(range(0, 10**6, 60)).__next__,  # each reading of the clock: a minute later
+    )
+    est.train(ex.numpy_input_fn(x, y), max_steps=1)
+    endless = ex.numpy_input_fn(x, y, num_epochs=None)  # a training input, by mistake
+    with caplog.at_level(logging.WARNING):
+        results = est.evaluate(endless, steps=30)  # bounded by steps: no warning
+    assert results["num_examples"] == 240
+    assert "has not ended" not in caplog.text
+    from estimax.estimator import feeding
+
+    clock = iter(range(0, 10**6, 60)).__next__
+    watch = feeding.EndlessEvalInput(None, clock)
+    for batch in range(1, 20):
+        watch.check(batch, batch * 8)
+    assert watch.warned  # more than 600 s of clock without an end
+    counted = feeding.EndlessEvalInput(5, lambda: 0.0)
+    with caplog.at_level(logging.WARNING):
+        for batch in range(1, 8):
+            counted.check(batch, batch * 8)
+    assert "more than its len() of 5" in caplog.text

@@ -56,15 +56,17 @@ _DISK_FULL_MARKS = (
 
 
 _UNRAISABLE_HOOKED = False
+_ORBAX_DIR = f"{os.sep}orbax{os.sep}"
 
 
 def _quiet_late_tensorstore_callbacks() -> None:
-    """Sends "Event loop is closed" from TensorStore's late callbacks to the debug log.
+    """Sends the unraisable noise of a failed save or restore to the debug log.
 
     When a save fails (a full disk), Orbax closes its asyncio loop while TensorStore still
     completes the other writes; each completion's ``call_soon_threadsafe`` then raises into
-    ``sys.unraisablehook`` and prints a traceback after estimax's own error. Nothing is lost
-    (the save already failed and was reported), so only those are taken out.
+    ``sys.unraisablehook`` and prints a traceback after estimax's own error. A restore that
+    fails (``ModelMismatchError``) closes Orbax's other pending reads, each printing one too.
+    Nothing is lost (the failure was already reported), so only those are taken out.
     """
     global _UNRAISABLE_HOOKED
     if _UNRAISABLE_HOOKED:
@@ -77,14 +79,16 @@ def _quiet_late_tensorstore_callbacks() -> None:
         tb = unraisable.exc_traceback
         while tb is not None and tb.tb_next is not None:
             tb = tb.tb_next
-        late = (
+        where = tb.tb_frame.f_code.co_filename if tb is not None else ""
+        late_callback = (
             isinstance(value, RuntimeError)
             and str(value) == "Event loop is closed"
-            and tb is not None
-            and tb.tb_frame.f_code.co_filename.endswith(os.path.join("asyncio", "base_events.py"))
+            and where.endswith(os.path.join("asyncio", "base_events.py"))
         )
-        if late:
-            logging.debug("A TensorStore callback after its event loop closed: %s", value)
+        # A failed restore (another model's checkpoint) closes Orbax's other reads mid-way.
+        closed_read = isinstance(value.__cause__, GeneratorExit) and _ORBAX_DIR in where
+        if late_callback or closed_read:
+            logging.debug("After a failed checkpoint save or restore: %s", value)
             return
         previous(unraisable)
 

@@ -128,6 +128,21 @@ def _split_batch(element: Any) -> tuple[Any, Any]:
     return element, None
 
 
+def _check_rows(features: Any, labels: Any) -> None:
+    """One error naming every shape when a batch's arrays disagree on their leading size."""
+    shapes = {
+        f"{part}{jax.tree_util.keystr(path)}": np.shape(leaf)
+        for part, tree in (("features", features), ("labels", labels))
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+    if len({shape[0] if shape else None for shape in shapes.values()}) > 1:
+        described = ", ".join(f"{name} {shape}" for name, shape in shapes.items())
+        raise ValueError(
+            f"input_fn yielded a batch whose arrays differ in batch size: {described}; "
+            "features and labels must have the same leading (batch) size."
+        )
+
+
 def _check_train_batch(features: Any, per_host: int) -> None:
     first = features if isinstance(features, np.ndarray) else jax.tree.leaves(features)[0]
     size = int(np.shape(first)[0])
@@ -449,7 +464,8 @@ class Estimator:
         """
         per_host = replication.per_host_batch(self._batch_size(mode))
         rows = self._per_replica_batch(mode) or 1
-        iterator = iter(input_fn(self._input_params(mode)))
+        iterable = input_fn(self._input_params(mode))
+        iterator = iter(iterable)
         sample: list[Any] = []
 
         def prepare(element: Any) -> tuple[Any, int | None]:
@@ -457,6 +473,7 @@ class Estimator:
             features, labels = _split_batch(element)
             if mode == ModeKeys.PREDICT:
                 labels = None
+            _check_rows(features, labels)
             if mode == ModeKeys.TRAIN:
                 _check_train_batch(features, per_host)
                 host, info = (features, labels), None
@@ -474,6 +491,8 @@ class Estimator:
             size=self.config.device_prefetch,
             limit=limit,
         )
+        with contextlib.suppress(TypeError):  # an infinite input has no len()
+            feeder.expected_batches = len(iterable)  # type: ignore[arg-type]
         return feeder, sample
 
     # ------------------------------------------------------------------ training
@@ -571,7 +590,13 @@ class Estimator:
             _restore_input_position(feeder, checkpointer, start)
         fed = feeder.next()
         if fed is None:
-            raise ValueError("input_fn produced no training batch.")
+            raise ValueError(
+                "input_fn produced no training batch: its input ended before a whole batch of "
+                f"{replication.per_host_batch(self._batch_size(ModeKeys.TRAIN))} examples (this "
+                "host's part of train_batch_size). A finite input (num_epochs=1) with fewer "
+                "examples than that, and drop_remainder, yields none: repeat it "
+                "(num_epochs=None)."
+            )
         state = self._train_state(checkpointer, start, sample.pop())
         self._preflight(state, start)
         setup = loop_lib.Setup(
@@ -738,7 +763,14 @@ class Estimator:
         totals, previous = first_fn(None, variables, step_array, *first.value)
         num_examples, batches, masked = first.info, 1, None
         del first
+        endless = (
+            None
+            if feeder.limited
+            else feeding.EndlessEvalInput(feeder.expected_batches, self._clock)
+        )
         while True:
+            if endless is not None:
+                endless.check(batches, num_examples)
             fed = feeder.next()
             more = any(distributed.any_process(fed is not None))
             if per_loop and batches % per_loop == 0:  # a loop's end: the hooks' turn

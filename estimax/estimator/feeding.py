@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from absl import logging
+
 
 @dataclasses.dataclass
 class Fed:
@@ -72,6 +74,12 @@ class DevicePrefetcher:
         self._ended = False
         self.num_read = 0
         self.input_wait_secs = 0.0  # host seconds blocked on the input iterator
+        self.expected_batches: int | None = None  # the input's len(), where it has one
+
+    @property
+    def limited(self) -> bool:
+        """Whether at most ``limit`` elements are read (the input itself may be endless)."""
+        return self._limit is not None
 
     @property
     def iterator(self) -> Iterator:
@@ -104,6 +112,39 @@ class DevicePrefetcher:
         """The next batch on the devices, or None when the input (or the limit) is exhausted."""
         self.fill()
         return self._queue.popleft() if self._queue else None
+
+
+class EndlessEvalInput:
+    """Warns once when an evaluation's input looks endless: more batches than its ``len()``
+    promised, or still going after ``limit_secs`` (an eval ``input_fn`` must be finite; a
+    training input passed by mistake repeats forever and the evaluation never returns).
+    """
+
+    def __init__(self, expected: int | None, clock: Callable[[], float], limit_secs: float = 600.0):
+        self._expected = expected
+        self._clock = clock
+        self._limit = limit_secs
+        self._start = clock()
+        self.warned = False
+
+    def check(self, batches: int, examples: int) -> None:
+        """Called after each batch with the batches and examples read so far."""
+        if self.warned:
+            return
+        over = self._expected is not None and batches > self._expected
+        if not over and self._clock() - self._start < self._limit:
+            return
+        self.warned = True
+        logging.warning(
+            "evaluate has read %d batches (%d examples)%s and its input has not ended: an eval "
+            "input_fn must be finite (num_epochs=1, shuffle off); a repeating one never ends. "
+            "Pass evaluate(steps=N) to evaluate N batches.",
+            batches,
+            examples,
+            f", more than its len() of {self._expected}"
+            if over
+            else f" in {self._clock() - self._start:.0f} s",
+        )
 
 
 class DeviceIdle:

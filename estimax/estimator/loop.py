@@ -481,8 +481,15 @@ class TrainingRun:
             final = self.fed is None or self.preempted or self.stopped
             self.stopped = self.saver.after_loop(loop, self.state, final) or self.stopped
         if self.step < target and not (self.preempted or self.stopped):
-            logging.info(
-                "Input ended at step %d, before the %d steps asked for.", self.step, target
+            feeder = self.setup.feeder
+            logging.warning(
+                "Input ended at step %d, before the %d steps asked for: this host read %d "
+                "batches of %d examples in this run. A finite input_fn (num_epochs set) ends "
+                "training early; repeat it (num_epochs=None) to train to the step asked for.",
+                self.step,
+                target,
+                feeder.num_read,
+                self.setup.global_batch // max(1, jax.process_count()),
             )
         hooks.end()
         logging.info("Loss for final step: %s.", self.logger.last_loss)
