@@ -289,3 +289,23 @@ def test_profile_to_an_object_store(tmp_path, object_store):
     local = tmp_path / "downloaded"
     fs.get(found[0], str(local / "plugins" / "profile" / "run" / "host.xplane.pb"))
     assert _trace_steps(str(local))[1] == {2, 3}
+
+
+def test_a_failing_hook_still_runs_every_cleanup(tmp_path):
+    """A hook's error reaches the caller; the watchdog stops and the profiler's trace is
+    written (every part is closed under one ExitStack)."""
+    import threading
+
+    class Boom(ex.SessionRunHook):
+        def after_run(self, run_context, run_values):
+            raise RuntimeError("boom")
+
+    x, y = data()
+    est = estimator(tmp_path, profile_steps=(1, 4), watchdog_timeout_secs=3600)
+    with pytest.raises(RuntimeError, match="boom"):
+        est.train(ex.numpy_input_fn(x, y), hooks=[Boom()], max_steps=6)
+    est.close()
+    assert not any(t.name == "estimax-watchdog" for t in threading.enumerate())
+    assert _trace_steps(est.model_dir)[1] == {1, 2}  # the first loop's steps, then the error
+    jax.profiler.start_trace(str(tmp_path / "again"))  # no trace was left running
+    jax.profiler.stop_trace()
