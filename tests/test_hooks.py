@@ -210,7 +210,7 @@ def test_stop_if_no_decrease_hook_reads_the_recorded_evaluations(tmp_path, losse
 def test_train_and_evaluate_passes_the_specs_hooks(tmp_path):
     x, y = data()
     est = estimator(tmp_path)
-    train_hook, eval_hook = Recorder(stop_at=2), Recorder()
+    train_hook, eval_hook = Recorder(stop_at=4), Recorder()
     results, _ = ex.train_and_evaluate(
         est,
         ex.TrainSpec(ex.numpy_input_fn(x, y), max_steps=10, hooks=[train_hook]),
@@ -221,8 +221,9 @@ def test_train_and_evaluate_passes_the_specs_hooks(tmp_path):
         ),
     )
     est.close()
-    assert results["global_step"] == 2  # the train hook's stop ends train_and_evaluate
-    assert [c[2] for c in eval_hook.calls if c[0] == "after_create_session"] == [2]
+    # The train hook's stop (at step 4, where an evaluation falls anyway) ends it all.
+    assert results["global_step"] == 4 and est.get_global_step() == 4
+    assert [c[2] for c in eval_hook.calls if c[0] == "after_create_session"] == [4]
 
 
 def test_hooks_must_be_session_run_hooks(tmp_path):
@@ -288,3 +289,23 @@ def test_profile_to_an_object_store(tmp_path, object_store):
     local = tmp_path / "downloaded"
     fs.get(found[0], str(local / "plugins" / "profile" / "run" / "host.xplane.pb"))
     assert _trace_steps(str(local))[1] == {2, 3}
+
+
+def test_a_failing_hook_still_runs_every_cleanup(tmp_path):
+    """A hook's error reaches the caller; the watchdog stops and the profiler's trace is
+    written (every part is closed under one ExitStack)."""
+    import threading
+
+    class Boom(ex.SessionRunHook):
+        def after_run(self, run_context, run_values):
+            raise RuntimeError("boom")
+
+    x, y = data()
+    est = estimator(tmp_path, profile_steps=(1, 4), watchdog_timeout_secs=3600)
+    with pytest.raises(RuntimeError, match="boom"):
+        est.train(ex.numpy_input_fn(x, y), hooks=[Boom()], max_steps=6)
+    est.close()
+    assert not any(t.name == "estimax-watchdog" for t in threading.enumerate())
+    assert _trace_steps(est.model_dir)[1] == {1, 2}  # the first loop's steps, then the error
+    jax.profiler.start_trace(str(tmp_path / "again"))  # no trace was left running
+    jax.profiler.stop_trace()

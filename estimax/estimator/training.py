@@ -10,6 +10,7 @@ import jax
 from absl import logging
 
 from estimax.estimator import periodic, summaries
+from estimax.estimator.hooks import SessionRunContext, SessionRunHook, SessionRunValues
 from estimax.estimator.spec import EvalSpec, TrainSpec
 
 if TYPE_CHECKING:
@@ -76,12 +77,23 @@ def _every_steps(
         results = evaluate()
     while current < max_steps:
         target = min(max_steps, (current // every_steps + 1) * every_steps)
-        estimator.train(train_spec.input_fn, max_steps=target, hooks=train_spec.hooks)
+        stop = _StopSeen()  # last: sees a stop any of the spec's hooks requested
+        estimator.train(train_spec.input_fn, max_steps=target, hooks=[*train_spec.hooks, stop])
         current = estimator.get_global_step()
         results = evaluate()
-        if current < target:  # a hook or listener stopped training, or the input ended
+        if current < target or stop.requested:  # a hook stopped training, or the input ended
             break
     return results
+
+
+class _StopSeen(SessionRunHook):
+    """Notes whether a hook asked training to stop (the hooks share one run context)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def after_run(self, run_context: SessionRunContext, run_values: SessionRunValues) -> None:
+        self.requested = self.requested or run_context.stop_requested
 
 
 def _after_saves(
