@@ -16,7 +16,12 @@ Serving needs JAX and the export directory only: nothing here imports the model'
 """
 
 from estimax.serving.artifact import ExportedModel, load
-from estimax.serving.preprocess import Preprocessing, inception_eval, resnet_eval
+from estimax.serving.preprocess import (
+    Preprocessing,
+    image_preprocessing,
+    inception_eval,
+    resnet_eval,
+)
 from estimax.serving.servable import InvalidInput, Servable
 from estimax.serving.versions import ExportCheckError, check_version, export_version, list_versions
 
@@ -28,6 +33,7 @@ __all__ = [
     "Servable",
     "check_version",
     "export_version",
+    "image_preprocessing",
     "inception_eval",
     "list_versions",
     "load",
