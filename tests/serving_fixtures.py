@@ -137,3 +137,41 @@ def running_server(args: list[str], timeout: float = 180.0):
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def export_dense(root: str) -> str:
+    """A small, fast-to-build export (a dense layer over 32x32 RGB) taking raw JPEG bytes.
+
+    It goes through the real raw-image path (JPEG decoded and preprocessed in the server);
+    returns the model base path holding version 1.
+    """
+    import flax.linen as nn
+
+    from estimax import serving
+
+    def dense_model_fn(features, labels, mode, params):
+        x = features.astype(jnp.float32).reshape(features.shape[0], -1) / 255.0
+        logits = nn.Dense(NUM_CLASSES)(x)
+        predictions = {"classes": logits.argmax(-1), "probabilities": jax.nn.softmax(logits)}
+        if mode == ex.ModeKeys.PREDICT:
+            return ex.EstimatorSpec(mode=mode, predictions=predictions)
+        return ex.EstimatorSpec(
+            mode=mode,
+            loss=ex.losses.softmax_cross_entropy(logits, labels),
+            optimizer=optax.sgd(0.1),
+            predictions=predictions,
+        )
+
+    images, labels = make_jpegs(8)
+    est = ex.Estimator(
+        dense_model_fn,
+        ex.RunConfig(model_dir=os.path.join(root, "model")),
+        train_batch_size=8,
+        predict_batch_size=8,
+    )
+    est.train(ex.numpy_input_fn(preprocess_all(images), labels), max_steps=1)
+    base = os.path.join(root, "serving")
+    serving.export_version(
+        est, base, preprocessing=serving.resnet_eval(IMAGE_SIZE), check_inputs=images[:2]
+    )
+    return base

@@ -452,7 +452,8 @@ class V2Rest:
         )
 
     def _columns(self, servable: Servable, inputs: list, binary: bytes | None) -> dict[str, Any]:
-        columns: dict[str, Any] = {}
+        # First the binary data's layout (every input's slice, all bytes claimed), then decoding.
+        raws: list[bytes | None] = []
         offset = 0
         for i, tensor in enumerate(inputs):
             where = f"inputs[{i}]"
@@ -463,32 +464,42 @@ class V2Rest:
                     "(or parameters.binary_data_size)",
                 )
             size = _parameters(tensor, where).get("binary_data_size")
-            raw = None
-            if size is not None:
-                if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-                    raise ApiError(400, f"{where}: binary_data_size must be a non-negative integer")
-                if binary is None:
+            if size is None:
+                if "data" not in tensor:
                     raise ApiError(
                         400,
-                        f"{where}: binary_data_size is given but the request has no "
-                        f"{v2.HEADER_LENGTH} header (binary tensor data extension)",
+                        f"{where} must have 'name', 'shape', 'datatype' and 'data' "
+                        "(or parameters.binary_data_size)",
                     )
-                if offset + size > len(binary):
-                    raise ApiError(
-                        400,
-                        f"{where}: binary_data_size {size} runs past the {len(binary)} bytes of "
-                        "binary data after the JSON header",
-                    )
-                raw, offset = binary[offset : offset + size], offset + size
-            elif "data" not in tensor:
+                raws.append(None)
+                continue
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+                raise ApiError(400, f"{where}: binary_data_size must be a non-negative integer")
+            if binary is None:
                 raise ApiError(
                     400,
-                    f"{where} must have 'name', 'shape', 'datatype' and 'data' "
-                    "(or parameters.binary_data_size)",
+                    f"{where}: binary_data_size is given but the request has no "
+                    f"{v2.HEADER_LENGTH} header (binary tensor data extension)",
                 )
+            if offset + size > len(binary):
+                raise ApiError(
+                    400,
+                    f"{where}: binary_data_size {size} runs past the {len(binary)} bytes of "
+                    "binary data after the JSON header",
+                )
+            raws.append(binary[offset : offset + size])
+            offset += size
+        if binary is not None and offset != len(binary):
+            raise ApiError(
+                400,
+                f"{len(binary) - offset} bytes of binary data after the JSON header belong to "
+                "no input (their binary_data_size values add up to less)",
+            )
+        columns: dict[str, Any] = {}
+        for i, (tensor, raw) in enumerate(zip(inputs, raws, strict=True)):
             name, column = v2.decode_input(
                 servable,
-                where,
+                f"inputs[{i}]",
                 tensor["name"],
                 tensor["shape"],
                 tensor["datatype"],
@@ -497,14 +508,8 @@ class V2Rest:
                 raw=raw,
             )
             if name in columns:
-                raise ApiError(400, f"{where}: input {name!r} is given twice")
+                raise ApiError(400, f"inputs[{i}]: input {name!r} is given twice")
             columns[name] = column
-        if binary is not None and offset != len(binary):
-            raise ApiError(
-                400,
-                f"{len(binary) - offset} bytes of binary data after the JSON header belong to "
-                "no input (their binary_data_size values add up to less)",
-            )
         return columns
 
     def _wanted(
