@@ -106,13 +106,18 @@ def server_env() -> dict[str, str]:
 @contextlib.contextmanager
 def running_server(args: list[str], timeout: float = 180.0):
     """Starts ``estimax serve ARGS --port=P`` and yields its base URL once it is ready."""
+    import tempfile
+
     import requests
 
     port = free_port()
+    # Its output goes to a file, not a pipe: a pipe nobody reads stops a chatty server once
+    # its buffer is full (the server would hang, not the test fail).
+    log = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "estimax.serving.cli", "serve", f"--port={port}", *args],
         env=server_env(),
-        stdout=subprocess.PIPE,
+        stdout=log,
         stderr=subprocess.STDOUT,
         text=True,
     )
@@ -121,7 +126,8 @@ def running_server(args: list[str], timeout: float = 180.0):
         deadline = time.monotonic() + timeout
         while True:  # wait for readiness (a process start, not a timed assertion)
             if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}: {proc.stdout.read()}")
+                log.seek(0)
+                raise RuntimeError(f"server exited with {proc.returncode}: {log.read()[-4000:]}")
             try:
                 if requests.get(url + "/v2/health/ready", timeout=2).status_code == 200:
                     break
@@ -137,6 +143,7 @@ def running_server(args: list[str], timeout: float = 180.0):
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+        log.close()
 
 
 def export_dense(root: str) -> str:

@@ -357,7 +357,14 @@ def test_tf_serving_prediction_service_client_equals_the_rest_json_route(served)
             (
                 lambda: stub.Classify(classification_pb2.ClassificationRequest()),
                 grpc.StatusCode.UNIMPLEMENTED,
-                "",
+                "call Predict",
+            ),
+            (
+                lambda: channel.unary_unary("/tensorflow.serving.PredictionService/Predict")(
+                    b"\x0a\xff\xff"
+                ),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "not a valid message",
             ),
         ):
             with pytest.raises(grpc.RpcError) as e:
@@ -439,3 +446,110 @@ def fx_wait(condition, timeout=120.0):
     while not condition():
         assert time.monotonic() < deadline, "condition not reached"
         time.sleep(0.05)
+
+
+# ----------------------------------------------------------------------------- numbers
+def test_an_array_model_answers_the_same_on_every_route_and_encoding(tmp_path):
+    # Raw little-endian FP32 (HTTP binary, gRPC raw contents, TensorProto tensor_content) and
+    # typed values (JSON, gRPC fp32_contents, TensorProto float_val) all reach the same model.
+    import flax.linen as nn
+    import jax
+    import optax
+
+    import estimax as ex
+    from estimax import serving
+
+    def model_fn(features, labels, mode, params):
+        logits = nn.Dense(3)(features)
+        predictions = {"classes": logits.argmax(-1), "probabilities": jax.nn.softmax(logits)}
+        if mode == ex.ModeKeys.PREDICT:
+            return ex.EstimatorSpec(mode=mode, predictions=predictions)
+        return ex.EstimatorSpec(
+            mode=mode,
+            loss=ex.losses.softmax_cross_entropy(logits, labels),
+            optimizer=optax.sgd(0.5),
+            predictions=predictions,
+        )
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 4)).astype(np.float32)
+    est = ex.Estimator(
+        model_fn,
+        ex.RunConfig(model_dir=str(tmp_path / "model")),
+        train_batch_size=8,
+        predict_batch_size=8,
+    )
+    est.train(ex.numpy_input_fn(x, (x[:, 0] > 0).astype(np.int32)), max_steps=2)
+    base = tmp_path / "serving"
+    serving.export_version(est, str(base), serving_input=ex.TensorSpec((None, 4), np.float32))
+    rows = x[:5]
+    grpc_port = fx.free_port()
+    with fx.running_server(
+        [f"--model_base_path={base}", "--model_name=arr", f"--grpc_port={grpc_port}"]
+    ) as (url, _):
+        r = requests.post(f"{url}/v1/models/arr:predict", json={"instances": rows.tolist()})
+        assert r.status_code == 200, r.text
+        expected = {
+            "classes": np.asarray([p["classes"] for p in r.json()["predictions"]]),
+            "probabilities": np.asarray(
+                [p["probabilities"] for p in r.json()["predictions"]], np.float32
+            ),
+        }
+        answers = []
+        client = triton_http.InferenceServerClient(url.removeprefix("http://"))
+        for binary in (True, False):
+            inputs = [triton_http.InferInput("input", list(rows.shape), "FP32")]
+            inputs[0].set_data_from_numpy(rows, binary_data=binary)
+            result = client.infer("arr", inputs)
+            answers.append((f"http binary={binary}", result))
+        gclient = triton_grpc.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+        try:
+            inputs = [triton_grpc.InferInput("input", list(rows.shape), "FP32")]
+            inputs[0].set_data_from_numpy(rows)  # raw_input_contents
+            answers.append(("grpc raw", gclient.infer("arr", inputs)))
+        finally:
+            gclient.close()
+        for name, result in answers:
+            assert result.as_numpy("probabilities").dtype == np.float32, name
+            assert_same(result.as_numpy("classes"), result.as_numpy("probabilities"), expected)
+        shape = tensor_shape_pb2.TensorShapeProto(
+            dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=s) for s in rows.shape]
+        )
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+            for tensor in (
+                tensor_pb2.TensorProto(
+                    dtype=types_pb2.DT_FLOAT, tensor_shape=shape, tensor_content=rows.tobytes()
+                ),
+                tensor_pb2.TensorProto(
+                    dtype=types_pb2.DT_FLOAT, tensor_shape=shape, float_val=rows.ravel().tolist()
+                ),
+            ):
+                request = predict_pb2.PredictRequest()
+                request.model_spec.name = "arr"
+                request.inputs["input"].CopyFrom(tensor)
+                response = stub.Predict(request, timeout=60)
+                assert_same(
+                    list(response.outputs["classes"].int_val),
+                    np.reshape(response.outputs["probabilities"].float_val, (len(rows), 3)),
+                    expected,
+                )
+            short = tensor_pb2.TensorProto(
+                dtype=types_pb2.DT_FLOAT, tensor_shape=shape, tensor_content=rows.tobytes()[:-4]
+            )
+            request.inputs["input"].CopyFrom(short)
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Predict(request, timeout=60)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "tensor_content" in e.value.details()
+        # A raw FP32 tensor whose byte size does not fit its shape.
+        text = (
+            b'{"inputs":[{"name":"input","shape":[5,4],"datatype":"FP32",'
+            b'"parameters":{"binary_data_size":76}}]}'
+        )
+        r = requests.post(
+            f"{url}/v2/models/arr/infer",
+            data=text + rows.tobytes()[:76],
+            headers={"Inference-Header-Content-Length": str(len(text))},
+        )
+        assert r.status_code == 400 and "needs 80 bytes, got 76" in r.json()["error"], r.text

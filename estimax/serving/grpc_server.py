@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 from google.protobuf import any_pb2
+from google.protobuf.message import DecodeError
 
 from estimax.serving import v2
 from estimax.serving.core import (
@@ -86,7 +87,7 @@ async def _answer(context: grpc.aio.ServicerContext, call: Awaitable[_T]) -> _T:
 
 
 # ----------------------------------------------------------------------------- TensorProto
-def tensor_to_column(proto: Any, name: str, servable: Servable, count: Callable) -> Any:
+def tensor_to_column(proto: Any, name: str, servable: Servable, core: ServingCore) -> Any:
     """A request ``TensorProto`` -> the column ``Servable.prepare`` takes (400 if unfit)."""
     where = f"input {name!r}"
     if name not in servable.inputs:
@@ -102,8 +103,16 @@ def tensor_to_column(proto: Any, name: str, servable: Servable, count: Callable)
     shape = [int(d.size) for d in proto.tensor_shape.dim]
     if not shape or any(d < 0 for d in shape):
         raise ApiError(400, f"{where}: shape {shape} must be [batch, ...] with sizes >= 0")
-    count(shape[0])
+    core.count(shape[0])
     elements = math.prod(shape)
+    dtype = numpy_dtype(want)
+    if elements * dtype.itemsize > core.options.max_body_bytes:
+        # What a request may make the server allocate (one value fills the whole tensor).
+        raise ApiError(
+            400,
+            f"{where}: shape {shape} is larger than this server accepts "
+            f"({core.options.max_body_bytes} bytes; see --max_body_bytes)",
+        )
     if want.v2 == "BYTES":
         values = list(proto.string_val)
         if len(values) != elements or (name == IMAGE_INPUT and len(shape) != 1):
@@ -113,7 +122,6 @@ def tensor_to_column(proto: Any, name: str, servable: Servable, count: Callable)
                 + (" (image bytes have shape [batch])" if name == IMAGE_INPUT else ""),
             )
         return values
-    dtype = numpy_dtype(want)
     if proto.tensor_content:
         if len(proto.tensor_content) != elements * dtype.itemsize:
             raise ApiError(
@@ -203,8 +211,7 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
                     f"{sorted(servable.inputs)}",
                 )
             columns = {
-                n: tensor_to_column(t, n, servable, self.core.count)
-                for n, t in request.inputs.items()
+                n: tensor_to_column(t, n, servable, self.core) for n, t in request.inputs.items()
             }
             wanted = list(request.output_filter) or list(servable.outputs)
             self.core.check_outputs(servable, wanted)
@@ -245,6 +252,27 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
             response.metadata["signature_def"].CopyFrom(packed)
             return response
 
+    async def Classify(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        """UNIMPLEMENTED: exports have a predict signature."""
+        await _unimplemented(context, "Classify")
+
+    async def Regress(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        """UNIMPLEMENTED: exports have a predict signature."""
+        await _unimplemented(context, "Regress")
+
+    async def MultiInference(  # noqa: N802
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> Any:
+        """UNIMPLEMENTED: exports have a predict signature."""
+        await _unimplemented(context, "MultiInference")
+
+
+async def _unimplemented(context: grpc.aio.ServicerContext, method: str) -> None:
+    await context.abort(
+        grpc.StatusCode.UNIMPLEMENTED,
+        f"{method} is not supported: estimax exports have one predict signature; call Predict",
+    )
+
 
 class ModelService(model_service_pb2_grpc.ModelServiceServicer):
     """TF Serving's ``ModelService``: ``GetModelStatus`` (reloading config: UNIMPLEMENTED)."""
@@ -258,6 +286,16 @@ class ModelService(model_service_pb2_grpc.ModelServiceServicer):
     ) -> Any:
         """The state of every version (or of the one asked for)."""
         return await _answer(context, self._status(request))
+
+    async def HandleReloadConfigRequest(  # noqa: N802
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> Any:
+        """UNIMPLEMENTED: versions come from --model_base_path, polled."""
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "HandleReloadConfigRequest is not supported: estimax serve loads the versions under "
+            "--model_base_path (polled every --file_system_poll_wait_seconds)",
+        )
 
     async def _status(self, request: Any) -> Any:
         spec = request.model_spec
@@ -403,6 +441,51 @@ def _contents(tensor: Any, where: str) -> list:
     return list(getattr(tensor.contents, field))
 
 
+class _Collect:
+    """Takes what a generated ``add_*Servicer_to_server`` registers, to register it changed."""
+
+    def __init__(self) -> None:
+        self.services: dict[str, dict[str, Any]] = {}
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        """Ignored: the same handlers come to ``add_registered_method_handlers``."""
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        """Keeps ``{method: RpcMethodHandler}`` of ``service``."""
+        self.services[service] = handlers
+
+
+class _Malformed:
+    """A request body that is not the method's message (parsed lazily into an answer)."""
+
+    def __init__(self, error: str):
+        self.error = error
+
+
+def _lenient(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    # grpcio answers a message that fails to parse with INTERNAL and logs a traceback each
+    # time (megabytes under a fuzzer); it is the client's mistake: INVALID_ARGUMENT, no log.
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except DecodeError as e:
+            return _Malformed(str(e))
+
+    return parse
+
+
+def _checked(behavior: Callable[[Any, Any], Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, _Malformed):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"The request is not a valid message: {request.error}",
+            )
+        return await behavior(request, context)
+
+    return call
+
+
 async def start(core: ServingCore, host: str, port: int) -> grpc.aio.Server:
     """Starts the three services on ``host:port`` in the running loop; returns the server."""
     limit = core.options.max_body_bytes
@@ -413,11 +496,23 @@ async def start(core: ServingCore, host: str, port: int) -> grpc.aio.Server:
             ("grpc.max_send_message_length", -1),
         ]
     )
+    collect = _Collect()
     prediction_service_pb2_grpc.add_PredictionServiceServicer_to_server(
-        PredictionService(core), server
+        PredictionService(core), collect
     )
-    model_service_pb2_grpc.add_ModelServiceServicer_to_server(ModelService(core), server)
-    grpc_v2.add_GRPCInferenceServiceServicer_to_server(InferenceService(core), server)
+    model_service_pb2_grpc.add_ModelServiceServicer_to_server(ModelService(core), collect)
+    grpc_v2.add_GRPCInferenceServiceServicer_to_server(InferenceService(core), collect)
+    for service, handlers in collect.services.items():
+        handlers = {
+            method: grpc.unary_unary_rpc_method_handler(
+                _checked(h.unary_unary),
+                request_deserializer=_lenient(h.request_deserializer),
+                response_serializer=h.response_serializer,
+            )
+            for method, h in handlers.items()
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+        server.add_registered_method_handlers(service, handlers)
     server.add_insecure_port(f"{host}:{port}")
     await server.start()
     return server
