@@ -376,6 +376,21 @@ def test_tf_serving_prediction_service_client_equals_the_rest_json_route(served)
         assert list(response.outputs["classes"].int_val) == expected["classes"][:1].tolist()
 
 
+def test_port_mistakes_get_one_line_and_exit_2(served, capsys, tmp_path):
+    from estimax.serving import cli
+
+    busy = served["grpc"].rsplit(":", 1)[1]
+    for args, message in (
+        ([f"--grpc_port={busy}"], f"--grpc_port={busy}: cannot listen"),
+        (["--port=18123", "--grpc_port=18123"], "is also --port"),
+        (["--grpc_port=70000"], "is not a TCP port"),
+    ):
+        capsys.readouterr()
+        assert cli.main(["serve", f"--model_base_path={tmp_path}", *args]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+
+
 # ----------------------------------------------------------------------------- hot reload
 def test_new_version_under_grpc_traffic_drops_no_request(served):
     images, base = served["images"], served["base"]

@@ -494,6 +494,9 @@ async def start(core: ServingCore, host: str, port: int) -> grpc.aio.Server:
             # The HTTP body limit bounds a gRPC message too (RESOURCE_EXHAUSTED past it).
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", -1),
+            # grpcio shares a port with another process by default (SO_REUSEPORT): a second
+            # server on the same --grpc_port would silently get half the calls.
+            ("grpc.so_reuseport", 0),
         ]
     )
     collect = _Collect()
