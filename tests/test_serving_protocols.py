@@ -392,8 +392,25 @@ def test_port_mistakes_get_one_line_and_exit_2(served, capsys, tmp_path):
 
 
 # ----------------------------------------------------------------------------- hot reload
-def test_new_version_under_grpc_traffic_drops_no_request(served):
-    images, base = served["images"], served["base"]
+def test_new_version_under_grpc_traffic_drops_no_request(served, tmp_path):
+    # Its own server and base path: the other tests' server keeps serving version 1 only.
+    images, base = served["images"], str(tmp_path / "models")
+    shutil.copytree(os.path.join(served["base"], "1"), os.path.join(base, "1"))
+    grpc_port = fx.free_port()
+    args = [
+        f"--model_base_path={base}",
+        f"--model_name={NAME}",
+        f"--grpc_port={grpc_port}",
+        "--file_system_poll_wait_seconds=0.2",
+        "--enable_batching",
+        "--max_batch_size=8",
+        "--batch_timeout_micros=2000",
+    ]
+    with fx.running_server(args):
+        reload_under_traffic({"grpc": f"127.0.0.1:{grpc_port}"}, images, base)
+
+
+def reload_under_traffic(served, images, base):
     results, stop = [], threading.Event()
 
     def tf_client():

@@ -526,9 +526,12 @@ class V2Rest:
         self.core.check_outputs(servable, wanted)
         as_binary = {}
         for i, o in enumerate(requested):
-            flag = _flag(_parameters(o, f"outputs[{i}]"), "binary_data", f"outputs[{i}]")
+            # Per output "binary_data"; without it the request's "binary_data_output".
+            parameters = _parameters(o, f"outputs[{i}]")
             as_binary[o["name"]] = (
-                flag if "binary_data" in o.get("parameters", {}) else (binary_default)
+                _flag(parameters, "binary_data", f"outputs[{i}]")
+                if "binary_data" in parameters
+                else binary_default
             )
         return wanted, as_binary
 
