@@ -585,3 +585,20 @@ def test_an_array_model_answers_the_same_on_every_route_and_encoding(tmp_path):
             headers={"Inference-Header-Content-Length": str(len(text))},
         )
         assert r.status_code == 400 and "needs 80 bytes, got 76" in r.json()["error"], r.text
+
+
+def test_checked_in_protos_are_what_the_proto_files_generate():
+    # grpcio-tools is the `protos` extra (regenerating them), not needed to serve or test.
+    pytest.importorskip("grpc_tools")
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, os.path.join(root, "scripts", "gen_protos.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "match the .proto files" in proc.stdout
