@@ -19,7 +19,7 @@ machine (load 11), where no serving overhead is visible. Then:
 Every request must answer with one prediction: errors and lost requests are counted.
 The client threads share the machine's cores with the server, as on any single-host test.
 
-    .venv/bin/python bench/serving.py [--requests 2000 --clients 32 --routes all]
+    .venv/bin/python bench/serving.py [--requests 2000 --clients 32 --routes all --repeats 3]
 
 Writes bench/results/serving.json and bench/results/serving.md.
 """
@@ -131,6 +131,11 @@ def load_test(route: Route, total: int, clients: int, max_seconds: float) -> dic
         "requests_per_s": len(latencies) / wall,
         **percentiles(latencies or [0.0]),
     }
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median requests/s."""
+    return sorted(runs, key=lambda r: r["requests_per_s"])[len(runs) // 2]
 
 
 class Route:
@@ -322,6 +327,7 @@ def main() -> None:
     parser.add_argument(
         "--routes", default="all", help=f"comma-separated among {sorted(ROUTES)}, or all"
     )
+    parser.add_argument("--repeats", type=int, default=3, help="rounds over the routes")
     args = parser.parse_args()
     routes = list(ROUTES) if args.routes == "all" else args.routes.split(",")
 
@@ -374,22 +380,31 @@ def main() -> None:
                     *flags,
                 ]
             ) as (url, _):
+                made = {}
                 for name in routes:
-                    cls = ROUTES[name]
                     address = f"127.0.0.1:{grpc_port}" if name.startswith("grpc") else url
-                    route = cls(address, images)
-                    load_test(route, 64, 8, 60)  # warm the connections and threads
-                    run = load_test(route, args.requests, args.clients, args.max_seconds)
-                    # A lone client: what a request costs with no company.
-                    lone = load_test(route, args.lone_requests, 1, args.max_seconds)
+                    made[name] = ROUTES[name](address, images)
+                    load_test(made[name], 64, 8, 60)  # warm the connections and threads
                     results["runs"][f"{server}/{name}"] = {
                         "server": server,
-                        "route": cls.label,
+                        "route": made[name].label,
                         "flags": flags,
-                        "concurrent": run,
-                        "lone": lone,
+                        "concurrent": [],
+                        "lone": [],
                     }
-                    print(server, name, run, lone, flush=True)
+                # Rounds over the routes in turn: the machine's other load changes by the
+                # second, and interleaving spreads it over every route alike.
+                for _ in range(args.repeats):
+                    for name, route in made.items():
+                        run = results["runs"][f"{server}/{name}"]
+                        run["concurrent"].append(
+                            load_test(route, args.requests, args.clients, args.max_seconds)
+                        )
+                        # A lone client: what a request costs with no company.
+                        run["lone"].append(
+                            load_test(route, args.lone_requests, 1, args.max_seconds)
+                        )
+                        print(server, name, run["concurrent"][-1], run["lone"][-1], flush=True)
     results["load_after"] = open("/proc/loadavg").read().split()[:3]
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "serving.json"), "w") as f:
@@ -406,18 +421,23 @@ def main() -> None:
         f"In-process `Servable.predict_images`, sequential: {r['requests']} requests, "
         f"{r['requests_per_s']:.1f} req/s, p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms.",
         "",
-        f"| server | route | ok / sent | errors | lost | req/s ({args.clients} clients) | p50 ms "
-        "| p99 ms | lone req/s | lone p50 ms | lone p99 ms |",
+        f"Each route ran {args.repeats} rounds (routes interleaved); the row shows the round "
+        "with the median req/s (and the range of req/s over the rounds).",
+        "",
+        f"| server | route | ok / sent | errors | lost | req/s, {args.clients} clients (range) "
+        "| p50 ms | p99 ms | lone req/s | lone p50 ms | lone p99 ms |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in results["runs"].values():
-        c, lone = run["concurrent"], run["lone"]
+        every = run["concurrent"] + run["lone"]
+        c, lone = median_run(run["concurrent"]), median_run(run["lone"])
+        spread = sorted(r["requests_per_s"] for r in run["concurrent"])
         lines.append(
-            f"| {run['server']} | {run['route']} | {c['ok'] + lone['ok']} / "
-            f"{c['sent'] + lone['sent']} | {c['errors'] + lone['errors']} | "
-            f"{c['lost'] + lone['lost']} | {c['requests_per_s']:.1f} | {c['p50_ms']:.1f} | "
-            f"{c['p99_ms']:.1f} | {lone['requests_per_s']:.1f} | {lone['p50_ms']:.1f} | "
-            f"{lone['p99_ms']:.1f} |"
+            f"| {run['server']} | {run['route']} | {sum(r['ok'] for r in every)} / "
+            f"{sum(r['sent'] for r in every)} | {sum(r['errors'] for r in every)} | "
+            f"{sum(r['lost'] for r in every)} | {c['requests_per_s']:.0f} "
+            f"({spread[0]:.0f}-{spread[-1]:.0f}) | {c['p50_ms']:.1f} | {c['p99_ms']:.1f} | "
+            f"{lone['requests_per_s']:.0f} | {lone['p50_ms']:.1f} | {lone['p99_ms']:.1f} |"
         )
     batching = next((r for r in results["runs"].values() if r["flags"]), None)
     if batching:

@@ -131,12 +131,19 @@ def tensor_to_column(proto: Any, name: str, servable: Servable, core: ServingCor
             )
         return np.frombuffer(proto.tensor_content, dtype).reshape(shape)
     field = getattr(proto, _VALUE_FIELD[want.tf])
-    if want.tf in ("DT_HALF", "DT_BFLOAT16"):
-        flat = np.asarray(field, np.uint16).view(dtype)
+    if not len(field):
+        flat = np.zeros(0, dtype)
+    elif want.tf in ("DT_HALF", "DT_BFLOAT16"):
+        bits = np.asarray(field)
+        if bits.min() < 0 or bits.max() > 0xFFFF:
+            raise ApiError(400, f"{where}: half_val holds 16-bit patterns (0..65535)")
+        flat = bits.astype(np.uint16).view(dtype)
     else:
-        flat = np.asarray(field, dtype)
+        # In the field's own width (int_val carries int8..uint16): Servable.prepare range-checks
+        # and casts, so 300 for a uint8 input is a 400 naming the input, not an overflow.
+        flat = np.asarray(field)
     if flat.size == 1 and elements != 1:  # TF fills a tensor from one given value
-        flat = np.full(elements, flat[0], dtype)
+        flat = np.full(elements, flat[0], flat.dtype)
     if flat.size != elements:
         raise ApiError(400, f"{where}: shape {shape} needs {elements} values, got {flat.size}")
     return flat.reshape(shape)
