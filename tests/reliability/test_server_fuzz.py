@@ -87,8 +87,16 @@ def test_openapi_describes_both_protocols_with_their_schemas(server):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    base = fx.export_dense(str(tmp_path_factory.mktemp("server_fuzz")))
+def exported(tmp_path_factory):
+    """Version 1 of the small model, exported once for the module's servers."""
+    return fx.export_dense(str(tmp_path_factory.mktemp("server_fuzz")))
+
+
+def _serve(exported, tmp_path_factory, extra=()):
+    import shutil
+
+    base = str(tmp_path_factory.mktemp("models"))
+    shutil.copytree(os.path.join(exported, "1"), os.path.join(base, "1"))
     grpc_port = fx.free_port()
     args = [
         f"--grpc_port={grpc_port}",
@@ -99,9 +107,26 @@ def server(tmp_path_factory):
         "--batch_timeout_micros=2000",
         "--max_body_bytes=200000",
         "--max_image_pixels=20000",
+        *extra,
     ]
-    with fx.running_server(args) as (url, proc):
-        yield url, proc, f"127.0.0.1:{grpc_port}"
+    return fx.running_server(args), f"127.0.0.1:{grpc_port}", base
+
+
+@pytest.fixture(scope="module")
+def server(exported, tmp_path_factory):
+    running, target, _ = _serve(exported, tmp_path_factory)
+    with running as (url, proc):
+        yield url, proc, target
+
+
+@pytest.fixture(scope="module")
+def reloading_server(exported, tmp_path_factory):
+    """A server of its own that polls for versions (the binary/gRPC fuzzer publishes one)."""
+    running, target, base = _serve(
+        exported, tmp_path_factory, ["--file_system_poll_wait_seconds=0.2"]
+    )
+    with running as (url, proc):
+        yield url, proc, target, base
 
 
 def test_fuzzed_server_answers_no_5xx_and_memory_stays_flat(server, tmp_path, reliability_record):
@@ -153,8 +178,14 @@ def _strategies(images: list[bytes]):
     return st, names, v2_types, dims, elements, payload
 
 
-def test_fuzzed_binary_extension_and_grpc_answer_no_server_error(server, reliability_record):
-    """No 5xx over HTTP, no INTERNAL/UNKNOWN over gRPC, and the server keeps answering."""
+def test_fuzzed_binary_extension_and_grpc_answer_no_server_error(
+    reloading_server, reliability_record
+):
+    """No 5xx over HTTP, no INTERNAL/UNKNOWN over gRPC, and the server keeps answering.
+
+    Then a new version is published: the old one is unloaded only once every request that
+    took it has let go, so its unloading proves that no fuzzed path kept a version acquired.
+    """
     import grpc
     from hypothesis import HealthCheck, given, settings
 
@@ -174,7 +205,7 @@ def test_fuzzed_binary_extension_and_grpc_answer_no_server_error(server, reliabi
         prediction_service_pb2_grpc,
     )
 
-    url, proc, target = server
+    url, proc, target, base = reloading_server
     images, _ = fx.make_jpegs(3, seed=9)
     st, names, v2_types, dims, elements, payload = _strategies(images)
     examples = scale(40, 1500)
@@ -351,8 +382,33 @@ def test_fuzzed_binary_extension_and_grpc_answer_no_server_error(server, reliabi
         )
         response = predict.Predict(good, timeout=60)
         assert np.isclose(sum(response.outputs["probabilities"].float_val), 1.0, atol=1e-5)
+        # Version 2: version 1's retirement waits for every request still holding it.
+        import shutil
+
+        shutil.copytree(os.path.join(base, "1"), os.path.join(base, ".tmp-2"))
+        os.rename(os.path.join(base, ".tmp-2"), os.path.join(base, "2"))
+        state = get_model_status_pb2.ModelVersionStatus.State
+
+        def states():
+            reply = status.GetModelStatus(
+                get_model_status_pb2.GetModelStatusRequest(model_spec={"name": NAME}), timeout=60
+            )
+            return {s.version: state.Name(s.state) for s in reply.model_version_status}
+
+        _wait(lambda: states() == {2: "AVAILABLE", 1: "END"})
+        assert predict.Predict(good, timeout=60).model_spec.version.value == 2
         ok = True
     finally:
         channel.close()
         reliability_record("server", "estimax serve (binary v2 + gRPC, hypothesis)", sent[0], ok)
     assert sent[0] > examples * 10
+
+
+def _wait(condition, timeout=120.0):
+    """Polls a condition of the server process (not a timed assertion)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.1)
