@@ -8,7 +8,11 @@
 | ``export_version``: atomic ``<base>/<version>/``, parity check | ``versions`` |
 | polling, load + warm before unload, failed loads reported | ``manager`` |
 | dynamic batching (TF Serving's knobs), 429 on a full queue | ``batching`` |
-| TF Serving REST API + Open Inference Protocol v2 (FastAPI) | ``rest`` |
+| one model manager, limits, batching, errors, dtype table for every protocol | ``core`` |
+| v2 tensors: JSON, binary extension, gRPC raw contents (decode/encode) | ``v2`` |
+| TF Serving REST API + Open Inference Protocol v2 over HTTP (FastAPI) | ``rest`` |
+| TF Serving gRPC (Predict, metadata, status) + v2 GRPCInferenceService | ``grpc_server`` |
+| messages generated from the published .proto files | ``protos`` |
 | ``estimax serve | predict | export-check`` | ``cli`` |
 
 Serving needs JAX and the export directory only: nothing here imports the model's code
