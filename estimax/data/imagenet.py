@@ -222,7 +222,7 @@ def input_fn(
     seed: int = 0,
     num_classes: int = NUM_CLASSES,
     use_annotated_bbox: bool = False,
-    shard_by: str = "file",
+    shard_by: str = "global",
     verify_crc: bool = True,
     bigtable: bigtable_lib.BigtableTable | None = None,
 ) -> Callable[[dict[str, Any]], loader.Loader | fake.FakeImages]:
@@ -249,10 +249,15 @@ def input_fn(
       seed: shuffle and augmentation seed.
       num_classes: labels in the files must be in ``1..num_classes``.
       use_annotated_bbox: use ``image/object/bbox/*`` in the training crop.
-      shard_by: ``'file'``: each host reads ``files[host_index::num_hosts]`` (the original's
+      shard_by: ``'global'`` (default): one order over all records of the split for all hosts
+        (``estimax.data.order``): global batch ``b`` is a fixed slice of the epoch's
+        permutation and host ``h`` reads its block of it, so the batches, and the saved input
+        position, do not depend on the number of hosts (a job resumes on any number). Every host
+        indexes all files: give them ``.idx`` index files on object stores. The legacy per-host
+        orders: ``'file'``: each host reads ``files[host_index::num_hosts]`` (the original's
         ``list_files().shard()``); ``'record'``: each host reads every num_hosts-th record of all
-        files (equal counts when there are fewer files than hosts, or for eval). ``'file'`` falls
-        back to ``'record'`` when there are fewer files than hosts.
+        files. ``'file'`` falls back to ``'record'`` when there are fewer files than hosts. With
+        them a job resumed on another number of hosts restarts its input.
       verify_crc: check record CRCs.
       bigtable: read the tf.Examples from the rows of a Cloud Bigtable table instead of
         ``data_dir`` (the original's ``--bigtable_*`` flags): ``train_prefix`` rows for training,
@@ -265,8 +270,8 @@ def input_fn(
       ``num_skipped``.
     """
     del transpose_input  # documented no-op (see Args)
-    if shard_by not in ("file", "record"):
-        raise ValueError(f"shard_by must be 'file' or 'record', got {shard_by!r}")
+    if shard_by not in ("global", "file", "record"):
+        raise ValueError(f"shard_by must be 'global', 'file' or 'record', got {shard_by!r}")
     preprocess = preprocessing if callable(preprocessing) else None
     if preprocess is None and preprocessing not in ("resnet", "inception"):
         raise ValueError(
@@ -288,11 +293,18 @@ def input_fn(
                 seed=seed + host_index,
             )
         source: loader.RecordSource
-        record_ids: np.ndarray | None
+        record_ids: np.ndarray | None = None
+        global_order = shard_by == "global" or num_hosts == 1
         if bigtable is not None:
-            # Rows are not files: every host lists the keys and reads every num_hosts-th row.
             source = bigtable.source(is_training)
-            record_ids = loader.host_shard(np.arange(len(source)), host_index, num_hosts)
+            if not global_order:  # every host lists the keys and reads every num_hosts-th row
+                record_ids = loader.host_shard(np.arange(len(source)), host_index, num_hosts)
+        elif global_order:
+            assert data_dir is not None
+            files = tfrecord.list_files(file_pattern(data_dir, is_training))
+            source = loader.TFRecordSource(
+                files, verify_crc=verify_crc, skip_bad_records=skip_bad_records
+            )
         else:
             assert data_dir is not None
             source, record_ids = _tfrecord_source(
@@ -318,6 +330,9 @@ def input_fn(
             prefetch=prefetch,
             skip_bad_records=skip_bad_records,
             record_ids=record_ids,
+            num_hosts=num_hosts if global_order else 1,
+            host_index=host_index if global_order else 0,
+            order_is_global=global_order,
         )
 
     return fn

@@ -51,6 +51,7 @@ from typing import Any, Protocol, TypeVar, overload
 import numpy as np
 
 from estimax.data import tfrecord
+from estimax.data.order import GlobalOrder
 from estimax.data.worker_exit import exit_with_parent
 
 __all__ = [
@@ -64,7 +65,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2
 _T = TypeVar("_T")
 
 
@@ -212,7 +213,7 @@ def _init_worker(source: RecordSource, transform: Callable, seed: int, owner_pid
 
 
 def _run_chunk(
-    epoch: int,
+    epochs: list[int],
     record_ids: list[int],
     source: RecordSource | None = None,
     transform: Callable | None = None,
@@ -234,7 +235,7 @@ def _run_chunk(
                 raise records[k]
             else:
                 record = records[k]
-            rng = np.random.default_rng([seed, epoch, rid])
+            rng = np.random.default_rng([seed, epochs[k], rid])
             out.append(transform(record, rng))
         except tfrecord.CorruptRecordError as e:
             out.append(_BadElement(rid, f"{e.path}: record at byte offset {e.offset}", e.problem))
@@ -257,7 +258,13 @@ def _collate(elements: list[Any]) -> Any:
     return np.stack([np.asarray(e) for e in elements])
 
 
-_END = object()
+class _End:
+    """The producer's last item: the input has ended, after ``num_skipped`` bad records."""
+
+    __slots__ = ("num_skipped",)
+
+    def __init__(self, num_skipped: int):
+        self.num_skipped = num_skipped
 
 
 class Loader:
@@ -282,7 +289,16 @@ class Loader:
       prefetch: batches kept ready ahead of the caller.
       skip_bad_records: skip a bad record with a warning and count it (``num_skipped``) instead
         of raising :class:`BadRecordError`.
-      record_ids: the records of ``source`` this loader reads (e.g. a per-host shard); default all.
+      record_ids: the records of ``source`` the stream visits; default all. With the global
+        order (``num_hosts``) every host gives the same; a per-host subset (the legacy file or
+        record sharding) with ``num_hosts=1`` makes each host's order its own.
+      num_hosts, host_index: the global order (``estimax.data.order``): one stream over
+        ``record_ids`` for all hosts, global batches of ``batch_size * num_hosts``, this host
+        reading block ``host_index`` of each. The position is the stream's, the same on every
+        host: it resumes on any number of hosts.
+      order_is_global: False when ``source``/``record_ids`` are this host's own share (legacy
+        sharding): the saved position then does not say ``"order": "global"``, and a job resumed
+        on another number of hosts restarts its input.
     """
 
     def __init__(
@@ -301,6 +317,9 @@ class Loader:
         skip_bad_records: bool = False,
         record_ids: Sequence[int] | np.ndarray | None = None,
         chunk_size: int = 8,
+        num_hosts: int = 1,
+        host_index: int = 0,
+        order_is_global: bool = True,
     ):
         if batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
@@ -328,6 +347,18 @@ class Loader:
         if ids.size == 0:
             raise ValueError("the loader has no records to read (empty source or shard)")
         self.record_ids = ids
+        self.num_hosts, self.host_index = int(num_hosts), int(host_index)
+        self.order_is_global = order_is_global
+        self.global_order = GlobalOrder(
+            ids,
+            batch_size,
+            num_hosts=self.num_hosts,
+            host_index=self.host_index,
+            shuffle=shuffle,
+            seed=self.seed,
+            num_epochs=num_epochs,
+            drop_remainder=drop_remainder,
+        )
 
     @property
     def num_records(self) -> int:
@@ -336,11 +367,7 @@ class Loader:
 
     def order(self, epoch: int) -> np.ndarray:
         """The source record ids of ``epoch``, in visiting order: [num_records] int64."""
-        if not self.shuffle:
-            return self.record_ids
-        return self.record_ids[
-            np.random.default_rng([self.seed, epoch]).permutation(self.record_ids.size)
-        ]
+        return self.global_order.order(epoch)
 
     def __iter__(self) -> LoaderIterator:
         return LoaderIterator(self)
@@ -350,7 +377,11 @@ class Loader:
         if self.num_epochs is None:
             raise TypeError("an infinite (num_epochs=None) loader has no len()")
         n = self.num_records * self.num_epochs
-        return n // self.batch_size if self.drop_remainder else -(-n // self.batch_size)
+        g = self.batch_size * self.num_hosts
+        if self.drop_remainder:
+            return n // g
+        # Global batches whose block for this host is not empty.
+        return max(0, -(-(n - self.host_index * self.batch_size) // g))
 
 
 def _process_context() -> multiprocessing.context.BaseContext:
@@ -397,6 +428,7 @@ class LoaderIterator(Iterator[Any]):
         ld = self._loader
         return {
             "version": _STATE_VERSION,
+            **({"order": "global"} if ld.order_is_global else {}),
             "epoch": self._epoch,
             "position": self._position,
             "num_skipped": self.num_skipped,
@@ -412,10 +444,22 @@ class LoaderIterator(Iterator[Any]):
           ValueError: the state belongs to a different dataset (record count) or seed/shuffle.
         """
         ld = self._loader
-        if state.get("version") != _STATE_VERSION:
+        version = state.get("version")
+        if version == 1 and ld.num_hosts > 1:
+            # A per-host position of an older estimax: it counted this host's own records, which
+            # the global order does not have. Restart, as a changed host count did then.
+            log.warning(
+                "the saved input position is per host (loader state version 1); with the global "
+                "order of %d hosts the input restarts from its beginning",
+                ld.num_hosts,
+            )
+            self._shutdown()
+            self._epoch, self._position, self._done = 0, 0, False
+            self.num_skipped = int(state.get("num_skipped", 0))
+            return
+        if version not in (1, _STATE_VERSION):
             raise ValueError(
-                f"unknown loader state version {state.get('version')!r} "
-                f"(expected {_STATE_VERSION}): {state}"
+                f"unknown loader state version {version!r} (expected {_STATE_VERSION}): {state}"
             )
         for key, mine in (
             ("num_records", ld.num_records),
@@ -446,7 +490,9 @@ class LoaderIterator(Iterator[Any]):
             self._start()
         assert self._queue is not None
         item = self._queue.get()
-        if item is _END or isinstance(item, BaseException):
+        if isinstance(item, _End):
+            self.num_skipped = item.num_skipped  # bad records after the last batch count too
+        if isinstance(item, (_End, BaseException)):
             self._done = True
             # Not waiting for worker processes to exit: that would add their shutdown time
             # (~1 s) to the end of every eval pass.
@@ -526,7 +572,7 @@ def _produce(
     out: queue.Queue,
     executor: concurrent.futures.Executor | None,
 ) -> None:
-    """Background thread: schedules chunks in order, assembles batches, queues them."""
+    """Background thread: schedules this host's blocks in chunks, assembles batches, queues them."""
 
     def put(item: Any) -> bool:
         while not stop.is_set():
@@ -537,69 +583,102 @@ def _produce(
                 continue
         return False
 
-    try:
-        # Chunks to schedule, in order: (epoch, start, ids); lazily over epochs.
-        def chunks() -> Iterator[tuple[int, int, np.ndarray]]:
-            e, p = epoch, position
-            while ld.num_epochs is None or e < ld.num_epochs:
-                order = ld.order(e)
-                while p < order.size:
-                    ids = order[p : p + ld.chunk_size]
-                    yield e, p, ids
-                    p += ids.size
-                e, p = e + 1, 0
+    order = ld.global_order
+    start = order.stream_position(epoch, position)
 
+    def chunks() -> Iterator[tuple[bool, int, list[int], list[int]]]:
+        """(last chunk of its block?, stream position after its global batch, ids, epochs)."""
+        k = 0
+        while True:
+            block = order.host_block(start, k)
+            if block is None:
+                return
+            ids, epochs, nxt = block
+            for c in range(0, ids.size, ld.chunk_size):
+                last = c + ld.chunk_size >= ids.size
+                yield (
+                    last,
+                    nxt,
+                    ids[c : c + ld.chunk_size].tolist(),
+                    epochs[c : c + ld.chunk_size].tolist(),
+                )
+            k += 1
+
+    try:
         max_inflight = max(2, -(-ld.batch_size * ld.prefetch // ld.chunk_size))
         pending: collections.deque = collections.deque()
         chunk_iter = chunks()
-        batch: list[Any] = []
+        block: list[Any] = []
         skipped = num_skipped
         exhausted = False
         while not stop.is_set():
             while not exhausted and len(pending) < max_inflight:
                 try:
-                    e, p, ids = next(chunk_iter)
+                    last, nxt, ids, epochs = next(chunk_iter)
                 except StopIteration:
                     exhausted = True
                     break
-                id_list = ids.tolist()
                 if executor is None:
-                    result: Any = _run_chunk(e, id_list, ld.source, ld.transform, ld.seed)
+                    result: Any = _run_chunk(epochs, ids, ld.source, ld.transform, ld.seed)
                 elif ld.worker_type == "thread":
                     result = executor.submit(
-                        _run_chunk, e, id_list, ld.source, ld.transform, ld.seed
+                        _run_chunk, epochs, ids, ld.source, ld.transform, ld.seed
                     )
                 else:
-                    result = executor.submit(_run_chunk, e, id_list)
-                pending.append((e, p, result))
+                    result = executor.submit(_run_chunk, epochs, ids)
+                pending.append((last, nxt, result))
             if not pending:
                 break
-            e, p, result = pending.popleft()
+            last, nxt, result = pending.popleft()
             elements = result.result() if isinstance(result, concurrent.futures.Future) else result
-            for k, element in enumerate(elements):
-                if isinstance(element, _BadElement):
-                    if not ld.skip_bad_records:
-                        raise BadRecordError(element.where, element.problem)
-                    skipped += 1
-                    log.warning("skipping bad record (skip_bad_records): %s", element.message)
-                    continue
-                batch.append(element)
-                if len(batch) == ld.batch_size:
-                    # State after this batch: the element after the one just used.
-                    e_next, p_next = e, p + k + 1
-                    if p_next >= ld.num_records and (
-                        ld.num_epochs is None or e_next + 1 < ld.num_epochs
-                    ):
-                        e_next, p_next = e_next + 1, 0
-                    if not put((_collate(batch), (e_next, p_next, skipped))):
-                        return
-                    batch = []
+            block.extend(elements)
+            if not last:
+                continue
+            elements, block = block, []
+            good, num_bad = _settle_bad(elements, ld.skip_bad_records, ld.drop_remainder)
+            skipped += num_bad
+            if not good:
+                continue  # a one-pass input's block of nothing but skipped records
+            e_next, p_next = order.epoch_position(nxt)
+            if not put((_collate(good), (e_next, p_next, skipped))):
+                return
         if stop.is_set():
             return
-        if batch and not ld.drop_remainder:
-            end_epoch = ld.num_epochs if ld.num_epochs is not None else epoch
-            if not put((_collate(batch), (end_epoch - 1, ld.num_records, skipped))):
-                return
-        put(_END)
+        put(_End(skipped))
     except BaseException as e:  # noqa: BLE001 - delivered to the consumer's next()
         put(e)
+
+
+def _settle_bad(elements: list[Any], skip: bool, fixed_size: bool) -> tuple[list[Any], int]:
+    """A block's elements with its bad records dealt with; and how many there were.
+
+    Without ``skip`` the first bad record raises. With it, a one-pass input (``fixed_size``
+    False: evaluation) drops them, and its batch is smaller. A training input must keep
+    ``batch_size`` elements on every host, in the global order, with no host knowing about the
+    others' bad records: each bad element is replaced by the nearest good one before it in this
+    host's block (after it, for the first), deterministically. A block with no good record at all
+    cannot be filled and raises.
+    """
+    bad = [k for k, el in enumerate(elements) if isinstance(el, _BadElement)]
+    if not bad:
+        return elements, 0
+    if not skip:
+        first = elements[bad[0]]
+        raise BadRecordError(first.where, first.problem)
+    for k in bad:
+        log.warning("skipping bad record (skip_bad_records): %s", elements[k].message)
+    if not fixed_size:
+        return [el for el in elements if not isinstance(el, _BadElement)], len(bad)
+    good_at = [k for k, el in enumerate(elements) if not isinstance(el, _BadElement)]
+    if not good_at:
+        first = elements[bad[0]]
+        raise BadRecordError(
+            first.where,
+            f"{first.problem} (and every other record of this host's block of the global batch "
+            "is bad: nothing to fill the batch with)",
+        )
+    filled = list(elements)
+    for k in bad:
+        before = [g for g in good_at if g < k]
+        filled[k] = elements[before[-1] if before else good_at[0]]
+    return filled, len(bad)
