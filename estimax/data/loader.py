@@ -50,7 +50,7 @@ from typing import Any, Protocol, TypeVar, overload
 
 import numpy as np
 
-from estimax.data import tfrecord
+from estimax.data import slots, tfrecord
 from estimax.data.order import GlobalOrder
 from estimax.data.worker_exit import exit_with_parent
 
@@ -248,14 +248,29 @@ def _run_chunk(
     return out
 
 
-def _collate(elements: list[Any]) -> Any:
-    """Stacks a list of elements (arrays, scalars, tuples or dicts of them) into a batch."""
-    first = elements[0]
-    if isinstance(first, tuple):
-        return tuple(_collate([e[k] for e in elements]) for k in range(len(first)))
-    if isinstance(first, dict):
-        return {k: _collate([e[k] for e in elements]) for k in first}
-    return np.stack([np.asarray(e) for e in elements])
+def _fill_chunk(
+    epochs: list[int],
+    record_ids: list[int],
+    row: int,
+    slot: str | list[np.ndarray],
+    layout: slots.Layout,
+    source: RecordSource | None = None,
+    transform: Callable | None = None,
+    seed: int | None = None,
+) -> list[tuple[int, _BadElement]]:
+    """Transforms records into rows ``row, row + 1, ...`` of a batch slot.
+
+    ``slot`` is the slot's shared-memory name (in a worker process) or its arrays (threads).
+    Returns only the bad records, as ``(row, _BadElement)``: the pixels never travel back.
+    """
+    dests = slots.attach(slot, layout) if isinstance(slot, str) else slot
+    bad: list[tuple[int, _BadElement]] = []
+    for k, element in enumerate(_run_chunk(epochs, record_ids, source, transform, seed)):
+        if isinstance(element, _BadElement):
+            bad.append((row + k, element))
+        else:
+            slots.write_rows(dests, layout, row + k, element)
+    return bad
 
 
 class _End:
@@ -265,6 +280,109 @@ class _End:
 
     def __init__(self, num_skipped: int):
         self.num_skipped = num_skipped
+
+
+class _Ticket:
+    """A task sent to one worker process; ``result()`` receives its reply (FIFO per worker)."""
+
+    __slots__ = ("_workers", "_index")
+
+    def __init__(self, workers: _ProcessWorkers, index: int):
+        self._workers, self._index = workers, index
+
+    def result(self) -> Any:
+        return self._workers.receive(self._index)
+
+    def cancel(self) -> None:
+        """Nothing to cancel: the workers are shut down with the iterator."""
+
+
+class _ProcessWorkers:
+    """Worker processes, each on its own pipe: the training process sends a task and later reads
+    its reply, with no thread in between.
+
+    Why not ``concurrent.futures.ProcessPoolExecutor``: each of its tasks passes through a
+    management thread, a queue-feeder thread and a future (~0.3-0.5 ms of the training process's
+    CPU per task, measured), which capped a host near 16,000 images/s with 8-record chunks. Here
+    a task costs one pickled tuple written to a pipe and a few bytes read back.
+    """
+
+    def __init__(self, num: int, source: RecordSource, transform: Callable, seed: int):
+        ctx = _process_context()
+        self._conns: list[Any] = []
+        self._procs: list[Any] = []
+        self._outstanding = [0] * num
+        for _ in range(num):
+            mine, theirs = ctx.Pipe()
+            proc = ctx.Process(  # type: ignore[attr-defined]  # forkserver context
+                target=_worker_main,
+                args=(theirs, source, transform, seed, os.getpid()),
+                name="estimax-loader-worker",
+                daemon=True,
+            )
+            proc.start()
+            theirs.close()
+            self._conns.append(mine)
+            self._procs.append(proc)
+
+    def submit(self, fn: Callable, *args: Any) -> _Ticket:
+        """Sends ``fn(*args)`` to the least busy worker."""
+        index = min(range(len(self._conns)), key=self._outstanding.__getitem__)
+        self._conns[index].send((fn, args))
+        self._outstanding[index] += 1
+        return _Ticket(self, index)
+
+    def receive(self, index: int) -> Any:
+        """The oldest reply of worker ``index``; re-raises a task's exception."""
+        try:
+            ok, value = self._conns[index].recv()
+        except (EOFError, OSError):
+            proc = self._procs[index]
+            proc.join(timeout=1)
+            raise RuntimeError(
+                f"a loader worker process died (exit code {proc.exitcode}); the input cannot go on"
+            ) from None
+        self._outstanding[index] -= 1
+        if not ok:
+            raise value
+        return value
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = True) -> None:
+        """Stops the workers: closing their pipes ends them (after a task under way)."""
+        del cancel_futures  # the executor's signature; nothing is queued but in the pipes
+        for conn in self._conns:
+            with contextlib.suppress(OSError):
+                conn.close()
+        if wait:
+            for proc in self._procs:
+                proc.join(timeout=5)
+                if proc.is_alive():  # stuck in a read: it is ours to end
+                    proc.kill()
+                    proc.join()
+        self._conns, self._procs = [], []
+
+
+def _worker_main(
+    conn: Any, source: RecordSource, transform: Callable, seed: int, owner_pid: int
+) -> None:
+    """A worker process: runs tasks from its pipe until the pipe closes."""
+    _init_worker(source, transform, seed, owner_pid)
+    while True:
+        try:
+            fn, args = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            reply: tuple[bool, Any] = (True, fn(*args))
+        except BaseException as e:  # noqa: BLE001 - delivered to the training process
+            reply = (False, e)
+        try:
+            conn.send(reply)
+        except (BrokenPipeError, OSError):
+            return
+        except Exception as e:  # noqa: BLE001 - an exception that cannot be pickled
+            conn.send((False, RuntimeError(f"{type(reply[1]).__name__}: {reply[1]}")))
+            del e
 
 
 class Loader:
@@ -316,7 +434,7 @@ class Loader:
         prefetch: int = 2,
         skip_bad_records: bool = False,
         record_ids: Sequence[int] | np.ndarray | None = None,
-        chunk_size: int = 8,
+        chunk_size: int | None = None,
         num_hosts: int = 1,
         host_index: int = 0,
         order_is_global: bool = True,
@@ -338,6 +456,11 @@ class Loader:
         self.worker_type = worker_type
         self.prefetch = max(1, int(prefetch))
         self.skip_bad_records = skip_bad_records
+        if chunk_size is None:
+            # A task's cost in the training process (submit, result, future) is the same for 8
+            # records as for 32: process workers get bigger chunks so that it stays far below
+            # the pixels' (bench/results/input_pipeline.host.md).
+            chunk_size = 32 if self.num_workers > 0 and worker_type == "process" else 8
         self.chunk_size = max(1, int(chunk_size))
         ids = (
             np.arange(len(source), dtype=np.int64)
@@ -419,7 +542,8 @@ class LoaderIterator(Iterator[Any]):
         self._thread: threading.Thread | None = None
         self._queue: queue.Queue | None = None
         self._stop = threading.Event()
-        self._executor: concurrent.futures.Executor | None = None
+        self._executor: concurrent.futures.Executor | _ProcessWorkers | None = None
+        self._pools: list[slots.SlotPool] = []
         self._done = False
 
     # -- state ----------------------------------------------------------------------------------
@@ -521,12 +645,7 @@ class LoaderIterator(Iterator[Any]):
         if ld.num_workers > 0 and ld.worker_type == "thread":
             self._executor = concurrent.futures.ThreadPoolExecutor(ld.num_workers)
         elif ld.num_workers > 0:
-            self._executor = concurrent.futures.ProcessPoolExecutor(
-                ld.num_workers,
-                mp_context=_process_context(),
-                initializer=_init_worker,
-                initargs=(ld.source, ld.transform, ld.seed, os.getpid()),
-            )
+            self._executor = _ProcessWorkers(ld.num_workers, ld.source, ld.transform, ld.seed)
         # The thread gets the loader, not this iterator, so an iterator dropped without close()
         # can be garbage-collected, and its __del__ stops the thread and the workers.
         self._thread = threading.Thread(
@@ -539,6 +658,7 @@ class LoaderIterator(Iterator[Any]):
                 self._stop,
                 self._queue,
                 self._executor,
+                self._pools,
             ),
             name="estimax-loader",
             daemon=True,
@@ -561,6 +681,21 @@ class LoaderIterator(Iterator[Any]):
         if self._executor is not None:
             self._executor.shutdown(wait=wait, cancel_futures=True)
             self._executor = None
+        for pool in self._pools:
+            pool.close()
+        self._pools = []
+
+
+class _Block:
+    """One host block of a global batch on its way into a slot."""
+
+    __slots__ = ("slot", "size", "next_start", "bad", "elements")
+
+    def __init__(self, slot: int | None, size: int, next_start: int):
+        self.slot, self.size, self.next_start = slot, size, next_start
+        self.bad: dict[int, _BadElement] = {}
+        # Before the batch layout is known (the first block): the elements themselves.
+        self.elements: list[Any] = []
 
 
 def _produce(
@@ -570,9 +705,15 @@ def _produce(
     num_skipped: int,
     stop: threading.Event,
     out: queue.Queue,
-    executor: concurrent.futures.Executor | None,
+    executor: concurrent.futures.Executor | _ProcessWorkers | None,
+    pools: list[slots.SlotPool],
 ) -> None:
-    """Background thread: schedules this host's blocks in chunks, assembles batches, queues them."""
+    """Background thread: schedules this host's blocks in chunks into slots, queues the batches.
+
+    Each block of a global batch (``estimax.data.order``) gets a slot; its chunks go to the
+    workers, which write the elements into the slot's rows. The first block, before the
+    elements' shapes are known, comes back as elements and sets the layout (``pools[0]``).
+    """
 
     def put(item: Any) -> bool:
         while not stop.is_set():
@@ -585,68 +726,134 @@ def _produce(
 
     order = ld.global_order
     start = order.stream_position(epoch, position)
-
-    def chunks() -> Iterator[tuple[bool, int, list[int], list[int]]]:
-        """(last chunk of its block?, stream position after its global batch, ids, epochs)."""
-        k = 0
-        while True:
-            block = order.host_block(start, k)
-            if block is None:
-                return
-            ids, epochs, nxt = block
-            for c in range(0, ids.size, ld.chunk_size):
-                last = c + ld.chunk_size >= ids.size
-                yield (
-                    last,
-                    nxt,
-                    ids[c : c + ld.chunk_size].tolist(),
-                    epochs[c : c + ld.chunk_size].tolist(),
-                )
-            k += 1
-
+    shared = executor is not None and ld.worker_type == "process"
+    chunk = ld.chunk_size
+    # Blocks in flight: enough chunks queued to keep every worker busy twice over.
+    max_blocks = max(2, -(-2 * max(1, ld.num_workers) * chunk // ld.batch_size) + 1)
+    pool: slots.SlotPool | None = None
+    pending: collections.deque = collections.deque()  # (block, row, last chunk?, result)
+    blocks_in_flight = 0
+    k = 0  # next global batch
+    skipped = num_skipped
+    exhausted = False
     try:
-        max_inflight = max(2, -(-ld.batch_size * ld.prefetch // ld.chunk_size))
-        pending: collections.deque = collections.deque()
-        chunk_iter = chunks()
-        block: list[Any] = []
-        skipped = num_skipped
-        exhausted = False
         while not stop.is_set():
-            while not exhausted and len(pending) < max_inflight:
-                try:
-                    last, nxt, ids, epochs = next(chunk_iter)
-                except StopIteration:
+            # Start blocks while there are slots (before the layout is known: one block).
+            while not exhausted and blocks_in_flight < (max_blocks if pool else 1):
+                slot: int | None = None
+                if pool is not None:
+                    slot = pool.acquire(lambda: out.empty() and not pending)
+                    if slot is None:
+                        break
+                hb = order.host_block(start, k)
+                if hb is None:
                     exhausted = True
+                    if slot is not None:
+                        pool.release(slot)  # type: ignore[union-attr]  # pool is set
                     break
-                if executor is None:
-                    result: Any = _run_chunk(epochs, ids, ld.source, ld.transform, ld.seed)
-                elif ld.worker_type == "thread":
-                    result = executor.submit(
-                        _run_chunk, epochs, ids, ld.source, ld.transform, ld.seed
-                    )
-                else:
-                    result = executor.submit(_run_chunk, epochs, ids)
-                pending.append((last, nxt, result))
+                ids, epochs, nxt = hb
+                k += 1
+                block = _Block(slot, ids.size, nxt)
+                blocks_in_flight += 1
+                for c in range(0, ids.size, chunk):
+                    id_list = ids[c : c + chunk].tolist()
+                    ep_list = epochs[c : c + chunk].tolist()
+                    last = c + chunk >= ids.size
+                    result: Any
+                    if slot is None:
+                        args: tuple = (_run_chunk, ep_list, id_list)
+                    else:
+                        assert pool is not None
+                        dest: Any = pool.name(slot) if shared else pool.arrays(slot)
+                        args = (_fill_chunk, ep_list, id_list, c, dest, pool.layout)
+                    fn, *fn_args = args
+                    if executor is None:
+                        result = fn(*fn_args, ld.source, ld.transform, ld.seed)
+                    elif isinstance(executor, _ProcessWorkers):  # it has source and transform
+                        result = executor.submit(fn, *fn_args)
+                    else:
+                        result = executor.submit(fn, *fn_args, ld.source, ld.transform, ld.seed)
+                    pending.append((block, c, last, result))
             if not pending:
-                break
-            last, nxt, result = pending.popleft()
-            elements = result.result() if isinstance(result, concurrent.futures.Future) else result
-            block.extend(elements)
+                if exhausted:
+                    break
+                continue  # waiting for a slot the consumer still holds
+            block, row, last, result = pending.popleft()
+            got = result if isinstance(result, list) else result.result()
+            if block.slot is None:
+                block.elements.extend(got)
+            else:
+                block.bad.update(got)
             if not last:
                 continue
-            elements, block = block, []
-            good, num_bad = _settle_bad(elements, ld.skip_bad_records, ld.drop_remainder)
+            blocks_in_flight -= 1
+            if block.slot is None:
+                pool = _first_block_into_slot(ld, block, shared, max_blocks)
+                if pool is not None:
+                    pools.append(pool)
+            if block.slot is None:  # nothing good in it: no layout yet
+                _, num_bad = _settle_bad(block.elements, ld.skip_bad_records, ld.drop_remainder)
+                skipped += num_bad
+                continue
+            assert pool is not None
+            rows, num_bad = _settle_bad_rows(pool, block, ld.skip_bad_records, ld.drop_remainder)
             skipped += num_bad
-            if not good:
-                continue  # a one-pass input's block of nothing but skipped records
-            e_next, p_next = order.epoch_position(nxt)
-            if not put((_collate(good), (e_next, p_next, skipped))):
+            if rows == 0:  # a one-pass input's block of nothing but skipped records
+                pool.release(block.slot)
+                continue
+            batch = pool.batch(block.slot, rows)
+            e_next, p_next = order.epoch_position(block.next_start)
+            if not put((batch, (e_next, p_next, skipped))):
                 return
         if stop.is_set():
             return
         put(_End(skipped))
     except BaseException as e:  # noqa: BLE001 - delivered to the consumer's next()
         put(e)
+    finally:
+        # Work not yet done is dropped (the slots are the iterator's pool's, closed with it).
+        for _, _, _, result in pending:
+            if not isinstance(result, list):
+                result.cancel()
+
+
+def _first_block_into_slot(
+    ld: Loader, block: _Block, shared: bool, max_blocks: int
+) -> slots.SlotPool | None:
+    """Makes the slot pool from the first good element and moves the block into a slot."""
+    good = [el for el in block.elements if not isinstance(el, _BadElement)]
+    if not good:
+        return None
+    layout = slots.Layout(good[0], ld.batch_size)
+    pool = slots.SlotPool(layout, shared, limit=max_blocks + ld.prefetch + 1)
+    slot = pool.acquire(lambda: True)
+    assert slot is not None  # a new pool has room
+    dests = pool.arrays(slot)
+    for row, el in enumerate(block.elements):
+        if isinstance(el, _BadElement):
+            block.bad[row] = el
+        else:
+            slots.write_rows(dests, layout, row, el)
+    block.slot, block.elements = slot, []
+    return pool
+
+
+def _settle_bad_rows(
+    pool: slots.SlotPool, block: _Block, skip: bool, fixed_size: bool
+) -> tuple[int, int]:
+    """:func:`_settle_bad` on a slot's rows: returns (rows in the batch, bad records)."""
+    if not block.bad:
+        return block.size, 0
+    assert block.slot is not None
+    marks: list[Any] = [
+        block.bad.get(row, row) for row in range(block.size)
+    ]  # a row's own index where it is good
+    settled, num_bad = _settle_bad(marks, skip, fixed_size)
+    arrays = pool.arrays(block.slot)
+    for leaf in arrays:
+        # Rows move only towards the front or copy a good row: gather then write.
+        leaf[: len(settled)] = leaf[np.asarray(settled, dtype=np.int64)]
+    return len(settled), num_bad
 
 
 def _settle_bad(elements: list[Any], skip: bool, fixed_size: bool) -> tuple[list[Any], int]:
