@@ -212,7 +212,7 @@ def input_fn(
     image_size: int = 224,
     preprocessing: str | Callable[..., np.ndarray] = "resnet",
     num_parallel_calls: int | None = None,
-    worker_type: str = "thread",
+    worker_type: str = "auto",
     prefetch: int = 2,
     use_fake_data: bool = False,
     fake_data: str = "zeros",
@@ -237,7 +237,8 @@ def input_fn(
       preprocessing: ``'resnet'`` or ``'inception'`` (``estimax.data.preprocessing``), or a
         callable with their signature.
       num_parallel_calls: parallel decode/preprocess workers; default all usable cores.
-      worker_type: ``'thread'`` or ``'process'`` workers (bench/input_pipeline.py measures both).
+      worker_type: ``'thread'``, ``'process'`` or ``'auto'`` (processes from 4 workers on, see
+        ``estimax.data.loader``; bench/input_pipeline.py measures both).
       prefetch: batches prepared ahead.
       use_fake_data: fake data even with a ``data_dir``.
       fake_data: ``'zeros'`` (the original's null input: zero images, label 0) or ``'random'``.

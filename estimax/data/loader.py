@@ -1,20 +1,30 @@
 """The loader: records -> (parallel decode/preprocess) -> fixed-shape batches, exactly resumable.
 
-What it does, for the records of this host:
+What it does:
 
-* **Order**: epoch ``e`` visits the host's records in ``permutation(seed, e)`` (or in file order
-  without shuffling). Training repeats forever, with a new permutation every epoch; batches run
-  across epoch boundaries as the original's ``repeat()`` before ``batch()``. Eval is one pass.
+* **Order** (``estimax.data.order``): one stream for all hosts. Epoch ``e`` visits all records in
+  ``permutation(seed, e)`` (or in file order without shuffling); training repeats forever, with a
+  new permutation every epoch, batches running across epoch boundaries as the original's
+  ``repeat()`` before ``batch()``. Global batch ``b`` is a fixed slice of the stream and host
+  ``h`` of ``H`` reads its block of it: the same training on any number of hosts. Eval is one pass.
 * **Randomness**: record ``i`` in epoch ``e`` gets ``np.random.default_rng([seed, e, i])``, so
-  crops and flips do not depend on the number or kind of workers, nor on where a run resumed.
-* **Parallelism**: ``num_workers`` threads or processes map ``transform`` over chunks of records
-  while the caller consumes; results come back in order. ``prefetch`` batches are kept ready.
-* **State**: ``iterator.get_state()`` is ``{"epoch", "position", "num_skipped", ...}`` counted
-  from the batches the caller has *received* (not from what is prefetched), so an iterator given
-  that state by ``set_state`` yields exactly the batches an uninterrupted one would have yielded.
+  crops and flips do not depend on the number or kind of workers or hosts, nor on where a run
+  resumed.
+* **Parallelism**: ``num_workers`` threads or processes transform chunks of records and write
+  the elements straight into the rows of a batch slot (``estimax.data.slots``: shared memory for
+  processes); the caller gets views of a filled slot, no pickled pixels, no stacking. Batches
+  come back in order; ``prefetch`` of them are kept ready.
+* **State**: ``iterator.get_state()`` is ``{"epoch", "position", "num_skipped", ...}``: the
+  stream's position after the global batch the caller last *received* (not what is prefetched),
+  the same on every host, so an iterator given it by ``set_state``, on any number of hosts,
+  yields exactly the batches an uninterrupted one would have yielded.
 * **Bad records** (bad CRC, truncated, a ``transform`` error such as an undecodable JPEG or a label
   out of range): an error naming the file and the record's byte offset, or with
-  ``skip_bad_records=True`` a logged warning, the record skipped and counted in ``num_skipped``.
+  ``skip_bad_records=True`` a logged warning and a count in ``num_skipped``. Training then
+  replaces the bad record by the nearest good one before it in this host's block (after it, for
+  the first): every host still feeds full batches of the same global slice, deterministically,
+  with no host knowing about another's bad records. A one-pass (eval) input drops it: that batch
+  is smaller (the Estimator pads and masks it).
 
 Why not Grain (0.2.18, evaluated): its MapDataset/IterDataset would serve for order, state and
 workers, but (1) importing ``grain`` imports JAX (``grain/_src/core/profiler.py`` imports
@@ -25,14 +35,14 @@ source would be ours anyway; (3) skip-and-count of bad records inside its multip
 cannot reach the caller without reading its private worker state. What remains is small: a
 per-epoch permutation, an ordered parallel map and a position counter, written here.
 
-Threads or processes: threads are the default. Measured with the ResNet preprocessing on
-~500x375 q90 JPEGs (bench/data-style shards; 2 cores shared with other jobs, load average 5-10,
-so throughput comparisons were noisy and inconclusive: 375-790 img/s for both kinds), the CPU
-cost per image is the stable figure: 1.23-1.46 ms with threads, 1.60-1.84 ms with processes
-(pickling decoded images back, running the unpickle). The decoders (simplejpeg, OpenCV) release
-the GIL; what holds it (tf.Example parsing, RNG set-up, crop sampling, batch stacking) is roughly
-0.1 ms per image, so threads should stop scaling near ~10 cores. Use ``worker_type="process"``
-on big hosts, or for a transform that holds the GIL.
+Threads or processes (``worker_type="auto"``, the default, picks from the workers' count and
+logs it): the decoders (simplejpeg, OpenCV) release the GIL, but what holds it (tf.Example
+parsing, RNG set-up, crop sampling) is ~0.1 ms of each ~1.2 ms image, so threads contend past a
+few workers, and with threads all the decoding counts in the training process. Process workers
+write into shared memory: the training process spends ~0.01 ms of CPU per image (a host ceiling
+near 100,000 images/s) and a worker delivers about what the same work does in-process
+(bench/results/input_pipeline.host.md). ``auto`` takes threads for fewer than 4 workers (no
+worker start-up, no ``__main__`` guard needed) and processes from 4 on.
 """
 
 from __future__ import annotations
@@ -66,6 +76,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _STATE_VERSION = 2
+# worker_type="auto": from this many workers on, processes (see the module docstring).
+AUTO_PROCESS_WORKERS = 4
 _T = TypeVar("_T")
 
 
@@ -401,9 +413,10 @@ class Loader:
         so every example counts once).
       num_workers: parallel transforms; ``0`` runs them in the loader's own background thread.
         Default: the CPUs this process may use.
-      worker_type: ``"thread"`` (default: lower CPU per image, the decoders release the GIL) or
-        ``"process"`` (forked from a forkserver, which is safe when JAX's threads already run;
-        the main script needs the ``if __name__ == "__main__":`` guard, as with ``spawn``).
+      worker_type: ``"thread"``, ``"process"`` (forked from a forkserver, which is safe when
+        JAX's threads already run; the main script needs the ``if __name__ == "__main__":``
+        guard, as with ``spawn``) or ``"auto"`` (default: processes from
+        ``AUTO_PROCESS_WORKERS`` workers on, else threads; logged).
       prefetch: batches kept ready ahead of the caller.
       skip_bad_records: skip a bad record with a warning and count it (``num_skipped``) instead
         of raising :class:`BadRecordError`.
@@ -430,7 +443,7 @@ class Loader:
         num_epochs: int | None = None,
         drop_remainder: bool = True,
         num_workers: int | None = None,
-        worker_type: str = "thread",
+        worker_type: str = "auto",
         prefetch: int = 2,
         skip_bad_records: bool = False,
         record_ids: Sequence[int] | np.ndarray | None = None,
@@ -441,8 +454,10 @@ class Loader:
     ):
         if batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
-        if worker_type not in ("thread", "process"):
-            raise ValueError(f"worker_type must be 'thread' or 'process', got {worker_type!r}")
+        if worker_type not in ("thread", "process", "auto"):
+            raise ValueError(
+                f"worker_type must be 'thread', 'process' or 'auto', got {worker_type!r}"
+            )
         if num_epochs is not None and num_epochs <= 0:
             raise ValueError(f"num_epochs must be positive or None, got {num_epochs}")
         self.source = source
@@ -453,6 +468,14 @@ class Loader:
         self.num_epochs = num_epochs
         self.drop_remainder = drop_remainder
         self.num_workers = _default_workers() if num_workers is None else int(num_workers)
+        if worker_type == "auto":
+            worker_type = "process" if self.num_workers >= AUTO_PROCESS_WORKERS else "thread"
+            log.info(
+                "input: %d %s workers (worker_type='auto': processes from %d workers on)",
+                self.num_workers,
+                worker_type,
+                AUTO_PROCESS_WORKERS,
+            )
         self.worker_type = worker_type
         self.prefetch = max(1, int(prefetch))
         self.skip_bad_records = skip_bad_records
