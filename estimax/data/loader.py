@@ -789,7 +789,8 @@ def _produce(
                         assert pool is not None
                         dest: Any = pool.name(slot) if shared else pool.arrays(slot)
                         args = (_fill_chunk, ep_list, id_list, c, dest, pool.layout)
-                    fn, *fn_args = args
+                    fn: Callable[..., Any] = args[0]
+                    fn_args = args[1:]
                     if executor is None:
                         result = fn(*fn_args, ld.source, ld.transform, ld.seed)
                     elif isinstance(executor, _ProcessWorkers):  # it has source and transform
