@@ -165,6 +165,9 @@ class TFRecordSource:
             self._record_files.append(rf)
         counts = np.asarray([len(rf) for rf in self._record_files], dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum(counts)])
+        # On object stores a worker reads the records of the chunks it was given ahead of
+        # decoding them, each chunk in one concurrent call (read_many).
+        self.read_ahead = any(rf.is_remote for rf in self._record_files)
 
     def __len__(self) -> int:
         return int(self._starts[-1])
@@ -180,6 +183,19 @@ class TFRecordSource:
     def describe(self, i: int) -> str:
         rf, j = self._locate(i)
         return f"{rf.path}: record at byte offset {rf.offset(j)}"
+
+    def read_many(self, ids: Sequence[int]) -> list[bytes | Exception]:
+        """Records ``ids``, on object stores in one concurrent, coalescing call
+        (``tfrecord.read_many``); a record that cannot be read is its exception."""
+        if not self.read_ahead:
+            return [self._read_one(int(i)) for i in ids]
+        return tfrecord.read_many([self._locate(int(i)) for i in ids])
+
+    def _read_one(self, i: int) -> bytes | Exception:
+        try:
+            return self[i]
+        except Exception as e:  # noqa: BLE001 - the caller decides: bad record or error
+            return e
 
     def num_records_per_file(self) -> list[int]:
         return [len(rf) for rf in self._record_files]
@@ -230,15 +246,24 @@ def _run_chunk(
     source: RecordSource | None = None,
     transform: Callable | None = None,
     seed: int | None = None,
+    *,
+    read: Callable[[], list] | None = None,
 ) -> list[Any]:
-    """Reads and transforms records; a failure becomes a _BadElement (order is preserved)."""
+    """Reads and transforms records; a failure becomes a _BadElement (order is preserved).
+
+    ``read``: the records, already being read ahead (``_ReadAhead``).
+    """
     if source is None:
         source, transform, seed = _WORKER["source"], _WORKER["transform"], _WORKER["seed"]
     assert transform is not None and seed is not None, "given, or set by _init_worker"
     out: list[Any] = []
     read_many = getattr(source, "read_many", None)
     # A SourceError from read_many propagates: the whole source is unreadable, not a record.
-    records = read_many(record_ids) if read_many is not None else None
+    records: list | None = None
+    if read is not None:
+        records = read()
+    elif read_many is not None:
+        records = read_many(record_ids)
     for k, rid in enumerate(record_ids):
         try:
             if records is None:
@@ -269,6 +294,8 @@ def _fill_chunk(
     source: RecordSource | None = None,
     transform: Callable | None = None,
     seed: int | None = None,
+    *,
+    read: Callable[[], list] | None = None,
 ) -> list[tuple[int, _BadElement]]:
     """Transforms records into rows ``row, row + 1, ...`` of a batch slot.
 
@@ -277,7 +304,7 @@ def _fill_chunk(
     """
     dests = slots.attach(slot, layout) if isinstance(slot, str) else slot
     bad: list[tuple[int, _BadElement]] = []
-    for k, element in enumerate(_run_chunk(epochs, record_ids, source, transform, seed)):
+    for k, element in enumerate(_run_chunk(epochs, record_ids, source, transform, seed, read=read)):
         if isinstance(element, _BadElement):
             bad.append((row + k, element))
         else:
@@ -292,6 +319,30 @@ class _End:
 
     def __init__(self, num_skipped: int):
         self.num_skipped = num_skipped
+
+
+class _ReadAhead:
+    """Reads the records of chunks before they are decoded: object-store latency overlaps work.
+
+    ``start(ids)`` begins ``source.read_many(ids)`` on an I/O thread and returns what gives the
+    records (or raises the read's error). The loader starts a chunk's read when it hands the
+    chunk out (process workers: when the chunk reaches the worker), so every chunk in flight is
+    being read while earlier ones decode; what is read ahead is bounded by the chunks in flight.
+    """
+
+    def __init__(self, source: RecordSource, threads: int = 4):
+        self._read_many = source.read_many  # type: ignore[attr-defined]  # read_ahead sources
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, "estimax-read-ahead")
+
+    def start(self, ids: list[int]) -> Callable[[], list]:
+        return self._pool.submit(self._read_many, ids).result
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _read_ahead_for(source: RecordSource) -> _ReadAhead | None:
+    return _ReadAhead(source) if getattr(source, "read_ahead", False) else None
 
 
 class _Ticket:
@@ -379,13 +430,20 @@ def _worker_main(
 ) -> None:
     """A worker process: runs tasks from its pipe until the pipe closes."""
     _init_worker(source, transform, seed, owner_pid)
+    ahead = _read_ahead_for(source)
+    tasks: collections.deque = collections.deque()
     while True:
         try:
-            fn, args = conn.recv()
+            # Take every task already sent, starting its records' reads (object stores).
+            while not tasks or conn.poll():
+                fn, args = conn.recv()
+                # args[1]: the chunk's record ids (_run_chunk and _fill_chunk alike).
+                tasks.append((fn, args, ahead.start(args[1]) if ahead is not None else None))
         except (EOFError, OSError):
             return
+        fn, args, read = tasks.popleft()
         try:
-            reply: tuple[bool, Any] = (True, fn(*args))
+            reply: tuple[bool, Any] = (True, fn(*args, read=read))
         except BaseException as e:  # noqa: BLE001 - delivered to the training process
             reply = (False, e)
         try:
@@ -754,6 +812,9 @@ def _produce(
     # Blocks in flight: enough chunks queued to keep every worker busy twice over.
     max_blocks = max(2, -(-2 * max(1, ld.num_workers) * chunk // ld.batch_size) + 1)
     pool: slots.SlotPool | None = None
+    # Thread workers: reads start when a chunk is handed out (process workers start their own).
+    threads = executor is not None and not isinstance(executor, _ProcessWorkers)
+    ahead = _read_ahead_for(ld.source) if threads else None
     pending: collections.deque = collections.deque()  # (block, row, last chunk?, result)
     blocks_in_flight = 0
     k = 0  # next global batch
@@ -796,7 +857,14 @@ def _produce(
                     elif isinstance(executor, _ProcessWorkers):  # it has source and transform
                         result = executor.submit(fn, *fn_args)
                     else:
-                        result = executor.submit(fn, *fn_args, ld.source, ld.transform, ld.seed)
+                        result = executor.submit(
+                            fn,
+                            *fn_args,
+                            ld.source,
+                            ld.transform,
+                            ld.seed,
+                            read=ahead.start(id_list) if ahead is not None else None,
+                        )
                     pending.append((block, c, last, result))
             if not pending:
                 if exhausted:
@@ -839,6 +907,8 @@ def _produce(
         for _, _, _, result in pending:
             if not isinstance(result, list):
                 result.cancel()
+        if ahead is not None:
+            ahead.close()
 
 
 def _first_block_into_slot(
