@@ -431,17 +431,26 @@ def _worker_main(
     """A worker process: runs tasks from its pipe until the pipe closes."""
     _init_worker(source, transform, seed, owner_pid)
     ahead = _read_ahead_for(source)
-    tasks: collections.deque = collections.deque()
-    while True:
-        try:
-            # Take every task already sent, starting its records' reads (object stores).
-            while not tasks or conn.poll():
+    tasks: queue.SimpleQueue = queue.SimpleQueue()
+
+    def receive() -> None:
+        # Takes each task the moment it arrives and starts its records' reads (object stores),
+        # while the worker's main thread decodes earlier ones.
+        while True:
+            try:
                 fn, args = conn.recv()
-                # args[1]: the chunk's record ids (_run_chunk and _fill_chunk alike).
-                tasks.append((fn, args, ahead.start(args[1]) if ahead is not None else None))
-        except (EOFError, OSError):
+            except (EOFError, OSError):
+                tasks.put(None)
+                return
+            # args[1]: the chunk's record ids (_run_chunk and _fill_chunk alike).
+            tasks.put((fn, args, ahead.start(args[1]) if ahead is not None else None))
+
+    threading.Thread(target=receive, name="estimax-worker-receive", daemon=True).start()
+    while True:
+        task = tasks.get()
+        if task is None:
             return
-        fn, args, read = tasks.popleft()
+        fn, args, read = task
         try:
             reply: tuple[bool, Any] = (True, fn(*args, read=read))
         except BaseException as e:  # noqa: BLE001 - delivered to the training process
@@ -811,6 +820,10 @@ def _produce(
     chunk = ld.chunk_size
     # Blocks in flight: enough chunks queued to keep every worker busy twice over.
     max_blocks = max(2, -(-2 * max(1, ld.num_workers) * chunk // ld.batch_size) + 1)
+    if getattr(ld.source, "read_ahead", False):
+        # Object stores: twice the chunks in flight, so each chunk's read has a whole chunk's
+        # decoding (and more) to hide behind. Bounded: these blocks' records and slots.
+        max_blocks *= 2
     pool: slots.SlotPool | None = None
     # Thread workers: reads start when a chunk is handed out (process workers start their own).
     threads = executor is not None and not isinstance(executor, _ProcessWorkers)
