@@ -1088,7 +1088,9 @@ def gcs_bench(a) -> None:
         "on loopback through a loopback proxy that holds every request 0 or 20 ms and counts "
         "the bytes it passes; 4 TFRecord shards of ~70 KB JPEGs with index files. Median of "
         f"{a.rounds} rounds of {a.min_images} images after a warm-up. Bytes used = images x the "
-        "mean framed record. `python bench/input_pipeline.py --gcs`.",
+        "mean framed record; bytes read = what the proxy passed in the same window (reads run "
+        "a few batches ahead, so a window's edges move the ratio by up to ~15% either way; "
+        "each record is requested once). `python bench/input_pipeline.py --gcs`.",
         "",
         "| workers | images/s, 0 ms | images/s, 20 ms | 20 ms / 0 ms | bytes read / used (20 ms) |",
         "|---|---|---|---|---|",
