@@ -147,3 +147,15 @@ def _assert_bitwise(a, b) -> None:
     assert len(leaves_a) == len(leaves_b) > 0
     for path, x in leaves_a:
         np.testing.assert_array_equal(x, leaves_b[path], err_msg=jax.tree_util.keystr(path))
+
+
+def test_a_checkpoints_global_position_restores_on_another_process_count(caplog):
+    from estimax.estimator.estimator import _input_state_of_this_process
+
+    state = {"order": "global", "epoch": 2, "position": 24}
+    # Saved by 2 processes, restored by this one process: the same stream position.
+    assert _input_state_of_this_process({"input_states": [state, dict(state)]}) == state
+    # Per-host positions of an older checkpoint, from 2 processes: the input restarts.
+    old = [{"epoch": 2, "position": 12}, {"epoch": 2, "position": 12}]
+    assert _input_state_of_this_process({"input_states": old}) is None
+    assert "The input restarts from its beginning" in caplog.text
