@@ -14,7 +14,9 @@ The contract with the Estimator::
     images, labels = next(it)   # images: [B, S, S, 3] (uint8 for ResNet, float32 for Inception)
                                 # labels: [B] int32 in [0, 1000)
 
-Training repeats forever with a new shuffle every epoch and fixed-shape batches. Eval is one pass
+Training repeats forever with a new shuffle every epoch and fixed-shape batches. With many hosts
+the order is global (``estimax.data.order``): each host reads its block of every global batch,
+so the batches and the saved position do not depend on the number of hosts. Eval is one pass
 in file order that keeps a smaller last batch (the Estimator pads and masks it, so every one of the
 50,000 validation images counts once; ``drop_remainder`` would lose 848 of them at batch 1024).
 """
