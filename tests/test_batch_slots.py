@@ -150,3 +150,23 @@ def test_a_sigkilled_loader_leaves_no_shared_slot_behind(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _env_transform(record: bytes, rng: np.random.Generator):
+    return np.int64(os.environ.get("ESTIMAX_TEST_WORKER_ENV", "-1"))
+
+
+def test_process_workers_see_the_environment_of_now_not_the_forkservers(monkeypatch):
+    # The forkserver is already running (earlier loaders, or this one) with its own environment;
+    # storage clients in the workers must still see what is set now (STORAGE_EMULATOR_HOST...).
+    first = iter(
+        L.Loader(RECORDS, _env_transform, 4, shuffle=False, num_workers=2, worker_type="process")
+    )
+    assert next(first).tolist() == [-1] * 4
+    first.close()
+    monkeypatch.setenv("ESTIMAX_TEST_WORKER_ENV", "7")
+    it = iter(
+        L.Loader(RECORDS, _env_transform, 4, shuffle=False, num_workers=2, worker_type="process")
+    )
+    assert next(it).tolist() == [7] * 4
+    it.close()

@@ -35,14 +35,15 @@ source would be ours anyway; (3) skip-and-count of bad records inside its multip
 cannot reach the caller without reading its private worker state. What remains is small: a
 per-epoch permutation, an ordered parallel map and a position counter, written here.
 
-Threads or processes (``worker_type="auto"``, the default, picks from the workers' count and
-logs it): the decoders (simplejpeg, OpenCV) release the GIL, but what holds it (tf.Example
-parsing, RNG set-up, crop sampling) is ~0.1 ms of each ~1.2 ms image, so threads contend past a
-few workers, and with threads all the decoding counts in the training process. Process workers
-write into shared memory: the training process spends ~0.01 ms of CPU per image (a host ceiling
-near 100,000 images/s) and a worker delivers about what the same work does in-process
-(bench/results/input_pipeline.host.md). ``auto`` takes threads for fewer than 4 workers (no
-worker start-up, no ``__main__`` guard needed) and processes from 4 on.
+Threads or processes (``worker_type="auto"``, the default, picks from the host's cores and
+the workers' count, and logs it): the decoders (simplejpeg, OpenCV) release the GIL, but what
+holds it (tf.Example parsing, RNG set-up, crop sampling) is ~0.1 ms of each ~1.2 ms image, so
+threads contend past a few workers, and with threads all the decoding counts in the training
+process. Process workers write into shared memory: the training process spends ~0.01 ms of CPU
+per image (a host ceiling near 100,000 images/s) and a worker delivers about what the same work
+does in-process (bench/results/input_pipeline.host.md). ``auto`` takes processes when both the
+usable cores and the workers number 4 or more, else threads (no worker start-up, no
+``__main__`` guard needed).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import pickle
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -76,7 +78,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _STATE_VERSION = 2
-# worker_type="auto": from this many workers on, processes (see the module docstring).
+# worker_type="auto": processes from this many usable cores and workers on (module docstring).
 AUTO_PROCESS_WORKERS = 4
 _T = TypeVar("_T")
 
@@ -372,6 +374,10 @@ class _ProcessWorkers:
 
     def __init__(self, num: int, source: RecordSource, transform: Callable, seed: int):
         ctx = _process_context()
+        # Unpickled in the worker only after it has this process's environment: a forkserver
+        # keeps the environment it started with, and storage clients (gcsfs, s3fs) read theirs
+        # (STORAGE_EMULATOR_HOST, AWS_ENDPOINT_URL, credentials) when the source is unpickled.
+        payload = pickle.dumps((source, transform, seed))
         self._conns: list[Any] = []
         self._procs: list[Any] = []
         self._outstanding = [0] * num
@@ -379,7 +385,7 @@ class _ProcessWorkers:
             mine, theirs = ctx.Pipe()
             proc = ctx.Process(  # type: ignore[attr-defined]  # forkserver context
                 target=_worker_main,
-                args=(theirs, source, transform, seed, os.getpid()),
+                args=(theirs, payload, dict(os.environ), os.getpid()),
                 name="estimax-loader-worker",
                 daemon=True,
             )
@@ -425,10 +431,11 @@ class _ProcessWorkers:
         self._conns, self._procs = [], []
 
 
-def _worker_main(
-    conn: Any, source: RecordSource, transform: Callable, seed: int, owner_pid: int
-) -> None:
+def _worker_main(conn: Any, payload: bytes, environ: dict[str, str], owner_pid: int) -> None:
     """A worker process: runs tasks from its pipe until the pipe closes."""
+    os.environ.clear()
+    os.environ.update(environ)
+    source, transform, seed = pickle.loads(payload)
     _init_worker(source, transform, seed, owner_pid)
     ahead = _read_ahead_for(source)
     tasks: queue.SimpleQueue = queue.SimpleQueue()
@@ -483,7 +490,7 @@ class Loader:
       worker_type: ``"thread"``, ``"process"`` (forked from a forkserver, which is safe when
         JAX's threads already run; the main script needs the ``if __name__ == "__main__":``
         guard, as with ``spawn``) or ``"auto"`` (default: processes from
-        ``AUTO_PROCESS_WORKERS`` workers on, else threads; logged).
+        ``AUTO_PROCESS_WORKERS`` usable cores and workers on, else threads; logged).
       prefetch: batches kept ready ahead of the caller.
       skip_bad_records: skip a bad record with a warning and count it (``num_skipped``) instead
         of raising :class:`BadRecordError`.
@@ -536,11 +543,15 @@ class Loader:
         self.drop_remainder = drop_remainder
         self.num_workers = _default_workers() if num_workers is None else int(num_workers)
         if worker_type == "auto":
-            worker_type = "process" if self.num_workers >= AUTO_PROCESS_WORKERS else "thread"
+            cores = _default_workers()
+            many = min(cores, self.num_workers) >= AUTO_PROCESS_WORKERS
+            worker_type = "process" if many else "thread"
             log.info(
-                "input: %d %s workers (worker_type='auto': processes from %d workers on)",
+                "input: %d %s workers on %d usable cores (worker_type='auto': processes from %d "
+                "cores and workers on)",
                 self.num_workers,
                 worker_type,
+                cores,
                 AUTO_PROCESS_WORKERS,
             )
         self.worker_type = worker_type
