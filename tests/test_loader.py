@@ -198,7 +198,8 @@ def test_skip_bad_records_counts_and_keeps_shapes(files, worker_type):
     it = iter(ld)
     batches = list(it)
     assert it.num_skipped == 2
-    assert [len(b[1]) for b in batches] == [4, 4, 4, 2]
+    # A one-pass input drops them: the blocks they were in are smaller.
+    assert [len(b[1]) for b in batches] == [3, 4, 3, 4]
     assert sorted(sum(_ids(batches), [])) == [i for i in ALL_IDS if i not in (0, 1003)]
 
 
@@ -311,3 +312,77 @@ def test_dropped_iterator_stops_its_thread_and_workers(files, num_workers):
     del it
     gc.collect()
     assert not mine[0].is_alive()
+
+
+def _side_by_side(files, num_hosts, steps, state=None, **kw):
+    its = [iter(_loader(files, num_hosts=num_hosts, host_index=h, **kw)) for h in range(num_hosts)]
+    if state is not None:
+        for it in its:
+            it.set_state(state)
+    batches = [np.concatenate([next(it)[0][:, 0] for it in its]).tolist() for _ in range(steps)]
+    states = [it.get_state() for it in its]
+    assert all(st == states[0] for st in states)  # one position, the same on every host
+    for it in its:
+        it.close()
+    return batches, states[0]
+
+
+@pytest.mark.parametrize("num_hosts", [2, 4])
+def test_hosts_together_read_one_hosts_batches_and_resume_on_any_count(files, num_hosts):
+    # 16 records in global batches of 8: epoch 0 ends after 2 batches; 6 batches span 3 epochs.
+    one, _ = _side_by_side(files, 1, 6, batch_size=8)
+    many, _ = _side_by_side(
+        files, num_hosts, 6, batch_size=8 // num_hosts, num_workers=2, worker_type="thread"
+    )
+    assert many == one
+    # Saved on num_hosts hosts after 3 global batches, resumed on 1 and on 2 hosts.
+    _, state = _side_by_side(files, num_hosts, 3, batch_size=8 // num_hosts)
+    assert state["order"] == "global"
+    assert _side_by_side(files, 1, 3, state, batch_size=8)[0] == one[3:]
+    assert _side_by_side(files, 2, 3, state, batch_size=4)[0] == one[3:]
+
+
+def test_the_per_element_randomness_does_not_depend_on_the_host_count(files):
+    one = next(iter(_loader(files, batch_size=6)))[0]
+    parts = [
+        next(iter(_loader(files, batch_size=2, num_hosts=3, host_index=h)))[0] for h in range(3)
+    ]
+    np.testing.assert_array_equal(np.concatenate(parts), one)
+
+
+def test_training_skip_fills_each_hosts_block_from_its_own_records(files):
+    # Records 1 and 2 are bad. Unshuffled, host 0 of 2 reads [0, 1] and host 1 [2, 3] of the
+    # first global batch of 4: each bad record is replaced by the good one before it (after it,
+    # for the first), so both hosts keep full batches and the global order stays aligned.
+    bad = functools.partial(_transform, fail_on={1, 2})
+    kw = dict(transform=bad, shuffle=False, skip_bad_records=True, batch_size=2, num_hosts=2)
+    h0, h1 = (iter(_loader(files, host_index=h, **kw)) for h in range(2))
+    assert next(h0)[0][:, 0].tolist() == [0, 0]
+    assert next(h1)[0][:, 0].tolist() == [3, 3]
+    assert h0.num_skipped == h1.num_skipped == 1
+    assert h0.get_state()["position"] == h1.get_state()["position"] == 4
+    with pytest.raises(L.BadRecordError, match="every other record of this host's block"):
+        next(
+            iter(
+                _loader(files, **dict(kw, transform=functools.partial(_transform, fail_on={0, 1})))
+            )
+        )
+
+
+def test_an_old_per_host_position_restarts_a_many_host_input(files, caplog):
+    it = iter(_loader(files, batch_size=2, num_hosts=2, host_index=1))
+    old = {
+        "version": 1,
+        "epoch": 2,
+        "position": 3,
+        "num_skipped": 0,
+        "seed": 7,
+        "shuffle": True,
+        "num_records": 8,
+    }
+    it.set_state(old)
+    assert "input restarts from its beginning" in caplog.text
+    assert (it.get_state()["epoch"], it.get_state()["position"]) == (0, 0)
+    one = iter(_loader(files))  # one host: its count was the stream's
+    one.set_state(dict(old, num_records=16))
+    assert (one.get_state()["epoch"], one.get_state()["position"]) == (2, 3)

@@ -14,7 +14,9 @@ The contract with the Estimator::
     images, labels = next(it)   # images: [B, S, S, 3] (uint8 for ResNet, float32 for Inception)
                                 # labels: [B] int32 in [0, 1000)
 
-Training repeats forever with a new shuffle every epoch and fixed-shape batches. Eval is one pass
+Training repeats forever with a new shuffle every epoch and fixed-shape batches. With many hosts
+the order is global (``estimax.data.order``): each host reads its block of every global batch,
+so the batches and the saved position do not depend on the number of hosts. Eval is one pass
 in file order that keeps a smaller last batch (the Estimator pads and masks it, so every one of the
 50,000 validation images counts once; ``drop_remainder`` would lose 848 of them at batch 1024).
 """
@@ -212,7 +214,7 @@ def input_fn(
     image_size: int = 224,
     preprocessing: str | Callable[..., np.ndarray] = "resnet",
     num_parallel_calls: int | None = None,
-    worker_type: str = "thread",
+    worker_type: str = "auto",
     prefetch: int = 2,
     use_fake_data: bool = False,
     fake_data: str = "zeros",
@@ -222,7 +224,7 @@ def input_fn(
     seed: int = 0,
     num_classes: int = NUM_CLASSES,
     use_annotated_bbox: bool = False,
-    shard_by: str = "file",
+    shard_by: str = "global",
     verify_crc: bool = True,
     bigtable: bigtable_lib.BigtableTable | None = None,
 ) -> Callable[[dict[str, Any]], loader.Loader | fake.FakeImages]:
@@ -237,7 +239,8 @@ def input_fn(
       preprocessing: ``'resnet'`` or ``'inception'`` (``estimax.data.preprocessing``), or a
         callable with their signature.
       num_parallel_calls: parallel decode/preprocess workers; default all usable cores.
-      worker_type: ``'thread'`` or ``'process'`` workers (bench/input_pipeline.py measures both).
+      worker_type: ``'thread'``, ``'process'`` or ``'auto'`` (processes from 4 workers on, see
+        ``estimax.data.loader``; bench/input_pipeline.py measures both).
       prefetch: batches prepared ahead.
       use_fake_data: fake data even with a ``data_dir``.
       fake_data: ``'zeros'`` (the original's null input: zero images, label 0) or ``'random'``.
@@ -249,10 +252,15 @@ def input_fn(
       seed: shuffle and augmentation seed.
       num_classes: labels in the files must be in ``1..num_classes``.
       use_annotated_bbox: use ``image/object/bbox/*`` in the training crop.
-      shard_by: ``'file'``: each host reads ``files[host_index::num_hosts]`` (the original's
+      shard_by: ``'global'`` (default): one order over all records of the split for all hosts
+        (``estimax.data.order``): global batch ``b`` is a fixed slice of the epoch's
+        permutation and host ``h`` reads its block of it, so the batches, and the saved input
+        position, do not depend on the number of hosts (a job resumes on any number). Every host
+        indexes all files: give them ``.idx`` index files on object stores. The legacy per-host
+        orders: ``'file'``: each host reads ``files[host_index::num_hosts]`` (the original's
         ``list_files().shard()``); ``'record'``: each host reads every num_hosts-th record of all
-        files (equal counts when there are fewer files than hosts, or for eval). ``'file'`` falls
-        back to ``'record'`` when there are fewer files than hosts.
+        files. ``'file'`` falls back to ``'record'`` when there are fewer files than hosts. With
+        them a job resumed on another number of hosts restarts its input.
       verify_crc: check record CRCs.
       bigtable: read the tf.Examples from the rows of a Cloud Bigtable table instead of
         ``data_dir`` (the original's ``--bigtable_*`` flags): ``train_prefix`` rows for training,
@@ -265,8 +273,8 @@ def input_fn(
       ``num_skipped``.
     """
     del transpose_input  # documented no-op (see Args)
-    if shard_by not in ("file", "record"):
-        raise ValueError(f"shard_by must be 'file' or 'record', got {shard_by!r}")
+    if shard_by not in ("global", "file", "record"):
+        raise ValueError(f"shard_by must be 'global', 'file' or 'record', got {shard_by!r}")
     preprocess = preprocessing if callable(preprocessing) else None
     if preprocess is None and preprocessing not in ("resnet", "inception"):
         raise ValueError(
@@ -288,11 +296,18 @@ def input_fn(
                 seed=seed + host_index,
             )
         source: loader.RecordSource
-        record_ids: np.ndarray | None
+        record_ids: np.ndarray | None = None
+        global_order = shard_by == "global" or num_hosts == 1
         if bigtable is not None:
-            # Rows are not files: every host lists the keys and reads every num_hosts-th row.
             source = bigtable.source(is_training)
-            record_ids = loader.host_shard(np.arange(len(source)), host_index, num_hosts)
+            if not global_order:  # every host lists the keys and reads every num_hosts-th row
+                record_ids = loader.host_shard(np.arange(len(source)), host_index, num_hosts)
+        elif global_order:
+            assert data_dir is not None
+            files = tfrecord.list_files(file_pattern(data_dir, is_training))
+            source = loader.TFRecordSource(
+                files, verify_crc=verify_crc, skip_bad_records=skip_bad_records
+            )
         else:
             assert data_dir is not None
             source, record_ids = _tfrecord_source(
@@ -318,6 +333,9 @@ def input_fn(
             prefetch=prefetch,
             skip_bad_records=skip_bad_records,
             record_ids=record_ids,
+            num_hosts=num_hosts if global_order else 1,
+            host_index=host_index if global_order else 0,
+            order_is_global=global_order,
         )
 
     return fn

@@ -100,11 +100,20 @@ def _with_model_dir(config: RunConfig, model_dir: str | None) -> RunConfig:
     return config
 
 
+def _is_global(state: Any) -> bool:
+    """An input position of the global order (estimax.data.order): the same on every host."""
+    return isinstance(state, Mapping) and state.get("order") == "global"
+
+
 def _input_state_of_this_process(meta: Mapping[str, Any]) -> Any:
     """This process's input position in a checkpoint's meta (each host saved its own)."""
     states = meta.get("input_states")
+    if states and len(states) != jax.process_count() and all(map(_is_global, states)):
+        # A position in the global order means the same on any number of hosts.
+        return states[0]
     if states is None:  # written by one process, or before positions were kept per host
-        if jax.process_count() > 1 and meta.get("input_state") is not None:
+        state = meta.get("input_state")
+        if jax.process_count() > 1 and state is not None and not _is_global(state):
             logging.warning(
                 "The checkpoint holds one input position (written by a single process); every "
                 "process resumes from it."

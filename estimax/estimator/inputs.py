@@ -6,10 +6,20 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
+from absl import logging
+
+from estimax.data.order import GlobalOrder
 
 
 class NumpyIterator:
-    """Batches of in-memory arrays with a seeded shuffle per epoch and a savable position."""
+    """Batches of in-memory arrays with a seeded shuffle per epoch and a savable position.
+
+    The order is global (``estimax.data.order``): one stream of the examples over all hosts, cut
+    into global batches of ``batch_size x num_hosts``, host ``h`` reading the ``h``-th block of
+    each. The hosts' batches side by side are the global batches one process would read, so
+    training does not depend on the number of hosts, and the saved position (the stream's, the
+    same on every host) resumes on any number of hosts.
+    """
 
     def __init__(
         self,
@@ -29,60 +39,48 @@ class NumpyIterator:
                 raise ValueError(
                     f"numpy_input_fn: arrays have different lengths ({len(v)} vs {n})."
                 )
-        # One global order of the examples (shuffled per epoch), cut into global batches of
-        # batch_size x num_hosts; host h reads the h-th block of batch_size of each. Every example
-        # is on exactly one host, and the hosts' batches placed side by side (process order, as
-        # the devices are) are the global batches one process would read, rows in the same
-        # order: the same training whatever the number of hosts.
-        self._n = n
-        self._mine = (np.arange(n) // batch_size) % num_hosts == host_index
+        self._order = GlobalOrder(
+            np.arange(n),
+            batch_size,
+            num_hosts=num_hosts,
+            host_index=host_index,
+            shuffle=shuffle,
+            seed=seed,
+            num_epochs=num_epochs,
+            # A finite input keeps its last, partial batch (evaluation counts it exactly).
+            drop_remainder=False,
+        )
         self._x, self._y = x, y
-        self._batch_size = batch_size
-        self._shuffle = shuffle
-        self._num_epochs = num_epochs
-        self._seed = seed
-        self._epoch = 0
-        self._position = 0
-        self._order = self._epoch_order(0)
-
-    def _epoch_order(self, epoch: int) -> np.ndarray:
-        if not self._shuffle:
-            return np.flatnonzero(self._mine)
-        rng = np.random.default_rng([self._seed, epoch])  # a different order every epoch
-        return rng.permutation(self._n)[self._mine]
+        self._start = 0  # stream position of the next global batch
 
     def get_state(self) -> dict:
-        """Returns the position after the last batch handed out."""
-        return {"epoch": self._epoch, "position": self._position}
+        """Returns the position after the last batch handed out (the same on every host)."""
+        epoch, position = self._order.epoch_position(self._start)
+        return {"order": "global", "epoch": epoch, "position": position}
 
     def set_state(self, state: dict) -> None:
-        """Continues from a position returned by ``get_state``."""
-        self._epoch = int(state["epoch"])
-        self._position = int(state["position"])
-        self._order = self._epoch_order(self._epoch)
+        """Continues from a position returned by ``get_state`` (of any number of hosts).
+
+        A position saved per host by an older estimax (no ``"order": "global"``) is that host's
+        own count; with one host it is the same stream position.
+        """
+        if state.get("order") != "global" and self._order.num_hosts > 1:
+            logging.warning(
+                "numpy_input_fn: the saved input position is per host (an older checkpoint); "
+                "the input restarts from its beginning."
+            )
+            self._start = 0
+            return
+        self._start = self._order.stream_position(state["epoch"], state["position"])
 
     def __iter__(self) -> NumpyIterator:
         return self
 
     def __next__(self) -> tuple[Any, Any]:
-        picked: list[np.ndarray] = []
-        needed = self._batch_size
-        while needed:
-            if self._position >= len(self._order):
-                if self._num_epochs is not None and self._epoch + 1 >= self._num_epochs:
-                    break
-                self._epoch += 1
-                self._position = 0
-                self._order = self._epoch_order(self._epoch)
-                if not len(self._order):
-                    break
-            take = self._order[self._position : self._position + needed]
-            picked.append(take)
-            self._position += len(take)
-            needed -= len(take)
-        if not picked:
+        block = self._order.host_block(self._start, 0)
+        if block is None:
             raise StopIteration
-        idx = np.concatenate(picked)
+        idx, _, self._start = block
         x = (
             {k: np.asarray(v)[idx] for k, v in self._x.items()}
             if isinstance(self._x, dict)
