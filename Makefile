@@ -18,7 +18,7 @@ BEAM_PINS := apache-beam==2.77.0 protobuf==6.33.6 pillow==12.3.0 numpy==2.4.6 \
 	crc32c==2.9.post0 fsspec==2026.9.0 simplejpeg==1.9.0 opencv-python-headless==5.0.0.93 \
 	tqdm==4.70.1 absl-py==2.5.1 pytest==9.2.0 hypothesis==6.170.15
 
-.PHONY: demo test lint reliability venv native bench clean
+.PHONY: demo test lint reliability venv native bench bench-accelerator clean
 
 venv: $(STAMP)
 
@@ -84,6 +84,12 @@ reliability: $(STAMP) $(NATIVE_STAMP)
 	    ESTIMAX_RELIABILITY_RESULTS=$(RELIABILITY_DIR) $(BIN)/python -m pytest -q \
 	    -p no:cacheprovider tests/reliability; status=$$?; \
 	    $(BIN)/python tests/reliability/report.py $(RELIABILITY_DIR) || status=1; exit $$status
+
+# ResNet-50 training on this machine's GPU or TPU (bench/accelerator.py): installs the matching
+# extra (estimax[cuda12|cuda13|tpu]) into a fresh venv, writes bench/results/accelerator_<device>.md.
+# Without an accelerator it runs its tiny CPU version (what the test suite checks).
+bench-accelerator: $(STAMP) $(NATIVE_STAMP)
+	$(BIN)/python bench/accelerator.py
 
 clean:
 	rm -rf $(VENV) $(BEAM_VENV) runs
