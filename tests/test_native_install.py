@@ -8,7 +8,9 @@ else the suite's own user), with oneDNN found only under the venv's prefix where
 system without root cannot hide it); that no system oneDNN served the build is shown by the
 result instead: the library reports oneDNN 3 (Debian's ``libdnnl-dev`` is 2.6, and the
 source refuses oneDNN < 3 at compile time) and the process maps ``libdnnl.so.3`` from the
-venv's ``lib/``. The wheels themselves come from the index in ``make`` (the ``onednn`` extra);
+venv's ``lib/``. (On the machine where this was written, Debian's ``libdnnl-dev`` 2.6 was
+installed, ``/usr/include/dnnl.hpp`` present, and the test passed: the build ignores it.) The
+wheels themselves come from the index in ``make`` (the ``onednn`` extra);
 this test does not download them again.
 """
 
