@@ -27,6 +27,8 @@ EXPECTED = {
     "cuda13": {"jax": "0.10.2", "jaxlib": "0.10.2", "jax-cuda13-plugin": "0.10.2",
                "jax-cuda13-pjrt": "0.10.2", "nvidia-cudnn-cu13": None},
     "tpu": {"jax": "0.10.2", "jaxlib": "0.10.2", "libtpu": "0.0.42.1"},
+    # make's oneDNN for the CPU kernels: its runtimes' tree is pinned in constraints.txt too.
+    "onednn": {"onednn-devel": "2026.1.0", "onednn": "2026.1.0", "tbb": None},
 }  # fmt: skip
 
 # The oldest Linux each extra's wheels install on: libtpu's need glibc 2.31 (TPU VMs run
@@ -35,6 +37,7 @@ PLATFORM = {
     "cuda12": "x86_64-manylinux_2_28",
     "cuda13": "x86_64-manylinux_2_28",
     "tpu": "x86_64-manylinux_2_31",
+    "onednn": "x86_64-manylinux_2_28",
 }
 
 # uv's words when it cannot reach the index (DNS, refused or timed-out connections, proxies).
@@ -93,7 +96,7 @@ def _resolve(extra: str, tmp_path: Path) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("extra", sorted(EXPECTED))
-def test_accelerator_extra_resolves_against_the_pinned_tree(extra, tmp_path):
+def test_extra_resolves_against_the_pinned_tree(extra, tmp_path):
     pins = _resolve(extra, tmp_path)
     for name, version in EXPECTED[extra].items():
         assert name in pins, f"estimax[{extra}] does not bring {name}: {sorted(pins)}"
