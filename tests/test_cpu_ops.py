@@ -191,7 +191,9 @@ def test_native_status_command_names_the_kernels():
         check=False,
     )
     if native.available():
-        assert proc.returncode == 0 and proc.stdout.startswith("oneDNN "), proc.stdout
+        # "oneDNN 3.13.2 on <CPU> (<isa> kernels): fp32 ..., bf16 ... (<library>)"
+        assert proc.returncode == 0 and proc.stdout.startswith("oneDNN 3."), proc.stdout
+        assert f"({native.isa()} kernels)" in proc.stdout and native.isa() != "unknown"
     else:
         assert proc.returncode == 1 and "XLA's own" in proc.stdout, proc.stdout
 
