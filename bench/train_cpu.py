@@ -380,7 +380,8 @@ def jax_worker() -> None:
         key = (model, dtype, variant)
         compile_s = None
         if key not in runners:
-            runners.clear()  # one model at a time, as the parent does
+            if any(k[0] != model for k in runners):
+                runners.clear()  # one model at a time, as the parent does
             runners[key] = JaxRunner(model, dtype, variant)
             compile_s = runners[key].compile_s
         rate = runners[key].images_per_sec(int(steps))
@@ -424,6 +425,11 @@ def main() -> None:
     parser.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--jax-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--onednn2_lib", default=None, help="the old build's library (+onednn2)")
+    parser.add_argument(
+        "--interleave_dtypes",
+        action="store_true",
+        help="time every dtype of a model in the same rounds (more memory; fairer fp32 vs bf16)",
+    )
     args = parser.parse_args()
     load_start = os.getloadavg()[0]
     if args.torch_worker:
@@ -485,24 +491,30 @@ def main() -> None:
     compile_s: dict[str, float] = {}
     for model in models:
         steps = args.mnist_steps if model == "mnist" else args.resnet_steps
-        for dtype in dtypes:
-            key = f"{model}/{dtype}"
+        # With --interleave_dtypes every (dtype, variant) of a model is built first and each
+        # round times them all, so fp32 and bf16 meet the same load (the machine is shared).
+        groups = [dtypes] if args.interleave_dtypes else [[d] for d in dtypes]
+        for group in groups:
             runners = {}
-            for v in variants:
-                if v != "torch" and not any(p in v.split("+") for p in _WORKER_PARTS):
-                    runner_cls = JaxRunner if args.harness == "bare" else EstimatorRunner
-                    runners[v] = runner_cls(model, dtype, v)
-                    compile_s[f"{key}/{v}"] = round(runners[v].compile_s, 1)
+            for dtype in group:
+                key = f"{model}/{dtype}"
+                for v in variants:
+                    if v != "torch" and not any(p in v.split("+") for p in _WORKER_PARTS):
+                        runner_cls = JaxRunner if args.harness == "bare" else EstimatorRunner
+                        runners[(dtype, v)] = runner_cls(model, dtype, v)
+                        compile_s[f"{key}/{v}"] = round(runners[(dtype, v)].compile_s, 1)
             for r in range(args.rounds if model == "mnist" else args.resnet_rounds):
-                for v in variants:  # interleaved: every variant once per round
-                    if v == "torch":
-                        rate = torch_rate(model, dtype, steps)
-                    elif v not in runners:
-                        rate = worker_rate(v, model, dtype, steps)
-                    else:
-                        rate = runners[v].images_per_sec(steps)
-                    rounds.setdefault(key, {}).setdefault(v, []).append(round(rate, 3))
-                    print(f"round {r} {key:20s} {v:8s} {rate:9.2f} img/s", flush=True)
+                for dtype in group:
+                    key = f"{model}/{dtype}"
+                    for v in variants:  # interleaved: every variant once per round
+                        if v == "torch":
+                            rate = torch_rate(model, dtype, steps)
+                        elif (dtype, v) not in runners:
+                            rate = worker_rate(v, model, dtype, steps)
+                        else:
+                            rate = runners[(dtype, v)].images_per_sec(steps)
+                        rounds.setdefault(key, {}).setdefault(v, []).append(round(rate, 3))
+                        print(f"round {r} {key:20s} {v:8s} {rate:9.2f} img/s", flush=True)
             del runners
     if worker is not None:
         worker.stdin.close()  # type: ignore[union-attr]
@@ -529,7 +541,8 @@ def main() -> None:
             + "".join(f"+{p} worker: {st}; " for p, st in worker_status.items())
             + f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r} (+noynn adds "
             f"--xla_cpu_experimental_ynn_fusion_type=); "
-            f"harness={args.harness}; {args.rounds} (MNIST) / "
+            f"harness={args.harness}; dtypes interleaved: {args.interleave_dtypes}; "
+            f"{args.rounds} (MNIST) / "
             f"{args.resnet_rounds} (ResNet-50) interleaved rounds of {args.mnist_steps} / "
             f"{args.resnet_steps} steps; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}."
         ),
