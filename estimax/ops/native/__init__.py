@@ -386,7 +386,7 @@ def status() -> str:
 
 
 def onednn_version() -> str:
-    """The version of the oneDNN the library was built against, e.g. '2.6.3'."""
+    """The version of the oneDNN the library was built against, e.g. '3.13.2'."""
     lib = _load_library()
     if lib is None:
         return "unavailable"
