@@ -139,7 +139,12 @@ def report() -> list[str]:
     """Every line of the report, the missing items last."""
     missing: list[str] = []
     lines = [f"estimax {_version('estimax') or '(not installed)'}, Python {sys.version.split()[0]}"]
-    lines += device_lines(missing)
+    try:
+        lines += device_lines(missing)
+    except Exception as e:  # noqa: BLE001 - a broken plugin must not hide the rest
+        first = str(e).splitlines()[0] if str(e) else ""
+        lines.append(f"devices: JAX could not start its backends ({type(e).__name__}: {first})")
+        missing.append("a working JAX backend (see the devices line)")
     lines += cpu_kernel_lines(missing)
     lines += input_lines()
     lines += storage_lines()

@@ -58,3 +58,12 @@ def test_doctor_says_what_is_missing_and_how_to_install_it(tmp_path):
     assert _line(lines, "CPU convolutions: ").startswith("CPU convolutions: XLA's own on ")
     missing = _line(lines, "missing: oneDNN kernels: ")
     assert "oneDNN 3 not found" in missing and "pip install 'estimax[onednn]'" in missing
+
+
+def test_doctor_reports_a_backend_that_cannot_start_and_goes_on():
+    # A platform asked for that is not installed (as a TPU VM without libtpu): one line, no
+    # traceback, and the rest of the report still printed.
+    lines = _doctor(JAX_PLATFORMS="tpu")
+    assert _line(lines, "devices: ").startswith("devices: JAX could not start its backends")
+    assert _line(lines, "input workers: ")
+    assert "missing: a working JAX backend (see the devices line)" in lines
