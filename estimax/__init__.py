@@ -1,22 +1,26 @@
 """estimax: the TPUEstimator contract, reference models and ImageNet pipeline, on JAX.
 
-The whole user contract::
+The whole user contract (the README's runnable version: ``examples/contract.py``)::
 
     import estimax as ex
 
     def model_fn(features, labels, mode, params):   # traced; create Flax modules inside
         logits = MyNet()(features, train=mode == ex.ModeKeys.TRAIN)
+        predictions = {"classes": logits.argmax(-1)}
+        if mode == ex.ModeKeys.PREDICT:              # labels are None in PREDICT
+            return ex.EstimatorSpec(mode=mode, predictions=predictions)
         return ex.EstimatorSpec(
             mode=mode,
             loss=ex.losses.softmax_cross_entropy(logits, labels),
             optimizer=optax.sgd(0.1),
             eval_metrics={"accuracy": ex.metrics.accuracy(labels, logits)},
-            predictions={"classes": logits.argmax(-1)})
+            predictions=predictions)
 
     est = ex.Estimator(model_fn, ex.RunConfig(model_dir="run"), train_batch_size=128,
-                       eval_batch_size=128)
+                       eval_batch_size=128, predict_batch_size=128)   # global batch sizes
     est.train(input_fn, max_steps=1000)
     est.evaluate(eval_input_fn)
+    est.predict(predict_input_fn)
 """
 
 import importlib
@@ -25,10 +29,21 @@ from typing import TYPE_CHECKING, Any
 # The static mirror of _EXPORTS and _SUBMODULES below, for type checkers, IDEs and help();
 # never run. tests/test_public_api.py checks that the two name the same objects.
 if TYPE_CHECKING:
-    from estimax.estimator import losses, metrics
+    from estimax.estimator import losses, metrics, summary
     from estimax.estimator.checkpoints import checkpoints_iterator
     from estimax.estimator.estimator import Estimator, NanLossError, TrainState, get_global_step
     from estimax.estimator.export import TensorSpec
+    from estimax.estimator.hooks import (
+        HookSession,
+        LoggingTensorHook,
+        ProfilerHook,
+        SessionRunContext,
+        SessionRunHook,
+        SessionRunValues,
+        StepCounterHook,
+        StopAtStepHook,
+        stop_if_no_decrease_hook,
+    )
     from estimax.estimator.inputs import numpy_input_fn
     from estimax.estimator.replication import REPLICA_AXIS
     from estimax.estimator.spec import (
@@ -55,23 +70,44 @@ _EXPORTS = {
     "RunConfig": "estimax.estimator.spec",
     "TrainSpec": "estimax.estimator.spec",
     "TensorSpec": "estimax.estimator.export",
+    "HookSession": "estimax.estimator.hooks",
+    "LoggingTensorHook": "estimax.estimator.hooks",
+    "ProfilerHook": "estimax.estimator.hooks",
+    "SessionRunContext": "estimax.estimator.hooks",
+    "SessionRunHook": "estimax.estimator.hooks",
+    "SessionRunValues": "estimax.estimator.hooks",
+    "StepCounterHook": "estimax.estimator.hooks",
+    "StopAtStepHook": "estimax.estimator.hooks",
+    "stop_if_no_decrease_hook": "estimax.estimator.hooks",
     "numpy_input_fn": "estimax.estimator.inputs",
     "REPLICA_AXIS": "estimax.estimator.replication",
     "checkpoints_iterator": "estimax.estimator.checkpoints",
     "train_and_evaluate": "estimax.estimator.training",
 }
-_SUBMODULES = {"losses": "estimax.estimator.losses", "metrics": "estimax.estimator.metrics"}
+_SUBMODULES = {
+    "losses": "estimax.estimator.losses",
+    "metrics": "estimax.estimator.metrics",
+    "summary": "estimax.estimator.summary",
+}
 
 # The public names, as _EXPORTS and _SUBMODULES (tests/test_public_api.py checks that they agree).
 __all__ = [
     "Estimator",
     "EstimatorSpec",
     "EvalSpec",
+    "HookSession",
     "InputContext",
+    "LoggingTensorHook",
     "ModeKeys",
     "NanLossError",
+    "ProfilerHook",
     "REPLICA_AXIS",
     "RunConfig",
+    "SessionRunContext",
+    "SessionRunHook",
+    "SessionRunValues",
+    "StepCounterHook",
+    "StopAtStepHook",
     "TensorSpec",
     "TrainSpec",
     "TrainState",
@@ -80,6 +116,8 @@ __all__ = [
     "losses",
     "metrics",
     "numpy_input_fn",
+    "stop_if_no_decrease_hook",
+    "summary",
     "train_and_evaluate",
 ]
 

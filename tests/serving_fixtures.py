@@ -106,13 +106,18 @@ def server_env() -> dict[str, str]:
 @contextlib.contextmanager
 def running_server(args: list[str], timeout: float = 180.0):
     """Starts ``estimax serve ARGS --port=P`` and yields its base URL once it is ready."""
+    import tempfile
+
     import requests
 
     port = free_port()
+    # Its output goes to a file, not a pipe: a pipe nobody reads stops a chatty server once
+    # its buffer is full (the server would hang, not the test fail).
+    log = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "estimax.serving.cli", "serve", f"--port={port}", *args],
         env=server_env(),
-        stdout=subprocess.PIPE,
+        stdout=log,
         stderr=subprocess.STDOUT,
         text=True,
     )
@@ -121,7 +126,8 @@ def running_server(args: list[str], timeout: float = 180.0):
         deadline = time.monotonic() + timeout
         while True:  # wait for readiness (a process start, not a timed assertion)
             if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}: {proc.stdout.read()}")
+                log.seek(0)
+                raise RuntimeError(f"server exited with {proc.returncode}: {log.read()[-4000:]}")
             try:
                 if requests.get(url + "/v2/health/ready", timeout=2).status_code == 200:
                     break
@@ -137,3 +143,42 @@ def running_server(args: list[str], timeout: float = 180.0):
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+        log.close()
+
+
+def export_dense(root: str) -> str:
+    """A small, fast-to-build export (a dense layer over 32x32 RGB) taking raw JPEG bytes.
+
+    It goes through the real raw-image path (JPEG decoded and preprocessed in the server);
+    returns the model base path holding version 1.
+    """
+    import flax.linen as nn
+
+    from estimax import serving
+
+    def dense_model_fn(features, labels, mode, params):
+        x = features.astype(jnp.float32).reshape(features.shape[0], -1) / 255.0
+        logits = nn.Dense(NUM_CLASSES)(x)
+        predictions = {"classes": logits.argmax(-1), "probabilities": jax.nn.softmax(logits)}
+        if mode == ex.ModeKeys.PREDICT:
+            return ex.EstimatorSpec(mode=mode, predictions=predictions)
+        return ex.EstimatorSpec(
+            mode=mode,
+            loss=ex.losses.softmax_cross_entropy(logits, labels),
+            optimizer=optax.sgd(0.1),
+            predictions=predictions,
+        )
+
+    images, labels = make_jpegs(8)
+    est = ex.Estimator(
+        dense_model_fn,
+        ex.RunConfig(model_dir=os.path.join(root, "model")),
+        train_batch_size=8,
+        predict_batch_size=8,
+    )
+    est.train(ex.numpy_input_fn(preprocess_all(images), labels), max_steps=1)
+    base = os.path.join(root, "serving")
+    serving.export_version(
+        est, base, preprocessing=serving.resnet_eval(IMAGE_SIZE), check_inputs=images[:2]
+    )
+    return base

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import subprocess
@@ -55,8 +56,11 @@ def test_program_trains_evaluates_every_digit_and_exports(tmp_path):
         "--iterations=20",
         "--eval_steps=-1",
         "--learning_rate=0.1",
+        "--profile_steps=21,22",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # --profile_steps (every program has it): a trace where TensorBoard's profile plugin looks.
+    assert glob.glob(str(tmp_path / "model" / "plugins" / "profile" / "*" / "*.xplane.pb"))
     match = re.search(
         r"Eval results at step 60: accuracy = ([0-9.]+) on 1000 held-out examples", proc.stdout
     )

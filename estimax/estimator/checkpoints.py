@@ -25,6 +25,7 @@ import glob
 import json
 import os
 import shutil
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -52,6 +53,83 @@ _DISK_FULL_MARKS = (
     "No space left",
     "Disk quota",
 )
+
+
+_UNRAISABLE_HOOKED = False
+_ORBAX_DIR = f"{os.sep}orbax{os.sep}"
+
+
+def _quiet_late_tensorstore_callbacks() -> None:
+    """Sends the unraisable noise of a failed save or restore to the debug log.
+
+    When a save fails (a full disk), Orbax closes its asyncio loop while TensorStore still
+    completes the other writes; each completion's ``call_soon_threadsafe`` then raises into
+    ``sys.unraisablehook`` and prints a traceback after estimax's own error. A restore that
+    fails (``ModelMismatchError``) closes Orbax's other pending reads, each printing one too.
+    Nothing is lost (the failure was already reported), so only those are taken out.
+    """
+    global _UNRAISABLE_HOOKED
+    if _UNRAISABLE_HOOKED:
+        return
+    _UNRAISABLE_HOOKED = True
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        value = unraisable.exc_value
+        tb = unraisable.exc_traceback
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        where = tb.tb_frame.f_code.co_filename if tb is not None else ""
+        late_callback = (
+            isinstance(value, RuntimeError)
+            and str(value) == "Event loop is closed"
+            and where.endswith(os.path.join("asyncio", "base_events.py"))
+        )
+        # A failed restore (another model's checkpoint) closes Orbax's other reads mid-way.
+        closed_read = isinstance(value.__cause__, GeneratorExit) and _ORBAX_DIR in where
+        if late_callback or closed_read:
+            logging.debug("After a failed checkpoint save or restore: %s", value)
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
+
+
+class ModelMismatchError(ValueError):
+    """A checkpoint in ``model_dir`` was written by a different model than the one restoring."""
+
+
+def _leaves_by_path(tree: Any) -> dict[str, tuple[int, ...]]:
+    """``{"params/Dense_0/kernel": shape}`` for every array leaf of a pytree or its metadata."""
+
+    def name(key: Any) -> str:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                return str(getattr(key, attr))
+        return str(key)
+
+    return {
+        "/".join(name(k) for k in path): tuple(getattr(leaf, "shape", ()))
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+
+
+def first_difference(saved: Any, wanted: Any) -> str | None:
+    """Names the first parameter whose presence or shape differs, or None if all agree.
+
+    Args:
+      saved: the checkpoint's tree (its Orbax metadata).
+      wanted: the restoring model's abstract tree.
+    """
+    have, want = _leaves_by_path(saved), _leaves_by_path(wanted)
+    for path in sorted(set(have) | set(want)):
+        if path not in have:
+            return f"{path} {want[path]} is not in the checkpoint"
+        if path not in want:
+            return f"the checkpoint's {path} {have[path]} is not in this model"
+        if have[path] != want[path]:
+            return f"{path} has shape {have[path]} in the checkpoint, {want[path]} in this model"
+    return None
 
 
 class CorruptCheckpointError(RuntimeError):
@@ -181,6 +259,7 @@ class Checkpointer:
     ):
         self.model_dir = model_dir
         self._read_only = read_only
+        _quiet_late_tensorstore_callbacks()
         self._unsealed: list[int] = []  # saved by us, manifest not yet written
         self._verified: set[int] = set()
         self._bad: dict[int, str] = {}
@@ -351,17 +430,45 @@ class Checkpointer:
         Raises:
           CorruptCheckpointError: Orbax could not read it (the step is set aside).
         """
-        with self._readable(step):
-            restored = self._manager.restore(
-                step,
-                args=ocp.args.Composite(
-                    **{
-                        name: ocp.args.StandardRestore(item)
-                        for name, item in abstract_items.items()
-                    }
-                ),
-            )
+        try:
+            with self._readable(step):
+                restored = self._manager.restore(
+                    step,
+                    args=ocp.args.Composite(
+                        **{
+                            name: ocp.args.StandardRestore(item)
+                            for name, item in abstract_items.items()
+                        }
+                    ),
+                )
+        except ValueError as e:
+            mismatch = self._mismatch(step, abstract_items)
+            if mismatch is None:
+                raise
+            # Orbax's own message is a tree dump with advice (partial_restore, strict=False)
+            # that an estimax user cannot act on: keep it for the debug log only.
+            logging.debug("Orbax's restore error for %s: %s", self.step_dir(step), e)
+            raise ModelMismatchError(
+                f"{self.model_dir} holds a different model: {mismatch} (checkpoint "
+                f"{self.step_dir(step)}). Train this model in a new --model_dir, or start it "
+                "from that checkpoint's weights with warm_start_from (--warm_start_from)."
+            ) from None
         return {name: restored[name] for name in abstract_items}
+
+    def _mismatch(self, step: int, abstract_items: dict[str, Any]) -> str | None:
+        """The first difference between the checkpoint's items and ``abstract_items``, if any."""
+        for name, item in abstract_items.items():
+            try:
+                metadata = ocp.StandardCheckpointer().metadata(
+                    os.path.join(self.step_dir(step), name)
+                )
+            except Exception:  # no readable metadata: not a mismatch this can name
+                return None
+            tree = getattr(metadata, "item_metadata", metadata)
+            difference = first_difference(getattr(tree, "tree", tree), item)
+            if difference is not None:
+                return difference if name == "model" else f"{name}: {difference}"
+        return None
 
     @contextlib.contextmanager
     def _readable(self, step: int) -> Iterator[None]:
@@ -451,6 +558,9 @@ class Checkpointer:
             self._manager.reload()
             previous = [s for s in self._manager.all_steps() if s != step and s not in self._bad]
             full = any(m in text for m in _DISK_FULL_MARKS)
+            # The cause (Orbax's and TensorStore's tracebacks) is for the debug log; the user
+            # gets this one error with the path and what to do.
+            logging.debug("Writing checkpoint %s failed:", step, exc_info=e)
             raise storage.StorageError(
                 getattr(e, "errno", None) or (errno.ENOSPC if full else errno.EIO),
                 f"Could not write checkpoint {step} in {where}: "
@@ -462,7 +572,7 @@ class Checkpointer:
                 + ". The partial checkpoint was removed; the previous one ("
                 + (f"step {max(previous)}" if previous else "none")
                 + ") is intact. Free space and run again to resume from it.",
-            ) from e
+            ) from None
 
     def close(self) -> None:
         """Finishes pending saves (and their manifests) and releases Orbax's resources."""

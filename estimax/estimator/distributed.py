@@ -111,7 +111,7 @@ def any_process(flag: bool) -> list[bool]:
 
 
 class PreemptionNotice:
-    """Whether training must stop and save at a step because of a preemption notice (SIGTERM).
+    """Whether training must stop and save at a step: a preemption notice (SIGTERM) or Ctrl-C.
 
     With many processes, JAX's preemption service catches SIGTERM on any host and all hosts agree
     on the step to save at (``multihost_utils.reached_preemption_sync_point``, which every host
@@ -125,29 +125,43 @@ class PreemptionNotice:
     def __init__(self) -> None:
         self._many = jax.process_count() > 1
         self._received = False
-        self._previous: Any = None
-        self._installed = False
+        self._previous: dict[int, Any] = {}
+        self.signal_name: str | None = None  # the signal that asked to stop: SIGTERM or SIGINT
 
     def __enter__(self) -> PreemptionNotice:
         import signal
         import threading
 
         if not self._many and threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
-            self._installed = True
+            self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_signal)
+            # Ctrl-C saves as SIGTERM does (TF lost the steps since the last checkpoint); only
+            # where Python's own KeyboardInterrupt handler is in place (not a user's handler).
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_signal)
         return self
 
     def __exit__(self, *exc: object) -> None:
         import signal
 
-        if self._installed:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._installed = False
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous = {}
 
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        import signal
+
+        if signum == signal.SIGINT and self._received:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop at once, without saving
         # Only a flag: the step that runs finishes, and the loop saves at it.
         self._received = True
-        logging.warning("SIGTERM (preemption notice): saving at the end of the current step.")
+        self.signal_name = signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            logging.warning(
+                "Ctrl-C: saving a checkpoint at the end of the current step (Ctrl-C again to "
+                "stop at once, without saving)."
+            )
+        else:
+            logging.warning("SIGTERM (preemption notice): saving at the end of the current step.")
 
     def reached(self, step: int) -> bool:
         """Call after each step (every process, every step): True -> save at ``step`` and stop."""

@@ -8,11 +8,15 @@ Who owns what:
 | gradients, cross-replica mean, optimizer | pure steps              | ``steps.train_step`` etc.   |
 | update, weight decay, clip, EMA          |                         |                             |
 | the steps on the mesh (jit, shardings,   | ``Estimator``           | ``_*_fn`` below             |
-| donation), the loops, host syncs         |                         |                             |
+| donation); eval and predict loops        |                         |                             |
+| the training loop and its parts (checks, | ``TrainingRun``         | ``loop.py``                 |
+| reports, saves, listeners, watchdog)     |                         |                             |
+| user code once per host loop             | ``SessionRunHook``      | ``hooks.py``                |
 | batches (per host)                       | the user's ``input_fn`` | host; we pad/shard them     |
-| batches ahead on the devices (bounded)   | ``DevicePrefetcher``    | ``feeding.py``              |
+| batches ahead on the devices (bounded)   | ``DevicePrefetcher``    | ``feeding.py``; ``_feeder`` |
 | position in the input                    | the input iterator      | ``get_state``/``set_state`` |
 | checkpoints (model + input position)     | Orbax ``Checkpointer``  | ``model_dir/checkpoints``   |
+| restoring one (train, eval, predict)     | ``Estimator._restore``  | below                       |
 | cadences (save, log, summaries)          | ``PeriodicAction``      | ``periodic.py``             |
 | summaries and log lines                  | ``Summaries``           | ``model_dir[/eval]``        |
 | many hosts (joining, comparing notes)    | ``jax.distributed``     | ``distributed.py``          |
@@ -41,15 +45,15 @@ takes part in each step, save and evaluation batch, and each host's input positi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -58,58 +62,42 @@ from absl import logging
 from jax.sharding import PartitionSpec as P
 
 from estimax.estimator import checkpoints as ckpt_lib
-from estimax.estimator import distributed, feeding, periodic, preflight, replication
+from estimax.estimator import distributed, feeding, logs, preflight, replication
 from estimax.estimator import export as export_lib
+from estimax.estimator import hooks as hooks_lib
+from estimax.estimator import loop as loop_lib
 from estimax.estimator import steps as steps_lib
 from estimax.estimator import summaries as summaries_lib
+from estimax.estimator.loop import NanLossError, Preempted  # noqa: F401 (public names)
 from estimax.estimator.replication import REPLICA_AXIS
-from estimax.estimator.spec import EstimatorSpec, InputContext, ModeKeys, RunConfig
+from estimax.estimator.spec import (
+    EstimatorSpec,
+    InputContext,
+    ModeKeys,
+    RunConfig,
+    original_keywords,
+)
 from estimax.estimator.steps import TrainState, get_global_step  # noqa: F401 (public names)
-from estimax.estimator.watchdog import Watchdog
 from estimax.ops import native
 
 _RESERVED_PARAMS_KEYS = ("batch_size", "context")
 _MODEL_FN_ARGS = ("features", "labels", "mode", "params", "config")
-# The share of a loop the devices may sit idle waiting for input before we warn.
-INPUT_BOUND_WARNING_FRACTION = 0.1
+# The constructor argument that sets each mode's global batch size (one place for the map).
+_BATCH_SIZE_ARGS = {
+    ModeKeys.TRAIN: "train_batch_size",
+    ModeKeys.EVAL: "eval_batch_size",
+    ModeKeys.PREDICT: "predict_batch_size",
+}
 
 
-class NanLossError(RuntimeError):
-    """Training produced a NaN or infinite loss. Checkpoints written before it are intact."""
-
-
-class Preempted(SystemExit):
-    """Training stopped on a preemption notice (SIGTERM) after saving a checkpoint at ``step``.
-
-    A ``SystemExit`` with status 0: a script that does not catch it ends as a job runner expects
-    of a preempted job (saved, exit 0); the next start of the same command continues at ``step``.
-    """
-
-    def __init__(self, step: int, model_dir: str):
-        super().__init__(0)
-        self.step = step
-        self.model_dir = model_dir
-
-    def __str__(self) -> str:
-        return (
-            f"Preempted (SIGTERM): saved a checkpoint at step {self.step} in {self.model_dir}; "
-            "run the same command again to continue from it."
-        )
-
-
-def _to_host(tree: Any) -> Any:
-    """Fetches replicated device values (metrics) as numpy, from this process's first copy.
-
-    ``jax.device_get`` refuses arrays spanning other processes' devices; every process holds a
-    whole copy of a replicated one.
-    """
-
-    leaves = jax.tree.leaves(tree)
-    if all(not isinstance(x, jax.Array) or x.is_fully_addressable for x in leaves):
-        return jax.device_get(tree)  # one process: all transfers started at once
-    return jax.tree.map(
-        lambda x: np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x), tree
-    )
+def _with_model_dir(config: RunConfig, model_dir: str | None) -> RunConfig:
+    """``config`` with ``model_dir`` (the argument's, the config's, or a new temporary one)."""
+    if model_dir is not None:
+        config = dataclasses.replace(config, model_dir=model_dir)
+    if config.model_dir is None:
+        config = dataclasses.replace(config, model_dir=tempfile.mkdtemp(prefix="estimax_"))
+        logging.warning("Using temporary folder as model directory: %s", config.model_dir)
+    return config
 
 
 def _input_state_of_this_process(meta: Mapping[str, Any]) -> Any:
@@ -140,11 +128,54 @@ def _split_batch(element: Any) -> tuple[Any, Any]:
     return element, None
 
 
+def _check_rows(features: Any, labels: Any) -> None:
+    """One error naming every shape when a batch's arrays disagree on their leading size."""
+    shapes = {
+        f"{part}{jax.tree_util.keystr(path)}": np.shape(leaf)
+        for part, tree in (("features", features), ("labels", labels))
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+    if len({shape[0] if shape else None for shape in shapes.values()}) > 1:
+        described = ", ".join(f"{name} {shape}" for name, shape in shapes.items())
+        raise ValueError(
+            f"input_fn yielded a batch whose arrays differ in batch size: {described}; "
+            "features and labels must have the same leading (batch) size."
+        )
+
+
+def _check_train_batch(features: Any, per_host: int) -> None:
+    first = features if isinstance(features, np.ndarray) else jax.tree.leaves(features)[0]
+    size = int(np.shape(first)[0])
+    if size != per_host:
+        raise ValueError(
+            f"input_fn yielded a training batch of {size} examples; this host must "
+            f"feed {per_host} (train_batch_size / number of hosts). Training "
+            "batches need a fixed size: repeat the data and drop the remainder."
+        )
+
+
+def _restore_input_position(
+    feeder: feeding.DevicePrefetcher, checkpointer: ckpt_lib.Checkpointer, step: int
+) -> None:
+    """Puts the input where it was when the checkpoint at ``step`` was written (if it can)."""
+    input_state = _input_state_of_this_process(checkpointer.restore_meta(step))
+    iterator = feeder.iterator
+    if input_state is not None and hasattr(iterator, "set_state"):
+        iterator.set_state(input_state)
+    elif input_state is not None:
+        logging.warning(
+            "The input iterator has no set_state(): resuming at step %d "
+            "restarts the input from its beginning.",
+            step,
+        )
+
+
 def _leading_rows(tree: Any, n: int | None) -> Any:
     """Copies of the first ``n`` (None: all) rows of every leaf (a sample that keeps no batch)."""
     return jax.tree.map(lambda x: np.array(np.asarray(x)[:n]), tree)
 
 
+@original_keywords
 class Estimator:
     """Trains, evaluates, predicts with and exports a model defined by a ``model_fn``."""
 
@@ -173,12 +204,7 @@ class Estimator:
           model_dir: overrides ``config.model_dir``.
           clock: time source for the ``*_secs`` settings (tests inject one).
         """
-        config = config or RunConfig()
-        if model_dir is not None:
-            config = dataclasses.replace(config, model_dir=model_dir)
-        if config.model_dir is None:
-            config = dataclasses.replace(config, model_dir=tempfile.mkdtemp(prefix="estimax_"))
-            logging.warning("Using temporary folder as model directory: %s", config.model_dir)
+        config = _with_model_dir(config or RunConfig(), model_dir)
         params = dict(params or {})
         reserved = [k for k in _RESERVED_PARAMS_KEYS if k in params]
         if reserved:
@@ -199,15 +225,11 @@ class Estimator:
             ModeKeys.EVAL: eval_batch_size,
             ModeKeys.PREDICT: predict_batch_size,
         }
-        for mode, what in (
-            (ModeKeys.TRAIN, "train_batch_size"),
-            (ModeKeys.EVAL, "eval_batch_size"),
-            (ModeKeys.PREDICT, "predict_batch_size"),
-        ):
-            size = self._batch_sizes[mode]
+        for mode, size in self._batch_sizes.items():
             if size is not None:
-                replication.per_replica_batch(size, self.num_replicas, what)
+                replication.per_replica_batch(size, self.num_replicas, _BATCH_SIZE_ARGS[mode])
         self._clock = clock
+        logs.show_progress()  # TF printed `loss = X, step = N` without any logging set-up
         self._base_rng = jax.random.PRNGKey(config.seed)
         self._checkpointer: ckpt_lib.Checkpointer | None = None
         self._compiled: dict[Any, Any] = {}  # jitted step functions, by what they compute
@@ -261,13 +283,8 @@ class Estimator:
     def _batch_size(self, mode: str) -> int:
         size = self._batch_sizes[mode]
         if size is None:
-            what = {
-                ModeKeys.TRAIN: "train_batch_size",
-                ModeKeys.EVAL: "eval_batch_size",
-                ModeKeys.PREDICT: "predict_batch_size",
-            }[mode]
             raise ValueError(
-                f"Estimator needs {what} to run mode {mode!r}; pass it to the "
+                f"Estimator needs {_BATCH_SIZE_ARGS[mode]} to run mode {mode!r}; pass it to the "
                 "constructor (a global batch size)."
             )
         return size
@@ -293,9 +310,11 @@ class Estimator:
     def _init_fn(self, rng: jax.Array, features: Any, labels: Any) -> TrainState:
         return steps_lib.init_state(self._module(ModeKeys.TRAIN), rng, (features, labels))
 
-    def _replica_slice(self, tree: Any, mode: str) -> Any:
-        n = self._per_replica_batch(mode) or 1
-        return jax.tree.map(lambda x: np.asarray(x)[:n], tree)
+    def _init_variables_fn(self, mode: str) -> Callable:
+        def init(rng, features, labels):
+            return steps_lib.init_variables(self._module(mode), rng, (features, labels))
+
+        return init
 
     def _with_replicated_sharding(self, abstract: Any) -> Any:
         sharding = replication.replicated(self.mesh)
@@ -303,19 +322,36 @@ class Estimator:
             lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), abstract
         )
 
-    def _initial_state(self, features: Any, labels: Any) -> TrainState:
-        sample = self._replica_slice((features, labels), ModeKeys.TRAIN)
-        return replication.run_init(self._init_fn, self.mesh, self._base_rng, *sample)
+    def _get_checkpointer(self) -> ckpt_lib.Checkpointer:
+        if self._checkpointer is None:
+            self._checkpointer = ckpt_lib.Checkpointer(
+                self.model_dir, self.config.keep_checkpoint_max
+            )
+        return self._checkpointer
 
-    def _restore_train_state(
-        self, checkpointer: ckpt_lib.Checkpointer, step: int, features: Any, labels: Any
+    def _open_checkpoint(
+        self, checkpoint_path: str | None
+    ) -> tuple[ckpt_lib.Checkpointer, int | None]:
+        """The checkpointer and step of ``checkpoint_path``, or of ``model_dir``'s latest."""
+        if checkpoint_path is None:
+            checkpointer = self._get_checkpointer()
+            return checkpointer, checkpointer.latest_step()
+        model_dir, step = ckpt_lib.step_from_checkpoint_path(checkpoint_path)
+        checkpointer = ckpt_lib.Checkpointer(model_dir, None, read_only=True)
+        if step not in checkpointer.all_steps():
+            raise FileNotFoundError(f"No complete checkpoint at {checkpoint_path}.")
+        return checkpointer, step
+
+    def _restore(
+        self, checkpointer: ckpt_lib.Checkpointer, step: int, abstract: TrainState
     ) -> TrainState:
-        sample = self._replica_slice((features, labels), ModeKeys.TRAIN)
-        abstract = self._with_replicated_sharding(
-            jax.eval_shape(self._init_fn, self._base_rng, *sample)
-        )
+        """The one restore path: the checkpoint at ``step``, laid out like ``abstract``.
+
+        Only the items ``abstract`` has leaves for and the checkpoint holds are read (evaluation
+        asks for no optimizer state); ``ema_params`` is None when the checkpoint has no EMA.
+        """
         meta = checkpointer.restore_meta(step)
-        items = {
+        items: dict[str, Any] = {
             "model": {
                 "step": abstract.step,
                 "params": abstract.params,
@@ -328,24 +364,31 @@ class Estimator:
             items["ema"] = abstract.ema_params
         restored = checkpointer.restore(step, **items)
         model = restored["model"]
-        ema = restored.get("ema", abstract.ema_params)
-        if jax.tree.leaves(abstract.ema_params) and "ema" not in restored:
-            logging.warning("Checkpoint %d has no EMA of the weights; starting it from them.", step)
-            ema = model["params"]
         return TrainState(
             step=model["step"],
             params=model["params"],
             model_state=model["model_state"],
             opt_state=restored.get("optimizer", abstract.opt_state),
-            ema_params=ema,
+            ema_params=restored.get("ema"),
         )
 
-    def _get_checkpointer(self) -> ckpt_lib.Checkpointer:
-        if self._checkpointer is None:
-            self._checkpointer = ckpt_lib.Checkpointer(
-                self.model_dir, self.config.keep_checkpoint_max
-            )
-        return self._checkpointer
+    def _train_state(self, checkpointer: ckpt_lib.Checkpointer, step: int, sample: Any) -> Any:
+        """The train state at ``step`` (restored), or initialised from ``sample`` at step 0."""
+        if not step:
+            return replication.run_init(self._init_fn, self.mesh, self._base_rng, *sample)
+        abstract = self._with_replicated_sharding(
+            jax.eval_shape(self._init_fn, self._base_rng, *sample)
+        )
+        state = self._restore(checkpointer, step, abstract)
+        if state.ema_params is None:
+            if jax.tree.leaves(abstract.ema_params):
+                logging.warning(
+                    "Checkpoint %d has no EMA of the weights; starting it from them.", step
+                )
+            ema = state.params if jax.tree.leaves(abstract.ema_params) else abstract.ema_params
+            state = dataclasses.replace(state, ema_params=ema)
+        logging.info("Restored checkpoint at step %d from %s", step, self.model_dir)
+        return state
 
     def latest_checkpoint(self) -> str | None:
         """Returns the path of the newest complete checkpoint in ``model_dir``, or None."""
@@ -364,42 +407,22 @@ class Estimator:
         ``{"params": ..., <collection>: ...}`` nested by module name; the counterpart of the
         original's ``get_variable_value``/``get_variable_names``.
         """
-        step: int | None
-        if checkpoint_path is not None:
-            model_dir, step = ckpt_lib.step_from_checkpoint_path(checkpoint_path)
-            checkpointer = ckpt_lib.Checkpointer(model_dir, None, read_only=True)
-        else:
-            checkpointer = self._get_checkpointer()
-            step = checkpointer.latest_step()
-            if step is None:
-                raise FileNotFoundError(f"No checkpoint in {self.model_dir}: train first.")
+        checkpointer, step = self._open_checkpoint(checkpoint_path)
+        if step is None:
+            raise FileNotFoundError(f"No checkpoint in {self.model_dir}: train first.")
+        # Host numpy whatever devices wrote it: no abstract layout on this mesh to restore to.
         model = checkpointer.restore_numpy(step, "model")
         return {"params": model["params"], **model.get("model_state", {})}
 
-    def _init_variables_fn(self, mode: str) -> Callable:
-        def init(rng, features, labels):
-            return steps_lib.init_variables(self._module(mode), rng, (features, labels))
-
-        return init
-
     def _load_variables(
-        self, features: Any, labels: Any, mode: str, checkpoint_path: str | None
+        self, sample: Any, mode: str, checkpoint_path: str | None
     ) -> tuple[dict, int]:
         """Returns (variables, step) of the given/latest checkpoint, for EVAL or PREDICT.
 
         Uses the EMA of the weights when the checkpoint has one. Without any checkpoint the
         model is initialised, with a warning, as the original did.
         """
-        step: int | None
-        if checkpoint_path is not None:
-            model_dir, step = ckpt_lib.step_from_checkpoint_path(checkpoint_path)
-            checkpointer = ckpt_lib.Checkpointer(model_dir, None, read_only=True)
-            if step not in checkpointer.all_steps():
-                raise FileNotFoundError(f"No complete checkpoint at {checkpoint_path}.")
-        else:
-            checkpointer = self._get_checkpointer()
-            step = checkpointer.latest_step()
-        sample = self._replica_slice((features, labels), mode)
+        checkpointer, step = self._open_checkpoint(checkpoint_path)
         init = self._init_variables_fn(mode)
         if step is None:
             logging.warning(
@@ -409,25 +432,68 @@ class Estimator:
             )
             variables = replication.run_init(init, self.mesh, self._base_rng, *sample)
             return dict(variables), 0
-        abstract = dict(
+        variables = dict(
             self._with_replicated_sharding(jax.eval_shape(init, self._base_rng, *sample))
         )
-        abstract_params = abstract.pop("params", {})
-        meta = checkpointer.restore_meta(step)
-        items = {
-            "model": {
-                "step": jax.ShapeDtypeStruct(
-                    (), jnp.int32, sharding=replication.replicated(self.mesh)
-                ),
-                "params": abstract_params,
-                "model_state": abstract,
-            }
-        }
-        if meta.get("has_ema"):
-            items["ema"] = abstract_params
-        restored = checkpointer.restore(step, **items)
-        params = restored["ema"] if "ema" in restored else restored["model"]["params"]
-        return {"params": params, **restored["model"]["model_state"]}, step
+        params = variables.pop("params", {})
+        abstract = TrainState(
+            step=cast(
+                Any, jax.ShapeDtypeStruct((), jnp.int32, sharding=replication.replicated(self.mesh))
+            ),
+            params=params,
+            model_state=variables,
+            opt_state={},
+            ema_params=params,  # read only if the checkpoint has an EMA
+        )
+        state = self._restore(checkpointer, step, abstract)
+        chosen = state.params if state.ema_params is None else state.ema_params
+        return {"params": chosen, **state.model_state}, step
+
+    # ------------------------------------------------------------------ feeding
+
+    def _feeder(
+        self, mode: str, input_fn: Callable[[dict], Iterable], limit: int | None = None
+    ) -> tuple[feeding.DevicePrefetcher, list[Any]]:
+        """The one input set-up of the three modes: ``input_fn`` called with this host's params,
+        each batch checked (training: its size) or padded (evaluation, prediction), and put on
+        the mesh ahead of use.
+
+        Returns:
+          the prefetcher, and a list that holds, once the first batch is read, its first
+          per-replica rows ``(features, labels)``: what the model is initialised or restored with.
+        """
+        per_host = replication.per_host_batch(self._batch_size(mode))
+        rows = self._per_replica_batch(mode) or 1
+        iterable = input_fn(self._input_params(mode))
+        iterator = iter(iterable)
+        sample: list[Any] = []
+
+        def prepare(element: Any) -> tuple[Any, int | None]:
+            host: Any
+            features, labels = _split_batch(element)
+            if mode == ModeKeys.PREDICT:
+                labels = None
+            _check_rows(features, labels)
+            if mode == ModeKeys.TRAIN:
+                _check_train_batch(features, per_host)
+                host, info = (features, labels), None
+            else:
+                (features, labels), mask, n = replication.pad_batch((features, labels), per_host)
+                host, info = ((features, labels, mask) if mode == ModeKeys.EVAL else features), n
+            if not sample:
+                sample.append(_leading_rows((features, labels), rows))
+            return host, info
+
+        feeder = feeding.DevicePrefetcher(
+            iterator,
+            prepare,
+            lambda b: replication.to_device(b, self.mesh, P(REPLICA_AXIS)),
+            size=self.config.device_prefetch,
+            limit=limit,
+        )
+        with contextlib.suppress(TypeError):  # an infinite input has no len()
+            feeder.expected_batches = len(iterable)  # type: ignore[arg-type]
+        return feeder, sample
 
     # ------------------------------------------------------------------ training
 
@@ -457,10 +523,10 @@ class Estimator:
     def train(
         self,
         input_fn: Callable[[dict], Iterable],
-        hooks: Any = None,
+        hooks: Iterable[hooks_lib.SessionRunHook] | None = None,
         steps: int | None = None,
         max_steps: int | None = None,
-        saving_listeners: Iterable[Callable[[int], Any]] | None = None,
+        saving_listeners: Iterable[Any] | None = None,
     ) -> Estimator:
         """Trains, resuming from the latest checkpoint in ``model_dir``.
 
@@ -468,19 +534,18 @@ class Estimator:
           input_fn: ``input_fn(params) -> iterable of (features, labels)`` per-host batches of
             ``params["batch_size"]`` examples. If its iterator has ``get_state``/``set_state``,
             the input position is saved with each checkpoint and restored on resume.
-          hooks: not supported (the original's SessionRunHooks have no equivalent); must be None.
+          hooks: ``estimax.SessionRunHook``s, called once per loop of ``iterations_per_loop``
+            steps with that loop's per-step metrics; ``request_stop()`` ends training after the
+            loop, with a checkpoint there.
           steps: train this many more steps (incremental).
           max_steps: train until the global step reaches this (absolute); already there -> no-op.
-          saving_listeners: callables ``listener(step)`` run after each checkpoint is complete
-            on disk (the original's ``CheckpointSaverListener.after_save``).
+          saving_listeners: run after each checkpoint is complete on disk: callables
+            ``listener(step)`` or objects with ``after_save(session, step)`` (the original's
+            ``CheckpointSaverListener``); one returning True stops training (TF >= 1.13).
 
         Returns:
           self, as the original.
         """
-        if hooks:
-            raise ValueError(
-                "hooks are not supported; use RunConfig settings or train in chunks with max_steps."
-            )
         if steps is not None and max_steps is not None:
             raise ValueError("Can not provide both steps and max_steps.")
         if steps is None and max_steps is None:
@@ -489,9 +554,13 @@ class Estimator:
             raise ValueError(f"Must specify steps > 0, given: {steps}")
         if max_steps is not None and max_steps <= 0:
             raise ValueError(f"Must specify max_steps > 0, given: {max_steps}")
+        user_hooks = hooks_lib.all_hooks(hooks)
+        if self.config.profile_steps is not None:
+            user_hooks.append(hooks_lib.ProfilerHook(self.config.profile_steps))
+        listeners = [hooks_lib.as_listener(x) for x in saving_listeners or []]
         while True:
             try:
-                self._run_training(input_fn, steps, max_steps, list(saving_listeners or []))
+                self._run_training(input_fn, steps, max_steps, listeners, user_hooks)
                 break
             except ckpt_lib.CorruptCheckpointError as e:
                 # issue 15: the damaged step (one without a manifest that Orbax could not read)
@@ -505,6 +574,7 @@ class Estimator:
         steps: int | None,
         max_steps: int | None,
         listeners: list[Callable[[int], Any]],
+        hooks: list[hooks_lib.SessionRunHook],
     ) -> int:
         checkpointer = self._get_checkpointer()
         start = checkpointer.latest_step() or 0
@@ -513,167 +583,43 @@ class Estimator:
             return start
         target = start + steps if steps is not None else max_steps
         assert target is not None  # train() asks for steps or max_steps
-        per_host = replication.per_host_batch(self._batch_size(ModeKeys.TRAIN))
-        iterator = iter(input_fn(self._input_params(ModeKeys.TRAIN)))
-        stateful = hasattr(iterator, "get_state") and hasattr(iterator, "set_state")
+        session = hooks_lib.HookSession(ModeKeys.TRAIN, self.model_dir, start)
+        user_hooks = loop_lib.Hooks(hooks, session)
+        feeder, sample = self._feeder(ModeKeys.TRAIN, input_fn, limit=target - start)
         if start:
-            input_state = _input_state_of_this_process(checkpointer.restore_meta(start))
-            if input_state is not None and stateful:
-                iterator.set_state(input_state)  # type: ignore[attr-defined]  # checked: stateful
-            elif input_state is not None:
-                logging.warning(
-                    "The input iterator has no set_state(): resuming at step %d "
-                    "restarts the input from its beginning.",
-                    start,
-                )
-        sample: list[tuple[Any, Any]] = []
-
-        def prepare(element: Any) -> tuple[tuple[Any, Any], None]:
-            features, labels = _split_batch(element)
-            size = int(np.shape(jax.tree.leaves(features)[0])[0])
-            if size != per_host:
-                raise ValueError(
-                    f"input_fn yielded a training batch of {size} examples; this host must "
-                    f"feed {per_host} (train_batch_size / number of hosts). Training "
-                    "batches need a fixed size: repeat the data and drop the remainder."
-                )
-            if not sample:  # what init/restore trace the model with
-                sample.append(
-                    _leading_rows((features, labels), self._per_replica_batch(ModeKeys.TRAIN))
-                )
-            return (features, labels), None
-
-        feeder = feeding.DevicePrefetcher(
-            iterator,
-            prepare,
-            lambda b: replication.to_device(b, self.mesh, P(REPLICA_AXIS)),
-            size=self.config.device_prefetch,
-            limit=target - start,
-        )
+            _restore_input_position(feeder, checkpointer, start)
         fed = feeder.next()
         if fed is None:
-            raise ValueError("input_fn produced no training batch.")
-        if start:
-            state = self._restore_train_state(checkpointer, start, *sample[0])
-            logging.info("Restored checkpoint at step %d from %s", start, self.model_dir)
-        else:
-            state = self._initial_state(*sample[0])
-        del sample[:]
+            raise ValueError(
+                "input_fn produced no training batch: its input ended before a whole batch of "
+                f"{replication.per_host_batch(self._batch_size(ModeKeys.TRAIN))} examples (this "
+                "host's part of train_batch_size). A finite input (num_epochs=1) with fewer "
+                "examples than that, and drop_remainder, yields none: repeat it "
+                "(num_epochs=None)."
+            )
+        state = self._train_state(checkpointer, start, sample.pop())
         self._preflight(state, start)
-        rng = jax.device_put(self._base_rng, replication.replicated(self.mesh))
-        step_fn = self._train_step_fn()
-        summaries = self._summary_writer("")
-        logger = _StepLogger(
-            self.config,
-            self._batch_size(ModeKeys.TRAIN),
-            self._clock,
-            start,
-            target,
-            summaries if self._is_chief else None,
+        setup = loop_lib.Setup(
+            config=self.config,
+            model_dir=self.model_dir,
+            clock=self._clock,
+            checkpointer=checkpointer,
+            summaries=self._summary_writer("") if self._is_chief else None,
+            step_fn=self._train_step_fn(),
+            rng=jax.device_put(self._base_rng, replication.replicated(self.mesh)),
+            state=state,
+            feeder=feeder,
+            fed=fed,
+            start=start,
+            target=target,
+            global_batch=self._batch_size(ModeKeys.TRAIN),
+            hooks=user_hooks,
+            listeners=listeners,
         )
-        saver = periodic.PeriodicAction(
-            self.config.save_checkpoints_steps,
-            self.config.save_checkpoints_secs,
-            self._clock,
-            start,
-        )
-        timeline = feeding.DeviceTimeline()
-        step = start
-        last_skipped: int | None = 0  # bad records the input has skipped (None: it cannot say)
-        preempted = False
-        watchdog = Watchdog(self.config.watchdog_timeout_secs).start(start)
-        notice = distributed.PreemptionNotice().__enter__()
-        try:
-            while fed is not None and not preempted:
-                begin = step
-                loop_metrics = []  # per step: a dict of device scalars, fetched once per loop
-                previous_loss = input_state = None
-                skipped = last_skipped
-                for _ in range(min(self.config.iterations_per_loop, target - begin)):
-                    if fed is None:
-                        fed = feeder.next()
-                        if fed is None:
-                            break
-                    state, metrics = step_fn(state, rng, *fed.value)
-                    timeline.dispatched(metrics["loss"], feeder.input_wait_secs)
-                    loop_metrics.append(metrics)
-                    input_state, skipped = fed.input_state, fed.num_skipped
-                    fed = None  # its device buffers go once the step is done with them
-                    if previous_loss is not None:
-                        # At most one step queued behind the running one: the host never runs
-                        # ahead (holding batches) by more than that, whatever the loop length.
-                        previous_loss.block_until_ready()
-                        watchdog.heartbeat(begin + len(loop_metrics) - 1)
-                    previous_loss = metrics["loss"]
-                    if notice.reached(begin + len(loop_metrics)):
-                        # Every process stops after this same step and saves it (see
-                        # PreemptionNotice); the batches read ahead are not trained on.
-                        preempted = True
-                        break
-                    feeder.fill()  # read and transfer the next batches while this step runs
-                if not loop_metrics:
-                    break
-                step = begin + len(loop_metrics)
-                fetched = _to_host(loop_metrics)  # the loop's one host sync
-                watchdog.heartbeat(step)
-                host_metrics = {
-                    k: np.stack([np.asarray(m[k]) for m in fetched]) for k in fetched[0]
-                }
-                idle_secs, loop_secs = timeline.end_loop()
-                self._check_finite(host_metrics, begin, step, checkpointer)  # issue 15: dict
-                logger.record(begin, host_metrics)
-                self._report_input_wait(
-                    step, idle_secs, loop_secs, summaries if self._is_chief else None
-                )
-                if skipped is not None and skipped != last_skipped and self._is_chief:
-                    # Bad records the input skipped (skip_bad_records=True): never silent.
-                    summaries.scalars(step, {"input/skipped_records": skipped})
-                    logging.warning("The input has skipped %d bad records so far.", skipped)
-                    last_skipped = skipped
-                if not preempted:
-                    fed = feeder.next()  # None: the steps asked for are done, or input ended
-                # All processes must take part in a save: they agree on a time-based cadence.
-                due = saver.due(step)
-                if self.config.save_checkpoints_secs is not None:
-                    due = distributed.agree(due)
-                if due or fed is None or preempted:
-                    checkpointer.save(
-                        step,
-                        {
-                            "step": state.step,
-                            "params": state.params,
-                            "model_state": state.model_state,
-                        },
-                        state.opt_state,
-                        state.ema_params,
-                        input_state,
-                        input_states=(
-                            distributed.allgather_json(input_state)
-                            if jax.process_count() > 1
-                            else None
-                        ),
-                    )
-                    logging.info("Saving checkpoints for %d into %s.", step, self.model_dir)
-                    saver.fired(step)
-                    if listeners:
-                        checkpointer.wait_until_finished()
-                        for listener in listeners:
-                            listener(step)
-            if step < target and not preempted:
-                logging.info("Input ended at step %d, before the %d steps asked for.", step, target)
-        finally:
-            notice.__exit__()
-            timeline.close()
-            checkpointer.wait_until_finished()
-            watchdog.stop()
-            logger.close()
-            summaries.flush()
-        logging.info("Loss for final step: %s.", logger.last_loss)
-        if preempted:
-            stop = Preempted(step, str(self.model_dir))
-            logging.warning("%s", stop)
-            raise stop
-        return step
+        del state, fed  # the run owns them (the state's buffers are donated to its steps)
+        with contextlib.ExitStack() as stack:
+            # Every part's cleanup runs whatever raises (a failed final save included).
+            return loop_lib.TrainingRun(setup, stack).run()
 
     def _preflight(self, state: TrainState, start: int) -> None:
         """With many processes: all must train the same config, batches and parameter shapes."""
@@ -691,75 +637,6 @@ class Estimator:
                 "start_step": start,
             }
         )
-
-    def _report_input_wait(
-        self,
-        step: int,
-        idle_secs: float,
-        loop_secs: float,
-        summaries: summaries_lib.Summaries | None,
-    ) -> None:
-        """Writes ``input/wait_fraction`` and warns (once) when the input held training back."""
-        if loop_secs <= 0:
-            return
-        fraction = min(1.0, idle_secs / loop_secs)
-        if summaries is not None:
-            summaries.scalars(step, {"input/wait_fraction": fraction})
-        if fraction > INPUT_BOUND_WARNING_FRACTION and not self._warned_input_bound:
-            self._warned_input_bound = True
-            logging.warning(
-                "Training is input-bound: the devices waited for input %.0f%% of the loop ending "
-                "at step %d. Try more input parallelism (--num_parallel_calls, the loader's "
-                "process workers), caching or a cheaper preprocessing; TensorBoard shows "
-                "input/wait_fraction.",
-                100 * fraction,
-                step,
-            )
-
-    def _check_finite(
-        self,
-        host_metrics: dict[str, np.ndarray],
-        begin: int,
-        end: int,
-        checkpointer: ckpt_lib.Checkpointer,
-    ) -> None:
-        """Stops on a non-finite loss in steps ``begin+1..end``, or counts the skipped steps.
-
-        With ``RunConfig.skip_nonfinite_steps`` the step made no update (``steps.train_step``);
-        its ``nonfinite_skipped`` flag is taken out of ``host_metrics`` here and counted.
-        """
-        losses = host_metrics["loss"]
-        if "nonfinite_skipped" in host_metrics:
-            flags = np.asarray(host_metrics.pop("nonfinite_skipped")).reshape(-1)
-            skipped = np.flatnonzero(flags > 0)
-            if skipped.size:
-                self._nonfinite_skipped += int(skipped.size)
-                logging.warning(
-                    "Skipped %d training step(s) with a non-finite loss or gradient in steps "
-                    "%d..%d (first: step %d, loss %s); no update was made. %d skipped so far.",
-                    skipped.size,
-                    begin + 1,
-                    end,
-                    begin + skipped[0] + 1,
-                    losses[skipped[0]],
-                    self._nonfinite_skipped,
-                )
-                if self._is_chief:
-                    self._summary_writer("").scalars(
-                        end, {"train/nonfinite_skipped_steps": self._nonfinite_skipped}
-                    )
-            return
-        bad = np.flatnonzero(~np.isfinite(losses))
-        if bad.size:
-            checkpointer.wait_until_finished()
-            saved = checkpointer.latest_step()
-            raise NanLossError(
-                f"NaN loss during training: the loss was {losses[bad[0]]} at step "
-                f"{begin + bad[0] + 1} (steps {begin + 1}..{end} ran in one device loop). "
-                f"Nothing from that loop was saved; the latest checkpoint "
-                f"({'step ' + str(saved) if saved is not None else 'none'}) in "
-                f"{self.model_dir} is intact."
-            )
 
     # ------------------------------------------------------------------ evaluation
 
@@ -794,7 +671,7 @@ class Estimator:
         self,
         input_fn: Callable[[dict], Iterable],
         steps: int | None = None,
-        hooks: Any = None,
+        hooks: Iterable[hooks_lib.SessionRunHook] | None = None,
         checkpoint_path: str | None = None,
         name: str | None = None,
     ) -> dict[str, float]:
@@ -808,77 +685,48 @@ class Estimator:
         Args:
           input_fn: ``input_fn(params) -> iterable of (features, labels)``, finite.
           steps: evaluate at most this many batches.
-          hooks: must be None.
+          hooks: ``estimax.SessionRunHook``s, called once per ``iterations_per_loop`` batches
+            with the metrics so far (``request_stop()`` ends the evaluation there); ``end``
+            sees the results in ``session.results``.
           checkpoint_path: a checkpoint directory; None means the latest in ``model_dir``.
           name: write results to ``model_dir/eval_<name>`` instead of ``model_dir/eval``.
 
         Returns:
           ``{metric: value, "loss": ..., "global_step": step, "num_examples": n}``.
         """
-        if hooks:
-            raise ValueError("hooks are not supported in evaluate().")
         if steps is not None and steps <= 0:
             raise ValueError(f"Must specify steps > 0, given: {steps}")
-        per_host = replication.per_host_batch(self._batch_size(ModeKeys.EVAL))
-        iterator = iter(input_fn(self._input_params(ModeKeys.EVAL)))
-        sample: list[tuple[Any, Any]] = []
-        # With many hosts every process must run the same number of batches (each is one
-        # collective computation), though the hosts' shards may hold different numbers of
-        # examples: a host whose input has ended runs this batch again, fully masked.
-        masked: list[Any] = []
-        many = jax.process_count() > 1
-
-        def prepare(element: Any) -> tuple[tuple[Any, Any, np.ndarray], int]:
-            features, labels = _split_batch(element)
-            (features, labels), mask, n = replication.pad_batch((features, labels), per_host)
-            if not sample:
-                sample.append(
-                    _leading_rows((features, labels), self._per_replica_batch(ModeKeys.EVAL) or 1)
-                )
-                if many:
-                    masked.append((features, labels, np.zeros_like(mask)))
-            return (features, labels, mask), n
-
-        feeder = feeding.DevicePrefetcher(
-            iterator,
-            prepare,
-            lambda b: replication.to_device(b, self.mesh, P(REPLICA_AXIS)),
-            size=self.config.device_prefetch,
-            limit=steps,
+        run = loop_lib.Hooks(
+            hooks_lib.all_hooks(hooks), hooks_lib.HookSession(ModeKeys.EVAL, self.model_dir, 0)
         )
-        fed = feeder.next()
-        empty = [i for i, has in enumerate(distributed.any_process(fed is not None)) if not has]
+        feeder, sample = self._feeder(ModeKeys.EVAL, input_fn, limit=steps)
+        feeder.fill()  # the first batches: the model's shapes, and whether there is any
+        empty = [i for i, has in enumerate(distributed.any_process(feeder.num_read > 0)) if not has]
         if empty:
             raise ValueError(
                 "The eval input_fn produced no examples"
-                + (f" on process(es) {empty}: every host needs at least one." if many else ".")
+                + (
+                    f" on process(es) {empty}: every host needs at least one."
+                    if jax.process_count() > 1
+                    else "."
+                )
             )
-        assert fed is not None
-        variables, step = self._load_variables(*sample[0], ModeKeys.EVAL, checkpoint_path)
-        step_array = jnp.asarray(step, jnp.int32)
-        first_fn, accumulate = self._eval_batch_fn()
-        totals, _ = first_fn(None, variables, step_array, *fed.value)
-        num_examples = fed.info
-        previous = None
-        while True:
-            fed = feeder.next()
-            if not any(distributed.any_process(fed is not None)):
-                break
-            if fed is None:  # this host's shard has ended; others still have examples
-                value = replication.to_device(masked[0], self.mesh, P(REPLICA_AXIS))
-            else:
-                value, num_examples = fed.value, num_examples + fed.info
-            totals, batch = accumulate(totals, variables, step_array, *value)
-            fed = value = None
-            if previous is not None:  # at most one batch queued behind the running one
-                jax.block_until_ready(previous)
-            previous = batch
-        totals = _to_host(totals)
-        results = {k: float(np.asarray(m.compute())) for k, m in totals.items()}
-        global_step = int(step or 0)
-        results["global_step"] = global_step
+        variables, step = self._load_variables(sample[0], ModeKeys.EVAL, checkpoint_path)
+        run.session.global_step = step
+        run.started()
+        totals, num_examples = self._eval_loop(feeder, variables, step, sample[0], run)
+        results: dict[str, Any] = _metric_values(totals)
+        results["global_step"] = int(step or 0)
         # Examples counted on every host, not only this one.
         results["num_examples"] = int(_sum_over_hosts(num_examples))
+        self._write_eval(results, name)
+        run.session.results = results
+        run.end()
+        return results
+
+    def _write_eval(self, results: dict[str, Any], name: str | None) -> None:
+        """Logs the results as the original did and writes them to TensorBoard (durably)."""
+        global_step = results["global_step"]
         logging.info(
             "Saving dict for global step %d: %s",
             global_step,
@@ -891,7 +739,64 @@ class Estimator:
                 {k: v for k, v in results.items() if k not in ("global_step", "num_examples")},
             )
             writer.flush()
-        return results
+
+    def _eval_loop(
+        self,
+        feeder: feeding.DevicePrefetcher,
+        variables: Any,
+        step: int,
+        sample: Any,
+        run: loop_lib.Hooks,
+    ) -> tuple[Any, int]:
+        """Accumulates the metrics of every batch; (totals on the devices, examples counted).
+
+        With many hosts every process must run the same number of batches (each is one
+        collective computation), though the hosts' shards may hold different numbers of
+        examples: a host whose input has ended runs a batch again, fully masked.
+        """
+        step_array = jnp.asarray(step, jnp.int32)
+        first_fn, accumulate = self._eval_batch_fn()
+        per_loop = self.config.iterations_per_loop if run.hooks else 0
+        run.before_run(0)
+        first = feeder.next()
+        assert first is not None  # evaluate() checked that the input has a batch
+        totals, previous = first_fn(None, variables, step_array, *first.value)
+        num_examples, batches, masked = first.info, 1, None
+        del first
+        endless = (
+            None
+            if feeder.limited
+            else feeding.EndlessEvalInput(feeder.expected_batches, self._clock)
+        )
+        while True:
+            if endless is not None:
+                endless.check(batches, num_examples)
+            fed = feeder.next()
+            more = any(distributed.any_process(fed is not None))
+            if per_loop and batches % per_loop == 0:  # a loop's end: the hooks' turn
+                if run.after_run(batches - per_loop, batches, _metric_values(totals)) or not more:
+                    break
+                run.before_run(batches)
+            if not more:
+                break
+            if fed is None:  # this host's shard has ended; others still have examples
+                masked = masked or self._masked_batch(sample)
+                value = masked
+            else:
+                value, num_examples = fed.value, num_examples + fed.info
+            totals, batch = accumulate(totals, variables, step_array, *value)
+            fed = value = None
+            jax.block_until_ready(previous)  # at most one batch queued behind the running one
+            previous, batches = batch, batches + 1
+        if per_loop and batches % per_loop:
+            run.after_run(batches - batches % per_loop, batches, _metric_values(totals))
+        return totals, num_examples
+
+    def _masked_batch(self, sample: Any) -> Any:
+        """A whole eval batch on the devices that counts nothing (its mask is all zeros)."""
+        per_host = replication.per_host_batch(self._batch_size(ModeKeys.EVAL))
+        host, mask, _ = replication.pad_batch(sample, per_host)
+        return replication.to_device((*host, np.zeros_like(mask)), self.mesh, P(REPLICA_AXIS))
 
     # ------------------------------------------------------------------ prediction
 
@@ -913,7 +818,7 @@ class Estimator:
         self,
         input_fn: Callable[[dict], Iterable],
         predict_keys: list[str] | None = None,
-        hooks: Any = None,
+        hooks: Iterable[hooks_lib.SessionRunHook] | None = None,
         checkpoint_path: str | None = None,
         yield_single_examples: bool = True,
     ) -> Iterator[Any]:
@@ -925,63 +830,43 @@ class Estimator:
         Args:
           input_fn: yields feature batches, or ``(features, labels)`` (labels ignored).
           predict_keys: keep only these keys of a predictions dict.
-          hooks: must be None.
+          hooks: ``estimax.SessionRunHook``s, called once per batch with its predictions on
+            the host (``request_stop()`` ends the prediction after that batch).
           checkpoint_path: a checkpoint directory; None means the latest in ``model_dir``.
           yield_single_examples: yield one value per example (else one per batch).
         """
-        if hooks:
-            raise ValueError("hooks are not supported in predict().")
-        per_host = replication.per_host_batch(self._batch_size(ModeKeys.PREDICT))
-        iterator = iter(input_fn(self._input_params(ModeKeys.PREDICT)))
-        sample: list[Any] = []
-
-        def prepare(element: Any) -> tuple[Any, int]:
-            features, _ = _split_batch(element)
-            features, _, n = replication.pad_batch(features, per_host)
-            if not sample:
-                sample.append(
-                    _leading_rows(features, self._per_replica_batch(ModeKeys.PREDICT) or 1)
-                )
-            return features, n
-
-        feeder = feeding.DevicePrefetcher(
-            iterator,
-            prepare,
-            lambda b: replication.to_device(b, self.mesh, P(REPLICA_AXIS)),
-            size=self.config.device_prefetch,
+        run = loop_lib.Hooks(
+            hooks_lib.all_hooks(hooks), hooks_lib.HookSession(ModeKeys.PREDICT, self.model_dir, 0)
         )
+        feeder, sample = self._feeder(ModeKeys.PREDICT, input_fn)
         predict_fn = self._predict_fn()
         variables = step_array = None
-        pending: list[tuple[Any, int]] = []  # dispatched, not yet yielded: at most 2
-
-        def results(preds: Any, n: int) -> Iterator[Any]:
-            preds = jax.tree.map(lambda x: replication.to_local_numpy(x)[:n], preds)
-            if isinstance(preds, dict) and predict_keys is not None:
-                missing = [k for k in predict_keys if k not in preds]
-                if missing:
-                    raise ValueError(
-                        f"predict_keys {missing} are not among the predictions {sorted(preds)}."
-                    )
-                preds = {k: preds[k] for k in predict_keys}
-            if not yield_single_examples:
-                yield preds
-                return
-            for i in range(n):
-                yield jax.tree.map(lambda x, i=i: x[i], preds)
-
+        pending: list[tuple[Any, int]] = []  # dispatched, not yet yielded
+        # The next batch runs while this one's results are yielded; with hooks, one at a time
+        # (each hook's before_run/after_run pair brackets one batch).
+        depth = 1 if run.hooks else 2
+        batches = 0
         while (fed := feeder.next()) is not None:
             if variables is None:
-                variables, step = self._load_variables(
-                    sample[0], None, ModeKeys.PREDICT, checkpoint_path
-                )
+                variables, step = self._load_variables(sample[0], ModeKeys.PREDICT, checkpoint_path)
                 step_array = jnp.asarray(step, jnp.int32)
+                run.session.global_step = step
+                run.started()
+            run.before_run(batches)
             pending.append((predict_fn(variables, step_array, fed.value), fed.info))
             fed = None
             feeder.fill()
-            if len(pending) > 1:  # the next batch runs while this one's results are yielded
-                yield from results(*pending.pop(0))
+            if len(pending) >= depth:
+                preds = _host_predictions(*pending.pop(0), predict_keys)
+                batches += 1
+                stop = run.after_run(batches - 1, batches, preds)
+                yield from _examples(preds, yield_single_examples)
+                if stop:
+                    pending.clear()
+                    break
         for preds, n in pending:
-            yield from results(preds, n)
+            yield from _examples(_host_predictions(preds, n, predict_keys), yield_single_examples)
+        run.end()
 
     # ------------------------------------------------------------------ export
 
@@ -1008,7 +893,7 @@ class Estimator:
         input_specs = serving_input_receiver_fn()
         export_lib.check_input_specs(input_specs)
         variables, step = self._load_variables(
-            export_lib.example_batch(input_specs), None, ModeKeys.PREDICT, checkpoint_path
+            (export_lib.example_batch(input_specs), None), ModeKeys.PREDICT, checkpoint_path
         )
         module = self._module(ModeKeys.PREDICT)
 
@@ -1041,74 +926,37 @@ class Estimator:
             self._checkpointer = None
 
 
+def _metric_values(totals: Any) -> dict[str, float]:
+    """The values of accumulated eval metrics (a host sync)."""
+    return {k: float(np.asarray(m.compute())) for k, m in loop_lib.to_host(totals).items()}
+
+
+def _host_predictions(preds: Any, n: int, predict_keys: list[str] | None) -> Any:
+    """A batch's predictions as host numpy, its ``n`` real rows, the keys asked for."""
+    preds = jax.tree.map(lambda x: replication.to_local_numpy(x)[:n], preds)
+    if isinstance(preds, dict) and predict_keys is not None:
+        missing = [k for k in predict_keys if k not in preds]
+        if missing:
+            raise ValueError(
+                f"predict_keys {missing} are not among the predictions {sorted(preds)}."
+            )
+        preds = {k: preds[k] for k in predict_keys}
+    return preds
+
+
+def _examples(preds: Any, single: bool) -> Iterator[Any]:
+    """A batch's predictions, whole or one example at a time."""
+    if not single:
+        yield preds
+        return
+    n = int(np.shape(jax.tree.leaves(preds)[0])[0])
+    for i in range(n):
+        yield jax.tree.map(lambda x, i=i: x[i], preds)
+
+
 def _sum_over_hosts(value: int) -> int:
     if jax.process_count() == 1:
         return value
     from jax.experimental import multihost_utils
 
     return int(np.sum(multihost_utils.process_allgather(np.int64(value))))
-
-
-class _StepLogger:
-    """Writes training scalars and the original's log lines at their true step numbers."""
-
-    def __init__(
-        self,
-        config: RunConfig,
-        global_batch: int,
-        clock: Callable[[], float],
-        start: int,
-        target: int,
-        summaries: summaries_lib.Summaries | None,
-    ):
-        self._config = config
-        self._global_batch = global_batch
-        self._summaries = summaries
-        # Speed is measured over whole loops: the host sees steps finish once per loop.
-        self._speed = periodic.PeriodicAction(
-            every_steps=config.log_step_count_steps, clock=clock, start_step=start
-        )
-        self._first = start + 1
-        self.last_loss: float | None = None
-        self._bar = None
-        if sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=target, initial=start, unit="step", dynamic_ncols=True)
-
-    def record(self, begin: int, metrics: Mapping[str, np.ndarray]) -> None:
-        """Writes the per-step ``metrics`` (``{name: [n]}``) of steps ``begin + 1 .. begin + n``."""
-        losses = np.asarray(metrics["loss"]).reshape(-1)
-        end = begin + losses.shape[0]
-        if self._summaries is not None:
-            for step in periodic.steps_due(
-                begin, end, self._config.save_summary_steps, self._first
-            ):
-                self._summaries.scalars(
-                    step,
-                    {k: np.asarray(v).reshape(-1)[step - begin - 1] for k, v in metrics.items()},
-                )
-        for step in periodic.steps_due(begin, end, self._config.log_step_count_steps, self._first):
-            summaries_lib.log_step(step, losses[step - begin - 1])
-        self.last_loss = float(losses[-1])
-        if self._bar is not None:
-            self._bar.update(end - begin)
-            self._bar.set_postfix(loss=f"{self.last_loss:.4g}")
-        if self._speed.due(end):
-            elapsed = self._speed.seconds_since_fired()
-            if elapsed > 0:
-                steps_per_sec = (end - self._speed.last_step) / elapsed
-                summaries_lib.log_speed(steps_per_sec, steps_per_sec * self._global_batch)
-                if self._summaries is not None:
-                    self._summaries.scalars(
-                        end,
-                        {
-                            "global_step/sec": steps_per_sec,
-                            "examples/sec": steps_per_sec * self._global_batch,
-                        },
-                    )
-            self._speed.fired(end)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()

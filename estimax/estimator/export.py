@@ -99,9 +99,7 @@ def export_saved_model(
       platforms: platforms to lower for (default: cpu, cuda and tpu).
     """
     check_input_specs(input_specs)
-    spec_tree = input_specs
-    step = int(global_step)
-    variables = jax.device_get(variables)
+    spec_tree, step, variables = input_specs, int(global_step), jax.device_get(variables)
     (batch,) = jax.export.symbolic_shape("batch")
     feature_specs = jax.tree.map(
         lambda s: jax.ShapeDtypeStruct((batch, *s.shape[1:]), s.dtype), spec_tree, is_leaf=_is_spec
@@ -116,10 +114,7 @@ def export_saved_model(
         exported = jax.export.export(jax.jit(apply_fn), platforms=platforms)(
             variable_specs, feature_specs
         )
-    timestamp = int(time.time())
-    while storage.exists(storage.join(export_dir_base, str(timestamp))):
-        timestamp += 1
-    final = storage.join(export_dir_base, str(timestamp))
+    final = _new_export_dir(export_dir_base)
     staging = storage.staging_dir(final)  # local: final + ".tmp"; gs://, s3://: a local temp dir
     try:
         _write_files(staging, exported, variables, spec_tree, step, platforms)
@@ -140,6 +135,14 @@ def export_saved_model(
     storage.publish_dir(staging, final, last=SIGNATURE_FILE)
     logging.info("Exported the model at step %d to %s", step, final)
     return final
+
+
+def _new_export_dir(export_dir_base: str) -> str:
+    """``export_dir_base/<unix time>``, the first such name not taken."""
+    timestamp = int(time.time())
+    while storage.exists(storage.join(export_dir_base, str(timestamp))):
+        timestamp += 1
+    return storage.join(export_dir_base, str(timestamp))
 
 
 def _write_files(

@@ -2,9 +2,42 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 import jax
 import jax.numpy as jnp
 import optax
+
+# Label checks recorded by the losses while a step is traced (see ``label_checks``): integer
+# labels outside [0, C) would get an all-zero one-hot and a zero loss, so a wrong label range
+# (the converter's 1-based labels fed to C logits) "trains" silently. The counts are computed
+# on the device with the step and checked by the host once per loop: no sync per step.
+_LABEL_CHECKS: contextvars.ContextVar[list[tuple[jax.Array, jax.Array, int]] | None] = (
+    contextvars.ContextVar("estimax_label_checks", default=None)
+)
+
+
+@contextlib.contextmanager
+def label_checks() -> Iterator[list[tuple[jax.Array, jax.Array, int]]]:
+    """Collects, while a step is traced, each loss's ``(invalid count, an invalid label, C)``."""
+    checks: list[tuple[jax.Array, jax.Array, int]] = []
+    token = _LABEL_CHECKS.set(checks)
+    try:
+        yield checks
+    finally:
+        _LABEL_CHECKS.reset(token)
+
+
+def _record_label_check(labels: jax.Array, num_classes: int) -> None:
+    checks = _LABEL_CHECKS.get()
+    if checks is None:
+        return
+    labels = labels.astype(jnp.int32)
+    invalid = (labels < 0) | (labels >= num_classes)
+    example = jnp.max(jnp.where(invalid, labels, jnp.iinfo(jnp.int32).min))  # the largest
+    checks.append((jnp.sum(invalid.astype(jnp.int32)), example, num_classes))
 
 
 def softmax_cross_entropy(
@@ -14,16 +47,31 @@ def softmax_cross_entropy(
 
     Args:
       logits: [B, C] unnormalised scores (computed in any dtype; the loss is float32).
-      labels: [B] integer class ids in ``[0, C)``.
+      labels: [B] integer class ids in ``[0, C)``, or [B, C] one-hot (or probability) targets,
+        the original's ``onehot_labels``.
       label_smoothing: as the original: targets become ``(1 - s) * one_hot + s / C``.
 
     Returns:
       [B] float32 losses. Return them as ``EstimatorSpec.loss``; the Estimator takes the mean,
       and in evaluation leaves padding rows out of it.
+
+    Raises:
+      ValueError: the labels' shape fits neither form (the message names both shapes).
     """
     logits = jnp.asarray(logits, jnp.float32)
+    labels = jnp.asarray(labels)
     num_classes = logits.shape[-1]
-    targets = jax.nn.one_hot(labels, num_classes, dtype=jnp.float32)
+    if labels.shape == logits.shape:
+        targets = labels.astype(jnp.float32)  # one-hot / probabilities, as onehot_labels
+    elif labels.shape == logits.shape[:-1] and jnp.issubdtype(labels.dtype, jnp.integer):
+        _record_label_check(labels, num_classes)
+        targets = jax.nn.one_hot(labels, num_classes, dtype=jnp.float32)
+    else:
+        raise ValueError(
+            f"softmax_cross_entropy: labels of shape {labels.shape} ({labels.dtype}) do not fit "
+            f"logits of shape {logits.shape}: give integer class ids of shape "
+            f"{logits.shape[:-1]} or one-hot labels of shape {logits.shape}"
+        )
     if label_smoothing:
         targets = optax.smooth_labels(targets, label_smoothing)
     return optax.softmax_cross_entropy(logits, targets)

@@ -9,6 +9,7 @@ once at the end: every real example counts exactly once, whatever the batch and 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import flax.struct
@@ -45,6 +46,15 @@ class PerExample:
 
 
 def _as_class_ids(labels: jax.Array, predictions: jax.Array) -> jax.Array:
+    if (
+        labels.ndim >= 2
+        and labels.shape == predictions.shape
+        and not jnp.issubdtype(labels.dtype, jnp.integer)
+    ):
+        raise ValueError(
+            f"accuracy: labels of shape {labels.shape} look one-hot; pass class ids "
+            "(labels.argmax(-1)), as tf.metrics.accuracy took"
+        )
     if predictions.ndim == labels.ndim + 1:  # logits or probabilities: take the argmax class
         return jnp.argmax(predictions, axis=-1)
     if predictions.shape != labels.shape:
@@ -102,6 +112,39 @@ def as_per_example(metric: Any, name: str) -> PerExample:
         return metric
     raise TypeError(
         f"eval_metrics[{name!r}] is a {type(metric).__name__}; expected a metric from "
-        "estimax.metrics (accuracy, top_k_accuracy, mean). The original's (metric_fn, tensors) "
-        "tuple is replaced by a dict of these."
+        "estimax.metrics (accuracy, top_k_accuracy, mean)."
     )
+
+
+def from_spec(eval_metrics: Any) -> dict[str, PerExample]:
+    """``{name: metric}`` from ``EstimatorSpec.eval_metrics``.
+
+    Takes a dict of metrics, or TPUEstimatorSpec's ``(metric_fn, tensors)``: ``metric_fn`` is
+    called (in the traced eval step) with ``tensors`` (a list: positionally; a dict: by name) and
+    returns the dict, e.g. ``lambda labels, logits: {"accuracy": accuracy(labels, logits)}``.
+    """
+    if eval_metrics is None:
+        return {}
+    if isinstance(eval_metrics, tuple | list):
+        if len(eval_metrics) != 2 or not callable(eval_metrics[0]):
+            raise TypeError(
+                "eval_metrics as a tuple must be (metric_fn, tensors), as TPUEstimatorSpec's; "
+                f"got a {type(eval_metrics).__name__} of {len(eval_metrics)} items"
+            )
+        metric_fn, tensors = eval_metrics
+        if isinstance(tensors, Mapping):
+            eval_metrics = metric_fn(**tensors)
+        else:
+            eval_metrics = metric_fn(*tensors)
+        if not isinstance(eval_metrics, Mapping):
+            raise TypeError(
+                f"eval_metrics=(metric_fn, tensors): metric_fn returned a "
+                f"{type(eval_metrics).__name__}; it must return {{name: metric}}, e.g. "
+                '{"accuracy": estimax.metrics.accuracy(labels, logits)}'
+            )
+    if not isinstance(eval_metrics, Mapping):
+        raise TypeError(
+            "eval_metrics must be {name: metric} or (metric_fn, tensors), got a "
+            f"{type(eval_metrics).__name__}"
+        )
+    return {name: as_per_example(metric, name) for name, metric in eval_metrics.items()}

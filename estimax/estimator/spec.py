@@ -3,10 +3,89 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
-from typing import Any
+import functools
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import optax
+
+_T = TypeVar("_T")
+
+_HOOKS = "SessionRunHooks go to Estimator.train/evaluate/predict(hooks=[...])"
+_DEVICES = "not needed: the same code runs on CPU, GPU and TPU (JAX finds the devices)"
+_HOSTS = (
+    "many hosts join through jax.distributed: --coordinator_address, --num_processes, "
+    "--process_id (README: 'Many hosts')"
+)
+
+# The original's keyword arguments that estimax does not take, with what replaces each. A user
+# porting a TPUEstimator job gets one line naming the replacement instead of Python's bare
+# "unexpected keyword argument".
+ORIGINAL_KEYWORDS: dict[str, dict[str, str]] = {
+    "EstimatorSpec": {
+        "train_op": "set optimizer=optax.<optimizer>(...): the Estimator differentiates loss "
+        "and applies it (gradients averaged over replicas: no CrossShardOptimizer)",
+        "eval_metric_ops": "set eval_metrics={name: ex.metrics.accuracy(labels, logits)} or "
+        "eval_metrics=(metric_fn, tensors)",
+        "host_call": "set scalars={name: scalar} (written every save_summary_steps at the true "
+        "step)",
+        "training_hooks": _HOOKS,
+        "evaluation_hooks": _HOOKS,
+        "prediction_hooks": _HOOKS,
+        "scaffold_fn": "initialisation is the Flax modules'; to start from another run's "
+        "weights, warm-start the Estimator",
+        "scaffold": "initialisation is the Flax modules'; to start from another run's weights, "
+        "warm-start the Estimator",
+    },
+    "RunConfig": {
+        "tf_random_seed": "set seed=",
+        "tpu_config": "its fields are RunConfig's own: iterations_per_loop=, num_shards=",
+        "cluster": _HOSTS,
+        "master": _HOSTS,
+        "evaluation_master": _HOSTS,
+        "session_config": "XLA is configured with XLA_FLAGS; there is no session",
+        "train_distribute": "not needed: replication over all devices is built in "
+        "(num_shards= to use fewer)",
+        "keep_checkpoint_every_n_hours": "set keep_checkpoint_max= (None keeps all)",
+    },
+    "TrainSpec": {},
+    "EvalSpec": {
+        "start_delay_secs": "evaluation follows checkpoints: set throttle_secs= (at most one "
+        "evaluation per that many seconds) or every_steps=",
+        "exporters": "export after training with estimax.serving.export_version(est, base, "
+        "...), or --export_dir on the programs",
+    },
+    "Estimator": {
+        "use_tpu": _DEVICES,
+        "eval_on_tpu": _DEVICES,
+        "export_to_tpu": "export_saved_model lowers for cpu, cuda and tpu at once",
+        "export_to_cpu": "export_saved_model lowers for cpu, cuda and tpu at once",
+        "embedding_config_spec": "TPU embeddings are not supported",
+        "batch_axis": "batches are split over replicas along axis 0",
+    },
+}
+
+
+def original_keywords(cls: type[_T]) -> type[_T]:
+    """Class decorator: the original's keywords in ``ORIGINAL_KEYWORDS`` get a one-line
+    ``TypeError`` naming their estimax replacement (keywords the class takes pass through)."""
+    table = ORIGINAL_KEYWORDS[cls.__name__]
+    init = cls.__init__
+    accepted = set(inspect.signature(init).parameters)
+    known = {k: v for k, v in table.items() if k not in accepted}
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        for key in kwargs:
+            if key in known:
+                raise TypeError(
+                    f"{cls.__name__}({key}=...) is TPUEstimator's; in estimax: {known[key]}."
+                )
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__  # type: ignore[method-assign]
+    return cls
 
 
 class ModeKeys:
@@ -45,26 +124,31 @@ class InputContext:
         return self.num_hosts
 
 
+@original_keywords
 @dataclasses.dataclass
 class EstimatorSpec:
     """What ``model_fn(features, labels, mode, params)`` returns.
 
     Replaces ``TPUEstimatorSpec``: the optimizer stands in for ``train_op`` (the Estimator
     differentiates ``loss`` and applies it), ``eval_metrics`` is a dict of metric objects from
-    ``estimax.metrics`` (no ``(metric_fn, tensors)`` tuple), and ``scalars`` stands in for the
-    ``host_call`` that wrote summaries.
+    ``estimax.metrics`` (or the original's ``(metric_fn, tensors)``), and ``scalars`` stands in
+    for the ``host_call`` that wrote summaries.
 
     Attributes:
       mode: the mode the spec was built for.
       loss: the training/eval loss: a scalar, or per-example losses ``[B]`` (then the Estimator
         averages them, and in eval masks padding rows so the eval loss is exact).
       optimizer: an ``optax.GradientTransformation``; required in TRAIN.
-      eval_metrics: ``{name: Metric}`` computed in EVAL, streamed over the whole eval input.
+      eval_metrics: ``{name: Metric}`` computed in EVAL, streamed over the whole eval input; or
+        TPUEstimatorSpec's ``(metric_fn, tensors)``, ``metric_fn(*tensors)`` (``**tensors`` for a
+        dict) returning that dict.
       predictions: an array ``[B, ...]`` or a dict of them; required in PREDICT.
       export_outputs: optional ``{signature_name: predictions_dict}`` for export; the first entry
         (or ``predictions``) is what the exported function returns.
       scalars: ``{name: scalar}`` written to TensorBoard every summary step in TRAIN (e.g. the
         learning rate, the epoch), like the original's ``host_call``.
+      summaries: ``{name: ex.summary.image(...) | histogram(...) | text(...)}`` written with the
+        scalars in TRAIN (the original's image/histogram/text summaries in ``host_call``).
       weight_decay: if set, ``weight_decay * sum(l2 of kernels)`` is added to the loss, excluding
         batch-norm parameters (as the original ResNet did by name).
       ema_decay: if set, an exponential moving average of the parameters is kept and used for
@@ -79,11 +163,13 @@ class EstimatorSpec:
     predictions: Any = None
     export_outputs: Mapping[str, Any] | None = None
     scalars: Mapping[str, Any] | None = None
+    summaries: Mapping[str, Any] | None = None
     weight_decay: float | None = None
     ema_decay: float | None = None
     gradient_clip_norm: float | None = None
 
 
+@original_keywords
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """Where and how a job runs: the original ``RunConfig`` + ``TPUConfig`` in one.
@@ -117,6 +203,12 @@ class RunConfig:
         optimizer state, batch statistics and EMA stay as they were) instead of stopping
         training with ``NanLossError``; skipped steps are counted (TensorBoard scalar
         ``train/nonfinite_skipped_steps`` and a warning per loop that had any).
+      allow_invalid_labels: train on integer labels outside ``[0, num_classes)`` (their loss is
+        0), counting them (``train/invalid_labels``) with a warning per loop, instead of
+        stopping with ``InvalidLabelError``.
+      profile_steps: ``(START, STOP)``: capture a ``jax.profiler`` trace of training steps
+        START..STOP (inclusive, with step markers) under ``model_dir/plugins/profile/``, where
+        TensorBoard's profile plugin finds it (``estimax.ProfilerHook``); None: no trace.
 
     Mutable collections such as ``batch_stats`` are computed per replica, as on TPU, and
     averaged over replicas after each step (one consistent copy to checkpoint); pass
@@ -135,6 +227,8 @@ class RunConfig:
     device_prefetch: int = 2
     watchdog_timeout_secs: float | None = 1800.0
     skip_nonfinite_steps: bool = False
+    profile_steps: tuple[int, int] | None = None
+    allow_invalid_labels: bool = False
 
     def __post_init__(self) -> None:
         if self.iterations_per_loop < 1:
@@ -155,6 +249,13 @@ class RunConfig:
                 "RunConfig.watchdog_timeout_secs must be >= 0 (0 or None disables it), got "
                 f"{self.watchdog_timeout_secs}."
             )
+        if self.profile_steps is not None and not (
+            len(self.profile_steps) == 2 and 1 <= self.profile_steps[0] <= self.profile_steps[1]
+        ):
+            raise ValueError(
+                "RunConfig.profile_steps must be (START, STOP) with 1 <= START <= STOP, got "
+                f"{self.profile_steps}."
+            )
         if self.keep_checkpoint_max is not None and self.keep_checkpoint_max < 1:
             raise ValueError(
                 "RunConfig.keep_checkpoint_max must be >= 1 or None, got "
@@ -162,14 +263,18 @@ class RunConfig:
             )
 
 
+@original_keywords
 @dataclasses.dataclass
 class TrainSpec:
-    """The training half of ``train_and_evaluate``: an input function and where to stop."""
+    """The training half of ``train_and_evaluate``: an input function, where to stop, and the
+    ``SessionRunHook``s passed to ``Estimator.train``."""
 
     input_fn: Callable[[dict], Any]
     max_steps: int | None = None
+    hooks: Sequence[Any] = ()
 
 
+@original_keywords
 @dataclasses.dataclass
 class EvalSpec:
     """The evaluation half of ``train_and_evaluate``.
@@ -181,6 +286,7 @@ class EvalSpec:
       every_steps: evaluate each time this many training steps have been done (the original
         programs' ``steps_per_eval``). None: after each checkpoint save (throttled).
       throttle_secs: with ``every_steps=None``, do not evaluate more often than this.
+      hooks: ``SessionRunHook``s passed to each ``Estimator.evaluate``.
     """
 
     input_fn: Callable[[dict], Any]
@@ -188,3 +294,4 @@ class EvalSpec:
     name: str | None = None
     every_steps: int | None = None
     throttle_secs: float = 600.0
+    hooks: Sequence[Any] = ()

@@ -19,11 +19,14 @@ from typing import Any, cast
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import struct
 from jax import lax
 
+from estimax.estimator import losses
 from estimax.estimator import metrics as metrics_lib
+from estimax.estimator import summary as summary_lib
 from estimax.estimator.spec import EstimatorSpec, ModeKeys
 
 _tracing = threading.local()
@@ -205,6 +208,49 @@ def train_step(
       (the state after the step, ``{"loss": [], <spec.scalars>: []}`` float32 scalars; with
       ``skip_nonfinite`` also ``"nonfinite_skipped"``: 1.0 if this step was skipped, else 0.0).
     """
+    step = state.step
+    spec, loss, new_model_state, aux, grads = _gradients(model, state, batch, rng, axis_name)
+    mean = (lambda x: x) if axis_name is None else (lambda x: lax.pmean(x, axis_name))
+    grads = mean(grads)
+    if spec.gradient_clip_norm:
+        grads, _ = optax.clip_by_global_norm(spec.gradient_clip_norm).update(grads, None)
+    assert spec.optimizer is not None  # ModelFnModule refuses a TRAIN spec without one
+    updates, opt_state = spec.optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    # Batch statistics are computed per replica; keep one consistent (averaged) copy.
+    new_model_state = mean(dict(new_model_state))
+    ema = _ema(spec.ema_decay, step, state.ema_params, params)
+    metrics = {"loss": mean(loss)}
+    for name, value in aux["scalars"].items():
+        metrics[name] = mean(jnp.asarray(value, jnp.float32))
+    metrics.update(_label_metrics(aux["label_checks"], axis_name))
+    if aux["summaries"]:
+        # Not per-step scalars: the loop takes them out at once and keeps summary steps' only.
+        metrics[SUMMARIES] = summary_lib.reduce(aux["summaries"], axis_name)
+    if skip_nonfinite:
+        # The gradients are already averaged over replicas, so every replica decides alike.
+        finite = jnp.isfinite(metrics["loss"]) & _all_finite(grads)
+        params, opt_state, new_model_state, ema = jax.tree.map(
+            lambda new, old: jnp.where(finite, new, old),
+            (params, opt_state, new_model_state, ema),
+            (state.params, state.opt_state, dict(state.model_state), state.ema_params),
+        )
+        metrics["nonfinite_skipped"] = jnp.where(finite, 0.0, 1.0).astype(jnp.float32)
+    return TrainState(step + 1, params, new_model_state, opt_state, ema), metrics
+
+
+def _gradients(
+    model: nn.Module,
+    state: TrainState,
+    batch: tuple[Any, Any],
+    rng: jax.Array,
+    axis_name: str | None,
+) -> tuple[EstimatorSpec, jax.Array, Any, dict[str, Any], Any]:
+    """(spec, this replica's loss, new mutable collections, aux, this replica's gradients).
+
+    ``aux``: ``scalars`` (the spec's), ``label_checks`` (``losses.label_checks``) and
+    ``summaries`` (the spec's, this replica's: reduced outside the differentiated function).
+    """
     features, labels = batch
     step = state.step
     rng = jax.random.fold_in(rng, step)
@@ -215,57 +261,78 @@ def train_step(
 
     def loss_fn(params):
         variables = {"params": params, **state.model_state}
-        spec, new_model_state = model.apply(
-            variables, features, labels, step, rngs={"dropout": rng}, mutable=mutable
-        )
+        with losses.label_checks() as checks:
+            spec, new_model_state = model.apply(
+                variables, features, labels, step, rngs={"dropout": rng}, mutable=mutable
+            )
         captured["spec"] = spec
         loss, _ = mean_loss(spec.loss)
         if spec.weight_decay:
             loss = loss + spec.weight_decay * l2_excluding_batch_norm(params, state.model_state)
-        return loss, (new_model_state, dict(spec.scalars or {}))
+        aux = {
+            "scalars": _scalars(spec.scalars),
+            "label_checks": checks,
+            "summaries": summary_lib.check(spec.summaries),
+        }
+        return loss, (new_model_state, aux)
 
     params = state.params
     if axis_name is not None:
         # Mark the (replicated) params as varying per replica before differentiating, so each
         # replica's gradient is its own; otherwise shard_map's autodiff would already sum them.
         params = lax.pcast(params, axis_name, to="varying")
-    (loss, (new_model_state, scalars)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    spec = captured["spec"]
-    mean = (lambda x: x) if axis_name is None else (lambda x: lax.pmean(x, axis_name))
-    grads = mean(grads)
-    if spec.gradient_clip_norm:
-        grads, _ = optax.clip_by_global_norm(spec.gradient_clip_norm).update(grads, None)
-    assert spec.optimizer is not None  # ModelFnModule refuses a TRAIN spec without one
-    updates, opt_state = spec.optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    # Batch statistics are computed per replica; keep one consistent (averaged) copy.
-    new_model_state = mean(dict(new_model_state))
-    ema = state.ema_params
-    if spec.ema_decay:
-        # tf.train.ExponentialMovingAverage(decay, num_updates=global_step)
-        n = (step + 1).astype(jnp.float32)
-        decay = jnp.minimum(spec.ema_decay, (1.0 + n) / (10.0 + n))
-        ema = jax.tree.map(lambda e, p: decay * e + (1.0 - decay) * p, ema, params)
-    metrics = {"loss": mean(loss)}
-    for name, value in scalars.items():
-        metrics[name] = mean(jnp.asarray(value, jnp.float32))
-    if skip_nonfinite:
-        # The gradients are already averaged over replicas, so every replica decides alike.
-        finite = jnp.isfinite(metrics["loss"]) & _all_finite(grads)
-        params, opt_state, new_model_state, ema = jax.tree.map(
-            lambda new, old: jnp.where(finite, new, old),
-            (params, opt_state, new_model_state, ema),
-            (state.params, state.opt_state, dict(state.model_state), state.ema_params),
-        )
-        metrics["nonfinite_skipped"] = jnp.where(finite, 0.0, 1.0).astype(jnp.float32)
-    new_state = TrainState(
-        step=step + 1,
-        params=params,
-        model_state=new_model_state,
-        opt_state=opt_state,
-        ema_params=ema,
-    )
-    return new_state, metrics
+    (loss, (new_model_state, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    return captured["spec"], loss, new_model_state, aux, grads
+
+
+def _ema(decay: float | None, step: jax.Array, ema: Any, params: Any) -> Any:
+    """The moving average of the weights after a step (``ema`` unchanged without a decay)."""
+    if not decay:
+        return ema
+    # tf.train.ExponentialMovingAverage(decay, num_updates=global_step)
+    n = (step + 1).astype(jnp.float32)
+    rate = jnp.minimum(decay, (1.0 + n) / (10.0 + n))
+    return jax.tree.map(lambda e, p: rate * e + (1.0 - rate) * p, ema, params)
+
+
+# Per-step metrics of the label check (see ``losses.label_checks``); the loop raises on them.
+INVALID_LABELS = "invalid_labels"
+INVALID_LABEL_EXAMPLE = "invalid_label_example"
+LABEL_CLASSES = "label_classes"
+# The step's reduced ``EstimatorSpec.summaries`` (images, histograms, text) in its metrics.
+SUMMARIES = "summaries"
+
+
+def _scalars(scalars: Any) -> dict[str, Any]:
+    """``EstimatorSpec.scalars`` as a dict, refusing values that are not one number."""
+    out = dict(scalars or {})
+    for name, value in out.items():
+        shape = jnp.shape(value)
+        if int(np.prod(shape)) != 1:
+            raise ValueError(
+                f"EstimatorSpec(scalars={{{name!r}: ...}}) has shape {shape}: scalars are one "
+                "number per step (reduce it, e.g. jnp.mean); images, histograms and text go in "
+                "summaries="
+            )
+    return out
+
+
+def _label_metrics(
+    checks: list[tuple[jax.Array, jax.Array, int]], axis_name: str | None
+) -> dict[str, jax.Array]:
+    """The step's label check over all losses and replicas: the invalid count, the largest
+    invalid label and the class count (empty when no loss took integer labels)."""
+    if not checks:
+        return {}
+    count = sum((c for c, _, _ in checks), jnp.int32(0))
+    example = jnp.max(jnp.stack([e for _, e, _ in checks]))
+    if axis_name is not None:
+        count, example = lax.psum(count, axis_name), lax.pmax(example, axis_name)
+    return {
+        INVALID_LABELS: count.astype(jnp.float32),
+        INVALID_LABEL_EXAMPLE: example.astype(jnp.float32),
+        LABEL_CLASSES: jnp.float32(checks[0][2]),
+    }
 
 
 def _all_finite(tree: Any) -> jax.Array:
@@ -302,8 +369,8 @@ def eval_step(
     if spec.loss is not None:
         total, count = mean_loss(spec.loss, mask)
         out["loss"] = metrics_lib.Mean(total, count)
-    for name, metric in (spec.eval_metrics or {}).items():
-        out[name] = metrics_lib.as_per_example(metric, name).reduce(mask)
+    for name, metric in metrics_lib.from_spec(spec.eval_metrics).items():
+        out[name] = metric.reduce(mask)
     return out if axis_name is None else lax.psum(out, axis_name)
 
 

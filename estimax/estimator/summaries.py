@@ -85,6 +85,22 @@ class Summaries:
             with self._errors("write summaries"):
                 self._writer.write_event(event)
 
+    def summaries(self, step: int, values: Mapping[str, Any]) -> None:
+        """Writes image, histogram and text summaries (``estimax.summary``, reduced) at ``step``.
+
+        Raises:
+          OSError: the event file could not be written (names the directory).
+        """
+        from tensorboardX.proto import event_pb2
+
+        if self._writer is None:
+            self._writer = self._open()
+        for name, value in values.items():
+            for summary in value.events(name):
+                event = event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary)
+                with self._errors("write summaries"):
+                    self._writer.write_event(event)
+
     def flush(self) -> None:
         """Makes everything written so far durable (flushed, fsynced) and visible to readers.
 

@@ -10,6 +10,7 @@ import jax
 from absl import logging
 
 from estimax.estimator import periodic, summaries
+from estimax.estimator.hooks import SessionRunContext, SessionRunHook, SessionRunValues
 from estimax.estimator.spec import EvalSpec, TrainSpec
 
 if TYPE_CHECKING:
@@ -40,7 +41,10 @@ def train_and_evaluate(
             estimator,
             estimator.get_global_step(),
             lambda: estimator.evaluate(
-                eval_spec.input_fn, steps=eval_spec.steps, name=eval_spec.name
+                eval_spec.input_fn,
+                steps=eval_spec.steps,
+                name=eval_spec.name,
+                hooks=eval_spec.hooks,
             ),
             eval_spec.name,
         )
@@ -49,33 +53,77 @@ def train_and_evaluate(
         return r
 
     if eval_spec.every_steps:
-        current = estimator.get_global_step()
-        if 0 < current < max_steps and current % eval_spec.every_steps == 0:
-            # A restarted run: the evaluation of this checkpoint may not have been recorded
-            # (the job was killed during or right after it); it is redone, else read back.
-            results = evaluate()
-        while current < max_steps:
-            target = min(max_steps, (current // eval_spec.every_steps + 1) * eval_spec.every_steps)
-            estimator.train(train_spec.input_fn, max_steps=target)
-            current = estimator.get_global_step()
-            results = evaluate()
+        results = _every_steps(estimator, train_spec, eval_spec.every_steps, max_steps, evaluate)
     else:
-        throttle = periodic.PeriodicAction(
-            every_secs=eval_spec.throttle_secs, clock=estimator.clock, start_step=-1
-        )
-
-        def after_save(step: int) -> None:  # the checkpoint of `step` is complete on disk
-            nonlocal results
-            # The first save is evaluated; later ones at most once per throttle_secs.
-            if step < max_steps and (throttle.last_step == -1 or throttle.due(step)):
-                results = evaluate()
-                throttle.fired(step)
-
-        if estimator.get_global_step() < max_steps:
-            estimator.train(train_spec.input_fn, max_steps=max_steps, saving_listeners=[after_save])
+        results = _after_saves(estimator, train_spec, eval_spec.throttle_secs, max_steps, evaluate)
     if estimator.get_global_step() not in evaluated_at:
         results = evaluate()
     return results, []
+
+
+def _every_steps(
+    estimator: Estimator,
+    train_spec: TrainSpec,
+    every_steps: int,
+    max_steps: int,
+    evaluate: Callable[[], dict[str, Any]],
+) -> dict[str, Any] | None:
+    """Alternates ``train(max_steps=next multiple of every_steps)`` and an evaluation."""
+    results = None
+    current = estimator.get_global_step()
+    if 0 < current < max_steps and current % every_steps == 0:
+        # A restarted run: the evaluation of this checkpoint may not have been recorded
+        # (the job was killed during or right after it); it is redone, else read back.
+        results = evaluate()
+    while current < max_steps:
+        target = min(max_steps, (current // every_steps + 1) * every_steps)
+        stop = _StopSeen()  # last: sees a stop any of the spec's hooks requested
+        estimator.train(train_spec.input_fn, max_steps=target, hooks=[*train_spec.hooks, stop])
+        current = estimator.get_global_step()
+        results = evaluate()
+        if current < target or stop.requested:  # a hook stopped training, or the input ended
+            break
+    return results
+
+
+class _StopSeen(SessionRunHook):
+    """Notes whether a hook asked training to stop (the hooks share one run context)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def after_run(self, run_context: SessionRunContext, run_values: SessionRunValues) -> None:
+        self.requested = self.requested or run_context.stop_requested
+
+
+def _after_saves(
+    estimator: Estimator,
+    train_spec: TrainSpec,
+    throttle_secs: float,
+    max_steps: int,
+    evaluate: Callable[[], dict[str, Any]],
+) -> dict[str, Any] | None:
+    """Trains to ``max_steps``, evaluating complete checkpoints (at most once per throttle)."""
+    results = None
+    throttle = periodic.PeriodicAction(
+        every_secs=throttle_secs, clock=estimator.clock, start_step=-1
+    )
+
+    def after_save(step: int) -> None:  # the checkpoint of `step` is complete on disk
+        nonlocal results
+        # The first save is evaluated; later ones at most once per throttle_secs.
+        if step < max_steps and (throttle.last_step == -1 or throttle.due(step)):
+            results = evaluate()
+            throttle.fired(step)
+
+    if estimator.get_global_step() < max_steps:
+        estimator.train(
+            train_spec.input_fn,
+            max_steps=max_steps,
+            hooks=train_spec.hooks,
+            saving_listeners=[after_save],
+        )
+    return results
 
 
 def eval_dir(model_dir: str, name: str | None) -> str:

@@ -12,12 +12,13 @@ it is a daemon thread waiting on an event with a timeout.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from absl import logging
 
@@ -98,6 +99,18 @@ class Watchdog:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Not watching inside (work that completes no step: an evaluation, a listener); the
+        timeout starts afresh after it, from the last step seen."""
+        running = self._thread is not None
+        self.stop()
+        try:
+            yield
+        finally:
+            if running:
+                self.start(self._last_step)
 
     def __enter__(self) -> Watchdog:
         return self

@@ -84,6 +84,26 @@ def define_cluster_flags(fv: flags.FlagValues) -> None:
         lower_bound=0.0,
         flag_values=fv,
     )
+    flags.DEFINE_string(
+        "profile_steps",
+        None,
+        "START,STOP: capture a jax.profiler trace of training steps START..STOP (with step "
+        "markers) under --model_dir/plugins/profile/, where TensorBoard's profile plugin finds it.",
+        flag_values=fv,
+    )
+
+
+def profile_steps(fv: flags.FlagValues) -> tuple[int, int] | None:
+    """``RunConfig.profile_steps`` from ``--profile_steps`` (or resnet's
+    ``--profile_every_n_steps=N``: one trace of step N); a bad value is a ``UsageError``."""
+    from estimax.estimator.hooks import parse_profile_steps
+
+    try:
+        steps = parse_profile_steps(fv.profile_steps)
+    except ValueError as e:
+        raise UsageError(f"--profile_steps: {e}") from e
+    every = fv["profile_every_n_steps"].value if "profile_every_n_steps" in fv else 0
+    return steps if steps is not None or not every else (every, every)
 
 
 def main(
@@ -132,8 +152,10 @@ def _run(
 ) -> None:
     from estimax import storage
     from estimax.data import bigtable
-    from estimax.estimator import preflight
+    from estimax.estimator import checkpoints, preflight
     from estimax.estimator.estimator import Preempted
+    from estimax.estimator.label_check import InvalidLabelError
+    from estimax.estimator.loop import Interrupted
 
     try:
         if len(argv) > 1:
@@ -157,12 +179,18 @@ def _run(
     except storage.StorageError as e:
         # The clients' retries ran out; the message names the path (no traceback: not a bug).
         _fatal(str(e))
-    except preflight.PreflightError as e:
+    except (preflight.PreflightError, checkpoints.ModelMismatchError) as e:
+        _fatal(str(e))
+    except InvalidLabelError as e:
         _fatal(str(e))
     except Preempted as e:
         # The job runner's preemption notice: saved, and a clean exit (status 0).
         print(str(e), flush=True)
         sys.exit(0)
+    except Interrupted as e:
+        # Ctrl-C: saved; the shell's status for an interrupted command.
+        print(str(e), flush=True)
+        sys.exit(130)
     sys.stdout.flush()
 
 

@@ -492,6 +492,7 @@ def run_from_flags(fv: flags.FlagValues, variant: Variant = V3) -> dict[str, Any
         save_summary_steps=fv.save_summary_steps,
         keep_checkpoint_max=fv.keep_checkpoint_max,
         watchdog_timeout_secs=fv.watchdog_timeout,
+        profile_steps=cli.profile_steps(fv),
         skip_nonfinite_steps=fv.skip_nonfinite_steps,
     )
     loop = common.LoopConfig.from_flags(

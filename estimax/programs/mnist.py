@@ -230,6 +230,7 @@ def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
         num_shards=fv.num_shards,
         save_checkpoints_steps=fv.save_checkpoints_steps,
         watchdog_timeout_secs=fv.watchdog_timeout,
+        profile_steps=cli.profile_steps(fv),
     )
     # Train to --train_steps, then one evaluation of --eval_steps batches (0: none).
     loop = common.LoopConfig(

@@ -237,7 +237,11 @@ def define_flags(fv: flags.FlagValues) -> None:
         flag_values=fv,
     )
     flags.DEFINE_integer(
-        "profile_every_n_steps", 0, f"{common.UNUSED_HELP}: use jax.profiler.", flag_values=fv
+        "profile_every_n_steps",
+        0,
+        "N > 0: one jax.profiler trace of step N for TensorBoard's profile plugin (the "
+        "original traced every N steps); --profile_steps=START,STOP traces a range.",
+        flag_values=fv,
     )
     for name, default, help_text in BIGTABLE_FLAGS:
         flags.DEFINE_string(name, default, f"Cloud Bigtable input: {help_text}", flag_values=fv)
@@ -409,6 +413,7 @@ def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
         keep_checkpoint_max=fv.keep_checkpoint_max,
         log_step_count_steps=fv.log_step_count_steps,
         watchdog_timeout_secs=fv.watchdog_timeout,
+        profile_steps=cli.profile_steps(fv),
         skip_nonfinite_steps=fv.skip_nonfinite_steps,
     )
     loop = common.LoopConfig.from_flags(

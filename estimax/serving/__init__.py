@@ -8,7 +8,11 @@
 | ``export_version``: atomic ``<base>/<version>/``, parity check | ``versions`` |
 | polling, load + warm before unload, failed loads reported | ``manager`` |
 | dynamic batching (TF Serving's knobs), 429 on a full queue | ``batching`` |
-| TF Serving REST API + Open Inference Protocol v2 (FastAPI) | ``rest`` |
+| one model manager, limits, batching, errors, dtype table for every protocol | ``core`` |
+| v2 tensors: JSON, binary extension, gRPC raw contents (decode/encode) | ``v2`` |
+| TF Serving REST API + Open Inference Protocol v2 over HTTP (FastAPI) | ``rest`` |
+| TF Serving gRPC (Predict, metadata, status) + v2 GRPCInferenceService | ``grpc_server`` |
+| messages generated from the published .proto files | ``protos`` |
 | ``estimax serve | predict | export-check`` | ``cli`` |
 
 Serving needs JAX and the export directory only: nothing here imports the model's code
@@ -16,7 +20,12 @@ Serving needs JAX and the export directory only: nothing here imports the model'
 """
 
 from estimax.serving.artifact import ExportedModel, load
-from estimax.serving.preprocess import Preprocessing, inception_eval, resnet_eval
+from estimax.serving.preprocess import (
+    Preprocessing,
+    image_preprocessing,
+    inception_eval,
+    resnet_eval,
+)
 from estimax.serving.servable import InvalidInput, Servable
 from estimax.serving.versions import ExportCheckError, check_version, export_version, list_versions
 
@@ -28,6 +37,7 @@ __all__ = [
     "Servable",
     "check_version",
     "export_version",
+    "image_preprocessing",
     "inception_eval",
     "list_versions",
     "load",

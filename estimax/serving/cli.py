@@ -1,11 +1,12 @@
 """The ``estimax`` command: ``serve``, ``predict`` and ``export-check``.
 
-    estimax serve --model_base_path=DIR --model_name=resnet [--port=8501 --host=127.0.0.1]
+    estimax serve --model_base_path=DIR --model_name=resnet [--port=8501 --grpc_port=8500]
     estimax predict --model_base_path=DIR image1.jpg image2.png
     estimax export-check --model_base_path=DIR [--model_version=N]
 
-Flags keep TensorFlow Serving's names (``--rest_api_port`` is accepted for ``--port``). Bad
-flags or paths print one line and exit non-zero.
+Flags keep TensorFlow Serving's names, but for the ports: TF Serving's ``--port`` is its gRPC
+port and ``--rest_api_port`` its HTTP port; here ``--port`` (alias ``--rest_api_port``) is the HTTP
+port and ``--grpc_port`` the gRPC port. Bad flags or paths print one line and exit non-zero.
 """
 
 from __future__ import annotations
@@ -47,7 +48,22 @@ def _parser() -> argparse.ArgumentParser:
         default="127.0.0.1",
         help="address to bind (default loopback only; 0.0.0.0 for all)",
     )
-    serve.add_argument("--port", "--rest_api_port", type=int, default=8501, dest="port")
+    serve.add_argument(
+        "--port",
+        "--rest_api_port",
+        type=int,
+        default=8501,
+        dest="port",
+        help="HTTP port: TF Serving REST (/v1) and Open Inference Protocol v2 (/v2). NOTE: "
+        "TF Serving's --port is its gRPC port; here gRPC is --grpc_port",
+    )
+    serve.add_argument(
+        "--grpc_port",
+        type=int,
+        default=0,
+        help="gRPC port (TF Serving's PredictionService/ModelService and v2's "
+        "GRPCInferenceService; TF Serving uses 8500); 0: no gRPC (default)",
+    )
     serve.add_argument(
         "--rest_api_timeout_in_ms",
         "--rest_api_timeout_ms",
@@ -114,6 +130,24 @@ def _version_dir(base: str, version: int | None) -> tuple[str, int]:
     return f"{base.rstrip('/')}/{version}", version
 
 
+def _check_port(flag: str, host: str, port: int) -> None:
+    """One clear line (not a server's traceback) when a port cannot be bound."""
+    import socket
+
+    if port == 0 and flag == "--grpc_port":
+        return
+    if not 0 < port < 65536:
+        raise ValueError(f"{flag}={port} is not a TCP port (1-65535)")
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ValueError(
+                f"{flag}={port}: cannot listen on {host}:{port}: {e.strerror}"
+            ) from None
+
+
 def serve(args: argparse.Namespace) -> int:
     """Runs the server until interrupted."""
     import uvicorn
@@ -132,6 +166,10 @@ def serve(args: argparse.Namespace) -> int:
         tuple(args.allowed_batch_sizes),
     )
     batching.validate()
+    for flag, port in (("--port", args.port), ("--grpc_port", args.grpc_port)):
+        _check_port(flag, args.host, port)
+    if args.grpc_port and args.grpc_port == args.port:
+        raise ValueError(f"--grpc_port={args.grpc_port} is also --port; give two ports")
     list_versions(args.model_base_path)  # fails early, with the flag's name, if absent
     sizes = list(batching.allowed_batch_sizes) or default_batch_sizes(batching.max_batch_size)
     manager = ModelManager(
@@ -148,6 +186,8 @@ def serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         max_instances=args.max_instances,
         max_image_pixels=args.max_image_pixels,
+        grpc_port=args.grpc_port,
+        grpc_host=args.host,
     )
     server = Server(manager, options)
     manager.start()  # loads and warms the newest version before the port opens
@@ -160,7 +200,8 @@ def serve(args: argparse.Namespace) -> int:
     print(
         f"Serving model {args.model_name!r} from {args.model_base_path} on "
         f"http://{args.host}:{args.port} (REST: /v1/models/{args.model_name}, v2: "
-        f"/v2/models/{args.model_name})",
+        f"/v2/models/{args.model_name})"
+        + (f"; gRPC on {args.host}:{args.grpc_port}" if args.grpc_port else ""),
         flush=True,
     )
     try:

@@ -1,12 +1,20 @@
 """The HTTP server: TensorFlow Serving's REST API and the Open Inference Protocol v2, one port.
 
-TF Serving (its ``http_rest_api_handler.cc`` / ``json_tensor.cc`` and REST documentation):
-``GET /v1/models/NAME[/versions/N]`` (status), ``.../metadata``, ``POST ...:predict`` with row
-(``instances``) or columnar (``inputs``) bodies, ``{"b64": ...}`` binary values (URL-safe base64
-accepted too), ``predictions``/``outputs`` responses, ``{"error": ...}`` with its status codes.
-Open Inference Protocol v2 (KServe, Triton, MLServer): ``/v2``, ``/v2/health/live|ready``,
-``/v2/models/NAME[/versions/V][/ready]``, ``POST .../infer`` with typed tensors; ``BYTES``
-elements are base64 strings (or ``{"b64": ...}``) of the encoded image.
+Two protocols over one ``ServingCore`` (``core``: the model manager, limits, batching):
+
+* TF Serving (its ``http_rest_api_handler.cc`` / ``json_tensor.cc`` and REST documentation),
+  ``TFServingRest``: ``GET /v1/models/NAME[/versions/N]`` (status), ``.../metadata``,
+  ``POST ...:predict`` with row (``instances``) or columnar (``inputs``) bodies, ``{"b64": ...}``
+  binary values (URL-safe base64 accepted too), ``predictions``/``outputs`` responses,
+  ``{"error": ...}`` with its status codes.
+* Open Inference Protocol v2 (KServe, Triton, MLServer), ``V2Rest``: ``/v2``,
+  ``/v2/health/live|ready``, ``/v2/models/NAME[/versions/V][/ready]``, ``POST .../infer`` with
+  typed tensors (``BYTES`` elements: base64 strings or ``{"b64": ...}``), and the binary tensor
+  data extension both ways (``v2``: a JSON header of ``Inference-Header-Content-Length`` bytes,
+  then the raw tensors), as ``tritonclient`` sends by default.
+
+The gRPC services (``grpc_server``) join the same core on ``--grpc_port``, started and stopped
+with this app (one asyncio loop, so one batching queue for both ports).
 
 Bodies are parsed by hand rather than by pydantic models because both protocols define their
 own error bodies and messages (FastAPI's 422 format would break TF Serving clients); the
@@ -15,15 +23,10 @@ OpenAPI description still documents them (``openapi_extra``).
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import binascii
-import dataclasses
+import contextlib
 import json
-import math
-import os
-from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import numpy as np
@@ -32,77 +35,21 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from estimax.serving.batching import Batcher, BatchingOptions, QueueFullError
+from estimax.serving import v2
+from estimax.serving.core import (
+    BY_V2,
+    PREDICT_METHOD,
+    SIGNATURE_NAME,
+    ApiError,
+    ServerOptions,
+    ServingCore,
+    dtype_of,
+)
 from estimax.serving.manager import ModelManager
-from estimax.serving.servable import IMAGE_INPUT, InvalidInput, Servable
+from estimax.serving.servable import Servable
 
 # Public (README "Public API"); not re-exported by estimax.serving, which loads no FastAPI.
 __all__ = ["ApiError", "Server", "ServerOptions"]
-
-
-@dataclasses.dataclass
-class ServerOptions:
-    """Limits and behaviour of the server (the ``estimax serve`` flags).
-
-    Attributes:
-      enable_batching: merge concurrent requests (``BatchingOptions``).
-      batching: the batching knobs (also give the compiled batch sizes without batching).
-      rest_api_timeout_in_ms: a request taking longer answers 504.
-      max_body_bytes: larger bodies answer 413.
-      max_instances: more instances in one request answer 400.
-      max_image_pixels: larger images (by their header) answer 400.
-    """
-
-    enable_batching: bool = False
-    batching: BatchingOptions = dataclasses.field(default_factory=BatchingOptions)
-    rest_api_timeout_in_ms: int = 30_000
-    max_body_bytes: int = 64 << 20
-    max_instances: int = 1024
-    max_image_pixels: int = 1 << 26
-
-
-class ApiError(Exception):
-    """An error answered as ``{"error": message}`` with ``status``."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
-_V2_TYPES = {
-    "bool": "BOOL",
-    "uint8": "UINT8",
-    "uint16": "UINT16",
-    "uint32": "UINT32",
-    "uint64": "UINT64",
-    "int8": "INT8",
-    "int16": "INT16",
-    "int32": "INT32",
-    "int64": "INT64",
-    "float16": "FP16",
-    "float32": "FP32",
-    "float64": "FP64",
-    "bfloat16": "BF16",
-    "string": "BYTES",
-}
-_TF_TYPES = {
-    "bool": "DT_BOOL",
-    "uint8": "DT_UINT8",
-    "uint16": "DT_UINT16",
-    "uint32": "DT_UINT32",
-    "uint64": "DT_UINT64",
-    "int8": "DT_INT8",
-    "int16": "DT_INT16",
-    "int32": "DT_INT32",
-    "int64": "DT_INT64",
-    "float16": "DT_HALF",
-    "float32": "DT_FLOAT",
-    "float64": "DT_DOUBLE",
-    "bfloat16": "DT_BFLOAT16",
-    "string": "DT_STRING",
-}
-SIGNATURE_NAME = "serving_default"
 
 _PREDICT_SCHEMA = {
     "requestBody": {
@@ -127,7 +74,7 @@ _TENSOR_SCHEMA = {
     "properties": {
         "name": {"type": "string"},
         "shape": {"type": "array", "items": {"type": "integer"}},
-        "datatype": {"type": "string", "enum": sorted(set(_V2_TYPES.values()))},
+        "datatype": {"type": "string", "enum": sorted(BY_V2)},
         "parameters": {"type": "object"},
         "data": {},
     },
@@ -168,30 +115,57 @@ def _on_exception(
     app.add_exception_handler(cls, handler)  # type: ignore[arg-type]
 
 
-def _json(body: Any, status: int = 200) -> Response:
+def _dumps(body: Any) -> bytes:
     # NaN/Infinity tokens as TF Serving writes them; separators keep big arrays small.
-    return Response(
-        json.dumps(body, separators=(",", ":")), status_code=status, media_type="application/json"
-    )
+    return json.dumps(body, separators=(",", ":")).encode()
 
 
-def _b64decode(text: Any, where: str) -> bytes:
-    if not isinstance(text, str):
-        raise ApiError(400, f"{where}: 'b64' must be a base64 string")
-    padded = text.strip() + "=" * (-len(text.strip()) % 4)
+def _json(body: Any, status: int = 200) -> Response:
+    return Response(_dumps(body), status_code=status, media_type="application/json")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole body, refused with 413 past ``limit`` bytes (declared or streamed)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(
+            413,
+            f"Request body of {declared} bytes is larger than this server "
+            f"accepts ({limit} bytes; see --max_body_bytes)",
+        )
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise ApiError(
+            400, f"Content-Encoding {encoding!r} is not supported; send the body uncompressed"
+        )
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(
+                413,
+                f"Request body is larger than this server accepts ({limit} "
+                "bytes; see --max_body_bytes)",
+            )
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_json(raw: bytes) -> Any:
+    """JSON (NaN/Infinity allowed, as TF Serving) or 400."""
     try:
-        if "-" in padded or "_" in padded:  # URL-safe alphabet (a known TF Serving complaint)
-            return base64.b64decode(padded, altchars=b"-_", validate=True)
-        return base64.b64decode(padded, validate=True)
-    except (binascii.Error, ValueError):
-        raise ApiError(400, f"{where}: Unable to base64 decode") from None
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"JSON Parse error: {e}") from None
+    except RecursionError:
+        raise ApiError(400, "JSON Parse error: nested too deeply") from None
 
 
 def _decode_value(value: Any, where: str) -> Any:
     """Replaces {"b64": ...} objects (at any depth) by bytes."""
     if isinstance(value, dict):
         if set(value) == {"b64"}:
-            return _b64decode(value["b64"], where)
+            return v2.b64decode(value["b64"], where)
         raise ApiError(
             400,
             f"{where}: unexpected object {_short(value)}; binary values are "
@@ -213,116 +187,30 @@ def _tolist(array: np.ndarray, name: str) -> Any:
     return array.tolist()
 
 
-class Server:
-    """One model's HTTP front end (see module docstring); ``app`` is the ASGI application."""
+def signature_json(specs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Tensor specs as TF Serving's ``SignatureDef`` JSON (``TensorInfo`` per name)."""
+    return {
+        n: {
+            "dtype": dtype_of(s["dtype"]).tf,
+            "tensor_shape": {
+                "dim": [{"size": str(-1 if d is None else d), "name": ""} for d in s["shape"]],
+                "unknown_rank": False,
+            },
+            "name": n,
+        }
+        for n, s in specs.items()
+    }
 
-    def __init__(self, manager: ModelManager, options: ServerOptions):
-        """Builds the FastAPI app; ``manager`` loads and swaps versions (started by the caller)."""
-        self.manager = manager
-        self.options = options
-        options.batching.validate()
-        workers = options.batching.num_batch_threads
-        self._run_pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="run")
-        self._decode_pool = ThreadPoolExecutor(
-            max_workers=max(2, os.cpu_count() or 2), thread_name_prefix="decode"
-        )
-        self.batcher = (
-            Batcher(options.batching, self._run_pool) if options.enable_batching else None
-        )
-        self.app = self._build_app()
 
-    # ----------------------------------------------------------------- plumbing
-    def _servable(self, name: str, version: str | None) -> Servable:
-        if name != self.manager.name:
-            req = f"Specific({name}, {version})" if version else f"Latest({name})"
-            raise ApiError(404, f"Servable not found for request: {req}")
-        number = None
-        if version is not None:
-            if not version.isdigit():
-                raise ApiError(400, f"Invalid version {version!r}: versions are integers")
-            number = int(version)
-        for _ in range(3):  # a version may be retired between get() and acquire()
-            servable = self.manager.get(number)
-            if servable is None:
-                req = f"Specific({name}, {number})" if number is not None else f"Latest({name})"
-                raise ApiError(404, f"Servable not found for request: {req}")
-            if servable.acquire():
-                return servable
-        raise ApiError(503, f"Model {name} is being reloaded; retry")
+class TFServingRest:
+    """TensorFlow Serving's REST API (``/v1``) over a ``ServingCore``."""
 
-    async def _body(self, request: Request) -> Any:
-        limit = self.options.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise ApiError(
-                413,
-                f"Request body of {declared} bytes is larger than this server "
-                f"accepts ({limit} bytes; see --max_body_bytes)",
-            )
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ApiError(
-                    413,
-                    f"Request body is larger than this server accepts ({limit} "
-                    "bytes; see --max_body_bytes)",
-                )
-            chunks.append(chunk)
-        raw = b"".join(chunks)
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"JSON Parse error: {e}") from None
-        except RecursionError:
-            raise ApiError(400, "JSON Parse error: nested too deeply") from None
+    def __init__(self, core: ServingCore):
+        """Routes answer from ``core``."""
+        self.core = core
 
-    async def _infer(self, servable: Servable, columns: dict[str, Any]) -> dict[str, np.ndarray]:
-        loop = asyncio.get_running_loop()
-
-        async def work() -> dict[str, np.ndarray]:
-            try:
-                features = await loop.run_in_executor(
-                    self._decode_pool, servable.prepare, columns, self.options.max_image_pixels
-                )
-            except InvalidInput as e:
-                raise ApiError(400, str(e)) from None
-            if self.batcher is not None:
-                try:
-                    return await self.batcher.submit(servable, servable.run, features)
-                except QueueFullError as e:
-                    raise ApiError(429, str(e)) from None
-            return await loop.run_in_executor(self._run_pool, servable.run, features)
-
-        try:
-            return await asyncio.wait_for(work(), self.options.rest_api_timeout_in_ms / 1000)
-        except TimeoutError:
-            raise ApiError(
-                504,
-                "Request timed out after "
-                f"{self.options.rest_api_timeout_in_ms} ms (--rest_api_timeout_in_ms)",
-            ) from None
-
-    def _count(self, n: int) -> None:
-        if n > self.options.max_instances:
-            raise ApiError(
-                400,
-                f"{n} instances in one request; this server accepts at most "
-                f"{self.options.max_instances} (see --max_instances)",
-            )
-
-    # ----------------------------------------------------------------- TF Serving
     def status(self, name: str, version: str | None) -> dict:
         """``GET /v1/models/NAME[/versions/N]``: ``model_version_status``."""
-        if name != self.manager.name:
-            raise ApiError(404, f"Could not find any versions of model {name}")
-        states = self.manager.states()
-        if version is not None:
-            states = [s for s in states if str(s.version) == version]
-            if not states:
-                raise ApiError(404, f"Could not find version {version} of model {name}")
-        if not states:
-            raise ApiError(404, f"Could not find any versions of model {name}")
         return {
             "model_version_status": [
                 {
@@ -333,31 +221,13 @@ class Server:
                         "error_message": s.error,
                     },
                 }
-                for s in states
+                for s in self.core.states(name, version)
             ]
         }
 
     def metadata(self, name: str, version: str | None) -> dict:
         """``GET .../metadata``: the signature in TF Serving's ``SignatureDef`` JSON."""
-        servable = self._servable(name, version)
-        try:
-
-            def tensors(specs: dict) -> dict:
-                return {
-                    n: {
-                        "dtype": _TF_TYPES.get(s["dtype"], s["dtype"]),
-                        "tensor_shape": {
-                            "dim": [
-                                {"size": str(-1 if d is None else d), "name": ""}
-                                for d in s["shape"]
-                            ],
-                            "unknown_rank": False,
-                        },
-                        "name": n,
-                    }
-                    for n, s in specs.items()
-                }
-
+        with self.core.servable(name, version) as servable:
             return {
                 "model_spec": {
                     "name": name,
@@ -368,9 +238,9 @@ class Server:
                     "signature_def": {
                         "signature_def": {
                             SIGNATURE_NAME: {
-                                "inputs": tensors(servable.inputs),
-                                "outputs": tensors(servable.outputs),
-                                "method_name": "tensorflow/serving/predict",
+                                "inputs": signature_json(servable.inputs),
+                                "outputs": signature_json(servable.outputs),
+                                "method_name": PREDICT_METHOD,
                             }
                         },
                         "global_step": str(servable.global_step),
@@ -380,13 +250,11 @@ class Server:
                     }
                 },
             }
-        finally:
-            servable.release()
 
     def _row_columns(self, servable: Servable, instances: Any) -> dict[str, Any]:
         if not isinstance(instances, list) or not instances:
             raise ApiError(400, "'instances' must be a non-empty list")
-        self._count(len(instances))
+        self.core.count(len(instances))
         names = list(servable.inputs)
         if len(names) == 1:
             name = names[0]
@@ -427,17 +295,15 @@ class Server:
                 raise ApiError(
                     400, f"input {n!r} must be a list (its first dimension is the batch)"
                 )
-            self._count(len(v))
+            self.core.count(len(v))
         return columns
 
     async def predict(self, name: str, version: str | None, request: Request) -> dict:
         """``POST ...:predict``."""
-        body = await self._body(request)
+        body = parse_json(await read_body(request, self.core.options.max_body_bytes))
         if not isinstance(body, dict):
             raise ApiError(400, "The request body must be a JSON object")
-        signature = body.get("signature_name", SIGNATURE_NAME)
-        if signature not in (SIGNATURE_NAME, "classify", "predict", ""):
-            raise ApiError(400, f'Serving signature name: "{signature}" not found in signature def')
+        self.core.check_signature(body.get("signature_name", SIGNATURE_NAME))
         if ("instances" in body) == ("inputs" in body):
             raise ApiError(
                 400,
@@ -445,17 +311,14 @@ class Server:
                 if "inputs" in body
                 else "Missing 'inputs' or 'instances' key",
             )
-        servable = self._servable(name, version)
-        try:
-            row = "instances" in body
+        row = "instances" in body
+        with self.core.servable(name, version) as servable:
             columns = (
                 self._row_columns(servable, body["instances"])
                 if row
                 else self._columnar(servable, body["inputs"])
             )
-            outputs = await self._infer(servable, columns)
-        finally:
-            servable.release()
+            outputs = await self.core.infer(servable, columns)
         names = list(outputs)
         if row:
             if len(names) == 1:
@@ -467,17 +330,65 @@ class Server:
             return {"outputs": _tolist(outputs[names[0]], names[0])}
         return {"outputs": {n: _tolist(outputs[n], n) for n in names}}
 
-    # ----------------------------------------------------------------- v2
-    def v2_metadata(self, name: str, version: str | None) -> dict:
+    def add_routes(self, app: FastAPI, errors: dict[int | str, dict[str, Any]]) -> None:
+        """Registers the ``/v1`` routes on ``app``."""
+
+        @app.get("/v1/models/{name}", responses=errors)
+        async def v1_status(name: str) -> Response:
+            return _json(self.status(name, None))
+
+        @app.get("/v1/models/{name}/versions/{version}", responses=errors)
+        async def v1_status_version(name: str, version: str) -> Response:
+            return _json(self.status(name, version))
+
+        @app.get("/v1/models/{name}/metadata", responses=errors)
+        async def v1_metadata(name: str) -> Response:
+            return _json(self.metadata(name, None))
+
+        @app.get("/v1/models/{name}/versions/{version}/metadata", responses=errors)
+        async def v1_metadata_version(name: str, version: str) -> Response:
+            return _json(self.metadata(name, version))
+
+        @app.post(
+            "/v1/models/{name}/versions/{version}:predict",
+            responses=errors,
+            openapi_extra=_PREDICT_SCHEMA,
+        )
+        async def v1_predict_version(name: str, version: str, request: Request) -> Response:
+            return _json(await self.predict(name, version, request))
+
+        @app.post("/v1/models/{name}:predict", responses=errors, openapi_extra=_PREDICT_SCHEMA)
+        async def v1_predict(name: str, request: Request) -> Response:
+            return _json(await self.predict(name, None, request))
+
+        @app.post("/v1/models/{name}:{method}", responses=errors)
+        async def v1_other(name: str, method: str) -> Response:
+            raise ApiError(
+                400 if method in ("classify", "regress") else 404,
+                f"Malformed request: :{method} is not supported by this model; use :predict",
+            )
+
+
+class V2Rest:
+    """The Open Inference Protocol v2 over HTTP, with the binary tensor data extension."""
+
+    def __init__(self, core: ServingCore):
+        """Routes answer from ``core``."""
+        self.core = core
+
+    def server_metadata(self) -> dict:
+        """``GET /v2``."""
+        return {"name": "estimax", "version": "0.1.0", "extensions": [v2.BINARY_EXTENSION]}
+
+    def metadata(self, name: str, version: str | None) -> dict:
         """``GET /v2/models/NAME[/versions/V]``."""
-        servable = self._servable(name, version)
-        try:
+        with self.core.servable(name, version) as servable:
 
             def tensors(specs: dict) -> list:
                 return [
                     {
                         "name": n,
-                        "datatype": _V2_TYPES.get(s["dtype"], s["dtype"]),
+                        "datatype": dtype_of(s["dtype"]).v2,
                         "shape": [-1 if d is None else d for d in s["shape"]],
                     }
                     for n, s in specs.items()
@@ -485,127 +396,246 @@ class Server:
 
             return {
                 "name": name,
-                "versions": [
-                    str(s.version) for s in self.manager.states() if s.state == "AVAILABLE"
-                ],
+                "versions": self.core.available_versions(),
                 "platform": "estimax_jax_export",
                 "inputs": tensors(servable.inputs),
                 "outputs": tensors(servable.outputs),
             }
-        finally:
-            servable.release()
 
-    async def v2_infer(self, name: str, version: str | None, request: Request) -> dict:
-        """``POST /v2/models/NAME[/versions/V]/infer``."""
-        body = await self._body(request)
-        if not isinstance(body, dict) or not isinstance(body.get("inputs"), list):
-            raise ApiError(400, "The request body must be an object with an 'inputs' list")
-        servable = self._servable(name, version)
-        try:
-            columns: dict[str, Any] = {}
-            for i, tensor in enumerate(body["inputs"]):
-                column = self._v2_tensor(servable, tensor, i)
-                if set(column) & set(columns):
-                    raise ApiError(400, f"inputs[{i}]: input {tensor['name']!r} is given twice")
-                columns.update(column)
-            requested = body.get("outputs")
-            wanted = list(servable.outputs)
-            if requested is not None:
-                if not isinstance(requested, list) or not all(
-                    isinstance(o, dict) and isinstance(o.get("name"), str) for o in requested
-                ):
-                    raise ApiError(400, "'outputs' must be a list of {\"name\": ...} objects")
-                wanted = [o["name"] for o in requested]
-                unknown = sorted(set(wanted) - set(servable.outputs))
-                if unknown:
-                    raise ApiError(
-                        400,
-                        f"unknown outputs {unknown}; the model's outputs are "
-                        f"{sorted(servable.outputs)}",
-                    )
-            outputs = await self._infer(servable, columns)
-        finally:
-            servable.release()
-        response = {
-            "model_name": name,
-            "model_version": str(servable.version),
-            "outputs": [
-                {
-                    "name": n,
-                    "shape": list(outputs[n].shape),
-                    "datatype": _V2_TYPES.get(str(outputs[n].dtype), str(outputs[n].dtype)),
-                    "data": outputs[n].ravel().tolist(),
-                }
-                for n in wanted
-            ],
-        }
-        if "id" in body:
-            response["id"] = body["id"]
-        return response
-
-    def _v2_tensor(self, servable: Servable, tensor: Any, i: int) -> dict[str, Any]:
-        if not isinstance(tensor, dict) or not {"name", "shape", "datatype", "data"} <= set(tensor):
-            raise ApiError(400, f"inputs[{i}] must have 'name', 'shape', 'datatype' and 'data'")
-        name, shape, datatype = tensor["name"], tensor["shape"], tensor["datatype"]
-        if not isinstance(name, str) or name not in servable.inputs:
-            raise ApiError(
-                400,
-                f"inputs[{i}]: unknown input {name!r}; the model's inputs are "
-                f"{sorted(servable.inputs)}",
-            )
-        if (
-            not isinstance(shape, list)
-            or not shape
-            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
-        ):
-            raise ApiError(
-                400, f"inputs[{i}]: 'shape' must be a non-empty list of non-negative integers"
-            )
-        spec = servable.inputs[name]
-        want_type = _V2_TYPES.get(spec["dtype"], spec["dtype"])
-        if datatype != want_type:
-            raise ApiError(
-                400, f"inputs[{i}]: datatype {datatype!r}; input {name!r} is {want_type}"
-            )
-        self._count(shape[0])
-        count = math.prod(shape)
-        if name == IMAGE_INPUT and servable.preprocessing is not None:
-            flat = _flatten_list(tensor["data"])
-            if len(shape) != 1 or len(flat) != count:
+    async def infer(self, name: str, version: str | None, request: Request) -> Response:
+        """``POST /v2/models/NAME[/versions/V]/infer``: JSON, or JSON + binary tensors."""
+        raw = await read_body(request, self.core.options.max_body_bytes)
+        header = request.headers.get(v2.HEADER_LENGTH)
+        binary: bytes | None = None
+        if header is not None:
+            if not header.strip().isdigit() or int(header) > len(raw):
                 raise ApiError(
                     400,
-                    f"inputs[{i}]: shape {shape} does not match {len(flat)} "
-                    "elements (BYTES inputs have shape [batch])",
+                    f"{v2.HEADER_LENGTH}: {header[:40]!r} must be the byte length of the JSON "
+                    f"header, at most the body's {len(raw)} bytes",
                 )
-            return {
-                name: [
-                    _b64decode(
-                        x["b64"] if isinstance(x, dict) and set(x) == {"b64"} else x,
-                        f"inputs[{i}] element {j}",
-                    )
-                    for j, x in enumerate(flat)
-                ]
+            raw, binary = raw[: int(header)], raw[int(header) :]
+        body = parse_json(raw)
+        if not isinstance(body, dict) or not isinstance(body.get("inputs"), list):
+            raise ApiError(400, "The request body must be an object with an 'inputs' list")
+        parameters = _parameters(body, "request")
+        binary_default = _flag(parameters, "binary_data_output", "request parameters")
+        with self.core.servable(name, version) as servable:
+            columns = self._columns(servable, body["inputs"], binary)
+            wanted, as_binary = self._wanted(servable, body.get("outputs"), binary_default)
+            outputs = await self.core.infer(servable, columns)
+        head: dict[str, Any] = {"model_name": name, "model_version": str(servable.version)}
+        if "id" in body:
+            head["id"] = body["id"]
+        tensors, blobs = [], []
+        for n in wanted:
+            array = outputs[n]
+            tensor: dict[str, Any] = {
+                "name": n,
+                "datatype": v2.output_type(array).v2,
+                "shape": list(array.shape),
             }
-        flat = _flatten_list(tensor["data"])
-        if len(flat) != count:
-            raise ApiError(
-                400, f"inputs[{i}]: shape {shape} needs {count} elements, got {len(flat)}"
-            )
-        if not all(isinstance(x, (int, float)) for x in flat):
-            raise ApiError(400, f"inputs[{i}]: data must be numbers for {datatype}")
-        try:
-            array = np.asarray(flat).reshape(shape)
-        except ValueError as e:
-            raise ApiError(400, f"inputs[{i}]: {e}") from None
-        return {name: array}
+            if as_binary[n]:
+                blobs.append(v2.encode_raw(array))
+                tensor["parameters"] = {"binary_data_size": len(blobs[-1])}
+            else:
+                tensor["data"] = v2.encode_json(array)
+            tensors.append(tensor)
+        head["outputs"] = tensors
+        if not blobs:
+            return _json(head)
+        text = _dumps(head)
+        return Response(
+            b"".join([text, *blobs]),
+            media_type="application/octet-stream",
+            headers={v2.HEADER_LENGTH: str(len(text))},
+        )
 
-    # ----------------------------------------------------------------- app
+    def _columns(self, servable: Servable, inputs: list, binary: bytes | None) -> dict[str, Any]:
+        # First the binary data's layout (every input's slice, all bytes claimed), then decoding.
+        raws: list[bytes | None] = []
+        offset = 0
+        for i, tensor in enumerate(inputs):
+            where = f"inputs[{i}]"
+            if not isinstance(tensor, dict) or not {"name", "shape", "datatype"} <= set(tensor):
+                raise ApiError(
+                    400,
+                    f"{where} must have 'name', 'shape', 'datatype' and 'data' "
+                    "(or parameters.binary_data_size)",
+                )
+            size = _parameters(tensor, where).get("binary_data_size")
+            if size is None:
+                if "data" not in tensor:
+                    raise ApiError(
+                        400,
+                        f"{where} must have 'name', 'shape', 'datatype' and 'data' "
+                        "(or parameters.binary_data_size)",
+                    )
+                raws.append(None)
+                continue
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+                raise ApiError(400, f"{where}: binary_data_size must be a non-negative integer")
+            if binary is None:
+                raise ApiError(
+                    400,
+                    f"{where}: binary_data_size is given but the request has no "
+                    f"{v2.HEADER_LENGTH} header (binary tensor data extension)",
+                )
+            if offset + size > len(binary):
+                raise ApiError(
+                    400,
+                    f"{where}: binary_data_size {size} runs past the {len(binary)} bytes of "
+                    "binary data after the JSON header",
+                )
+            raws.append(binary[offset : offset + size])
+            offset += size
+        if binary is not None and offset != len(binary):
+            raise ApiError(
+                400,
+                f"{len(binary) - offset} bytes of binary data after the JSON header belong to "
+                "no input (their binary_data_size values add up to less)",
+            )
+        columns: dict[str, Any] = {}
+        for i, (tensor, raw) in enumerate(zip(inputs, raws, strict=True)):
+            name, column = v2.decode_input(
+                servable,
+                f"inputs[{i}]",
+                tensor["name"],
+                tensor["shape"],
+                tensor["datatype"],
+                self.core.count,
+                data=tensor.get("data"),
+                raw=raw,
+            )
+            if name in columns:
+                raise ApiError(400, f"inputs[{i}]: input {name!r} is given twice")
+            columns[name] = column
+        return columns
+
+    def _wanted(
+        self, servable: Servable, requested: Any, binary_default: bool
+    ) -> tuple[list[str], dict[str, bool]]:
+        if requested is None:
+            wanted = list(servable.outputs)
+            return wanted, {n: binary_default for n in wanted}
+        if not isinstance(requested, list) or not all(
+            isinstance(o, dict) and isinstance(o.get("name"), str) for o in requested
+        ):
+            raise ApiError(400, "'outputs' must be a list of {\"name\": ...} objects")
+        wanted = [o["name"] for o in requested]
+        self.core.check_outputs(servable, wanted)
+        as_binary = {}
+        for i, o in enumerate(requested):
+            # Per output "binary_data"; without it the request's "binary_data_output".
+            parameters = _parameters(o, f"outputs[{i}]")
+            as_binary[o["name"]] = (
+                _flag(parameters, "binary_data", f"outputs[{i}]")
+                if "binary_data" in parameters
+                else binary_default
+            )
+        return wanted, as_binary
+
+    def add_routes(self, app: FastAPI, errors: dict[int | str, dict[str, Any]]) -> None:
+        """Registers the ``/v2`` routes on ``app``."""
+
+        @app.get("/v2")
+        async def v2_server() -> Response:
+            return _json(self.server_metadata())
+
+        @app.get("/v2/health/live")
+        async def v2_live() -> Response:
+            return _json({"live": True})
+
+        @app.get("/v2/health/ready")
+        async def v2_ready() -> Response:
+            ready = self.core.manager.ready()
+            return _json({"ready": ready}, 200 if ready else 503)
+
+        @app.get("/v2/models/{name}", responses=errors)
+        async def v2_model(name: str) -> Response:
+            return _json(self.metadata(name, None))
+
+        @app.get("/v2/models/{name}/versions/{version}", responses=errors)
+        async def v2_model_version(name: str, version: str) -> Response:
+            return _json(self.metadata(name, version))
+
+        async def ready(name: str, version: str | None) -> Response:
+            ok = self.core.ready(name, version)
+            return _json({"name": name, "ready": ok}, 200 if ok else 503)
+
+        @app.get("/v2/models/{name}/ready", responses=errors)
+        async def v2_model_ready(name: str) -> Response:
+            return await ready(name, None)
+
+        @app.get("/v2/models/{name}/versions/{version}/ready", responses=errors)
+        async def v2_model_version_ready(name: str, version: str) -> Response:
+            return await ready(name, version)
+
+        @app.post("/v2/models/{name}/infer", responses=errors, openapi_extra=_INFER_SCHEMA)
+        async def v2_infer(name: str, request: Request) -> Response:
+            return await self.infer(name, None, request)
+
+        @app.post(
+            "/v2/models/{name}/versions/{version}/infer",
+            responses=errors,
+            openapi_extra=_INFER_SCHEMA,
+        )
+        async def v2_infer_version(name: str, version: str, request: Request) -> Response:
+            return await self.infer(name, version, request)
+
+
+def _parameters(obj: dict, where: str) -> dict:
+    parameters = obj.get("parameters", {})
+    if not isinstance(parameters, dict):
+        raise ApiError(400, f"{where}: 'parameters' must be an object")
+    return parameters
+
+
+def _flag(parameters: dict, key: str, where: str) -> bool:
+    value = parameters.get(key, False)
+    if not isinstance(value, bool):
+        raise ApiError(400, f"{where}: {key} must be true or false")
+    return value
+
+
+class Server:
+    """One model's HTTP front end (see module docstring); ``app`` is the ASGI application."""
+
+    def __init__(self, manager: ModelManager, options: ServerOptions):
+        """Builds the FastAPI app; ``manager`` loads and swaps versions (started by the caller).
+
+        With ``options.grpc_port`` the app also starts the gRPC services when it starts.
+        """
+        self.core = ServingCore(manager, options)
+        self.manager = manager
+        self.options = options
+        self.batcher = self.core.batcher
+        self.tf_serving = TFServingRest(self.core)
+        self.v2 = V2Rest(self.core)
+        self.app = self._build_app()
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        grpc = None
+        if self.options.grpc_port:
+            from estimax.serving import grpc_server  # grpcio only when gRPC is asked for
+
+            grpc = await grpc_server.start(
+                self.core, self.options.grpc_host, self.options.grpc_port
+            )
+        try:
+            yield
+        finally:
+            if grpc is not None:
+                await grpc.stop(grace=5)
+
     def _build_app(self) -> FastAPI:
         app = FastAPI(
             title="estimax serving",
             description="TensorFlow Serving REST API and Open Inference Protocol v2 "
             "for an estimax export.",
             version="1",
+            lifespan=self._lifespan,
         )
 
         async def api_error(request: Request, exc: ApiError) -> Response:
@@ -652,111 +682,6 @@ class Server:
                 (504, "timed out"),
             )
         }
-
-        @app.get("/v1/models/{name}", responses=errors)
-        async def v1_status(name: str) -> Response:
-            return _json(self.status(name, None))
-
-        @app.get("/v1/models/{name}/versions/{version}", responses=errors)
-        async def v1_status_version(name: str, version: str) -> Response:
-            return _json(self.status(name, version))
-
-        @app.get("/v1/models/{name}/metadata", responses=errors)
-        async def v1_metadata(name: str) -> Response:
-            return _json(self.metadata(name, None))
-
-        @app.get("/v1/models/{name}/versions/{version}/metadata", responses=errors)
-        async def v1_metadata_version(name: str, version: str) -> Response:
-            return _json(self.metadata(name, version))
-
-        @app.post(
-            "/v1/models/{name}/versions/{version}:predict",
-            responses=errors,
-            openapi_extra=_PREDICT_SCHEMA,
-        )
-        async def v1_predict_version(name: str, version: str, request: Request) -> Response:
-            return _json(await self.predict(name, version, request))
-
-        @app.post("/v1/models/{name}:predict", responses=errors, openapi_extra=_PREDICT_SCHEMA)
-        async def v1_predict(name: str, request: Request) -> Response:
-            return _json(await self.predict(name, None, request))
-
-        @app.post("/v1/models/{name}:{method}", responses=errors)
-        async def v1_other(name: str, method: str) -> Response:
-            raise ApiError(
-                400 if method in ("classify", "regress") else 404,
-                f"Malformed request: :{method} is not supported by this model; use :predict",
-            )
-
-        @app.get("/v2")
-        async def v2_server() -> Response:
-            return _json({"name": "estimax", "version": "0.1.0", "extensions": []})
-
-        @app.get("/v2/health/live")
-        async def v2_live() -> Response:
-            return _json({"live": True})
-
-        @app.get("/v2/health/ready")
-        async def v2_ready() -> Response:
-            ready = self.manager.ready()
-            return _json({"ready": ready}, 200 if ready else 503)
-
-        @app.get("/v2/models/{name}", responses=errors)
-        async def v2_model(name: str) -> Response:
-            return _json(self.v2_metadata(name, None))
-
-        @app.get("/v2/models/{name}/versions/{version}", responses=errors)
-        async def v2_model_version(name: str, version: str) -> Response:
-            return _json(self.v2_metadata(name, version))
-
-        async def ready(name: str, version: str | None) -> Response:
-            if name != self.manager.name:
-                raise ApiError(404, f"Model {name} is not served here")
-            if version is not None and not version.isdigit():
-                raise ApiError(400, f"Invalid version {version!r}: versions are integers")
-            ok = self.manager.get(int(version) if version else None) is not None
-            if (
-                version is not None
-                and not ok
-                and int(version) not in {s.version for s in self.manager.states()}
-            ):
-                raise ApiError(404, f"Model {name} has no version {version}")
-            return _json({"name": name, "ready": ok}, 200 if ok else 503)
-
-        @app.get("/v2/models/{name}/ready", responses=errors)
-        async def v2_model_ready(name: str) -> Response:
-            return await ready(name, None)
-
-        @app.get("/v2/models/{name}/versions/{version}/ready", responses=errors)
-        async def v2_model_version_ready(name: str, version: str) -> Response:
-            return await ready(name, version)
-
-        @app.post("/v2/models/{name}/infer", responses=errors, openapi_extra=_INFER_SCHEMA)
-        async def v2_infer(name: str, request: Request) -> Response:
-            return _json(await self.v2_infer(name, None, request))
-
-        @app.post(
-            "/v2/models/{name}/versions/{version}/infer",
-            responses=errors,
-            openapi_extra=_INFER_SCHEMA,
-        )
-        async def v2_infer_version(name: str, version: str, request: Request) -> Response:
-            return _json(await self.v2_infer(name, version, request))
-
+        self.tf_serving.add_routes(app, errors)
+        self.v2.add_routes(app, errors)
         return app
-
-
-def _flatten_list(data: Any) -> list:
-    if not isinstance(data, list):
-        return [data]
-    out: list = []
-    stack = [iter(data)]
-    while stack:  # iterative: a deeply nested body must not overflow the stack
-        for item in stack[-1]:
-            if isinstance(item, list):
-                stack.append(iter(item))
-                break
-            out.append(item)
-        else:
-            stack.pop()
-    return out

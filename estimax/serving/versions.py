@@ -19,7 +19,7 @@ import posixpath
 import shutil
 import tempfile
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import fsspec
@@ -93,6 +93,7 @@ def export_version(
     top_k: int | None = None,
     checkpoint_path: str | None = None,
     platforms: tuple[str, ...] | None = None,
+    eval_preprocess: Callable[[bytes], np.ndarray] | None = None,
 ) -> str:
     """Exports ``estimator``'s model as the next version under ``model_base_path``.
 
@@ -115,12 +116,17 @@ def export_version(
         by the server from ``probabilities``).
       checkpoint_path: a checkpoint to export; None = the latest.
       platforms: lowering platforms (default: ``export_saved_model``'s cpu, cuda, tpu).
+      eval_preprocess: the training side's own eval preprocessing of one encoded image (the
+        function your eval ``input_fn`` applies). With ``preprocessing`` and ``check_inputs``,
+        the check also runs ``check_inputs`` through it and ``Estimator.predict``: an export whose
+        served preprocessing disagrees with training's (a train/serve skew) is refused.
 
     Returns:
       The published version directory.
 
     Raises:
-      ExportCheckError: the export disagrees with ``Estimator.predict`` (nothing is published).
+      ExportCheckError: the export disagrees with ``Estimator.predict``, or its served
+        preprocessing with ``eval_preprocess`` (nothing is published).
     """
     from estimax.estimator.export import TensorSpec  # only the exporter needs the estimator
     from estimax.estimator.inputs import numpy_input_fn
@@ -161,6 +167,10 @@ def export_version(
             record = _check(
                 estimator, export_dir, preprocessing, check_inputs, rtol, atol, numpy_input_fn
             )
+            if eval_preprocess is not None and preprocessing is not None:
+                _check_skew(
+                    estimator, record, check_inputs, eval_preprocess, rtol, atol, numpy_input_fn
+                )
             with open(os.path.join(export_dir, CHECK_FILE), "w") as f:
                 json.dump(record, f)
         while True:
@@ -230,6 +240,34 @@ def _check(
         "rtol": rtol,
         "atol": atol,
     }
+
+
+def _check_skew(
+    estimator: Estimator,
+    record: dict,
+    check_inputs: Sequence[Any] | np.ndarray,
+    eval_preprocess: Callable[[bytes], np.ndarray],
+    rtol: float,
+    atol: float,
+    numpy_input_fn: Any,
+) -> None:
+    """Refuses an export whose served preprocessing gives other predictions than training's."""
+    features = np.stack([np.asarray(eval_preprocess(bytes(b))) for b in check_inputs])
+    predicted = list(estimator.predict(numpy_input_fn(features, None, shuffle=False, num_epochs=1)))
+    served = {k: np.asarray(v) for k, v in record["expected"].items()}
+    expected = {
+        k: np.stack([np.asarray(p[k]) for p in predicted]) for k in served if k in predicted[0]
+    }
+    compare(
+        served,
+        expected,
+        rtol,
+        atol,
+        what=(
+            "train/serve skew: the export's declared preprocessing vs eval_preprocess (the "
+            "training side's) on check_inputs; declare the preprocessing your eval input uses"
+        ),
+    )
 
 
 def compare(

@@ -1,0 +1,562 @@
+"""The training loop as components: each owns its cadence and its cleanup; the loop asks them.
+
+Steps are dispatched one by one as their batches reach the devices (at most one queued behind
+the running one); once per loop of ``iterations_per_loop`` steps the host fetches the loop's
+per-step metrics (its one sync with the devices) and asks each component in turn, as CLU's
+periodic actions, torchtitan's and kauldron's trainers do. Every component is constructed and
+entered under one ``contextlib.ExitStack``, so every cleanup runs whatever raises (a failed
+checkpoint write, a NaN, a hook's error, ``Preempted``).
+
+| component            | asked                  | does                             | cleanup      |
+|----------------------|------------------------|----------------------------------|--------------|
+| ``PreemptionNotice`` | after every step       | stop, save at an agreed step     | SIGTERM      |
+| ``Watchdog``         | heartbeat every step   | no step in time: stacks, exit 75 | its thread   |
+|                      |                        | (paused around listeners)        |              |
+| ``DeviceIdle``       | after every input read | device idle time per loop        |              |
+| ``ProfilerHook``     | around steps it traces | a trace with step markers        | stops it     |
+| ``NonfiniteCheck``   | every loop             | NaN/Inf loss -> ``NanLossError`` |              |
+| ``SkippedStepsReport`` | every loop           | counts non-finite skipped steps  |              |
+| ``StepLogger``       | every loop             | scalars, log lines, speed        | bar, flush   |
+| ``InputReports``     | every loop             | input wait, skipped records      |              |
+| ``Hooks`` (the user's) | before/after a loop  | may request a stop               | trace        |
+| ``Saver``            | every loop             | saves when due, last, on a stop; | waits for    |
+|                      |                        | listeners (may request a stop)   | the write    |
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+
+from estimax.estimator import checkpoints as ckpt_lib
+from estimax.estimator import distributed, feeding, periodic
+from estimax.estimator import hooks as hooks_lib
+from estimax.estimator import summaries as summaries_lib
+from estimax.estimator.label_check import InvalidLabelCheck
+from estimax.estimator.spec import ModeKeys, RunConfig
+from estimax.estimator.steps import SUMMARIES
+from estimax.estimator.watchdog import Watchdog
+
+# The share of a loop the devices may sit idle waiting for input before we warn.
+INPUT_BOUND_WARNING_FRACTION = 0.1
+_NO_SCOPE = contextlib.nullcontext()  # reusable: the step's scope when nothing is traced
+
+
+class NanLossError(RuntimeError):
+    """Training produced a NaN or infinite loss. Checkpoints written before it are intact."""
+
+
+class Preempted(SystemExit):
+    """Training stopped on a preemption notice (SIGTERM) after saving a checkpoint at ``step``.
+
+    A ``SystemExit`` with status 0: a script that does not catch it ends as a job runner expects
+    of a preempted job (saved, exit 0); the next start of the same command continues at ``step``.
+    """
+
+    def __init__(self, step: int, model_dir: str):
+        super().__init__(0)
+        self.step = step
+        self.model_dir = model_dir
+
+    def __str__(self) -> str:
+        return (
+            f"Preempted (SIGTERM): saved a checkpoint at step {self.step} in {self.model_dir}; "
+            "run the same command again to continue from it."
+        )
+
+
+class Interrupted(KeyboardInterrupt):
+    """Training stopped on Ctrl-C (SIGINT) after saving a checkpoint at ``step``.
+
+    A ``KeyboardInterrupt``, as Ctrl-C always is (a notebook cell stops; a script exits 130),
+    but the steps trained since the last checkpoint are saved first, as on SIGTERM.
+    """
+
+    def __init__(self, step: int, model_dir: str):
+        super().__init__(
+            f"Interrupted (Ctrl-C): saved a checkpoint at step {step} in {model_dir}; run the "
+            "same command again to continue from it."
+        )
+        self.step = step
+        self.model_dir = model_dir
+
+
+def to_host(tree: Any) -> Any:
+    """Fetches replicated device values (metrics) as numpy, from this process's first copy.
+
+    ``jax.device_get`` refuses arrays spanning other processes' devices; every process holds a
+    whole copy of a replicated one.
+    """
+    leaves = jax.tree.leaves(tree)
+    if all(not isinstance(x, jax.Array) or x.is_fully_addressable for x in leaves):
+        return jax.device_get(tree)  # one process: all transfers started at once
+    return jax.tree.map(
+        lambda x: np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x), tree
+    )
+
+
+@jax.jit
+def _stack(metrics_list: list[dict[str, jax.Array]]) -> dict[str, jax.Array]:
+    """``[{name: scalar}] * n -> {name: [n]}`` (compiled once per loop length)."""
+    return {k: jnp.stack([m[k] for m in metrics_list]) for k in metrics_list[0]}
+
+
+@dataclasses.dataclass
+class LoopEnd:
+    """What the host knows at a sync: the loop's steps, their metrics, and where input stands.
+
+    Attributes:
+      begin, end: the global step before and after the loop.
+      metrics: ``{name: array [end - begin]}`` per-step values on the host.
+      input_state: the input position after the last batch trained on (None: not resumable).
+      skipped: bad records the input has skipped so far (None: it cannot say).
+    """
+
+    begin: int
+    end: int
+    metrics: dict[str, np.ndarray]
+    input_state: Any
+    skipped: int | None
+
+
+class _Report(Protocol):
+    def after_loop(self, loop: LoopEnd) -> None: ...
+
+
+class NonfiniteCheck:
+    """Stops training on a NaN/Inf loss, naming the step (the checkpoints before it are kept)."""
+
+    def __init__(self, checkpointer: ckpt_lib.Checkpointer, model_dir: str):
+        self._checkpointer = checkpointer
+        self._model_dir = model_dir
+
+    def after_loop(self, loop: LoopEnd) -> None:
+        if "nonfinite_skipped" in loop.metrics:
+            return  # skip_nonfinite_steps: such steps made no update (SkippedStepsReport)
+        losses = loop.metrics["loss"]
+        bad = np.flatnonzero(~np.isfinite(losses))
+        if not bad.size:
+            return
+        self._checkpointer.wait_until_finished()
+        saved = self._checkpointer.latest_step()
+        raise NanLossError(
+            f"NaN loss during training: the loss was {losses[bad[0]]} at step "
+            f"{loop.begin + bad[0] + 1} (steps {loop.begin + 1}..{loop.end} ran in one device "
+            f"loop). Nothing from that loop was saved; the latest checkpoint "
+            f"({'step ' + str(saved) if saved is not None else 'none'}) in "
+            f"{self._model_dir} is intact."
+        )
+
+
+class SkippedStepsReport:
+    """Counts the steps ``RunConfig.skip_nonfinite_steps`` skipped; warns and writes the count."""
+
+    def __init__(self, summaries: summaries_lib.Summaries | None):
+        self._summaries = summaries
+        self.count = 0
+
+    def after_loop(self, loop: LoopEnd) -> None:
+        flags = loop.metrics.pop("nonfinite_skipped", None)
+        if flags is None:
+            return
+        skipped = np.flatnonzero(np.asarray(flags).reshape(-1) > 0)
+        if not skipped.size:
+            return
+        self.count += int(skipped.size)
+        logging.warning(
+            "Skipped %d training step(s) with a non-finite loss or gradient in steps %d..%d "
+            "(first: step %d, loss %s); no update was made. %d skipped so far.",
+            skipped.size,
+            loop.begin + 1,
+            loop.end,
+            loop.begin + skipped[0] + 1,
+            loop.metrics["loss"][skipped[0]],
+            self.count,
+        )
+        if self._summaries is not None:
+            self._summaries.scalars(loop.end, {"train/nonfinite_skipped_steps": self.count})
+
+
+class StepLogger:
+    """Writes training scalars and the original's log lines at their true step numbers."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        global_batch: int,
+        clock: Callable[[], float],
+        start: int,
+        target: int,
+        summaries: summaries_lib.Summaries | None,
+    ):
+        self._config = config
+        self._global_batch = global_batch
+        self._summaries = summaries
+        # Speed is measured over whole loops: the host sees steps finish once per loop.
+        self._speed = periodic.PeriodicAction(
+            every_steps=config.log_step_count_steps, clock=clock, start_step=start
+        )
+        self._first = start + 1
+        self.last_loss: float | None = None
+        self._bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=target, initial=start, unit="step", dynamic_ncols=True)
+
+    def after_loop(self, loop: LoopEnd) -> None:
+        """Writes the per-step metrics of steps ``begin + 1 .. end``."""
+        begin, end, metrics = loop.begin, loop.end, loop.metrics
+        losses = metrics["loss"]
+        if self._summaries is not None:
+            for step in periodic.steps_due(
+                begin, end, self._config.save_summary_steps, self._first
+            ):
+                self._summaries.scalars(step, {k: v[step - begin - 1] for k, v in metrics.items()})
+        for step in periodic.steps_due(begin, end, self._config.log_step_count_steps, self._first):
+            summaries_lib.log_step(step, losses[step - begin - 1])
+        self.last_loss = float(losses[-1])
+        if self._bar is not None:
+            self._bar.update(end - begin)
+            self._bar.set_postfix(loss=f"{self.last_loss:.4g}")
+        if self._speed.due(end):
+            self._log_speed(end)
+
+    def _log_speed(self, end: int) -> None:
+        elapsed = self._speed.seconds_since_fired()
+        if elapsed > 0:
+            steps_per_sec = (end - self._speed.last_step) / elapsed
+            examples_per_sec = steps_per_sec * self._global_batch
+            summaries_lib.log_speed(steps_per_sec, examples_per_sec)
+            if self._summaries is not None:
+                self._summaries.scalars(
+                    end, {"global_step/sec": steps_per_sec, "examples/sec": examples_per_sec}
+                )
+        self._speed.fired(end)
+
+    def close(self) -> None:
+        """Closes the progress bar and makes the summaries durable."""
+        if self._bar is not None:
+            self._bar.close()
+        if self._summaries is not None:
+            self._summaries.flush()
+
+
+class InputReports:
+    """Whether the input held training back (``input/wait_fraction``, a warning once) and how
+    many bad records it skipped (``input/skipped_records``, a warning when it changes)."""
+
+    def __init__(self, idle: feeding.DeviceIdle, summaries: summaries_lib.Summaries | None):
+        self._idle = idle
+        self._summaries = summaries
+        self._warned = False
+        self._skipped: int | None = 0
+
+    def after_loop(self, loop: LoopEnd) -> None:
+        idle_secs, loop_secs = self._idle.end_loop()
+        if loop_secs > 0:
+            self._wait_fraction(loop.end, min(1.0, idle_secs / loop_secs))
+        if loop.skipped is not None and loop.skipped != self._skipped:
+            # Bad records the input skipped (skip_bad_records=True): never silent.
+            if self._summaries is not None:
+                self._summaries.scalars(loop.end, {"input/skipped_records": loop.skipped})
+                logging.warning("The input has skipped %d bad records so far.", loop.skipped)
+            self._skipped = loop.skipped
+
+    def _wait_fraction(self, step: int, fraction: float) -> None:
+        if self._summaries is not None:
+            self._summaries.scalars(step, {"input/wait_fraction": fraction})
+        if fraction > INPUT_BOUND_WARNING_FRACTION and not self._warned:
+            self._warned = True
+            logging.warning(
+                "Training is input-bound: the devices waited for input %.0f%% of the loop ending "
+                "at step %d. Try more input parallelism (--num_parallel_calls, the loader's "
+                "process workers), caching or a cheaper preprocessing; TensorBoard shows "
+                "input/wait_fraction.",
+                100 * fraction,
+                step,
+            )
+
+
+class Hooks:
+    """The user's ``SessionRunHook``s, called once per loop; ``end`` runs on a normal finish."""
+
+    def __init__(self, hooks: list[hooks_lib.SessionRunHook], session: hooks_lib.HookSession):
+        self.hooks = hooks
+        self.session = session
+        self.context = hooks_lib.SessionRunContext(session)
+        for hook in hooks:
+            hook.begin()
+
+    def started(self) -> None:
+        """The model is restored (or initialised): ``after_create_session``."""
+        for hook in self.hooks:
+            hook.after_create_session(self.session, None)
+
+    def loop_end(self, step: int, end: int) -> int:
+        """The step the loop starting after ``step`` must end at (``end``, or a hook's)."""
+        for hook in self.hooks:
+            at = hook.end_loop_at(step)
+            if at is not None and step < at < end:
+                end = at
+        return end
+
+    def before_run(self, step: int) -> bool:
+        """Calls ``before_run``; returns whether the loop's steps are to be traced."""
+        if self.session.mode == ModeKeys.TRAIN:  # evaluation/prediction: the checkpoint's step
+            self.session.global_step = step
+        for hook in self.hooks:
+            hook.before_run(self.context)
+        return any(getattr(h, "tracing", False) for h in self.hooks)
+
+    def after_run(self, begin: int, end: int, results: Mapping[str, Any]) -> bool:
+        """Calls ``after_run``; returns whether a hook (on any process) asked to stop."""
+        if not self.hooks:
+            return False
+        if self.session.mode == ModeKeys.TRAIN:
+            self.session.global_step = end
+        values = hooks_lib.SessionRunValues(results, begin, end)
+        for hook in self.hooks:
+            hook.after_run(self.context, values)
+        # Every process runs the same steps: one host's stop is everyone's.
+        return any(distributed.any_process(self.context.stop_requested))
+
+    def end(self) -> None:
+        """Calls ``end`` (the run finished without an error)."""
+        for hook in self.hooks:
+            hook.end(self.session)
+
+    def close(self) -> None:
+        """Stops a profiler trace left running by an error (cleanup; ``end`` was not called)."""
+        for hook in self.hooks:
+            if isinstance(hook, hooks_lib.ProfilerHook) and hook.tracing:
+                hook.close()
+
+
+class Saver:
+    """Saves when ``save_checkpoints_steps/secs`` say, at the run's last step and on a stop; then
+    runs the saving listeners (watchdog paused: they complete no step). A listener returning
+    True stops training (TF >= 1.13's ``after_save``)."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        clock: Callable[[], float],
+        start: int,
+        checkpointer: ckpt_lib.Checkpointer,
+        listeners: list[Callable[[int], Any]],
+        watchdog: Watchdog,
+    ):
+        self._cadence = periodic.PeriodicAction(
+            config.save_checkpoints_steps, config.save_checkpoints_secs, clock, start
+        )
+        self._by_time = config.save_checkpoints_secs is not None
+        self._checkpointer = checkpointer
+        self._listeners = listeners
+        self._watchdog = watchdog
+        self.model_dir = checkpointer.model_dir
+
+    def after_loop(self, loop: LoopEnd, state: Any, final: bool) -> bool:
+        """Saves ``state`` at ``loop.end`` if due (or ``final``); True: a listener said stop."""
+        due = self._cadence.due(loop.end)
+        if self._by_time:  # all processes must take part in a save: they agree on the time
+            due = distributed.agree(due)
+        if not (due or final):
+            return False
+        self._checkpointer.save(
+            loop.end,
+            {"step": state.step, "params": state.params, "model_state": state.model_state},
+            state.opt_state,
+            state.ema_params,
+            loop.input_state,
+            input_states=(
+                distributed.allgather_json(loop.input_state) if jax.process_count() > 1 else None
+            ),
+        )
+        logging.info("Saving checkpoints for %d into %s.", loop.end, self.model_dir)
+        self._cadence.fired(loop.end)
+        if not self._listeners:
+            return False
+        self._checkpointer.wait_until_finished()
+        stop = False
+        with self._watchdog.paused():
+            for listener in self._listeners:
+                stop = bool(listener(loop.end)) or stop
+        stop = any(distributed.any_process(stop))  # one host's stop is everyone's
+        if stop:
+            logging.info("A saving listener asked to stop training at step %d.", loop.end)
+        return stop
+
+
+@dataclasses.dataclass
+class Setup:
+    """What a training run needs from the Estimator.
+
+    Attributes:
+      config, model_dir, clock: the Estimator's.
+      checkpointer: where checkpoints go.
+      summaries: the training summaries (None on processes other than the chief).
+      step_fn: ``(state, rng, features, labels) -> (state, metrics)`` on the mesh.
+      rng: the replicated base key.
+      state: the restored or initial train state.
+      feeder: the bounded device prefetch of the input; ``fed``: its first batch.
+      start, target: the global step training starts at and must reach.
+      global_batch: examples per step (for examples/sec).
+      hooks, listeners: the user's.
+    """
+
+    config: RunConfig
+    model_dir: str
+    clock: Callable[[], float]
+    checkpointer: ckpt_lib.Checkpointer
+    summaries: summaries_lib.Summaries | None
+    step_fn: Callable
+    rng: Any
+    state: Any
+    feeder: feeding.DevicePrefetcher
+    fed: feeding.Fed | None
+    start: int
+    target: int
+    global_batch: int
+    hooks: Hooks
+    listeners: list[Callable[[int], Any]]
+
+
+class TrainingRun:
+    """Runs the loops of one ``Estimator.train`` call; every part is entered on ``stack``."""
+
+    def __init__(self, setup: Setup, stack: contextlib.ExitStack):
+        s = self.setup = setup
+        self.state, self.fed, self.step = s.state, s.fed, s.start
+        stack.callback(s.hooks.close)
+        self.logger = StepLogger(s.config, s.global_batch, s.clock, s.start, s.target, s.summaries)
+        stack.callback(self.logger.close)
+        self.watchdog = stack.enter_context(Watchdog(s.config.watchdog_timeout_secs))
+        self.watchdog.start(s.start)
+        stack.callback(s.checkpointer.wait_until_finished)
+        self.idle = feeding.DeviceIdle()
+        self.notice = stack.enter_context(distributed.PreemptionNotice())
+        self.saver = Saver(s.config, s.clock, s.start, s.checkpointer, s.listeners, self.watchdog)
+        self.reports: list[_Report] = [
+            InvalidLabelCheck(
+                s.checkpointer, s.model_dir, s.summaries, s.config.allow_invalid_labels
+            ),
+            NonfiniteCheck(s.checkpointer, s.model_dir),
+            SkippedStepsReport(s.summaries),
+            self.logger,
+            InputReports(self.idle, s.summaries),
+        ]
+        self.preempted = self.stopped = False
+        self._input_state: Any = None
+        self._skipped: int | None = None
+        # (step, reduced EstimatorSpec.summaries) of this loop's summary steps only.
+        self._summaries: list[tuple[int, Any]] = []
+
+    def run(self) -> int:
+        """Trains until the target step, the input's end, a stop or a preemption; the last step."""
+        hooks, target = self.setup.hooks, self.setup.target
+        hooks.started()
+        while self.fed is not None and not (self.preempted or self.stopped):
+            begin = self.step
+            length = hooks.loop_end(
+                begin, min(begin + self.setup.config.iterations_per_loop, target)
+            )
+            metrics = self._steps(length - begin, traced=hooks.before_run(begin))
+            if not metrics:
+                break
+            loop = self._sync(begin, metrics)
+            for report in self.reports:
+                report.after_loop(loop)
+            self.stopped = hooks.after_run(begin, self.step, loop.metrics)
+            if not (self.preempted or self.stopped):
+                self.fed = self.setup.feeder.next()  # None: the steps are done, or input ended
+            final = self.fed is None or self.preempted or self.stopped
+            self.stopped = self.saver.after_loop(loop, self.state, final) or self.stopped
+        if self.step < target and not (self.preempted or self.stopped):
+            feeder = self.setup.feeder
+            logging.warning(
+                "Input ended at step %d, before the %d steps asked for: this host read %d "
+                "batches of %d examples in this run. A finite input_fn (num_epochs set) ends "
+                "training early; repeat it (num_epochs=None) to train to the step asked for.",
+                self.step,
+                target,
+                feeder.num_read,
+                self.setup.global_batch // max(1, jax.process_count()),
+            )
+        hooks.end()
+        logging.info("Loss for final step: %s.", self.logger.last_loss)
+        if self.preempted:
+            stop: BaseException = (
+                Interrupted(self.step, self.setup.model_dir)
+                if self.notice.signal_name == "SIGINT"
+                else Preempted(self.step, self.setup.model_dir)
+            )
+            logging.warning("%s", stop)
+            raise stop
+        return self.step
+
+    def _steps(self, count: int, traced: bool) -> list[Any]:
+        """Dispatches up to ``count`` steps, one queued behind the running one; their metrics."""
+        s, feeder, idle = self.setup, self.setup.feeder, self.idle
+        step_fn, rng, watchdog, notice = s.step_fn, s.rng, self.watchdog, self.notice
+        metrics_list: list[Any] = []
+        previous = fed = None
+        state, step = self.state, self.step
+        for _ in range(count):
+            fed, self.fed = self.fed or feeder.next(), None
+            if fed is None:
+                break
+            step += 1
+            with jax.profiler.StepTraceAnnotation("train", step_num=step) if traced else _NO_SCOPE:
+                state, metrics = step_fn(state, rng, *fed.value)
+            self._keep_summaries(step, metrics.pop(SUMMARIES, None))
+            metrics_list.append(metrics)
+            self._input_state, self._skipped = fed.input_state, fed.num_skipped
+            fed = None  # its device buffers go once the step is done with them
+            if previous is not None:
+                # At most one step queued behind the running one: the host never runs ahead
+                # (holding batches) by more than that, whatever the loop length.
+                previous.block_until_ready()
+                watchdog.heartbeat(step - 1)
+            previous = metrics["loss"]
+            if notice.reached(step):
+                # Every process stops after this same step and saves it (see PreemptionNotice);
+                # the batches read ahead are not trained on.
+                self.preempted = True
+                break
+            waited = feeder.input_wait_secs
+            feeder.fill()  # read and transfer the next batches while this step runs
+            idle.after_read(previous, feeder.input_wait_secs - waited)
+        self.state, self.step = state, step
+        return metrics_list
+
+    def _keep_summaries(self, step: int, summaries: Any) -> None:
+        """Keeps a step's image/histogram/text summaries if it is a summary step; others' are
+        dropped at once (device memory does not grow with the loop's length)."""
+        every = self.setup.config.save_summary_steps
+        if summaries and self.setup.summaries is not None:
+            if periodic.steps_due(step - 1, step, every, self.setup.start + 1):
+                self._summaries.append((step, summaries))
+
+    def _sync(self, begin: int, metrics_list: list[Any]) -> LoopEnd:
+        """The loop's one host sync: its per-step metrics as ``{name: [n]}`` numpy arrays."""
+        if self._summaries and self.setup.summaries is not None:
+            for step, values in to_host(self._summaries):
+                self.setup.summaries.summaries(step, values)
+            self._summaries = []
+        # Stacked on the devices: one transfer per metric, not one per step and metric (that
+        # cost 6 us per step of host time, bench/overhead.py).
+        if len(metrics_list) == 1:  # nothing to stack: spare the dispatch (iterations_per_loop=1)
+            metrics = {k: np.reshape(v, (1,)) for k, v in to_host(metrics_list[0]).items()}
+        else:
+            metrics = to_host(_stack(metrics_list))
+        self.watchdog.heartbeat(self.step)
+        return LoopEnd(begin, self.step, metrics, self._input_state, self._skipped)

@@ -1,0 +1,538 @@
+"""gRPC for ``estimax serve --grpc_port``: TF Serving's services and the v2 inference service.
+
+* ``tensorflow.serving.PredictionService``: ``Predict`` (``TensorProto`` in and out; image bytes
+  in ``string_val``; numbers in the typed ``*_val`` fields or ``tensor_content``) and
+  ``GetModelMetadata`` (the ``signature_def`` as a packed ``SignatureDefMap``), as TF Serving's
+  ``tensorflow-serving-api`` clients call them on its port 8500. ``Classify``, ``Regress`` and
+  ``MultiInference`` answer UNIMPLEMENTED (exports have a predict signature only).
+* ``tensorflow.serving.ModelService``: ``GetModelStatus``.
+* ``inference.GRPCInferenceService`` (KServe's ``grpc_predict_v2.proto``; what
+  ``tritonclient.grpc`` calls): ``ServerLive``, ``ServerReady``, ``ModelReady``,
+  ``ServerMetadata``, ``ModelMetadata``, ``ModelInfer`` (typed ``contents`` or
+  ``raw_input_contents`` in; ``raw_output_contents`` out).
+
+Every call goes through ``ServingCore`` as the HTTP routes do (same versions, batching queue,
+limits and errors); errors are answered with the gRPC code of the HTTP status TF Serving gives
+them (``ApiError.grpc_code``). The server runs on the HTTP server's asyncio loop (``grpc.aio``).
+Messages come from the published .proto files (``estimax.serving.protos``); no TensorFlow.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+from google.protobuf import any_pb2
+from google.protobuf.message import DecodeError
+
+from estimax.serving import v2
+from estimax.serving.core import (
+    PREDICT_METHOD,
+    SIGNATURE_NAME,
+    ApiError,
+    ServingCore,
+    dtype_of,
+    numpy_dtype,
+)
+from estimax.serving.protos.kserve import grpc_predict_v2_pb2 as pb_v2
+from estimax.serving.protos.kserve import grpc_predict_v2_pb2_grpc as grpc_v2
+from estimax.serving.protos.tensorflow.core.framework import tensor_pb2, tensor_shape_pb2, types_pb2
+from estimax.serving.protos.tensorflow.core.protobuf import meta_graph_pb2
+from estimax.serving.protos.tensorflow_serving.apis import (
+    get_model_metadata_pb2,
+    get_model_status_pb2,
+    model_pb2,
+    model_service_pb2_grpc,
+    predict_pb2,
+    prediction_service_pb2_grpc,
+)
+from estimax.serving.servable import IMAGE_INPUT, Servable
+
+_T = TypeVar("_T")
+
+# TensorProto's typed field for each dtype (TF's tensor.proto comments; half and bfloat16 are
+# their 16-bit patterns in half_val).
+_VALUE_FIELD = {
+    "DT_FLOAT": "float_val",
+    "DT_DOUBLE": "double_val",
+    "DT_INT32": "int_val",
+    "DT_INT16": "int_val",
+    "DT_INT8": "int_val",
+    "DT_UINT8": "int_val",
+    "DT_UINT16": "int_val",
+    "DT_INT64": "int64_val",
+    "DT_UINT32": "uint32_val",
+    "DT_UINT64": "uint64_val",
+    "DT_BOOL": "bool_val",
+    "DT_HALF": "half_val",
+    "DT_BFLOAT16": "half_val",
+    "DT_STRING": "string_val",
+}
+
+
+async def _answer(context: grpc.aio.ServicerContext, call: Awaitable[_T]) -> _T:
+    """Awaits ``call``; an ApiError ends the RPC with its gRPC code, anything else INTERNAL."""
+    try:
+        return await call
+    except ApiError as e:
+        await context.abort(getattr(grpc.StatusCode, e.grpc_code), e.message)
+    except grpc.aio.AbortError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the server keeps serving; the client learns why
+        await context.abort(grpc.StatusCode.INTERNAL, f"Internal: {type(e).__name__}: {e}")
+    raise AssertionError("unreachable: abort raises")
+
+
+# ----------------------------------------------------------------------------- TensorProto
+def tensor_to_column(proto: Any, name: str, servable: Servable, core: ServingCore) -> Any:
+    """A request ``TensorProto`` -> the column ``Servable.prepare`` takes (400 if unfit)."""
+    where = f"input {name!r}"
+    if name not in servable.inputs:
+        raise ApiError(
+            400, f"{where} is not an input of the model; its inputs are {sorted(servable.inputs)}"
+        )
+    want = dtype_of(servable.inputs[name]["dtype"])
+    got = types_pb2.DataType.Name(proto.dtype) if proto.dtype in types_pb2.DataType.values() else ""
+    if got != want.tf:
+        raise ApiError(400, f"{where}: expects dtype {want.tf}, got {got or proto.dtype}")
+    if proto.tensor_shape.unknown_rank:
+        raise ApiError(400, f"{where}: the tensor's shape must be known")
+    shape = [int(d.size) for d in proto.tensor_shape.dim]
+    if not shape or any(d < 0 for d in shape):
+        raise ApiError(400, f"{where}: shape {shape} must be [batch, ...] with sizes >= 0")
+    core.count(shape[0])
+    elements = math.prod(shape)
+    dtype = numpy_dtype(want)
+    if elements * dtype.itemsize > core.options.max_body_bytes:
+        # What a request may make the server allocate (one value fills the whole tensor).
+        raise ApiError(
+            400,
+            f"{where}: shape {shape} is larger than this server accepts "
+            f"({core.options.max_body_bytes} bytes; see --max_body_bytes)",
+        )
+    if want.v2 == "BYTES":
+        values = list(proto.string_val)
+        if len(values) != elements or (name == IMAGE_INPUT and len(shape) != 1):
+            raise ApiError(
+                400,
+                f"{where}: shape {shape} does not match {len(values)} string_val elements"
+                + (" (image bytes have shape [batch])" if name == IMAGE_INPUT else ""),
+            )
+        return values
+    if proto.tensor_content:
+        if len(proto.tensor_content) != elements * dtype.itemsize:
+            raise ApiError(
+                400,
+                f"{where}: tensor_content has {len(proto.tensor_content)} bytes; shape {shape} "
+                f"of {want.tf} needs {elements * dtype.itemsize}",
+            )
+        return np.frombuffer(proto.tensor_content, dtype).reshape(shape)
+    field = getattr(proto, _VALUE_FIELD[want.tf])
+    if not len(field):
+        flat = np.zeros(0, dtype)
+    elif want.tf in ("DT_HALF", "DT_BFLOAT16"):
+        bits = np.asarray(field)
+        if bits.min() < 0 or bits.max() > 0xFFFF:
+            raise ApiError(400, f"{where}: half_val holds 16-bit patterns (0..65535)")
+        flat = bits.astype(np.uint16).view(dtype)
+    else:
+        # In the field's own width (int_val carries int8..uint16): Servable.prepare range-checks
+        # and casts, so 300 for a uint8 input is a 400 naming the input, not an overflow.
+        flat = np.asarray(field)
+    if flat.size == 1 and elements != 1:  # TF fills a tensor from one given value
+        flat = np.full(elements, flat[0], flat.dtype)
+    if flat.size != elements:
+        raise ApiError(400, f"{where}: shape {shape} needs {elements} values, got {flat.size}")
+    return flat.reshape(shape)
+
+
+def array_to_tensor(array: np.ndarray) -> Any:
+    """An output array -> ``TensorProto`` with its values in the typed field (as TF Serving)."""
+    d = dtype_of(array)
+    proto = tensor_pb2.TensorProto(
+        dtype=types_pb2.DataType.Value(d.tf),
+        tensor_shape=tensor_shape_pb2.TensorShapeProto(
+            dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=int(s)) for s in array.shape]
+        ),
+    )
+    field = getattr(proto, _VALUE_FIELD[d.tf])
+    if d.v2 == "BYTES":
+        field.extend(bytes(x) for x in array.ravel())
+    elif d.tf in ("DT_HALF", "DT_BFLOAT16"):
+        field.extend(array.ravel().view(np.uint16).tolist())
+    else:
+        field.extend(array.ravel().tolist())
+    return proto
+
+
+def _tensor_info(name: str, spec: dict[str, Any]) -> Any:
+    return meta_graph_pb2.TensorInfo(
+        name=name,
+        dtype=types_pb2.DataType.Value(dtype_of(spec["dtype"]).tf),
+        tensor_shape=tensor_shape_pb2.TensorShapeProto(
+            dim=[
+                tensor_shape_pb2.TensorShapeProto.Dim(size=-1 if s is None else int(s))
+                for s in spec["shape"]
+            ]
+        ),
+    )
+
+
+def _spec_version(spec: Any) -> int | None:
+    if spec.WhichOneof("version_choice") == "version_label":
+        raise ApiError(
+            400, f"version labels are not supported (got {spec.version_label!r}); give a version"
+        )
+    return spec.version.value if spec.HasField("version") else None
+
+
+def _model_spec(name: str, servable: Servable) -> Any:
+    spec = model_pb2.ModelSpec(name=name, signature_name=SIGNATURE_NAME)
+    spec.version.value = int(servable.version or 0)
+    return spec
+
+
+# ----------------------------------------------------------------------------- TF Serving
+class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
+    """TF Serving's ``PredictionService`` (``Predict``, ``GetModelMetadata``)."""
+
+    def __init__(self, core: ServingCore):
+        """Answers from ``core``."""
+        self.core = core
+
+    async def Predict(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        """``Predict``: ``inputs`` map of TensorProto -> ``outputs`` (``output_filter`` kept)."""
+        return await _answer(context, self._predict(request))
+
+    async def _predict(self, request: Any) -> Any:
+        spec = request.model_spec
+        self.core.check_signature(spec.signature_name)
+        with self.core.servable(spec.name, _spec_version(spec)) as servable:
+            if set(request.inputs) != set(servable.inputs):
+                raise ApiError(
+                    400,
+                    f"inputs {sorted(request.inputs)} given; the model's inputs are "
+                    f"{sorted(servable.inputs)}",
+                )
+            columns = {
+                n: tensor_to_column(t, n, servable, self.core) for n, t in request.inputs.items()
+            }
+            wanted = list(request.output_filter) or list(servable.outputs)
+            self.core.check_outputs(servable, wanted)
+            outputs = await self.core.infer(servable, columns)
+            response = predict_pb2.PredictResponse(model_spec=_model_spec(spec.name, servable))
+        for n in wanted:
+            response.outputs[n].CopyFrom(array_to_tensor(outputs[n]))
+        return response
+
+    async def GetModelMetadata(  # noqa: N802
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> Any:
+        """``GetModelMetadata``: ``metadata["signature_def"]`` holds a ``SignatureDefMap``."""
+        return await _answer(context, self._metadata(request))
+
+    async def _metadata(self, request: Any) -> Any:
+        fields = list(request.metadata_field)
+        if fields != ["signature_def"]:
+            raise ApiError(
+                400,
+                f"Metadata field(s) {fields} not supported; ask for ['signature_def']",
+            )
+        spec = request.model_spec
+        with self.core.servable(spec.name, _spec_version(spec)) as servable:
+            signature = meta_graph_pb2.SignatureDef(method_name=PREDICT_METHOD)
+            for n, s in servable.inputs.items():
+                signature.inputs[n].CopyFrom(_tensor_info(n, s))
+            for n, s in servable.outputs.items():
+                signature.outputs[n].CopyFrom(_tensor_info(n, s))
+            signatures = get_model_metadata_pb2.SignatureDefMap()
+            signatures.signature_def[SIGNATURE_NAME].CopyFrom(signature)
+            packed = any_pb2.Any()
+            packed.Pack(signatures)
+            response = get_model_metadata_pb2.GetModelMetadataResponse(
+                model_spec=_model_spec(spec.name, servable)
+            )
+            response.model_spec.signature_name = ""
+            response.metadata["signature_def"].CopyFrom(packed)
+            return response
+
+    async def Classify(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        """UNIMPLEMENTED: exports have a predict signature."""
+        await _unimplemented(context, "Classify")
+
+    async def Regress(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        """UNIMPLEMENTED: exports have a predict signature."""
+        await _unimplemented(context, "Regress")
+
+    async def MultiInference(  # noqa: N802
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> Any:
+        """UNIMPLEMENTED: exports have a predict signature."""
+        await _unimplemented(context, "MultiInference")
+
+
+async def _unimplemented(context: grpc.aio.ServicerContext, method: str) -> None:
+    await context.abort(
+        grpc.StatusCode.UNIMPLEMENTED,
+        f"{method} is not supported: estimax exports have one predict signature; call Predict",
+    )
+
+
+class ModelService(model_service_pb2_grpc.ModelServiceServicer):
+    """TF Serving's ``ModelService``: ``GetModelStatus`` (reloading config: UNIMPLEMENTED)."""
+
+    def __init__(self, core: ServingCore):
+        """Answers from ``core``."""
+        self.core = core
+
+    async def GetModelStatus(  # noqa: N802
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> Any:
+        """The state of every version (or of the one asked for)."""
+        return await _answer(context, self._status(request))
+
+    async def HandleReloadConfigRequest(  # noqa: N802
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> Any:
+        """UNIMPLEMENTED: versions come from --model_base_path, polled."""
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "HandleReloadConfigRequest is not supported: estimax serve loads the versions under "
+            "--model_base_path (polled every --file_system_poll_wait_seconds)",
+        )
+
+    async def _status(self, request: Any) -> Any:
+        spec = request.model_spec
+        states = self.core.states(spec.name, _spec_version(spec))
+        state_enum = get_model_status_pb2.ModelVersionStatus.State
+        response = get_model_status_pb2.GetModelStatusResponse()
+        for s in states:
+            status = response.model_version_status.add(
+                version=s.version, state=state_enum.Value(s.state)
+            )
+            status.status.error_code = 2 if s.error else 0  # tensorflow.error.Code UNKNOWN / OK
+            status.status.error_message = s.error
+        return response
+
+
+# ----------------------------------------------------------------------------- v2
+class InferenceService(grpc_v2.GRPCInferenceServiceServicer):
+    """The Open Inference Protocol's ``GRPCInferenceService``."""
+
+    def __init__(self, core: ServingCore):
+        """Answers from ``core``."""
+        self.core = core
+
+    async def ServerLive(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        """Always live while it answers."""
+        return pb_v2.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        """Ready once some version is available."""
+        return pb_v2.ServerReadyResponse(ready=self.core.manager.ready())
+
+    async def ModelReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        """Whether the model (or that version) is available; NOT_FOUND for an unknown one."""
+
+        async def ready() -> Any:
+            return pb_v2.ModelReadyResponse(
+                ready=self.core.ready(request.name, request.version or None)
+            )
+
+        return await _answer(context, ready())
+
+    async def ServerMetadata(  # noqa: N802
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> Any:
+        """Name, version; no extension of the HTTP protocol applies to gRPC."""
+        return pb_v2.ServerMetadataResponse(name="estimax", version="0.1.0")
+
+    async def ModelMetadata(  # noqa: N802
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> Any:
+        """Inputs and outputs with v2 datatypes (-1: any size)."""
+
+        async def metadata() -> Any:
+            with self.core.servable(request.name, request.version or None) as servable:
+
+                def tensors(specs: dict) -> list:
+                    return [
+                        pb_v2.ModelMetadataResponse.TensorMetadata(
+                            name=n,
+                            datatype=dtype_of(s["dtype"]).v2,
+                            shape=[-1 if d is None else int(d) for d in s["shape"]],
+                        )
+                        for n, s in specs.items()
+                    ]
+
+                return pb_v2.ModelMetadataResponse(
+                    name=request.name,
+                    versions=self.core.available_versions(),
+                    platform="estimax_jax_export",
+                    inputs=tensors(servable.inputs),
+                    outputs=tensors(servable.outputs),
+                )
+
+        return await _answer(context, metadata())
+
+    async def ModelInfer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        """Inference: ``raw_input_contents`` (all inputs) or typed ``contents``."""
+        return await _answer(context, self._infer(request))
+
+    async def _infer(self, request: Any) -> Any:
+        raw = list(request.raw_input_contents)
+        if raw and len(raw) != len(request.inputs):
+            raise ApiError(
+                400,
+                f"{len(raw)} raw_input_contents for {len(request.inputs)} inputs: raw contents "
+                "must be given for every input or none",
+            )
+        with self.core.servable(request.model_name, request.model_version or None) as servable:
+            columns: dict[str, Any] = {}
+            for i, tensor in enumerate(request.inputs):
+                where = f"inputs[{i}]"
+                name, column = v2.decode_input(
+                    servable,
+                    where,
+                    tensor.name,
+                    list(tensor.shape),
+                    tensor.datatype,
+                    self.core.count,
+                    data=None if raw else _contents(tensor, where),
+                    raw=raw[i] if raw else None,
+                )
+                if name in columns:
+                    raise ApiError(400, f"{where}: input {name!r} is given twice")
+                columns[name] = column
+            wanted = [o.name for o in request.outputs] or list(servable.outputs)
+            self.core.check_outputs(servable, wanted)
+            outputs = await self.core.infer(servable, columns)
+            version = str(servable.version)
+        response = pb_v2.ModelInferResponse(
+            model_name=request.model_name, model_version=version, id=request.id
+        )
+        for n in wanted:
+            array = outputs[n]
+            response.outputs.add(
+                name=n, datatype=v2.output_type(array).v2, shape=[int(s) for s in array.shape]
+            )
+            response.raw_output_contents.append(v2.encode_raw(array))
+        return response
+
+
+# InferTensorContents' field for each v2 datatype (the protocol's table).
+_CONTENTS_FIELD = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+
+
+def _contents(tensor: Any, where: str) -> list:
+    field = _CONTENTS_FIELD.get(tensor.datatype)
+    if field is None:
+        # FP16/BF16 have no typed field: the protocol sends them in raw_input_contents only.
+        raise ApiError(400, f"{where}: datatype {tensor.datatype!r} needs raw_input_contents")
+    return list(getattr(tensor.contents, field))
+
+
+class _Collect:
+    """Takes what a generated ``add_*Servicer_to_server`` registers, to register it changed."""
+
+    def __init__(self) -> None:
+        self.services: dict[str, dict[str, Any]] = {}
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        """Ignored: the same handlers come to ``add_registered_method_handlers``."""
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        """Keeps ``{method: RpcMethodHandler}`` of ``service``."""
+        self.services[service] = handlers
+
+
+class _Malformed:
+    """A request body that is not the method's message (parsed lazily into an answer)."""
+
+    def __init__(self, error: str):
+        self.error = error
+
+
+def _lenient(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    # grpcio answers a message that fails to parse with INTERNAL and logs a traceback each
+    # time (megabytes under a fuzzer); it is the client's mistake: INVALID_ARGUMENT, no log.
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except DecodeError as e:
+            return _Malformed(str(e))
+
+    return parse
+
+
+def _checked(behavior: Callable[[Any, Any], Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, _Malformed):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"The request is not a valid message: {request.error}",
+            )
+        return await behavior(request, context)
+
+    return call
+
+
+async def start(core: ServingCore, host: str, port: int) -> grpc.aio.Server:
+    """Starts the three services on ``host:port`` in the running loop; returns the server."""
+    limit = core.options.max_body_bytes
+    server = grpc.aio.server(
+        options=[
+            # The HTTP body limit bounds a gRPC message too (RESOURCE_EXHAUSTED past it).
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", -1),
+            # grpcio shares a port with another process by default (SO_REUSEPORT): a second
+            # server on the same --grpc_port would silently get half the calls.
+            ("grpc.so_reuseport", 0),
+        ]
+    )
+    collect = _Collect()
+    prediction_service_pb2_grpc.add_PredictionServiceServicer_to_server(
+        PredictionService(core), collect
+    )
+    model_service_pb2_grpc.add_ModelServiceServicer_to_server(ModelService(core), collect)
+    grpc_v2.add_GRPCInferenceServiceServicer_to_server(InferenceService(core), collect)
+    for service, handlers in collect.services.items():
+        handlers = {
+            method: grpc.unary_unary_rpc_method_handler(
+                _checked(h.unary_unary),
+                request_deserializer=_lenient(h.request_deserializer),
+                response_serializer=h.response_serializer,
+            )
+            for method, h in handlers.items()
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+        server.add_registered_method_handlers(service, handlers)
+    server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    return server
+
+
+__all__ = [
+    "InferenceService",
+    "ModelService",
+    "PredictionService",
+    "array_to_tensor",
+    "start",
+    "tensor_to_column",
+]
