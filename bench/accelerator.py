@@ -89,7 +89,7 @@ def _peak_bytes(device: Any) -> int | None:
         return None
 
 
-def make_records(directory: str, image_size: int, count: int) -> str:
+def make_records(directory: str, image_size: int, count: int, num_classes: int) -> str:
     """ImageNet-schema TFRecords of fake JPEGs (estimax.tools), local, about ImageNet-sized."""
     from estimax.tools import convert_shards, fake_imagenet
 
@@ -97,7 +97,7 @@ def make_records(directory: str, image_size: int, count: int) -> str:
     ds = fake_imagenet.fake_dataset(
         count,
         0,
-        num_classes=1000,
+        num_classes=num_classes,
         seed=0,
         min_size=300 if big else image_size,
         max_size=500 if big else 2 * image_size,
@@ -217,7 +217,10 @@ class Bench:
 
         out: dict[str, Any] = {"fixed": timed(fixed_input_fn), "first_call_s": first_s}
         if real_input:
-            out["real"] = timed(imagenet.input_fn(self.data_dir, True, image_size=s, seed=0))
+            real = imagenet.input_fn(
+                self.data_dir, True, image_size=s, seed=0, num_classes=self.cfg.num_label_classes
+            )
+            out["real"] = timed(real)
         out["steps"] = steps
         return out
 
@@ -239,7 +242,7 @@ def run(args: argparse.Namespace, device: str) -> dict[str, Any]:
     if device != "cpu" and platform == "cpu":
         sys.exit(f"bench/accelerator.py: a {device.upper()} is present but JAX sees only the CPU")
     work = tempfile.mkdtemp(prefix="bench_accelerator_data_")
-    data_dir = make_records(work, args.image_size, args.records)
+    data_dir = make_records(work, args.image_size, args.records, args.classes)
     rows = []
     for batch in args.batch_sizes:
         bench = Bench(args, batch, data_dir)
