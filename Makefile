@@ -18,7 +18,7 @@ BEAM_PINS := apache-beam==2.77.0 protobuf==6.33.6 pillow==12.3.0 numpy==2.4.6 \
 	crc32c==2.9.post0 fsspec==2026.9.0 simplejpeg==1.9.0 opencv-python-headless==5.0.0.93 \
 	tqdm==4.70.1 absl-py==2.5.1 pytest==9.2.0 hypothesis==6.170.15
 
-.PHONY: demo test lint reliability venv native bench clean
+.PHONY: demo test lint reliability venv native bench bench-accelerator clean
 
 venv: $(STAMP)
 
@@ -32,23 +32,22 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps tritonclient==2.73.0
 	touch $(STAMP)
 
-# estimax's oneDNN convolutions for XLA:CPU (estimax/ops/native): oneDNN from the system's
-# packages (installed here when we may), compiled against jaxlib's FFI headers. Without it
-# estimax runs XLA's own, slower CPU convolutions; `make test ESTIMAX_REQUIRE_ONEDNN=0`
-# then skips the oneDNN tests instead of failing them.
+# estimax's oneDNN convolutions for XLA:CPU (estimax/ops/native): oneDNN 3 from the package index
+# (the `onednn` extra: Intel's onednn-devel headers and libdnnl.so.3, installed into the venv; no
+# root, no system packages), compiled against jaxlib's FFI headers by the machine's C++
+# compiler. Without a compiler or the wheels (they exist for Linux x86-64 only) estimax runs
+# XLA's own, slower CPU convolutions, and the oneDNN tests skip instead of failing there.
 NATIVE_STAMP := $(VENV)/.native-stamp
-ESTIMAX_REQUIRE_ONEDNN ?= 1
+ESTIMAX_REQUIRE_ONEDNN ?= $(if $(filter Linux-x86_64,$(shell uname -s)-$(shell uname -m)),1,0)
 
 # After NATIVE_STAMP's definition: make expands a rule's prerequisites when it reads the rule.
 native: $(NATIVE_STAMP)
-$(NATIVE_STAMP): $(STAMP) estimax/ops/native/onednn_conv.cc
-	@if [ ! -e /usr/include/dnnl.hpp ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    echo "installing oneDNN (apt-get install libdnnl-dev) for estimax's CPU convolutions"; \
-	    export DEBIAN_FRONTEND=noninteractive; \
-	    apt-get install -y -q libdnnl-dev >/dev/null 2>&1 || \
-	    { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libdnnl-dev >/dev/null; } || true; \
-	fi
+$(NATIVE_STAMP): $(STAMP) pyproject.toml estimax/ops/native/onednn_conv.cc
+	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt \
+	    --config-settings editable_mode=compat -e '.[onednn]' || \
+	    echo "estimax: oneDNN 3 could not be installed from the package index"
 	$(BIN)/python -m estimax.ops.native build --if_possible
+	$(BIN)/python -m estimax.ops.native status || true
 	touch $(NATIVE_STAMP)
 
 $(BEAM_STAMP): pyproject.toml Makefile
@@ -88,6 +87,12 @@ reliability: $(STAMP) $(NATIVE_STAMP)
 	    ESTIMAX_RELIABILITY_RESULTS=$(RELIABILITY_DIR) $(BIN)/python -m pytest -q \
 	    -p no:cacheprovider tests/reliability; status=$$?; \
 	    $(BIN)/python tests/reliability/report.py $(RELIABILITY_DIR) || status=1; exit $$status
+
+# ResNet-50 training on this machine's GPU or TPU (bench/accelerator.py): installs the matching
+# extra (estimax[cuda12|cuda13|tpu]) into a fresh venv, writes bench/results/accelerator_<device>.md.
+# Without an accelerator it runs its tiny CPU version (what the test suite checks).
+bench-accelerator: $(STAMP) $(NATIVE_STAMP)
+	$(BIN)/python bench/accelerator.py
 
 clean:
 	rm -rf $(VENV) $(BEAM_VENV) runs

@@ -7,15 +7,22 @@ filter gradient (dw):
 * ``jax``       -- ``lax.conv_general_dilated`` and its ``jax.vjp`` under ``jit``;
 * ``ops:*``     -- the matmul formulations of ``estimax.ops.cpu_conv``;
 * ``onednn *``  -- estimax's oneDNN kernels through XLA's FFI (``estimax.ops.native``,
-                   built by ``make native``), NaN when the library is not built;
+                   built by ``make native``), NaN when the library is not built; with
+                   ``--dtype bfloat16`` also ``onednn_f32 *``: oneDNN's fp32 kernels on
+                   values cast up (what estimax runs where a CPU has no bf16 kernels);
 * ``torch``     -- ``torch.ops.aten.convolution[_backward]`` (oneDNN, channels_last),
                    run by ``bench/.venv-torch/bin/python`` in a subprocess so PyTorch
                    never enters estimax's environment.
 
+``--ynn both`` (the default) times the XLA columns (``jax *`` and ``ops *``) twice, in two
+worker processes: with XLA:CPU's YNNPACK fusions as jaxlib 0.10.2 has them by default, and
+with them off (``XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=``, read once, before JAX
+starts: hence the processes). The ``ynn`` section compares the two for the fallback path.
+
 Usage (from the repo root)::
 
     .venv/bin/python bench/conv_cpu.py [--dtype float32|bfloat16] [--reps 5]
-        [--only mnist|resnet50] [--out bench/results/conv_cpu.json]
+        [--only mnist|resnet50] [--ynn both|on|off] [--out bench/results/conv_cpu.json]
 
 Writes JSON and a Markdown table (same name, .md). Times are medians (ms) of
 ``--reps`` calls after one warm-up; the machine may be shared, so compare columns
@@ -74,6 +81,13 @@ POOLS: list[tuple[Any, ...]] = [
     ("mnist.pool2 2x2/2", "mnist", 1, 128, 14, 14, 64, 2, 2, "VALID"),
     ("r50.stem pool 3x3/2", "resnet50", 1, 16, 112, 112, 64, 3, 2, "SAME"),
 ]
+
+
+def _set_ynn(setting: str) -> None:
+    """YNNPACK's fusions off (an empty list) in XLA_FLAGS, before JAX starts; on = default."""
+    if setting == "off":
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_experimental_ynn_fusion_type=".strip()
 
 
 def _same_pads(size: int, k: int, s: int) -> tuple[int, int]:
@@ -208,6 +222,17 @@ def run_jax(layers, pools, dtype: str, reps: int) -> dict[str, dict[str, float]]
                 res[label] = _time(lambda f=f, args=args: block(f(*args)), reps)
             else:
                 res[label] = float("nan")
+        if dtype == "bfloat16" and native.available():
+            up = spec._replace(fwd="onednn_f32", dx="onednn_f32", dw="onednn_f32")
+            for label, fn, args in (
+                ("onednn_f32 fwd", functools.partial(cpu_conv._cpu_fwd_any, up), (x, wt)),
+                ("onednn_f32 dx", functools.partial(cpu_conv._DX_KERNELS["onednn_f32"], up),
+                 (x, wt, g)),
+                ("onednn_f32 dw", functools.partial(cpu_conv._DW_KERNELS["onednn_f32"], up),
+                 (x, wt, g)),
+            ):  # fmt: skip
+                f = jax.jit(fn)
+                res[label] = _time(lambda f=f, args=args: block(f(*args)), reps)
         out[name] = res
     for pool in pools:
         name, _, _, b, h, w, c, k, s, padding = pool
@@ -326,6 +351,10 @@ def _markdown(result: dict[str, Any]) -> str:
             "onednn dw",
         )
         lines.append(f"| {model} | " + " | ".join(f"{tot[k]:.0f}" for k in keys) + " |")
+    if "jax_no_ynn" in result:
+        lines += _ynn_markdown(result)
+    if any("onednn_f32 fwd" in v for v in result["jax"].values()):
+        lines += _bf16_markdown(result)
     lines += [
         "",
         "## Max-pool (ms)",
@@ -345,6 +374,110 @@ def _markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+_XLA_KEYS = {
+    "fwd": ("jax fwd", "ops fwd im2col"),
+    "dx": ("jax dx", "ops dx matmul"),
+    "dw": ("jax dw", "ops dw im2col", "ops dw offsets", "ops dw im2col_t"),
+}
+
+
+def _ynn_markdown(result: dict[str, Any]) -> list[str]:
+    """XLA's own convolutions and estimax's XLA formulations with YNNPACK on and off."""
+    on, off = result["jax"], result["jax_no_ynn"]
+    lines = [
+        "",
+        "## The XLA fallback with XLA:CPU's YNNPACK fusions on (jaxlib's default) and off",
+        "",
+        "ms per call; `best` = the fastest XLA strategy of that direction (what the fallback "
+        "can pick), `chosen` = what `_default_strategy` picks. Off = "
+        "`XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=`.",
+        "",
+        "| layer | n | jax fwd on / off | jax dx on / off | jax dw on / off | best fwd on / off "
+        "| best dx on / off | best dw on / off | chosen on / off |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    totals: dict[str, dict[str, float]] = {}
+    for layer in LAYERS:
+        name, model, count = layer[0], layer[1], layer[2]
+        if name not in on or name not in off:
+            continue
+        _, _, _, b, h, w, cin, cout, kh, kw, s, _ = layer
+        chosen = (
+            _chosen_time(on[name], kh, kw, cin, cout, s),
+            _chosen_time(off[name], kh, kw, cin, cout, s),
+        )
+        best = {
+            d: (min(on[name][k] for k in ks), min(off[name][k] for k in ks))
+            for d, ks in _XLA_KEYS.items()
+        }
+        cells = [f"{on[name][k]:.1f} / {off[name][k]:.1f}" for k in ("jax fwd", "jax dx", "jax dw")]
+        cells += [f"{best[d][0]:.1f} / {best[d][1]:.1f}" for d in ("fwd", "dx", "dw")]
+        cells.append(f"{chosen[0]:.1f} / {chosen[1]:.1f}")
+        lines.append(f"| {name} | {count} | " + " | ".join(cells) + " |")
+        tot = totals.setdefault(model, {})
+        for key, val in (
+            ("jax on", sum(on[name][k] for k in ("jax fwd", "jax dx", "jax dw"))),
+            ("jax off", sum(off[name][k] for k in ("jax fwd", "jax dx", "jax dw"))),
+            ("best on", sum(v[0] for v in best.values())),
+            ("best off", sum(v[1] for v in best.values())),
+            ("chosen on", chosen[0]),
+            ("chosen off", chosen[1]),
+        ):
+            tot[key] = tot.get(key, 0.0) + count * val
+    lines += [
+        "",
+        "Count-weighted totals, fwd + dx + dw over all convolutions (ms per step):",
+        "",
+        "| model | XLA's convs, YNN on | off | best XLA strategies, on | off | chosen, on | off |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for model, tot in totals.items():
+        keys = ("jax on", "jax off", "best on", "best off", "chosen on", "chosen off")
+        lines.append(f"| {model} | " + " | ".join(f"{tot[k]:.0f}" for k in keys) + " |")
+    return lines
+
+
+def _chosen_time(r: dict[str, float], kh: int, kw: int, cin: int, cout: int, s: int) -> float:
+    """fwd + dx + dw time of the pure-XLA strategies estimax's fallback picks for a layer."""
+    from estimax.ops import cpu_conv
+
+    fwd, dx, dw = cpu_conv._default_strategy(kh, kw, cin, cout, (s, s))
+    key = {"xla": "jax", "im2col": "ops", "matmul": "ops", "offsets": "ops", "im2col_t": "ops"}
+    return (
+        r["jax fwd" if fwd == "xla" else "ops fwd im2col"]
+        + r["jax dx" if dx == "xla" else "ops dx matmul"]
+        + r["jax dw" if dw == "xla" else f"{key[dw]} dw {dw}"]
+    )
+
+
+def _bf16_markdown(result: dict[str, Any]) -> list[str]:
+    """oneDNN's native bf16 kernels against its fp32 kernels on values cast up."""
+    lines = [
+        "",
+        "## oneDNN bf16 kernels vs its fp32 kernels on upcast values (ms)",
+        "",
+        "| layer | n | fwd bf16 / f32 | dx bf16 / f32 | dw bf16 / f32 |",
+        "|---|---|---|---|---|",
+    ]
+    totals: dict[str, list[float]] = {}
+    for layer in LAYERS:
+        name, model, count = layer[0], layer[1], layer[2]
+        r = result["jax"].get(name)
+        if not r or "onednn_f32 fwd" not in r:
+            continue
+        cells = [
+            f"{r[f'onednn {d}']:.1f} / {r[f'onednn_f32 {d}']:.1f}" for d in ("fwd", "dx", "dw")
+        ]
+        lines.append(f"| {name} | {count} | " + " | ".join(cells) + " |")
+        t = totals.setdefault(model, [0.0, 0.0])
+        t[0] += count * sum(r[f"onednn {d}"] for d in ("fwd", "dx", "dw"))
+        t[1] += count * sum(r[f"onednn_f32 {d}"] for d in ("fwd", "dx", "dw"))
+    lines += ["", "| model | all convolutions, bf16 kernels | fp32 kernels on upcast values |"]
+    lines += ["|---|---|---|"]
+    lines += [f"| {m} | {t[0]:.0f} | {t[1]:.0f} |" for m, t in totals.items()]
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
@@ -352,6 +485,13 @@ def main() -> None:
     parser.add_argument("--only", choices=("mnist", "resnet50"), default=None)
     parser.add_argument("--out", default=os.path.join(HERE, "results", "conv_cpu.json"))
     parser.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--jax-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--ynn",
+        choices=("both", "on", "off"),
+        default="both",
+        help="XLA:CPU's YNNPACK fusions for the XLA columns: jaxlib's default (on), off, or both",
+    )
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument(
         "--malloc",
@@ -374,7 +514,7 @@ def main() -> None:
             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}."
         ),
     }
-    if not args.no_torch:
+    if not args.no_torch and not args.jax_worker:
         if not os.path.exists(TORCH_PY):
             sys.exit(
                 f"conv_cpu.py: {TORCH_PY} not found; create it with "
@@ -393,12 +533,35 @@ def main() -> None:
         result["torch"] = json.loads(
             subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         )
-    if args.malloc == "tuned":
-        from estimax import ops
+    if args.jax_worker:
+        _set_ynn(args.ynn)
+        if args.malloc == "tuned":
+            from estimax import ops
 
-        ops.tune_cpu_allocator()
+            ops.tune_cpu_allocator()
+        json.dump(run_jax(layers, pools, args.dtype, args.reps), sys.stdout)
+        return
     result["malloc"] = args.malloc
-    result["jax"] = run_jax(layers, pools, args.dtype, args.reps)
+    result["load"] = {"start": os.getloadavg()[0]}
+    for setting, key in (("on", "jax"), ("off", "jax_no_ynn")):
+        if args.ynn in (setting, "both"):
+            cmd = [sys.executable, os.path.abspath(__file__), "--jax-worker", "--no-torch"]
+            cmd += ["--ynn", setting]
+            cmd += ["--dtype", args.dtype, "--reps", str(args.reps), "--malloc", args.malloc]
+            cmd += ["--only", args.only] if args.only else []
+            proc = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
+            result[key] = json.loads(proc.stdout)
+    if "jax" not in result:  # --ynn off alone: its numbers are the main table
+        result["jax"] = result.pop("jax_no_ynn")
+    result["load"]["end"] = os.getloadavg()[0]
+    from estimax.ops import native
+
+    result["native"] = native.status()
+    result["note"] += (
+        f" 1-minute load average {result['load']['start']:.2f} at the start, "
+        f"{result['load']['end']:.2f} at the end (the bench alone keeps it near 1-2)."
+        f" XLA columns: YNNPACK {args.ynn}. CPU convolutions: {result['native']}."
+    )
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

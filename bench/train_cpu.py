@@ -20,6 +20,13 @@ JAX variants (a variant name is ``jax`` plus optional ``+ops`` / ``+malloc``):
   ``+malloc``         -- ``estimax.ops.tune_cpu_allocator()`` is in effect while timing
                          (toggled per variant inside the one process; the others run
                          with ``restore_cpu_allocator()``, glibc's steady-state default).
+  ``+noynn``          -- in a worker process started with XLA:CPU's YNNPACK fusions off
+                         (``XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=``; the flag is
+                         read once per process, so these variants cannot share it);
+  ``+onednn2``        -- in a worker process loading ``--onednn2_lib``: the kernels of the
+                         previous build (oneDNN 2.6 from Debian's libdnnl-dev, built from the
+                         source before the port), for a same-machine comparison.
+Worker variants are timed in the same interleaved rounds as the others (one request per line).
 
 HARNESS: ``--harness=bare`` (default) times a bare ``jax.jit`` train step
 (``donate_argnums``); ``--harness=estimator`` times ``estimax.Estimator.train`` on the same
@@ -190,7 +197,7 @@ class JaxRunner:
         from estimax.ops import native
 
         parts = variant.split("+")
-        if parts[0] != "jax" or not set(parts[1:]) <= {"ops", "malloc", "xla"}:
+        if parts[0] != "jax" or not set(parts[1:]) <= {"ops", "malloc", "xla", "noynn", "onednn2"}:
             raise ValueError(
                 f"train_cpu.py: --variants entry {variant!r} unknown; expected jax, "
                 "jax+ops, jax+malloc, jax+ops+malloc, jax+ops+malloc+xla or torch"
@@ -362,6 +369,39 @@ def _markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+_WORKER_PARTS = ("noynn", "onednn2")
+
+
+def jax_worker() -> None:
+    """Reads ``model dtype variant steps`` lines on stdin, answers ``{"img_s", "compile_s"}``."""
+    runners: dict[tuple[str, str, str], JaxRunner] = {}
+    for line in sys.stdin:
+        model, dtype, variant, steps = line.split()
+        key = (model, dtype, variant)
+        compile_s = None
+        if key not in runners:
+            if any(k[0] != model for k in runners):
+                runners.clear()  # one model at a time, as the parent does
+            runners[key] = JaxRunner(model, dtype, variant)
+            compile_s = runners[key].compile_s
+        rate = runners[key].images_per_sec(int(steps))
+        print(json.dumps({"img_s": rate, "compile_s": compile_s}), flush=True)
+
+
+def _worker_env(part: str, onednn2_lib: str | None) -> dict[str, str]:
+    env = dict(os.environ)
+    if part == "noynn":
+        flags = env.get("XLA_FLAGS", "")
+        env["XLA_FLAGS"] = f"{flags} --xla_cpu_experimental_ynn_fusion_type=".strip()
+    elif part == "onednn2":
+        if not onednn2_lib or not os.path.exists(onednn2_lib):
+            sys.exit(
+                "train_cpu.py: +onednn2 needs --onednn2_lib=PATH to a library of the old build"
+            )
+        env["ESTIMAX_ONEDNN_LIB"] = onednn2_lib
+    return env
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="mnist,resnet50")
@@ -383,10 +423,20 @@ def main() -> None:
     default_out = "train_cpu" + (f"_isa_{isa_cap.lower()}" if isa_cap else "") + ".json"
     parser.add_argument("--out", default=os.path.join(HERE, "results", default_out))
     parser.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--jax-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--onednn2_lib", default=None, help="the old build's library (+onednn2)")
+    parser.add_argument(
+        "--interleave_dtypes",
+        action="store_true",
+        help="time every dtype of a model in the same rounds (more memory; fairer fp32 vs bf16)",
+    )
     args = parser.parse_args()
     load_start = os.getloadavg()[0]
     if args.torch_worker:
         torch_worker()
+        return
+    if args.jax_worker:
+        jax_worker()
         return
     models, dtypes = args.models.split(","), args.dtypes.split(",")
     variants = args.variants.split(",")
@@ -407,6 +457,30 @@ def main() -> None:
             text=True,
         )
 
+    jax_workers: dict[str, subprocess.Popen] = {}
+    for v in variants:
+        part = next((p for p in _WORKER_PARTS if p in v.split("+")), None)
+        if part and part not in jax_workers:
+            jax_workers[part] = subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), "--jax-worker"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                env=_worker_env(part, args.onednn2_lib),
+            )
+    worker_status: dict[str, str] = {}
+
+    def worker_rate(variant: str, model: str, dtype: str, steps: int) -> float:
+        part = next(p for p in _WORKER_PARTS if p in variant.split("+"))
+        w = jax_workers[part]
+        assert w.stdin is not None and w.stdout is not None
+        w.stdin.write(f"{model} {dtype} {variant} {steps}\n")
+        w.stdin.flush()
+        answer = json.loads(w.stdout.readline())
+        if answer["compile_s"] is not None:
+            compile_s[f"{model}/{dtype}/{variant}"] = round(answer["compile_s"], 1)
+        return answer["img_s"]
+
     def torch_rate(model: str, dtype: str, steps: int) -> float:
         assert worker is not None and worker.stdin is not None and worker.stdout is not None
         worker.stdin.write(f"{model} {dtype} {steps}\n")
@@ -417,26 +491,43 @@ def main() -> None:
     compile_s: dict[str, float] = {}
     for model in models:
         steps = args.mnist_steps if model == "mnist" else args.resnet_steps
-        for dtype in dtypes:
-            key = f"{model}/{dtype}"
+        # With --interleave_dtypes every (dtype, variant) of a model is built first and each
+        # round times them all, so fp32 and bf16 meet the same load (the machine is shared).
+        groups = [dtypes] if args.interleave_dtypes else [[d] for d in dtypes]
+        for group in groups:
             runners = {}
-            for v in variants:
-                if v != "torch":
-                    runner_cls = JaxRunner if args.harness == "bare" else EstimatorRunner
-                    runners[v] = runner_cls(model, dtype, v)
-                    compile_s[f"{key}/{v}"] = round(runners[v].compile_s, 1)
+            for dtype in group:
+                key = f"{model}/{dtype}"
+                for v in variants:
+                    if v != "torch" and not any(p in v.split("+") for p in _WORKER_PARTS):
+                        runner_cls = JaxRunner if args.harness == "bare" else EstimatorRunner
+                        runners[(dtype, v)] = runner_cls(model, dtype, v)
+                        compile_s[f"{key}/{v}"] = round(runners[(dtype, v)].compile_s, 1)
             for r in range(args.rounds if model == "mnist" else args.resnet_rounds):
-                for v in variants:  # interleaved: every variant once per round
-                    if v == "torch":
-                        rate = torch_rate(model, dtype, steps)
-                    else:
-                        rate = runners[v].images_per_sec(steps)
-                    rounds.setdefault(key, {}).setdefault(v, []).append(round(rate, 3))
-                    print(f"round {r} {key:20s} {v:8s} {rate:9.2f} img/s", flush=True)
+                for dtype in group:
+                    key = f"{model}/{dtype}"
+                    for v in variants:  # interleaved: every variant once per round
+                        if v == "torch":
+                            rate = torch_rate(model, dtype, steps)
+                        elif (dtype, v) not in runners:
+                            rate = worker_rate(v, model, dtype, steps)
+                        else:
+                            rate = runners[(dtype, v)].images_per_sec(steps)
+                        rounds.setdefault(key, {}).setdefault(v, []).append(round(rate, 3))
+                        print(f"round {r} {key:20s} {v:8s} {rate:9.2f} img/s", flush=True)
             del runners
     if worker is not None:
         worker.stdin.close()  # type: ignore[union-attr]
         worker.wait()
+    for part, w in jax_workers.items():
+        w.stdin.close()  # type: ignore[union-attr]
+        w.wait()
+        if part == "onednn2":
+            env = _worker_env(part, args.onednn2_lib)
+            worker_status[part] = subprocess.run(
+                [sys.executable, "-m", "estimax.ops.native", "status"],
+                env=env, capture_output=True, text=True, check=False,
+            ).stdout.strip()  # fmt: skip
     median = {k: {v: statistics.median(x) for v, x in d.items()} for k, d in rounds.items()}
     from estimax.ops import native  # noqa: PLC0415 - not in the PyTorch worker's environment
 
@@ -447,7 +538,11 @@ def main() -> None:
             f"average {load_start:.2f} at the start, {os.getloadavg()[0]:.2f} at the end (the "
             f"benchmark alone keeps it near 2; well above that, other processes shared the "
             f"cores); CPU convolutions: {native.status()}; "
-            f"harness={args.harness}; {args.rounds} (MNIST) / "
+            + "".join(f"+{p} worker: {st}; " for p, st in worker_status.items())
+            + f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r} (+noynn adds "
+            f"--xla_cpu_experimental_ynn_fusion_type=); "
+            f"harness={args.harness}; dtypes interleaved: {args.interleave_dtypes}; "
+            f"{args.rounds} (MNIST) / "
             f"{args.resnet_rounds} (ResNet-50) interleaved rounds of {args.mnist_steps} / "
             f"{args.resnet_steps} steps; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}."
         ),

@@ -191,23 +191,49 @@ def test_native_status_command_names_the_kernels():
         check=False,
     )
     if native.available():
-        assert proc.returncode == 0 and proc.stdout.startswith("oneDNN "), proc.stdout
+        # "oneDNN 3.13.2 on <CPU> (<isa> kernels): fp32 ..., bf16 ... (<library>)"
+        assert proc.returncode == 0 and proc.stdout.startswith("oneDNN 3."), proc.stdout
+        assert f"({native.isa()} kernels)" in proc.stdout and native.isa() != "unknown"
     else:
         assert proc.returncode == 1 and "XLA's own" in proc.stdout, proc.stdout
 
 
 def test_native_build_failure_says_what_to_install(tmp_path, monkeypatch):
-    # A compiler that cannot find oneDNN's header, as on a machine without libdnnl-dev.
-    fake = tmp_path / "fake-c++"
-    fake.write_text(
-        "#!/bin/sh\necho 'fatal error: dnnl.hpp: No such file or directory' >&2\nexit 1\n"
+    # No oneDNN 3 where pip would install it: the message names the index's packages.
+    monkeypatch.setenv("ESTIMAX_ONEDNN_PREFIX", str(tmp_path))
+    with pytest.raises(
+        RuntimeError, match=r"(?s)oneDNN 3 not found.*pip install 'estimax\[onednn\]'"
+    ):
+        native.build(output=tmp_path / "lib.so")
+    # A oneDNN 2 there (as Debian's libdnnl-dev 2.6 in /usr) is refused, not built against.
+    header = tmp_path / "include" / "oneapi" / "dnnl" / "dnnl_version.h"
+    header.parent.mkdir(parents=True)
+    header.write_text(
+        "#define DNNL_VERSION_MAJOR 2\n#define DNNL_VERSION_MINOR 6\n#define DNNL_VERSION_PATCH 3\n"
     )
+    with pytest.raises(RuntimeError, match="oneDNN 2.6.3, estimax needs 3 or later"):
+        native.build(output=tmp_path / "lib.so")
+    assert not (tmp_path / "lib.so").exists()
+
+
+def test_native_build_compiler_failure_leaves_no_library(tmp_path, monkeypatch):
+    if not isinstance(_onednn_or_reason(), native.OneDnn):
+        pytest.skip(f"no oneDNN 3 installed: {_onednn_or_reason()}")
+    fake = tmp_path / "fake-c++"
+    fake.write_text("#!/bin/sh\necho 'fatal error: something broke' >&2\nexit 1\n")
     fake.chmod(0o755)
     monkeypatch.setenv("CXX", str(fake))
-    with pytest.raises(RuntimeError, match="(?s)dnnl.hpp.*apt-get install libdnnl-dev"):
+    with pytest.raises(RuntimeError, match="(?s)build failed.*something broke"):
         native.build(output=tmp_path / "lib.so")
     assert not (tmp_path / "lib.so").exists()
     assert not list(tmp_path.glob("tmp*.so"))  # no half-written library left behind
+
+
+def _onednn_or_reason() -> native.OneDnn | str:
+    try:
+        return native.find_onednn()
+    except RuntimeError as e:
+        return str(e)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=["-".join(s) for s in STRATEGIES])

@@ -4,8 +4,9 @@ XLA:CPU lowers the backward convolutions of a convnet to its generic convolution
 kernels, which reach only 3-40 GFLOP/s for the filter gradient (against ~190 GFLOP/s
 for a plain fp32 matmul on the same cores), and it lowers max-pool's backward to
 ``select_and_scatter``, which takes ~100 ms of a 330 ms MNIST step (see
-``bench/results/conv_cpu.md``). None of XLA's CPU flags (oneDNN, XNNPACK, YNNPACK) change
-that in jaxlib 0.10.
+``bench/results/conv_cpu.md``). XLA's oneDNN and XNNPACK flags do not change that in jaxlib
+0.10; its YNNPACK fusions (on by default) speed its convolutions and dots up, and the pure-XLA
+strategies below keep them on (``cpu_runtime.xla_cpu_conv_setting`` says why).
 
 The drop-in here is a ``jax.custom_vjp`` around ``lax.conv_general_dilated`` whose
 CPU lowering, where estimax's oneDNN library is built (``estimax.ops.native``), calls

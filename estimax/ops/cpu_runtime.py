@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
 
 # mallopt(3) parameter numbers from glibc's <malloc.h>.
@@ -67,3 +68,28 @@ def restore_cpu_allocator() -> bool:
       True if applied (see ``tune_cpu_allocator``).
     """
     return tune_cpu_allocator(32 << 20, 64 << 20)
+
+
+# XLA:CPU (jaxlib 0.10.2) hands most f32 convolutions and dots to YNNPACK unless XLA_FLAGS
+# says otherwise; an empty list turns YNNPACK off, "-individual_convolution" only for
+# convolutions.
+_YNN_FLAG = "--xla_cpu_experimental_ynn_fusion_type"
+
+
+def xla_cpu_conv_setting(environ: dict[str, str] | None = None) -> str:
+    """One line: how XLA:CPU runs the convolutions estimax's fallback leaves to it.
+
+    The fallback (no oneDNN kernels) keeps jaxlib's default, YNNPACK on: measured per layer
+    with it on and off (bench/conv_cpu.py, bench/results/conv_cpu_amd_epyc_zen5.md), the
+    strategies ``cpu_conv._default_strategy`` picks take 5.4 s per ResNet-50 step (batch 16)
+    with it and 11.5 s without (its dots are YNNPACK's too), and the same for the MNIST CNN.
+    So estimax sets nothing; a user's ``XLA_FLAGS`` still decides, and this line says which.
+    """
+    flags = (os.environ if environ is None else environ).get("XLA_FLAGS", "")
+    values = [f.split("=", 1)[1] for f in flags.split() if f.startswith(_YNN_FLAG + "=")]
+    if not values:
+        return "XLA's convolutions with YNNPACK (jaxlib's default, measured the faster here)"
+    value = values[-1]
+    if value == "":
+        return f"XLA's convolutions without YNNPACK (XLA_FLAGS has {_YNN_FLAG}=)"
+    return f"XLA's convolutions with YNNPACK fusions {value!r} (from XLA_FLAGS)"

@@ -7,25 +7,40 @@
 // Primitives are cached by shape; per-call state (reordered filters, scratchpad) is allocated
 // per call, so concurrent calls from several XLA devices are safe.
 //
-// Not every CPU can run every primitive: oneDNN 2.6 has no bf16 convolutions below AVX-512
-// (AMD Zen 2, or ONEDNN_MAX_CPU_ISA=AVX2), and creating one throws. So Python asks first:
-// EstimaxConvProbe creates (and caches) the primitive for one convolution at trace time, and
-// estimax.ops picks another formulation where it fails, instead of failing inside a step.
+// Not every CPU can run every primitive: oneDNN has no fast bf16 convolutions below AVX-512
+// (AMD Zen 2, or ONEDNN_MAX_CPU_ISA=AVX2): creating one throws, or yields a reference
+// ("ref:") kernel tens of times slower than fp32. So Python asks first: EstimaxConvProbe
+// creates (and caches) the primitive for one convolution at trace time and refuses reference
+// kernels, and estimax.ops picks another formulation where it fails, instead of failing (or
+// crawling) inside a step.
 //
-// Built by `python -m estimax.ops.native build` against the system's oneDNN (Debian/Ubuntu:
-// libdnnl-dev) and XLA's FFI headers from jaxlib.
+// Built by `python -m estimax.ops.native build` against oneDNN 3 from the package index
+// (`pip install onednn-devel`: headers in <prefix>/include, libdnnl.so.3 in <prefix>/lib) and
+// XLA's FFI headers from jaxlib. That build of oneDNN runs its CPU kernels through SYCL (on
+// Intel's OpenCL CPU runtime, also from the index) with TBB threads; Python points the OpenCL
+// loader at that runtime before the engine is created (estimax/ops/native/__init__.py).
 
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <memory>
+#include <stdexcept>
 #include <mutex>
 #include <sstream>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
-#include "dnnl.hpp"
+#include "oneapi/dnnl/dnnl.hpp"
 #include "xla/ffi/api/ffi.h"
+
+#ifndef ESTIMAX_ONEDNN_LIBDIR
+#define ESTIMAX_ONEDNN_LIBDIR ""
+#endif
+
+#if DNNL_VERSION_MAJOR < 3
+#error "estimax's oneDNN kernels need oneDNN 3 (pip install onednn-devel), not an older one"
+#endif
 
 namespace ffi = xla::ffi;
 using dnnl::memory;
@@ -48,21 +63,31 @@ const char* KindName(Kind k) {
   }
 }
 
-// The instruction set oneDNN dispatches to on this CPU (after ONEDNN_MAX_CPU_ISA).
+// The instruction set oneDNN dispatches to on this CPU (after ONEDNN_MAX_CPU_ISA). Several
+// oneDNN 3 names share a value (avx10_1_512 is avx512_core_fp16), so this is no switch.
 const char* IsaName() {
-  switch (dnnl::get_effective_cpu_isa()) {
-    case dnnl::cpu_isa::sse41: return "sse41";
-    case dnnl::cpu_isa::avx: return "avx";
-    case dnnl::cpu_isa::avx2: return "avx2";
-    case dnnl::cpu_isa::avx2_vnni: return "avx2_vnni";
-    case dnnl::cpu_isa::avx512_mic: return "avx512_mic";
-    case dnnl::cpu_isa::avx512_mic_4ops: return "avx512_mic_4ops";
-    case dnnl::cpu_isa::avx512_core: return "avx512_core";
-    case dnnl::cpu_isa::avx512_core_vnni: return "avx512_core_vnni";
-    case dnnl::cpu_isa::avx512_core_bf16: return "avx512_core_bf16";
-    case dnnl::cpu_isa::avx512_core_amx: return "avx512_core_amx";
-    default: return "unknown";
+  using isa = dnnl::cpu_isa;
+  struct Name { isa value; const char* name; };
+  static const Name kNames[] = {
+      {isa::sse41, "sse41"},
+      {isa::avx, "avx"},
+      {isa::avx2, "avx2"},
+      {isa::avx2_vnni, "avx2_vnni"},
+      {isa::avx2_vnni_2, "avx2_vnni_2"},
+      {isa::avx512_core, "avx512_core"},
+      {isa::avx512_core_vnni, "avx512_core_vnni"},
+      {isa::avx512_core_bf16, "avx512_core_bf16"},
+      {isa::avx512_core_fp16, "avx512_core_fp16"},
+      {isa::avx512_core_amx, "avx512_core_amx"},
+      {isa::avx512_core_amx_fp16, "avx512_core_amx_fp16"},
+      {isa::avx10_2_512, "avx10_2_512"},
+      {isa::avx10_2_512_amx_2, "avx10_2_512_amx_2"},
+  };
+  const isa effective = dnnl::get_effective_cpu_isa();
+  for (const Name& n : kNames) {
+    if (n.value == effective) return n.name;
   }
+  return "unknown";
 }
 
 struct ConvShape {
@@ -104,17 +129,32 @@ dnnl::primitive_attr UserScratchpad() {
   return attr;
 }
 
+// A primitive whose kernel is oneDNN's reference implementation ("ref:any"): correct but tens
+// of times slower than the fp32 kernels (what oneDNN 3 offers for bf16 on AVX2-only CPUs).
+struct ReferenceKernel : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+template <typename Pd>
+void RefuseReference(const Pd& pd, const ConvShape& s, Kind kind) {
+  const char* impl = pd.impl_info_str();
+  if (std::strncmp(impl, "ref", 3) == 0) {
+    throw ReferenceKernel(std::string("oneDNN has only its reference kernel (") + impl +
+                          ") for this " + s.Describe(kind) + " on " + IsaName());
+  }
+}
+
 dnnl::convolution_forward::primitive_desc ForwardPd(const ConvShape& s) {
   // Activations stay NHWC (no reorder of the large tensors); the filter layout is left to
   // oneDNN (`any`) and reordered per call, which is cheap.
-  dnnl::convolution_forward::desc d(
-      dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct, s.Src(),
-      s.Wei(tag::any), s.Dst(), s.Strides(), s.PadL(), s.PadR());
-  return dnnl::convolution_forward::primitive_desc(d, UserScratchpad(), Engine());
+  return dnnl::convolution_forward::primitive_desc(
+      Engine(), dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct,
+      s.Src(), s.Wei(tag::any), s.Dst(), s.Strides(), s.PadL(), s.PadR(), UserScratchpad());
 }
 
 struct Cached {
   dnnl::primitive prim;
+  std::string impl;           // oneDNN's name for the kernel, e.g. "brg_conv_fwd:avx512_core"
   memory::desc wei_md;        // the filter layout the primitive wants
   memory::desc scratch_md;
 };
@@ -129,26 +169,29 @@ std::shared_ptr<Cached> Build(const ConvShape& s, Kind kind) {
   auto fwd_pd = ForwardPd(s);
   auto out = std::make_shared<Cached>();
   if (kind == Kind::kForward) {
+    RefuseReference(fwd_pd, s, kind);
     out->prim = dnnl::convolution_forward(fwd_pd);
     out->wei_md = fwd_pd.weights_desc();
     out->scratch_md = fwd_pd.scratchpad_desc();
+    out->impl = fwd_pd.impl_info_str();
   } else if (kind == Kind::kBackwardData) {
-    dnnl::convolution_backward_data::desc d(dnnl::algorithm::convolution_direct, s.Src(),
-                                            s.Wei(tag::any), s.Dst(), s.Strides(), s.PadL(),
-                                            s.PadR());
-    dnnl::convolution_backward_data::primitive_desc pd(d, UserScratchpad(), Engine(), fwd_pd);
+    dnnl::convolution_backward_data::primitive_desc pd(
+        Engine(), dnnl::algorithm::convolution_direct, s.Src(), s.Wei(tag::any), s.Dst(),
+        s.Strides(), s.PadL(), s.PadR(), fwd_pd, UserScratchpad());
+    RefuseReference(pd, s, kind);
     out->prim = dnnl::convolution_backward_data(pd);
     out->wei_md = pd.weights_desc();
     out->scratch_md = pd.scratchpad_desc();
+    out->impl = pd.impl_info_str();
   } else {
-    dnnl::convolution_backward_weights::desc d(dnnl::algorithm::convolution_direct, s.Src(),
-                                               s.Wei(tag::any), s.Dst(), s.Strides(),
-                                               s.PadL(), s.PadR());
-    dnnl::convolution_backward_weights::primitive_desc pd(d, UserScratchpad(), Engine(),
-                                                          fwd_pd);
+    dnnl::convolution_backward_weights::primitive_desc pd(
+        Engine(), dnnl::algorithm::convolution_direct, s.Src(), s.Wei(tag::any), s.Dst(),
+        s.Strides(), s.PadL(), s.PadR(), fwd_pd, UserScratchpad());
+    RefuseReference(pd, s, kind);
     out->prim = dnnl::convolution_backward_weights(pd);
     out->wei_md = pd.diff_weights_desc();
     out->scratch_md = pd.scratchpad_desc();
+    out->impl = pd.impl_info_str();
   }
   return out;
 }
@@ -216,9 +259,9 @@ ffi::Error Shape(ffi::AnyBuffer x, ffi::AnyBuffer wei, ffi::AnyBuffer y, int64_t
 std::mutex run_mu;
 
 ffi::Error Run(const ConvShape& s, Kind kind, void* src, void* wei, void* dst) {
-  // One oneDNN call at a time, each on all of oneDNN's OpenMP threads: XLA may run
-  // independent ops (a layer's input and filter gradients) on several threads at once, and
-  // one OpenMP team per caller would oversubscribe the cores. Neutral on an idle machine
+  // One oneDNN call at a time, each on all of oneDNN's threads (TBB's; OpenMP's in builds
+  // with it): XLA may run independent ops (a layer's input and filter gradients) on several
+  // threads at once, and one parallel region per caller would oversubscribe the cores. Neutral on an idle machine
   // (ResNet-50 and MNIST steps within 2%); what hurts is other processes on the same cores,
   // which stall OpenMP's barriers (ResNet-50 bf16 filter gradients 5x slower with one busy
   // neighbour process), as they do PyTorch's.
@@ -226,7 +269,10 @@ ffi::Error Run(const ConvShape& s, Kind kind, void* src, void* wei, void* dst) {
   try {
     auto c = Get(s, kind);
     dnnl::engine& eng = Engine();
-    dnnl::stream strm(eng);
+    // One stream for all calls (they are serialised above): on this SYCL build a stream is a
+    // SYCL queue, too costly to create per call.
+    static dnnl::stream* stream = new dnnl::stream(eng);
+    dnnl::stream& strm = *stream;
     memory user_wei(s.Wei(tag::hwio), eng, wei);
     memory prim_wei = user_wei;
     const bool reorder = c->wei_md != user_wei.get_desc();
@@ -251,7 +297,7 @@ ffi::Error Run(const ConvShape& s, Kind kind, void* src, void* wei, void* dst) {
       if (reorder) dnnl::reorder(prim_wei, user_wei).execute(strm, prim_wei, user_wei);
     }
     strm.wait();
-  } catch (const dnnl::error& e) {
+  } catch (const std::exception& e) {
     // Python probes every convolution before choosing this kernel, so this is a bug or an
     // unusual oneDNN build: say what failed, where, and how to carry on without the library.
     return ffi::Error(ffi::ErrorCode::kInternal,
@@ -308,26 +354,35 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EstimaxConvBackwardData, BackwardDataImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EstimaxConvBackwardWeights, BackwardWeightsImpl,
                               ESTIMAX_CONV_BINDING(x, g, dw));
 
-// 1 if oneDNN can run this convolution on this CPU (the primitive is then cached), else 0
-// with oneDNN's reason in `msg`. kind: 0 forward, 1 input gradient, 2 filter gradient;
-// dtype: 0 fp32, 1 bf16; dims as in ConvShape.
+// 1 if oneDNN can run this convolution on this CPU with a real (not reference) kernel (the
+// primitive is then cached, and its kernel's name written to `msg`), else 0 with oneDNN's
+// reason in `msg`. kind: 0 forward, 1 input gradient, 2 filter gradient; dtype: 0 fp32,
+// 1 bf16; dims as in ConvShape.
 extern "C" int EstimaxConvProbe(int kind, int dtype, const int64_t* dims, char* msg,
                                 int msg_len) {
   ConvShape s{dims[0], dims[1], dims[2], dims[3], dims[4],  dims[5],  dims[6],  dims[7],
               dims[8], dims[9], dims[10], dims[11], dims[12], dims[13], dims[14],
               dtype == 1 ? memory::data_type::bf16 : memory::data_type::f32};
   try {
-    Get(s, static_cast<Kind>(kind));
+    auto c = Get(s, static_cast<Kind>(kind));
+    if (msg_len > 0) std::snprintf(msg, msg_len, "%s", c->impl.c_str());
     return 1;
-  } catch (const dnnl::error& e) {
-    if (msg_len > 0) {
-      std::snprintf(msg, msg_len, "%s", e.what());
-    }
+  } catch (const std::exception& e) {
+    if (msg_len > 0) std::snprintf(msg, msg_len, "%s", e.what());
     return 0;
   }
 }
 
 extern "C" const char* EstimaxOneDnnIsa() { return IsaName(); }
+
+// The directory of the libdnnl.so.3 this library was built against (and found through its
+// RPATH): Python finds the OpenCL CPU runtime beside it.
+extern "C" const char* EstimaxOneDnnLibDir() { return ESTIMAX_ONEDNN_LIBDIR; }
+
+// 0 if oneDNN runs its CPU kernels with OpenMP or TBB directly, 1 if through SYCL.
+extern "C" int EstimaxOneDnnSycl() {
+  return dnnl_version()->cpu_runtime == DNNL_RUNTIME_SYCL ? 1 : 0;
+}
 
 extern "C" int EstimaxOneDnnVersion() {
   const dnnl_version_t* v = dnnl_version();
