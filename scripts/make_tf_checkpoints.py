@@ -41,7 +41,6 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 tf1 = tf.compat.v1
-tf1.disable_eager_execution()
 
 # tf_slim 1.1.0 imports tf_keras.legacy_tf_layers, which tf_keras 2.21 keeps under src/.
 import tf_keras.src.legacy_tf_layers as _legacy_layers  # noqa: E402
@@ -481,6 +480,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output_dir", default="tests/data/tf_checkpoints")
     args = parser.parse_args()
+    tf1.disable_eager_execution()
     os.makedirs(args.output_dir, exist_ok=True)
     rng = np.random.default_rng(20260524)
     refs: dict[str, np.ndarray] = {}
