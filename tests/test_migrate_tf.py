@@ -22,6 +22,7 @@ tf = pytest.importorskip(
 
 from absl import flags  # noqa: E402
 
+from estimax import migrate  # noqa: E402
 from estimax.data import example, imagenet, preprocessing, tfrecord  # noqa: E402
 from estimax.estimator import checkpoints  # noqa: E402
 from estimax.programs import resnet  # noqa: E402
@@ -151,3 +152,38 @@ def test_tf_resnet18_converts_evaluates_to_tfs_accuracy_and_trains_on(tmp_path):
 
     run("--mode=train", "--train_steps=9", "--train_batch_size=8", "--iterations_per_loop=2")
     assert checkpoints.Checkpointer(model_dir, read_only=True).latest_step() == 9
+
+    # Fine-tuning on another label set: --warm_start_from the TensorFlow checkpoint, 5 classes.
+    tuned_dir = str(tmp_path / "tuned")
+    tuned_data = str(tmp_path / "data5")
+    _write(tuned_data, jpegs, labels % 5)
+    fv = flags.FlagValues()
+    resnet.define_flags(fv)
+    fv(
+        [
+            "resnet",
+            f"--model_dir={tuned_dir}",
+            f"--data_dir={tuned_data}",
+            f"--warm_start_from={tf_dir}",
+            "--resnet_depth=18",
+            "--num_label_classes=5",
+            f"--image_size={SIZE}",
+            "--precision=float32",
+            "--num_cores=1",
+            "--mode=train",
+            "--train_steps=2",
+            "--train_batch_size=8",
+            "--iterations_per_loop=1",
+            "--base_learning_rate=0.0",
+        ]
+    )
+    resnet.run_from_flags(fv)
+    tuned = checkpoints.Checkpointer(tuned_dir, read_only=True)
+    assert tuned.latest_step() == 2
+    params = tuned.restore_numpy(2)["params"]["ResNet_0"]
+    reader = migrate.CheckpointReader(tf_dir)
+    # A zero learning rate: the trunk is TensorFlow's (batch statistics aside); the head is new.
+    np.testing.assert_array_equal(
+        params["initial_conv"]["kernel"], reader.get_tensor("conv2d/kernel")
+    )
+    assert params["final_dense"]["kernel"].shape == (512, 5)

@@ -159,6 +159,7 @@ class Estimator:
         model_dir: str | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
+        warm_start_from: Any = None,
     ):
         """Creates an Estimator.
 
@@ -172,6 +173,9 @@ class Estimator:
             divide by the number of replicas.
           model_dir: overrides ``config.model_dir``.
           clock: time source for the ``*_secs`` settings (tests inject one).
+          warm_start_from: a checkpoint path or ``estimax.WarmStartSettings`` to initialise the
+            variables from when ``model_dir`` has no checkpoint of its own (a TensorFlow
+            checkpoint of the original models, or an estimax one; ``estimax.migrate``).
         """
         config = config or RunConfig()
         if model_dir is not None:
@@ -215,6 +219,7 @@ class Estimator:
         self._is_chief = jax.process_index() == 0
         self._warned_input_bound = False
         self._nonfinite_skipped = 0  # steps skipped (skip_nonfinite_steps) by this process
+        self._warm_start_from = warm_start_from  # issue 24: used by _run_training's first init
         if jax.default_backend() == "cpu":
             # Which convolution kernels estimax.ops will call: a 2-5x difference on CPUs.
             logging.info("CPU convolutions (estimax.ops): %s", native.status())
@@ -558,6 +563,10 @@ class Estimator:
             logging.info("Restored checkpoint at step %d from %s", start, self.model_dir)
         else:
             state = self._initial_state(*sample[0])
+            if self._warm_start_from is not None:  # issue 24; no checkpoint of our own yet
+                from estimax.migrate import warm_start
+
+                state, _ = warm_start.warm_start(self._warm_start_from, state)
         del sample[:]
         self._preflight(state, start)
         rng = jax.device_put(self._base_rng, replication.replicated(self.mesh))

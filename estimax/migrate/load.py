@@ -197,7 +197,8 @@ def load_tf_state(
       allow_missing: keep variables the checkpoint lacks as initialised (listed in ``fresh``).
       allow_mismatch: keep variables whose shape differs as initialised (a new head).
       allow_unmapped: go on although checkpoint variables are left unmapped.
-      fresh: entries to keep as initialised whatever the checkpoint has (warm-start filters).
+      fresh: entries to keep as initialised whatever the checkpoint has (warm-start filters);
+        called with the entry's path inside ``variables`` (scope included).
 
     Raises:
       MappingError: missing, mismatched or unmapped tensors that were not allowed (every one is
@@ -219,20 +220,21 @@ def load_tf_state(
     taken: dict[tuple[str, ...], Entry] = {}
     for entry in entries:
         full = (*scope, *entry.path)
+        fname = "/".join((entry.collection, *full))  # as the state names it
         ours = tuple(np.shape(_get(out[entry.collection], full)))
         theirs = tensors.shape(entry.tf_name)
-        if fresh is not None and fresh(entry):
-            report.fresh.append(entry.flax_name)
+        if fresh is not None and fresh(dataclasses.replace(entry, path=full)):
+            report.fresh.append(fname)
             if theirs is not None:
                 tensors.used.add(entry.tf_name)  # left out on purpose, not unmapped
             continue
         if theirs is None:
-            report.missing.append((entry.flax_name, entry.tf_name, ours))
-            report.fresh.append(entry.flax_name)
+            report.missing.append((fname, entry.tf_name, ours))
+            report.fresh.append(fname)
             continue
         if not _fits(entry, ours, theirs):
-            report.mismatched.append((entry.flax_name, entry.tf_name, ours, theirs))
-            report.fresh.append(entry.flax_name)
+            report.mismatched.append((fname, entry.tf_name, ours, theirs))
+            report.fresh.append(fname)
             tensors.used.add(entry.tf_name)  # mapped (reported as mismatched), not unmapped
             continue
         like = _get(out[entry.collection], full)
@@ -295,8 +297,8 @@ def _load_slots(
                 entry = taken[rest]
                 name = f"{entry.tf_name}/{slot_of[field]}"
                 if tensors.shape(name) is None:
-                    report.missing.append(("optimizer/" + entry.flax_name, name, np.shape(leaf)))
-                    report.fresh.append("optimizer/" + entry.flax_name)
+                    report.missing.append(("optimizer/" + "/".join(rest), name, np.shape(leaf)))
+                    report.fresh.append("optimizer/" + "/".join(rest))
                 else:
                     value = _cast(tensors.get(name), leaf)
                     report.slots.append(name)
