@@ -187,3 +187,85 @@ def test_tf_resnet18_converts_evaluates_to_tfs_accuracy_and_trains_on(tmp_path):
         params["initial_conv"]["kernel"], reader.get_tensor("conv2d/kernel")
     )
     assert params["final_dense"]["kernel"].shape == (512, 5)
+
+
+def _f32_model_fn(features, labels, mode, params):
+    """serving_fixtures' tiny ResNet, in float32."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import estimax as ex
+    from estimax.models import get_model
+
+    del params
+    model = get_model("resnet_tiny", num_classes=3)
+    logits = model(preprocessing.normalize(features, jnp), train=mode == ex.ModeKeys.TRAIN)
+    predictions = {"classes": jnp.argmax(logits, axis=1), "probabilities": jax.nn.softmax(logits)}
+    if mode == ex.ModeKeys.PREDICT:
+        return ex.EstimatorSpec(
+            mode=mode, predictions=predictions, export_outputs={"classify": predictions}
+        )
+    return ex.EstimatorSpec(
+        mode=mode,
+        loss=ex.losses.softmax_cross_entropy(logits, labels),
+        optimizer=optax.sgd(0.05, momentum=0.9),
+        predictions=predictions,
+    )
+
+
+def test_savedmodel_from_a_resnet_export_serves_estimaxs_classes(tmp_path, capsys):
+    import estimax as ex
+    from estimax import serving
+    from estimax.migrate import savedmodel
+    from estimax.serving.servable import Servable
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    import serving_fixtures
+
+    images, labels = serving_fixtures.make_jpegs(24)
+    pixels = np.stack([preprocessing.resnet_preprocess(b, False, 32) for b in images])
+    est = ex.Estimator(
+        _f32_model_fn,
+        ex.RunConfig(model_dir=str(tmp_path / "model"), num_shards=1),
+        train_batch_size=8,
+        predict_batch_size=8,
+    )
+    est.train(ex.numpy_input_fn(pixels, labels, num_epochs=None), max_steps=6)
+    version = serving.export_version(
+        est,
+        str(tmp_path / "serving"),
+        serving_input=ex.TensorSpec((None, 32, 32, 3), np.uint8),
+        preprocessing=serving.resnet_eval(32),
+        check_inputs=images[:16],
+    )
+    est.close()
+    out = str(tmp_path / "savedmodel")
+    assert savedmodel.main([f"--export_dir={version}", f"--output_dir={out}"]) == 0
+
+    loaded = tf.saved_model.load(out)
+    fn = loaded.signatures["serving_default"]
+    assert list(fn.structured_input_signature[1]) == ["input"]
+    assert fn.structured_input_signature[1]["input"].dtype == tf.string
+    result = fn(input=tf.constant(images))
+    assert result["classes"].dtype == tf.int64 and result["probabilities"].dtype == tf.float32
+    served = Servable(version).predict_images(images)  # what `estimax predict` answers
+    np.testing.assert_array_equal(result["classes"].numpy(), served["classes"])
+    diff = np.abs(result["probabilities"].numpy() - served["probabilities"]).max()
+    print(f"SavedModel vs estimax on {len(images)} JPEGs: same classes, max |dprob| {diff:.2e}")
+    assert diff <= savedmodel.DEFAULT_ATOL
+
+    # A disagreement (here: estimax's recorded answers edited) publishes nothing.
+    check_path = os.path.join(version, "export_check.json")
+    import json
+
+    with open(check_path) as f:
+        record = json.load(f)
+    record["expected"]["classes"][0] = (record["expected"]["classes"][0] + 1) % 3
+    with open(check_path, "w") as f:
+        json.dump(record, f)
+    refused = str(tmp_path / "refused")
+    assert savedmodel.main([f"--export_dir={version}", f"--output_dir={refused}"]) == 2
+    assert "classes differ from estimax's for 1 of 16" in capsys.readouterr().err
+    assert not os.path.exists(refused)
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".savedmodel-")]
