@@ -252,8 +252,9 @@ def test_savedmodel_from_a_resnet_export_serves_estimaxs_classes(tmp_path, capsy
     served = Servable(version).predict_images(images)  # what `estimax predict` answers
     np.testing.assert_array_equal(result["classes"].numpy(), served["classes"])
     diff = np.abs(result["probabilities"].numpy() - served["probabilities"]).max()
-    print(f"SavedModel vs estimax on {len(images)} JPEGs: same classes, max |dprob| {diff:.2e}")
-    assert diff <= savedmodel.DEFAULT_ATOL
+    with capsys.disabled():
+        print(f"SavedModel vs estimax on {len(images)} JPEGs: same classes, max dprob {diff:.2e}")
+    assert diff <= 1e-4
 
     # A disagreement (here: estimax's recorded answers edited) publishes nothing.
     check_path = os.path.join(version, "export_check.json")
