@@ -32,6 +32,13 @@ def ref():
     return np.load(os.path.join(DATA, "reference.npz"))
 
 
+def _zeros_like_init(model, images):
+    """The model's variables as zeros: every one is then loaded from the checkpoint (asserted),
+    and no initialiser is compiled (over a minute for Inception on a loaded 2-core machine)."""
+    abstract = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), images, train=False))
+    return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), abstract)
+
+
 def _images(ref, name):
     # scripts/make_tf_checkpoints.py's to_float.
     return (ref[f"{name}/pixels"].astype(np.float32) / 127.5 - 1.0).astype(np.float32)
@@ -180,11 +187,11 @@ def test_resnet_logits_equal_tensorflows(ref, fixture, model_cls):
     key = fixture.replace("_bf16prefix", "")
     images = _images(ref, key)
     model = model_cls(num_classes=10)
-    variables = model.init(jax.random.PRNGKey(0), images, train=False)
+    variables = _zeros_like_init(model, images)
     loaded, _, _, report = migrate_load.load_tf_state(
         os.path.join(DATA, fixture), "resnet", variables
     )
-    logits = np.asarray(model.apply(loaded, images, train=False))
+    logits = np.asarray(jax.jit(lambda v, x: model.apply(v, x, train=False))(loaded, images))
     np.testing.assert_allclose(logits, ref[f"{key}/logits"], atol=1e-4, rtol=0)
     assert report.step == 3 and not report.missing and not report.mismatched
     assert not report.unmapped()  # only slots and global_step were left
@@ -194,8 +201,7 @@ def test_resnet_momentum_slots_into_optax_state():
     import optax
 
     model = ResNetTiny(num_classes=10)
-    images = np.zeros((1, 32, 32, 3), np.float32)
-    variables = model.init(jax.random.PRNGKey(0), images, train=False)
+    variables = _zeros_like_init(model, np.zeros((1, 32, 32, 3), np.float32))
     opt = optax.sgd(optax.constant_schedule(0.1), momentum=0.9, nesterov=True)
     opt_state = opt.init(variables["params"])
     _, loaded_opt, _, report = migrate_load.load_tf_state(
@@ -220,11 +226,13 @@ def test_inception_v3_logits_ema_and_rmsprop_slots(ref):
 
     images = _images(ref, "inception_v3_tiny")
     model = InceptionV3Tiny(num_classes=11)
-    variables = model.init(jax.random.PRNGKey(0), images, train=False)
+    variables = _zeros_like_init(model, images)
+    apply = jax.jit(lambda v, x: model.apply(v, x, train=False))
     opt_state = make_optimizer("RMS", lambda step: 0.01).init(variables["params"])
+    assert float(opt_state[0].nu["Logits"]["kernel"][0, 0]) == 1.0  # TF's RMSProp starts at 1
     path = os.path.join(DATA, "inception_v3_tiny")
     raw, _, _, _ = migrate_load.load_tf_state(path, "inception_v3", variables, ema=False)
-    logits, aux = model.apply(raw, images, train=False)
+    logits, aux = apply(raw, images)
     np.testing.assert_allclose(logits, ref["inception_v3_tiny/logits"], atol=1e-4, rtol=0)
     np.testing.assert_allclose(aux, ref["inception_v3_tiny/aux_logits"], atol=1e-4, rtol=0)
 
@@ -232,7 +240,7 @@ def test_inception_v3_logits_ema_and_rmsprop_slots(ref):
         path, "inception_v3", variables, opt_state, variables["params"]
     )
     # The original evaluated the moving averages: the EMA weights with the statistics' shadows.
-    ema_logits, _ = model.apply({**loaded, "params": ema}, images, train=False)
+    ema_logits, _ = apply({**loaded, "params": ema}, images)
     np.testing.assert_allclose(ema_logits, ref["inception_v3_tiny/ema_logits"], atol=1e-4, rtol=0)
     reader = migrate.CheckpointReader(path)
     name = "InceptionV3/Mixed_5c/Branch_1/Conv_1_0c_5x5/weights"
@@ -255,7 +263,9 @@ def _at(tree, path):
 
 def test_missing_and_mismatch_give_one_line_each(tmp_path):
     model = ResNetTiny(num_classes=7)  # another head
-    variables = model.init(jax.random.PRNGKey(0), np.zeros((1, 32, 32, 3)), train=False)
+    variables = jax.jit(lambda x: model.init(jax.random.PRNGKey(0), x, train=False))(
+        np.zeros((1, 32, 32, 3))
+    )
     path = os.path.join(DATA, "resnet_tiny")
     with pytest.raises(migrate_load.MappingError) as e:
         migrate_load.load_tf_state(path, "resnet", variables)
@@ -274,7 +284,7 @@ def test_missing_and_mismatch_give_one_line_each(tmp_path):
     )
     # A model with more blocks than the checkpoint: the missing tensors, by name and shape.
     big = ResNetTiny(num_classes=10, stage_sizes=(2, 1))
-    variables = big.init(jax.random.PRNGKey(0), np.zeros((1, 32, 32, 3)), train=False)
+    variables = _zeros_like_init(big, np.zeros((1, 32, 32, 3)))
     with pytest.raises(
         migrate_load.MappingError, match=r"missing: conv2d_\d+/kernel \(for params/"
     ):

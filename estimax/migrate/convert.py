@@ -150,6 +150,7 @@ def convert_tf_checkpoint(
       TFCheckpointError: unreadable checkpoint, a model_dir that has checkpoints, or (a
         ``MappingError``) tensors that do not fit.
     """
+    import jax
     import jax.numpy as jnp
 
     from estimax.estimator import checkpoints
@@ -165,7 +166,24 @@ def convert_tf_checkpoint(
                 f"{existing.latest_step()}): convert into a new model_dir"
             )
         labels = np.zeros((1,), np.int32)
-        state = initial_state(target.model_fn, jnp.asarray(target.features), labels)
+        features = jnp.asarray(target.features)
+        # First the names and shapes alone (no initialiser compiled: a minute for a big model),
+        # so a checkpoint that does not fit is refused at once.
+        abstract = jax.eval_shape(lambda: initial_state(target.model_fn, features, labels))
+        zeros = jax.tree.map(
+            lambda s: np.zeros(s.shape, s.dtype),
+            {"params": abstract.params, **abstract.model_state},
+        )
+        load_tf_state(
+            reader,
+            program,
+            zeros,
+            ema=False,
+            allow_missing=allow_missing,
+            allow_mismatch=allow_mismatch,
+            allow_unmapped=allow_unmapped,
+        )
+        state = initial_state(target.model_fn, features, labels)
         variables = {"params": state.params, **state.model_state}
         variables, opt_state, ema_params, report = load_tf_state(
             reader,
