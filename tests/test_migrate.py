@@ -307,6 +307,7 @@ def test_convert_cli_refuses_a_model_that_does_not_fit(tmp_path, capsys):
     assert err.startswith("estimax-convert tf-checkpoint: error: ")
     assert "shape mismatch: conv2d/kernel is [7, 7, 3, 8] in the checkpoint" in err
     assert "Traceback" not in err
+    assert not os.path.exists(tmp_path / "model")  # refused before anything is written
     code = convert.main(["tf-checkpoint", f"--checkpoint={tmp_path}/none", "--list"])
     assert code == 2 and "no TensorFlow checkpoint" in capsys.readouterr().err
 
@@ -391,3 +392,25 @@ def test_a_big_endian_bundle_is_refused(tmp_path):
     footer = footer.ljust(40, b"\x00") + struct.pack("<Q", 0xDB4775248B80FB57)
     (tmp_path / "model.ckpt-1.index").write_bytes(data + index + footer)
     assert migrate.CheckpointReader(str(tmp_path / "model.ckpt-1")).variables() == {}
+
+
+def test_inception_program_names_match_the_tf_checkpoint(tmp_path, capsys):
+    """The inception_v3 program's full-width model has every name the TF-written (thin)
+    checkpoint has: the conversion fails only on widths, one line per tensor, none missing."""
+    code = convert.main(
+        [
+            "tf-checkpoint",
+            f"--checkpoint={DATA}/inception_v3_tiny",
+            f"--model_dir={tmp_path}/model",
+            "--model=inception_v3",
+            "--num_classes=11",
+            "--width=112",
+            "--height=112",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 2
+    lines = err.splitlines()[1:-1]
+    assert lines and all(line.strip().startswith("shape mismatch: InceptionV3/") for line in lines)
+    assert any("InceptionV3/Mixed_7c/Branch_1/Conv2d_0c_3x1/weights" in line for line in lines)
+    assert not os.path.exists(tmp_path / "model")  # nothing written

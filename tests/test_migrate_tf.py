@@ -127,6 +127,10 @@ def test_tf_resnet18_converts_evaluates_to_tfs_accuracy_and_trains_on(tmp_path):
         == 0
     )
 
+    # Into a model_dir that has checkpoints: refused, in one line.
+    again = ["tf-checkpoint", f"--checkpoint={tf_dir}", f"--model_dir={model_dir}"]
+    assert convert.main([*again, "--model=resnet", *model_flags]) == 2
+
     def run(*argv):
         fv = flags.FlagValues()
         resnet.define_flags(fv)

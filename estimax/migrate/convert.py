@@ -153,62 +153,69 @@ def convert_tf_checkpoint(
     import jax
     import jax.numpy as jnp
 
+    from estimax import storage
     from estimax.estimator import checkpoints
     from estimax.programs import cli
 
     reader = CheckpointReader(checkpoint)
     target = program_model(program, program_argv)
-    existing = checkpoints.Checkpointer(model_dir, keep_checkpoint_max=None, async_save=False)
-    try:
-        if existing.latest_step() is not None:
+    if storage.isdir(checkpoints.checkpoint_dir(model_dir)):
+        before = checkpoints.Checkpointer(model_dir, keep_checkpoint_max=None, read_only=True)
+        try:
+            found = before.latest_step()
+        finally:
+            before.close()
+        if found is not None:
             raise TFCheckpointError(
-                f"--model_dir={model_dir} already has checkpoints (step "
-                f"{existing.latest_step()}): convert into a new model_dir"
+                f"--model_dir={model_dir} already has checkpoints (step {found}): convert "
+                "into a new model_dir"
             )
-        labels = np.zeros((1,), np.int32)
-        features = jnp.asarray(target.features)
-        # First the names and shapes alone (no initialiser compiled: a minute for a big model),
-        # so a checkpoint that does not fit is refused at once.
-        abstract = jax.eval_shape(lambda: initial_state(target.model_fn, features, labels))
-        zeros = jax.tree.map(
-            lambda s: np.zeros(s.shape, s.dtype),
-            {"params": abstract.params, **abstract.model_state},
-        )
-        load_tf_state(
-            reader,
-            program,
-            zeros,
-            ema=False,
-            allow_missing=allow_missing,
-            allow_mismatch=allow_mismatch,
-            allow_unmapped=allow_unmapped,
-        )
-        state = initial_state(target.model_fn, features, labels)
-        variables = {"params": state.params, **state.model_state}
-        variables, opt_state, ema_params, report = load_tf_state(
-            reader,
-            program,
-            variables,
-            state.opt_state,
-            state.ema_params,
-            optimizer_state=optimizer_state,
-            ema=ema,
-            allow_missing=allow_missing,
-            allow_mismatch=allow_mismatch,
-            allow_unmapped=allow_unmapped,
-        )
-        step = report.step or 0
-        params = variables.pop("params")
-        existing.save(
+    labels = np.zeros((1,), np.int32)
+    features = jnp.asarray(target.features)
+    # First the names and shapes alone (no initialiser compiled: a minute for a big model),
+    # so a checkpoint that does not fit is refused at once, before model_dir is created.
+    abstract = jax.eval_shape(lambda: initial_state(target.model_fn, features, labels))
+    zeros = jax.tree.map(
+        lambda s: np.zeros(s.shape, s.dtype),
+        {"params": abstract.params, **abstract.model_state},
+    )
+    load_tf_state(
+        reader,
+        program,
+        zeros,
+        ema=False,
+        allow_missing=allow_missing,
+        allow_mismatch=allow_mismatch,
+        allow_unmapped=allow_unmapped,
+    )
+    state = initial_state(target.model_fn, features, labels)
+    variables = {"params": state.params, **state.model_state}
+    variables, opt_state, ema_params, report = load_tf_state(
+        reader,
+        program,
+        variables,
+        state.opt_state,
+        state.ema_params,
+        optimizer_state=optimizer_state,
+        ema=ema,
+        allow_missing=allow_missing,
+        allow_mismatch=allow_mismatch,
+        allow_unmapped=allow_unmapped,
+    )
+    step = report.step or 0
+    params = variables.pop("params")
+    writer = checkpoints.Checkpointer(model_dir, keep_checkpoint_max=None, async_save=False)
+    try:
+        writer.save(
             step,
             {"step": np.asarray(step, np.int32), "params": params, "model_state": variables},
             opt_state,
             ema_params,
             None,
         )
-        existing.wait_until_finished()
+        writer.wait_until_finished()
     finally:
-        existing.close()
+        writer.close()
     cli.check_model_dir(model_dir, target.program, target.model_flags, write=True)
     logging.info("Converted %s", report.summary())
     return report
