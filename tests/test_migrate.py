@@ -253,6 +253,11 @@ def test_inception_v3_logits_ema_and_rmsprop_slots(ref):
     )
     assert int(loaded_opt[1].count) == report.step == 2
     assert not report.unmapped() and not report.missing
+    # --ema=none: the average starts from the loaded weights, not from the initial ones.
+    _, _, plain_ema, _ = migrate_load.load_tf_state(
+        path, "inception_v3", variables, ema_params=variables["params"], ema=False
+    )
+    np.testing.assert_array_equal(_at(plain_ema, kernel), reader.get_tensor(name))
 
 
 def _at(tree, path):

@@ -251,6 +251,10 @@ def load_tf_state(
             if ema and new_ema and tensors.shape(shadow_name) is not None:
                 _set(new_ema, full, _cast(tensors.get(shadow_name), _get(new_ema, full)))
                 report.ema.append(shadow_name)
+            elif new_ema:
+                # No shadow (or not asked for): the average starts from the loaded weights, as
+                # the Estimator starts it from a checkpoint that has none.
+                _set(new_ema, full, _cast(value, _get(new_ema, full)))
     new_opt = opt_state
     if opt_state is not None and optimizer_state:
         new_opt = _load_slots(tensors, opt_state, taken, report)
