@@ -17,6 +17,10 @@ save_relative_paths=True``, as tf.estimator's default Saver) into a model_dir of
   names and quirks) at depth_multiplier 0.05, min_depth 8, 11 classes (0 = background),
   RMSProp(0.9, momentum 0.9, eps 1.0) slots and ``ExponentialMovingAverage`` shadows of the
   trainable variables and moving statistics after 2 steps.
+* ``inception_v4_tiny/``: TF-slim's Inception v4 (slim scopes, AuxLogits/Aux_logits and
+  Logits/Logits fully connected heads), thinned like estimax's InceptionV4Tiny (depth 0.05,
+  min 8, one block of each kind), 11 classes, ``global_step`` 5. ``--only_inception_v4`` adds
+  it to an existing directory.
 * ``dtypes/``: one variable of every numeric dtype (bfloat16, int64...); ``strings/`` and
   ``partitioned/``: what the reader refuses.
 * ``reference.npz``: the input batches and TensorFlow's own logits (inference mode) for each
@@ -301,21 +305,184 @@ def inception_v3(inputs, num_classes, depth_multiplier, min_depth, scope="Incept
     return logits, aux
 
 
-def inception_arg_scope():
-    """slim's inception_v3_arg_scope as the original passes it (BN decay 0.996, eps 1e-3)."""
+def inception_arg_scope(decay=0.996):
+    """slim's inception arg_scope as the originals pass it (BN decay 0.996 v3, 0.995 v4)."""
     return slim.arg_scope(
         [slim.conv2d],
         weights_initializer=slim.variance_scaling_initializer(),
         activation_fn=tf.nn.relu,
         normalizer_fn=slim.batch_norm,
         normalizer_params={
-            "decay": 0.996,
+            "decay": decay,
             "epsilon": 1e-3,
             "scale": False,
             "is_training": False,
             "fused": True,
         },
     )
+
+
+# ------------------------------------------------------------------ TF-slim's inception_v4
+def inception_v4(inputs, num_classes, depth_multiplier, min_depth, repeats, scope="InceptionV4"):
+    """slim's inception_v4 (+ AuxLogits, Logits), inference mode; ``depth_multiplier`` and
+    ``repeats`` thin it as estimax's InceptionV4Tiny does (slim's v4 has no multiplier)."""
+
+    def d(n):
+        return max(int(n * depth_multiplier), min_depth)
+
+    conv, avg, mx = slim.conv2d, slim.avg_pool2d, slim.max_pool2d
+    vs = tf1.variable_scope
+
+    def block_a(net, name):
+        with vs(name):
+            with vs("Branch_0"):
+                b0 = conv(net, d(96), [1, 1], scope="Conv2d_0a_1x1")
+            with vs("Branch_1"):
+                b1 = conv(net, d(64), [1, 1], scope="Conv2d_0a_1x1")
+                b1 = conv(b1, d(96), [3, 3], scope="Conv2d_0b_3x3")
+            with vs("Branch_2"):
+                b2 = conv(net, d(64), [1, 1], scope="Conv2d_0a_1x1")
+                b2 = conv(b2, d(96), [3, 3], scope="Conv2d_0b_3x3")
+                b2 = conv(b2, d(96), [3, 3], scope="Conv2d_0c_3x3")
+            with vs("Branch_3"):
+                b3 = avg(net, [3, 3], scope="AvgPool_0a_3x3")
+                b3 = conv(b3, d(96), [1, 1], scope="Conv2d_0b_1x1")
+            return tf.concat([b0, b1, b2, b3], 3)
+
+    def block_b(net, name):
+        with vs(name):
+            with vs("Branch_0"):
+                b0 = conv(net, d(384), [1, 1], scope="Conv2d_0a_1x1")
+            with vs("Branch_1"):
+                b1 = conv(net, d(192), [1, 1], scope="Conv2d_0a_1x1")
+                b1 = conv(b1, d(224), [1, 7], scope="Conv2d_0b_1x7")
+                b1 = conv(b1, d(256), [7, 1], scope="Conv2d_0c_7x1")
+            with vs("Branch_2"):
+                b2 = conv(net, d(192), [1, 1], scope="Conv2d_0a_1x1")
+                b2 = conv(b2, d(192), [7, 1], scope="Conv2d_0b_7x1")
+                b2 = conv(b2, d(224), [1, 7], scope="Conv2d_0c_1x7")
+                b2 = conv(b2, d(224), [7, 1], scope="Conv2d_0d_7x1")
+                b2 = conv(b2, d(256), [1, 7], scope="Conv2d_0e_1x7")
+            with vs("Branch_3"):
+                b3 = avg(net, [3, 3], scope="AvgPool_0a_3x3")
+                b3 = conv(b3, d(128), [1, 1], scope="Conv2d_0b_1x1")
+            return tf.concat([b0, b1, b2, b3], 3)
+
+    def block_c(net, name):
+        with vs(name):
+            with vs("Branch_0"):
+                b0 = conv(net, d(256), [1, 1], scope="Conv2d_0a_1x1")
+            with vs("Branch_1"):
+                b1 = conv(net, d(384), [1, 1], scope="Conv2d_0a_1x1")
+                b1 = tf.concat(
+                    [
+                        conv(b1, d(256), [1, 3], scope="Conv2d_0b_1x3"),
+                        conv(b1, d(256), [3, 1], scope="Conv2d_0c_3x1"),
+                    ],
+                    3,
+                )
+            with vs("Branch_2"):
+                b2 = conv(net, d(384), [1, 1], scope="Conv2d_0a_1x1")
+                b2 = conv(b2, d(448), [3, 1], scope="Conv2d_0b_3x1")
+                b2 = conv(b2, d(512), [1, 3], scope="Conv2d_0c_1x3")
+                b2 = tf.concat(
+                    [
+                        conv(b2, d(256), [1, 3], scope="Conv2d_0d_1x3"),
+                        conv(b2, d(256), [3, 1], scope="Conv2d_0e_3x1"),
+                    ],
+                    3,
+                )
+            with vs("Branch_3"):
+                b3 = avg(net, [3, 3], scope="AvgPool_0a_3x3")
+                b3 = conv(b3, d(256), [1, 1], scope="Conv2d_0b_1x1")
+            return tf.concat([b0, b1, b2, b3], 3)
+
+    with vs(scope):
+        with slim.arg_scope([conv, mx, avg], stride=1, padding="SAME"):
+            net = conv(inputs, d(32), [3, 3], stride=2, padding="VALID", scope="Conv2d_1a_3x3")
+            net = conv(net, d(32), [3, 3], padding="VALID", scope="Conv2d_2a_3x3")
+            net = conv(net, d(64), [3, 3], scope="Conv2d_2b_3x3")
+            with vs("Mixed_3a"):
+                with vs("Branch_0"):
+                    b0 = mx(net, [3, 3], stride=2, padding="VALID", scope="MaxPool_0a_3x3")
+                with vs("Branch_1"):
+                    b1 = conv(net, d(96), [3, 3], stride=2, padding="VALID", scope="Conv2d_0a_3x3")
+                net = tf.concat([b0, b1], 3)
+            with vs("Mixed_4a"):
+                with vs("Branch_0"):
+                    b0 = conv(net, d(64), [1, 1], scope="Conv2d_0a_1x1")
+                    b0 = conv(b0, d(96), [3, 3], padding="VALID", scope="Conv2d_1a_3x3")
+                with vs("Branch_1"):
+                    b1 = conv(net, d(64), [1, 1], scope="Conv2d_0a_1x1")
+                    b1 = conv(b1, d(64), [1, 7], scope="Conv2d_0b_1x7")
+                    b1 = conv(b1, d(64), [7, 1], scope="Conv2d_0c_7x1")
+                    b1 = conv(b1, d(96), [3, 3], padding="VALID", scope="Conv2d_1a_3x3")
+                net = tf.concat([b0, b1], 3)
+            with vs("Mixed_5a"):
+                with vs("Branch_0"):
+                    b0 = conv(net, d(192), [3, 3], stride=2, padding="VALID", scope="Conv2d_1a_3x3")
+                with vs("Branch_1"):
+                    b1 = mx(net, [3, 3], stride=2, padding="VALID", scope="MaxPool_1a_3x3")
+                net = tf.concat([b0, b1], 3)
+            for i in range(repeats[0]):
+                net = block_a(net, "Mixed_5" + "bcde"[i])
+            with vs("Mixed_6a"):
+                with vs("Branch_0"):
+                    b0 = conv(net, d(384), [3, 3], stride=2, padding="VALID", scope="Conv2d_1a_3x3")
+                with vs("Branch_1"):
+                    b1 = conv(net, d(192), [1, 1], scope="Conv2d_0a_1x1")
+                    b1 = conv(b1, d(224), [3, 3], scope="Conv2d_0b_3x3")
+                    b1 = conv(b1, d(256), [3, 3], stride=2, padding="VALID", scope="Conv2d_1a_3x3")
+                with vs("Branch_2"):
+                    b2 = mx(net, [3, 3], stride=2, padding="VALID", scope="MaxPool_1a_3x3")
+                net = tf.concat([b0, b1, b2], 3)
+            for i in range(repeats[1]):
+                net = block_b(net, "Mixed_6" + "bcdefgh"[i])
+            with vs("AuxLogits"):
+                aux = avg(net, [5, 5], stride=3, padding="VALID", scope="AvgPool_1a_5x5")
+                aux = conv(aux, d(128), [1, 1], scope="Conv2d_1b_1x1")
+                aux = conv(aux, d(768), aux.get_shape()[1:3], padding="VALID", scope="Conv2d_2a")
+                aux = slim.flatten(aux)
+                aux = slim.fully_connected(aux, num_classes, activation_fn=None, scope="Aux_logits")
+            with vs("Mixed_7a"):
+                with vs("Branch_0"):
+                    b0 = conv(net, d(192), [1, 1], scope="Conv2d_0a_1x1")
+                    b0 = conv(b0, d(192), [3, 3], stride=2, padding="VALID", scope="Conv2d_1a_3x3")
+                with vs("Branch_1"):
+                    b1 = conv(net, d(256), [1, 1], scope="Conv2d_0a_1x1")
+                    b1 = conv(b1, d(256), [1, 7], scope="Conv2d_0b_1x7")
+                    b1 = conv(b1, d(320), [7, 1], scope="Conv2d_0c_7x1")
+                    b1 = conv(b1, d(320), [3, 3], stride=2, padding="VALID", scope="Conv2d_1a_3x3")
+                with vs("Branch_2"):
+                    b2 = mx(net, [3, 3], stride=2, padding="VALID", scope="MaxPool_1a_3x3")
+                net = tf.concat([b0, b1, b2], 3)
+            for i in range(repeats[2]):
+                net = block_c(net, "Mixed_7" + "bcd"[i])
+            with vs("Logits"):
+                net = avg(net, net.get_shape()[1:3], padding="VALID", scope="AvgPool_1a")
+                net = slim.flatten(net, scope="PreLogitsFlatten")
+                logits = slim.fully_connected(net, num_classes, activation_fn=None, scope="Logits")
+    return logits, aux
+
+
+def make_inception_v4(out, rng, refs):
+    graph = tf.Graph()
+    with graph.as_default():
+        tf1.set_random_seed(int(rng.integers(1 << 30)))
+        x = tf1.placeholder(tf.float32, [None, 112, 112, 3])
+        with inception_arg_scope(decay=0.995):
+            logits, aux = inception_v4(x, 11, 0.05, 8, (1, 1, 1))
+        global_step = tf1.train.get_or_create_global_step()
+        pixels = rng.integers(0, 256, (2, 112, 112, 3), dtype=np.uint8)
+        with tf1.Session(graph=graph) as sess:
+            sess.run(tf1.global_variables_initializer())
+            _randomize(sess, rng, tf1.global_variables())
+            global_step.load(5, sess)
+            _save(sess, os.path.join(out, "inception_v4_tiny"), None, global_step)
+            refs["inception_v4_tiny/pixels"] = pixels
+            refs["inception_v4_tiny/logits"], refs["inception_v4_tiny/aux_logits"] = sess.run(
+                [logits, aux], {x: to_float(pixels)}
+            )
 
 
 # ------------------------------------------------------------------ writing
@@ -479,11 +646,23 @@ def make_refused(out):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output_dir", default="tests/data/tf_checkpoints")
+    parser.add_argument(
+        "--only_inception_v4",
+        action="store_true",
+        help="add inception_v4_tiny (and its references) to an existing --output_dir",
+    )
     args = parser.parse_args()
     tf1.disable_eager_execution()
     os.makedirs(args.output_dir, exist_ok=True)
     rng = np.random.default_rng(20260524)
     refs: dict[str, np.ndarray] = {}
+    if args.only_inception_v4:
+        path = os.path.join(args.output_dir, "reference.npz")
+        refs = dict(np.load(path))
+        make_inception_v4(args.output_dir, np.random.default_rng(20260525), refs)
+        np.savez(path, **refs)
+        print(f"added inception_v4_tiny to {args.output_dir}")
+        return
     make_resnet(args.output_dir, "resnet_tiny", residual_block, rng, refs, "resnet_tiny_bf16prefix")
     make_resnet(args.output_dir, "resnet_tiny_bottleneck", bottleneck_block, rng, refs)
     make_inception_v3(args.output_dir, rng, refs)
@@ -492,6 +671,7 @@ def main():
         # npz has no bfloat16: its bits, as uint16.
         refs[name] = value.view(np.uint16) if value.dtype.name == "bfloat16" else value
     make_refused(args.output_dir)
+    make_inception_v4(args.output_dir, np.random.default_rng(20260525), refs)
     refs["tensorflow_version"] = np.array(tf.__version__)
     np.savez(os.path.join(args.output_dir, "reference.npz"), **refs)
     print(f"wrote {args.output_dir} with TensorFlow {tf.__version__}")

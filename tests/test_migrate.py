@@ -419,3 +419,16 @@ def test_inception_program_names_match_the_tf_checkpoint(tmp_path, capsys):
     assert lines and all(line.strip().startswith("shape mismatch: InceptionV3/") for line in lines)
     assert any("InceptionV3/Mixed_7c/Branch_1/Conv2d_0c_3x1/weights" in line for line in lines)
     assert not os.path.exists(tmp_path / "model")  # nothing written
+
+
+def test_inception_v4_logits_equal_tensorflows(ref):
+    images = _images(ref, "inception_v4_tiny")
+    model = InceptionV4Tiny(num_classes=11)
+    variables = _zeros_like_init(model, images)
+    loaded, _, _, report = migrate_load.load_tf_state(
+        os.path.join(DATA, "inception_v4_tiny"), "inception_v4", variables
+    )
+    logits, aux = jax.jit(lambda v, x: model.apply(v, x, train=False))(loaded, images)
+    np.testing.assert_allclose(logits, ref["inception_v4_tiny/logits"], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(aux, ref["inception_v4_tiny/aux_logits"], atol=1e-4, rtol=0)
+    assert report.step == 5 and not report.missing and not report.unused[1:]
