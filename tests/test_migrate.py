@@ -432,3 +432,19 @@ def test_inception_v4_logits_equal_tensorflows(ref):
     np.testing.assert_allclose(logits, ref["inception_v4_tiny/logits"], atol=1e-4, rtol=0)
     np.testing.assert_allclose(aux, ref["inception_v4_tiny/aux_logits"], atol=1e-4, rtol=0)
     assert report.step == 5 and not report.missing and not report.unused[1:]
+
+
+def test_export_savedmodel_without_tensorflow_says_what_to_install(tmp_path, capsys):
+    import importlib.util
+
+    if importlib.util.find_spec("tensorflow") is not None:
+        pytest.skip("TensorFlow is installed here (tests/test_migrate_tf.py covers the export)")
+    from estimax.migrate import savedmodel
+
+    export = tmp_path / "1"
+    export.mkdir()
+    for name in ("serving.json", "model.jaxexport", "variables.msgpack", "export_check.json"):
+        (export / name).write_text("{}")
+    assert savedmodel.main([f"--export_dir={export}", f"--output_dir={tmp_path}/out"]) == 2
+    err = capsys.readouterr().err
+    assert "install the estimax[tf] extra" in err and "Traceback" not in err

@@ -245,7 +245,10 @@ def test_savedmodel_from_a_resnet_export_serves_estimaxs_classes(tmp_path, capsy
     )
     est.close()
     out = str(tmp_path / "savedmodel")
-    assert savedmodel.main([f"--export_dir={version}", f"--output_dir={out}"]) == 0
+    from estimax.serving import cli
+
+    base = str(tmp_path / "serving")
+    assert cli.main(["export-savedmodel", f"--model_base_path={base}", f"--output_dir={out}"]) == 0
 
     loaded = tf.saved_model.load(out)
     fn = loaded.signatures["serving_default"]
