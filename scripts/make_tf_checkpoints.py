@@ -21,6 +21,7 @@ save_relative_paths=True``, as tf.estimator's default Saver) into a model_dir of
   Logits/Logits fully connected heads), thinned like estimax's InceptionV4Tiny (depth 0.05,
   min 8, one block of each kind), 11 classes, ``global_step`` 5. ``--only_inception_v4`` adds
   it to an existing directory.
+* ``sharded/``: two variables on two CPU devices, so two ``.data-*`` shards.
 * ``dtypes/``: one variable of every numeric dtype (bfloat16, int64...); ``strings/`` and
   ``partitioned/``: what the reader refuses.
 * ``reference.npz``: the input batches and TensorFlow's own logits (inference mode) for each
@@ -623,6 +624,23 @@ def make_dtypes(out, rng):
     return saved
 
 
+def make_sharded(out, rng):
+    """Variables on two CPU devices: the sharded Saver writes one .data file per device."""
+    graph = tf.Graph()
+    values = {}
+    with graph.as_default():
+        for i in range(2):
+            with tf.device(f"/cpu:{i}"):
+                value = rng.normal(size=(3, i + 2)).astype(np.float32)
+                tf1.get_variable(f"on_cpu{i}", initializer=value, use_resource=False)
+                values[f"sharded/on_cpu{i}"] = value
+        config = tf1.ConfigProto(device_count={"CPU": 2})
+        with tf1.Session(graph=graph, config=config) as sess:
+            sess.run(tf1.global_variables_initializer())
+            _save(sess, os.path.join(out, "sharded"), None, None)
+    return values
+
+
 def make_refused(out):
     graph = tf.Graph()
     with graph.as_default():
@@ -651,11 +669,23 @@ def main():
         action="store_true",
         help="add inception_v4_tiny (and its references) to an existing --output_dir",
     )
+    parser.add_argument(
+        "--only_sharded",
+        action="store_true",
+        help="add sharded/ (and its references) to an existing --output_dir",
+    )
     args = parser.parse_args()
     tf1.disable_eager_execution()
     os.makedirs(args.output_dir, exist_ok=True)
     rng = np.random.default_rng(20260524)
     refs: dict[str, np.ndarray] = {}
+    if args.only_sharded:
+        path = os.path.join(args.output_dir, "reference.npz")
+        refs = dict(np.load(path))
+        refs.update(make_sharded(args.output_dir, np.random.default_rng(20260526)))
+        np.savez(path, **refs)
+        print(f"added sharded to {args.output_dir}")
+        return
     if args.only_inception_v4:
         path = os.path.join(args.output_dir, "reference.npz")
         refs = dict(np.load(path))
@@ -672,6 +702,7 @@ def main():
         refs[name] = value.view(np.uint16) if value.dtype.name == "bfloat16" else value
     make_refused(args.output_dir)
     make_inception_v4(args.output_dir, np.random.default_rng(20260525), refs)
+    refs.update(make_sharded(args.output_dir, np.random.default_rng(20260526)))
     refs["tensorflow_version"] = np.array(tf.__version__)
     np.savez(os.path.join(args.output_dir, "reference.npz"), **refs)
     print(f"wrote {args.output_dir} with TensorFlow {tf.__version__}")

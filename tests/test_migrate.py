@@ -448,3 +448,11 @@ def test_export_savedmodel_without_tensorflow_says_what_to_install(tmp_path, cap
     assert savedmodel.main([f"--export_dir={export}", f"--output_dir={tmp_path}/out"]) == 2
     err = capsys.readouterr().err
     assert "install the estimax[tf] extra" in err and "Traceback" not in err
+
+
+def test_a_checkpoint_in_two_data_shards(ref):
+    reader = migrate.CheckpointReader(os.path.join(DATA, "sharded"))
+    assert reader.num_shards == 2
+    assert {i.shard_id for i in reader.variables().values()} == {0, 1}
+    for name in ("on_cpu0", "on_cpu1"):
+        np.testing.assert_array_equal(reader.get_tensor(name), ref[f"sharded/{name}"])
