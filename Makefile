@@ -18,6 +18,12 @@ BEAM_PINS := apache-beam==2.77.0 protobuf==6.33.6 pillow==12.3.0 numpy==2.4.6 \
 	crc32c==2.9.post0 fsspec==2026.9.0 simplejpeg==1.9.0 opencv-python-headless==5.0.0.93 \
 	tqdm==4.70.1 absl-py==2.5.1 pytest==9.2.0 hypothesis==6.170.15
 
+# TensorFlow (the estimax[tf] extra: SavedModels, and the TF-written checkpoints of
+# tests/test_migrate_tf.py) is never a core or default-test dependency: it lives in its own venv,
+# with estimax and its test deps (TF 2.21 pairs with jax 0.10.2 and protobuf 7; pip check clean).
+TF_VENV := .venv-tf
+TF_STAMP := $(TF_VENV)/.installed-stamp
+
 .PHONY: demo test lint reliability venv native bench bench-accelerator clean
 
 venv: $(STAMP)
@@ -57,6 +63,12 @@ $(BEAM_STAMP): pyproject.toml Makefile
 	    --config-settings editable_mode=compat -e .
 	touch $(BEAM_STAMP)
 
+$(TF_STAMP): pyproject.toml constraints.txt Makefile
+	$(PY) -m venv $(TF_VENV)
+	$(TF_VENV)/bin/pip install -q --disable-pip-version-check -c constraints.txt \
+	    --config-settings editable_mode=compat -e '.[test,tf]'
+	touch $(TF_STAMP)
+
 demo: $(STAMP) $(NATIVE_STAMP)
 	$(BIN)/python -m estimax.tools.mnist_data --output_dir=$(DEMO_DIR)/data
 	$(BIN)/python -m estimax.programs.mnist --data_dir=$(DEMO_DIR)/data \
@@ -72,9 +84,11 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-test: lint $(STAMP) $(NATIVE_STAMP) $(BEAM_STAMP)
+test: lint $(STAMP) $(NATIVE_STAMP) $(BEAM_STAMP) $(TF_STAMP)
 	ESTIMAX_REQUIRE_BEAM=1 $(BEAM_VENV)/bin/python -m pytest -q -p no:cacheprovider \
 	    tests/test_convert.py -k beam
+	$(TEST_ENV) ESTIMAX_REQUIRE_TF=1 $(TF_VENV)/bin/python -m pytest -q -p no:cacheprovider \
+	    tests/test_migrate_tf.py
 	$(TEST_ENV) ESTIMAX_REQUIRE_ONEDNN=$(ESTIMAX_REQUIRE_ONEDNN) $(BIN)/python -m pytest -q --durations=15 \
 	    -n $(TEST_WORKERS) --dist worksteal
 
@@ -95,4 +109,4 @@ bench-accelerator: $(STAMP) $(NATIVE_STAMP)
 	$(BIN)/python bench/accelerator.py
 
 clean:
-	rm -rf $(VENV) $(BEAM_VENV) runs
+	rm -rf $(VENV) $(BEAM_VENV) $(TF_VENV) runs

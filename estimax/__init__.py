@@ -55,6 +55,7 @@ if TYPE_CHECKING:
         TrainSpec,
     )
     from estimax.estimator.training import train_and_evaluate
+    from estimax.migrate.warm_start import WarmStartSettings
 
 # Public name -> module that defines it. Imported on first use, so that `import estimax.data`
 # in input worker processes does not pay for importing JAX (1.8 s and ~150 MB each).
@@ -83,6 +84,7 @@ _EXPORTS = {
     "REPLICA_AXIS": "estimax.estimator.replication",
     "checkpoints_iterator": "estimax.estimator.checkpoints",
     "train_and_evaluate": "estimax.estimator.training",
+    "WarmStartSettings": "estimax.migrate.warm_start",
 }
 _SUBMODULES = {
     "losses": "estimax.estimator.losses",
@@ -111,6 +113,7 @@ __all__ = [
     "TensorSpec",
     "TrainSpec",
     "TrainState",
+    "WarmStartSettings",
     "checkpoints_iterator",
     "get_global_step",
     "losses",

@@ -24,6 +24,7 @@ PUBLIC_MODULES = [
     "estimax.ops",
     "estimax.serving",
     "estimax.serving.rest",
+    "estimax.migrate",
 ]
 
 

@@ -199,6 +199,7 @@ class Estimator:
         model_dir: str | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
+        warm_start_from: Any = None,
     ):
         """Creates an Estimator.
 
@@ -212,6 +213,9 @@ class Estimator:
             divide by the number of replicas.
           model_dir: overrides ``config.model_dir``.
           clock: time source for the ``*_secs`` settings (tests inject one).
+          warm_start_from: a checkpoint path or ``estimax.WarmStartSettings`` to initialise the
+            variables from when ``model_dir`` has no checkpoint of its own (a TensorFlow
+            checkpoint of the original models, or an estimax one; ``estimax.migrate``).
         """
         config = _with_model_dir(config or RunConfig(), model_dir)
         params = dict(params or {})
@@ -246,6 +250,7 @@ class Estimator:
         self._is_chief = jax.process_index() == 0
         self._warned_input_bound = False
         self._nonfinite_skipped = 0  # steps skipped (skip_nonfinite_steps) by this process
+        self._warm_start_from = warm_start_from  # issue 24: used by _run_training's first init
         if jax.default_backend() == "cpu":
             # Which convolution kernels estimax.ops will call: a 2-5x difference on CPUs.
             logging.info("CPU convolutions (estimax.ops): %s", native.status())
@@ -384,7 +389,12 @@ class Estimator:
     def _train_state(self, checkpointer: ckpt_lib.Checkpointer, step: int, sample: Any) -> Any:
         """The train state at ``step`` (restored), or initialised from ``sample`` at step 0."""
         if not step:
-            return replication.run_init(self._init_fn, self.mesh, self._base_rng, *sample)
+            state = replication.run_init(self._init_fn, self.mesh, self._base_rng, *sample)
+            if self._warm_start_from is not None:  # issue 24; no checkpoint of our own yet
+                from estimax.migrate import warm_start
+
+                state, _ = warm_start.warm_start(self._warm_start_from, state)
+            return state
         abstract = self._with_replicated_sharding(
             jax.eval_shape(self._init_fn, self._base_rng, *sample)
         )

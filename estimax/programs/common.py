@@ -228,6 +228,16 @@ def define_run_flags(
         lower_bound=1,
         flag_values=fv,
     )
+    # issue 24 (estimax.migrate): tf.estimator's warm_start_from.
+    flags.DEFINE_string(
+        "warm_start_from",
+        None,
+        "When --model_dir has no checkpoint yet, initialise the variables from this checkpoint: "
+        "a TensorFlow checkpoint of the original ResNet/Inception (its model_dir, or "
+        "model.ckpt-N) or an estimax model_dir. Variables of another shape (a new head: "
+        "another number of classes) start fresh; the log lists what was loaded.",
+        flag_values=fv,
+    )
     flags.DEFINE_bool(
         "cpu_fast_ops",
         True,
@@ -417,6 +427,8 @@ class Job:
     preprocessing: Any = None
     check_inputs: Callable[[], Any] | None = None
     export_tolerance: tuple[float, float] = (1e-3, 1e-4)
+    # --warm_start_from (issue 24): used only while model_dir has no checkpoint.
+    warm_start_from: str | None = None
 
 
 def checkpoint_path(model_dir: str, step: int) -> str:
@@ -611,6 +623,7 @@ def run(job: Job) -> dict[str, Any] | None:
             train_batch_size=job.batch_sizes[0],
             eval_batch_size=job.batch_sizes[1],
             predict_batch_size=job.batch_sizes[1],
+            warm_start_from=job.warm_start_from,
         )
         try:
             results = run_mode(

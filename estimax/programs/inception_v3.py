@@ -517,6 +517,7 @@ def run_from_flags(fv: flags.FlagValues, variant: Variant = V3) -> dict[str, Any
             preprocessing=serving.inception_eval(fv.width),
             check_inputs=lambda: common.sample_images(data_dir),
             export_tolerance=common.export_tolerance(fv.precision),
+            warm_start_from=fv.warm_start_from,
             # The flags that change the checkpoint's tree (logits, optimizer slots, averages).
             model_flags={
                 "num_classes": fv.num_classes,

@@ -437,6 +437,7 @@ def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
             preprocessing=serving.resnet_eval(fv.image_size),
             check_inputs=lambda: common.sample_images(data_dir),
             export_tolerance=common.export_tolerance(fv.precision),
+            warm_start_from=fv.warm_start_from,
             metrics=METRICS,
             model_flags={
                 "resnet_depth": fv.resnet_depth,

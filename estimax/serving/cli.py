@@ -109,6 +109,17 @@ def _parser() -> argparse.ArgumentParser:
     check = sub.add_parser("export-check", help="rerun a version's stored parity examples")
     check.add_argument("--model_base_path", required=True)
     check.add_argument("--model_version", type=int, default=None)
+
+    # issue 24 (estimax.migrate.savedmodel): needs the estimax[tf] extra (TensorFlow).
+    saved = sub.add_parser(
+        "export-savedmodel",
+        help="a version -> a TensorFlow SavedModel (serving_default as the original's); "
+        "needs TensorFlow (the estimax[tf] extra)",
+    )
+    saved.add_argument("--model_base_path", required=True)
+    saved.add_argument("--model_version", type=int, default=None)
+    saved.add_argument("--output_dir", required=True, help="the SavedModel to write (new)")
+    saved.add_argument("--atol", default=None, help="see python -m estimax.migrate.savedmodel -h")
     return parser
 
 
@@ -255,6 +266,15 @@ def export_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def export_savedmodel(args: argparse.Namespace) -> int:
+    """A version as a TensorFlow SavedModel (``estimax.migrate.savedmodel``)."""
+    from estimax.migrate import savedmodel
+
+    path, _ = _version_dir(args.model_base_path, args.model_version)
+    argv = [f"--export_dir={path}", f"--output_dir={args.output_dir}"]
+    return savedmodel.main(argv + ([f"--atol={args.atol}"] if args.atol else []))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``estimax`` console script."""
     args = _parser().parse_args(argv)
@@ -263,9 +283,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from estimax.serving.versions import ExportCheckError
 
     try:
-        return {"serve": serve, "predict": predict, "export-check": export_check}[args.command](
-            args
-        )
+        return {
+            "serve": serve,
+            "predict": predict,
+            "export-check": export_check,
+            "export-savedmodel": export_savedmodel,
+        }[args.command](args)
     except ExportCheckError as e:
         print(f"estimax {args.command}: FAILED: {e}", file=sys.stderr)
         return 1

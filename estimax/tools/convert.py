@@ -10,6 +10,9 @@ Subcommands::
     estimax-convert verify --output_dir=gs://bucket/imagenet [--decode]
     estimax-convert to-bigtable --data_dir=gs://bucket/imagenet --bigtable_project=P \\
         --bigtable_instance=I --bigtable_table=imagenet
+    estimax-convert tf-checkpoint --checkpoint=gs://bucket/resnet --model_dir=DIR \\
+        --model=resnet --resnet_depth=50 [--num_label_classes=1000 ...]
+    estimax-convert tf-checkpoint --checkpoint=gs://bucket/resnet/model.ckpt-112590 --list
 
 Conversion subcommands run on all cores (``--runner=local``, the default) or as an Apache Beam
 pipeline (``--runner=DirectRunner|DataflowRunner|FlinkRunner|SparkRunner``; further arguments go
@@ -18,7 +21,9 @@ to Beam, e.g. ``--project --region --temp_location``). They resume an interrupte
 ``convert_sources`` (inputs -> labelled lists), ``convert_images`` (image -> tf.Example),
 ``convert_shards`` (shards, manifest, resume, verify), ``convert_beam``, ``fake_imagenet``.
 ``to-bigtable`` copies finished shards into Cloud Bigtable rows (``tfrecords_to_bigtable``), the
-layout ``resnet --bigtable_instance=...`` reads.
+layout ``resnet --bigtable_instance=...`` reads. ``tf-checkpoint`` turns a checkpoint of the
+original TensorFlow ResNet/Inception into an estimax model_dir (``estimax.migrate``), or lists
+its tensors (``--list``, as ``tf.train.list_variables``).
 
 Flags keep the original tools' names where they had one (``--raw_data_dir``,
 ``--gcs_output_path`` as an alias of ``--output_dir``, ``--train_csv``, ``--labels_file``).
@@ -229,7 +234,93 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="delete rows already under a prefix and copy again (default: refuse)",
     )
+    p = sub.add_parser(
+        "tf-checkpoint",
+        help="a TensorFlow checkpoint of the original ResNet/Inception -> an estimax model_dir "
+        "(further --flags are the program's model flags, e.g. --resnet_depth=50)",
+    )
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        help="the TensorFlow checkpoint: its model_dir (the 'checkpoint' file names the "
+        "newest), a prefix such as DIR/model.ckpt-1000, or its .index (local, gs://, s3://)",
+    )
+    p.add_argument(
+        "--list", action="store_true", help="print every tensor's name, dtype and shape; no output"
+    )
+    p.add_argument(
+        "--model_dir", help="the estimax model_dir to write (new, or without checkpoints)"
+    )
+    p.add_argument("--model", choices=("resnet", "inception_v3", "inception_v4"))
+    p.add_argument(
+        "--optimizer_state",
+        choices=("load", "fresh"),
+        default="load",
+        help="'load': the optimizer's slots (Momentum; RMSProp, RMSProp_1) into the optax state "
+        "(default); 'fresh': optax state as initialised",
+    )
+    p.add_argument(
+        "--ema",
+        choices=("load", "none"),
+        default="load",
+        help="'load': the ExponentialMovingAverage shadows into estimax's moving average "
+        "(default); 'none': ignore them",
+    )
+    p.add_argument(
+        "--allow_missing",
+        action="store_true",
+        help="keep variables the checkpoint lacks as initialised",
+    )
+    p.add_argument(
+        "--allow_mismatch",
+        action="store_true",
+        help="keep variables of another shape (e.g. another number of classes) as initialised",
+    )
+    p.add_argument(
+        "--allow_unmapped",
+        action="store_true",
+        help="go on when checkpoint variables map to nothing",
+    )
     return parser
+
+
+def _tf_checkpoint(args: argparse.Namespace, extra: list[str]) -> int:
+    from absl import flags
+
+    from estimax import migrate
+    from estimax.migrate import convert as migrate_convert
+
+    try:
+        if args.list:
+            if extra:
+                raise migrate.TFCheckpointError(
+                    f"--list takes no program flags ({' '.join(extra)})"
+                )
+            for name, dtype, shape in migrate.list_variables(args.checkpoint):
+                print(f"{name}\t{dtype}\t{list(shape)}")
+            return 0
+        if not args.model_dir or not args.model:
+            raise migrate.TFCheckpointError("give --model_dir and --model (or --list)")
+        report = migrate_convert.convert_tf_checkpoint(
+            args.checkpoint,
+            args.model_dir,
+            args.model,
+            extra,
+            optimizer_state=args.optimizer_state == "load",
+            ema=args.ema == "load",
+            allow_missing=args.allow_missing,
+            allow_mismatch=args.allow_mismatch,
+            allow_unmapped=args.allow_unmapped,
+        )
+    except (migrate.TFCheckpointError, flags.Error, storage.StorageError, OSError) as e:
+        print(f"estimax-convert tf-checkpoint: error: {e}", file=sys.stderr)
+        return 2
+    print(report.summary())
+    print(
+        f"wrote the estimax checkpoint at step {report.step or 0} to {args.model_dir}: "
+        f"`{args.model} --model_dir={args.model_dir} --mode=eval` evaluates it"
+    )
+    return 0
 
 
 def _to_bigtable(args: argparse.Namespace) -> int:
@@ -299,6 +390,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
+    if args.command == "tf-checkpoint":
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        return _tf_checkpoint(args, extra)
     if extra and (args.command in ("verify", "to-bigtable") or args.runner == "local"):
         parser.error(
             f"unrecognized arguments: {' '.join(extra)} (only Beam runners take "
