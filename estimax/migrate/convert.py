@@ -54,20 +54,7 @@ def program_model(program: str, argv: Sequence[str]) -> ProgramModel:
 
         resnet.define_flags(fv)
         fv([program, *argv])
-        # As resnet.run_from_flags builds them.
-        cfg = resnet.ResNetConfig(
-            resnet_depth=fv.resnet_depth,
-            num_label_classes=fv.num_label_classes,
-            precision=fv.precision,
-            base_learning_rate=fv.base_learning_rate,
-            momentum=fv.momentum,
-            weight_decay=fv.weight_decay,
-            label_smoothing=fv.label_smoothing,
-            train_batch_size=fv.train_batch_size,
-            num_train_images=fv.num_train_images,
-            write_scalars=not fv.skip_host_call,
-            cpu_fast_ops=fv.cpu_fast_ops,
-        )
+        cfg = resnet.config_from_flags(fv)
         return ProgramModel(
             program,
             resnet.make_model_fn(cfg),
@@ -80,17 +67,7 @@ def program_model(program: str, argv: Sequence[str]) -> ProgramModel:
         variant = inception_v3.V3 if program == "inception_v3" else inception_v4.V4
         inception_v3.define_flags(fv, variant)
         fv([program, *argv])
-        # As inception_v3.run_from_flags builds them.
-        icfg = inception_v3.InceptionConfig(
-            model=variant.model,
-            schedule=variant.make_schedule(fv),
-            optimizer=fv.optimizer,
-            num_classes=fv.num_classes,
-            train_batch_size=fv.train_batch_size,
-            moving_average=fv.moving_average,
-            precision=fv.precision,
-            cpu_fast_ops=fv.cpu_fast_ops,
-        )
+        icfg = inception_v3.config_from_flags(fv, variant)
         return ProgramModel(
             program,
             inception_v3.make_model_fn(icfg),

@@ -110,16 +110,17 @@ def _get(tree: Mapping[str, Any], path: tuple[str, ...]) -> Any:
     return tree
 
 
-def _set(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+def set_path(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    """Sets the leaf at ``path`` of nested dicts."""
     for key in path[:-1]:
         tree = tree[key]
     tree[path[-1]] = value
 
 
-def _copy(tree: Any) -> Any:
-    """Nested dicts copied (leaves shared) so that ``_set`` leaves the caller's tree alone."""
+def copy_tree(tree: Any) -> Any:
+    """Nested dicts copied (leaves shared) so that ``set_path`` leaves the caller's tree alone."""
     if isinstance(tree, Mapping):
-        return {k: _copy(v) for k, v in tree.items()}
+        return {k: copy_tree(v) for k, v in tree.items()}
     return tree
 
 
@@ -214,8 +215,8 @@ def load_tf_state(
     scope = model_scope(variables["params"], model)
     inner = {c: _get(v, scope) for c, v in variables.items() if c in ("params", "batch_stats")}
     entries = MODEL_MAPS[model](inner)
-    out = _copy(dict(variables))
-    new_ema = _copy(ema_params) if ema_params else ema_params
+    out = copy_tree(dict(variables))
+    new_ema = copy_tree(ema_params) if ema_params else ema_params
     # Which entries were loaded (only their slots and shadows are then read).
     taken: dict[tuple[str, ...], Entry] = {}
     for entry in entries:
@@ -244,17 +245,17 @@ def load_tf_state(
             # The original evaluated with the statistics' shadows: so does the import.
             value = tensors.get(shadow_name)
             report.ema.append(shadow_name)
-        _set(out[entry.collection], full, _cast(value, like))
+        set_path(out[entry.collection], full, _cast(value, like))
         report.loaded.append(entry.tf_name)
         if entry.collection == "params":
             taken[full] = entry
             if ema and new_ema and tensors.shape(shadow_name) is not None:
-                _set(new_ema, full, _cast(tensors.get(shadow_name), _get(new_ema, full)))
+                set_path(new_ema, full, _cast(tensors.get(shadow_name), _get(new_ema, full)))
                 report.ema.append(shadow_name)
             elif new_ema:
                 # No shadow (or not asked for): the average starts from the loaded weights, as
                 # the Estimator starts it from a checkpoint that has none.
-                _set(new_ema, full, _cast(value, _get(new_ema, full)))
+                set_path(new_ema, full, _cast(value, _get(new_ema, full)))
     new_opt = opt_state
     if opt_state is not None and optimizer_state:
         new_opt = _load_slots(tensors, opt_state, taken, report)

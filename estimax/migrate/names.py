@@ -252,18 +252,7 @@ _V4_RA = {
     "branch_3x3dbl_2": "Branch_1/Conv2d_0b_3x3",
     "branch_3x3dbl_3": "Branch_1/Conv2d_1a_3x3",
 }
-_V4_B = {
-    "branch_1x1": "Branch_0/Conv2d_0a_1x1",
-    "branch_7x7_1": "Branch_1/Conv2d_0a_1x1",
-    "branch_7x7_2": "Branch_1/Conv2d_0b_1x7",
-    "branch_7x7_3": "Branch_1/Conv2d_0c_7x1",
-    "branch_7x7dbl_1": "Branch_2/Conv2d_0a_1x1",
-    "branch_7x7dbl_2": "Branch_2/Conv2d_0b_7x1",
-    "branch_7x7dbl_3": "Branch_2/Conv2d_0c_1x7",
-    "branch_7x7dbl_4": "Branch_2/Conv2d_0d_7x1",
-    "branch_7x7dbl_5": "Branch_2/Conv2d_0e_1x7",
-    "branch_pool": "Branch_3/Conv2d_0b_1x1",
-}
+_V4_B = _V3_C  # Inception-B of v4 has v3's Mixed_6 branch names
 _V4_RB = {
     "branch_3x3_1": "Branch_0/Conv2d_0a_1x1",
     "branch_3x3_2": "Branch_0/Conv2d_1a_3x3",

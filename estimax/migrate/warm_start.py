@@ -25,7 +25,7 @@ import numpy as np
 from absl import logging
 
 from estimax import storage
-from estimax.migrate.load import MappingError, load_tf_state, model_scope
+from estimax.migrate.load import MappingError, copy_tree, load_tf_state, model_scope, set_path
 from estimax.migrate.names import Entry
 from estimax.migrate.tf_checkpoint import TFCheckpointError, resolve_checkpoint
 
@@ -146,18 +146,6 @@ def _flat(tree: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple[s
     return out
 
 
-def _set(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
-    for key in path[:-1]:
-        tree = tree[key]
-    tree[path[-1]] = value
-
-
-def _copy(tree: Any) -> Any:
-    if isinstance(tree, Mapping):
-        return {k: _copy(v) for k, v in tree.items()}
-    return tree
-
-
 def warm_start(source: str | WarmStartSettings, state: Any) -> tuple[Any, WarmStartReport]:
     """Returns ``state`` (a fresh ``TrainState``) with the source's variables in, and a report.
 
@@ -206,7 +194,7 @@ def warm_start(source: str | WarmStartSettings, state: Any) -> tuple[Any, WarmSt
     else:
         saved, report.source = _estimax_variables(path)
         source_vars = _flat({"params": saved.get("params", {}), **saved.get("model_state", {})})
-        loaded = _copy(variables)
+        loaded = copy_tree(variables)
         for key, ours in _flat(variables).items():
             name = "/".join(key)
             theirs = source_vars.get(key)
@@ -216,7 +204,7 @@ def warm_start(source: str | WarmStartSettings, state: Any) -> tuple[Any, WarmSt
                 report.fresh.append(name)
                 report.mismatched.append(name)
             else:
-                _set(loaded, key, np.asarray(theirs, dtype=np.asarray(ours).dtype))
+                set_path(loaded, key, np.asarray(theirs, dtype=np.asarray(ours).dtype))
                 report.loaded.append(name)
     params = loaded.pop("params")
     new_state = state.replace(

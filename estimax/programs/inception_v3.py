@@ -440,6 +440,20 @@ def make_model_fn(cfg: InceptionConfig):
     return model_fn
 
 
+def config_from_flags(fv: flags.FlagValues, variant: Variant) -> InceptionConfig:
+    """The model and recipe the flags ask for (``estimax-convert tf-checkpoint`` builds it too)."""
+    return InceptionConfig(
+        model=variant.model,
+        schedule=variant.make_schedule(fv),
+        optimizer=fv.optimizer,
+        num_classes=fv.num_classes,
+        train_batch_size=fv.train_batch_size,
+        moving_average=fv.moving_average,
+        precision=fv.precision,
+        cpu_fast_ops=fv.cpu_fast_ops,
+    )
+
+
 def run_from_flags(fv: flags.FlagValues, variant: Variant = V3) -> dict[str, Any] | None:
     """Flags -> config -> Estimator -> the mode loop. Returns the last eval results, if any."""
     logs.setup()
@@ -474,16 +488,7 @@ def run_from_flags(fv: flags.FlagValues, variant: Variant = V3) -> dict[str, Any
         num_classes=fv.num_classes - 1,
         use_annotated_bbox=fv.use_annotated_bbox,
     )
-    cfg = InceptionConfig(
-        model=variant.model,
-        schedule=variant.make_schedule(fv),
-        optimizer=fv.optimizer,
-        num_classes=fv.num_classes,
-        train_batch_size=fv.train_batch_size,
-        moving_average=fv.moving_average,
-        precision=fv.precision,
-        cpu_fast_ops=fv.cpu_fast_ops,
-    )
+    cfg = config_from_flags(fv, variant)
     config = ex.RunConfig(
         model_dir=fv.model_dir,
         iterations_per_loop=fv.iterations,

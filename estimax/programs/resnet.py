@@ -356,6 +356,23 @@ def bigtable_table(fv: flags.FlagValues) -> bigtable.BigtableTable:
     )
 
 
+def config_from_flags(fv: flags.FlagValues) -> ResNetConfig:
+    """The model and recipe the flags ask for (``estimax-convert tf-checkpoint`` builds it too)."""
+    return ResNetConfig(
+        resnet_depth=fv.resnet_depth,
+        num_label_classes=fv.num_label_classes,
+        precision=fv.precision,
+        base_learning_rate=fv.base_learning_rate,
+        momentum=fv.momentum,
+        weight_decay=fv.weight_decay,
+        label_smoothing=fv.label_smoothing,
+        train_batch_size=fv.train_batch_size,
+        num_train_images=fv.num_train_images,
+        write_scalars=not fv.skip_host_call,
+        cpu_fast_ops=fv.cpu_fast_ops,
+    )
+
+
 def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
     """Flags -> config -> Estimator -> the mode loop. Returns the last eval results, if any."""
     logs.setup()
@@ -392,19 +409,7 @@ def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
     else:
         data_dir, fake_kind, notes = common.check_data(fv.data_dir, fv.mode)
         inputs = functools.partial(inputs, data_dir, fake_data=fake_kind)
-    cfg = ResNetConfig(
-        resnet_depth=fv.resnet_depth,
-        num_label_classes=fv.num_label_classes,
-        precision=fv.precision,
-        base_learning_rate=fv.base_learning_rate,
-        momentum=fv.momentum,
-        weight_decay=fv.weight_decay,
-        label_smoothing=fv.label_smoothing,
-        train_batch_size=fv.train_batch_size,
-        num_train_images=fv.num_train_images,
-        write_scalars=not fv.skip_host_call,
-        cpu_fast_ops=fv.cpu_fast_ops,
-    )
+    cfg = config_from_flags(fv)
     config = ex.RunConfig(
         model_dir=fv.model_dir,
         iterations_per_loop=fv.iterations_per_loop,
