@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import estimax as ex
+from estimax import data as estimax_data
 
 
 @pytest.mark.parametrize(
@@ -224,3 +225,32 @@ def test_an_endless_eval_input_is_reported(tmp_path, caplog):
         for batch in range(1, 8):
             counted.check(batch, batch * 8)
     assert "more than its len() of 5" in caplog.text
+
+
+class _Records:
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return bytes([i])
+
+    def describe(self, i):
+        return f"record #{i}"
+
+
+def _ragged_at(k):
+    def transform(record, rng):
+        i = record[0]
+        return np.zeros((4 + (i == k), 4, 3), np.uint8), np.int32(i)
+
+    return transform
+
+
+@pytest.mark.parametrize("k, where", [(2, "example 2 of the first batch"), (6, "record #6")])
+def test_ragged_images_name_the_example_and_the_shapes(k, where):
+    loader = estimax_data.Loader(
+        _Records(), _ragged_at(k), 4, shuffle=False, num_epochs=1, num_workers=1
+    )
+    with pytest.raises(ValueError, match=rf"{where}: the transform gave \[\(\(5, 4, 3\)") as e:
+        list(loader)
+    assert "after [((4, 4, 3)" in str(e.value) and "resize or crop" in str(e.value)

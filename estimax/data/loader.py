@@ -310,7 +310,13 @@ def _fill_chunk(
         if isinstance(element, _BadElement):
             bad.append((row + k, element))
         else:
-            slots.write_rows(dests, layout, row + k, element)
+            try:
+                slots.write_rows(dests, layout, row + k, element)
+            except ValueError as e:  # a ragged element: name the record it came from
+                described = (source if source is not None else _WORKER["source"]).describe(
+                    record_ids[k]
+                )
+                raise ValueError(f"{described}: {e}") from None
     return bad
 
 
@@ -951,7 +957,11 @@ def _first_block_into_slot(
         if isinstance(el, _BadElement):
             block.bad[row] = el
         else:
-            slots.write_rows(dests, layout, row, el)
+            try:
+                slots.write_rows(dests, layout, row, el)
+            except ValueError as e:  # a ragged element: say where it is
+                pool.close()
+                raise ValueError(f"example {row} of the first batch: {e}") from None
     block.slot, block.elements = slot, []
     return pool
 

@@ -82,8 +82,8 @@ class Layout:
         got = [(tuple(leaf.shape), leaf.dtype.str) for leaf in leaves]
         if got != want:
             raise ValueError(
-                f"the elements of a batch must have one structure, shape and dtype: {got} after "
-                f"{want}"
+                f"the transform gave {got} (shape, dtype) after {want}: every example of a batch "
+                "must have the same shapes and dtypes (resize or crop images to one size)"
             )
 
 
