@@ -131,6 +131,18 @@ def _input_state_of_this_process(meta: Mapping[str, Any]) -> Any:
     return states[jax.process_index()]
 
 
+def _checked_params(params: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A copy of the user's ``params``, refusing the keys the Estimator sets itself."""
+    params = dict(params or {})
+    reserved = [k for k in _RESERVED_PARAMS_KEYS if k in params]
+    if reserved:
+        raise ValueError(
+            f"params must not contain the reserved keys {reserved}: the "
+            "Estimator sets params['batch_size'] and params['context']."
+        )
+    return params
+
+
 def _split_batch(element: Any) -> tuple[Any, Any]:
     if isinstance(element, tuple) and len(element) == 2:
         return element
@@ -218,13 +230,7 @@ class Estimator:
             checkpoint of the original models, or an estimax one; ``estimax.migrate``).
         """
         config = _with_model_dir(config or RunConfig(), model_dir)
-        params = dict(params or {})
-        reserved = [k for k in _RESERVED_PARAMS_KEYS if k in params]
-        if reserved:
-            raise ValueError(
-                f"params must not contain the reserved keys {reserved}: the "
-                "Estimator sets params['batch_size'] and params['context']."
-            )
+        params = _checked_params(params)
         self._model_fn_args = self._check_model_fn(model_fn)
         self._model_fn = model_fn
         self.config = config
@@ -248,8 +254,6 @@ class Estimator:
         self._compiled: dict[Any, Any] = {}  # jitted step functions, by what they compute
         self._summaries: dict[str, summaries_lib.Summaries] = {}
         self._is_chief = jax.process_index() == 0
-        self._warned_input_bound = False
-        self._nonfinite_skipped = 0  # steps skipped (skip_nonfinite_steps) by this process
         self._warm_start_from = warm_start_from  # issue 24: used by _run_training's first init
         if jax.default_backend() == "cpu":
             # Which convolution kernels estimax.ops will call: a 2-5x difference on CPUs.
