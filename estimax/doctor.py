@@ -25,7 +25,7 @@ _PLUGINS = {
 }
 _STORAGE_CLIENTS = ("gcsfs", "s3fs", "google-cloud-storage", "tensorstore", "google-cloud-bigtable")
 # The variables estimax.storage and estimax.data.bigtable follow (see their docstrings).
-_EMULATOR_VARS = (
+EMULATOR_VARS = (
     "STORAGE_EMULATOR_HOST",
     "TENSORSTORE_GCS_HTTP_URL",
     "AWS_ENDPOINT_URL",
@@ -130,7 +130,7 @@ def storage_lines() -> list[str]:
     """Storage clients installed and the emulator variables set."""
     clients = [f"{c} {_version(c) or 'missing'}" for c in _STORAGE_CLIENTS]
     lines = ["storage clients: " + ", ".join(clients)]
-    set_vars = [f"{v}={os.environ[v]}" for v in _EMULATOR_VARS if os.environ.get(v)]
+    set_vars = [f"{v}={os.environ[v]}" for v in EMULATOR_VARS if os.environ.get(v)]
     lines.append("emulator variables: " + (", ".join(set_vars) if set_vars else "none set"))
     return lines
 

@@ -6,17 +6,20 @@ import os
 import subprocess
 import sys
 
+from estimax import doctor
 from estimax.ops import native
 
 
 def _doctor(**env: str) -> list[str]:
+    # Emulator variables that other tests of this process set are not this test's.
+    inherited = {k: v for k, v in os.environ.items() if k not in doctor.EMULATOR_VARS}
     proc = subprocess.run(
         [sys.executable, "-m", "estimax.doctor"],
         capture_output=True,
         text=True,
         timeout=300,
         check=False,
-        env={**os.environ, **env},
+        env={**inherited, **env},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr

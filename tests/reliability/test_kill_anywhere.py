@@ -266,6 +266,7 @@ def killed_and_reference(tmp_path_factory):
     where: collections.Counter = collections.Counter()
     log = str(tmp / "killed.log")
     kills_log: list[str] = []
+    nothing_left = 0
     for phase, m, delay in plan:
         run = Run(args, env, log)
         hit = run.wait_for(_trigger(phase, m, train_steps), ATTEMPT_TIMEOUT_S)
@@ -284,6 +285,10 @@ def killed_and_reference(tmp_path_factory):
             assert rc == 0, f"the program failed after a kill (rc {rc}); log: {log}"
             where["missed (run had finished)"] += 1
             kills_log.append(f"aimed {phase}, missed: the run had finished")
+            if phase not in TRAINING_PHASES:
+                # A rerun of a job whose evaluation is recorded and whose export is published
+                # can end within the kill's random delay: nothing was left to interrupt.
+                nothing_left += 1
     # Restart once more and let it finish; then run the finished command once more, as a user
     # would after a crash they did not notice ended the job: nothing may change but that it
     # says so (today it evaluates again: the eval-points test below).
@@ -301,6 +306,7 @@ def killed_and_reference(tmp_path_factory):
         "reference": reference,
         "log": log,
         "kills_log": kills_log,
+        "nothing_left": nothing_left,
     }
 
 
@@ -322,9 +328,11 @@ def test_kill_anywhere_state_bit_for_bit(killed_and_reference, reliability_recor
             )
         )
     reliability_record("kill", "mnist program (SIGKILL)", survived, equal, where=dict(r["where"]))
-    # Most kills land where they were aimed; every one of them was survived.
+    # Most kills land where they were aimed (those that found the whole job already done had
+    # nothing to land on); every one of them was survived.
     print("\n".join(r["kills_log"]))
-    assert survived >= r["kills"] * 0.8, "\n".join(r["kills_log"])
+    assert survived >= (r["kills"] - r["nothing_left"]) * 0.8, "\n".join(r["kills_log"])
+    assert survived >= r["kills"] * 0.6, "\n".join(r["kills_log"])
     assert got["step"] == want["step"] == r["train_steps"]
     assert got["input_state"] == want["input_state"]
     for a, b in zip(jax.tree.leaves(got["model"]), jax.tree.leaves(want["model"]), strict=True):
