@@ -254,3 +254,19 @@ def test_ragged_images_name_the_example_and_the_shapes(k, where):
     with pytest.raises(ValueError, match=rf"{where}: the transform gave \[\(\(5, 4, 3\)") as e:
         list(loader)
     assert "after [((4, 4, 3)" in str(e.value) and "resize or crop" in str(e.value)
+
+
+def test_a_scalar_that_is_not_one_number_is_an_error_naming_its_key(tmp_path):
+    def model_fn(features, labels, mode, params):
+        logits = _Linear()(features)
+        return ex.EstimatorSpec(
+            mode=mode,
+            loss=ex.losses.softmax_cross_entropy(logits, labels),
+            optimizer=optax.sgd(0.1),
+            scalars={"lr": jnp.float32(0.1), "labels": labels},  # a label vector, by mistake
+        )
+
+    x, y = _data()
+    est = ex.Estimator(model_fn, ex.RunConfig(model_dir=str(tmp_path)), train_batch_size=16)
+    with pytest.raises(ValueError, match=r"scalars=\{'labels': \.\.\.\}\) has shape \(\d+,\)"):
+        est.train(ex.numpy_input_fn(x, y), max_steps=1)
