@@ -191,6 +191,24 @@ def test_user_mistakes_end_in_one_line(tmp_path, args, expected):
     assert last.startswith(expected)
 
 
+@pytest.mark.slow  # initialises a small ResNet before the warm start reads the path
+def test_a_warm_start_from_nowhere_ends_in_one_line(tmp_path):
+    last = fatal_line(
+        run_program(
+            "resnet",
+            f"--model_dir={tmp_path / 'm'}",
+            "--data_dir=fake",
+            "--resnet_depth=18",
+            "--image_size=32",
+            "--train_batch_size=8",
+            "--train_steps=1",
+            f"--warm_start_from={tmp_path / 'nowhere'}",
+            cwd=tmp_path,
+        )
+    )
+    assert last.startswith(f"FATAL: --warm_start_from={tmp_path / 'nowhere'}: neither a TensorFlow")
+
+
 def test_sizes_are_checked_when_parsed_not_as_bad_records():
     with pytest.raises(flags.IllegalFlagValueError, match="--image_size=0"):
         parse("resnet", ["--image_size=0"])

@@ -156,6 +156,7 @@ def _run(
     from estimax.estimator.estimator import Preempted
     from estimax.estimator.label_check import InvalidLabelError
     from estimax.estimator.loop import Interrupted
+    from estimax.migrate.tf_checkpoint import TFCheckpointError
 
     try:
         if len(argv) > 1:
@@ -181,7 +182,9 @@ def _run(
         _fatal(str(e))
     except (preflight.PreflightError, checkpoints.ModelMismatchError) as e:
         _fatal(str(e))
-    except InvalidLabelError as e:
+    except (InvalidLabelError, TFCheckpointError) as e:
+        # TFCheckpointError: --warm_start_from names no readable checkpoint, or one whose
+        # variables do not map (the message names the path or the variables).
         _fatal(str(e))
     except Preempted as e:
         # The job runner's preemption notice: saved, and a clean exit (status 0).
