@@ -26,6 +26,7 @@ Writes bench/results/serving.json and bench/results/serving.md.
 
 from __future__ import annotations
 
+import abc
 import argparse
 import base64
 import json
@@ -138,7 +139,7 @@ def median_run(runs: list[dict]) -> dict:
     return sorted(runs, key=lambda r: r["requests_per_s"])[len(runs) // 2]
 
 
-class Route:
+class Route(abc.ABC):
     """One way of asking the server for one image's class: bodies built ahead of time."""
 
     label = ""
@@ -146,8 +147,9 @@ class Route:
     def connect(self):
         return requests.Session()
 
+    @abc.abstractmethod
     def send(self, state, i: int) -> bool:
-        raise NotImplementedError
+        """Sends request ``i`` on ``state`` (what ``connect`` made); True if it was answered."""
 
     def close(self, state) -> None:
         state.close()

@@ -438,7 +438,10 @@ def test_export_savedmodel_without_tensorflow_says_what_to_install(tmp_path, cap
     import importlib.util
 
     if importlib.util.find_spec("tensorflow") is not None:
-        pytest.skip("TensorFlow is installed here (tests/test_migrate_tf.py covers the export)")
+        pytest.skip(
+            "checks the message shown where TensorFlow is missing, and it is installed here "
+            "(tests/test_migrate_tf.py tests the export itself)"
+        )
     from estimax.migrate import savedmodel
 
     export = tmp_path / "1"

@@ -524,6 +524,16 @@ class Checkpointer:
             )
         return restored[name]
 
+    def intact(self) -> str:
+        """Once pending saves are durable: "the latest checkpoint (step N) in DIR is intact",
+        for errors that stop training without saving the loop that failed."""
+        self.wait_until_finished()
+        saved = self.latest_step()
+        return (
+            f"the latest checkpoint ({'step ' + str(saved) if saved is not None else 'none'}) in "
+            f"{self.model_dir} is intact"
+        )
+
     def wait_until_finished(self) -> None:
         """Blocks until pending async saves are durable, then writes their manifests."""
         pending = self._unsealed[-1] if self._unsealed else None

@@ -151,17 +151,21 @@ def _split_batch(element: Any) -> tuple[Any, Any]:
 
 def _check_rows(features: Any, labels: Any) -> None:
     """One error naming every shape when a batch's arrays disagree on their leading size."""
-    shapes = {
-        f"{part}{jax.tree_util.keystr(path)}": np.shape(leaf)
+    # Per batch on the input path: the leading sizes only; names are made for the error.
+    sizes = {
+        np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in jax.tree.leaves((features, labels))
+    }
+    if len(sizes) <= 1:
+        return
+    described = ", ".join(
+        f"{part}{jax.tree_util.keystr(path)} {np.shape(leaf)}"
         for part, tree in (("features", features), ("labels", labels))
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
-    }
-    if len({shape[0] if shape else None for shape in shapes.values()}) > 1:
-        described = ", ".join(f"{name} {shape}" for name, shape in shapes.items())
-        raise ValueError(
-            f"input_fn yielded a batch whose arrays differ in batch size: {described}; "
-            "features and labels must have the same leading (batch) size."
-        )
+    )
+    raise ValueError(
+        f"input_fn yielded a batch whose arrays differ in batch size: {described}; "
+        "features and labels must have the same leading (batch) size."
+    )
 
 
 def _check_train_batch(features: Any, per_host: int) -> None:

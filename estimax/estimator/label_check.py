@@ -27,15 +27,13 @@ class InvalidLabelCheck:
     """Takes the label-check metrics out of a loop's metrics; raises, or counts and warns.
 
     Args:
-      checkpointer: has ``wait_until_finished()`` and ``latest_step()`` (named in the error).
-      model_dir: named in the error.
+      checkpointer: its ``intact()`` (the latest checkpoint) is named in the error.
       summaries: writes ``train/invalid_labels`` (the running count), or None.
       allow: ``RunConfig(allow_invalid_labels=True)``: count and warn instead of stopping.
     """
 
-    def __init__(self, checkpointer: Any, model_dir: str, summaries: Any, allow: bool):
+    def __init__(self, checkpointer: Any, summaries: Any, allow: bool):
         self._checkpointer = checkpointer
-        self._model_dir = model_dir
         self._summaries = summaries
         self._allow = allow
         self.count = 0
@@ -69,12 +67,9 @@ class InvalidLabelCheck:
                 self.count,
             )
             return
-        self._checkpointer.wait_until_finished()
-        saved = self._checkpointer.latest_step()
         raise InvalidLabelError(
             f"Received a {where}: labels must be class ids 0..{num_classes - 1} "
             "(estimax-convert writes the original's 1-based labels: subtract 1 in the input_fn). "
-            f"Nothing from that loop was saved; the latest checkpoint "
-            f"({'step ' + str(saved) if saved is not None else 'none'}) in {self._model_dir} is "
-            "intact. RunConfig(allow_invalid_labels=True) trains on them instead."
+            f"Nothing from that loop was saved; {self._checkpointer.intact()}. "
+            "RunConfig(allow_invalid_labels=True) trains on them instead."
         )

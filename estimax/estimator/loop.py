@@ -134,9 +134,8 @@ class _Report(Protocol):
 class NonfiniteCheck:
     """Stops training on a NaN/Inf loss, naming the step (the checkpoints before it are kept)."""
 
-    def __init__(self, checkpointer: ckpt_lib.Checkpointer, model_dir: str):
+    def __init__(self, checkpointer: ckpt_lib.Checkpointer):
         self._checkpointer = checkpointer
-        self._model_dir = model_dir
 
     def after_loop(self, loop: LoopEnd) -> None:
         if "nonfinite_skipped" in loop.metrics:
@@ -145,14 +144,10 @@ class NonfiniteCheck:
         bad = np.flatnonzero(~np.isfinite(losses))
         if not bad.size:
             return
-        self._checkpointer.wait_until_finished()
-        saved = self._checkpointer.latest_step()
         raise NanLossError(
             f"NaN loss during training: the loss was {losses[bad[0]]} at step "
             f"{loop.begin + bad[0] + 1} (steps {loop.begin + 1}..{loop.end} ran in one device "
-            f"loop). Nothing from that loop was saved; the latest checkpoint "
-            f"({'step ' + str(saved) if saved is not None else 'none'}) in "
-            f"{self._model_dir} is intact."
+            f"loop). Nothing from that loop was saved; {self._checkpointer.intact()}."
         )
 
 
@@ -446,10 +441,8 @@ class TrainingRun:
         self.notice = stack.enter_context(distributed.PreemptionNotice())
         self.saver = Saver(s.config, s.clock, s.start, s.checkpointer, s.listeners, self.watchdog)
         self.reports: list[_Report] = [
-            InvalidLabelCheck(
-                s.checkpointer, s.model_dir, s.summaries, s.config.allow_invalid_labels
-            ),
-            NonfiniteCheck(s.checkpointer, s.model_dir),
+            InvalidLabelCheck(s.checkpointer, s.summaries, s.config.allow_invalid_labels),
+            NonfiniteCheck(s.checkpointer),
             SkippedStepsReport(s.summaries),
             self.logger,
             InputReports(self.idle, s.summaries),
