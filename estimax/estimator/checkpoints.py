@@ -263,6 +263,7 @@ class Checkpointer:
         self._unsealed: list[int] = []  # saved by us, manifest not yet written
         self._verified: set[int] = set()
         self._bad: dict[int, str] = {}
+        self._failed_writes: set[int] = set()  # steps whose save failed (partials removed)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep_checkpoint_max,
             create=not read_only,
@@ -563,8 +564,9 @@ class Checkpointer:
                 raise
             self._unsealed = [s for s in self._unsealed if s != step]
             where = checkpoint_dir(self.model_dir)
-            for partial in glob.glob(os.path.join(where, f"{step}.orbax-checkpoint-tmp*")):
-                shutil.rmtree(partial, ignore_errors=True)
+            if step is not None:
+                self._failed_writes.add(step)
+            self._remove_partial_writes()
             self._manager.reload()
             previous = [s for s in self._manager.all_steps() if s != step and s not in self._bad]
             full = any(m in text for m in _DISK_FULL_MARKS)
@@ -584,12 +586,22 @@ class Checkpointer:
                 + ") is intact. Free space and run again to resume from it.",
             ) from None
 
+    def _remove_partial_writes(self) -> None:
+        """Removes the ``<step>.orbax-checkpoint-tmp*`` directories of failed saves."""
+        where = checkpoint_dir(self.model_dir)
+        for step in self._failed_writes:
+            for partial in glob.glob(os.path.join(where, f"{step}.orbax-checkpoint-tmp*")):
+                shutil.rmtree(partial, ignore_errors=True)
+
     def close(self) -> None:
         """Finishes pending saves (and their manifests) and releases Orbax's resources."""
         try:
             self.wait_until_finished()
         finally:
             self._manager.close()
+            # TensorStore's writes still in flight when a save failed can create its
+            # temporary directory again after it was removed; they are done once Orbax is.
+            self._remove_partial_writes()
 
 
 def step_from_checkpoint_path(path: str) -> tuple[str, int]:
