@@ -371,11 +371,9 @@ class Saver:
             due = distributed.agree(due)
         if not (due or final):
             return False
-        self._checkpointer.save(
+        self._checkpointer.save_state(
             loop.end,
-            {"step": state.step, "params": state.params, "model_state": state.model_state},
-            state.opt_state,
-            state.ema_params,
+            state,
             loop.input_state,
             input_states=(
                 distributed.allgather_json(loop.input_state) if jax.process_count() > 1 else None

@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import os
 import posixpath
 import time
 from collections.abc import Callable
@@ -468,7 +467,7 @@ def checkpoint_path(model_dir: str, step: int) -> str:
     """The path ``Estimator.evaluate(checkpoint_path=...)`` takes for ``step`` in ``model_dir``."""
     from estimax.estimator import checkpoints
 
-    return os.path.join(checkpoints.checkpoint_dir(model_dir), str(step))
+    return checkpoints.step_path(model_dir, step)
 
 
 def evaluate_checkpoints(
