@@ -8,7 +8,8 @@ The arithmetic follows the original's TF graphs literally (float32 epoch = step 
 
 Sources: resnet_main.py's ``learning_rate_schedule``, inception_v3.py / inception_v4.py's
 ``inception_model_fn``, mnist_tpu.py. They live beside the programs because they are recipes of
-particular models; ``estimax.estimator`` knows no model.
+particular models; ``estimax.estimator`` knows no model. ``tf_rmsprop`` is the optimizer the
+Inception recipes drive: TF1's RMSProp, whose update optax's ``rmsprop`` does not reproduce.
 """
 
 from __future__ import annotations
@@ -235,6 +236,24 @@ def inception_v4_schedule(
         return jnp.maximum(lr, jnp.float32(final))
 
     return schedule
+
+
+def tf_rmsprop(
+    learning_rate: optax.ScalarOrSchedule, decay: float, momentum: float, epsilon: float
+) -> optax.GradientTransformation:
+    """``tf.train.RMSPropOptimizer(learning_rate, decay, momentum, epsilon)`` on optax.
+
+    TF1's update is ``ms = decay ms + (1 - decay) g^2`` (``ms`` starts at 1, not 0), ``mom =
+    momentum mom + lr * g / sqrt(ms + epsilon)`` (epsilon *inside* the square root), ``w -=
+    mom``. ``optax.rmsprop`` would apply the learning rate after the momentum, which differs from
+    TF whenever the rate changes, so the chain is spelled out: ``scale_by_rms(initial_scale=1,
+    eps_in_sqrt=True)``, then the rate, then the momentum trace.
+    """
+    return optax.chain(
+        optax.scale_by_rms(decay=decay, eps=epsilon, initial_scale=1.0, eps_in_sqrt=True),
+        optax.scale_by_learning_rate(learning_rate),
+        optax.trace(decay=momentum),
+    )
 
 
 def mnist_schedule(
