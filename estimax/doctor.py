@@ -118,10 +118,10 @@ def cpu_kernel_lines(missing: list[str]) -> list[str]:
 
 def input_lines() -> list[str]:
     """The input workers ``imagenet.input_fn`` and ``Loader`` would start by default."""
-    from estimax.data.loader import _default_workers  # noqa: PLC0415
+    from estimax.data.loader import usable_cores  # noqa: PLC0415
 
     return [
-        f"input workers: {_default_workers()} thread workers (one per usable core; "
+        f"input workers: {usable_cores()} thread workers (one per usable core; "
         "worker_type='process' for processes)"
     ]
 
