@@ -160,6 +160,64 @@ def test_labels_outside_the_class_range_stop_training_with_one_line(tmp_path):
     assert (counted[-1].step, counted[-1].value) == (8, (fed == 3).sum())
 
 
+def _trained_three_class(tmp_path, **config):
+    x, y = _data()
+    est = ex.Estimator(
+        _three_class_model_fn,
+        ex.RunConfig(model_dir=str(tmp_path / "run"), iterations_per_loop=2, **config),
+        train_batch_size=8,
+        eval_batch_size=8,
+    )
+    est.train(ex.numpy_input_fn(x, y, shuffle=False), max_steps=4)
+    return est, x, y
+
+
+def test_labels_outside_the_class_range_stop_evaluation_with_one_line(tmp_path):
+    from estimax.estimator.label_check import InvalidLabelError
+
+    est, x, y = _trained_three_class(tmp_path)
+    bad = np.tile(y, 10)  # 50 batches of 8
+    bad[13] = 3  # in the second batch: a class folder without images, or 1-based labels
+    drawn = []
+
+    def input_fn(params):
+        for i in range(0, len(bad), 8):
+            drawn.append(i)
+            yield np.tile(x, (10, 1))[i : i + 8], bad[i : i + 8]
+
+    with pytest.raises(InvalidLabelError) as raised:
+        est.evaluate(input_fn)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert "label value 3 outside the valid range [0, 3) in evaluation" in message
+    assert "1 example(s) with such labels in the first 2 batch(es)" in message
+    assert "subtract 1" in message and "class folder without images" in message
+    assert "allow_invalid_labels" in message
+    # Checked once per iterations_per_loop batches: it stopped long before the input's end.
+    assert len(drawn) < 10
+    assert not (tmp_path / "run" / "eval").exists()  # no result was written
+
+
+def test_allowed_invalid_eval_labels_are_counted_and_left_out_of_loss_and_metrics(tmp_path):
+    est, x, y = _trained_three_class(tmp_path, allow_invalid_labels=True)
+    bad = y.copy()
+    bad[[0, 9, 10, 33]] = [3, -1, 7, 3]  # every replica sees some (8 devices, 1 row each)
+    fn = ex.numpy_input_fn
+    results = est.evaluate(fn(x, bad, shuffle=False, num_epochs=1), name="bad")
+    keep = np.ones(len(y), bool)
+    keep[[0, 9, 10, 33]] = False
+    valid_only = est.evaluate(fn(x[keep], y[keep], shuffle=False, num_epochs=1), name="good")
+    assert results["invalid_labels"] == 4 and valid_only["invalid_labels"] == 0
+    assert results["num_examples"] == 40  # every example read; 4 of them left out
+    # The loss is the valid examples' mean, not understated by four zero losses.
+    assert results["loss"] == pytest.approx(valid_only["loss"], rel=1e-5)
+    from tensorboard.backend.event_processing import event_accumulator
+
+    acc = event_accumulator.EventAccumulator(str(tmp_path / "run" / "eval_bad"))
+    acc.Reload()
+    assert [e.value for e in acc.Scalars("eval/invalid_labels")] == [4]
+
+
 def test_valid_labels_train_and_eval_as_before(tmp_path):
     x, y = _data()
     est = ex.Estimator(

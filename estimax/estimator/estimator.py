@@ -63,7 +63,7 @@ from absl import logging
 from jax.sharding import PartitionSpec as P
 
 from estimax.estimator import checkpoints as ckpt_lib
-from estimax.estimator import distributed, feeding, logs, preflight, replication
+from estimax.estimator import distributed, feeding, label_check, logs, preflight, replication
 from estimax.estimator import export as export_lib
 from estimax.estimator import hooks as hooks_lib
 from estimax.estimator import loop as loop_lib
@@ -643,7 +643,10 @@ class Estimator:
         key = ("eval",)
         if key not in self._compiled:
             step_fn = functools.partial(
-                steps_lib.eval_step, self._module(ModeKeys.EVAL), axis_name=REPLICA_AXIS
+                steps_lib.eval_step,
+                self._module(ModeKeys.EVAL),
+                axis_name=REPLICA_AXIS,
+                exclude_invalid_labels=self.config.allow_invalid_labels,
             )
 
             def per_replica(variables, step, features, labels, mask):
@@ -660,7 +663,7 @@ class Estimator:
                 batch = sharded(variables, step, features, labels, mask)
                 if totals is None:
                     return batch, batch
-                return jax.tree.map(jnp.add, totals, batch), batch
+                return totals.merge(batch), batch
 
             self._compiled[key] = (jax.jit(accumulate), jax.jit(accumulate, donate_argnums=(0,)))
         return self._compiled[key]
@@ -712,11 +715,17 @@ class Estimator:
         variables, step = self._load_variables(sample[0], ModeKeys.EVAL, checkpoint_path)
         run.session.global_step = step
         run.started()
-        totals, num_examples = self._eval_loop(feeder, variables, step, sample[0], run)
+        labels = label_check.EvalLabelCheck(self.config.allow_invalid_labels)
+        totals, num_examples, batches = self._eval_loop(
+            feeder, variables, step, sample[0], run, labels
+        )
+        invalid = labels.check(totals.signals, batches, final=True)
         results: dict[str, Any] = _metric_values(totals)
         results["global_step"] = int(step or 0)
         # Examples counted on every host, not only this one.
         results["num_examples"] = int(_sum_over_hosts(num_examples))
+        if self.config.allow_invalid_labels and invalid is not None:
+            results["invalid_labels"] = invalid  # left out of the loss and metrics above
         self._write_eval(results, name)
         run.session.results = results
         run.end()
@@ -734,7 +743,12 @@ class Estimator:
             writer = self._summary_writer("eval" if name is None else f"eval_{name}")
             writer.scalars(
                 global_step,
-                {k: v for k, v in results.items() if k not in ("global_step", "num_examples")},
+                {
+                    # The training run's tag is train/invalid_labels; this one's says eval.
+                    ("eval/invalid_labels" if k == "invalid_labels" else k): v
+                    for k, v in results.items()
+                    if k not in ("global_step", "num_examples")
+                },
             )
             writer.flush()
 
@@ -745,8 +759,10 @@ class Estimator:
         step: int,
         sample: Any,
         run: loop_lib.Hooks,
-    ) -> tuple[Any, int]:
-        """Accumulates the metrics of every batch; (totals on the devices, examples counted).
+        labels: label_check.EvalLabelCheck,
+    ) -> tuple[steps_lib.EvalOutput, int, int]:
+        """Accumulates the metrics of every batch; (totals on the devices, examples counted,
+        batches run). Every ``iterations_per_loop`` batches the label check reads its count.
 
         With many hosts every process must run the same number of batches (each is one
         collective computation), though the hosts' shards may hold different numbers of
@@ -754,7 +770,7 @@ class Estimator:
         """
         step_array = jnp.asarray(step, jnp.int32)
         first_fn, accumulate = self._eval_batch_fn()
-        per_loop = self.config.iterations_per_loop if run.hooks else 0
+        per_loop, hooks = self.config.iterations_per_loop, bool(run.hooks)
         run.before_run(0)
         first = feeder.next()
         assert first is not None  # evaluate() checked that the input has a batch
@@ -771,10 +787,13 @@ class Estimator:
                 endless.check(batches, num_examples)
             fed = feeder.next()
             more = any(distributed.any_process(fed is not None))
-            if per_loop and batches % per_loop == 0:  # a loop's end: the hooks' turn
-                if run.after_run(batches - per_loop, batches, _metric_values(totals)) or not more:
-                    break
-                run.before_run(batches)
+            if batches % per_loop == 0:  # a loop's end: the label check's and the hooks' turn
+                labels.check(totals.signals, batches)
+                if hooks:
+                    values = _metric_values(totals)
+                    if run.after_run(batches - per_loop, batches, values) or not more:
+                        break
+                    run.before_run(batches)
             if not more:
                 break
             if fed is None:  # this host's shard has ended; others still have examples
@@ -786,9 +805,9 @@ class Estimator:
             fed = value = None
             jax.block_until_ready(previous)  # at most one batch queued behind the running one
             previous, batches = batch, batches + 1
-        if per_loop and batches % per_loop:
+        if hooks and batches % per_loop:
             run.after_run(batches - batches % per_loop, batches, _metric_values(totals))
-        return totals, num_examples
+        return totals, num_examples, batches
 
     def _masked_batch(self, sample: Any) -> Any:
         """A whole eval batch on the devices that counts nothing (its mask is all zeros)."""
@@ -924,9 +943,9 @@ class Estimator:
             self._checkpointer = None
 
 
-def _metric_values(totals: Any) -> dict[str, float]:
+def _metric_values(totals: steps_lib.EvalOutput) -> dict[str, float]:
     """The values of accumulated eval metrics (a host sync)."""
-    return {k: float(np.asarray(m.compute())) for k, m in loop_lib.to_host(totals).items()}
+    return {k: float(np.asarray(m.compute())) for k, m in loop_lib.to_host(totals.metrics).items()}
 
 
 def _host_predictions(preds: Any, n: int, predict_keys: list[str] | None) -> Any:

@@ -5,24 +5,43 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
+
 # Label checks recorded by the losses while a step is traced (see ``label_checks``): integer
 # labels outside [0, C) would get an all-zero one-hot and a zero loss, so a wrong label range
 # (the converter's 1-based labels fed to C logits) "trains" silently. The counts are computed
 # on the device with the step and checked by the host once per loop: no sync per step.
-_LABEL_CHECKS: contextvars.ContextVar[list[tuple[jax.Array, jax.Array, int]] | None] = (
-    contextvars.ContextVar("estimax_label_checks", default=None)
+class LabelCheck(NamedTuple):
+    """One loss's label check, recorded while a step is traced.
+
+    Attributes:
+      count: int32, the labels outside ``[0, num_classes)``.
+      example: int32, the largest such label (int32 min when there is none).
+      num_classes: the loss's class count.
+      labels: int32, the labels checked (``[B]`` or ``[B, ...]``): evaluation finds the rows
+        to count, and with the opt-in to leave out of its loss and metrics, from them.
+    """
+
+    count: jax.Array
+    example: jax.Array
+    num_classes: int
+    labels: jax.Array
+
+
+_LABEL_CHECKS: contextvars.ContextVar[list[LabelCheck] | None] = contextvars.ContextVar(
+    "estimax_label_checks", default=None
 )
 
 
 @contextlib.contextmanager
-def label_checks() -> Iterator[list[tuple[jax.Array, jax.Array, int]]]:
-    """Collects, while a step is traced, each loss's ``(invalid count, an invalid label, C)``."""
-    checks: list[tuple[jax.Array, jax.Array, int]] = []
+def label_checks() -> Iterator[list[LabelCheck]]:
+    """Collects, while a step is traced, each loss's :class:`LabelCheck`."""
+    checks: list[LabelCheck] = []
     token = _LABEL_CHECKS.set(checks)
     try:
         yield checks
@@ -37,7 +56,7 @@ def _record_label_check(labels: jax.Array, num_classes: int) -> None:
     labels = labels.astype(jnp.int32)
     invalid = (labels < 0) | (labels >= num_classes)
     example = jnp.max(jnp.where(invalid, labels, jnp.iinfo(jnp.int32).min))  # the largest
-    checks.append((jnp.sum(invalid.astype(jnp.int32)), example, num_classes))
+    checks.append(LabelCheck(jnp.sum(invalid.astype(jnp.int32)), example, num_classes, labels))
 
 
 def softmax_cross_entropy(

@@ -205,7 +205,9 @@ class RunConfig:
         ``train/nonfinite_skipped_steps`` and a warning per loop that had any).
       allow_invalid_labels: train on integer labels outside ``[0, num_classes)`` (their loss is
         0), counting them (``train/invalid_labels``) with a warning per loop, instead of
-        stopping with ``InvalidLabelError``.
+        stopping with ``InvalidLabelError``; in evaluation, leave such examples out of the loss
+        and every metric and count them (``invalid_labels`` in the results,
+        ``eval/invalid_labels`` in TensorBoard) with a warning.
       profile_steps: ``(START, STOP)``: capture a ``jax.profiler`` trace of training steps
         START..STOP (inclusive, with step markers) under ``model_dir/plugins/profile/``, where
         TensorBoard's profile plugin finds it (``estimax.ProfilerHook``); None: no trace.

@@ -371,21 +371,19 @@ def _scalars(scalars: Any) -> dict[str, Any]:
     return out
 
 
-def _label_signals(
-    checks: list[tuple[jax.Array, jax.Array, int]], axis_name: str | None
-) -> Signals:
+def _label_signals(checks: list[losses.LabelCheck], axis_name: str | None) -> Signals:
     """The step's label check over all losses and replicas: the invalid count, the largest
     invalid label and the class count (all None when no loss took integer labels)."""
     if not checks:
         return Signals()
-    count = sum((c for c, _, _ in checks), jnp.int32(0))
-    example = jnp.max(jnp.stack([e for _, e, _ in checks]))
+    count = sum((c.count for c in checks), jnp.int32(0))
+    example = jnp.max(jnp.stack([c.example for c in checks]))
     if axis_name is not None:
         count, example = lax.psum(count, axis_name), lax.pmax(example, axis_name)
     return Signals(
         invalid_labels=count.astype(jnp.float32),
         invalid_label_example=example.astype(jnp.float32),
-        label_classes=jnp.float32(checks[0][2]),
+        label_classes=jnp.float32(checks[0].num_classes),
     )
 
 
@@ -393,6 +391,39 @@ def _all_finite(tree: Any) -> jax.Array:
     """A bool scalar: every element of every leaf of ``tree`` is finite."""
     leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+
+
+@struct.dataclass
+class EvalOutput:
+    """What one eval batch returns (summed over replicas); merged over batches, the totals.
+
+    Attributes:
+      metrics: ``{"loss": Mean, <metric>: Mean}``: totals and counts.
+      signals: the label check (``invalid_labels``: real examples with a label outside
+        ``[0, num_classes)``; the largest such label; the class count); None fields when no
+        loss took integer labels.
+    """
+
+    metrics: dict[str, metrics_lib.Mean]
+    signals: Signals
+
+    def merge(self, other: EvalOutput) -> EvalOutput:
+        """The totals of both: metrics and counts added, the largest invalid label kept."""
+        a, b = self.signals, other.signals
+        signals = (
+            a
+            if a.invalid_labels is None or b.invalid_labels is None
+            else dataclasses.replace(
+                b,
+                invalid_labels=a.invalid_labels + b.invalid_labels,
+                invalid_label_example=jnp.maximum(a.invalid_label_example, b.invalid_label_example),
+            )
+        )
+        return EvalOutput(jax.tree.map(jnp.add, self.metrics, other.metrics), signals)
+
+    def __getitem__(self, name: str) -> metrics_lib.Mean:
+        """A metric by name (``"loss"`` or the spec's)."""
+        return self.metrics[name]
 
 
 def eval_step(
@@ -403,8 +434,9 @@ def eval_step(
     mask: jax.Array,
     *,
     axis_name: str | None = None,
-) -> dict[str, metrics_lib.Mean]:
-    """The eval metrics of one (padded) batch, reduced under ``mask``.
+    exclude_invalid_labels: bool = False,
+) -> EvalOutput:
+    """The eval metrics of one (padded) batch, reduced under ``mask``, and its label check.
 
     Args:
       model: an EVAL-mode module returning an ``EstimatorSpec``.
@@ -413,23 +445,72 @@ def eval_step(
       batch: (features, labels) ``[B, ...]``.
       mask: ``[B]`` float32, 1 for real rows and 0 for padding.
       axis_name: the replica axis under ``shard_map`` (totals are summed over it); or None.
+      exclude_invalid_labels: leave rows whose integer labels are outside ``[0, num_classes)``
+        out of the loss and every metric (they are still counted in the signals). Exact for a
+        per-example ``[B]`` loss; a scalar loss has already averaged them in.
 
     Returns:
-      ``{"loss": Mean, <metric>: Mean}``: totals and counts, to be summed over batches.
+      ``EvalOutput``: metric totals and counts, and the label check, to be merged over batches.
     """
     features, labels = batch
-    spec = cast(EstimatorSpec, model.apply(variables, features, labels, step))
+    with losses.label_checks() as checks:
+        spec = cast(EstimatorSpec, model.apply(variables, features, labels, step))
+    invalid_rows, signals = _eval_label_signals(checks, mask)
+    if exclude_invalid_labels and invalid_rows is not None:
+        mask = mask * (1.0 - invalid_rows.astype(mask.dtype))
     out = {}
     if spec.loss is not None:
         total, count = mean_loss(spec.loss, mask)
         out["loss"] = metrics_lib.Mean(total, count)
     for name, metric in _eval_metrics(spec).items():
         out[name] = metric.reduce(mask)
-    return out if axis_name is None else lax.psum(out, axis_name)
+    if axis_name is None:
+        return EvalOutput(out, signals)
+    if signals.invalid_labels is not None:
+        signals = dataclasses.replace(
+            signals,
+            invalid_labels=lax.psum(signals.invalid_labels, axis_name),
+            invalid_label_example=lax.pmax(signals.invalid_label_example, axis_name),
+        )
+    return EvalOutput(lax.psum(out, axis_name), signals)
+
+
+def _eval_label_signals(
+    checks: list[losses.LabelCheck], mask: jax.Array
+) -> tuple[jax.Array | None, Signals]:
+    """(``[B]`` bool: rows with an invalid label, or None; the batch's signals), real rows only.
+
+    A loss whose labels are not batch-shaped (leading size other than B) is counted by its own
+    count but cannot be left out row by row.
+    """
+    if not checks:
+        return None, Signals()
+    rows = mask.shape[0]
+    real = mask > 0
+    invalid_rows = jnp.zeros([rows], bool)
+    unplaced = jnp.int32(0)
+    example = jnp.iinfo(jnp.int32).min
+    for check in checks:
+        labels = check.labels
+        if labels.ndim == 0 or labels.shape[0] != rows:
+            unplaced, example = unplaced + check.count, jnp.maximum(example, check.example)
+            continue
+        invalid = ((labels < 0) | (labels >= check.num_classes)) & real.reshape(
+            (rows,) + (1,) * (labels.ndim - 1)
+        )
+        invalid_rows = invalid_rows | invalid.reshape(rows, -1).any(axis=1)
+        found = jnp.max(jnp.where(invalid, labels, jnp.iinfo(jnp.int32).min))
+        example = jnp.maximum(example, found)
+    count = jnp.sum(invalid_rows.astype(jnp.int32)) + unplaced
+    return invalid_rows, Signals(
+        invalid_labels=count.astype(jnp.float32),
+        invalid_label_example=jnp.asarray(example).astype(jnp.float32),
+        label_classes=jnp.float32(checks[0].num_classes),
+    )
 
 
 # Keys ``Estimator.evaluate`` sets in its results itself (the original refused "loss" too).
-_EVAL_RESULT_KEYS = ("loss", "global_step", "num_examples")
+_EVAL_RESULT_KEYS = ("loss", "global_step", "num_examples", "invalid_labels")
 
 
 def _eval_metrics(spec: EstimatorSpec) -> dict[str, metrics_lib.PerExample]:
@@ -439,7 +520,7 @@ def _eval_metrics(spec: EstimatorSpec) -> dict[str, metrics_lib.PerExample]:
         if name in metrics:
             raise ValueError(
                 f"EstimatorSpec(eval_metrics={{{name!r}: ...}}): {name!r} is a key the "
-                "evaluation results set themselves (loss, global_step, num_examples); give "
+                f"evaluation results set themselves ({', '.join(_EVAL_RESULT_KEYS)}); give "
                 "this metric another name."
             )
     return metrics
