@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import signal
 import subprocess
@@ -535,3 +536,136 @@ def test_a_shard_whose_images_are_all_bad_is_not_written_even_with_skip_bad(tmp_
         )
     assert not (tmp_path / "out" / "validation-00000-of-00002").exists()
     assert not [n for n in os.listdir(tmp_path / "out") if n.startswith(".")]
+
+
+# ------------------------------------------------------------------------- folder classes
+
+
+def _product_photos(root) -> None:
+    """A Keras-style tree: 'textiles' in subfolders, an empty 'aprons' and 'lamps' in
+    validation only."""
+    for split, n in (("train", 4), ("validation", 2)):
+        for i in range(n):
+            for folder in ("bottles", "textiles/batch1", "textiles/batch2"):
+                os.makedirs(root / split / folder, exist_ok=True)
+                (root / split / folder / f"{i}.jpg").write_bytes(_jpeg(_color(i + len(folder))))
+    (root / "train" / "aprons").mkdir()
+    (root / "validation" / "lamps").mkdir()
+    (root / "validation" / "lamps" / "0.jpg").write_bytes(_jpeg(_color(9)))
+
+
+def _folder_command(root, out, *flags) -> list[str]:
+    return [
+        "folder",
+        f"--train_dir={root / 'train'}",
+        f"--validation_dir={root / 'validation'}",
+        "--train_shards=2",
+        "--validation_shards=1",
+        f"--output_dir={out}",
+        "--no_progress",
+        *flags,
+    ]
+
+
+def test_folder_classes_are_checked_and_counted_with_their_subfolders(tmp_path, capsys, caplog):
+    _product_photos(tmp_path / "in")
+    assert convert.main(_folder_command(tmp_path / "in", tmp_path / "o1")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "estimax-convert folder: error: classes without images: 'aprons' (label 1 of 4: "
+        f"{tmp_path}/in/train/aprons has no image files): a label no example has. To fix: add "
+        "images or remove the folder (or the labels-file line), or pass --allow_empty_classes to "
+        "convert them as they are"
+    )
+    out = _folder_command(tmp_path / "in", tmp_path / "o2", "--allow_empty_classes")
+    assert convert.main(out) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(
+        "estimax-convert folder: error: train and validation have different classes: 'lamps' "
+        "(label 3 of 4) has images in validation only (the model never trains on it). To fix: "
+    )
+    assert err.endswith("--allow_class_mismatch to convert them as they are")
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()  # nothing written
+
+    flags = ("--allow_empty_classes", "--allow_class_mismatch")
+    assert convert.main(_folder_command(tmp_path / "in", tmp_path / "o3", *flags)) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == (
+        "labels are 1-based, as the original's converter wrote them (a model's class id is "
+        "label - 1): 1 = 'aprons' (train 0, validation 0), 2 = 'bottles' (train 4, validation 2), "
+        "3 = 'lamps' (train 0, validation 1), 4 = 'textiles' (train 8, validation 4)"
+    )
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("'aprons'" in w and "--allow_empty_classes" in w for w in warned)
+    assert any("'lamps'" in w and "--allow_class_mismatch" in w for w in warned)
+    # The subfolders' images are converted, under their class's label.
+    labels = [
+        (ex["image/class/synset"][0].decode(), int(ex["image/class/label"][0]))
+        for exs in read_dir(tmp_path / "o3").values()
+        for ex in exs
+    ]
+    assert labels.count(("textiles", 4)) == 12 and labels.count(("bottles", 2)) == 6
+    manifest = convert_shards.load_manifest(str(tmp_path / "o3"))
+    assert json.loads(manifest.to_json())["splits"]["train"]["classes"] == {
+        "aprons": 0,
+        "bottles": 4,
+        "lamps": 0,
+        "textiles": 8,
+    }
+    assert convert.main(["verify", f"--output_dir={tmp_path / 'o3'}"]) == 0
+
+
+def test_a_labels_file_class_without_a_folder_and_a_class_emptied_by_skip_bad(tmp_path, capsys):
+    root = tmp_path / "in"
+    for name in ("cat", "dog"):
+        (root / name).mkdir(parents=True)
+        (root / name / "0.jpg").write_bytes(_jpeg(_color(len(name))))
+    (tmp_path / "labels.txt").write_text("cat\ncow\ndog\n")
+    with pytest.raises(InputError, match=r"'cow' \(label 2 of 3: no folder\)"):
+        convert_sources.folder_source({"train": str(root)}, str(tmp_path / "labels.txt"))
+    # Every 'dog' image unreadable and skipped: the class is left without an example.
+    (root / "dog" / "0.jpg").write_bytes(b"not an image")
+    (root / "dog" / "1.jpg").write_bytes(b"nor this")
+    command = ["folder", f"--train_dir={root}", "--train_shards=1", "--no_progress", "--skip_bad"]
+    assert convert.main([*command, f"--output_dir={tmp_path / 'o'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and (
+        "classes left without images: every image of 'dog' was skipped as unreadable" in err
+    )
+    assert "--allow_empty_classes" in err
+    out = [*command, f"--output_dir={tmp_path / 'o'}", "--allow_empty_classes"]
+    assert convert.main(out) == 0  # resumes the same conversion, accepting it
+    assert "2 = 'dog' (train 0)" in capsys.readouterr().out
+
+
+def test_a_manifest_without_class_counts_resumes_and_gains_them(tmp_path):
+    root = _tree(tmp_path)
+    manifest = _convert(root, tmp_path / "o")
+    path = tmp_path / "o" / "manifest.json"
+    old = json.loads(path.read_text())
+    for entry in old["shards"].values():
+        del entry["classes"]  # as an older estimax wrote it
+    for info in old["splits"].values():
+        del info["classes"]
+    path.write_text(json.dumps(old))
+    rewritten = []
+    again = _convert(root, tmp_path / "o", on_shard=rewritten.append)
+    assert rewritten == [] and again.class_counts() == manifest.class_counts()
+    assert sum(manifest.class_counts()["train"].values()) == 6
+
+
+def test_beam_checks_and_counts_folder_classes_as_the_local_tool(tmp_path):
+    if os.environ.get("ESTIMAX_REQUIRE_BEAM"):  # `make test` runs this in .venv-beam
+        import apache_beam  # noqa: F401
+    pytest.importorskip("apache_beam", reason="apache-beam runs in its own venv (.venv-beam)")
+    _product_photos(tmp_path / "in")
+    flags = ("--allow_empty_classes", "--allow_class_mismatch")
+    assert convert.main(_folder_command(tmp_path / "in", tmp_path / "local", *flags)) == 0
+    beam = ["--runner=DirectRunner", "--num_workers=2"]
+    assert convert.main(_folder_command(tmp_path / "in", tmp_path / "beam", *beam)) == 2
+    assert convert.main(_folder_command(tmp_path / "in", tmp_path / "beam", *flags, *beam)) == 0
+    local = convert_shards.load_manifest(str(tmp_path / "local"))
+    beamed = convert_shards.load_manifest(str(tmp_path / "beam"))
+    assert beamed.class_counts() == local.class_counts()
+    assert beamed.class_counts()["validation"]["textiles"] == 4
+    assert digests(tmp_path / "beam") == digests(tmp_path / "local")

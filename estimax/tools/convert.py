@@ -137,6 +137,18 @@ def _parser() -> argparse.ArgumentParser:
         help="one label per line: fixes the label order "
         "(1-based); default: sorted label directory names",
     )
+    p.add_argument(
+        "--allow_empty_classes",
+        action="store_true",
+        help="convert classes without images (a label no example has) with a warning, instead "
+        "of stopping with an error naming them",
+    )
+    p.add_argument(
+        "--allow_class_mismatch",
+        action="store_true",
+        help="convert classes that have images in one split only with a warning, instead of "
+        "stopping with an error naming them",
+    )
     _add_common(p)
 
     p = sub.add_parser("csv", help="CSV files of path_or_url,label + a labels file -> shards")
@@ -373,7 +385,14 @@ def _dataset(args: argparse.Namespace) -> tuple[convert_sources.Dataset, dict]:
         dirs = {
             s: d for s, d in (("train", args.train_dir), ("validation", args.validation_dir)) if d
         }
-        ds = convert_sources.folder_source(dirs, args.labels_file, args.seed, args.skip_bad)
+        ds = convert_sources.folder_source(
+            dirs,
+            args.labels_file,
+            args.seed,
+            args.skip_bad,
+            allow_empty_classes=args.allow_empty_classes,
+            allow_class_mismatch=args.allow_class_mismatch,
+        )
         return ds, {"command": "folder", **dirs, "labels_file": args.labels_file, "seed": args.seed}
     if args.command == "csv":
         csvs = {
@@ -472,7 +491,66 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"wrote {counts} examples in {len(manifest.shards)} shards to {args.output_dir} "
         f"({fixed} images re-encoded as RGB JPEG, {skipped} skipped; see manifest.json)"
     )
-    return 0
+    print(_labels_line(manifest))
+    return _no_class_emptied(args, dataset, manifest)
+
+
+# More classes than this are summarised (ImageNet's 1,000); manifest.json has every count.
+_LISTED_CLASSES = 20
+
+
+def _labels_line(manifest: convert_shards.Manifest) -> str:
+    """The label numbering and each class's label and examples per split, in one line."""
+    counts = manifest.class_counts()
+
+    def described(name: str) -> str:
+        per_split = ", ".join(f"{split} {counts[split][name]}" for split in counts)
+        return f"{manifest.label_map[name]} = {name!r} ({per_split})"
+
+    names = list(manifest.label_map)
+    shown = names if len(names) <= _LISTED_CLASSES else names[:10]
+    line = (
+        "labels are 1-based, as the original's converter wrote them (a model's class id is "
+        f"label - 1): {', '.join(described(n) for n in shown)}"
+    )
+    if len(shown) < len(names):
+        ranges = ", ".join(
+            f"{split} {min(c.values())}..{max(c.values())}" for split, c in counts.items()
+        )
+        line += (
+            f", ... {len(names)} classes in all (examples per class: {ranges}; every count is "
+            "in manifest.json)"
+        )
+    return line
+
+
+def _no_class_emptied(
+    args: argparse.Namespace, dataset: convert_sources.Dataset, manifest: convert_shards.Manifest
+) -> int:
+    """Exit status 2 (unless ``--allow_empty_classes``) when skipping unreadable images left a
+    folder's class without any example: a label the model could never learn."""
+    if args.command != "folder":
+        return 0
+    counts = manifest.class_counts()
+    had_images = {item.synset for items in dataset.splits.values() for item in items}
+    emptied = [
+        n for n in manifest.label_map if n in had_images and not any(c[n] for c in counts.values())
+    ]
+    if not emptied:
+        return 0
+    problem = (
+        f"classes left without images: every image of {', '.join(map(repr, emptied))} was "
+        "skipped as unreadable (listed in manifest.json), so their labels have no example"
+    )
+    if args.allow_empty_classes:
+        logging.getLogger(__name__).warning("%s (--allow_empty_classes)", problem)
+        return 0
+    print(
+        f"estimax-convert folder: error: {problem}; the shards are written: fix or remove those "
+        "images and rerun, or rerun with --allow_empty_classes to accept them",
+        file=sys.stderr,
+    )
+    return 2
 
 
 def run() -> None:

@@ -9,10 +9,12 @@ returns its count and SHA-256. The parent records finished shards in ``manifest.
      "fingerprint": "<sha256 of the plan: every shard's inputs, labels and the options>",
      "source": {...}, "options": {...}, "complete": true,
      "label_map": {"n01440764": 1, ...},
-     "splits": {"train": {"num_shards": 1024, "num_inputs": 1281167, "num_examples": ...}},
+     "splits": {"train": {"num_shards": 1024, "num_inputs": 1281167, "num_examples": ...,
+                          "classes": {"n01440764": 1300, ...}}},   # examples per class
      "shards": {"train-00000-of-01024": {"split": "train", "index": 0, "num_examples": 1252,
                                           "bytes": ..., "sha256": "...",
-                                          "skipped": [{"file", "reason"}], "fixed": [...]}},
+                                          "skipped": [{"file", "reason"}], "fixed": [...],
+                                          "classes": {"n01440764": 2, ...}}},
      "skipped": [{"file": ..., "reason": ...}]}   # inputs left out before any shard ran
 
 Resuming (the default): shards listed in the manifest whose file still has the recorded SHA-256
@@ -218,7 +220,18 @@ def _write_shard(task: ShardTask) -> dict[str, Any]:
         "sha256": sha256_file(task.path),
         "skipped": skipped,
         "fixed": fixed,
+        "classes": written_classes(task.items, skipped),
     }
+
+
+def written_classes(items: Iterable[Item], skipped: list[dict[str, str]]) -> dict[str, int]:
+    """``{class: examples}`` of a shard: its items less those skipped as unreadable."""
+    left_out = {s["file"] for s in skipped}
+    counts: dict[str, int] = {}
+    for item in items:
+        if item.path not in left_out:
+            counts[item.synset] = counts.get(item.synset, 0) + 1
+    return counts
 
 
 @dataclasses.dataclass
@@ -234,13 +247,24 @@ class Manifest:
     skipped: list[dict[str, str]] = dataclasses.field(default_factory=list)
     complete: bool = False
 
+    def class_counts(self) -> dict[str, dict[str, int]]:
+        """``{split: {class: examples written}}``, every class of ``label_map`` in label order
+        (0 for a class without examples in a split), over the shards finished so far."""
+        counts = {split: dict.fromkeys(self.label_map, 0) for split in self.splits}
+        for entry in self.shards.values():
+            for name, n in entry.get("classes", {}).items():
+                counts[entry["split"]][name] += n
+        return counts
+
     def to_json(self) -> str:
         d = dataclasses.asdict(self)
         d = {"format": MANIFEST_FORMAT, **d}
+        classes = self.class_counts()
         for split, info in d["splits"].items():
             info["num_examples"] = sum(
                 s["num_examples"] for s in self.shards.values() if s["split"] == split
             )
+            info["classes"] = classes[split]
         d["shards"] = dict(sorted(d["shards"].items()))
         return json.dumps(d, indent=1, sort_keys=False)
 
@@ -254,6 +278,7 @@ class Manifest:
             )
         for info in d["splits"].values():
             info.pop("num_examples", None)
+            info.pop("classes", None)
         d.pop("format")
         return cls(**d)
 
@@ -359,6 +384,11 @@ def prepare_manifest(
             fresh.shards[name] = entry
         else:
             log.warning("%s: missing or changed since the manifest recorded it; rewriting", path)
+
+    # Shards an older estimax wrote have no per-class counts: the plan and their skips give them.
+    items = {t.name: t.items for t in tasks}
+    for name, entry in fresh.shards.items():
+        entry.setdefault("classes", written_classes(items[name], entry["skipped"]))
     return fresh
 
 

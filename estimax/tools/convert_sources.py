@@ -11,7 +11,12 @@ Three inputs, one result (:class:`Dataset`):
   labels ``{synset: k + 1 for k, synset in enumerate(sorted(set(val + train synsets)))}``: the
   original's 1-based labels (1..1000).
 * ``folder``: ``<dir>/<label>/<image>`` trees (one per split); labels are the sorted label
-  directory names (or a labels file's order), 1-based.
+  directory names (or a labels file's order), 1-based. Images in subfolders of a label directory
+  belong to that label (``<dir>/<label>/batch1/<image>``, as Keras'
+  ``image_dataset_from_directory`` reads them). The classes are checked: a class without images
+  (a folder with none, or a labels-file line no folder has) and a class with images in one split
+  only are each one :class:`InputError` naming them, unless allowed (then a warning): either
+  would give a label that no training example has, and shift every later label.
 * ``csv``: lines ``path_or_url,label`` and a labels file, one label per line: the input of
   ``jpeg_to_tf_record.py`` (§8.2); label = ``labels.index(label) + 1``, synset = the label text.
 
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import logging
 import posixpath
 import random
 import re
@@ -45,6 +51,8 @@ __all__ = [
 ]
 
 _SYNSET = re.compile(r"^n\d{8}$")
+
+log = logging.getLogger(__name__)
 
 
 class InputError(ValueError):
@@ -98,6 +106,18 @@ def _list_dir(path: str) -> tuple[list[str], list[str]]:
     return sorted(dirs), sorted(files)
 
 
+def _class_files(path: str) -> list[str]:
+    """Every file under ``path``, subfolders included, sorted; hidden entries (and all under a
+    hidden folder) ignored."""
+    fs, fs_path = _fs(path)
+    files = []
+    for found in fs.find(fs_path, withdirs=False):
+        relative = posixpath.relpath(found, fs_path.rstrip("/") or "/")
+        if not any(part.startswith(".") for part in relative.split("/")):
+            files.append(_full(fs, found, path))
+    return sorted(files)
+
+
 def _exists(path: str) -> bool:
     fs, fs_path = _fs(path)
     return fs.exists(fs_path)
@@ -147,7 +167,7 @@ def _class_tree(root: str, what: str) -> dict[str, list[str]]:
             f"{what} directory {root} has no <label>/ subdirectories (empty split)"
             + (f"; it has {len(loose)} loose files" if loose else "")
         )
-    tree = {label: _list_dir(posixpath.join(root, label))[1] for label in labels}
+    tree = {label: _class_files(posixpath.join(root, label)) for label in labels}
     if not any(tree.values()):
         raise InputError(
             f"{what} directory {root}: no images in any of its {len(labels)} "
@@ -231,6 +251,8 @@ def folder_source(
     labels_file: str | None = None,
     seed: int = 0,
     skip_bad: bool = False,
+    allow_empty_classes: bool = False,
+    allow_class_mismatch: bool = False,
 ) -> Dataset:
     """``<dir>/<label>/<image>`` trees -> a Dataset; the 'train' split is shuffled.
 
@@ -239,9 +261,12 @@ def folder_source(
       labels_file: label order (1-based by line); default: sorted union of the label dirs.
       seed: train shuffle seed.
       skip_bad: leave out label directories that are not in ``labels_file``.
+      allow_empty_classes: keep classes without images (a label no example has) with a warning.
+      allow_class_mismatch: keep classes that have images in some splits only, with a warning.
 
     Raises:
-      InputError: a missing or empty tree; a label directory not in ``labels_file``.
+      InputError: a missing or empty tree; a label directory not in ``labels_file``; a class
+        without images, or with images in some splits only (unless allowed).
     """
     if not split_dirs:
         raise InputError("no input directory given (--train_dir / --validation_dir)")
@@ -251,6 +276,7 @@ def folder_source(
     else:
         labels = sorted(set().union(*(t.keys() for t in trees.values())))
     label_map = {name: k + 1 for k, name in enumerate(labels)}
+    _check_classes(split_dirs, trees, label_map, allow_empty_classes, allow_class_mismatch)
     skipped: list[dict[str, str]] = []
     splits = {}
     for split, tree in trees.items():
@@ -270,6 +296,58 @@ def folder_source(
             raise InputError(f"--{split}_dir {split_dirs[split]}: no images left (empty split)")
         splits[split] = shuffle_train(items, seed) if split == "train" else items
     return Dataset(splits, label_map, skipped)
+
+
+def _check_classes(
+    split_dirs: dict[str, str],
+    trees: dict[str, dict[str, list[str]]],
+    label_map: dict[str, int],
+    allow_empty: bool,
+    allow_mismatch: bool,
+) -> None:
+    """Refuses (or, allowed, warns about) classes without images and classes in one split only:
+    each still gets a label, which no training (or no evaluation) example has."""
+    has = {split: {n for n in label_map if tree.get(n)} for split, tree in trees.items()}
+    of = f"of {len(label_map)}"
+    empty = [n for n in label_map if not any(n in names for names in has.values())]
+    if empty:
+        where = []
+        for n in empty:
+            folders = [posixpath.join(split_dirs[s], n) for s in trees if n in trees[s]]
+            found = f"{', '.join(folders)} has no image files" if folders else "no folder"
+            where.append(f"{n!r} (label {label_map[n]} {of}: {found})")
+        _refuse_or_warn(
+            f"classes without images: {'; '.join(where)}: a label no example has",
+            allow_empty,
+            "--allow_empty_classes",
+            "add images or remove the folder (or the labels-file line)",
+        )
+    if len(trees) < 2:
+        return
+    common = set.intersection(*has.values())
+    odd = [n for n in label_map if n not in empty and n not in common]
+    if odd:
+        where = []
+        for n in odd:
+            missing = [s for s in trees if n not in has[s]]
+            where.append(
+                f"{n!r} (label {label_map[n]} {of}) has images in "
+                f"{' and '.join(s for s in trees if n in has[s])} only ("
+                + ("the model never trains on it" if "train" in missing else "never evaluated")
+                + ")"
+            )
+        _refuse_or_warn(
+            f"{' and '.join(trees)} have different classes: {'; '.join(where)}",
+            allow_mismatch,
+            "--allow_class_mismatch",
+            "give each class images in every split",
+        )
+
+
+def _refuse_or_warn(problem: str, allowed: bool, flag: str, fix: str) -> None:
+    if not allowed:
+        raise InputError(f"{problem}. To fix: {fix}, or pass {flag} to convert them as they are")
+    log.warning("%s (converted as they are: %s)", problem, flag)
 
 
 def csv_source(
