@@ -15,7 +15,8 @@ wheel. Each step is what the article does, in the same order:
 4. ``train_and_evaluate`` on the accelerator(s) JAX finds (CPU, GPU or TPU: the same code).
 5. Export for serving: the eval preprocessing is *declared* (``image_preprocessing``) so the
    server can decode and resize JPEG bytes itself; the export is checked against this file's own
-   eval preprocessing and refused if they disagree (a train/serve skew).
+   eval preprocessing on validation images of every class (``serving.check_images``) and refused
+   if the model's inputs or predictions disagree (a train/serve skew).
 6. ``estimax serve`` answers TF Serving's REST request with the JPEG of a validation image.
 """
 
@@ -243,7 +244,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         est,
         base,
         preprocessing=SERVING_PREPROCESSING,
-        check_inputs=images[:8],
+        # Validation images of every class (the first 8 files would all be 'one').
+        check_inputs=serving.check_images(data_dir),
         eval_preprocess=eval_preprocess,  # refuses the export on a train/serve skew
     )
     print(f"Exported {version_dir}")

@@ -87,21 +87,50 @@ def test_seed003_custom_job_serves_its_validation_jpegs_as_evaluate_scores_them(
 
 
 @pytest.mark.slow
-def test_a_skewed_serving_preprocessing_is_refused_at_export(custom_job, tmp_path):
+@pytest.mark.parametrize(
+    "declared, difference",
+    [
+        # The export: ResNet's recipe (centre crop, bicubic, uint8 0..255) for a model
+        # trained on [0, 1] bilinear-resized images.
+        ("resnet", r"dtype uint8 vs float32, values differ by up to \d+\.?\d* at pixel \(\d+, "),
+        ("crop", r"values differ by up to 0\.\d+ at pixel \(\d+, \d+, \d\) \("),
+    ],
+)
+def test_a_skewed_serving_preprocessing_is_refused_at_export(
+    custom_job, tmp_path, declared, difference
+):
     from estimax import serving
 
     job, out, _ = custom_job
-    skewed = serving.image_preprocessing(32, crop="center", crop_fraction=0.7, scale=1 / 255)
+    skewed = {
+        "resnet": serving.resnet_eval(32),
+        "crop": serving.image_preprocessing(32, crop="center", crop_fraction=0.7, scale=1 / 255),
+    }[declared]
     base = tmp_path / "skewed"
-    with pytest.raises(serving.ExportCheckError, match="train/serve skew"):
+    with pytest.raises(serving.ExportCheckError) as raised:
         serving.export_version(
             out["estimator"],
             str(base),
             preprocessing=skewed,
-            check_inputs=out["images"][:8],
+            check_inputs=serving.check_images(out["data_dir"]),
             eval_preprocess=job.eval_preprocess,
         )
-    assert serving.list_versions(str(base)) == []  # nothing published
+    message = str(raised.value)
+    assert "\n" not in message and message.startswith("train/serve skew: ")
+    assert re.search(r"give the model different inputs \(served vs eval_preprocess\): check "
+                     r"image #0 of 8: " + difference, message), message  # fmt: skip
+    assert not base.exists()  # refused before anything was exported: nothing published
+
+
+@pytest.mark.slow
+def test_the_check_images_cover_every_class_where_the_first_files_are_one(custom_job):
+    from estimax import serving
+
+    job, out, _ = custom_job
+    by_image = dict(zip(out["images"], out["labels"], strict=True))
+    assert len(set(out["labels"][:8])) == 1  # the first 8 files: one class
+    drawn = serving.check_images(out["data_dir"])
+    assert sorted(by_image[image] for image in drawn) == [0, 0, 0, 1, 1, 1, 2, 2]
 
 
 def _readme_contract_block() -> str:

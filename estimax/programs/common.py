@@ -634,18 +634,13 @@ def export_tolerance(precision: str) -> tuple[float, float]:
 
 
 def sample_images(data_dir: str | None, count: int = 8) -> list[bytes] | None:
-    """The first ``count`` encoded images of ``validation-*`` in ``data_dir`` (None: fake data)."""
+    """``count`` encoded images of ``validation-*`` in ``data_dir``, drawn across classes
+    (``estimax.serving.check_images``); None: fake data."""
     if data_dir is None:
         return None
-    from estimax.data import example, tfrecord
+    from estimax import serving
 
-    images: list[bytes] = []
-    for path in tfrecord.list_files(posixpath.join(data_dir, "validation-*")):
-        for record in tfrecord.read_records(path):
-            images.append(example.decode_example(record)["image/encoded"][0])
-            if len(images) == count:
-                return images
-    return images or None
+    return serving.check_images(data_dir, count) or None
 
 
 def write_run_description(model_dir: str, notes: list[str] | tuple[str, ...]) -> None:

@@ -6,6 +6,7 @@
 | image preprocessing recorded with an export, applied by the server | ``preprocess`` |
 | request values -> features, padding to compiled batch sizes | ``servable`` |
 | ``export_version``: atomic ``<base>/<version>/``, parity check | ``versions`` |
+| the skew check's model inputs, check images drawn across classes | ``skew`` |
 | polling, load + warm before unload, failed loads reported | ``manager`` |
 | dynamic batching (TF Serving's knobs), 429 on a full queue | ``batching`` |
 | one model manager, limits, batching, errors, dtype table for every protocol | ``core`` |
@@ -27,6 +28,7 @@ from estimax.serving.preprocess import (
     resnet_eval,
 )
 from estimax.serving.servable import InvalidInput, Servable
+from estimax.serving.skew import check_images
 from estimax.serving.versions import ExportCheckError, check_version, export_version, list_versions
 
 __all__ = [
@@ -35,6 +37,7 @@ __all__ = [
     "InvalidInput",
     "Preprocessing",
     "Servable",
+    "check_images",
     "check_version",
     "export_version",
     "image_preprocessing",

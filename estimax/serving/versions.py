@@ -26,7 +26,7 @@ import fsspec
 import numpy as np
 from absl import logging
 
-from estimax.serving import artifact
+from estimax.serving import artifact, skew
 from estimax.serving.preprocess import Preprocessing
 from estimax.serving.servable import IMAGE_INPUT, SERVING_FILE, SERVING_FORMAT, Servable
 from estimax.storage import StorageError
@@ -94,6 +94,7 @@ def export_version(
     checkpoint_path: str | None = None,
     platforms: tuple[str, ...] | None = None,
     eval_preprocess: Callable[[bytes], np.ndarray] | None = None,
+    pixel_tolerance: float = skew.DEFAULT_PIXEL_TOLERANCE,
 ) -> str:
     """Exports ``estimator``'s model as the next version under ``model_base_path``.
 
@@ -118,19 +119,29 @@ def export_version(
       platforms: lowering platforms (default: ``export_saved_model``'s cpu, cuda, tpu).
       eval_preprocess: the training side's own eval preprocessing of one encoded image (the
         function your eval ``input_fn`` applies). With ``preprocessing`` and ``check_inputs``,
-        the check also runs ``check_inputs`` through it and ``Estimator.predict``: an export whose
-        served preprocessing disagrees with training's (a train/serve skew) is refused.
+        an export whose served preprocessing disagrees with training's (a train/serve skew) is
+        refused: first the two model inputs of each check image are compared (shape, dtype, and
+        values within ``pixel_tolerance``), before anything is exported; then ``check_inputs``
+        go through it and ``Estimator.predict``, and the predictions are compared. Draw the
+        check images across classes (``estimax.serving.check_images(data_dir)``): predictions
+        on images of one class can agree whatever the preprocessing.
+      pixel_tolerance: the largest difference of one input value accepted, as a fraction of
+        the range of ``eval_preprocess``'s values (default 0.02: 5.1 levels of 0..255, 0.02
+        of [0, 1]); float64 from ``eval_preprocess`` counts as float32 (what JAX feeds).
 
     Returns:
       The published version directory.
 
     Raises:
       ExportCheckError: the export disagrees with ``Estimator.predict``, or its served
-        preprocessing with ``eval_preprocess`` (nothing is published).
+        preprocessing with ``eval_preprocess`` (the message names the first difference: shape,
+        dtype, or the largest value difference and its pixel); nothing is published.
     """
     from estimax.estimator.export import TensorSpec  # only the exporter needs the estimator
     from estimax.estimator.inputs import numpy_input_fn
 
+    if eval_preprocess is not None and preprocessing is not None and check_inputs is not None:
+        _check_input_skew(preprocessing, eval_preprocess, check_inputs, pixel_tolerance)
     if serving_input is None:
         if preprocessing is None:
             raise ValueError(
@@ -240,6 +251,24 @@ def _check(
         "rtol": rtol,
         "atol": atol,
     }
+
+
+def _check_input_skew(
+    preprocessing: Preprocessing,
+    eval_preprocess: Callable[[bytes], np.ndarray],
+    check_inputs: Sequence[Any] | np.ndarray,
+    tolerance: float,
+) -> None:
+    """Refuses an export whose served preprocessing feeds the model other inputs than
+    training's eval preprocessing (``skew.input_difference``)."""
+    found = skew.input_difference(preprocessing, eval_preprocess, list(check_inputs), tolerance)
+    if found:
+        raise ExportCheckError(
+            f"train/serve skew: the export's declared preprocessing {preprocessing.to_json()} "
+            f"and eval_preprocess (the training side's) give the model different inputs (served "
+            f"vs eval_preprocess): {found}. Declare the preprocessing your eval input uses "
+            "(estimax.serving.image_preprocessing(...)); nothing was published."
+        )
 
 
 def _check_skew(
