@@ -244,8 +244,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         est,
         base,
         preprocessing=SERVING_PREPROCESSING,
-        # Validation images of every class (the first 8 files would all be 'one').
-        check_inputs=serving.check_images(data_dir),
+        check_inputs=serving.check_images(data_dir),  # validation images of every class
         eval_preprocess=eval_preprocess,  # refuses the export on a train/serve skew
     )
     print(f"Exported {version_dir}")

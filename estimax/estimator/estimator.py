@@ -715,16 +715,12 @@ class Estimator:
         variables, step = self._load_variables(sample[0], ModeKeys.EVAL, checkpoint_path)
         run.session.global_step = step
         run.started()
-        labels = label_check.EvalLabelCheck(self.config.allow_invalid_labels)
-        totals, num_examples, batches = self._eval_loop(
-            feeder, variables, step, sample[0], run, labels
-        )
-        invalid = labels.check(totals.signals, batches, final=True)
+        totals, num_examples, invalid = self._eval_loop(feeder, variables, step, sample[0], run)
         results: dict[str, Any] = _metric_values(totals)
         results["global_step"] = int(step or 0)
         # Examples counted on every host, not only this one.
         results["num_examples"] = int(_sum_over_hosts(num_examples))
-        if self.config.allow_invalid_labels and invalid is not None:
+        if invalid is not None:
             results["invalid_labels"] = invalid  # left out of the loss and metrics above
         self._write_eval(results, name)
         run.session.results = results
@@ -759,10 +755,11 @@ class Estimator:
         step: int,
         sample: Any,
         run: loop_lib.Hooks,
-        labels: label_check.EvalLabelCheck,
-    ) -> tuple[steps_lib.EvalOutput, int, int]:
+    ) -> tuple[steps_lib.EvalOutput, int, int | None]:
         """Accumulates the metrics of every batch; (totals on the devices, examples counted,
-        batches run). Every ``iterations_per_loop`` batches the label check reads its count.
+        examples with invalid labels left out, with ``allow_invalid_labels``; else None).
+        Every ``iterations_per_loop`` batches the label check reads its count (it raises
+        ``InvalidLabelError`` without the opt-in).
 
         With many hosts every process must run the same number of batches (each is one
         collective computation), though the hosts' shards may hold different numbers of
@@ -771,6 +768,8 @@ class Estimator:
         step_array = jnp.asarray(step, jnp.int32)
         first_fn, accumulate = self._eval_batch_fn()
         per_loop, hooks = self.config.iterations_per_loop, bool(run.hooks)
+        allow = self.config.allow_invalid_labels
+        labels = label_check.EvalLabelCheck(allow)
         run.before_run(0)
         first = feeder.next()
         assert first is not None  # evaluate() checked that the input has a batch
@@ -807,7 +806,8 @@ class Estimator:
             previous, batches = batch, batches + 1
         if hooks and batches % per_loop:
             run.after_run(batches - batches % per_loop, batches, _metric_values(totals))
-        return totals, num_examples, batches
+        invalid = labels.check(totals.signals, batches, final=True)
+        return totals, num_examples, invalid if allow else None
 
     def _masked_batch(self, sample: Any) -> Any:
         """A whole eval batch on the devices that counts nothing (its mask is all zeros)."""

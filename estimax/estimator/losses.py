@@ -20,14 +20,14 @@ class LabelCheck(NamedTuple):
     """One loss's label check, recorded while a step is traced.
 
     Attributes:
-      count: int32, the labels outside ``[0, num_classes)``.
+      num_invalid: int32, the labels outside ``[0, num_classes)``.
       example: int32, the largest such label (int32 min when there is none).
       num_classes: the loss's class count.
       labels: int32, the labels checked (``[B]`` or ``[B, ...]``): evaluation finds the rows
         to count, and with the opt-in to leave out of its loss and metrics, from them.
     """
 
-    count: jax.Array
+    num_invalid: jax.Array
     example: jax.Array
     num_classes: int
     labels: jax.Array

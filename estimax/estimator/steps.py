@@ -376,7 +376,7 @@ def _label_signals(checks: list[losses.LabelCheck], axis_name: str | None) -> Si
     invalid label and the class count (all None when no loss took integer labels)."""
     if not checks:
         return Signals()
-    count = sum((c.count for c in checks), jnp.int32(0))
+    count = sum((c.num_invalid for c in checks), jnp.int32(0))
     example = jnp.max(jnp.stack([c.example for c in checks]))
     if axis_name is not None:
         count, example = lax.psum(count, axis_name), lax.pmax(example, axis_name)
@@ -409,17 +409,19 @@ class EvalOutput:
 
     def merge(self, other: EvalOutput) -> EvalOutput:
         """The totals of both: metrics and counts added, the largest invalid label kept."""
+        metrics = jax.tree.map(jnp.add, self.metrics, other.metrics)
         a, b = self.signals, other.signals
-        signals = (
-            a
-            if a.invalid_labels is None or b.invalid_labels is None
-            else dataclasses.replace(
-                b,
-                invalid_labels=a.invalid_labels + b.invalid_labels,
-                invalid_label_example=jnp.maximum(a.invalid_label_example, b.invalid_label_example),
-            )
+        if a.invalid_labels is None or b.invalid_labels is None:
+            return EvalOutput(metrics, a)
+        most = jnp.maximum(
+            jnp.asarray(a.invalid_label_example), jnp.asarray(b.invalid_label_example)
         )
-        return EvalOutput(jax.tree.map(jnp.add, self.metrics, other.metrics), signals)
+        signals = dataclasses.replace(
+            b,
+            invalid_labels=jnp.add(a.invalid_labels, b.invalid_labels),
+            invalid_label_example=most,
+        )
+        return EvalOutput(metrics, signals)
 
     def __getitem__(self, name: str) -> metrics_lib.Mean:
         """A metric by name (``"loss"`` or the spec's)."""
@@ -489,11 +491,11 @@ def _eval_label_signals(
     real = mask > 0
     invalid_rows = jnp.zeros([rows], bool)
     unplaced = jnp.int32(0)
-    example = jnp.iinfo(jnp.int32).min
+    example: jax.Array = jnp.int32(jnp.iinfo(jnp.int32).min)
     for check in checks:
         labels = check.labels
         if labels.ndim == 0 or labels.shape[0] != rows:
-            unplaced, example = unplaced + check.count, jnp.maximum(example, check.example)
+            unplaced, example = unplaced + check.num_invalid, jnp.maximum(example, check.example)
             continue
         invalid = ((labels < 0) | (labels >= check.num_classes)) & real.reshape(
             (rows,) + (1,) * (labels.ndim - 1)

@@ -19,7 +19,6 @@ import itertools
 import json
 import posixpath
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
 
 import fsspec
 import numpy as np
@@ -126,14 +125,14 @@ def check_images(data_dir: str, count: int = 8, split: str = "validation") -> li
     quotas, holders = _manifest_plan(data_dir, split, count)
     if holders is not None:
         files = [f for f in files if posixpath.basename(f) in holders]
-    picked: dict[Any, list[bytes]] = {}
+    picked: dict[int | None, list[bytes]] = {}
     spare: list[bytes] = []
     wanted = sum(quotas.values()) if quotas else count
     # Bounds the reading where nothing says where the classes are.
     limit = None if quotas else max(1000, 100 * count)
     for n, record in enumerate(_round_robin(files), start=1):
         parsed = example.decode_example(record)
-        label = parsed["image/class/label"][0] if "image/class/label" in parsed else None
+        label = int(parsed["image/class/label"][0]) if "image/class/label" in parsed else None
         image = parsed["image/encoded"][0]
         taken = picked.setdefault(label, [])
         if len(taken) < (quotas.get(label, 0) if quotas else 1):
@@ -152,7 +151,9 @@ def check_images(data_dir: str, count: int = 8, split: str = "validation") -> li
     return (drawn + spare)[:count]
 
 
-def _manifest_plan(data_dir: str, split: str, count: int) -> tuple[dict[int, int], set[str] | None]:
+def _manifest_plan(
+    data_dir: str, split: str, count: int
+) -> tuple[dict[int | None, int], set[str] | None]:
     """``({label: images to draw}, names of the shards holding them)`` from the converter's
     manifest; ``({}, None)`` without one (or one without per-shard class counts)."""
     fs, root = fsspec.core.url_to_fs(posixpath.join(data_dir, MANIFEST))
@@ -172,7 +173,7 @@ def _manifest_plan(data_dir: str, split: str, count: int) -> tuple[dict[int, int
         return {}, None
     if len(present) > count:  # spread over the label order, first and last included
         present = [present[int(i)] for i in np.linspace(0, len(present) - 1, count).round()]
-    quotas = {
+    quotas: dict[int | None, int] = {
         int(label_map[name]): count // len(present) + (k < count % len(present))
         for k, name in enumerate(present)
     }

@@ -35,6 +35,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from estimax import storage
 from estimax.tools import convert_images, convert_shards, convert_sources, fake_imagenet
@@ -76,6 +77,11 @@ def _add_common(p: argparse.ArgumentParser, shards: tuple[int, int] = (1024, 128
         default=None,
         help="worker processes (local and DirectRunner); default: all usable cores",
     )
+    _add_image_options(p)
+
+
+def _add_image_options(p: argparse.ArgumentParser) -> None:
+    """How images are checked, bad ones handled, and the output ordered and shown."""
     p.add_argument(
         "--check",
         choices=convert_images.CHECKS,
@@ -115,7 +121,15 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_conversions(sub)
+    _add_verify(sub)
+    _add_to_bigtable(sub)
+    _add_tf_checkpoint(sub)
+    return parser
 
+
+def _add_conversions(sub: Any) -> None:
+    """The conversion subcommands: imagenet, folder, csv, fake-imagenet."""
     p = sub.add_parser(
         "imagenet",
         help="raw ImageNet (train/<synset>/*.JPEG, validation/, "
@@ -167,6 +181,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max_size", type=int, default=320, help="largest image side (pixels)")
     _add_common(p)
 
+
+def _add_verify(sub: Any) -> None:
+    """The verify subcommand."""
     p = sub.add_parser("verify", help="check shards against their manifest.json")
     p.add_argument(
         "--output_dir",
@@ -182,6 +199,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--num_workers", type=int, default=None)
 
+
+def _add_to_bigtable(sub: Any) -> None:
+    """The to-bigtable subcommand."""
     p = sub.add_parser(
         "to-bigtable",
         help="train-*/validation-* shards -> Cloud Bigtable rows "
@@ -208,6 +228,11 @@ def _parser() -> argparse.ArgumentParser:
         default="imagenet",
         help="table, created with the column family if absent (default %(default)s)",
     )
+    _add_bigtable_layout(p)
+
+
+def _add_bigtable_layout(p: argparse.ArgumentParser) -> None:
+    """Where the rows go: key prefixes, column, splits; and whether to replace rows."""
     p.add_argument(
         "--bigtable_train_prefix",
         "--train_prefix",
@@ -246,6 +271,10 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="delete rows already under a prefix and copy again (default: refuse)",
     )
+
+
+def _add_tf_checkpoint(sub: Any) -> None:
+    """The tf-checkpoint subcommand."""
     p = sub.add_parser(
         "tf-checkpoint",
         help="a TensorFlow checkpoint of the original ResNet/Inception -> an estimax model_dir "
@@ -299,7 +328,6 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="go on when checkpoint variables map to nothing",
     )
-    return parser
 
 
 def _tf_checkpoint(args: argparse.Namespace, extra: list[str]) -> int:
@@ -430,49 +458,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _to_bigtable(args)
     try:
         if args.command == "verify":
-            problems = convert_shards.verify(args.output_dir, args.decode, args.num_workers)
-            for problem in problems:
-                print(f"PROBLEM: {problem}", file=sys.stderr)
-            manifest = convert_shards.load_manifest(args.output_dir)
-            if problems:
-                print(f"verify: {len(problems)} problems in {args.output_dir}", file=sys.stderr)
-                return 1
-            assert manifest is not None
-            n = sum(s["num_examples"] for s in manifest.shards.values())
-            print(
-                f"verify: OK: {len(manifest.shards)} shards, {n} examples, "
-                f"{len(manifest.label_map)} labels in {args.output_dir}"
-            )
-            return 0
-        dataset, source = _dataset(args)
-        num_shards = {"train": args.train_shards, "validation": args.validation_shards}
-        kwargs = dict(
-            num_workers=args.num_workers,
-            check=args.check,
-            skip_bad=args.skip_bad,
-            overwrite=args.overwrite,
-            source=source,
-        )
-        if args.runner == "local":
-            manifest = convert_shards.convert_local(
-                dataset,
-                args.output_dir,
-                num_shards,
-                progress=args.progress,
-                manifest_save_secs=args.manifest_save_secs,
-                **kwargs,
-            )
-        else:
-            from estimax.tools import convert_beam
-
-            manifest = convert_beam.convert_beam(
-                dataset,
-                args.output_dir,
-                num_shards,
-                runner=args.runner,
-                pipeline_args=extra,
-                **kwargs,
-            )
+            return _verify(args)
+        dataset, manifest = _convert(args, extra)
     except (
         convert_sources.InputError,
         convert_images.BadImageError,
@@ -493,6 +480,59 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(_labels_line(manifest))
     return _no_class_emptied(args, dataset, manifest)
+
+
+def _verify(args: argparse.Namespace) -> int:
+    problems = convert_shards.verify(args.output_dir, args.decode, args.num_workers)
+    for problem in problems:
+        print(f"PROBLEM: {problem}", file=sys.stderr)
+    manifest = convert_shards.load_manifest(args.output_dir)
+    if problems:
+        print(f"verify: {len(problems)} problems in {args.output_dir}", file=sys.stderr)
+        return 1
+    assert manifest is not None
+    n = sum(s["num_examples"] for s in manifest.shards.values())
+    print(
+        f"verify: OK: {len(manifest.shards)} shards, {n} examples, "
+        f"{len(manifest.label_map)} labels in {args.output_dir}"
+    )
+    return 0
+
+
+def _convert(
+    args: argparse.Namespace, extra: list[str]
+) -> tuple[convert_sources.Dataset, convert_shards.Manifest]:
+    """The conversion subcommands: their inputs, and the manifest of the finished conversion."""
+    dataset, source = _dataset(args)
+    num_shards = {"train": args.train_shards, "validation": args.validation_shards}
+    kwargs = dict(
+        num_workers=args.num_workers,
+        check=args.check,
+        skip_bad=args.skip_bad,
+        overwrite=args.overwrite,
+        source=source,
+    )
+    if args.runner == "local":
+        manifest = convert_shards.convert_local(
+            dataset,
+            args.output_dir,
+            num_shards,
+            progress=args.progress,
+            manifest_save_secs=args.manifest_save_secs,
+            **kwargs,
+        )
+    else:
+        from estimax.tools import convert_beam
+
+        manifest = convert_beam.convert_beam(
+            dataset,
+            args.output_dir,
+            num_shards,
+            runner=args.runner,
+            pipeline_args=extra,
+            **kwargs,
+        )
+    return dataset, manifest
 
 
 # More classes than this are summarised (ImageNet's 1,000); manifest.json has every count.

@@ -209,31 +209,8 @@ def imagenet_source(raw_data_dir: str, seed: int = 0, skip_bad: bool = False) ->
             train.extend((f, synset) for f in files)
     val: list[tuple[str, str]] = []
     if has_val:
-        val_files = _list_dir(val_dir)[1]
-        if not val_files:
-            raise InputError(f"validation directory {val_dir} has no images (empty split)")
-        synsets = [s for s in _read_lines(labels_file, "validation labels file") if s]
-        if len(synsets) != len(val_files):
-            raise InputError(
-                f"{labels_file} has {len(synsets)} synsets but {val_dir} has {len(val_files)} "
-                "files; it must have one line per validation file, in sorted file order"
-            )
-        known = set(train_synsets)
-        for line_no, (f, synset) in enumerate(zip(val_files, synsets, strict=False), start=1):
-            problem = None
-            if not _SYNSET.match(synset):
-                problem = f"{labels_file} line {line_no}: {synset!r} is not a synset"
-            elif has_train and synset not in known:
-                problem = (
-                    f"{labels_file} line {line_no}: unknown synset {synset!r} (for "
-                    f"{posixpath.basename(f)}): there is no train/{synset}/ directory"
-                )
-            if problem:
-                if not skip_bad:
-                    raise InputError(problem + " (--skip_bad leaves such images out)")
-                skipped.append({"file": f, "reason": problem})
-                continue
-            val.append((f, synset))
+        known = set(train_synsets) if has_train else None
+        val = _imagenet_validation(val_dir, labels_file, known, skip_bad, skipped)
     # Exactly the original's label rule: the union of both splits' synsets, sorted, 1-based.
     label_map = {s: k + 1 for k, s in enumerate(sorted(set(train_synsets) | {s for _, s in val}))}
     splits = {}
@@ -244,6 +221,44 @@ def imagenet_source(raw_data_dir: str, seed: int = 0, skip_bad: bool = False) ->
             raise InputError(f"every validation image was skipped; nothing left in {val_dir}")
         splits["validation"] = [Item(f, label_map[s], s) for f, s in val]
     return Dataset(splits, label_map, skipped)
+
+
+def _imagenet_validation(
+    val_dir: str,
+    labels_file: str,
+    known: set[str] | None,
+    skip_bad: bool,
+    skipped: list[dict[str, str]],
+) -> list[tuple[str, str]]:
+    """``(file, synset)`` of the sorted validation files, their synsets read from
+    ``labels_file``; ``known``: the train synsets (None: no train split). Skipped lines are
+    appended to ``skipped``."""
+    val_files = _list_dir(val_dir)[1]
+    if not val_files:
+        raise InputError(f"validation directory {val_dir} has no images (empty split)")
+    synsets = [s for s in _read_lines(labels_file, "validation labels file") if s]
+    if len(synsets) != len(val_files):
+        raise InputError(
+            f"{labels_file} has {len(synsets)} synsets but {val_dir} has {len(val_files)} "
+            "files; it must have one line per validation file, in sorted file order"
+        )
+    val = []
+    for line_no, (f, synset) in enumerate(zip(val_files, synsets, strict=False), start=1):
+        problem = None
+        if not _SYNSET.match(synset):
+            problem = f"{labels_file} line {line_no}: {synset!r} is not a synset"
+        elif known is not None and synset not in known:
+            problem = (
+                f"{labels_file} line {line_no}: unknown synset {synset!r} (for "
+                f"{posixpath.basename(f)}): there is no train/{synset}/ directory"
+            )
+        if problem:
+            if not skip_bad:
+                raise InputError(problem + " (--skip_bad leaves such images out)")
+            skipped.append({"file": f, "reason": problem})
+            continue
+        val.append((f, synset))
+    return val
 
 
 def folder_source(
