@@ -787,7 +787,7 @@ class Estimator:
             fed = feeder.next()
             more = any(distributed.any_process(fed is not None))
             if batches % per_loop == 0:  # a loop's end: the label check's and the hooks' turn
-                labels.check(totals.signals, batches)
+                labels.check(loop_lib.to_host(totals.signals), batches)
                 if hooks:
                     values = _metric_values(totals)
                     if run.after_run(batches - per_loop, batches, values) or not more:
@@ -806,7 +806,7 @@ class Estimator:
             previous, batches = batch, batches + 1
         if hooks and batches % per_loop:
             run.after_run(batches - batches % per_loop, batches, _metric_values(totals))
-        invalid = labels.check(totals.signals, batches, final=True)
+        invalid = labels.check(loop_lib.to_host(totals.signals), batches, final=True)
         return totals, num_examples, invalid if allow else None
 
     def _masked_batch(self, sample: Any) -> Any:

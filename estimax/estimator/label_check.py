@@ -104,8 +104,8 @@ class EvalLabelCheck:
         self._allow = allow
 
     def check(self, signals: Any, batches: int, final: bool = False) -> int | None:
-        """``signals``: the merged ``steps.Signals`` of the first ``batches`` batches (a host
-        sync of three scalars). Returns the count (None: no loss took integer labels).
+        """``signals``: the merged ``steps.Signals`` of the first ``batches`` batches, on the
+        host (three scalars). Returns the count (None: no loss took integer labels).
 
         Raises:
           InvalidLabelError: there are such labels and ``allow`` is not set.
