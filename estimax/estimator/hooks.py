@@ -304,6 +304,7 @@ class _NoImprovementHook(SessionRunHook):
             if at < self._min_steps:
                 continue
             results = evaluations[at]
+            best_lib.metric_value(results, self._metric, f"early stopping on {self._metric!r}")
             if best is None or self._compare(best_eval_result=best[1], current_eval_result=results):
                 best = (at, results)
             if at - best[0] >= self._patience and at > after:
