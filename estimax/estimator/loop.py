@@ -219,6 +219,9 @@ class StepLogger:
         """Writes the per-step metrics of steps ``begin + 1 .. end``."""
         begin, end, metrics = loop.begin, loop.end, loop.metrics
         losses = metrics["loss"]
+        self.last_loss = float(losses[-1])
+        if self._bar is not None:  # first: the lines below are printed above the updated bar
+            self._bar.update(end - begin, self.last_loss)
         if self._summaries is not None:
             for step in periodic.steps_due(
                 begin, end, self._config.save_summary_steps, self._first
@@ -226,9 +229,6 @@ class StepLogger:
                 self._summaries.scalars(step, {k: v[step - begin - 1] for k, v in metrics.items()})
         for step in periodic.steps_due(begin, end, self._config.log_step_count_steps, self._first):
             summaries_lib.log_step(step, losses[step - begin - 1])
-        self.last_loss = float(losses[-1])
-        if self._bar is not None:
-            self._bar.update(end - begin, self.last_loss)
         if self._speed.due(end):
             self._log_speed(end)
 
