@@ -48,6 +48,20 @@ def data(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return x, (x[:, 0] > 0).astype(np.int32) + (x[:, 1] > 0.5).astype(np.int32)
 
 
+def estimator(model_dir: str, **config) -> ex.Estimator:
+    """The job's Estimator on one device: loops of 2 steps, a checkpoint every 2 (``config``
+    overrides any ``RunConfig`` field)."""
+    settings = {"iterations_per_loop": 2, "save_checkpoints_steps": 2, "num_shards": 1}
+    settings.update(config)
+    return ex.Estimator(
+        model_fn,
+        ex.RunConfig(model_dir=model_dir, **settings),
+        train_batch_size=16,
+        eval_batch_size=16,
+        predict_batch_size=16,
+    )
+
+
 def _kill_at_export(n: int) -> None:
     publish = versions.export_version
     calls = []
@@ -64,20 +78,11 @@ def _kill_at_export(n: int) -> None:
 def main(model_dir: str) -> None:
     if os.environ.get("KILL_AT_EXPORT"):
         _kill_at_export(int(os.environ["KILL_AT_EXPORT"]))
-    est = ex.Estimator(
-        model_fn,
-        ex.RunConfig(
-            model_dir=model_dir,
-            iterations_per_loop=2,
-            save_checkpoints_steps=2,
-            keep_checkpoint_max=KEEP,
-            keep_best_checkpoint=ex.BestCheckpoint("accuracy", "max"),
-            train_after_early_stop=bool(os.environ.get("TRAIN_AFTER_EARLY_STOP")),
-            num_shards=1,
-        ),
-        train_batch_size=16,
-        eval_batch_size=16,
-        predict_batch_size=16,
+    est = estimator(
+        model_dir,
+        keep_checkpoint_max=KEEP,
+        keep_best_checkpoint=ex.BestCheckpoint("accuracy", "max"),
+        train_after_early_stop=bool(os.environ.get("TRAIN_AFTER_EARLY_STOP")),
     )
     train_x, train_y = data(256, seed=0)
     eval_x, eval_y = data(100, seed=1)

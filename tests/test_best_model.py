@@ -13,12 +13,12 @@ import signal
 import subprocess
 import sys
 
+import bestmodel_job as job
 import jax
 import numpy as np
 import pytest
 from flax import serialization
 
-import bestmodel_job as job
 import estimax as ex
 from estimax.estimator import best, checkpoints, summaries
 from estimax.serving import exporters
@@ -101,6 +101,11 @@ def test_killed_resumed_and_rerun_job_keeps_and_exports_its_best_model(tmp_path)
     )
     assert kept.best_checkpoint() == best_path
 
+    _run_again_and_asked_to_train_on(model_dir, last, best_step, recorded, published)
+
+
+def _run_again_and_asked_to_train_on(model_dir, last, best_step, recorded, published):
+    export_path = os.path.join(model_dir, "export", "best")
     # The same command again: nothing trained, nothing evaluated or exported, and it says why.
     again = _run_job(model_dir)
     assert again.returncode == 0, again.stderr[-3000:]
@@ -119,20 +124,7 @@ def test_killed_resumed_and_rerun_job_keeps_and_exports_its_best_model(tmp_path)
 
 
 def _trained(model_dir: str, steps: int = 8, **config) -> ex.Estimator:
-    est = ex.Estimator(
-        job.model_fn,
-        ex.RunConfig(
-            model_dir=model_dir,
-            iterations_per_loop=2,
-            save_checkpoints_steps=2,
-            num_shards=1,
-            keep_checkpoint_max=None,
-            **config,
-        ),
-        train_batch_size=16,
-        eval_batch_size=16,
-        predict_batch_size=16,
-    )
+    est = job.estimator(model_dir, keep_checkpoint_max=None, **config)
     x, y = job.data(64, seed=0)
     est.train(ex.numpy_input_fn(x, y, seed=1), max_steps=steps)
     return est

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 
+import bestmodel_job as job
 import numpy as np
 
-import bestmodel_job as job
 import estimax as ex
 from estimax.estimator import summaries
 
@@ -20,12 +20,7 @@ def test_two_eval_specs_are_two_tensorboard_runs_each_at_its_cadence(tmp_path):
     from tensorboard.backend.event_processing import plugin_event_multiplexer
 
     model_dir = str(tmp_path)
-    est = ex.Estimator(
-        job.model_fn,
-        ex.RunConfig(model_dir=model_dir, iterations_per_loop=2, save_checkpoints_steps=2),
-        train_batch_size=16,
-        eval_batch_size=16,
-    )
+    est = job.estimator(model_dir, num_shards=None)
     hard_x, hard_y = job.data(200, seed=2)
     hard = np.abs(hard_x[:, 0]) < 0.3  # near the class boundary
     results, exported = ex.train_and_evaluate(
@@ -62,12 +57,7 @@ def test_two_eval_specs_are_two_tensorboard_runs_each_at_its_cadence(tmp_path):
 
 
 def test_an_eval_spec_that_follows_checkpoints_runs_beside_one_every_n_steps(tmp_path):
-    est = ex.Estimator(
-        job.model_fn,
-        ex.RunConfig(model_dir=str(tmp_path), iterations_per_loop=2, save_checkpoints_steps=2),
-        train_batch_size=16,
-        eval_batch_size=16,
-    )
+    est = job.estimator(str(tmp_path))
     ex.train_and_evaluate(
         est,
         ex.TrainSpec(_input_fn(64, 0, seed=1), max_steps=8),

@@ -198,6 +198,18 @@ def _restore_input_position(
         )
 
 
+def _check_train_steps(steps: int | None, max_steps: int | None) -> None:
+    """The original's errors for ``train(steps=, max_steps=)``."""
+    if steps is not None and max_steps is not None:
+        raise ValueError("Can not provide both steps and max_steps.")
+    if steps is None and max_steps is None:
+        raise ValueError("One of `steps` or `max_steps` must be set. Cannot be both `None`.")
+    if steps is not None and steps <= 0:
+        raise ValueError(f"Must specify steps > 0, given: {steps}")
+    if max_steps is not None and max_steps <= 0:
+        raise ValueError(f"Must specify max_steps > 0, given: {max_steps}")
+
+
 def _same_dir(a: str, b: str) -> bool:
     """Whether two model_dir paths name the same directory."""
     if "://" in a or "://" in b:
@@ -563,12 +575,8 @@ class Estimator:
         *,
         last_segment: bool = True,
     ) -> Estimator:
-        """Trains, resuming from the latest checkpoint in ``model_dir``.
-
-        A ``model_dir`` whose training was stopped early (``stop_if_no_decrease_hook``,
-        ``stop_if_no_increase_hook``) stays stopped: this trains nothing and logs
-        ``Training stopped early at step N (best M ...)``, unless
-        ``RunConfig(train_after_early_stop=True)``.
+        """Trains, resuming from the latest checkpoint in ``model_dir`` (one stopped early stays
+        stopped: nothing is trained, unless ``RunConfig(train_after_early_stop=True)``).
 
         Args:
           input_fn: ``input_fn(params) -> iterable of (features, labels)`` per-host batches of
@@ -582,26 +590,16 @@ class Estimator:
           saving_listeners: run after each checkpoint is complete on disk: callables
             ``listener(step)`` or objects with ``after_save(session, step)`` (the original's
             ``CheckpointSaverListener``); one returning True stops training (TF >= 1.13).
-          checkpoint_path: start from this checkpoint (its weights, optimizer state, step and
-            input position; ``"best"``: ``best_checkpoint()``) when ``model_dir`` has no
-            checkpoint of its own, e.g. to fine-tune another run's best checkpoint in a new
-            ``model_dir``. Naming this model_dir's latest checkpoint resumes as usual; an
-            older one of it is refused (training would overwrite the later steps' history).
-          last_segment: False when more training follows this call in the same job
-            (``train_and_evaluate`` trains in segments between evaluations): the
-            ``Loss for final step`` line is left to the last one.
+          checkpoint_path: when ``model_dir`` has no checkpoint yet, start from this one (its
+            whole state; ``"best"``: ``best_checkpoint()``); an older one of this model_dir is
+            refused (it would overwrite the later steps' history).
+          last_segment: False when more training follows in the same job (train_and_evaluate's
+            segments): the ``Loss for final step`` line is left to the last one.
 
         Returns:
           self, as the original.
         """
-        if steps is not None and max_steps is not None:
-            raise ValueError("Can not provide both steps and max_steps.")
-        if steps is None and max_steps is None:
-            raise ValueError("One of `steps` or `max_steps` must be set. Cannot be both `None`.")
-        if steps is not None and steps <= 0:
-            raise ValueError(f"Must specify steps > 0, given: {steps}")
-        if max_steps is not None and max_steps <= 0:
-            raise ValueError(f"Must specify max_steps > 0, given: {max_steps}")
+        _check_train_steps(steps, max_steps)
         user_hooks = hooks_lib.all_hooks(hooks)
         if self.config.profile_steps is not None:
             user_hooks.append(hooks_lib.ProfilerHook(self.config.profile_steps))
@@ -611,13 +609,7 @@ class Estimator:
         while True:
             try:
                 self._run_training(
-                    input_fn,
-                    steps,
-                    max_steps,
-                    listeners,
-                    user_hooks,
-                    checkpoint_path=checkpoint_path,
-                    last_segment=last_segment,
+                    input_fn, steps, max_steps, listeners, user_hooks, checkpoint_path, last_segment
                 )
                 break
             except ckpt_lib.CorruptCheckpointError as e:
@@ -779,7 +771,8 @@ class Estimator:
           hooks: ``estimax.SessionRunHook``s, called once per ``iterations_per_loop`` batches
             with the metrics so far (``request_stop()`` ends the evaluation there); ``end``
             sees the results in ``session.results``.
-          checkpoint_path: a checkpoint directory; None means the latest in ``model_dir``.
+          checkpoint_path: a checkpoint directory, or ``"best"`` (``best_checkpoint()``); None
+            means the latest in ``model_dir``.
           name: write results to ``model_dir/eval_<name>`` instead of ``model_dir/eval``.
 
         Returns:
@@ -925,7 +918,8 @@ class Estimator:
           predict_keys: keep only these keys of a predictions dict.
           hooks: ``estimax.SessionRunHook``s, called once per batch with its predictions on
             the host (``request_stop()`` ends the prediction after that batch).
-          checkpoint_path: a checkpoint directory; None means the latest in ``model_dir``.
+          checkpoint_path: a checkpoint directory, or ``"best"`` (``best_checkpoint()``); None
+            means the latest in ``model_dir``.
           yield_single_examples: yield one value per example (else one per batch).
         """
         run = loop_lib.Hooks(
@@ -980,7 +974,8 @@ class Estimator:
           export_dir_base: parent directory of the timestamped export.
           serving_input_receiver_fn: returns the features' spec: a pytree of ``TensorSpec`` whose
             first dimension is None (the batch).
-          checkpoint_path: a checkpoint directory; None means the latest in ``model_dir``.
+          checkpoint_path: a checkpoint directory, or ``"best"`` (``best_checkpoint()``); None
+            means the latest in ``model_dir``.
           platforms: platforms to lower for (default: cpu, cuda and tpu).
         """
         input_specs = serving_input_receiver_fn()

@@ -346,27 +346,34 @@ class _NoImprovementHook(SessionRunHook):
 
 
 def _early_stopping_hook(
-    estimator: Any,
-    metric_name: str,
-    max_steps: int,
-    mode: str,
-    eval_dir: str | None,
-    eval_name: str | None,
-    min_steps: int,
-    run_every_secs: float | None,
-    run_every_steps: int | None,
+    estimator: Any, metric_name: str, max_steps: int, mode: str, options: dict[str, Any]
 ) -> SessionRunHook:
-    if eval_dir is not None and eval_name is not None:
+    settings: dict[str, Any] = {
+        "eval_dir": None,
+        "min_steps": 0,
+        "run_every_secs": 60,
+        "run_every_steps": None,
+        "eval_name": None,
+    }
+    unknown = sorted(set(options) - set(settings))
+    if unknown:
+        raise TypeError(
+            f"early stopping: unknown argument(s) {unknown}; it takes {list(settings)}."
+        )
+    settings.update(options)
+    if settings["eval_dir"] is not None and settings["eval_name"] is not None:
         raise ValueError("early stopping: give eval_dir or eval_name, not both.")
+    model_dir = str(estimator.model_dir)
+    every_steps = settings["run_every_steps"]
     return _NoImprovementHook(
-        str(estimator.model_dir),
-        eval_dir or best_lib.eval_dir(str(estimator.model_dir), eval_name),
+        model_dir,
+        settings["eval_dir"] or best_lib.eval_dir(model_dir, settings["eval_name"]),
         metric_name,
         max_steps,
         mode,
-        min_steps,
-        run_every_steps,
-        None if run_every_steps is not None else run_every_secs,
+        settings["min_steps"],
+        every_steps,
+        None if every_steps is not None else settings["run_every_secs"],
     )
 
 
@@ -391,44 +398,24 @@ def stop_if_no_decrease_hook(
     is recorded in ``model_dir/early_stopping.json``: running the job again trains nothing
     (``RunConfig(train_after_early_stop=True)`` trains on).
     """
-    return _early_stopping_hook(
-        estimator,
-        metric_name,
-        max_steps_without_decrease,
-        "min",
-        eval_dir,
-        eval_name,
-        min_steps,
-        run_every_secs,
-        run_every_steps,
-    )
+    options = {
+        "eval_dir": eval_dir,
+        "min_steps": min_steps,
+        "run_every_secs": run_every_secs,
+        "run_every_steps": run_every_steps,
+        "eval_name": eval_name,
+    }
+    return _early_stopping_hook(estimator, metric_name, max_steps_without_decrease, "min", options)
 
 
 def stop_if_no_increase_hook(
-    estimator: Any,
-    metric_name: str,
-    max_steps_without_increase: int,
-    eval_dir: str | None = None,
-    min_steps: int = 0,
-    run_every_secs: float | None = 60,
-    run_every_steps: int | None = None,
-    *,
-    eval_name: str | None = None,
+    estimator: Any, metric_name: str, max_steps_without_increase: int, **options: Any
 ) -> SessionRunHook:
     """A hook stopping training when ``metric_name`` (e.g. accuracy) has not increased for that
-    many steps: ``tf.estimator.experimental.stop_if_no_increase_hook``, recorded as
-    ``stop_if_no_decrease_hook`` does."""
-    return _early_stopping_hook(
-        estimator,
-        metric_name,
-        max_steps_without_increase,
-        "max",
-        eval_dir,
-        eval_name,
-        min_steps,
-        run_every_secs,
-        run_every_steps,
-    )
+    many steps: ``tf.estimator.experimental.stop_if_no_increase_hook``. ``options`` are
+    ``stop_if_no_decrease_hook``'s (``eval_dir``, ``min_steps``, ``run_every_secs``,
+    ``run_every_steps``, ``eval_name``), by name; the decision is recorded the same way."""
+    return _early_stopping_hook(estimator, metric_name, max_steps_without_increase, "max", options)
 
 
 def early_stopping_hooks(hooks: Iterable[Any]) -> list[_NoImprovementHook]:

@@ -27,7 +27,7 @@ pytrees above already stream and sum exactly.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.struct
@@ -64,21 +64,22 @@ class PerExample:
         return Mean(total=jnp.sum(values * weights), count=jnp.sum(weights))
 
 
-def _as_class_ids(labels: jax.Array, predictions: jax.Array) -> jax.Array:
+def _as_class_ids(labels: jax.Array, predictions: jax.Array, what: str = "accuracy") -> jax.Array:
+    """Predicted class ids: the argmax of logits/probabilities ``[..., C]``, or ids as given."""
     if (
         labels.ndim >= 2
         and labels.shape == predictions.shape
         and not jnp.issubdtype(labels.dtype, jnp.integer)
     ):
         raise ValueError(
-            f"accuracy: labels of shape {labels.shape} look one-hot; pass class ids "
-            "(labels.argmax(-1)), as tf.metrics.accuracy took"
+            f"{what}: labels of shape {labels.shape} look one-hot; pass class ids "
+            f"(labels.argmax(-1)), as tf.metrics.{what} took"
         )
     if predictions.ndim == labels.ndim + 1:  # logits or probabilities: take the argmax class
         return jnp.argmax(predictions, axis=-1)
     if predictions.shape != labels.shape:
         raise ValueError(
-            f"accuracy: predictions of shape {predictions.shape} match neither labels "
+            f"{what}: predictions of shape {predictions.shape} match neither labels "
             f"{labels.shape} (class ids) nor labels + a class axis (logits)."
         )
     return predictions
@@ -243,11 +244,11 @@ def auc_thresholds(num_thresholds: int) -> np.ndarray:
 class ScoreBuckets:
     """Per-example binary labels and scores not yet counted into threshold buckets."""
 
-    labels: jax.Array
-    scores: jax.Array
-    weights: jax.Array | None
-    num_thresholds: int = flax.struct.field(pytree_node=False)
     curve: str = flax.struct.field(pytree_node=False)
+    num_thresholds: int = flax.struct.field(pytree_node=False)
+    scores: jax.Array
+    labels: jax.Array
+    weights: jax.Array | None
 
     def reduce(self, mask: jax.Array) -> Counts:
         """``[2, n + 1]``: the weight of negatives (row 0) and positives (row 1) by how many
@@ -260,18 +261,6 @@ class ScoreBuckets:
         index = labels.reshape(-1).astype(jnp.int32) * (self.num_thresholds + 1) + bucket
         counts = jnp.zeros((2 * (self.num_thresholds + 1),), jnp.float32).at[index].add(w)
         return Counts(counts.reshape(2, -1), "auc", (self.curve,))
-
-
-def _class_ids(predictions: jax.Array, labels: jax.Array, what: str) -> jax.Array:
-    """Predicted class ids: the argmax of logits/probabilities ``[..., C]``, or ids as given."""
-    if predictions.ndim == labels.ndim + 1:
-        return jnp.argmax(predictions, axis=-1)
-    if predictions.shape != labels.shape:
-        raise ValueError(
-            f"{what}: predictions of shape {predictions.shape} match neither labels "
-            f"{labels.shape} (class ids) nor labels + a class axis (logits)."
-        )
-    return predictions
 
 
 def _pairs(
@@ -297,7 +286,7 @@ def _pairs(
                 "[B, C], or boolean labels and predictions for a binary metric)."
             )
         num_classes = 2
-    ids = _class_ids(predictions, labels, statistic).astype(jnp.int32)
+    ids = _as_class_ids(labels, predictions, statistic).astype(jnp.int32)
     return ClassPairs(labels.astype(jnp.int32), ids, weights, int(num_classes), statistic, options)
 
 
@@ -310,16 +299,44 @@ def _positive_class(class_id: int | None, num_classes: int, what: str) -> int | 
     return class_id
 
 
-def precision(
-    labels: Any,
-    predictions: Any,
-    weights: Any = None,
-    *,
-    num_classes: int | None = None,
-    class_id: int | None = None,
-) -> ClassPairs:
+def _class_statistic(statistic: str, doc: str) -> Callable[..., ClassPairs]:
+    """A metric of the confusion matrix that is of one class, or the mean over classes."""
+
+    def metric(
+        labels: Any,
+        predictions: Any,
+        weights: Any = None,
+        *,
+        num_classes: int | None = None,
+        class_id: int | None = None,
+    ) -> ClassPairs:
+        pairs = _pairs(labels, predictions, weights, num_classes, statistic)
+        positive = _positive_class(class_id, pairs.num_classes, statistic)
+        return dataclasses.replace(pairs, options=(positive,))
+
+    metric.__name__ = metric.__qualname__ = statistic
+    metric.__doc__ = doc
+    return metric
+
+
+def _matrix_statistic(statistic: str, doc: str) -> Callable[..., ClassPairs]:
+    """A metric of the whole confusion matrix."""
+
+    def metric(
+        labels: Any, predictions: Any, num_classes: int | None = None, weights: Any = None
+    ) -> ClassPairs:
+        return _pairs(labels, predictions, weights, num_classes, statistic)
+
+    metric.__name__ = metric.__qualname__ = statistic
+    metric.__doc__ = doc
+    return metric
+
+
+precision = _class_statistic(
+    "precision",
     """Precision ``tp / (tp + fp)`` (``tf.metrics.precision``), exact over the eval set.
 
+    ``precision(labels, predictions, weights=None, *, num_classes=None, class_id=None)``.
     Binary (two classes, or boolean labels and predictions): of class 1, or ``class_id``.
     More classes: of ``class_id`` against the rest, else the mean over classes (scikit-learn's
     ``average="macro"``). 0 where nothing was predicted as the class.
@@ -330,70 +347,36 @@ def precision(
       weights: optional [B] or [B, ...] weights.
       num_classes: needed for class-id predictions with more than two classes.
       class_id: the class to report.
-    """
-    pairs = _pairs(labels, predictions, weights, num_classes, "precision")
-    positive = _positive_class(class_id, pairs.num_classes, "precision")
-    return dataclasses.replace(pairs, options=(positive,))
-
-
-def recall(
-    labels: Any,
-    predictions: Any,
-    weights: Any = None,
-    *,
-    num_classes: int | None = None,
-    class_id: int | None = None,
-) -> ClassPairs:
-    """Recall ``tp / (tp + fn)`` (``tf.metrics.recall``); the arguments as ``precision``'s."""
-    pairs = _pairs(labels, predictions, weights, num_classes, "recall")
-    return dataclasses.replace(
-        pairs, options=(_positive_class(class_id, pairs.num_classes, "recall"),)
-    )
-
-
-def f1_score(
-    labels: Any,
-    predictions: Any,
-    weights: Any = None,
-    *,
-    num_classes: int | None = None,
-    class_id: int | None = None,
-) -> ClassPairs:
+    """,
+)
+recall = _class_statistic(
+    "recall",
+    """Recall ``tp / (tp + fn)`` (``tf.metrics.recall``); the arguments as ``precision``'s.""",
+)
+f1_score = _class_statistic(
+    "f1_score",
     """F1, the harmonic mean of precision and recall (``tf.contrib.metrics.f1_score`` at the
     predicted classes); the arguments as ``precision``'s (the mean over classes: of each
-    class's F1, as scikit-learn's ``average="macro"``)."""
-    pairs = _pairs(labels, predictions, weights, num_classes, "f1_score")
-    return dataclasses.replace(
-        pairs, options=(_positive_class(class_id, pairs.num_classes, "f1_score"),)
-    )
-
-
-def mean_per_class_accuracy(
-    labels: Any, predictions: Any, num_classes: int | None = None, weights: Any = None
-) -> ClassPairs:
+    class's F1, as scikit-learn's ``average="macro"``).""",
+)
+mean_per_class_accuracy = _matrix_statistic(
+    "mean_per_class_accuracy",
     """The mean over classes of each class's accuracy (its recall): the original's
-    ``tf.metrics.mean_per_class_accuracy``, scikit-learn's ``balanced_accuracy_score``.
-
-    Classes without any example are left out of the mean.
-    """
-    return _pairs(labels, predictions, weights, num_classes, "mean_per_class_accuracy")
-
-
-def mean_iou(
-    labels: Any, predictions: Any, num_classes: int | None = None, weights: Any = None
-) -> ClassPairs:
-    """The mean over classes of ``tp / (tp + fp + fn)`` (``tf.metrics.mean_iou``), for
-    classification or segmentation (``[B, H, W]`` labels); classes that appear in neither
-    labels nor predictions are left out of the mean, as the original did."""
-    return _pairs(labels, predictions, weights, num_classes, "mean_iou")
-
-
-def confusion_matrix(
-    labels: Any, predictions: Any, num_classes: int | None = None, weights: Any = None
-) -> ClassPairs:
+    ``tf.metrics.mean_per_class_accuracy(labels, predictions, num_classes, weights)``,
+    scikit-learn's ``balanced_accuracy_score``. Classes without any example are left out.""",
+)
+mean_iou = _matrix_statistic(
+    "mean_iou",
+    """The mean over classes of ``tp / (tp + fp + fn)`` (``tf.metrics.mean_iou(labels,
+    predictions, num_classes, weights)``), for classification or segmentation (``[B, H, W]``
+    labels); classes in neither labels nor predictions are left out, as the original did.""",
+)
+confusion_matrix = _matrix_statistic(
+    "confusion_matrix",
     """The confusion matrix ``[C, C]`` (rows: labels, columns: predictions), as
-    ``tf.math.confusion_matrix``: an array in the evaluation results, a table in TensorBoard."""
-    return _pairs(labels, predictions, weights, num_classes, "confusion_matrix")
+    ``tf.math.confusion_matrix(labels, predictions, num_classes, weights)``: an array in the
+    evaluation results, a table in TensorBoard.""",
+)
 
 
 def auc(
@@ -430,7 +413,7 @@ def auc(
             "(the positive class's probability; for class k of logits: "
             "jax.nn.softmax(logits)[:, k] with labels == k)."
         )
-    return ScoreBuckets(labels, predictions, weights, int(num_thresholds), curve)
+    return ScoreBuckets(curve, int(num_thresholds), predictions, labels, weights)
 
 
 # --- The statistics, from the summed counts (host, float64) -------------------------------------

@@ -95,6 +95,7 @@ class Exporter:
         self._serving_input_receiver_fn = serving_input_receiver_fn
         self._export_args = dict(export_args)
         self.eval_dir: str | None = None
+        self.exports_to_keep: int | None = None  # all
 
     def watch(self, eval_dir: str) -> None:
         """estimax addition: the directory whose recorded evaluations this exporter follows."""
@@ -118,20 +119,42 @@ class Exporter:
           is_the_final_export: this is the evaluation after training ended (max_steps
             reached, or stopped early).
         """
-        raise NotImplementedError
-
-    def _publish(self, estimator: Estimator, export_path: str, checkpoint_path: str) -> str:
-        """Publishes the checkpoint as the next version under ``export_path``."""
+        step = _step_of(checkpoint_path)
+        chosen = self.choose(
+            step, dict(eval_result), is_the_final_export, exported_steps(export_path)
+        )
+        if chosen is None:
+            return None
+        source = ckpt_lib.step_path(ckpt_lib.step_from_checkpoint_path(checkpoint_path)[0], chosen)
+        if not storage.exists(source):
+            logging.warning(
+                "%s: checkpoint %s no longer exists: it was not exported. Keep the best one with "
+                "RunConfig(keep_best_checkpoint=BestCheckpoint(...)).",
+                type(self).__name__,
+                source,
+            )
+            return None
         serving_input = (
             self._serving_input_receiver_fn() if self._serving_input_receiver_fn else None
         )
-        return versions.export_version(
-            estimator,
-            export_path,
-            serving_input,
-            checkpoint_path=checkpoint_path,
-            **self._export_args,
+        path = versions.export_version(
+            estimator, export_path, serving_input, checkpoint_path=source, **self._export_args
         )
+        _keep_newest(export_path, self.exports_to_keep)
+        return path
+
+    def choose(
+        self, step: int, eval_result: dict[str, Any], final: bool, published: dict[int, int]
+    ) -> int | None:
+        """The step of the checkpoint to publish now, or None.
+
+        Args:
+          step: the evaluated checkpoint's.
+          eval_result: its results.
+          final: whether training has ended.
+          published: ``{version: step}`` of what is published already.
+        """
+        raise NotImplementedError
 
 
 def exported_steps(export_path: str) -> dict[int, int]:
@@ -213,44 +236,20 @@ class BestExporter(Exporter):
             compare_fn = best_lib.compare_by(metric, mode, f"BestExporter({name!r})")
         self._compare = compare_fn or _loss_smaller
         _check_keep(exports_to_keep)
-        self._exports_to_keep = exports_to_keep
+        self.exports_to_keep = exports_to_keep
 
-    def export(
-        self,
-        estimator: Estimator,
-        export_path: str,
-        checkpoint_path: str,
-        eval_result: Mapping[str, Any],
-        is_the_final_export: bool,
-    ) -> str | None:
-        step = _step_of(checkpoint_path)
+    def choose(
+        self, step: int, eval_result: dict[str, Any], final: bool, published: dict[int, int]
+    ) -> int | None:
         recorded = summaries.recorded_evaluations(self.eval_dir) if self.eval_dir else {}
-        recorded.setdefault(step, dict(eval_result))
+        recorded.setdefault(step, eval_result)
         best = best_lib.best_of(recorded, self._compare)
         assert best is not None  # this evaluation is among them
-        best_step = best[0]
-        published = exported_steps(export_path)
-        newest = published[max(published)] if published else None
-        if newest == best_step:
+        if published and published[max(published)] == best[0]:
             return None  # the best is published already (a redone call, or not better)
-        model_dir = ckpt_lib.step_from_checkpoint_path(checkpoint_path)[0]
-        source = ckpt_lib.step_path(model_dir, best_step)
-        if not storage.exists(source):
-            logging.warning(
-                "The best checkpoint (step %d) no longer exists: the best export was not "
-                "published. Keep it with RunConfig(keep_best_checkpoint=BestCheckpoint(...)).",
-                best_step,
-            )
-            return None
-        logging.info(
-            "Exporting the best model so far (step %d: %s) to %s.",
-            best_step,
-            {k: v for k, v in best[1].items() if not isinstance(v, list)},
-            export_path,
-        )
-        path = self._publish(estimator, export_path, source)
-        _keep_newest(export_path, self._exports_to_keep)
-        return path
+        shown = {k: v for k, v in best[1].items() if not isinstance(v, list)}
+        logging.info("Exporting the best model so far (step %d: %s).", best[0], shown)
+        return best[0]
 
 
 class LatestExporter(Exporter):
@@ -268,22 +267,12 @@ class LatestExporter(Exporter):
     ):
         super().__init__(name, serving_input_receiver_fn, export_args)
         _check_keep(exports_to_keep)
-        self._exports_to_keep = exports_to_keep
+        self.exports_to_keep = exports_to_keep
 
-    def export(
-        self,
-        estimator: Estimator,
-        export_path: str,
-        checkpoint_path: str,
-        eval_result: Mapping[str, Any],
-        is_the_final_export: bool,
-    ) -> str | None:
-        published = exported_steps(export_path)
-        if published and published[max(published)] >= _step_of(checkpoint_path):
-            return None
-        path = self._publish(estimator, export_path, checkpoint_path)
-        _keep_newest(export_path, self._exports_to_keep)
-        return path
+    def choose(
+        self, step: int, eval_result: dict[str, Any], final: bool, published: dict[int, int]
+    ) -> int | None:
+        return None if published and published[max(published)] >= step else step
 
 
 class FinalExporter(Exporter):
@@ -298,17 +287,10 @@ class FinalExporter(Exporter):
     ):
         super().__init__(name, serving_input_receiver_fn, export_args)
 
-    def export(
-        self,
-        estimator: Estimator,
-        export_path: str,
-        checkpoint_path: str,
-        eval_result: Mapping[str, Any],
-        is_the_final_export: bool,
-    ) -> str | None:
-        if not is_the_final_export:
-            return None
-        if _step_of(checkpoint_path) in exported_steps(export_path).values():
+    def choose(
+        self, step: int, eval_result: dict[str, Any], final: bool, published: dict[int, int]
+    ) -> int | None:
+        if not final or step in published.values():
             return None
         logging.info("Performing the final export in the end of training.")
-        return self._publish(estimator, export_path, checkpoint_path)
+        return step
