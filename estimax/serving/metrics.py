@@ -246,27 +246,54 @@ class ServingMetrics:
         GCCollector(registry=self.registry)
 
     def _define(self, r: CollectorRegistry) -> None:
-        entry = ["model_name", "API", "entrypoint", "status"]
-        self.request_latency = Histogram(
+        """The histograms and counters, with TF Serving's names, help texts and buckets."""
+
+        def histogram(name: str, doc: str, labels: Sequence[str], buckets: list) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r)
+
+        wall = "Distribution of wall time (in microseconds) for "
+        self.request_latency = histogram(
             _TF + "request_latency",
-            "Distribution of wall time (in microseconds) for Tensorflow Serving request.",
-            entry,
-            buckets=_LATENCY_US,
-            registry=r,
+            wall + "Tensorflow Serving request.",
+            ["model_name", "API", "entrypoint", "status"],
+            _LATENCY_US,
         )
-        self.runtime_latency = Histogram(
+        self.runtime_latency = histogram(
             _TF + "runtime_latency",
-            "Distribution of wall time (in microseconds) for Tensorflow runtime.",
+            wall + "Tensorflow runtime.",
             ["model_name", "API", "runtime"],
-            buckets=_LATENCY_US,
-            registry=r,
+            _LATENCY_US,
         )
-        self.example_counts = Histogram(
+        self.warmup_latency = histogram(
+            _TF + "model_warmup_latency",
+            wall + "warming up the model.",
+            ["model_path", "status"],
+            _LATENCY_US,
+        )
+        self.example_counts = histogram(
             _TF + "request_example_counts",
             "The number of tensorflow.Examples per request.",
             ["model"],
-            buckets=_EXAMPLES,
-            registry=r,
+            _EXAMPLES,
+        )
+        self.queuing_latency = histogram(
+            _BATCHING + "queuing_latency",
+            "Distribution of wall time spent (in microseconds) in queuing",
+            ["thread_pool_name"],
+            _QUEUE_US,
+        )
+        sizes = "Tracks the batch size distribution on "
+        self.input_batch_size = histogram(
+            _BATCHING + "input_batch_size", sizes + "the inputs.", [], _SIZES
+        )
+        self.processed_batch_size = histogram(
+            _BATCHING + "processed_batch_size", sizes + "processing.", [], _SIZES
+        )
+        self.padding_size = histogram(
+            _BATCHING + "padding_size",
+            "Tracks the padding size distribution on batches.",
+            ["execution_batch_size"],
+            _SIZES,
         )
         self.example_total = Counter(  # written as ..._count_total, TF Serving's name
             _TF + "request_example_count",
@@ -278,42 +305,6 @@ class ServingMetrics:
             "estimax_serving_request_failures",
             "Failed requests by reason (rejected: the batching queue was full).",
             ["model_name", "version", "reason"],
-            registry=r,
-        )
-        self.warmup_latency = Histogram(
-            _TF + "model_warmup_latency",
-            "Distribution of wall time (in microseconds) for warming up the model.",
-            ["model_path", "status"],
-            buckets=_LATENCY_US,
-            registry=r,
-        )
-        self._define_batching(r)
-
-    def _define_batching(self, r: CollectorRegistry) -> None:
-        self.queuing_latency = Histogram(
-            _BATCHING + "queuing_latency",
-            "Distribution of wall time spent (in microseconds) in queuing",
-            ["thread_pool_name"],
-            buckets=_QUEUE_US,
-            registry=r,
-        )
-        self.input_batch_size = Histogram(
-            _BATCHING + "input_batch_size",
-            "Tracks the batch size distribution on the inputs.",
-            buckets=_SIZES,
-            registry=r,
-        )
-        self.processed_batch_size = Histogram(
-            _BATCHING + "processed_batch_size",
-            "Tracks the batch size distribution on processing.",
-            buckets=_SIZES,
-            registry=r,
-        )
-        self.padding_size = Histogram(
-            _BATCHING + "padding_size",
-            "Tracks the padding size distribution on batches.",
-            ["execution_batch_size"],
-            buckets=_SIZES,
             registry=r,
         )
 

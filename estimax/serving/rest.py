@@ -69,41 +69,33 @@ VERTEX = "vertex"
 # Public (README "Public API"); not re-exported by estimax.serving, which loads no FastAPI.
 __all__ = ["ApiError", "Server", "ServerOptions"]
 
-_PREDICT_SCHEMA = {
-    "requestBody": {
-        "required": True,
-        "content": {
-            "application/json": {
-                "schema": {
-                    "type": "object",
-                    "properties": {
-                        "signature_name": {"type": "string"},
-                        "instances": {"type": "array", "items": {}},
-                        "inputs": {},
-                    },
-                }
-            }
+
+def _json_body(schema: dict[str, Any]) -> dict[str, Any]:
+    """An operation's ``openapi_extra``: a required JSON body of ``schema``."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+_PREDICT_SCHEMA = _json_body(
+    {
+        "type": "object",
+        "properties": {
+            "signature_name": {"type": "string"},
+            "instances": {"type": "array", "items": {}},
+            "inputs": {},
         },
-    },
-}
-_CLASSIFY_SCHEMA = {
-    "requestBody": {
-        "required": True,
-        "content": {
-            "application/json": {
-                "schema": {
-                    "type": "object",
-                    "required": ["examples"],
-                    "properties": {
-                        "signature_name": {"type": "string"},
-                        "context": {"type": "object"},
-                        "examples": {"type": "array", "items": {"type": "object"}},
-                    },
-                }
-            }
+    }
+)
+_CLASSIFY_SCHEMA = _json_body(
+    {
+        "type": "object",
+        "required": ["examples"],
+        "properties": {
+            "signature_name": {"type": "string"},
+            "context": {"type": "object"},
+            "examples": {"type": "array", "items": {"type": "object"}},
         },
-    },
-}
+    }
+)
 _TENSOR_SCHEMA = {
     "type": "object",
     "required": ["name", "shape", "datatype", "data"],
@@ -115,28 +107,21 @@ _TENSOR_SCHEMA = {
         "data": {},
     },
 }
-_INFER_SCHEMA = {
-    "requestBody": {
-        "required": True,
-        "content": {
-            "application/json": {
-                "schema": {
-                    "type": "object",
-                    "required": ["inputs"],
-                    "properties": {
-                        "id": {"type": "string"},
-                        "parameters": {"type": "object"},
-                        "inputs": {"type": "array", "items": _TENSOR_SCHEMA},
-                        "outputs": {
-                            "type": "array",
-                            "items": {"type": "object", "properties": {"name": {"type": "string"}}},
-                        },
-                    },
-                }
-            }
+_INFER_SCHEMA = _json_body(
+    {
+        "type": "object",
+        "required": ["inputs"],
+        "properties": {
+            "id": {"type": "string"},
+            "parameters": {"type": "object"},
+            "inputs": {"type": "array", "items": _TENSOR_SCHEMA},
+            "outputs": {
+                "type": "array",
+                "items": {"type": "object", "properties": {"name": {"type": "string"}}},
+            },
         },
-    },
-}
+    }
+)
 
 
 _E = TypeVar("_E", bound=Exception)
