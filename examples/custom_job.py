@@ -242,8 +242,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"on {results['num_examples']} validation images"
     )
 
+    return {
+        "estimator": est,
+        "results": results,
+        "data_dir": data_dir,
+        "image_dir": image_dir,
+        **export_and_serve(est, data_dir, args.work_dir),
+    }
+
+
+def export_and_serve(est: ex.Estimator, data_dir: str, work_dir: str) -> dict[str, Any]:
+    """Steps 5 and 6: the checked export, with the folder names, then a served request."""
     images, labels = validation_jpegs(data_dir)
-    base = os.path.join(args.work_dir, "serving")
+    base = os.path.join(work_dir, "serving")
     version_dir = serving.export_version(
         est,
         base,
@@ -263,12 +274,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     served_accuracy = float((served == labels).mean())
     print(f"Served accuracy on {len(images)} validation JPEGs: {served_accuracy:.4f}")
     return {
-        "estimator": est,
-        "results": results,
-        "data_dir": data_dir,
         "served_classes": served,
         "served_names": [p["class_names"] for p in predictions],
-        "image_dir": image_dir,
         "labels": labels,
         "images": images,
         "served_accuracy": served_accuracy,

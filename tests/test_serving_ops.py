@@ -182,17 +182,14 @@ def access_lines(path):
 
 
 # ----------------------------------------------------------------------------- metrics, logs
-def test_every_outcome_is_counted_once_and_logged_once(served):
+def send_known_outcomes(served):
+    """12 requests of known outcomes over REST, v2 (tritonclient) and gRPC (TF Serving's)."""
     url, images = served["url"], served["images"]
-    before, logged = scrape(url), len(access_lines(served["access"]))
-    # 12 requests of known outcomes over REST, v2 (tritonclient) and gRPC (TF Serving's client).
     for image in images[:3]:
         predict(url, [image])
     for _ in range(2):
-        assert (
-            requests.post(f"{url}/v1/models/{NAME}:predict", data=b"{", timeout=30).status_code
-            == 400
-        )
+        r = requests.post(f"{url}/v1/models/{NAME}:predict", data=b"{", timeout=30)
+        assert r.status_code == 400
     for _ in range(2):
         r = requests.post(f"{url}/v1/models/nope:predict", json={"instances": b64s(images[:1])})
         assert r.status_code == 404
@@ -202,21 +199,26 @@ def test_every_outcome_is_counted_once_and_logged_once(served):
     inputs = [triton_http.InferInput("image_bytes", [1], "BYTES")]
     inputs[0].set_data_from_numpy(np.array(images[:1], dtype=np.object_))
     client.infer(NAME, inputs)
-    channel = grpc.insecure_channel(served["grpc"])
-    stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
-    stub.Predict(tf_request(images[:1]), timeout=60)
-    with pytest.raises(grpc.RpcError) as missing:
-        stub.Predict(tf_request(images[:1], name="nope"), timeout=60)
-    assert missing.value.code() == grpc.StatusCode.NOT_FOUND
-    with pytest.raises(grpc.RpcError) as full:
-        stub.Predict(tf_request(images[:3]), timeout=60)
+    with grpc.insecure_channel(served["grpc"]) as channel:
+        stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+        stub.Predict(tf_request(images[:1]), timeout=60)
+        with pytest.raises(grpc.RpcError) as missing:
+            stub.Predict(tf_request(images[:1], name="nope"), timeout=60)
+        assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.RpcError) as full:
+            stub.Predict(tf_request(images[:3]), timeout=60)
     assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert ("grpc-retry-pushback-ms", "1000") in full.value.trailing_metadata()
-    channel.close()
+    return 12
 
+
+def test_every_outcome_is_counted_once_in_the_metrics(served):
+    url = served["url"]
+    before = scrape(url)
+    n = send_known_outcomes(served)
     count = ":tensorflow:serving:request_count"
     keys = ("model_name", "API", "entrypoint", "status")
-    wait_for(lambda: sum(deltas(before, scrape(url), count, keys).values()) >= 12, "12 counted")
+    wait_for(lambda: sum(deltas(before, scrape(url), count, keys).values()) >= n, "all counted")
     after = scrape(url)
     assert deltas(before, after, count, keys) == {
         ("tiny", "predict", "REST", "OK"): 3,
@@ -231,7 +233,7 @@ def test_every_outcome_is_counted_once_and_logged_once(served):
     failures = deltas(before, after, "estimax_serving_request_failures_total", ("reason",))
     assert failures == {("bad_request",): 2, ("not_found",): 3, ("rejected",): 2}
     latency = ":tensorflow:serving:request_latency_count"
-    assert sum(deltas(before, after, latency, ("API",)).values()) == 12
+    assert sum(deltas(before, after, latency, ("API",)).values()) == n
     runtime = deltas(before, after, ":tensorflow:serving:runtime_latency_count", ("API",))
     assert runtime == {("predict",): 3, ("infer",): 1, ("Predict",): 1}  # those that ran
     examples = ":tensorflow:serving:request_example_count_total"
@@ -242,10 +244,13 @@ def test_every_outcome_is_counted_once_and_logged_once(served):
     assert any(k[0] == state[0] and set(state[1]) <= set(k[1]) for k in after)
     assert any(name.startswith("process_resident_memory") for name, _ in after)
 
-    # The access log: one JSON line per request, with every field.
-    wait_for(lambda: len(access_lines(served["access"])) >= logged + 12, "12 access lines")
+
+def test_every_request_is_one_access_log_line(served):
+    logged = len(access_lines(served["access"]))
+    n = send_known_outcomes(served)
+    wait_for(lambda: len(access_lines(served["access"])) >= logged + n, "the access lines")
     lines = access_lines(served["access"])[logged:]
-    assert len(lines) == 12
+    assert len(lines) == n
     fields = ["time", "client", "transport", "protocol", "method", "route", "api", "model"]
     fields += ["version", "status", "code", "latency_ms", "instances"]
     assert all(list(line) == fields for line in lines)
@@ -261,8 +266,10 @@ def test_every_outcome_is_counted_once_and_logged_once(served):
     )
     ok = [x for x in lines if x["status"] == 200]
     assert {x["version"] for x in ok} == {"1"} and {x["model"] for x in ok} == {NAME}
+    assert {x["model"] for x in lines if x["status"] == 404} == {"nope"}  # the name asked for
     assert all(x["client"].count(":") >= 1 and x["latency_ms"] >= 0 for x in lines)
     assert {x["protocol"] for x in lines} == {"tf_serving", "v2"}
+    assert all(x["time"].endswith("Z") for x in lines)
 
 
 # ----------------------------------------------------------------------------- Triton
@@ -330,12 +337,10 @@ def test_triton_statistics_and_model_config_over_http_and_grpc(served):
 
 
 # ----------------------------------------------------------------------------- class names
-def test_class_names_reach_curl_tritonclient_and_tf_serving_grpc(served, tmp_path):
+def test_curl_receives_class_names_from_predict_classify_and_metadata(served, tmp_path):
     url, images, classes = served["url"], served["images"], served["classes"]
     assert len(set(classes)) > 1  # the check can tell the names apart
-    named = [NAMES[c] for c in classes]
     body = tmp_path / "body.json"
-    body.write_text(json.dumps({"instances": b64s(images)[:2]}))
 
     def curl(path, data):
         out = subprocess.run(
@@ -349,18 +354,19 @@ def test_class_names_reach_curl_tritonclient_and_tf_serving_grpc(served, tmp_pat
     for start in range(0, len(images), 2):
         body.write_text(json.dumps({"instances": b64s(images[start : start + 2])}))
         got = curl(f"/v1/models/{NAME}:predict", f"@{body}")["predictions"]
-        assert [p["class_names"] for p in got] == named[start : start + 2]
+        assert [p["class_names"] for p in got] == [NAMES[c] for c in classes[start : start + 2]]
     # TF Serving's classify: every class's [label, score], in id order.
     example = {"examples": [{"image_bytes": b64s(images[:1])[0]}]}
     (result,) = curl(f"/v1/models/{NAME}:classify", json.dumps(example))["result"]
     assert [label for label, _ in result] == NAMES
-    np.testing.assert_allclose(
-        [s for _, s in result], served["probabilities"][0], rtol=1e-5, atol=1e-6
-    )
+    scores = [s for _, s in result]
+    np.testing.assert_allclose(scores, served["probabilities"][0], rtol=1e-5, atol=1e-6)
     metadata = requests.get(f"{url}/v1/models/{NAME}/metadata", timeout=30).json()
     assert metadata["metadata"]["signature_def"]["class_names"] == NAMES
 
-    # The v2 classification extension, tritonclient over HTTP and gRPC: "value:index:label".
+
+def test_tritonclient_receives_class_names_from_the_classification_extension(served):
+    images, classes = served["images"], served["classes"]
     for module, address in ((triton_http, served["http"]), (triton_grpc, served["grpc"])):
         client = module.InferenceServerClient(address)
         inputs = [module.InferInput("image_bytes", [2], "BYTES")]
@@ -369,35 +375,30 @@ def test_class_names_reach_curl_tritonclient_and_tf_serving_grpc(served, tmp_pat
         top = client.infer(NAME, inputs, outputs=wanted).as_numpy("probabilities")
         assert top.shape == (2, 2)
         for row, c, p in zip(top, classes, served["probabilities"], strict=False):
-            value, index, label = row[0].decode().split(":")
+            value, index, label = row[0].decode().split(":")  # "value:index:label"
             assert (int(index), label) == (c, NAMES[c])
             assert float(value) == pytest.approx(p[c], abs=1e-6)
         client.close()
 
-    # TF Serving's gRPC client: Predict's class_names output and Classify's labels.
-    channel = grpc.insecure_channel(served["grpc"])
-    stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
-    response = stub.Predict(tf_request(images[:2]), timeout=60)
-    assert [s.decode() for s in response.outputs["class_names"].string_val] == named[:2]
+
+def test_a_tf_serving_grpc_client_receives_class_names(served):
+    images, classes = served["images"][:2], served["classes"][:2]
     request = classification_pb2.ClassificationRequest()
     request.model_spec.name = NAME
-    for image in images[:2]:
+    for image in images:
+        feature = feature_pb2.Feature(bytes_list=feature_pb2.BytesList(value=[image]))
         request.input.example_list.examples.append(
-            example_pb2.Example(
-                features=feature_pb2.Features(
-                    feature={
-                        "image_bytes": feature_pb2.Feature(
-                            bytes_list=feature_pb2.BytesList(value=[image])
-                        )
-                    }
-                )
-            )
+            example_pb2.Example(features=feature_pb2.Features(feature={"image_bytes": feature}))
         )
-    answer = stub.Classify(request, timeout=60)
+    with grpc.insecure_channel(served["grpc"]) as channel:
+        stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+        response = stub.Predict(tf_request(images), timeout=60)
+        answer = stub.Classify(request, timeout=60)
+    names = [s.decode() for s in response.outputs["class_names"].string_val]
+    assert names == [NAMES[c] for c in classes]
     for got, p in zip(answer.result.classifications, served["probabilities"], strict=False):
         assert [c.label for c in got.classes] == NAMES
         np.testing.assert_allclose([c.score for c in got.classes], p, rtol=1e-5, atol=1e-6)
-    channel.close()
 
 
 def test_estimax_predict_prints_the_class_names(served, tmp_path, capsys):

@@ -12,7 +12,7 @@ gives an error; ``ApiError.grpc_code`` is the gRPC code of the same error (TF Se
 Every request is also *tracked* here, in one place for every protocol (``track``/``finish``,
 ``estimax.serving.tracking``): counted in ``ServingMetrics`` (Prometheus, Triton's statistics),
 written to the access log (``estimax.serving.access``), and, when it fails, logged with its cause
-at WARNING (ERROR for a server error) on ``estimax.serving.core``.
+at WARNING (ERROR for an internal error, 500) on ``estimax.serving.core``.
 """
 
 from __future__ import annotations
@@ -230,7 +230,8 @@ class ServingCore:
             access_log.info(record.access_line(self.options.access_log_format == "json"))
         if record.status >= 400:
             where = f"{record.method or record.transport.upper()} {record.route}"
-            level = logging.ERROR if record.status >= 500 else logging.WARNING
+            # A server error (500) is the server's fault; the rest answer what was asked.
+            level = logging.ERROR if record.status == 500 else logging.WARNING
             log.log(
                 level,
                 "%s -> %d %s: %s",

@@ -240,6 +240,7 @@ class ServingMetrics:
         self._stats: dict[str, _VersionStats] = collections.defaultdict(_VersionStats)
         self.registry = CollectorRegistry(auto_describe=True)
         self._define(self.registry)
+        self._define_counters(self.registry)
         self.registry.register(_Collector(self))
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
@@ -295,6 +296,8 @@ class ServingMetrics:
             ["execution_batch_size"],
             _SIZES,
         )
+
+    def _define_counters(self, r: CollectorRegistry) -> None:
         self.example_total = Counter(  # written as ..._count_total, TF Serving's name
             _TF + "request_example_count",
             "The total number of tensorflow.Examples.",
