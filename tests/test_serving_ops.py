@@ -485,11 +485,22 @@ def test_vertex_ai_mistakes_are_one_line(env, message, capsys):
     assert message in err and len(err.splitlines()) == 1, err
 
 
+def test_a_version_folder_given_as_the_model_is_one_line(served, capsys):
+    # AIP_STORAGE_URI (or --model_base_path) naming version 1 itself, not the model's folder.
+    one = os.path.join(served["base"], "1")
+    assert cli.main(["serve", f"--model_base_path={one}", f"--port={fx.free_port()}"], env={}) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"estimax serve: {one} is one version's export, not a model base path: serve the folder "
+        "that holds it as a numbered version (e.g. move it to BASE/1 and give BASE)"
+    )
+
+
 # ----------------------------------------------------------------------------- flags, help
 def test_monitoring_config_mistakes_are_one_line(tmp_path, capsys, served):
     bad = tmp_path / "bad.config"
     bad.write_text("prometheus_config { enable: yes please }")
-    args = ["serve", f"--model_base_path={served['base']}", "--port=1"]
+    args = ["serve", f"--model_base_path={served['base']}", f"--port={fx.free_port()}"]
     assert cli.main([*args, f"--monitoring_config_file={bad}"], env={}) == 2
     err = capsys.readouterr().err
     assert f"--monitoring_config_file={bad}: not a MonitoringConfig" in err

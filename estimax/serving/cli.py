@@ -353,6 +353,20 @@ def _check_vertex(args: argparse.Namespace) -> None:
             )
 
 
+def _refuse_one_version(base: str) -> None:
+    """One line when the path given is a single version's folder, not the model's."""
+    import fsspec
+
+    from estimax.serving.artifact import SIGNATURE_FILE
+
+    fs, root = fsspec.core.url_to_fs(base)
+    if fs.exists(f"{root.rstrip('/')}/{SIGNATURE_FILE}"):
+        raise ValueError(
+            f"{base} is one version's export, not a model base path: serve the folder that "
+            "holds it as a numbered version (e.g. move it to BASE/1 and give BASE)"
+        )
+
+
 def _configure_logging(args: argparse.Namespace) -> None:
     """The server's log (``--log_level``) and the access log (its own stream, bare lines)."""
     std_logging.basicConfig(
@@ -393,7 +407,8 @@ def serve(args: argparse.Namespace) -> int:
         _check_port(flag, args.host, port)
     if args.grpc_port and args.grpc_port == args.port:
         raise ValueError(f"--grpc_port={args.grpc_port} is also --port; give two ports")
-    list_versions(args.model_base_path)  # fails early, with the flag's name, if absent
+    if not list_versions(args.model_base_path):  # fails early, with the flag's name, if absent
+        _refuse_one_version(args.model_base_path)
     _configure_logging(args)
     batching = options.batching
     sizes = list(batching.allowed_batch_sizes) or default_batch_sizes(batching.max_batch_size)
