@@ -15,7 +15,7 @@
 | class names in answers: TF Serving's classify, v2's classification extension | ``classes`` |
 | v2 tensors: JSON, binary extension, gRPC raw contents (decode/encode) | ``v2`` |
 | TF Serving REST API + Open Inference Protocol v2 over HTTP (FastAPI) | ``rest`` |
-| TF Serving gRPC (Predict, metadata, status) + v2 GRPCInferenceService | ``grpc_server`` |
+| TF Serving gRPC (Predict, Classify, metadata, status), v2 + Triton's | ``grpc_server`` |
 | messages generated from the published .proto files | ``protos`` |
 | ``estimax serve | predict | export-check``, Vertex AI's ``AIP_*`` contract | ``cli`` |
 
