@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import io
 import json
 import os
@@ -177,8 +178,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"* {run['program']} on {run['topology']}: {run['what']}; {run['wall_s']:.0f} s "
             f"wall on {m['cpu']} ({m['cores']} cores, load {m['load_start']:.1f} -> "
             f"{m['load_end']:.1f}); jax {run['versions']['jax']}, libtpu "
-            f"{run['versions']['libtpu']}."
-            + (f" FATAL: {run['fatal']}" if run["fatal"] else "")
+            f"{run['versions']['libtpu']}." + (f" FATAL: {run['fatal']}" if run["fatal"] else "")
         )
     published = sorted({run["published"] for run in rows if run.get("published")})
     if published:
@@ -201,15 +201,20 @@ def main() -> int:
     done = {(r["program"], r["topology"]) for r in rows}
     if args.all:
         pairs = [(p, t) for p in PROGRAMS for t in TOPOLOGIES if (p, t) not in done]
-    elif args.program and args.topology:
-        pairs = [(args.program, args.topology)]
+    elif args.program:
+        pairs = [(args.program, t) for t in ([args.topology] if args.topology else TOPOLOGIES)]
     else:
-        parser.error("give --program and --topology, or --all, or --table")
+        parser.error("give --program [--topology], or --all, or --table")
     for program, topology in pairs:
         run = run_pair(program, topology)
         print("\n".join(run["lines"]), flush=True)
-        rows = [r for r in load(args.out) if (r["program"], r["topology"]) != (program, topology)]
-        save(args.out, [*rows, run])
+        # Runs in other processes may append to the same file: read, add and write under a lock.
+        with open(args.out.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            rows = [
+                r for r in load(args.out) if (r["program"], r["topology"]) != (program, topology)
+            ]
+            save(args.out, [*rows, run])
     return 0
 
 

@@ -48,11 +48,11 @@ TINY = {
     "resnet": (resnet, ["--train_batch_size=8", "--eval_batch_size=8", "--image_size=32"]),
     "inception_v3": (
         inception_v3,
-        ["--train_batch_size=8", "--eval_batch_size=8", "--width=75", "--height=75"],
+        ["--train_batch_size=8", "--eval_batch_size=8", "--width=107", "--height=107"],
     ),
     "inception_v4": (
         inception_v4,
-        ["--train_batch_size=8", "--eval_batch_size=8", "--width=75", "--height=75"],
+        ["--train_batch_size=8", "--eval_batch_size=8", "--width=107", "--height=107"],
     ),
 }
 

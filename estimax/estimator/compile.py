@@ -78,8 +78,8 @@ TPU_CHIPS: dict[str, ChipSpec] = {
 # One single-host slice of each generation (libtpu takes any GEN:AxB[xC] it knows).
 KNOWN_TOPOLOGIES = ("v2:2x2", "v3:2x2", "v4:2x2x1", "v5e:2x4", "v5p:2x2x1", "v6e:2x4")
 INSTALL_HINT = (
-    "pip install 'estimax[tpu]' (from a checkout: pip install -e '.[tpu]'), or run in the "
-    "Makefile's .venv-tpu (make .venv-tpu/.installed-stamp)"
+    "pip install -e '.[tpu]' in estimax's checkout (it is not on the package index), or run in "
+    "the Makefile's .venv-tpu (make .venv-tpu/.installed-stamp)"
 )
 _TOPOLOGY = re.compile(r"^(v\d+[a-z]?):(\d+(?:x\d+){1,2})$")
 
@@ -182,6 +182,8 @@ class StepReport:
     hbm_bandwidth: float = 0.0
     xla_estimate_s: float | None = None
     custom_calls: tuple[str, ...] = ()  # custom-call targets lowered and compiled
+    serialized_bytes: int | None = None  # the executable, serialized (loading it needs a TPU)
+    serialize_s: float | None = None
     error: str | None = None
     search: BatchSearch | None = None  # when it does not fit and a search was asked for
 
@@ -418,7 +420,21 @@ def compile_step(
     report.compile_s = time.perf_counter() - start
     _fill(report, compiled)
     report.custom_calls = custom_call_targets(stablehlo + compiled.as_text())
+    _measure_serialized(report, compiled)
     return report
+
+
+def _measure_serialized(report: StepReport, compiled: Any) -> None:
+    """How big the executable is serialized, and how long that takes (None where it cannot)."""
+    from jax.experimental import serialize_executable
+
+    start = time.perf_counter()
+    try:
+        payload, _, _ = serialize_executable.serialize(compiled)
+    except (RuntimeError, ValueError, TypeError):  # a backend without serialization
+        return
+    report.serialize_s = time.perf_counter() - start
+    report.serialized_bytes = len(payload)
 
 
 _CUSTOM_CALL = re.compile(r'custom_call @([\w.$-]+)|custom_call_target="([^"]+)"')
