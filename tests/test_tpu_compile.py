@@ -273,8 +273,12 @@ def test_the_batch_search_finds_the_largest_fitting_batch_in_few_compiles(fixed_
     largest = int((hbm - fixed) // per_example) // 8 * 8
     assert search.exact and (search.fits, search.fails) == (largest, largest + 8)
     assert search.compiles <= 6 and all(b % 8 == 0 for b in tried)
-    line = compile_lib.describe_search(search, "train", "v5e:2x4", 65536)
-    assert f"the largest global batch that fits is {largest:,}" in line
+    failed.search = search
+    assert compile_lib.describe_failure(failed) == (
+        f"the train step does not fit on v5e:2x4 at global batch 65,536: the largest global "
+        f"batch that fits is {largest:,} ({largest + 8:,} does not; found in "
+        f"{search.compiles} compiles)."
+    )
 
 
 def test_the_report_line_says_fit_memory_work_and_roofline():

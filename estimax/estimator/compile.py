@@ -368,11 +368,14 @@ def compile_for(
         )
         report = compile_one(batch=batch)
         if search and not report.fits:
-            report.search = largest_batch(
-                lambda b, compile_one=compile_one: compile_one(batch=b), report, len(devices)
-            )
+            probe = functools.partial(_at_batch, compile_one)
+            report.search = largest_batch(probe, report, len(devices))
         reports.append(report)
     return reports
+
+
+def _at_batch(compile_one: Callable[..., StepReport], batch: int) -> StepReport:
+    return compile_one(batch=batch)
 
 
 def compile_step(
@@ -553,10 +556,16 @@ def _next_guess(points: dict[int, float], available: float, lo: int, hi: int, k:
     return min(hi - k, max(lo + k, guess))
 
 
-def describe_search(search: BatchSearch, step: str, topology: str, batch: int) -> str:
-    """One line: what the search found for a step that does not fit at ``batch``."""
+def describe_failure(report: StepReport) -> str:
+    """One line: a step that does not fit, and what the batch search found (if it ran)."""
+    head = (
+        f"the {report.step} step does not fit on {report.topology} at global batch "
+        f"{report.global_batch:,}"
+    )
+    search = report.search
+    if search is None:
+        return f"{head}: {report.error}"
     tries = f"{search.compiles} compile{'s' if search.compiles != 1 else ''}"
-    head = f"the {step} step does not fit on {topology} at global batch {batch:,}"
     if search.fits is None:
         return (
             f"{head}, nor at {search.fails:,} ({tries}): the model's weights and state alone "

@@ -324,8 +324,6 @@ def check_data(
     Raises:
       UsageError: no data asked for, or a split the mode reads has no files.
     """
-    from estimax.data import imagenet, tfrecord
-
     if compile_only:
         return None, "random", []
     if data_dir is None and not use_fake:
@@ -351,6 +349,14 @@ def check_data(
         )
         logging.warning("*** %s ***", note)
         return None, kind, [note]
+    _check_splits(resolved, data_dir, mode, fake_hint)
+    return resolved, kind, []
+
+
+def _check_splits(resolved: str, data_dir: str | None, mode: str, fake_hint: str) -> None:
+    """Raises UsageError naming the first split ``mode`` reads that has no files."""
+    from estimax.data import imagenet, tfrecord
+
     splits = {"train": [True], "eval": [False], "train_and_eval": [True, False]}[mode]
     for is_training in splits:
         pattern = imagenet.file_pattern(resolved, is_training)
@@ -362,7 +368,6 @@ def check_data(
                 f"--mode={mode} reads: point --data_dir at the ImageNet TFRecords "
                 f"(estimax-convert writes them), or ask for fake data with {fake_hint}."
             ) from None
-    return resolved, kind, []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -764,7 +769,8 @@ def compile_job(job: Job) -> list[Any]:
       UsageError: an unknown topology, no libtpu, a batch that does not divide over the slice.
       DoesNotFit: a step does not fit (after searching for the largest batch that does).
     """
-    config = job.config
+    config, topology = job.config, job.compile_for
+    assert topology is not None  # run() calls this for --compile_for only
     local = dataclasses.replace(config, num_shards=1)  # the slice's devices replace this one
     with contextlib.ExitStack() as stack:
         if config.model_dir is None:
@@ -780,19 +786,13 @@ def compile_job(job: Job) -> list[Any]:
         )
         try:
             reports = est.compile_for(
-                job.compile_for, *compile_inputs(job), num_shards=config.num_shards, search=True
+                topology, *compile_inputs(job), num_shards=config.num_shards, search=True
             )
         except compile_lib.CompileForError as e:
-            raise UsageError(f"--compile_for={job.compile_for}: {e}") from None
+            raise UsageError(f"--compile_for={topology}: {e}") from None
     for report in reports:
         print(report.line(), flush=True)
     failed = [r for r in reports if not r.fits]
     if failed:
-        raise DoesNotFit(
-            " ".join(
-                compile_lib.describe_search(r.search, r.step, r.topology, r.global_batch)
-                for r in failed
-            ),
-            reports,
-        )
+        raise DoesNotFit(" ".join(compile_lib.describe_failure(r) for r in failed), reports)
     return reports
