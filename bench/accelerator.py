@@ -56,18 +56,28 @@ def detect_device() -> str:
     return "cpu"
 
 
-def gpu_extra() -> str:
-    """cuda13 where the driver runs CUDA 13 (>= 580), else cuda12."""
+def nvidia_smi(field: str) -> str | None:
+    """The first GPU's ``field`` (``nvidia-smi --query-gpu``), or None without one."""
     try:
         out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            ["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"],
             capture_output=True,
             text=True,
             check=True,
             timeout=60,
         ).stdout
-        return "cuda13" if int(out.split(".")[0]) >= 580 else "cuda12"
-    except (OSError, subprocess.SubprocessError, ValueError):
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (out.splitlines() or [""])[0].strip() or None
+
+
+def gpu_extra() -> str:
+    """cuda13 where the driver runs CUDA 13 (>= 580), else cuda12."""
+    try:
+        return (
+            "cuda13" if int((nvidia_smi("driver_version") or "").split(".")[0]) >= 580 else "cuda12"
+        )
+    except ValueError:
         return "cuda12"
 
 
@@ -98,19 +108,7 @@ def install_and_rerun(device: str, venv: Path, argv: list[str]) -> int:
 
 def device_name(device: str) -> str | None:
     """The accelerator's name as the OS tells it before JAX runs (None where it cannot)."""
-    if device != "gpu":
-        return None
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=60,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.splitlines()[0].strip() or None
+    return nvidia_smi("name") if device == "gpu" else None
 
 
 def dry_run(args: argparse.Namespace, argv: list[str]) -> int:

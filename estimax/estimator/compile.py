@@ -267,35 +267,32 @@ def _placed(tree: Any, sharding: Any) -> Any:
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), tree)
 
 
-def train_args(steps: Steps, mesh: Mesh, io: tuple[Any, Any], batch: int) -> tuple[Any, ...]:
-    """Abstract ``(state, rng, features, labels)`` of ``steps.train`` at global ``batch``."""
+def _inputs(
+    steps: Steps, mesh: Mesh, io: tuple[Any, Any], batch: int, init: Callable[..., Any]
+) -> tuple[Any, Any, Any, NamedSharding]:
+    """(``init``'s output placed replicated, features, labels sharded over ``mesh``, replicated)."""
     features, labels = io
     rows = batch // mesh.size
     sample = (_abstract_batch(features, rows), _abstract_batch(labels, rows))
     replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P(REPLICA_AXIS))
-    state = _placed(jax.eval_shape(steps.init, steps.rng, *sample), replicated)
+    state = _placed(jax.eval_shape(init, steps.rng, *sample), replicated)
+    features, labels = (_abstract_batch(x, batch, sharded) for x in io)
+    return state, features, labels, replicated
+
+
+def train_args(steps: Steps, mesh: Mesh, io: tuple[Any, Any], batch: int) -> tuple[Any, ...]:
+    """Abstract ``(state, rng, features, labels)`` of ``steps.train`` at global ``batch``."""
+    state, features, labels, replicated = _inputs(steps, mesh, io, batch, steps.init)
     rng = jax.ShapeDtypeStruct(steps.rng.shape, steps.rng.dtype, sharding=replicated)
-    return (
-        state,
-        rng,
-        _abstract_batch(features, batch, sharded),
-        _abstract_batch(labels, batch, sharded),
-    )
+    return state, rng, features, labels
 
 
 def eval_args(steps: Steps, mesh: Mesh, io: tuple[Any, Any], batch: int) -> tuple[Any, ...]:
     """Abstract ``(totals, variables, step, features, labels, mask)`` of ``steps.eval``."""
-    features, labels = io
-    rows = batch // mesh.size
-    sample = (_abstract_batch(features, rows), _abstract_batch(labels, rows))
-    replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P(REPLICA_AXIS))
-    variables = _placed(jax.eval_shape(steps.init_eval, steps.rng, *sample), replicated)
+    variables, features, labels, replicated = _inputs(steps, mesh, io, batch, steps.init_eval)
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
-    inputs = (
-        _abstract_batch(features, batch, sharded),
-        _abstract_batch(labels, batch, sharded),
-        jax.ShapeDtypeStruct((batch,), jnp.float32, sharding=sharded),
-    )
+    sharded = NamedSharding(mesh, P(REPLICA_AXIS))
+    inputs = (features, labels, jax.ShapeDtypeStruct((batch,), jnp.float32, sharding=sharded))
     # The steady state: the running totals (donated) are what the first batch returns.
     totals, _ = jax.eval_shape(steps.eval, None, variables, step, *inputs)
     return (_placed(totals, replicated), variables, step, *inputs)
