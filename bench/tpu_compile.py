@@ -52,14 +52,6 @@ PROGRAMS: dict[str, tuple[str, list[str], str]] = {
     "mnist": ("estimax.programs.mnist", [], "MNIST CNN, batch 1024, float32 (defaults)"),
 }
 
-# Published per-chip training speeds, for comparison (different code, tuned, real input).
-PUBLISHED = {
-    ("resnet", "v4:2x2x1"): (
-        "MLPerf Training: ~3,480 images/s per TPU v4 chip (ResNet-50; issue 30's figure, "
-        "from Google's MLPerf Training v1.0 submissions)"
-    ),
-}
-
 
 def machine() -> dict[str, Any]:
     """The host the compiles ran on (they use only its CPU)."""
@@ -105,7 +97,6 @@ def run_pair(program: str, topology: str) -> dict[str, Any]:
         "wall_s": time.perf_counter() - start,
         "machine": host,
         "versions": versions(),
-        "published": PUBLISHED.get((program, topology)),
     }
 
 
@@ -127,7 +118,8 @@ def save(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 def _gib(x: float) -> str:
-    return f"{x / (1 << 30):.2f}"
+    """GiB, or MiB (with its unit) below a tenth of one."""
+    return f"{x / (1 << 30):.2f}" if x >= (1 << 30) / 10 else f"{x / (1 << 20):.3g} MiB"
 
 
 def _row(run: dict[str, Any], r: dict[str, Any]) -> str:
@@ -161,7 +153,9 @@ def table(rows: list[dict[str, Any]]) -> str:
         "per chip), a chip on v5e/v6e. Roofline = max(flops / peak bf16, bytes / HBM "
         "bandwidth) with the published per-chip figures (`estimax/estimator/compile.py`'s "
         "`TPU_CHIPS`, each with its Cloud TPU docs page). Compile times are this machine's "
-        "(see each run's load below): the train step's includes lowering.",
+        "(see each run's load below): the train step's includes lowering. The pairs ran one "
+        "process each, two or three at a time, with one version of the code (the first, resnet "
+        "on v2:2x2, before the executable's serialized size was added to the report).",
         "",
         "| program | topology | step | global batch | matmul dtypes | fits | memory GiB per "
         "device (args / temp / code) | TFLOP per device per step | GB accessed per device "
@@ -180,10 +174,37 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{m['load_end']:.1f}); jax {run['versions']['jax']}, libtpu "
             f"{run['versions']['libtpu']}." + (f" FATAL: {run['fatal']}" if run["fatal"] else "")
         )
-    published = sorted({run["published"] for run in rows if run.get("published")})
-    if published:
-        lines += ["", "## Published per-chip figures", ""] + [f"* {p}" for p in published]
+    lines += ["", *READING]
     return "\n".join(lines) + "\n"
+
+
+READING = [
+    "## Published per-chip figures, for comparison",
+    "",
+    "* ResNet-50 training, TPU v4: ~3,480 images/s per chip (MLPerf Training v1.0, Google's "
+    "v4 submissions, as issue 30 quotes it; tuned TensorFlow/JAX code with real input). The "
+    "roofline above for the same batch per chip is an upper bound of the same kind: the "
+    "published figure sits below it by what a real step loses to the rest.",
+    "* Per-chip HBM, bandwidth and peak bf16 FLOP/s: `TPU_CHIPS` in "
+    "`estimax/estimator/compile.py`, each from its Cloud TPU docs page (v2 from the CACM paper "
+    "that page cites).",
+    "",
+    "## What the roofline can and cannot tell",
+    "",
+    "* It can tell whether a step fits (the compiler's own verdict, with its memory split into "
+    "arguments, temporaries and code), which resource bounds it (compute when flops / peak "
+    "exceeds bytes / bandwidth), and a speed no implementation of that program can beat on "
+    "that chip; and how the same job moves between generations (more HBM, faster chips).",
+    "* It cannot tell the measured speed: it ignores the time XLA cannot overlap, the "
+    "cross-chip all-reduce of the gradients, the host's input pipeline and the loop's host "
+    "work, padding of small channel counts to the MXU's tiles, and clock and power limits. "
+    "Peak bf16 FLOP/s is also the wrong peak for a float32 program (Inception v3 at the seed's "
+    "float32, MNIST): its matmuls run as several bf16 passes, so its roofline is optimistic by "
+    "up to that factor.",
+    "* `XLA's own estimate` is the TPU compiler's cost model (`cost_analysis()`'s "
+    "`optimal_seconds`): it knows the chip better than the two-number roofline and is still "
+    "not a measurement.",
+]
 
 
 def main() -> int:
