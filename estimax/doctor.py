@@ -87,10 +87,11 @@ def device_lines(missing: list[str]) -> list[str]:
     platforms = {p for p, _, _ in groups}
     for hw in _accelerator_hardware():
         if hw not in platforms:
-            extra = "cuda12' (or 'estimax[cuda13]" if hw == "gpu" else "tpu"
+            # estimax is not on the package index: the extras install from a checkout.
+            extra = "'.[cuda12]' (or '.[cuda13]')" if hw == "gpu" else "'.[tpu]'"
             missing.append(
                 f"this machine has a {hw.upper()} that JAX does not see: "
-                f"pip install 'estimax[{extra}]'"
+                f"pip install -e {extra} in estimax's checkout"
             )
     return lines
 

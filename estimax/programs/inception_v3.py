@@ -396,7 +396,11 @@ def make_inputs(fv: flags.FlagValues) -> tuple[Any, str | None, list[str]]:
     # The original's default --data_dir is '': "not set" unless given (an unset $DATA_DIR).
     given = fv.data_dir if fv["data_dir"].present or fv.data_dir else None
     data_dir, fake_kind, notes = common.check_data(
-        given, fv.mode, use_fake=fv.use_data == "fake", fake_hint="--use_data=fake"
+        given,
+        fv.mode,
+        use_fake=fv.use_data == "fake",
+        fake_hint="--use_data=fake",
+        compile_only=bool(fv.compile_for),
     )
     inputs = functools.partial(
         imagenet.input_fn,

@@ -334,7 +334,9 @@ def make_inputs(fv: flags.FlagValues) -> tuple[Any, str | None, list[str]]:
             "--data_dir is not used"
         )
         return functools.partial(inputs, None, bigtable=bigtable_table(fv)), None, []
-    data_dir, fake_kind, notes = common.check_data(fv.data_dir, fv.mode)
+    data_dir, fake_kind, notes = common.check_data(
+        fv.data_dir, fv.mode, compile_only=bool(fv.compile_for)
+    )
     return functools.partial(inputs, data_dir, fake_data=fake_kind), data_dir, notes
 
 
