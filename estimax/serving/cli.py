@@ -17,6 +17,7 @@ import logging as std_logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -36,6 +37,17 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="estimax", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
+    # Listed for --help; `main` hands `estimax doctor ...` to estimax.doctor before parsing.
+    sub.add_parser(
+        "doctor",
+        help="what estimax runs on here; --launch: a dry-run of a many-host job's launch",
+    )
+    _add_serve_parser(sub)
+    _add_other_parsers(sub)
+    return parser
+
+
+def _add_serve_parser(sub: Any) -> None:
     serve = sub.add_parser("serve", help="serve the versions under --model_base_path over HTTP")
     serve.add_argument(
         "--model_base_path",
@@ -83,6 +95,10 @@ def _parser() -> argparse.ArgumentParser:
         default=1,
         help="serve the newest N versions (TF Serving's latest{N} policy)",
     )
+    _add_batching_arguments(serve)
+
+
+def _add_batching_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--enable_batching", action=argparse.BooleanOptionalAction, default=False)
     serve.add_argument("--max_batch_size", type=int, default=32)
     serve.add_argument("--batch_timeout_micros", type=int, default=1000)
@@ -100,6 +116,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max_image_pixels", type=int, default=1 << 26)
     serve.add_argument("--log_level", default="warning")
 
+
+def _add_other_parsers(sub: Any) -> None:
     predict = sub.add_parser("predict", help="classify image files with the latest version")
     predict.add_argument("--model_base_path", required=True)
     predict.add_argument("--model_version", type=int, default=None)
@@ -120,7 +138,6 @@ def _parser() -> argparse.ArgumentParser:
     saved.add_argument("--model_version", type=int, default=None)
     saved.add_argument("--output_dir", required=True, help="the SavedModel to write (new)")
     saved.add_argument("--atol", default=None, help="see python -m estimax.migrate.savedmodel -h")
-    return parser
 
 
 def _version_dir(base: str, version: int | None) -> tuple[str, int]:
@@ -159,15 +176,9 @@ def _check_port(flag: str, host: str, port: int) -> None:
             ) from None
 
 
-def serve(args: argparse.Namespace) -> int:
-    """Runs the server until interrupted."""
-    import uvicorn
-
+def _batching(args: argparse.Namespace) -> Any:
+    """``serve``'s batching flags, checked (``BatchingOptions``)."""
     from estimax.serving.batching import BatchingOptions
-    from estimax.serving.manager import ModelManager
-    from estimax.serving.rest import Server, ServerOptions
-    from estimax.serving.servable import default_batch_sizes
-    from estimax.serving.versions import list_versions
 
     batching = BatchingOptions(
         args.max_batch_size,
@@ -177,6 +188,19 @@ def serve(args: argparse.Namespace) -> int:
         tuple(args.allowed_batch_sizes),
     )
     batching.validate()
+    return batching
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Runs the server until interrupted."""
+    import uvicorn
+
+    from estimax.serving.manager import ModelManager
+    from estimax.serving.rest import Server, ServerOptions
+    from estimax.serving.servable import default_batch_sizes
+    from estimax.serving.versions import list_versions
+
+    batching = _batching(args)
     for flag, port in (("--port", args.port), ("--grpc_port", args.grpc_port)):
         _check_port(flag, args.host, port)
     if args.grpc_port and args.grpc_port == args.port:
@@ -277,6 +301,11 @@ def export_savedmodel(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``estimax`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["doctor"]:
+        from estimax import doctor  # its own flags (see `estimax doctor --help`)
+
+        return doctor.main(argv[1:])
     args = _parser().parse_args(argv)
     std_logging.basicConfig(level=std_logging.WARNING)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
