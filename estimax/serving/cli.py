@@ -37,7 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="estimax", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    # Listed for --help; `main` hands `estimax doctor ...` to estimax.doctor before parsing.
+    # Listed for --help; the `estimax` command (estimax.command) hands `estimax doctor ...` to
+    # estimax.doctor before this parser sees it.
     sub.add_parser(
         "doctor",
         help="what estimax runs on here; --launch: a dry-run of a many-host job's launch",
@@ -128,7 +129,7 @@ def _add_other_parsers(sub: Any) -> None:
     check.add_argument("--model_base_path", required=True)
     check.add_argument("--model_version", type=int, default=None)
 
-    # issue 24 (estimax.migrate.savedmodel): needs the estimax[tf] extra (TensorFlow).
+    # estimax.serving.savedmodel: needs the estimax[tf] extra (TensorFlow).
     saved = sub.add_parser(
         "export-savedmodel",
         help="a version -> a TensorFlow SavedModel (serving_default as the original's); "
@@ -137,7 +138,7 @@ def _add_other_parsers(sub: Any) -> None:
     saved.add_argument("--model_base_path", required=True)
     saved.add_argument("--model_version", type=int, default=None)
     saved.add_argument("--output_dir", required=True, help="the SavedModel to write (new)")
-    saved.add_argument("--atol", default=None, help="see python -m estimax.migrate.savedmodel -h")
+    saved.add_argument("--atol", default=None, help="see python -m estimax.serving.savedmodel -h")
 
 
 def _version_dir(base: str, version: int | None) -> tuple[str, int]:
@@ -291,8 +292,8 @@ def export_check(args: argparse.Namespace) -> int:
 
 
 def export_savedmodel(args: argparse.Namespace) -> int:
-    """A version as a TensorFlow SavedModel (``estimax.migrate.savedmodel``)."""
-    from estimax.migrate import savedmodel
+    """A version as a TensorFlow SavedModel (``estimax.serving.savedmodel``)."""
+    from estimax.serving import savedmodel
 
     path, _ = _version_dir(args.model_base_path, args.model_version)
     argv = [f"--export_dir={path}", f"--output_dir={args.output_dir}"]
@@ -301,11 +302,6 @@ def export_savedmodel(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``estimax`` console script."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["doctor"]:
-        from estimax import doctor  # its own flags (see `estimax doctor --help`)
-
-        return doctor.main(argv[1:])
     args = _parser().parse_args(argv)
     std_logging.basicConfig(level=std_logging.WARNING)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")

@@ -288,7 +288,7 @@ def _tf_checkpoint(args: argparse.Namespace, extra: list[str]) -> int:
     from absl import flags
 
     from estimax import migrate
-    from estimax.migrate import convert as migrate_convert
+    from estimax.tools import convert_tf
 
     try:
         if args.list:
@@ -301,7 +301,7 @@ def _tf_checkpoint(args: argparse.Namespace, extra: list[str]) -> int:
             return 0
         if not args.model_dir or not args.model:
             raise migrate.TFCheckpointError("give --model_dir and --model (or --list)")
-        report = migrate_convert.convert_tf_checkpoint(
+        report = convert_tf.convert_tf_checkpoint(
             args.checkpoint,
             args.model_dir,
             args.model,
