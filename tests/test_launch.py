@@ -497,3 +497,29 @@ def test_mpirun_starts_the_same_job(tmp_path_factory):
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "Launch: ompi (JAX's ompi detection): process 1 of 2" in proc.stderr
     _assert_bitwise(mh.params(model_dir), mh.params(one_dir))
+
+
+def test_the_estimax_command_runs_doctor_launch():
+    port = _free_port()
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from estimax.command import run; run()",
+            "doctor",
+            "--launch",
+            f"--coordinator_address=localhost:{port}",
+            "--num_processes=2",
+            "--process_id=1",
+            "--timeout=1",
+        ],
+        env={**CLEAN, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.startswith(
+        f"FATAL: launch check: process 1 got no answer from the coordinator localhost:{port} "
+        "(process 0) within 1 s"
+    )
