@@ -174,3 +174,59 @@ def test_peak_memory_does_not_grow_with_the_epochs(object_store, tmp_path, worke
     peak = [int(line.split()[1]) for line in out.stdout.splitlines()]  # KiB
     assert len(peak) == 16
     assert peak[-1] - peak[3] < 12 * 1024, peak  # less than two epochs' bytes, in KiB
+
+
+def test_a_bucket_backed_training_reads_no_shard_in_full_before_its_first_batch(
+    gcs_emulator, monkeypatch
+):
+    import uuid
+
+    from conftest import point_clients_at
+    from counting_proxy import CountingProxy
+
+    from estimax import storage
+    from estimax.data import imagenet
+    from estimax.tools import convert
+
+    bucket = f"estimax-{uuid.uuid4().hex[:12]}"
+    gcs_emulator.create_bucket(bucket)
+    point_clients_at(monkeypatch, "gs", gcs_emulator.url)
+    data_dir = f"gs://{bucket}/imagenet"
+    # The converter writes straight into the bucket: 4 shards of 64 images, each with its index.
+    args = ["--train_examples=256", "--validation_examples=0", "--train_shards=4"]
+    args += ["--min_size=40", "--max_size=64", "--num_workers=1", "--no_progress"]
+    assert convert.main(["fake-imagenet", f"--output_dir={data_dir}", *args]) == 0
+    fs, root = storage.filesystem(data_dir)
+    sizes = {e["name"].split("/", 1)[1]: e["size"] for e in fs.ls(root, detail=True)}
+    shards = sorted(n for n in sizes if "/train-" in n and not n.endswith(".idx"))
+    assert len(shards) == 4 and all(f"{n}.idx" in sizes for n in shards)
+
+    def first_batch_reads() -> tuple[dict[str, int], dict[str, int]]:
+        """Bytes and requests of each object until the first batch is out."""
+        proxy = CountingProxy(gcs_emulator.url)
+        point_clients_at(monkeypatch, "gs", proxy.url)
+        try:
+            fn = imagenet.input_fn(data_dir, True, image_size=32, num_parallel_calls=2)
+            it = iter(fn({"batch_size": 8}))
+            images, _ = next(it)
+            assert images.shape == (8, 32, 32, 3)
+            it.close()
+            return dict(proxy.read), dict(proxy.requests)
+        finally:
+            proxy.stop()
+
+    read, requests = first_batch_reads()
+    for name in shards:
+        # Only the records it needs (a batch and the read-ahead), fewer than half of them:
+        # never the whole shard, nor a request per record to find them.
+        assert read.get(name, 0) < sizes[name] / 2, (name, read.get(name), sizes[name])
+        assert requests.get(name, 0) < 32, requests
+        assert read[f"{name}.idx"] == sizes[f"{name}.idx"]  # its index, read once
+    # Without the index files the same input finds each shard's 64 records first, one request
+    # per record header (gcsfs's adaptive read-ahead): what the index saves every host.
+    point_clients_at(monkeypatch, "gs", gcs_emulator.url)
+    fs, _ = storage.filesystem(data_dir)
+    for name in shards:
+        fs.rm(f"{bucket}/{name}.idx")
+    read, requests = first_batch_reads()
+    assert all(requests[name] >= 64 for name in shards), requests
