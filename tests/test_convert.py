@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -420,7 +423,7 @@ def test_folder_and_csv_commands_write_the_same_examples_as_imagenet(raw, conver
         assert_indexed(str(tmp_path / kind))
 
 
-def test_beam_direct_runner_writes_the_same_examples_as_the_local_tool(raw, converted, tmp_path):
+def _require_beam() -> None:
     if os.environ.get("ESTIMAX_REQUIRE_BEAM"):  # `make test` runs this in .venv-beam
         import apache_beam  # noqa: F401
     pytest.importorskip(
@@ -428,17 +431,96 @@ def test_beam_direct_runner_writes_the_same_examples_as_the_local_tool(raw, conv
         reason="apache-beam runs in its own venv (`make test` "
         "builds .venv-beam: Beam pins protobuf<7); not installed here",
     )
+
+
+def _watch_sdk_workers(stop: threading.Event, seen: set[int]) -> None:
+    """Collects the pids of this process's Beam SDK worker children until ``stop``."""
+    me = str(os.getpid())
+    while not stop.is_set():
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmdline = f.read()
+                with open(f"/proc/{pid}/stat") as f:
+                    parent = f.read().rsplit(")", 1)[1].split()[1]
+            except OSError:
+                continue
+            if b"sdk_worker_main" in cmdline and parent == me:
+                seen.add(int(pid))
+        stop.wait(0.02)  # polling the process table while the pipeline runs
+
+
+def test_beam_direct_runner_writes_the_same_examples_as_the_local_tool(
+    raw, converted, tmp_path, caplog
+):
+    _require_beam()
     from estimax.tools import convert_beam
 
     root, _ = raw
     out_local, _, _ = converted
     ds = convert_sources.imagenet_source(str(root))
-    manifest = convert_beam.convert_beam(
-        ds, str(tmp_path), {"train": 3, "validation": 2}, num_workers=2
-    )
+    stop, workers = threading.Event(), set()
+    watcher = threading.Thread(target=_watch_sdk_workers, args=(stop, workers))
+    watcher.start()
+    caplog.set_level(logging.INFO, logger="estimax.tools.convert_beam")
+    try:
+        manifest = convert_beam.convert_beam(
+            ds, str(tmp_path), {"train": 3, "validation": 2}, num_workers=2
+        )
+    finally:
+        stop.set()
+        watcher.join()
     assert manifest.complete
-    assert digests(tmp_path) == digests(out_local)
+    assert digests(tmp_path) == digests(out_local)  # shards and index files, byte for byte
     assert convert_shards.verify(str(tmp_path), num_workers=1) == []
+    # The runner that ran is named, with the worker processes asked for; they ran.
+    assert "Beam: writing 5 shards on FnApiRunner (Beam's local runner, 2 worker processes" in (
+        caplog.text
+    )
+    assert "Beam: FnApiRunner wrote 5 shards" in caplog.text
+    assert "Prism" not in caplog.text.replace("never tries Prism", "")
+    assert len(workers) == 2, workers
+
+
+def test_beam_converter_runs_with_no_network_and_names_its_runner(raw, converted, tmp_path):
+    _require_beam()
+    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("ip") is None:
+        pytest.skip("needs root, unshare and ip to run the converter in a network namespace")
+    # A new network namespace: only the loopback interface (up, for Beam's worker channels),
+    # no route out. The Prism runner's download could not even start.
+    probe = subprocess.run(["unshare", "-n", "ip", "link", "set", "lo", "up"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make a network namespace here: {probe.stderr.decode().strip()}")
+    root, _ = raw
+    out_local, _, _ = converted
+    out = tmp_path / "offline"
+    command = [
+        sys.executable,
+        "-m",
+        "estimax.tools.convert",
+        "imagenet",
+        f"--raw_data_dir={root}",
+        f"--output_dir={out}",
+        "--train_shards=3",
+        "--validation_shards=2",
+        "--runner=DirectRunner",
+        "--num_workers=2",
+        "--no_progress",
+    ]
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *command],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,  # bounded: a runner waiting on the network would be killed here
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Beam: writing 5 shards on FnApiRunner (Beam's local runner, 2 worker processes" in (
+        proc.stderr
+    )
+    assert "PrismRunner" not in proc.stderr
+    assert digests(out) == digests(out_local)
 
 
 # ------------------------------------------------------------------------------ bad input
