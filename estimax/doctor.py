@@ -124,12 +124,15 @@ def cpu_kernel_lines(missing: list[str]) -> list[str]:
 
 
 def input_lines() -> list[str]:
-    """The input workers ``imagenet.input_fn`` and ``Loader`` would start by default."""
-    from estimax.data.loader import _default_workers  # noqa: PLC0415
+    """The input workers ``imagenet.input_fn`` and ``Loader`` would start by default: one per
+    usable core, of the kind the loader's ``worker_type="auto"`` picks for them."""
+    from estimax.data.loader import usable_cores, worker_policy  # noqa: PLC0415
 
+    cores = usable_cores()
+    worker_type, why = worker_policy(cores, cores)
     return [
-        f"input workers: {_default_workers()} thread workers (one per usable core; "
-        "worker_type='process' for processes)"
+        f"input workers: {cores} {worker_type} workers (one per usable core; "
+        f"worker_type='auto': {why})"
     ]
 
 

@@ -1,4 +1,4 @@
-"""The programs' command lines as a user meets them (issue 16): each mistake named at start.
+"""The programs' command lines as a user meets them: each mistake named at start.
 
 The user-facing tests run the real programs in a subprocess (the console scripts where they are
 installed) and assert the exit status, the one ``FATAL: ...`` line and that no traceback was
@@ -310,7 +310,7 @@ def test_lock_on_an_object_store_goes_stale_by_heartbeat():
 # ------------------------------------------------- help, flags on every program
 
 
-@pytest.mark.parametrize("program", ["resnet", "inception_v3", "estimax-mnist"])
+@pytest.mark.parametrize("program", ["resnet", "inception_v3", "efficientnet", "estimax-mnist"])
 def test_console_scripts_list_their_flags(tmp_path, program):
     proc = run_program(program, "--help", cwd=tmp_path)
     assert "Traceback" not in proc.stderr  # (absl's --help exits with status 1)

@@ -6,7 +6,7 @@ model_dir has no checkpoint of its own (a resumed run continues from its own).
 
 The source is a TensorFlow checkpoint of the original models (a model_dir with a ``checkpoint``
 file, a ``model.ckpt-N`` prefix or its ``.index``; the names are mapped by
-``estimax.migrate.names``) or an estimax model_dir or ``<model_dir>/checkpoints/<step>``
+``estimax.models.TF_NAMES``) or an estimax model_dir or ``<model_dir>/checkpoints/<step>``
 (variables matched by path). Weights and batch-norm statistics are loaded; the optimizer state
 and the step start fresh (as tf.estimator's warm start); an EMA starts from the loaded weights.
 A variable of another shape (a new head: another ``--num_label_classes``), or one the source
@@ -24,9 +24,9 @@ import jax
 import numpy as np
 from absl import logging
 
-from estimax import storage
+from estimax import models, storage
 from estimax.migrate.load import MappingError, copy_tree, load_tf_state, model_scope, set_path
-from estimax.migrate.names import Entry
+from estimax.migrate.names import Entry, TFNames
 from estimax.migrate.tf_checkpoint import TFCheckpointError, resolve_checkpoint
 
 __all__ = ["WarmStartReport", "WarmStartSettings", "warm_start"]
@@ -113,7 +113,8 @@ def _is_tf_checkpoint(path: str) -> bool:
 
 
 def _estimax_variables(path: str) -> tuple[dict[str, Any], str]:
-    """The ``model`` item (params, model_state) of an estimax checkpoint at ``path``."""
+    """The variables (``{"params": ..., <collection>: ...}``) of an estimax checkpoint at
+    ``path``, and the checkpoint's directory."""
     from estimax.estimator import checkpoints
 
     path = path.rstrip("/")
@@ -130,10 +131,10 @@ def _estimax_variables(path: str) -> tuple[dict[str, Any], str]:
                 f"--warm_start_from={path}: neither a TensorFlow checkpoint ('checkpoint' file or "
                 "model.ckpt-N.index) nor an estimax model_dir with checkpoints"
             )
-        model = checkpointer.restore_numpy(step, "model")
+        model = checkpointer.restore_numpy(step, checkpoints.MODEL_ITEM)
     finally:
         checkpointer.close()
-    return dict(model), checkpointer.step_dir(step)
+    return checkpoints.variables_of(model), checkpointer.step_dir(step)
 
 
 def _flat(tree: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
@@ -144,6 +145,72 @@ def _flat(tree: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple[s
         else:
             out[(*prefix, str(k))] = v
     return out
+
+
+def _tf_model(params: Mapping[str, Any]) -> TFNames | None:
+    """The TensorFlow names of the one mapped network found in ``params`` (None: none is)."""
+    for names in models.TF_NAMES:
+        try:
+            model_scope(params, names)
+        except MappingError:
+            continue
+        return names
+    return None
+
+
+def _from_tf(
+    settings: WarmStartSettings, variables: dict[str, Any], report: WarmStartReport
+) -> dict[str, Any]:
+    """``variables`` with a TensorFlow checkpoint's tensors in, by the network's name map."""
+    path = settings.ckpt_to_initialize_from
+    model = _tf_model(variables["params"])
+    if model is None:
+        raise TFCheckpointError(
+            f"--warm_start_from={path} is a TensorFlow checkpoint, but the model is none of "
+            f"those whose TensorFlow names estimax maps "
+            f"({', '.join(n.name for n in models.TF_NAMES)})"
+        )
+
+    def excluded(entry: Entry) -> bool:
+        return not settings.wants(entry.flax_name, entry.tf_name)
+
+    loaded, _, _, tf_report = load_tf_state(
+        path,
+        model,
+        variables,
+        optimizer_state=False,
+        ema=False,
+        allow_missing=True,
+        allow_mismatch=True,
+        allow_unmapped=True,
+        fresh=excluded,
+    )
+    report.source = tf_report.checkpoint
+    report.loaded = list(tf_report.loaded)
+    report.fresh = list(tf_report.fresh)
+    report.mismatched = [f for f, _, _, _ in tf_report.mismatched]
+    return loaded
+
+
+def _from_estimax(
+    settings: WarmStartSettings, variables: dict[str, Any], report: WarmStartReport
+) -> dict[str, Any]:
+    """``variables`` with an estimax checkpoint's variables in, matched by path and shape."""
+    saved, report.source = _estimax_variables(settings.ckpt_to_initialize_from)
+    source_vars = _flat(saved)
+    loaded = copy_tree(variables)
+    for key, ours in _flat(variables).items():
+        name = "/".join(key)
+        theirs = source_vars.get(key)
+        if not settings.wants(name) or theirs is None:
+            report.fresh.append(name)
+        elif np.shape(theirs) != np.shape(ours):
+            report.fresh.append(name)
+            report.mismatched.append(name)
+        else:
+            set_path(loaded, key, np.asarray(theirs, dtype=np.asarray(ours).dtype))
+            report.loaded.append(name)
+    return loaded
 
 
 def warm_start(source: str | WarmStartSettings, state: Any) -> tuple[Any, WarmStartReport]:
@@ -159,53 +226,9 @@ def warm_start(source: str | WarmStartSettings, state: Any) -> tuple[Any, WarmSt
     variables = _host({"params": state.params, **state.model_state})
     report = WarmStartReport(source=path)
     if _is_tf_checkpoint(path):
-        model = None
-        for kind in ("resnet", "inception_v3", "inception_v4"):
-            try:
-                model_scope(variables["params"], kind)
-            except MappingError:
-                continue
-            model = kind
-            break
-        if model is None:
-            raise TFCheckpointError(
-                f"--warm_start_from={path} is a TensorFlow checkpoint, but the model is not a "
-                "ResNet or Inception that estimax.migrate maps"
-            )
-
-        def excluded(entry: Entry) -> bool:
-            return not settings.wants(entry.flax_name, entry.tf_name)
-
-        loaded, _, _, tf_report = load_tf_state(
-            path,
-            model,
-            variables,
-            optimizer_state=False,
-            ema=False,
-            allow_missing=True,
-            allow_mismatch=True,
-            allow_unmapped=True,
-            fresh=excluded,
-        )
-        report.source = tf_report.checkpoint
-        report.loaded = list(tf_report.loaded)
-        report.fresh = list(tf_report.fresh)
-        report.mismatched = [f for f, _, _, _ in tf_report.mismatched]
+        loaded = _from_tf(settings, variables, report)
     else:
-        saved, report.source = _estimax_variables(path)
-        source_vars = _flat({"params": saved.get("params", {}), **saved.get("model_state", {})})
-        loaded = copy_tree(variables)
-        for key, ours in _flat(variables).items():
-            name = "/".join(key)
-            theirs = source_vars.get(key)
-            if not settings.wants(name) or theirs is None:
-                report.fresh.append(name)
-            elif np.shape(theirs) != np.shape(ours):
-                report.fresh.append(name)
-                report.mismatched.append(name)
-            else:
-                set_path(loaded, key, np.asarray(theirs, dtype=np.asarray(ours).dtype))
-                report.loaded.append(name)
+        loaded = _from_estimax(settings, variables, report)
     params = loaded.pop("params")
     new_state = state.replace(
         params=_like(params, state.params),

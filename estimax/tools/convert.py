@@ -251,7 +251,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model_dir", help="the estimax model_dir to write (new, or without checkpoints)"
     )
-    p.add_argument("--model", choices=("resnet", "inception_v3", "inception_v4"))
+    # Checked against the family registry when used (importing it here would load JAX for
+    # every estimax-convert command).
+    p.add_argument(
+        "--model",
+        help="the program whose network the checkpoint holds: one with a TensorFlow original "
+        "(resnet, inception_v3, inception_v4; another name lists the registered ones)",
+    )
     p.add_argument(
         "--optimizer_state",
         choices=("load", "fresh"),
