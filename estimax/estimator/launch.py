@@ -373,8 +373,15 @@ def detect(
         )
     else:
         return Launch("single", "no cluster flags, spec or $JAX_COORDINATOR_ADDRESS")
+    return _with_numbers(found, num_processes, process_id, timeout)
+
+
+def _with_numbers(
+    found: Launch, num_processes: int | None, process_id: int | None, timeout: float
+) -> Launch:
+    """``found`` with the numbers given by hand (they win); for an address given without them,
+    JAX's detection's, as ``jax.distributed.initialize`` does."""
     if found.kind in ("flags", "env") and (num_processes is None or process_id is None):
-        # As jax.distributed.initialize: numbers not given come from JAX's detection.
         jax_found = _jax_cluster(timeout)
         if jax_found is None and num_processes != 1:
             raise LaunchError(

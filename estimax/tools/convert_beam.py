@@ -74,21 +74,16 @@ def convert_beam(
     """Converts ``dataset`` with Beam; same arguments and output as ``convert_local``.
 
     Args:
-      runner: one of :data:`RUNNERS`.
+      runner: one of :data:`RUNNERS` (``DirectRunner``: Beam's FnApiRunner, see ``_runner``).
       pipeline_args: extra Beam pipeline options (``--project=...`` etc.).
-      num_workers: DirectRunner worker processes (default: the usable cores).
+      num_workers: local worker processes (default: the usable cores).
 
     Raises:
       ImportError: apache-beam is not installed (the message says how to install it).
     """
-    try:
-        import apache_beam as beam
-        from apache_beam.options.pipeline_options import PipelineOptions
-    except ImportError as e:
-        raise ImportError(
-            "the Beam pipeline needs apache-beam: pip install 'estimax[beam]' "
-            f"(or apache-beam==2.77.0); {e}"
-        ) from None
+    beam = _beam()
+    from apache_beam.options.pipeline_options import PipelineOptions
+
     if runner not in RUNNERS:
         raise ValueError(f"--runner must be one of local, {', '.join(RUNNERS)}; got {runner!r}")
     tasks = plan_shards(dataset, num_shards, output_dir, check, skip_bad)
@@ -98,15 +93,13 @@ def convert_beam(
     todo = [t for t in tasks if t.name not in manifest.shards]
     workers = num_workers or len(os.sched_getaffinity(0))
     pipeline_runner, described = _runner(runner, workers)
-    extra: dict[str, Any] = {}
-    if runner == "DirectRunner":
-        # multi_processing: one SDK worker process per core (the in-memory mode is one process).
-        extra.update(direct_num_workers=workers, direct_running_mode="multi_processing")
-    else:
-        extra.update(runner=runner)
-    opts = PipelineOptions(pipeline_args or [], **extra)
+    # multi_processing: one SDK worker process per core (the in-memory mode is one process).
+    local = {"direct_num_workers": workers, "direct_running_mode": "multi_processing"}
+    extra: dict[str, Any] = local if runner == "DirectRunner" else {"runner": runner}
     log.info("Beam: writing %d shards on %s", len(todo), described)
-    with beam.Pipeline(runner=pipeline_runner, options=opts) as p:
+    with beam.Pipeline(
+        runner=pipeline_runner, options=PipelineOptions(pipeline_args or [], **extra)
+    ) as p:
         _ = (
             p
             | "Shards" >> beam.Create(todo)
@@ -122,6 +115,18 @@ def convert_beam(
     assert final is not None
     log.info("Beam: %s wrote %d shards", described.split(" (")[0], len(todo))
     return final
+
+
+def _beam() -> Any:
+    """``apache_beam``, or an ImportError saying how to install it."""
+    try:
+        import apache_beam
+    except ImportError as e:
+        raise ImportError(
+            "the Beam pipeline needs apache-beam: pip install 'estimax[beam]' "
+            f"(or apache-beam==2.77.0); {e}"
+        ) from None
+    return apache_beam
 
 
 def _runner(name: str, num_workers: int) -> tuple[Any, str]:
