@@ -56,6 +56,9 @@ def _parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
         prog="estimax", description=__doc__.split("\n")[0], formatter_class=_Defaults
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    # Listed for --help; the `estimax` command (estimax.command) hands `estimax doctor ...` to
+    # estimax.doctor before this parser sees it.
+    sub.add_parser("doctor", help="devices, kernels, storage; --launch: a launch dry-run")
     _serve_parser(sub, os.environ if env is None else env)
 
     predict = sub.add_parser(
