@@ -118,8 +118,25 @@ def _parser() -> argparse.ArgumentParser:
     )
     saved.add_argument("--model_base_path", required=True)
     saved.add_argument("--model_version", type=int, default=None)
-    saved.add_argument("--output_dir", required=True, help="the SavedModel to write (new)")
+    saved.add_argument(
+        "--output_dir", required=True, help="the SavedModel to write (new; parents are created)"
+    )
     saved.add_argument("--atol", default=None, help="see python -m estimax.serving.savedmodel -h")
+
+    # estimax.serving.onnx_export: needs the estimax[onnx] extra (onnx, onnxruntime).
+    to_onnx = sub.add_parser(
+        "export-onnx",
+        help="a version -> an ONNX model for ONNX Runtime (image preprocessing stays the "
+        "client's job); needs the estimax[onnx] extra",
+    )
+    to_onnx.add_argument("--model_base_path", required=True)
+    to_onnx.add_argument("--model_version", type=int, default=None)
+    to_onnx.add_argument(
+        "--output", required=True, help="the .onnx file to write (new; parents are created)"
+    )
+    to_onnx.add_argument(
+        "--atol", default=None, help="see python -m estimax.serving.onnx_export -h"
+    )
     return parser
 
 
@@ -275,6 +292,15 @@ def export_savedmodel(args: argparse.Namespace) -> int:
     return savedmodel.main(argv + ([f"--atol={args.atol}"] if args.atol else []))
 
 
+def export_onnx(args: argparse.Namespace) -> int:
+    """A version as an ONNX model (``estimax.serving.onnx_export``)."""
+    from estimax.serving import onnx_export
+
+    path, _ = _version_dir(args.model_base_path, args.model_version)
+    argv = [f"--export_dir={path}", f"--output={args.output}"]
+    return onnx_export.main(argv + ([f"--atol={args.atol}"] if args.atol else []))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``estimax`` console script."""
     args = _parser().parse_args(argv)
@@ -288,6 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "predict": predict,
             "export-check": export_check,
             "export-savedmodel": export_savedmodel,
+            "export-onnx": export_onnx,
         }[args.command](args)
     except ExportCheckError as e:
         print(f"estimax {args.command}: FAILED: {e}", file=sys.stderr)
