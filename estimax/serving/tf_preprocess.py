@@ -10,10 +10,12 @@ crop, resize, channels, then float32 scaling in estimax's order.
 Why the resizes are written out rather than ``tf.image.resize``: estimax resizes with OpenCV,
 whose kernels TensorFlow does not have (bicubic a=-0.75 against TF's -0.5; OpenCV's bilinear is
 fixed-point, 11-bit weights, with its own rounding). Measured against ``cv2.resize`` on 3.1M
-random values (sizes 2-300 px, up and down): bicubic on the half-pixel grid as two float64
-matrix products, rounded: 0 values differ; the fixed-point bilinear below: 0 differ (float
-bilinear: 12% differ by one level); nearest on every grid: 0. What is not reproduced exactly is
-refused by :func:`unsupported` (one line naming it), never published with other pixels:
+random values (sizes 2-300 px, up and down): the fixed-point bilinear below: 0 values differ
+(float bilinear: 12% differ by one level); nearest on every grid: 0; bicubic on the half-pixel
+grid as two float64 matrix products, rounded: 0 of 86k values in one sample, 1 of 867 one level
+apart in another (OpenCV's bicubic is fixed-point too, and not emulated here): the SavedModel
+writer compares the pixels of every check image and refuses to publish if one differs. What is
+not reproduced is refused by :func:`unsupported` (one line naming it):
 ``area`` (OpenCV's float path differs by one level on ~0.1% of values) and bilinear/bicubic on
 the ``align_corners``/``asymmetric`` grids (``cv2.remap``'s 1/32-pixel fixed point).
 """
