@@ -66,7 +66,8 @@ def _dtype(value: ir.Value) -> np.dtype:
     return np.dtype(_NP_TYPES[name])
 
 
-def _shape(value: ir.Value) -> list[int | None]:
+def _shape(value: ir.Value) -> list[Any]:
+    """Dimensions, None where dynamic."""
     t = _type(value)
     return [None if t.is_dynamic_dim(i) else t.get_dim_size(i) for i in range(t.rank)]
 
@@ -134,10 +135,11 @@ class Converter:
         env: dict[Any, Any] = dict(zip(block.arguments, args, strict=True))
         return self.run_block(block, env)
 
-    def run_block(self, block: ir.Block, env: dict[Any, Any]) -> list[Any]:
-        """Runs the ops of ``block``; returns the values its terminator returns."""
-        for op in block.operations:
-            op = op.operation
+    def run_block(self, block: ir.Block, env: Any) -> list[Any]:
+        """Runs the ops of ``block`` with ``env`` (value -> numpy value or tensor name);
+        returns the values its terminator returns."""
+        for view in block.operations:
+            op: Any = view.operation
             self.scope = env  # what a nested region (a case branch) sees
             operands = [env[v] for v in op.operands]
             if op.name in ("func.return", "stablehlo.return"):
@@ -155,7 +157,7 @@ def _known(*xs: Any) -> bool:
     return all(not isinstance(x, str) for x in xs)
 
 
-def _small(shape: Sequence[int | None]) -> bool:
+def _small(shape: Sequence[Any]) -> bool:
     return None not in shape and int(np.prod(shape, dtype=np.int64)) <= _FOLD_LIMIT
 
 
@@ -167,7 +169,7 @@ _BINARY: dict[str, tuple[str, Callable[..., Any]]] = {
     "stablehlo.minimum": ("Min", np.minimum),
     "stablehlo.power": ("Pow", np.power),
 }
-_UNARY: dict[str, tuple[Sequence[str], Callable[..., Any]]] = {
+_UNARY: dict[str, tuple[Sequence[str], Callable[..., Any] | None]] = {
     "stablehlo.exponential": (("Exp",), np.exp),
     "stablehlo.log": (("Log",), np.log),
     "stablehlo.sqrt": (("Sqrt",), np.sqrt),
@@ -263,7 +265,7 @@ def _convert(c: Converter, op: Any, xs: list[Any]) -> list[Any]:
 
 
 def _constant(c: Converter, op: Any, xs: list[Any]) -> list[Any]:
-    attr = ir.DenseElementsAttr(op.attributes["value"])
+    attr: Any = ir.DenseElementsAttr(op.attributes["value"])
     dtype, shape = _dtype(op.results[0]), _shape(op.results[0])
     if attr.is_splat:
         value = attr.get_splat_value()
@@ -611,7 +613,7 @@ def _reduce_window(c: Converter, op: Any, xs: list[Any]) -> list[Any]:
     shape = g.op("Shape", [x])
     merged = np.asarray([0, -1, *([0] * len(pooled))], np.int64)
     x = g.op("Reshape", [x, merged]) if len(plain) > 2 else x
-    attrs_ = {
+    attrs_: dict[str, Any] = {
         "kernel_shape": [window[d] for d in pooled],
         "strides": [strides[d] for d in pooled],
         "pads": [int(padding[d][0]) for d in pooled] + [int(padding[d][1]) for d in pooled],

@@ -96,10 +96,10 @@ def _window(height: Any, width: Any, p: dict[str, Any]) -> tuple[Any, Any, Any, 
     """(y, x, h, w) of the crop, with estimax's arithmetic (``preprocess._crop_window``)."""
     crop = p.get("crop", "none")
     if crop == "central":  # tf.image.central_crop: float64, truncated
-        fraction = float(p["crop_fraction"])
+        part = float(p["crop_fraction"])
         h, w = tf.cast(height, tf.float64), tf.cast(width, tf.float64)
-        y = tf.cast((h - h * fraction) / 2, tf.int32)
-        x = tf.cast((w - w * fraction) / 2, tf.int32)
+        y = tf.cast((h - h * part) / 2, tf.int32)
+        x = tf.cast((w - w * part) / 2, tf.int32)
         return y, x, height - 2 * y, width - 2 * x
     if crop == "center":  # a float32 fraction of the short side, truncated
         if p.get("crop_padding") is not None:
