@@ -2,13 +2,14 @@
 model (a custom Flax MLP), a CNN behind a declared ``image_preprocessing``, and a ResNet with the
 ``resnet_eval`` recipe. Each is published with check inputs (``export_check.json``)."""
 
+import json
 import os
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
+import serving_fixtures
 
 import estimax as ex
 from estimax import serving
@@ -51,17 +52,7 @@ class SmallCnn(nn.Module):
 def _model_fn(make, prepare):
     def model_fn(features, labels, mode, params):
         logits = make()(prepare(features), train=mode == ex.ModeKeys.TRAIN).astype(jnp.float32)
-        predictions = {"classes": jnp.argmax(logits, 1), "probabilities": jax.nn.softmax(logits)}
-        if mode == ex.ModeKeys.PREDICT:
-            return ex.EstimatorSpec(
-                mode=mode, predictions=predictions, export_outputs={"classify": predictions}
-            )
-        return ex.EstimatorSpec(
-            mode=mode,
-            loss=ex.losses.softmax_cross_entropy(logits, labels),
-            optimizer=optax.sgd(0.05, momentum=0.9),
-            predictions=predictions,
-        )
+        return serving_fixtures.classify_spec(logits, labels, mode)
 
     return model_fn
 
@@ -122,3 +113,13 @@ def resnet_export(root, images, labels):
         preprocessing=serving.resnet_eval(32),
         check_inputs=images[:16],
     )
+
+
+def disagree(version):
+    """Edits the version's recorded answers: check example #0 now expects another class."""
+    path = os.path.join(version, "export_check.json")
+    with open(path) as f:
+        record = json.load(f)
+    record["expected"]["classes"][0] = (record["expected"]["classes"][0] + 1) % CLASSES
+    with open(path, "w") as f:
+        json.dump(record, f)

@@ -110,33 +110,32 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--model_base_path", required=True)
     check.add_argument("--model_version", type=int, default=None)
 
-    # estimax.serving.savedmodel: needs the estimax[tf] extra (TensorFlow).
-    saved = sub.add_parser(
-        "export-savedmodel",
-        help="a version -> a TensorFlow SavedModel (serving_default as the original's); "
-        "needs TensorFlow (the estimax[tf] extra)",
-    )
-    saved.add_argument("--model_base_path", required=True)
-    saved.add_argument("--model_version", type=int, default=None)
-    saved.add_argument(
-        "--output_dir", required=True, help="the SavedModel to write (new; parents are created)"
-    )
-    saved.add_argument("--atol", default=None, help="see python -m estimax.serving.savedmodel -h")
-
-    # estimax.serving.onnx_export: needs the estimax[onnx] extra (onnx, onnxruntime).
-    to_onnx = sub.add_parser(
-        "export-onnx",
-        help="a version -> an ONNX model for ONNX Runtime (image preprocessing stays the "
-        "client's job); needs the estimax[onnx] extra",
-    )
-    to_onnx.add_argument("--model_base_path", required=True)
-    to_onnx.add_argument("--model_version", type=int, default=None)
-    to_onnx.add_argument(
-        "--output", required=True, help="the .onnx file to write (new; parents are created)"
-    )
-    to_onnx.add_argument(
-        "--atol", default=None, help="see python -m estimax.serving.onnx_export -h"
-    )
+    # estimax.serving.savedmodel / onnx_export: need the estimax[tf] / estimax[onnx] extras.
+    for name, what, output, module in (
+        (
+            "export-savedmodel",
+            "a TensorFlow SavedModel (serving_default as the original's); needs TensorFlow "
+            "(the estimax[tf] extra)",
+            ("--output_dir", "the SavedModel to write"),
+            "savedmodel",
+        ),
+        (
+            "export-onnx",
+            "an ONNX model for ONNX Runtime (image preprocessing stays the client's job); "
+            "needs the estimax[onnx] extra",
+            ("--output", "the .onnx file to write"),
+            "onnx_export",
+        ),
+    ):
+        export = sub.add_parser(name, help=f"a version -> {what}")
+        export.add_argument("--model_base_path", required=True)
+        export.add_argument("--model_version", type=int, default=None)
+        export.add_argument(
+            output[0], required=True, help=f"{output[1]} (new; parents are created)"
+        )
+        export.add_argument(
+            "--atol", default=None, help=f"see python -m estimax.serving.{module} -h"
+        )
     return parser
 
 

@@ -36,29 +36,26 @@ __all__ = ["as_image_params", "preprocess_fn", "unsupported"]
 _GRAY = (9798, 19235, 3735)
 
 
+# estimax's own recipes as declared ones (estimax.data.preprocessing's eval paths).
+_AS_DECLARED: dict[str, dict[str, Any]] = {
+    "resnet_eval": {"crop": "center", "crop_padding": 32, "resize": "bicubic", "dtype": "uint8"},
+    "inception_eval": {
+        "crop": "central",
+        "crop_fraction": 0.875,
+        "resize": "bilinear",
+        "scale": 2 / 255,
+        "offset": -1.0,
+    },
+}
+
+
 def as_image_params(pre: Preprocessing) -> dict[str, Any]:
     """The declared ``image`` parameters that equal ``pre`` (estimax's recipes included)."""
     if pre.name == "image":
         return dict(pre.params)
-    size = int(pre.params["image_size"])
-    if pre.name == "resnet_eval":
-        return {
-            "size": size,
-            "crop": "center",
-            "crop_padding": 32,
-            "resize": "bicubic",
-            "dtype": "uint8",
-        }
-    if pre.name == "inception_eval":
-        return {
-            "size": size,
-            "crop": "central",
-            "crop_fraction": 0.875,
-            "resize": "bilinear",
-            "scale": 2 / 255,
-            "offset": -1.0,
-        }
-    raise ValueError(f"preprocessing {pre.name!r} has no TensorFlow version")
+    if pre.name not in _AS_DECLARED:
+        raise ValueError(f"preprocessing {pre.name!r} has no TensorFlow version")
+    return {"size": int(pre.params["image_size"]), **_AS_DECLARED[pre.name]}
 
 
 def unsupported(pre: Preprocessing) -> str | None:
