@@ -113,7 +113,11 @@ BICUBIC = [
 
 
 def _compare_pixels(params):
-    pre = serving.image_preprocessing(**params)
+    pre = (
+        params
+        if isinstance(params, serving.Preprocessing)
+        else serving.image_preprocessing(**params)
+    )
     fn = tf.function(tf_preprocess.preprocess_fn(pre))
     worst, differ, total = 0.0, 0, 0
     for image in _varied_images():
@@ -127,12 +131,22 @@ def _compare_pixels(params):
     return worst, differ, total
 
 
-@pytest.mark.parametrize("params", EXACT, ids=lambda p: "-".join(map(str, p.values())))
+def _id(params):
+    if isinstance(params, serving.Preprocessing):
+        return f"{params.name}-{params.params}"
+    return "-".join(map(str, params.values()))
+
+
+@pytest.mark.parametrize("params", EXACT, ids=_id)
 def test_tf_preprocessing_gives_estimaxs_pixels(params):
     assert _compare_pixels(params)[:2] == (0, 0)
 
 
-@pytest.mark.parametrize("params", BICUBIC, ids=lambda p: "-".join(map(str, p.values())))
+def test_estimaxs_inception_recipe_gives_estimaxs_pixels_in_tf():
+    assert _compare_pixels(serving.inception_eval(29))[:2] == (0, 0)
+
+
+@pytest.mark.parametrize("params", [*BICUBIC, serving.resnet_eval(32)], ids=_id)
 def test_tf_bicubic_is_at_most_one_level_apart_on_rare_values(params):
     worst, differ, total = _compare_pixels(params)
     print(f"bicubic {params}: {differ} of {total} values one level apart")
@@ -171,9 +185,27 @@ def test_an_export_tf_cannot_reproduce_is_refused_in_one_line(tmp_path, capsys, 
 
 
 def test_a_disagreement_publishes_nothing(tmp_path, capsys):
-    from estimax.migrate import savedmodel  # the former path still works
-
     version = fx.float_export(str(tmp_path))
+    # The former command path still works: python -m estimax.migrate.savedmodel.
+    import subprocess
+
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "estimax.migrate.savedmodel",
+            f"--export_dir={version}",
+            f"--output_dir={tmp_path / 'alias'}",
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert tf.saved_model.load(str(tmp_path / "alias")).signatures["serving_default"] is not None
+
+    from estimax.migrate import savedmodel
+
     fx.disagree(version)
     refused = str(tmp_path / "refused")
     assert savedmodel.main([f"--export_dir={version}", f"--output_dir={refused}"]) == 2

@@ -96,7 +96,11 @@ def convert(export: dict[str, Any]) -> Any:
         _with_top_k(model, min(int(top_k), int(probabilities.shape[-1])), probabilities.dtype)
     preprocessing = export["spec"].get("preprocessing")
     model.producer_name = "estimax"
-    meta = {"estimax.preprocessing": json.dumps(preprocessing)}
+    # The whole serving.json too: what else the export records (e.g. class names) for clients.
+    meta = {
+        "estimax.preprocessing": json.dumps(preprocessing),
+        "estimax.serving": json.dumps(export["spec"]),
+    }
     for key, value in meta.items():
         model.metadata_props.add(key=key, value=value)
     return model

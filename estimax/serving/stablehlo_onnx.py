@@ -19,6 +19,7 @@ with :class:`UnsupportedOpError` naming it.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -76,6 +77,18 @@ def _ints(attr: Any) -> list[int]:
     return [int(x) for x in attr]
 
 
+@dataclasses.dataclass
+class Broadcast:
+    """A broadcast not yet materialised: ``small`` (a tensor name or numpy value of the result's
+    rank, size-1 axes where it repeats) expanded to ``shape``. Elementwise ops beside a full
+    operand use ``small`` with ONNX's own broadcasting, so batch-norm scales and the like never
+    become activation-sized tensors (measured: ONNX Runtime 1.5x slower on ResNet-50 with them)."""
+
+    small: Any
+    shape: Any
+    name: str | None = None
+
+
 class Graph:
     """The ONNX graph being built: nodes, initializers and unique names."""
 
@@ -97,7 +110,12 @@ class Graph:
         return name
 
     def tensor(self, x: Any) -> str:
-        """The name of ``x`` (a tensor name, or a numpy value made an initializer)."""
+        """The name of ``x`` (a tensor name, a numpy value made an initializer, or a
+        ``Broadcast`` materialised once)."""
+        if isinstance(x, Broadcast):
+            if x.name is None:
+                x.name = self.op("Expand", [x.small, self.int64(x.shape)])
+            return x.name
         return x if isinstance(x, str) else self.const(np.asarray(x))
 
     def op(self, op_type: str, inputs: Sequence[Any], n_out: int = 1, **attrs: Any) -> Any:
@@ -154,7 +172,24 @@ class Converter:
 
 
 def _known(*xs: Any) -> bool:
-    return all(not isinstance(x, str) for x in xs)
+    return all(isinstance(x, np.ndarray | np.generic) for x in xs)
+
+
+def _elementwise(c: Converter, op: Any, xs: list[Any], emit: Callable[[list[Any]], Any]) -> Any:
+    """``emit(operands)`` for an elementwise op, with lazy broadcasts left to ONNX's
+    broadcasting where an operand of the result's full shape is a real tensor (else the result
+    stays a lazy broadcast of the same shape)."""
+    out_shape = _shape(op.results[0])
+    lazy = [isinstance(x, Broadcast) for x in xs]
+    if not any(lazy):
+        return emit(xs)
+    full = [_shape(v) == out_shape for v in op.operands]
+    smalls = [x.small if is_lazy else x for x, is_lazy in zip(xs, lazy, strict=True)]
+    if any(f and not is_lazy for f, is_lazy in zip(full, lazy, strict=True)):
+        return emit(smalls)
+    if all(lazy):
+        return Broadcast(emit(smalls), next(x for x in xs if isinstance(x, Broadcast)).shape)
+    return emit([c.graph.tensor(x) for x in xs])
 
 
 def _small(shape: Sequence[Any]) -> bool:
@@ -192,7 +227,7 @@ def _binary(c: Converter, op: Any, xs: list[Any]) -> list[Any]:
     onnx_op, fn = _BINARY[op.name]
     if _known(*xs) and _small(_shape(op.results[0])):
         return [np.asarray(fn(*xs)).astype(_dtype(op.results[0]))]
-    return [c.graph.op(onnx_op, xs)]
+    return [_elementwise(c, op, xs, lambda ys: c.graph.op(onnx_op, ys))]
 
 
 def _divide(c: Converter, op: Any, xs: list[Any]) -> list[Any]:
@@ -201,7 +236,7 @@ def _divide(c: Converter, op: Any, xs: list[Any]) -> list[Any]:
         if dtype.kind in "iu":  # StableHLO truncates towards zero, as C
             return [(np.sign(xs[0]) * np.sign(xs[1]) * (np.abs(xs[0]) // np.abs(xs[1])))]
         return [np.asarray(xs[0] / xs[1]).astype(dtype)]
-    return [c.graph.op("Div", xs)]
+    return [_elementwise(c, op, xs, lambda ys: c.graph.op("Div", ys))]
 
 
 def _logical(c: Converter, op: Any, xs: list[Any]) -> list[Any]:
@@ -210,7 +245,7 @@ def _logical(c: Converter, op: Any, xs: list[Any]) -> list[Any]:
     if _known(*xs):
         return [{"and": np.logical_and, "or": np.logical_or, "xor": np.logical_xor}[kind](*xs)]
     name = kind.capitalize() if boolean else f"Bitwise{kind.capitalize()}"
-    return [c.graph.op(name, xs)]
+    return [_elementwise(c, op, xs, lambda ys: c.graph.op(name, ys))]
 
 
 def _not(c: Converter, op: Any, xs: list[Any]) -> list[Any]:
@@ -223,10 +258,14 @@ def _unary(c: Converter, op: Any, xs: list[Any]) -> list[Any]:
     onnx_ops, fn = _UNARY[op.name]
     if fn is not None and _known(*xs):
         return [np.asarray(fn(xs[0])).astype(_dtype(op.results[0]))]
-    x = xs[0]
-    for name in onnx_ops:
-        x = c.graph.op(name, [x])
-    return [x]
+
+    def emit(ys: list[Any]) -> Any:
+        y = ys[0]
+        for name in onnx_ops:
+            y = c.graph.op(name, [y])
+        return y
+
+    return [_elementwise(c, op, xs, emit)]
 
 
 _COMPARE = {"EQ": np.equal, "NE": np.not_equal, "LT": np.less, "LE": np.less_equal}
@@ -240,28 +279,31 @@ def _compare(c: Converter, op: Any, xs: list[Any]) -> list[Any]:
     if _known(*xs):
         return [_COMPARE[direction](*xs)]
     if direction == "NE":
-        return [c.graph.op("Not", [c.graph.op("Equal", xs)])]
-    return [c.graph.op(_ONNX_COMPARE[direction], xs)]
+        return [_elementwise(c, op, xs, lambda ys: c.graph.op("Not", [c.graph.op("Equal", ys)]))]
+    return [_elementwise(c, op, xs, lambda ys: c.graph.op(_ONNX_COMPARE[direction], ys))]
 
 
 def _select(c: Converter, op: Any, xs: list[Any]) -> list[Any]:
     if _known(*xs):
         return [np.where(*xs)]
-    return [c.graph.op("Where", xs)]
+    return [_elementwise(c, op, xs, lambda ys: c.graph.op("Where", ys))]
 
 
 def _clamp(c: Converter, op: Any, xs: list[Any]) -> list[Any]:
     low, x, high = xs
     if _known(*xs):
         return [np.clip(x, low, high)]
-    return [c.graph.op("Max", [c.graph.op("Min", [x, high]), low])]
+    return [
+        _elementwise(c, op, xs, lambda ys: c.graph.op("Max", [c.graph.op("Min", ys[1:]), ys[0]]))
+    ]
 
 
 def _convert(c: Converter, op: Any, xs: list[Any]) -> list[Any]:
     dtype = _dtype(op.results[0])
     if _known(*xs):
         return [np.asarray(xs[0]).astype(dtype)]
-    return [c.graph.op("Cast", xs, to=helper.np_dtype_to_tensor_dtype(dtype))]
+    to = helper.np_dtype_to_tensor_dtype(dtype)
+    return [_elementwise(c, op, xs, lambda ys: c.graph.op("Cast", ys, to=to))]
 
 
 def _constant(c: Converter, op: Any, xs: list[Any]) -> list[Any]:
@@ -328,15 +370,20 @@ def _broadcast(c: Converter, op: Any, x: Any, shape: Any) -> Any:
     view = [1] * rank
     for d, size in zip(dims, in_shape, strict=True):
         view[d] = -1 if size is None else size
-    if _known(x) and _known(shape) and _small(list(shape)):
+    static_shape = not isinstance(shape, str)
+    if _known(x) and static_shape and _small(list(shape)):
         return np.broadcast_to(np.reshape(x, [v if v != -1 else 1 for v in view]), shape).copy()
     g = c.graph
-    if view.count(-1) <= 1:
-        x = g.op("Reshape", [x, np.asarray(view, np.int64)])
+    if _known(x):
+        small = np.reshape(x, view)
+    elif view.count(-1) <= 1:
+        small = g.op("Reshape", [x, np.asarray(view, np.int64)])
     else:  # several dynamic dims: unsqueeze the new axes instead
         missing = [i for i in range(rank) if i not in dims]
-        x = g.op("Unsqueeze", [x, np.asarray(missing, np.int64)])
-    return g.op("Expand", [x, g.int64(shape)])
+        small = g.op("Unsqueeze", [x, np.asarray(missing, np.int64)])
+    if static_shape:  # a dynamic dim here comes from x: Expand keeps it where the target says 1
+        shape = np.asarray([1 if d is None else d for d in shape], np.int64)
+    return Broadcast(small, shape)
 
 
 def _broadcast_in_dim(c: Converter, op: Any, xs: list[Any]) -> list[Any]:
