@@ -373,6 +373,9 @@ def _peer_in_process(path: str, onnx_path: str, images, sizes, rounds: int) -> d
     servable.warm()
     options = ort.SessionOptions()
     options.intra_op_num_threads = os.cpu_count() or 1
+    # Its threads otherwise spin after each call and take the cores from XLA's next call in
+    # this process (interleaved rounds).
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     session = ort.InferenceSession(onnx_path, options, providers=["CPUExecutionProvider"])
     runs: dict = {}
     for size in sizes:
@@ -522,6 +525,21 @@ def peer_markdown(r: dict, args) -> str:
         f"{ce['requests_per_s'] / co['requests_per_s']:.2f} ({args.peer_clients} clients), "
         f"{le['requests_per_s'] / lo['requests_per_s']:.2f} (lone); lone p50 latency "
         f"{le['p50_ms'] / lo['p50_ms']:.2f}.",
+        "",
+        "- The ONNX model is `estimax export-onnx` of the same export, so ONNX Runtime runs the "
+        "export's own computation: estimax.ops' 1x1 convolutions as matmuls, NHWC with a "
+        "transpose pair around each convolution (ONNX convolves NCHW), batch norm as separate "
+        "elementwise ops (XLA fuses them; ONNX Runtime's Conv+BN fusions need NCHW convolutions "
+        "followed by BatchNormalization). A ResNet-50 exported to ONNX from an NCHW framework "
+        "with folded batch norm would likely run faster in ONNX Runtime; these rows measure "
+        "what a team gets from an estimax export.",
+        "- HTTP: `estimax serve` is FastAPI on uvicorn (no batching); bench/onnx_http.py is "
+        "Python's ThreadingHTTPServer around one onnxruntime session, preprocessing with "
+        "estimax's recipe (an ONNX model's client does it), no batching. Both decode the JPEG "
+        "and resize it in the server.",
+        "- In-process ONNX Runtime runs without spinning threads "
+        "(`session.intra_op.allow_spinning=0`): otherwise they take the cores from XLA's "
+        "next call in the same process.",
         "",
     ]
     return "\n".join(lines)

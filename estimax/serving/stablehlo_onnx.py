@@ -5,9 +5,11 @@ Why written here: no maintained converter takes a serialized ``jax.export`` arti
 for primitive 'call_exported'") on every export, and from the model code it converted a Dense/
 LayerNorm/GELU model but not ResNet or the MNIST CNN (its MaxPool nodes are refused by ONNX
 Runtime: "Unsupported pooling size") nor Inception (its avg_pool patch raises a TypeError); it
-also pins ``orbax-checkpoint<0.11.37`` against estimax's 0.12.8. ``tf2onnx`` 1.17 has no handler
-for ``XlaCallModule``, the one op a jax2tf SavedModel's network is. So the module is walked op by
-op with JAX's own MLIR bindings and each StableHLO op becomes its ONNX equivalent.
+also pins ``orbax-checkpoint<0.11.37`` against estimax's 0.12.8. ``tf2onnx`` 1.17 on the SavedModel
+``estimax export-savedmodel`` writes: "pass1 convert failed for name:
+StatefulPartitionedCall/XlaCallModule" (it has no handler for that op, which is the whole network
+of a jax2tf SavedModel). So the module is walked op by op with JAX's own MLIR bindings and each
+StableHLO op becomes its ONNX equivalent.
 
 What it does: the export's weights become initializers (and every computation on weights alone
 is folded with numpy: batch-norm scales, transposed kernels); the platform switch of a
