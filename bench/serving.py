@@ -474,30 +474,9 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def peer_markdown(r: dict, args) -> str:
-    """The "ONNX Runtime beside estimax" section of serving.md."""
-    lines = [
-        "## ONNX Runtime beside estimax (`--part peer`)",
-        "",
-        f"ResNet-50 (224x224, float32, initialised weights), one export; {r['cpu']}, "
-        f"{r['threads']} threads for each engine (XLA:CPU's default pool; ONNX Runtime "
-        f"`intra_op_num_threads={r['threads']}`). Load average before "
-        f"{' '.join(r['load_before'])}, after {' '.join(r['load_after'])} (a shared machine; "
-        "other engineers' jobs ran: read the ratios, measured interleaved in one run).",
-        "",
-        f"In-process, the network alone on the same preprocessed uint8 batch, median of "
-        f"{args.peer_rounds} interleaved calls:",
-        "",
-        "| batch | estimax ms | ONNX Runtime ms | estimax img/s | ONNX Runtime img/s | "
-        "estimax / ONNX Runtime (throughput) |",
-        "|---|---|---|---|---|---|",
-    ]
-    for size, row in r["in_process"].items():
-        e, o = row["estimax"], row["onnxruntime"]
-        lines.append(
-            f"| {size} | {e['median_ms']:.1f} | {o['median_ms']:.1f} | {e['images_per_s']:.1f} "
-            f"| {o['images_per_s']:.1f} | {e['images_per_s'] / o['images_per_s']:.2f} |"
-        )
+def _peer_http_lines(r: dict, args) -> list[str]:
+    """The HTTP table and its ratios."""
+    lines: list[str] = []
     lines += [
         "",
         f"Over HTTP (TF Serving REST `:predict`, one 500x375 JPEG per request, decode + "
@@ -525,6 +504,35 @@ def peer_markdown(r: dict, args) -> str:
         f"{ce['requests_per_s'] / co['requests_per_s']:.2f} ({args.peer_clients} clients), "
         f"{le['requests_per_s'] / lo['requests_per_s']:.2f} (lone); lone p50 latency "
         f"{le['p50_ms'] / lo['p50_ms']:.2f}.",
+    ]
+    return lines
+
+
+def peer_markdown(r: dict, args) -> str:
+    """The "ONNX Runtime beside estimax" section of serving.md."""
+    lines = [
+        "## ONNX Runtime beside estimax (`--part peer`)",
+        "",
+        f"ResNet-50 (224x224, float32, initialised weights), one export; {r['cpu']}, "
+        f"{r['threads']} threads for each engine (XLA:CPU's default pool; ONNX Runtime "
+        f"`intra_op_num_threads={r['threads']}`). Load average before "
+        f"{' '.join(r['load_before'])}, after {' '.join(r['load_after'])} (a shared machine; "
+        "other engineers' jobs ran: read the ratios, measured interleaved in one run).",
+        "",
+        f"In-process, the network alone on the same preprocessed uint8 batch, median of "
+        f"{args.peer_rounds} interleaved calls:",
+        "",
+        "| batch | estimax ms | ONNX Runtime ms | estimax img/s | ONNX Runtime img/s | "
+        "estimax / ONNX Runtime (throughput) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for size, row in r["in_process"].items():
+        e, o = row["estimax"], row["onnxruntime"]
+        lines.append(
+            f"| {size} | {e['median_ms']:.1f} | {o['median_ms']:.1f} | {e['images_per_s']:.1f} "
+            f"| {o['images_per_s']:.1f} | {e['images_per_s'] / o['images_per_s']:.2f} |"
+        )
+    lines += _peer_http_lines(r, args) + [
         "",
         "- The ONNX model is `estimax export-onnx` of the same export, so ONNX Runtime runs the "
         "export's own computation: estimax.ops' 1x1 convolutions as matmuls, NHWC with a "
@@ -561,25 +569,56 @@ def _write_peer(results: dict, args) -> None:
     print(section)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--requests", type=int, default=2000)
-    parser.add_argument("--clients", type=int, default=32)
-    parser.add_argument("--lone_requests", type=int, default=200)
-    parser.add_argument("--max_seconds", type=float, default=180)
-    parser.add_argument(
-        "--routes", default="all", help=f"comma-separated among {sorted(ROUTES)}, or all"
-    )
-    parser.add_argument("--repeats", type=int, default=3, help="rounds over the routes")
-    parser.add_argument("--part", choices=("routes", "peer", "all"), default="all")
-    parser.add_argument("--peer_batch_sizes", default="1,8")
-    parser.add_argument("--peer_rounds", type=int, default=5)
-    parser.add_argument("--peer_requests", type=int, default=24)
-    parser.add_argument("--peer_clients", type=int, default=4)
-    args = parser.parse_args()
-    if args.part == "peer":
-        _write_peer(peer(args), args)
-        return
+def _route_servers(tmp: str, images: list[bytes], routes: list[str], args, results: dict) -> None:
+    """The routes against `estimax serve`, without and with batching, rounds interleaved."""
+    for server, flags in (
+        ("no batching", []),
+        (
+            "batching",
+            [
+                "--enable_batching",
+                "--max_batch_size=16",
+                "--batch_timeout_micros=2000",
+                "--max_enqueued_batches=64",
+            ],
+        ),
+    ):
+        grpc_port = fx.free_port()
+        with fx.running_server(
+            [
+                f"--model_base_path={os.path.join(tmp, 'models')}",
+                "--model_name=bench",
+                f"--grpc_port={grpc_port}",
+                *flags,
+            ]
+        ) as (url, _):
+            made = {}
+            for name in routes:
+                address = f"127.0.0.1:{grpc_port}" if name.startswith("grpc") else url
+                made[name] = ROUTES[name](address, images)
+                load_test(made[name], 64, 8, 60)  # warm the connections and threads
+                results["runs"][f"{server}/{name}"] = {
+                    "server": server,
+                    "route": made[name].label,
+                    "flags": flags,
+                    "concurrent": [],
+                    "lone": [],
+                }
+            # Rounds over the routes in turn: the machine's other load changes by the
+            # second, and interleaving spreads it over every route alike.
+            for _ in range(args.repeats):
+                for name, route in made.items():
+                    run = results["runs"][f"{server}/{name}"]
+                    run["concurrent"].append(
+                        load_test(route, args.requests, args.clients, args.max_seconds)
+                    )
+                    # A lone client: what a request costs with no company.
+                    run["lone"].append(load_test(route, args.lone_requests, 1, args.max_seconds))
+                    print(server, name, run["concurrent"][-1], run["lone"][-1], flush=True)
+
+
+def _routes_run(args) -> dict:
+    """The tiny model's export in-process and over every route (see the module docstring)."""
     routes = list(ROUTES) if args.routes == "all" else args.routes.split(",")
 
     rng = np.random.default_rng(0)
@@ -610,56 +649,16 @@ def main() -> None:
         )
         results["in_process"] = in_process(path, images, min(args.requests, 500))
         print("in-process", results["in_process"], flush=True)
-        for server, flags in (
-            ("no batching", []),
-            (
-                "batching",
-                [
-                    "--enable_batching",
-                    "--max_batch_size=16",
-                    "--batch_timeout_micros=2000",
-                    "--max_enqueued_batches=64",
-                ],
-            ),
-        ):
-            grpc_port = fx.free_port()
-            with fx.running_server(
-                [
-                    f"--model_base_path={os.path.join(tmp, 'models')}",
-                    "--model_name=bench",
-                    f"--grpc_port={grpc_port}",
-                    *flags,
-                ]
-            ) as (url, _):
-                made = {}
-                for name in routes:
-                    address = f"127.0.0.1:{grpc_port}" if name.startswith("grpc") else url
-                    made[name] = ROUTES[name](address, images)
-                    load_test(made[name], 64, 8, 60)  # warm the connections and threads
-                    results["runs"][f"{server}/{name}"] = {
-                        "server": server,
-                        "route": made[name].label,
-                        "flags": flags,
-                        "concurrent": [],
-                        "lone": [],
-                    }
-                # Rounds over the routes in turn: the machine's other load changes by the
-                # second, and interleaving spreads it over every route alike.
-                for _ in range(args.repeats):
-                    for name, route in made.items():
-                        run = results["runs"][f"{server}/{name}"]
-                        run["concurrent"].append(
-                            load_test(route, args.requests, args.clients, args.max_seconds)
-                        )
-                        # A lone client: what a request costs with no company.
-                        run["lone"].append(
-                            load_test(route, args.lone_requests, 1, args.max_seconds)
-                        )
-                        print(server, name, run["concurrent"][-1], run["lone"][-1], flush=True)
+        _route_servers(tmp, images, routes, args, results)
     results["load_after"] = open("/proc/loadavg").read().split()[:3]
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "serving.json"), "w") as f:
         json.dump(results, f, indent=2)
+    return results
+
+
+def _routes_markdown(results: dict, args) -> str:
+    """serving.md's routes table."""
     r = results["in_process"]
     lines = [
         "# Serving load test (`bench/serving.py`)",
@@ -694,9 +693,33 @@ def main() -> None:
     if batching:
         lines += ["", "Batching flags: " + " ".join(batching["flags"])]
     lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--lone_requests", type=int, default=200)
+    parser.add_argument("--max_seconds", type=float, default=180)
+    parser.add_argument(
+        "--routes", default="all", help=f"comma-separated among {sorted(ROUTES)}, or all"
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="rounds over the routes")
+    parser.add_argument("--part", choices=("routes", "peer", "all"), default="all")
+    parser.add_argument("--peer_batch_sizes", default="1,8")
+    parser.add_argument("--peer_rounds", type=int, default=5)
+    parser.add_argument("--peer_requests", type=int, default=24)
+    parser.add_argument("--peer_clients", type=int, default=4)
+    args = parser.parse_args()
+    if args.part == "peer":
+        _write_peer(peer(args), args)
+        return
+    results = _routes_run(args)
+    text = _routes_markdown(results, args)
     with open(os.path.join(RESULTS, "serving.md"), "w") as f:
-        f.write("\n".join(lines))
-    print("\n".join(lines))
+        f.write(text)
+    print(text)
     if args.part == "all":
         _write_peer(peer(args), args)
 

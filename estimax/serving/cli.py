@@ -110,6 +110,12 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--model_base_path", required=True)
     check.add_argument("--model_version", type=int, default=None)
 
+    _add_export_commands(sub)
+    return parser
+
+
+def _add_export_commands(sub: argparse._SubParsersAction) -> None:
+    """``export-savedmodel`` and ``export-onnx``: a version in another serving format."""
     # estimax.serving.savedmodel / onnx_export: need the estimax[tf] / estimax[onnx] extras.
     for name, what, output, module in (
         (
@@ -136,7 +142,6 @@ def _parser() -> argparse.ArgumentParser:
         export.add_argument(
             "--atol", default=None, help=f"see python -m estimax.serving.{module} -h"
         )
-    return parser
 
 
 def _version_dir(base: str, version: int | None) -> tuple[str, int]:
