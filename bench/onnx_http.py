@@ -28,6 +28,9 @@ def main() -> None:
     recipe = from_spec(json.loads(meta["estimax.preprocessing"]))
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
+    # As in bench/serving.py's in-process run: spinning threads would take the cores from the
+    # request's own Python work (and the client's) on a 2-core machine.
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
     name = session.get_inputs()[0].name
     outputs = [o.name for o in session.get_outputs()]

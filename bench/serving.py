@@ -545,9 +545,9 @@ def peer_markdown(r: dict, args) -> str:
         "Python's ThreadingHTTPServer around one onnxruntime session, preprocessing with "
         "estimax's recipe (an ONNX model's client does it), no batching. Both decode the JPEG "
         "and resize it in the server.",
-        "- In-process ONNX Runtime runs without spinning threads "
-        "(`session.intra_op.allow_spinning=0`): otherwise they take the cores from XLA's "
-        "next call in the same process.",
+        "- ONNX Runtime runs without spinning threads (`session.intra_op.allow_spinning=0`), "
+        "in-process and in the wrapper: otherwise they take the cores from XLA's next call in "
+        "the same process, and from the request's Python work on 2 cores.",
         "",
     ]
     return "\n".join(lines)
