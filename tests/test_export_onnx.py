@@ -130,3 +130,27 @@ def test_an_op_without_translation_is_named(tmp_path):
             [("input", np.dtype(np.float32), [4])],
             [("output", np.dtype(np.float32))],
         )
+
+
+def test_a_bfloat16_export_runs_in_float32_within_its_tolerance(tmp_path, capsys, jpegs):
+    import estimax as ex
+    from estimax import serving
+
+    images, labels = jpegs
+    est = serving_fixtures.build_estimator(str(tmp_path / "model"))  # bfloat16 compute
+    pixels = serving_fixtures.preprocess_all(images)
+    est.train(ex.numpy_input_fn(pixels, labels, num_epochs=None), max_steps=2)
+    version = serving.export_version(
+        est,
+        str(tmp_path / "serving"),
+        preprocessing=serving.resnet_eval(serving_fixtures.IMAGE_SIZE),
+        check_inputs=images[:8],
+        atol=2e-2,  # the programs' tolerance for bfloat16 exports
+    )
+    est.close()
+    out, said = _export_onnx(tmp_path, version, capsys, "bf16")
+    got, session = _run(out, {"input": pixels})
+    assert session.get_inputs()[0].type == "tensor(uint8)"
+    np.testing.assert_array_equal(
+        got["classes"], Servable(version).run({"input": pixels})["classes"]
+    )

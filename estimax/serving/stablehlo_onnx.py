@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -64,6 +65,8 @@ def _type(value: ir.Value) -> ir.RankedTensorType:
 
 def _dtype(value: ir.Value) -> np.dtype:
     name = str(_type(value).element_type)
+    if name == "bf16":  # computed in float32: ONNX Runtime's CPU kernels have no bfloat16 convs
+        return np.dtype(np.float32)
     if name not in _NP_TYPES:
         raise UnsupportedOpError(f"element type {name} (ONNX Runtime's CPU kernels need others)")
     return np.dtype(_NP_TYPES[name])
@@ -317,7 +320,29 @@ def _constant(c: Converter, op: Any, xs: list[Any]) -> list[Any]:
         return [np.full(shape, scalar, dtype)]
     if dtype == np.bool_:
         return [np.asarray([bool(attr[i]) for i in range(len(attr))]).reshape(shape)]
+    if str(_type(op.results[0]).element_type) == "bf16":
+        return [_bf16_values(attr).astype(dtype).reshape(shape)]
     return [np.array(attr, dtype=dtype).reshape(shape)]
+
+
+def _bf16_values(attr: Any) -> np.ndarray:
+    """A bfloat16 array attribute's values (MLIR's Python buffers do not cover bfloat16): from
+    its text, printed as numbers or, when large, as hex bytes."""
+    import ml_dtypes
+
+    text = str(attr)
+    hexed = re.search(r'"0x([0-9A-Fa-f]+)"', text)
+    if hexed:
+        return np.frombuffer(bytes.fromhex(hexed.group(1)), ml_dtypes.bfloat16)
+    body = text[text.index("<") + 1 : text.rindex(">", 0, text.index(":"))]
+    values = []
+    for token in re.split(r"[\[\],\s]+", body):
+        if token.startswith("0x"):  # a special value (inf, nan) printed as its bits
+            bits = np.asarray([int(token, 16)], np.uint16)
+            values.append(float(bits.view(ml_dtypes.bfloat16)[0]))
+        elif token:
+            values.append(float(token))
+    return np.asarray(values, np.float64)
 
 
 def _iota(c: Converter, op: Any, xs: list[Any]) -> list[Any]:
