@@ -9,7 +9,8 @@ The input is one version of an estimax export published with check inputs
 (``export_check.json``); no model code is needed. The network is the export's own StableHLO
 translated op by op (``estimax.serving.stablehlo_onnx``: why no converter library does it), with
 the weights as initializers and a dynamic batch dimension. Inputs and outputs keep the export's
-names and dtypes (``input`` for a single unnamed tensor; nested names joined with ``/``).
+names and dtypes (``input`` for a single unnamed tensor; nested names joined with ``/``); a
+bfloat16 computation runs in float32 (ONNX Runtime's CPU has no bfloat16 convolutions).
 
 **Image preprocessing is the client's job**: ONNX has no JPEG decoder, so the model takes the
 preprocessed tensor (e.g. uint8 ``[batch, 224, 224, 3]`` for ``resnet_eval``), and the recipe
