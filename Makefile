@@ -18,9 +18,9 @@ BEAM_PINS := apache-beam==2.77.0 protobuf==6.33.6 pillow==12.3.0 numpy==2.4.6 \
 	crc32c==2.9.post0 fsspec==2026.9.0 simplejpeg==1.9.0 opencv-python-headless==5.0.0.93 \
 	tqdm==4.70.1 absl-py==2.5.1 pytest==9.2.0 hypothesis==6.170.15
 
-# TensorFlow (the estimax[tf] extra: SavedModels, and the TF-written checkpoints of
-# tests/test_migrate_tf.py) is never a core or default-test dependency: it lives in its own venv,
-# with estimax and its test deps (TF 2.21 pairs with jax 0.10.2 and protobuf 7; pip check clean).
+# TensorFlow (the estimax[tf] extra: SavedModels, tests/test_savedmodel_tf.py, and the TF-written
+# checkpoints of tests/test_migrate_tf.py) is never a core or default-test dependency: it lives in
+# its own venv, with estimax and its test deps (TF 2.21 pairs with jax 0.10.2 and protobuf 7; pip check clean).
 TF_VENV := .venv-tf
 TF_STAMP := $(TF_VENV)/.installed-stamp
 
@@ -117,7 +117,7 @@ test: lint mpi $(STAMP) $(NATIVE_STAMP) $(BEAM_STAMP) $(TF_STAMP) $(TPU_STAMP)
 	ESTIMAX_REQUIRE_BEAM=1 $(BEAM_VENV)/bin/python -m pytest -q -p no:cacheprovider \
 	    tests/test_convert.py -k beam
 	$(TEST_ENV) ESTIMAX_REQUIRE_TF=1 $(TF_VENV)/bin/python -m pytest -q -p no:cacheprovider \
-	    tests/test_migrate_tf.py
+	    tests/test_migrate_tf.py tests/test_savedmodel_tf.py
 	$(TEST_ENV) ESTIMAX_REQUIRE_LIBTPU=1 $(TPU_VENV)/bin/python -m pytest -q -p no:cacheprovider \
 	    tests/test_tpu_compile.py -k 'tpu_slice or does_not_fit'
 	$(TEST_ENV) ESTIMAX_REQUIRE_ONEDNN=$(ESTIMAX_REQUIRE_ONEDNN) $(BIN)/python -m pytest -q --durations=15 \
