@@ -682,6 +682,27 @@ def write_run_description(model_dir: str, notes: list[str] | tuple[str, ...]) ->
     writer.close()
 
 
+def for_cluster_role(loop: LoopConfig) -> LoopConfig:
+    """The mode for this process's task in a cluster spec (``$TF_CONFIG``, ``$CLUSTER_SPEC``).
+
+    An evaluator task evaluates each checkpoint the training tasks write (``eval``); with an
+    evaluator in the job, the training tasks only train, as TF's ``train_and_evaluate`` did.
+    """
+    from estimax.estimator import launch
+
+    evaluator = launch.evaluator_task()
+    if evaluator is not None:
+        logging.info("%s: this process is the job's evaluator (mode eval).", evaluator)
+        return dataclasses.replace(loop, mode="eval")
+    if loop.mode == "train_and_eval" and launch.has_evaluator():
+        logging.info(
+            "The cluster spec has an evaluator task, which evaluates each checkpoint: this "
+            "process only trains (mode train)."
+        )
+        return dataclasses.replace(loop, mode="train")
+    return loop
+
+
 def run(job: Job) -> dict[str, Any] | None:
     """The tail every program shares: model_dir checks and lock, the mode, export, print, close.
 
@@ -690,6 +711,7 @@ def run(job: Job) -> dict[str, Any] | None:
     """
     if job.compile_for:
         return {"compile_for": [r.as_dict() for r in compile_job(job)]}
+    job = dataclasses.replace(job, loop=for_cluster_role(job.loop))
     model_dir = job.config.model_dir
     training = job.loop.mode != "eval"
     if training and job.loop.export_dir and jax.process_count() > 1:
