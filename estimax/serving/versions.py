@@ -188,21 +188,7 @@ def export_version(
                 )
             with open(os.path.join(export_dir, CHECK_FILE), "w") as f:
                 json.dump(checked, f)
-        while True:
-            version = _next_version(fs, root)
-            final = posixpath.join(root, str(version))
-            if local:
-                try:
-                    os.rename(export_dir, final)  # atomic; fails if another writer took it
-                except OSError as e:
-                    if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
-                        continue
-                    raise  # any other failure would retry forever
-                break
-            files = sorted(os.listdir(export_dir), key=lambda n: n == SERVING_FILE)
-            for name in files:  # serving.json last
-                fs.put_file(os.path.join(export_dir, name), posixpath.join(final, name))
-            break
+        version, final = _publish(fs, root, export_dir, local)
     except OSError as e:
         if isinstance(e, StorageError):
             raise
@@ -216,6 +202,27 @@ def export_version(
     url = final if local else fs.unstrip_protocol(final)
     logging.info("Published version %d of the model under %s", version, model_base_path)
     return url
+
+
+def _publish(
+    fs: fsspec.AbstractFileSystem, root: str, export_dir: str, local: bool
+) -> tuple[int, str]:
+    """Moves the staged ``export_dir`` to ``root/<max version + 1>``; (version, its path)."""
+    while True:
+        version = _next_version(fs, root)
+        final = posixpath.join(root, str(version))
+        if local:
+            try:
+                os.rename(export_dir, final)  # atomic; fails if another writer took it
+            except OSError as e:
+                if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                    continue
+                raise  # any other failure would retry forever
+            return version, final
+        files = sorted(os.listdir(export_dir), key=lambda n: n == SERVING_FILE)
+        for name in files:  # serving.json last
+            fs.put_file(os.path.join(export_dir, name), posixpath.join(final, name))
+        return version, final
 
 
 def _checked_names(export_dir: str, names: Sequence[str] | None) -> tuple[str, ...] | None:
