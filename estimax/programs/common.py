@@ -121,23 +121,27 @@ def log_unused_tpu_flags(fv: flags.FlagValues) -> None:
         )
 
 
-def resolve_num_shards(requested: int | None, flag_name: str) -> int | None:
+def resolve_num_shards(
+    requested: int | None, flag_name: str, *, compile_only: bool = False
+) -> int | None:
     """Maps ``--num_cores``/``--num_shards`` to ``RunConfig.num_shards``.
 
     Args:
       requested: the flag's value (the original's default 8 is the cores of one Cloud TPU).
       flag_name: for the message.
+      compile_only: ``--compile_for``: the slice's devices, not this host's, are what
+        ``requested`` is checked against (when the steps are compiled).
 
     Returns:
-      ``requested`` if this job has that many devices; else None (every device), after a warning
-      that names the flag, the value and the devices found.
+      ``requested`` if this job has that many devices (or with ``compile_only``); else None
+      (every device), after a warning that names the flag, the value and the devices found.
     """
     available = jax.device_count()
     if requested is None:
         return None
     if requested < 1:
         raise UsageError(f"--{flag_name}={requested}: must be >= 1.")
-    if requested > available:
+    if requested > available and not compile_only:
         logging.warning(
             "--%s=%d but this job has %d %s device(s); using all %d. (The original's default "
             "8 was the cores of one Cloud TPU; set --%s to at most %d to silence this.)",

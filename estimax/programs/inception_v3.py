@@ -428,7 +428,9 @@ def run_config(fv: flags.FlagValues) -> ex.RunConfig:
     return ex.RunConfig(
         model_dir=fv.model_dir,
         iterations_per_loop=fv.iterations,
-        num_shards=common.resolve_num_shards(fv.num_shards, "num_shards"),
+        num_shards=common.resolve_num_shards(
+            fv.num_shards, "num_shards", compile_only=bool(fv.compile_for)
+        ),
         save_checkpoints_secs=fv.save_checkpoints_secs,
         save_summary_steps=fv.save_summary_steps,
         keep_checkpoint_max=fv.keep_checkpoint_max,
