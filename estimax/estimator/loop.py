@@ -484,7 +484,7 @@ class TrainingRun:
         hooks, target = self.setup.hooks, self.setup.target
         hooks.started()
         more = True  # the Estimator saw a first batch
-        while more:
+        while more and not (self.preempted or self.stopped):  # a saving listener may stop it
             begin = self.step
             length = hooks.loop_end(
                 begin, min(begin + self.setup.config.iterations_per_loop, target)
