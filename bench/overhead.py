@@ -310,8 +310,14 @@ def machine() -> dict:
     cpu = platform.processor()
     with contextlib.suppress(OSError):
         with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        cpu = names[0] if names else cpu
+            first = f.read().split("\n\n")[0]
+        info = dict(
+            (k.strip(), v.strip()) for k, _, v in (ln.partition(":") for ln in first.splitlines())
+        )
+        if "model name" in info:
+            cpu = (
+                f"{info['model name']} (family {info.get('cpu family')}, model {info.get('model')})"
+            )
     return {
         "cpu": cpu,
         "cpus": os.cpu_count(),
