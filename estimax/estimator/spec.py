@@ -254,8 +254,8 @@ class RunConfig:
         ``lax.scan`` over that many batches stacked and transferred at once, instead of one
         call per step (the default, 1). It pays where the host's cost per step (a dispatch, a
         transfer, the loop's bookkeeping: tens of microseconds) is a large part of a step: small
-        models, small batches, fast accelerators (a near-zero-cost model on a CPU: ~70 us of
-        host CPU time per step over a plain jitted loop streamed, under 1 us at k = 10,
+        models, small batches, fast accelerators (a near-zero-cost model on a CPU: ~50 us of
+        host CPU time per step over a plain jitted loop one call per step, none at k = 10,
         ``bench/results/overhead_zero.md``). Opt-in because it costs elsewhere: input memory
         becomes about 4 x k batches (a block read ahead, one being stacked, one running and one
         queued on the devices; ``device_prefetch`` is not used), XLA:CPU runs convolution
