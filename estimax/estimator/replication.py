@@ -73,10 +73,11 @@ def _to_one_device(device: jax.Device) -> Callable[[Any], Any]:
     """``host tree -> device tree`` on one device: a jitted identity.
 
     jit moves numpy arguments in its C++ dispatch, where ``jax.device_put`` runs Python per
-    call (jax-ml/jax#16905): a batch of two small arrays took ~8 us against ~45 us (one CPU
-    device, bench/overhead.py's near-zero model). Nothing is computed: the outputs are the
-    transferred arguments, placed as plainly as a bare loop's (a NamedSharding cost ~12 us
-    more per transfer). Over many devices the same identity was slower than ``device_put``.
+    call (jax-ml/jax#16905): a batch of two small arrays took a quarter of the time (28 us
+    against 116 us on one CPU device under load; ``device_put`` took 49 us on a quiet one).
+    Nothing is computed: the outputs are the transferred arguments, placed as plainly as a bare
+    loop's (a NamedSharding cost ~12 us more per transfer). Over many devices the same identity
+    was slower than ``device_put``.
     """
     placed = jax.sharding.SingleDeviceSharding(device)
     return jax.jit(lambda tree: tree, in_shardings=placed, out_shardings=placed)
