@@ -104,6 +104,16 @@ def define_cluster_flags(fv: flags.FlagValues) -> None:
         "markers) under --model_dir/plugins/profile/, where TensorBoard's profile plugin finds it.",
         flag_values=fv,
     )
+    flags.DEFINE_integer(
+        "steps_per_device_call",
+        1,
+        "Training steps per device call: k > 1 runs k steps in one call on k stacked batches (a "
+        "loop on the device, as TPUEstimator's iterations_per_loop did), for small models whose "
+        "steps cost less than the host's dispatch; at most the steps per loop. 1: one call per "
+        "step (XLA:CPU runs convolution gradients inside a device loop much slower).",
+        lower_bound=1,
+        flag_values=fv,
+    )
 
 
 def profile_steps(fv: flags.FlagValues) -> tuple[int, int] | None:

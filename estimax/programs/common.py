@@ -431,6 +431,34 @@ class LoopConfig:
         )
 
 
+def run_config(fv: flags.FlagValues, iterations_flag: str, **fields: Any) -> ex.RunConfig:
+    """The ``RunConfig`` of the flags every program has, with the program's ``fields``.
+
+    Args:
+      fv: the parsed flags (``--model_dir``, ``--watchdog_timeout``, ``--profile_steps``,
+        ``--steps_per_device_call`` and the program's ``iterations_flag``).
+      iterations_flag: the name of the program's iterations-per-loop flag.
+      **fields: the program's other ``RunConfig`` fields.
+
+    Raises:
+      UsageError: ``--steps_per_device_call`` above the steps per loop.
+    """
+    iterations = int(fv[iterations_flag].value)
+    if fv.steps_per_device_call > iterations:
+        raise UsageError(
+            f"--steps_per_device_call={fv.steps_per_device_call} is more than "
+            f"--{iterations_flag}={iterations}: a device call never crosses a loop's end."
+        )
+    return ex.RunConfig(
+        model_dir=fv.model_dir,
+        iterations_per_loop=iterations,
+        watchdog_timeout_secs=fv.watchdog_timeout,
+        profile_steps=cli.profile_steps(fv),
+        steps_per_device_call=fv.steps_per_device_call,
+        **fields,
+    )
+
+
 def resnet_style_configs(
     fv: flags.FlagValues, num_shards: int | None
 ) -> tuple[ex.RunConfig, LoopConfig]:
@@ -440,15 +468,13 @@ def resnet_style_configs(
     iterations_per_loop), as both originals), ``--log_step_count_steps``, ``--steps_per_eval``,
     ``--num_eval_images``, ``--num_train_images`` and ``run_flags``' flags.
     """
-    config = ex.RunConfig(
-        model_dir=fv.model_dir,
-        iterations_per_loop=fv.iterations_per_loop,
+    config = run_config(
+        fv,
+        "iterations_per_loop",
         num_shards=num_shards,
         save_checkpoints_steps=fv.save_checkpoints_steps or max(100, fv.iterations_per_loop),
         keep_checkpoint_max=fv.keep_checkpoint_max,
         log_step_count_steps=fv.log_step_count_steps,
-        watchdog_timeout_secs=fv.watchdog_timeout,
-        profile_steps=cli.profile_steps(fv),
         skip_nonfinite_steps=fv.skip_nonfinite_steps,
     )
     loop = LoopConfig.from_flags(

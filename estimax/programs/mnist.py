@@ -237,13 +237,11 @@ def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
     common.check_locations(fv)
     files = data_files(fv)
     cfg = config_from_flags(fv)
-    config = ex.RunConfig(
-        model_dir=fv.model_dir,
-        iterations_per_loop=fv.iterations,
+    config = common.run_config(
+        fv,
+        "iterations",
         num_shards=fv.num_shards,
         save_checkpoints_steps=fv.save_checkpoints_steps,
-        watchdog_timeout_secs=fv.watchdog_timeout,
-        profile_steps=cli.profile_steps(fv),
     )
     # Train to --train_steps, then one evaluation of --eval_steps batches (0: none).
     loop = common.LoopConfig(
