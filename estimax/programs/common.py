@@ -443,7 +443,7 @@ def run_config(fv: flags.FlagValues, iterations_flag: str, **fields: Any) -> ex.
     Raises:
       UsageError: ``--steps_per_device_call`` above the steps per loop.
     """
-    iterations = int(fv[iterations_flag].value)
+    iterations = int(fv[iterations_flag].value or 1)  # never None: the flag has a default
     if fv.steps_per_device_call > iterations:
         raise UsageError(
             f"--steps_per_device_call={fv.steps_per_device_call} is more than "
