@@ -362,8 +362,22 @@ def run(target: str, num_inputs: int, seed: int, out_dir: str) -> dict:
             raise
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return {"target": target, "inputs": count, "max_rss_mib": round(usage.ru_maxrss / 1024, 1)}
+    return {"target": target, "inputs": count, "max_rss_mib": _peak_rss_mib()}
+
+
+def _peak_rss_mib() -> float:
+    """This process's own peak resident memory, in MiB."""
+    # Not getrusage's ru_maxrss: Linux carries it over exec, so a child started with vfork
+    # (subprocess does where it can) reports its parent's peak, a pytest worker's hundreds of MiB.
+    # VmHWM belongs to the process's own address space, which exec replaced.
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
 def main(argv: list[str]) -> int:
