@@ -458,6 +458,7 @@ class TrainingRun:
         hooks, target = self.setup.hooks, self.setup.target
         hooks.started()
         while self.fed is not None and not (self.preempted or self.stopped):
+            self.notice.keep_handlers()
             begin = self.step
             length = hooks.loop_end(
                 begin, min(begin + self.setup.config.iterations_per_loop, target)
