@@ -88,6 +88,8 @@ _FAULT_TARGETS = {
     "test_disk_full.py": "disk full while writing",
     "test_evaluations.py": "kill around an evaluation",
     "test_nonfinite.py": "non-finite loss",
+    "test_signals.py": "signals, oneDNN loaded",
+    "test_writer_lock.py": "lock: restart, read-only, full",
 }
 
 
