@@ -77,12 +77,14 @@ demo: $(STAMP) $(NATIVE_STAMP)
 	$(BIN)/python -m estimax.serving.demo --model_base_path=$(DEMO_DIR)/serving \
 	    --data_dir=$(DEMO_DIR)/data --index=0
 
-# One style (issue 17): the formatter's check, the linter (config in pyproject's [tool.ruff]) and
-# the type checker on estimax/ (pyproject's [tool.mypy]). `make test` runs it first.
+# One style: the formatter's check, the linter (config in pyproject's [tool.ruff]), the type
+# checker on estimax/ (pyproject's [tool.mypy]) and the import-layer contract (pyproject's
+# [tool.importlinter]: no lower layer imports a higher one). `make test` runs it first.
 lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 test: lint $(STAMP) $(NATIVE_STAMP) $(BEAM_STAMP) $(TF_STAMP)
 	ESTIMAX_REQUIRE_BEAM=1 $(BEAM_VENV)/bin/python -m pytest -q -p no:cacheprovider \

@@ -55,7 +55,7 @@ if TYPE_CHECKING:
         TrainSpec,
     )
     from estimax.estimator.training import train_and_evaluate
-    from estimax.migrate.warm_start import WarmStartSettings
+    from estimax.estimator.warm_start import WarmStartSettings
 
 # Public name -> module that defines it. Imported on first use, so that `import estimax.data`
 # in input worker processes does not pay for importing JAX (1.8 s and ~150 MB each).
@@ -84,7 +84,7 @@ _EXPORTS = {
     "REPLICA_AXIS": "estimax.estimator.replication",
     "checkpoints_iterator": "estimax.estimator.checkpoints",
     "train_and_evaluate": "estimax.estimator.training",
-    "WarmStartSettings": "estimax.migrate.warm_start",
+    "WarmStartSettings": "estimax.estimator.warm_start",
 }
 _SUBMODULES = {
     "losses": "estimax.estimator.losses",

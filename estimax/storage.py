@@ -22,8 +22,8 @@ s3fs: a put or a multipart upload completed on close); a failed write is discard
 closed, so nothing appears under the final name. An export directory is uploaded file by file
 with ``signature.json`` last: a loader that waits for it never reads half an export. Orbax
 commits a checkpoint on GCS by writing ``commit_success.txt`` last and counting only steps that
-have it; :func:`orbax_manager_options` asks for the same on S3 (Orbax would otherwise pick its
-rename protocol there, which S3 cannot do atomically).
+have it; ``estimax.estimator.orbax_storage`` asks for the same on S3 (Orbax would otherwise
+pick its rename protocol there, which S3 cannot do atomically).
 
 Retries and timeouts: the clients' own, configured here (:func:`configure_clients`), never a
 second loop of ours over theirs (that would multiply the waits). S3: botocore's "standard" retry
@@ -90,8 +90,8 @@ def configure(environ: dict[str, str] | None = None) -> None:
     ``TENSORSTORE_GCS_HTTP_URL`` and, since an emulator takes any token, its
     ``GOOGLE_AUTH_TOKEN_FOR_TESTING`` (so no Google credentials are looked up). For S3,
     ``AWS_ENDPOINT_URL`` is read by botocore (s3fs) itself and put into TensorStore's kvstore
-    specs by :func:`enable_orbax_s3`; an emulator also needs some credentials and a region, so
-    for a loopback endpoint with no credentials configured dummy keys are set, and
+    specs by ``estimax.estimator.orbax_storage``; an emulator also needs some credentials and a
+    region, so for a loopback endpoint with no credentials configured dummy keys are set, and
     ``us-east-1`` when no region is. Variables already set are left alone.
 
     Args:
@@ -375,76 +375,6 @@ def publish_dir(staging: str, final: str, last: str | None = None) -> None:
             upload_file(os.path.join(staging, name), join(final, name))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-
-
-# --- Orbax / TensorStore ------------------------------------------------------------------------
-
-_orbax_s3_enabled = False
-
-
-def _s3_kvstore(path: str) -> dict:
-    bucket, _, key = path[len("s3://") :].partition("/")
-    spec: dict[str, Any] = {"driver": "s3", "bucket": bucket, "path": key}
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    if endpoint:
-        spec["endpoint"] = endpoint
-    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-    if region:
-        spec["aws_region"] = region
-    return spec
-
-
-def enable_orbax_s3() -> None:
-    """Lets Orbax write checkpoint arrays to ``s3://`` through TensorStore's ``s3`` driver.
-
-    Orbax 0.12.8 builds TensorStore kvstore specs for ``gs://`` and local paths only: an
-    ``s3://`` checkpoint fails with "Checkpoint path should be absolute" (google/orbax#359,
-    #872; PR #2739 adding S3 is unmerged). Its spec builder is three module-level functions
-    (``_use_gcs_driver``, ``_normalize_path``, ``gcs_utils.get_kvstore_for_gcs``); this wraps
-    them so ``s3://`` paths get ``{"driver": "s3", "bucket", "path", "endpoint"}`` and every
-    other path gets exactly what Orbax built before. Idempotent. Remove when Orbax supports S3.
-    """
-    global _orbax_s3_enabled
-    if _orbax_s3_enabled:
-        return
-    from orbax.checkpoint._src.path import gcs_utils
-    from orbax.checkpoint._src.serialization import tensorstore_utils as tsu
-
-    # Private Orbax functions, wrapped on purpose (see the docstring): noqa SLF001 below.
-    use_gcs, normalize, gcs_kvstore = (
-        tsu._use_gcs_driver,  # noqa: SLF001
-        tsu._normalize_path,  # noqa: SLF001
-        gcs_utils.get_kvstore_for_gcs,
-    )
-    tsu._use_gcs_driver = lambda d: str(d).startswith("s3://") or use_gcs(d)  # noqa: SLF001
-    # os.path.normpath turns "s3://b/k" into "s3:/b/k"; Orbax repairs only "gs:/".
-    tsu._normalize_path = lambda p: (  # noqa: SLF001
-        normalize(p).replace("s3:/", "s3://", 1) if str(p).startswith("s3://") else normalize(p)
-    )
-    gcs_utils.get_kvstore_for_gcs = lambda p: (
-        _s3_kvstore(p) if str(p).startswith("s3://") else gcs_kvstore(p)
-    )
-    _orbax_s3_enabled = True
-
-
-def orbax_manager_options(directory: str) -> dict[str, Any]:
-    """Extra ``CheckpointManagerOptions`` fields for a checkpoint ``directory`` (may be empty).
-
-    On ``s3://``: the commit-file protocol (write in place, ``commit_success.txt`` last, only
-    steps that have it count), which is what Orbax chooses on GCS by itself; S3 has no atomic
-    directory rename. Also points TensorStore at the emulators (:func:`configure`).
-    """
-    configure()
-    if scheme(directory) != "s3":
-        return {}
-    enable_orbax_s3()
-    from orbax.checkpoint import options as ocp_options
-
-    return {
-        "atomicity_options": ocp_options.AtomicityOptions(
-            mode=ocp_options.AtomicityMode.COMMIT_FILE
-        )
-    }
 
 
 # --- TensorBoard event files --------------------------------------------------------------------

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 4, item 4: `resnet --resnet_depth=18 --image_size=32` trains on real digits written in the
+# `resnet --resnet_depth=18 --image_size=32` trains on real digits written in the
 # ImageNet TFRecord layout (estimax.tools.digits_imagenet), while a second process in
 # --mode=eval follows and evaluates the checkpoints the first one writes. Exits non-zero unless
 # the evaluation of the last checkpoint reaches MIN_ACCURACY (default 0.95).

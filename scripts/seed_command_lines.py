@@ -1,6 +1,6 @@
 """Runs every command line of the seed documents with estimax's programs in place of the originals.
 
-Issue 4, item 3: each ``python <original script> --flags...`` line of the seeds (000: Cloud TPU
+Each ``python <original script> --flags...`` line of the seeds (000: Cloud TPU
 Inception v3/v4 tutorials; 001: Paperspace Gradient ResNet README; 004: the ResNet README) runs
 with ``python -m estimax.programs.<name>``, the same flags, and only these appended:
 ``--train_steps``/``--image_size`` (``--width/--height`` for Inception, its minimum 107) and

@@ -1,4 +1,4 @@
-"""The programs' command lines as a user meets them (issue 16): each mistake named at start.
+"""The programs' command lines as a user meets them: each mistake named at start.
 
 The user-facing tests run the real programs in a subprocess (the console scripts where they are
 installed) and assert the exit status, the one ``FATAL: ...`` line and that no traceback was

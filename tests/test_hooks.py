@@ -1,4 +1,4 @@
-"""SessionRunHooks, saving listeners that stop, ready hooks and the profiler (issue 22)."""
+"""SessionRunHooks, saving listeners that stop, ready hooks and the profiler."""
 
 from __future__ import annotations
 

@@ -266,7 +266,7 @@ def test_default_preprocessing_functions_plug_in(tmp_path, preprocessing, dtype)
     assert sorted(labels.tolist()) == [0, 1, 2]
 
 
-# --- With the Estimator (issue 3, "Done when" 3): the input contract end to end. -------------
+# --- With the Estimator: the input contract end to end. ------------------------------------
 
 
 def _tiny_image_model_fn(features, labels, mode, params):

@@ -241,7 +241,7 @@ def test_num_cores_maps_to_replicas_or_warns(caplog):
 def test_data_dir_mapping():
     assert common.resolve_data_dir(common.FAKE_DATA_DIR) == (None, "random")
     assert common.resolve_data_dir(common.FAKE_DATA_DIR + "/") == (None, "random")
-    # Issue 16: fake data only when asked for in so many words; '' (an unset $DATA_DIR) is refused.
+    # Fake data only when asked for in so many words; '' (an unset $DATA_DIR) is refused.
     with pytest.raises(common.UsageError, match="--data_dir is empty"):
         common.resolve_data_dir("")
     assert common.resolve_data_dir("null") == (None, "zeros")

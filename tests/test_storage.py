@@ -15,6 +15,7 @@ from conftest import clear_storage_clients, point_clients_at
 
 from estimax import storage
 from estimax.data import tfrecord
+from estimax.estimator import orbax_storage
 
 
 def test_configure_maps_the_standard_variables_for_tensorstore():
@@ -44,7 +45,7 @@ def test_configure_maps_the_standard_variables_for_tensorstore():
     remote = {"AWS_ENDPOINT_URL": "https://s3.example.com", "AWS_SHARED_CREDENTIALS_FILE": "/no"}
     storage.configure(remote)  # a real store: no dummy keys that would hide missing ones
     assert "AWS_ACCESS_KEY_ID" not in remote
-    assert storage.orbax_manager_options("/local/dir") == {}
+    assert orbax_storage.manager_options("/local/dir") == {}
 
 
 def test_paths():

@@ -1,6 +1,6 @@
 """The resnet program and the converter with every path in a bucket: the GCS emulator
 (fake-gcs-server) and an S3 server (moto), pointed at only by STORAGE_EMULATOR_HOST /
-AWS_ENDPOINT_URL, as a user would (issue 12, Done when 1 and 2)."""
+AWS_ENDPOINT_URL, as a user would."""
 
 from __future__ import annotations
 

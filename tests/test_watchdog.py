@@ -78,7 +78,7 @@ def _watchdog_alive() -> bool:
 def test_a_failed_final_save_still_stops_the_watchdog(tmp_path):
     """The last checkpoint's write fails (a real full disk: RLIMIT_FSIZE) in the loop's cleanup:
     the error reaches the caller and every other cleanup still runs, so no armed watchdog is left
-    to end a process that caught the error (issue 22)."""
+    to end a process that caught the error."""
     import os
     import subprocess
     import textwrap
@@ -113,7 +113,7 @@ def test_a_failed_final_save_still_stops_the_watchdog(tmp_path):
 
 def test_watchdog_is_paused_while_train_and_evaluate_evaluates(tmp_path):
     """EvalSpec(every_steps=None) evaluates inside the training loop (after a save): an
-    evaluation completes no training step, so the watchdog must not count it (issue 22)."""
+    evaluation completes no training step, so the watchdog must not count it."""
     import numpy as np
 
     import estimax as ex

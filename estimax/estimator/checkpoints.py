@@ -38,6 +38,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from estimax import storage
+from estimax.estimator import orbax_storage
 
 CHECKPOINT_SUBDIR = "checkpoints"
 MANIFEST_NAME = "estimax_manifest.json"
@@ -311,7 +312,7 @@ class Checkpointer:
             # Leftovers of a save that was killed half-way are removed, never read.
             cleanup_tmp_directories=not read_only,
             # s3://: commit-file protocol (S3 has no rename); emulator endpoints for TensorStore.
-            **storage.orbax_manager_options(model_dir),
+            **orbax_storage.manager_options(model_dir),
         )
         self._manager = ocp.CheckpointManager(
             checkpoint_dir(model_dir),

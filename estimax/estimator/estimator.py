@@ -231,7 +231,7 @@ class Estimator:
           clock: time source for the ``*_secs`` settings (tests inject one).
           warm_start_from: a checkpoint path or ``estimax.WarmStartSettings`` to initialise the
             variables from when ``model_dir`` has no checkpoint of its own (a TensorFlow
-            checkpoint of the original models, or an estimax one; ``estimax.migrate``).
+            checkpoint of the original models, or an estimax one; ``estimator.warm_start``).
         """
         config = _with_model_dir(config or RunConfig(), model_dir)
         params = _checked_params(params)
@@ -398,8 +398,8 @@ class Estimator:
         """The train state at ``step`` (restored), or initialised from ``sample`` at step 0."""
         if not step:
             state = replication.run_init(self._init_fn, self.mesh, self._base_rng, *sample)
-            if self._warm_start_from is not None:  # issue 24; no checkpoint of our own yet
-                from estimax.migrate import warm_start
+            if self._warm_start_from is not None:  # no checkpoint of our own yet
+                from estimax.estimator import warm_start
 
                 state, _ = warm_start.warm_start(self._warm_start_from, state)
             return state

@@ -35,9 +35,9 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 @functools.cache
 def code_version() -> str:
     """A digest of estimax's own Python sources (what runs, whatever the version string says)."""
-    import estimax
-
-    root = os.path.dirname(os.path.abspath(estimax.__file__))
+    # The package's folder from this file's place (estimax/estimator/preflight.py), rather than
+    # importing the package, which lists every layer.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     digest = hashlib.sha256()
     for folder, dirs, files in os.walk(root):
         dirs.sort()

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from estimax.migrate.names import MODEL_MAPS, Entry
+from estimax.migrate.names import Entry, TFNames, lookup
 from estimax.migrate.tf_checkpoint import CheckpointReader, TFCheckpointError
 
 __all__ = ["ImportReport", "MappingError", "load_tf_state", "model_scope"]
@@ -124,21 +124,25 @@ def copy_tree(tree: Any) -> Any:
     return tree
 
 
-def model_scope(params: Mapping[str, Any], model: str) -> tuple[str, ...]:
+def model_scope(params: Mapping[str, Any], model: str | TFNames) -> tuple[str, ...]:
     """Where the model's variables are inside ``params``.
 
     A model built inside a ``model_fn`` sits under its auto-name (``ResNet_0``,
     ``InceptionV3_0``); a bare module's variables are at the root.
+
+    Args:
+      params: the ``params`` collection.
+      model: the original's name (``resnet``...) or its ``TFNames``.
     """
-    marker = {"resnet": "initial_conv", "inception_v3": "Conv2d_1a_3x3", "inception_v4": "stem"}[
-        model
-    ]
+    names = lookup(model)
+    marker = names.scope_marker
     if marker in params:
         return ()
     found = [k for k, v in params.items() if isinstance(v, Mapping) and marker in v]
     if len(found) != 1:
         raise MappingError(
-            f"cannot find the {model} network in the variables (top-level names: {sorted(params)})"
+            f"cannot find the {names.name} network in the variables "
+            f"(top-level names: {sorted(params)})"
         )
     return (found[0],)
 
@@ -172,7 +176,7 @@ def _cast(value: np.ndarray, like: Any) -> np.ndarray:
 
 def load_tf_state(
     checkpoint: str | CheckpointReader,
-    model: str,
+    model: str | TFNames,
     variables: Mapping[str, Any],
     opt_state: Any = None,
     ema_params: Any = None,
@@ -188,93 +192,126 @@ def load_tf_state(
 
     Args:
       checkpoint: a TensorFlow checkpoint (model_dir, prefix or ``.index``) or its reader.
-      model: ``resnet``, ``inception_v3`` or ``inception_v4``.
+      model: the original's name (``resnet``, ``inception_v3`` or ``inception_v4``) or its
+        ``TFNames`` (``estimax.models.TF_NAMES``).
       variables: the initialised ``{"params": ..., "batch_stats": ...}`` (the network at the
         root, or under one auto-named scope as in an Estimator's state).
       opt_state: the initialised Optax state of ``variables["params"]`` (None: not loaded).
       ema_params: the initialised EMA of the params (None or ``{}``: no EMA kept).
       optimizer_state: load the optimizer slots (False: keep ``opt_state`` as initialised).
       ema: load the moving-average shadows (False: ignore them).
-      allow_missing: keep variables the checkpoint lacks as initialised (listed in ``fresh``).
-      allow_mismatch: keep variables whose shape differs as initialised (a new head).
-      allow_unmapped: go on although checkpoint variables are left unmapped.
+      allow_missing, allow_mismatch, allow_unmapped: keep as initialised (listed in ``fresh``)
+        the variables the checkpoint lacks / whose shape differs (a new head); go on although
+        checkpoint tensors map to nothing.
       fresh: entries to keep as initialised whatever the checkpoint has (warm-start filters);
         called with the entry's path inside ``variables`` (scope included).
 
     Raises:
-      MappingError: missing, mismatched or unmapped tensors that were not allowed (every one is
-        listed, one per line).
+      MappingError: missing, mismatched or unmapped tensors not allowed (each on its own line).
     """
     reader = (
         checkpoint if isinstance(checkpoint, CheckpointReader) else CheckpointReader(checkpoint)
     )
     tensors = _Tensors(reader)
     report = ImportReport(checkpoint=reader.prefix)
-    if "global_step" in tensors.names:
-        report.step = int(tensors.get("global_step"))
+    report.step = int(tensors.get("global_step")) if "global_step" in tensors.names else None
     scope = model_scope(variables["params"], model)
     inner = {c: _get(v, scope) for c, v in variables.items() if c in ("params", "batch_stats")}
-    entries = MODEL_MAPS[model](inner)
-    out = copy_tree(dict(variables))
-    new_ema = copy_tree(ema_params) if ema_params else ema_params
-    # Which entries were loaded (only their slots and shadows are then read).
-    taken: dict[tuple[str, ...], Entry] = {}
-    for entry in entries:
-        full = (*scope, *entry.path)
-        fname = "/".join((entry.collection, *full))  # as the state names it
-        ours = tuple(np.shape(_get(out[entry.collection], full)))
-        theirs = tensors.shape(entry.tf_name)
-        if fresh is not None and fresh(dataclasses.replace(entry, path=full)):
-            report.fresh.append(fname)
-            if theirs is not None:
-                tensors.used.add(entry.tf_name)  # left out on purpose, not unmapped
-            continue
-        if theirs is None:
-            report.missing.append((fname, entry.tf_name, ours))
-            report.fresh.append(fname)
-            continue
-        if not _fits(entry, ours, theirs):
-            report.mismatched.append((fname, entry.tf_name, ours, theirs))
-            report.fresh.append(fname)
-            tensors.used.add(entry.tf_name)  # mapped (reported as mismatched), not unmapped
-            continue
-        like = _get(out[entry.collection], full)
-        value = tensors.get(entry.tf_name)
-        shadow_name = f"{entry.tf_name}/ExponentialMovingAverage"
-        if ema and entry.collection == "batch_stats" and tensors.shape(shadow_name) is not None:
-            # The original evaluated with the statistics' shadows: so does the import.
-            value = tensors.get(shadow_name)
-            report.ema.append(shadow_name)
-        set_path(out[entry.collection], full, _cast(value, like))
-        report.loaded.append(entry.tf_name)
-        if entry.collection == "params":
-            taken[full] = entry
-            if ema and new_ema and tensors.shape(shadow_name) is not None:
-                set_path(new_ema, full, _cast(tensors.get(shadow_name), _get(new_ema, full)))
-                report.ema.append(shadow_name)
-            elif new_ema:
-                # No shadow (or not asked for): the average starts from the loaded weights, as
-                # the Estimator starts it from a checkpoint that has none.
-                set_path(new_ema, full, _cast(value, _get(new_ema, full)))
-    new_opt = opt_state
+    state = _Import(tensors, report, copy_tree(dict(variables)), copy_tree(ema_params), ema)
+    for entry in lookup(model).entries(inner):
+        state.add(dataclasses.replace(entry, path=(*scope, *entry.path)), fresh)
     if opt_state is not None and optimizer_state:
-        new_opt = _load_slots(tensors, opt_state, taken, report)
+        opt_state = _load_slots(tensors, opt_state, state.taken, report)
     report.unused = sorted(
         (name, tensors.shape(name) or ()) for name in tensors.names if name not in tensors.used
     )
-    problems = (
-        (report.missing if not allow_missing else [])
-        + (report.mismatched if not allow_mismatch else [])
-        + (report.unmapped() if not allow_unmapped else [])
+    _check_fits(reader, lookup(model).name, report, allow_missing, allow_mismatch, allow_unmapped)
+    return state.variables, opt_state, state.ema_params, report
+
+
+def _check_fits(
+    reader: CheckpointReader,
+    model: str,
+    report: ImportReport,
+    allow_missing: bool,
+    allow_mismatch: bool,
+    allow_unmapped: bool,
+) -> None:
+    """Raises ``MappingError`` listing every problem the ``allow_*`` flags do not allow."""
+    refused = (
+        (report.missing and not allow_missing)
+        or (report.mismatched and not allow_mismatch)
+        or (report.unmapped() and not allow_unmapped)
     )
-    if problems:
+    if refused:
         raise MappingError(
             f"{reader.index_path} does not fit the {model} model:\n  "
             + "\n  ".join(report.problems())
             + "\n(--allow_missing / --allow_mismatch / --allow_unmapped to go on anyway; "
             "those variables then keep their initial values)"
         )
-    return out, new_opt, new_ema, report
+
+
+@dataclasses.dataclass
+class _Import:
+    """The variables and EMA being filled from the checkpoint, one ``Entry`` at a time.
+
+    Attributes:
+      tensors, report: the checkpoint's tensors and what was done with them.
+      variables, ema_params: copies of the caller's trees, filled in place.
+      ema: load the moving-average shadows.
+      taken: the loaded parameters' entries by path (their optimizer slots are read next).
+    """
+
+    tensors: _Tensors
+    report: ImportReport
+    variables: dict[str, Any]
+    ema_params: Any
+    ema: bool
+    taken: dict[tuple[str, ...], Entry] = dataclasses.field(default_factory=dict)
+
+    def add(self, entry: Entry, fresh: Callable[[Entry], bool] | None) -> None:
+        """Loads ``entry`` (its path from the variables' root), or says why it stays fresh."""
+        fname = "/".join((entry.collection, *entry.path))  # as the state names it
+        ours = tuple(np.shape(_get(self.variables[entry.collection], entry.path)))
+        theirs = self.tensors.shape(entry.tf_name)
+        if fresh is not None and fresh(entry):
+            self.report.fresh.append(fname)
+            if theirs is not None:
+                self.tensors.used.add(entry.tf_name)  # left out on purpose, not unmapped
+        elif theirs is None:
+            self.report.missing.append((fname, entry.tf_name, ours))
+            self.report.fresh.append(fname)
+        elif not _fits(entry, ours, theirs):
+            self.report.mismatched.append((fname, entry.tf_name, ours, theirs))
+            self.report.fresh.append(fname)
+            self.tensors.used.add(entry.tf_name)  # mapped (reported as mismatched), not unmapped
+        else:
+            self._load(entry)
+
+    def _load(self, entry: Entry) -> None:
+        full = entry.path
+        like = _get(self.variables[entry.collection], full)
+        value = self.tensors.get(entry.tf_name)
+        shadow_name = f"{entry.tf_name}/ExponentialMovingAverage"
+        has_shadow = self.ema and self.tensors.shape(shadow_name) is not None
+        if has_shadow and entry.collection == "batch_stats":
+            # The original evaluated with the statistics' shadows: so does the import.
+            value = self.tensors.get(shadow_name)
+            self.report.ema.append(shadow_name)
+        set_path(self.variables[entry.collection], full, _cast(value, like))
+        self.report.loaded.append(entry.tf_name)
+        if entry.collection != "params":
+            return
+        self.taken[full] = entry
+        if has_shadow and self.ema_params:
+            shadow = self.tensors.get(shadow_name)
+            set_path(self.ema_params, full, _cast(shadow, _get(self.ema_params, full)))
+            self.report.ema.append(shadow_name)
+        elif self.ema_params:
+            # No shadow (or not asked for): the average starts from the loaded weights, as
+            # the Estimator starts it from a checkpoint that has none.
+            set_path(self.ema_params, full, _cast(value, _get(self.ema_params, full)))
 
 
 def _load_slots(

@@ -6,7 +6,8 @@ Every image model is called as ``model.apply(variables, x, train=..., mutable=[.
 
 ``MODELS`` is an explicit registry (name -> constructor); ``get_model(name, **kw)`` looks a name up
 with a helpful error. The ``*_tiny`` entries are thin variants that exercise the same code for
-tests.
+tests. ``TF_NAMES`` lists the models whose TensorFlow original's checkpoints estimax reads, each
+map written beside its model (``estimax.models.tf_names``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 import flax.linen as nn
 
+from estimax.models import inception_v3, inception_v4, resnet
 from estimax.models.inception_v3 import InceptionV3, InceptionV3Tiny
 from estimax.models.inception_v4 import InceptionV4, InceptionV4Tiny
 from estimax.models.resnet import (
@@ -32,6 +34,7 @@ from estimax.models.resnet import (
     ResNetTinyBottleneck,
     resnet_v1,
 )
+from estimax.models.tf_names import TFNames
 
 MODELS: dict[str, Callable[..., nn.Module]] = {
     "resnet18": ResNet18,
@@ -47,6 +50,25 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "inception_v4": InceptionV4,
     "inception_v4_tiny": InceptionV4Tiny,
 }
+
+
+# The networks whose TensorFlow original's checkpoints estimax reads (warm starts, conversion).
+TF_NAMES: tuple[TFNames, ...] = (resnet.TF_NAMES, inception_v3.TF_NAMES, inception_v4.TF_NAMES)
+
+
+def tf_names(name: str) -> TFNames:
+    """The TensorFlow names of the original ``name`` (``resnet``, ``inception_v3``...).
+
+    Raises:
+      KeyError: no model of that name has a TensorFlow original (the message lists those that do).
+    """
+    for names in TF_NAMES:
+        if names.name == name:
+            return names
+    raise KeyError(
+        f"{name!r} has no TensorFlow original whose checkpoints estimax reads; those that do: "
+        f"{', '.join(n.name for n in TF_NAMES)}"
+    )
 
 
 def get_model(name: str, **kwargs: Any) -> nn.Module:
@@ -68,7 +90,10 @@ def get_model(name: str, **kwargs: Any) -> nn.Module:
 
 __all__ = [
     "MODELS",
+    "TF_NAMES",
+    "TFNames",
     "get_model",
+    "tf_names",
     "resnet_v1",
     "ResNet",
     "ResidualBlock",

@@ -17,12 +17,14 @@ same at the 299x299 the model is made for, but slim fails to squeeze larger inpu
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
 
 from estimax import ops
+from estimax.models import layers
 from estimax.models.layers import (
     BlockArgs,
     ConvBNReLU,
@@ -32,6 +34,7 @@ from estimax.models.layers import (
     same_avg_pool,
     scaled_depth,
 )
+from estimax.models.tf_names import Entry, TFNames, kernel_hw, slim_layer
 
 # The original's constants (inception_v3.py BATCH_NORM_DECAY / BATCH_NORM_EPSILON).
 BATCH_NORM_DECAY = 0.996
@@ -168,6 +171,32 @@ class InceptionAux(InceptionBlock):
         )(x)
 
 
+def _v3_stem(kw: BlockArgs, x: jnp.ndarray) -> jnp.ndarray:
+    """InceptionV3's stem, 299 x 299 x 3 -> 35 x 35 x 192 (its convs are the caller's)."""
+
+    def c(
+        features: int, kernel: tuple[int, int], name: str, strides: int = 1, padding: str = "VALID"
+    ) -> ConvBNReLU:
+        # The stem's default padding is VALID in slim (inception_v3_base arg_scope).
+        return ConvBNReLU(
+            scaled_depth(features, kw["depth_multiplier"], kw["min_depth"]),
+            kernel,
+            conv=kw["conv"],
+            norm=kw["norm"],
+            strides=(strides, strides),
+            padding=padding,
+            name=name,
+        )
+
+    x = c(32, (3, 3), "Conv2d_1a_3x3", strides=2)(x)  # 149 x 149 x 32
+    x = c(32, (3, 3), "Conv2d_2a_3x3")(x)  # 147 x 147 x 32
+    x = c(64, (3, 3), "Conv2d_2b_3x3", padding="SAME")(x)  # 147 x 147 x 64
+    x = kw["max_pool"](x, (3, 3), strides=(2, 2), padding="VALID")  # 73 x 73 x 64
+    x = c(80, (1, 1), "Conv2d_3b_1x1")(x)  # 73 x 73 x 80
+    x = c(192, (3, 3), "Conv2d_4a_3x3")(x)  # 71 x 71 x 192
+    return kw["max_pool"](x, (3, 3), strides=(2, 2), padding="VALID")  # 35 x 35 x 192
+
+
 class InceptionV3(nn.Module):
     """Inception v3 with the auxiliary head.
 
@@ -215,56 +244,9 @@ class InceptionV3(nn.Module):
           ``(logits, aux_logits)``, each ``[B, num_classes]`` float32, if ``aux_logits``;
           else ``logits``.
         """
-        if x.shape[1] < MIN_IMAGE_SIZE or x.shape[2] < MIN_IMAGE_SIZE:
-            raise ValueError(
-                f"InceptionV3 needs images of at least {MIN_IMAGE_SIZE}x"
-                f"{MIN_IMAGE_SIZE} (the aux head pools Mixed_6e 5x5/3), got "
-                f"{x.shape[1]}x{x.shape[2]}; the original uses 299x299"
-            )
-        conv = functools.partial(
-            self.conv, use_bias=False, dtype=self.dtype, kernel_init=conv_kernel_init
-        )
-        norm = functools.partial(
-            self.norm,
-            use_running_average=not train,
-            momentum=self.bn_momentum,
-            epsilon=self.bn_epsilon,
-            dtype=self.dtype,
-            use_scale=self.bn_scale,
-        )
-        kw = BlockArgs(
-            conv=conv,
-            norm=norm,
-            max_pool=self.max_pool,
-            depth_multiplier=self.depth_multiplier,
-            min_depth=self.min_depth,
-        )
-
-        def c(
-            features: int,
-            kernel: tuple[int, int],
-            name: str,
-            strides: int = 1,
-            padding: str = "VALID",
-        ) -> ConvBNReLU:
-            # The stem's default padding is VALID in slim (inception_v3_base arg_scope).
-            return ConvBNReLU(
-                scaled_depth(features, self.depth_multiplier, self.min_depth),
-                kernel,
-                conv=conv,
-                norm=norm,
-                strides=(strides, strides),
-                padding=padding,
-                name=name,
-            )
-
-        x = c(32, (3, 3), "Conv2d_1a_3x3", strides=2)(x)  # 149 x 149 x 32
-        x = c(32, (3, 3), "Conv2d_2a_3x3")(x)  # 147 x 147 x 32
-        x = c(64, (3, 3), "Conv2d_2b_3x3", padding="SAME")(x)  # 147 x 147 x 64
-        x = self.max_pool(x, (3, 3), strides=(2, 2), padding="VALID")  # 73 x 73 x 64
-        x = c(80, (1, 1), "Conv2d_3b_1x1")(x)  # 73 x 73 x 80
-        x = c(192, (3, 3), "Conv2d_4a_3x3")(x)  # 71 x 71 x 192
-        x = self.max_pool(x, (3, 3), strides=(2, 2), padding="VALID")  # 35 x 35 x 192
+        layers.check_image_size(x, "InceptionV3", MIN_IMAGE_SIZE, "Mixed_6e")
+        kw = layers.inception_block_args(self, train, conv_kernel_init)
+        x = _v3_stem(kw, x)  # 35 x 35 x 192
         x = InceptionA(**kw, pool_features=32, name="Mixed_5b")(x)  # 35 x 35 x 256
         x = InceptionA(**kw, pool_features=64, name="Mixed_5c")(x)  # 35 x 35 x 288
         x = InceptionA(**kw, pool_features=64, name="Mixed_5d")(x)  # 35 x 35 x 288
@@ -295,3 +277,109 @@ class InceptionV3(nn.Module):
 # For tests: slim's depth_multiplier at its smallest useful value (every layer min_depth=16
 # channels, or fewer with a smaller min_depth); same code paths as the full model.
 InceptionV3Tiny = functools.partial(InceptionV3, depth_multiplier=0.05, min_depth=8)
+
+
+# --- The original's TensorFlow names -----------------------------------------------------------
+# TF-slim's InceptionV3/<block>/Branch_k/<layer>/weights and .../BatchNorm/{beta,moving_mean,
+# moving_variance} (no gamma); estimax's blocks use their own branch names, so each block kind has
+# a table. The logits are 1x1 convs in TF (reshaped to Dense kernels).
+
+# estimax branch name -> slim "Branch_k/<layer>", per Inception v3 block kind.
+_V3_A = {
+    "branch_1x1": "Branch_0/Conv2d_0a_1x1",
+    "branch_5x5_1": "Branch_1/Conv2d_0a_1x1",
+    "branch_5x5_2": "Branch_1/Conv2d_0b_5x5",
+    "branch_3x3dbl_1": "Branch_2/Conv2d_0a_1x1",
+    "branch_3x3dbl_2": "Branch_2/Conv2d_0b_3x3",
+    "branch_3x3dbl_3": "Branch_2/Conv2d_0c_3x3",
+    "branch_pool": "Branch_3/Conv2d_0b_1x1",
+}
+# slim's Mixed_5c quirk: its 5x5 branch is named differently.
+_V3_A_5C = {
+    **_V3_A,
+    "branch_5x5_1": "Branch_1/Conv2d_0b_1x1",
+    "branch_5x5_2": "Branch_1/Conv_1_0c_5x5",
+}
+_V3_B = {
+    "branch_3x3": "Branch_0/Conv2d_1a_1x1",  # slim's name for a 3x3/2 conv (sic)
+    "branch_3x3dbl_1": "Branch_1/Conv2d_0a_1x1",
+    "branch_3x3dbl_2": "Branch_1/Conv2d_0b_3x3",
+    "branch_3x3dbl_3": "Branch_1/Conv2d_1a_1x1",
+}
+V3_MIXED_6_NAMES = {
+    "branch_1x1": "Branch_0/Conv2d_0a_1x1",
+    "branch_7x7_1": "Branch_1/Conv2d_0a_1x1",
+    "branch_7x7_2": "Branch_1/Conv2d_0b_1x7",
+    "branch_7x7_3": "Branch_1/Conv2d_0c_7x1",
+    "branch_7x7dbl_1": "Branch_2/Conv2d_0a_1x1",
+    "branch_7x7dbl_2": "Branch_2/Conv2d_0b_7x1",
+    "branch_7x7dbl_3": "Branch_2/Conv2d_0c_1x7",
+    "branch_7x7dbl_4": "Branch_2/Conv2d_0d_7x1",
+    "branch_7x7dbl_5": "Branch_2/Conv2d_0e_1x7",
+    "branch_pool": "Branch_3/Conv2d_0b_1x1",
+}
+V3_MIXED_7A_NAMES = {
+    "branch_3x3_1": "Branch_0/Conv2d_0a_1x1",
+    "branch_3x3_2": "Branch_0/Conv2d_1a_3x3",
+    "branch_7x7x3_1": "Branch_1/Conv2d_0a_1x1",
+    "branch_7x7x3_2": "Branch_1/Conv2d_0b_1x7",
+    "branch_7x7x3_3": "Branch_1/Conv2d_0c_7x1",
+    "branch_7x7x3_4": "Branch_1/Conv2d_1a_3x3",
+}
+_V3_E = {
+    "branch_1x1": "Branch_0/Conv2d_0a_1x1",
+    "branch_3x3_1": "Branch_1/Conv2d_0a_1x1",
+    "branch_3x3_2a": "Branch_1/Conv2d_0b_1x3",
+    "branch_3x3_2b": "Branch_1/Conv2d_0b_3x1",
+    "branch_3x3dbl_1": "Branch_2/Conv2d_0a_1x1",
+    "branch_3x3dbl_2": "Branch_2/Conv2d_0b_3x3",
+    "branch_3x3dbl_3a": "Branch_2/Conv2d_0c_1x3",
+    "branch_3x3dbl_3b": "Branch_2/Conv2d_0d_3x1",
+    "branch_pool": "Branch_3/Conv2d_0b_1x1",
+}
+# slim's Mixed_7c quirk: Conv2d_0c_3x1 where Mixed_7b has Conv2d_0b_3x1.
+_V3_E_7C = {**_V3_E, "branch_3x3_2b": "Branch_1/Conv2d_0c_3x1"}
+_V3_BLOCKS = {
+    "Mixed_5b": _V3_A,
+    "Mixed_5c": _V3_A_5C,
+    "Mixed_5d": _V3_A,
+    "Mixed_6a": _V3_B,
+    "Mixed_6b": V3_MIXED_6_NAMES,
+    "Mixed_6c": V3_MIXED_6_NAMES,
+    "Mixed_6d": V3_MIXED_6_NAMES,
+    "Mixed_6e": V3_MIXED_6_NAMES,
+    "Mixed_7a": V3_MIXED_7A_NAMES,
+    "Mixed_7b": _V3_E,
+    "Mixed_7c": _V3_E_7C,
+}
+_V3_STEM = ("Conv2d_1a_3x3", "Conv2d_2a_3x3", "Conv2d_2b_3x3", "Conv2d_3b_1x1", "Conv2d_4a_3x3")
+
+
+def tf_name_map(variables: Mapping[str, Any]) -> list[Entry]:
+    """The map of an estimax ``InceptionV3``'s variables (slim's ``InceptionV3/...``)."""
+    params = variables["params"]
+    root = "InceptionV3"
+    entries: list[Entry] = []
+    for name in _V3_STEM:
+        entries += slim_layer((name,), f"{root}/{name}")
+    for block, table in _V3_BLOCKS.items():
+        for ours, theirs in table.items():
+            entries += slim_layer((block, ours), f"{root}/{block}/{theirs}")
+    if "AuxLogits" in params:
+        aux = f"{root}/AuxLogits"
+        # slim names the aux conv by its kernel, reduced for small inputs (5x5 at 299).
+        kh, kw = kernel_hw(params, "AuxLogits", "conv1", "conv", "kernel")
+        entries += slim_layer(("AuxLogits", "conv0"), f"{aux}/Conv2d_1b_1x1")
+        entries += slim_layer(("AuxLogits", "conv1"), f"{aux}/Conv2d_2a_{kh}x{kw}")
+        entries += [
+            Entry("params", ("AuxLogits", "fc", "kernel"), f"{aux}/Conv2d_2b_1x1/weights", True),
+            Entry("params", ("AuxLogits", "fc", "bias"), f"{aux}/Conv2d_2b_1x1/biases"),
+        ]
+    entries += [
+        Entry("params", ("Logits", "kernel"), f"{root}/Logits/Conv2d_1c_1x1/weights", True),
+        Entry("params", ("Logits", "bias"), f"{root}/Logits/Conv2d_1c_1x1/biases"),
+    ]
+    return entries
+
+
+TF_NAMES = TFNames("inception_v3", "Conv2d_1a_3x3", tf_name_map)

@@ -13,13 +13,22 @@ models; at 1.0 the network is the original's.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
 
 from estimax import ops
-from estimax.models.layers import BlockArgs, InceptionBlock, ModuleDef, PoolFn, same_avg_pool
+from estimax.models import layers
+from estimax.models.inception_v3 import V3_MIXED_6_NAMES, V3_MIXED_7A_NAMES
+from estimax.models.layers import (
+    InceptionBlock,
+    ModuleDef,
+    PoolFn,
+    same_avg_pool,
+)
+from estimax.models.tf_names import Entry, TFNames, slim_layer
 
 # The original's constants (inception_v4.py BATCH_NORM_DECAY / BATCH_NORM_EPSILON).
 BATCH_NORM_DECAY = 0.995
@@ -224,30 +233,8 @@ class InceptionV4(nn.Module):
           ``(logits, aux_logits)``, each ``[B, num_classes]`` float32, if ``aux_logits``;
           else ``logits``.
         """
-        if x.shape[1] < MIN_IMAGE_SIZE or x.shape[2] < MIN_IMAGE_SIZE:
-            raise ValueError(
-                f"InceptionV4 needs images of at least {MIN_IMAGE_SIZE}x"
-                f"{MIN_IMAGE_SIZE} (the aux head pools Mixed_6h 5x5/3), got "
-                f"{x.shape[1]}x{x.shape[2]}; the original uses 299x299"
-            )
-        conv = functools.partial(
-            self.conv, use_bias=False, dtype=self.dtype, kernel_init=conv_kernel_init
-        )
-        norm = functools.partial(
-            self.norm,
-            use_running_average=not train,
-            momentum=self.bn_momentum,
-            epsilon=self.bn_epsilon,
-            dtype=self.dtype,
-            use_scale=self.bn_scale,
-        )
-        kw = BlockArgs(
-            conv=conv,
-            norm=norm,
-            max_pool=self.max_pool,
-            depth_multiplier=self.depth_multiplier,
-            min_depth=self.min_depth,
-        )
+        layers.check_image_size(x, "InceptionV4", MIN_IMAGE_SIZE, "Mixed_6h")
+        kw = layers.inception_block_args(self, train, conv_kernel_init)
         x = Stem(**kw, name="stem")(x)  # 35 x 35 x 384
         num_a, num_b, num_c = self.block_repeats
         for i in range(num_a):
@@ -278,3 +265,86 @@ class InceptionV4(nn.Module):
 InceptionV4Tiny = functools.partial(
     InceptionV4, depth_multiplier=0.05, min_depth=8, block_repeats=(1, 1, 1)
 )
+
+
+# --- The original's TensorFlow names -----------------------------------------------------------
+# TF-slim's InceptionV4/...: the stem, Mixed_3a..7d with a table per block kind, AuxLogits and
+# Logits/Logits (MIGRATION.md §2).
+
+_V4_STEM = {
+    "Conv2d_1a_3x3": "Conv2d_1a_3x3",
+    "Conv2d_2a_3x3": "Conv2d_2a_3x3",
+    "Conv2d_2b_3x3": "Conv2d_2b_3x3",
+    "Mixed_3a_branch_3x3": "Mixed_3a/Branch_1/Conv2d_0a_3x3",
+    "Mixed_4a_branch_3x3_1": "Mixed_4a/Branch_0/Conv2d_0a_1x1",
+    "Mixed_4a_branch_3x3_2": "Mixed_4a/Branch_0/Conv2d_1a_3x3",
+    "Mixed_4a_branch_7x7_1": "Mixed_4a/Branch_1/Conv2d_0a_1x1",
+    "Mixed_4a_branch_7x7_2": "Mixed_4a/Branch_1/Conv2d_0b_1x7",
+    "Mixed_4a_branch_7x7_3": "Mixed_4a/Branch_1/Conv2d_0c_7x1",
+    "Mixed_4a_branch_7x7_4": "Mixed_4a/Branch_1/Conv2d_1a_3x3",
+    "Mixed_5a_branch_3x3": "Mixed_5a/Branch_0/Conv2d_1a_3x3",
+}
+_V4_A = {
+    "branch_1x1": "Branch_0/Conv2d_0a_1x1",
+    "branch_3x3_1": "Branch_1/Conv2d_0a_1x1",
+    "branch_3x3_2": "Branch_1/Conv2d_0b_3x3",
+    "branch_3x3dbl_1": "Branch_2/Conv2d_0a_1x1",
+    "branch_3x3dbl_2": "Branch_2/Conv2d_0b_3x3",
+    "branch_3x3dbl_3": "Branch_2/Conv2d_0c_3x3",
+    "branch_pool": "Branch_3/Conv2d_0b_1x1",
+}
+_V4_RA = {
+    "branch_3x3": "Branch_0/Conv2d_1a_3x3",
+    "branch_3x3dbl_1": "Branch_1/Conv2d_0a_1x1",
+    "branch_3x3dbl_2": "Branch_1/Conv2d_0b_3x3",
+    "branch_3x3dbl_3": "Branch_1/Conv2d_1a_3x3",
+}
+_V4_B = V3_MIXED_6_NAMES  # Inception-B of v4 has v3's Mixed_6 branch names
+_V4_RB = V3_MIXED_7A_NAMES  # Reduction-B of v4 has v3's Mixed_7a branch names
+_V4_C = {
+    "branch_1x1": "Branch_0/Conv2d_0a_1x1",
+    "branch_3x3_1": "Branch_1/Conv2d_0a_1x1",
+    "branch_3x3_2a": "Branch_1/Conv2d_0b_1x3",
+    "branch_3x3_2b": "Branch_1/Conv2d_0c_3x1",
+    "branch_3x3dbl_1": "Branch_2/Conv2d_0a_1x1",
+    "branch_3x3dbl_2": "Branch_2/Conv2d_0b_3x1",
+    "branch_3x3dbl_3": "Branch_2/Conv2d_0c_1x3",
+    "branch_3x3dbl_4a": "Branch_2/Conv2d_0d_1x3",
+    "branch_3x3dbl_4b": "Branch_2/Conv2d_0e_3x1",
+    "branch_pool": "Branch_3/Conv2d_0b_1x1",
+}
+
+
+def tf_name_map(variables: Mapping[str, Any]) -> list[Entry]:
+    """The map of an estimax ``InceptionV4``'s variables (``InceptionV4/...``)."""
+    params = variables["params"]
+    root = "InceptionV4"
+    entries: list[Entry] = []
+    for ours, theirs in _V4_STEM.items():
+        entries += slim_layer(("stem", ours), f"{root}/{theirs}")
+    tables = {"Mixed_5": _V4_A, "Mixed_6": _V4_B, "Mixed_7": _V4_C}
+    for block in sorted(k for k in params if k.startswith("Mixed_")):
+        if block == "Mixed_6a":
+            table = _V4_RA
+        elif block == "Mixed_7a":
+            table = _V4_RB
+        else:
+            table = tables[block[:7]]
+        for ours, theirs in table.items():
+            entries += slim_layer((block, ours), f"{root}/{block}/{theirs}")
+    if "AuxLogits" in params:
+        aux = f"{root}/AuxLogits"
+        entries += slim_layer(("AuxLogits", "Conv2d_1b_1x1"), f"{aux}/Conv2d_1b_1x1")
+        entries += slim_layer(("AuxLogits", "Conv2d_2a"), f"{aux}/Conv2d_2a")
+        entries += [
+            Entry("params", ("AuxLogits", "Aux_logits", "kernel"), f"{aux}/Aux_logits/weights"),
+            Entry("params", ("AuxLogits", "Aux_logits", "bias"), f"{aux}/Aux_logits/biases"),
+        ]
+    entries += [
+        Entry("params", ("Logits", "kernel"), f"{root}/Logits/Logits/weights"),
+        Entry("params", ("Logits", "bias"), f"{root}/Logits/Logits/biases"),
+    ]
+    return entries
+
+
+TF_NAMES = TFNames("inception_v4", "stem", tf_name_map)

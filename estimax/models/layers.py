@@ -18,6 +18,7 @@ Contracts of the injectables (the blocks only call them like this):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, TypedDict
 
@@ -122,6 +123,57 @@ class BlockArgs(TypedDict):
     max_pool: PoolFn
     depth_multiplier: float
     min_depth: int
+
+
+def conv_and_norm(
+    model: Any, train: bool, kernel_init: Any, **norm_kwargs: Any
+) -> tuple[ModuleDef, ModuleDef]:
+    """A network's conv and batch-norm factories, bound to its fields.
+
+    Args:
+      model: the network (``conv``, ``norm``, ``dtype``, ``bn_momentum``, ``bn_epsilon``).
+      train: batch statistics (and their moving averages updated) when True.
+      kernel_init: the convolutions' initializer (they have no bias: a batch norm follows).
+      **norm_kwargs: more batch-norm arguments (``use_scale``).
+    """
+    conv = functools.partial(model.conv, use_bias=False, dtype=model.dtype, kernel_init=kernel_init)
+    norm = functools.partial(
+        model.norm,
+        use_running_average=not train,
+        momentum=model.bn_momentum,
+        epsilon=model.bn_epsilon,
+        dtype=model.dtype,
+        **norm_kwargs,
+    )
+    return conv, norm
+
+
+def inception_block_args(model: Any, train: bool, kernel_init: Any) -> BlockArgs:
+    """The factories an Inception network ``model`` gives its blocks, from its fields.
+
+    Args:
+      model: the network (``conv_and_norm``'s fields, ``bn_scale``, ``max_pool``,
+        ``depth_multiplier``, ``min_depth``).
+      train: batch statistics (and their moving averages updated) when True.
+      kernel_init: the convolutions' initializer.
+    """
+    conv, norm = conv_and_norm(model, train, kernel_init, use_scale=model.bn_scale)
+    return BlockArgs(
+        conv=conv,
+        norm=norm,
+        max_pool=model.max_pool,
+        depth_multiplier=model.depth_multiplier,
+        min_depth=model.min_depth,
+    )
+
+
+def check_image_size(x: jnp.ndarray, network: str, min_size: int, aux_source: str) -> None:
+    """Refuses images smaller than ``min_size`` (the aux head pools ``aux_source`` 5x5/3)."""
+    if x.shape[1] < min_size or x.shape[2] < min_size:
+        raise ValueError(
+            f"{network} needs images of at least {min_size}x{min_size} (the aux head pools "
+            f"{aux_source} 5x5/3), got {x.shape[1]}x{x.shape[2]}; the original uses 299x299"
+        )
 
 
 class InceptionBlock(nn.Module):

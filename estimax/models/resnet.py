@@ -19,14 +19,15 @@ What the original does, and so do we (ORIGINAL_SYSTEM.md §3):
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
 
 from estimax import ops
-from estimax.models.layers import ModuleDef, PoolFn, fixed_padding
+from estimax.models.layers import ModuleDef, PoolFn, conv_and_norm, fixed_padding
+from estimax.models.tf_names import Entry, TFNames, has_path, numbered
 
 # The original's constants (resnet_model.py BATCH_NORM_DECAY / BATCH_NORM_EPSILON).
 BATCH_NORM_DECAY = 0.9
@@ -197,16 +198,7 @@ class ResNet(nn.Module):
         Returns:
           ``[B, num_classes]`` float32 logits.
         """
-        conv = functools.partial(
-            self.conv, use_bias=False, dtype=self.dtype, kernel_init=conv_kernel_init
-        )
-        norm = functools.partial(
-            self.norm,
-            use_running_average=not train,
-            momentum=self.bn_momentum,
-            epsilon=self.bn_epsilon,
-            dtype=self.dtype,
-        )
+        conv, norm = conv_and_norm(self, train, conv_kernel_init)
         x = _conv_fixed_padding(conv, x, self.num_filters, 7, 2, "initial_conv")
         x = nn.relu(norm(name="initial_bn")(x))
         x = self.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
@@ -272,3 +264,57 @@ def resnet_v1(resnet_depth: int, num_classes: int = 1000, **kwargs: Any) -> ResN
             f"--resnet_depth={resnet_depth} is not supported; choose one of {sorted(RESNET_DEPTHS)}"
         )
     return RESNET_DEPTHS[resnet_depth](num_classes=num_classes, **kwargs)
+
+
+# --- The original's TensorFlow names -----------------------------------------------------------
+# resnet_model.py's tf.layers at the root scope, numbered in creation order: conv2d[_N]/kernel,
+# batch_normalization[_N]/{gamma,beta,moving_mean,moving_variance}, dense/{kernel,bias}. Per block:
+# the projection conv/BN first (first block of a group), then the block's convs.
+
+
+def tf_name_map(variables: Mapping[str, Any]) -> list[Entry]:
+    """The map of an estimax ``ResNet``'s variables (``{"params": ..., "batch_stats": ...}``)."""
+    params = variables["params"]
+    entries: list[Entry] = []
+    counts = {"conv": 0, "bn": 0}
+
+    def conv(*path: str) -> None:
+        entries.append(
+            Entry("params", (*path, "kernel"), f"{numbered('conv2d', counts['conv'])}/kernel")
+        )
+        counts["conv"] += 1
+
+    def bn(*path: str) -> None:
+        name = numbered("batch_normalization", counts["bn"])
+        counts["bn"] += 1
+        entries.extend(
+            [
+                Entry("params", (*path, "scale"), f"{name}/gamma"),
+                Entry("params", (*path, "bias"), f"{name}/beta"),
+                Entry("batch_stats", (*path, "mean"), f"{name}/moving_mean"),
+                Entry("batch_stats", (*path, "var"), f"{name}/moving_variance"),
+            ]
+        )
+
+    conv("initial_conv")
+    bn("initial_bn")
+    groups = sorted(
+        (k for k in params if k.startswith("block_group")),
+        key=lambda k: int(k[len("block_group") :]),
+    )
+    for group in groups:
+        blocks = sorted(params[group], key=lambda k: int(k[len("block") :]))
+        for block in blocks:
+            if has_path(params, group, block, "proj_conv"):
+                conv(group, block, "proj_conv")
+                bn(group, block, "proj_bn")
+            for i in (1, 2, 3):
+                if has_path(params, group, block, f"conv{i}"):
+                    conv(group, block, f"conv{i}")
+                    bn(group, block, f"bn{i}")
+    entries.append(Entry("params", ("final_dense", "kernel"), "dense/kernel"))
+    entries.append(Entry("params", ("final_dense", "bias"), "dense/bias"))
+    return entries
+
+
+TF_NAMES = TFNames("resnet", "initial_conv", tf_name_map)

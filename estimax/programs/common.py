@@ -20,7 +20,9 @@ The modes are the original ``resnet_main.py``'s: ``train`` trains to
 ``train_steps`` is evaluated; ``train_and_eval`` alternates ``steps_per_eval`` training steps and a
 full evaluation, resuming where a previous run stopped.
 
-Each program maps its flags to a ``Job`` and calls ``run(job)``, the tail they share: take the
+Each program is a model family (``estimax.programs.family``; listed in ``families``): it maps its
+flags to a ``Job`` (``Job.for_family`` takes the model, the recorded flags and the export from
+the family) and calls ``run(job)``, the tail they share: take the
 writer lock of ``model_dir`` (``estimax.programs.lock``), compare and record the model-shaping
 flags (``model_dir/flags.json``), keep fake-data warnings in TensorBoard, build the Estimator,
 run the mode, export (``export``), close, print the result line. The checks that need no
@@ -43,8 +45,9 @@ import jax
 from absl import flags, logging
 
 import estimax as ex
-from estimax.programs import cli, lock
+from estimax.programs import cli, flagspec, lock
 from estimax.programs.cli import UsageError
+from estimax.programs.family import Family
 
 # resnet_main.py's default --data_dir (2018-12): a public bucket of fake ImageNet records. It
 # cannot be reached here (no network), so it means local fake data (see resolve_data_dir).
@@ -58,39 +61,36 @@ MODES = ("train", "eval", "train_and_eval")
 UNUSED_HELP = "Accepted for compatibility with the original's command lines; unused by estimax"
 
 
+# The original's TPU/cloud flags (same names, defaults None/True), accepted and explained.
+TPU_FLAGS = (
+    flagspec.Bool(
+        "use_tpu",
+        True,
+        f"{UNUSED_HELP}: the same code runs on whatever JAX backend is present (TPU, GPU or CPU).",
+    ),
+    flagspec.Str(
+        "tpu",
+        None,
+        f"{UNUSED_HELP}: the Cloud TPU name (e.g. $TPU_NAME). JAX "
+        "finds local TPU chips itself; multi-host jobs use jax.distributed.",
+    ),
+    flagspec.Str("gcp_project", None, f"{UNUSED_HELP} (it located the Cloud TPU)."),
+    flagspec.Str("tpu_zone", None, f"{UNUSED_HELP} (it located the Cloud TPU)."),
+)
+# The older programs' way to name the TPU.
+MASTER_FLAG = flagspec.Str(
+    "master", None, f"{UNUSED_HELP}: the TPU's gRPC address (e.g. $TPU_GRPC_URL)."
+)
+
+
 def define_tpu_flags(fv: flags.FlagValues, *, master: bool = True) -> None:
-    """Defines the original's TPU/cloud flags (same names, defaults None/True) on ``fv``.
+    """Defines the original's TPU/cloud flags and the many-hosts flags on ``fv``.
 
     Args:
       fv: the flag registry (``flags.FLAGS`` for a program, a fresh one in tests).
       master: also define ``--master`` (the older programs' way to name the TPU).
     """
-    flags.DEFINE_bool(
-        "use_tpu",
-        True,
-        f"{UNUSED_HELP}: the same code runs on whatever JAX backend is present (TPU, GPU or CPU).",
-        flag_values=fv,
-    )
-    flags.DEFINE_string(
-        "tpu",
-        None,
-        f"{UNUSED_HELP}: the Cloud TPU name (e.g. $TPU_NAME). JAX "
-        "finds local TPU chips itself; multi-host jobs use jax.distributed.",
-        flag_values=fv,
-    )
-    flags.DEFINE_string(
-        "gcp_project", None, f"{UNUSED_HELP} (it located the Cloud TPU).", flag_values=fv
-    )
-    flags.DEFINE_string(
-        "tpu_zone", None, f"{UNUSED_HELP} (it located the Cloud TPU).", flag_values=fv
-    )
-    if master:
-        flags.DEFINE_string(
-            "master",
-            None,
-            f"{UNUSED_HELP}: the TPU's gRPC address (e.g. $TPU_GRPC_URL).",
-            flag_values=fv,
-        )
+    flagspec.define(fv, TPU_FLAGS, (MASTER_FLAG,) if master else ())
     cli.define_cluster_flags(fv)
 
 
@@ -141,6 +141,103 @@ def resolve_num_shards(requested: int | None, flag_name: str) -> int | None:
     return requested
 
 
+def run_flags(
+    *,
+    data_dir_default: str | None,
+    data_dir_help: str,
+    steps_per_eval_flag: str,
+    precision_default: str,
+) -> tuple[flagspec.Flag, ...]:
+    """The flags every ImageNet program has, with one wording.
+
+    Args:
+      data_dir_default, data_dir_help: the program's ``--data_dir`` (the originals differ).
+      steps_per_eval_flag: the name of the program's steps-between-evaluations flag.
+      precision_default: the program's compute dtype.
+    """
+    return (
+        flagspec.Str("data_dir", data_dir_default, data_dir_help),
+        flagspec.Str(
+            "model_dir",
+            None,
+            "Directory for checkpoints and TensorBoard summaries "
+            "(local, gs:// or s3://; default $TPU_MODEL_DIR when a job runner sets "
+            "it). One trainer at a time: a second one on the same directory stops.",
+        ),
+        flagspec.Enum(
+            "mode",
+            "train_and_eval",
+            MODES,
+            "train: train to --train_steps; eval: evaluate each new checkpoint in "
+            "--model_dir until the one at --train_steps (another job trains); "
+            f"train_and_eval: alternate --{steps_per_eval_flag} training steps and an "
+            "evaluation.",
+        ),
+        flagspec.Int(
+            "eval_timeout",
+            None,
+            "In eval mode, stop after this many seconds "
+            "without a new checkpoint (default: wait for the one at --train_steps).",
+            lower=0,
+        ),
+        flagspec.Str(
+            "export_dir",
+            None,
+            "After training, publish the model for serving as "
+            "the next numbered version under this directory (export_dir/1, 2, ...: "
+            "`estimax serve --model_base_path=DIR` serves it; clients send JPEG/PNG "
+            "bytes); with a moving average of the weights, the averaged weights are "
+            "exported.",
+        ),
+        *COMMON_RUN_FLAGS,
+        flagspec.Enum("precision", precision_default, ["bfloat16", "float32"], PRECISION_HELP),
+    )
+
+
+PRECISION_HELP = (
+    "Compute dtype of the network (parameters and loss stay float32). On a "
+    "CPU, bfloat16 convolutions run natively only where the CPU has bf16 "
+    "instructions (AVX-512 bf16 or AMX); elsewhere (AVX2-only CPUs such as "
+    "AMD Zen 2) they run as float32 kernels on bf16 values, one rounding back "
+    "to bf16 each (`python -m estimax.ops.native status` says which), so "
+    "float32 is as fast there."
+)
+
+
+# The part of the run flags that is the same, default included, in every ImageNet program.
+COMMON_RUN_FLAGS = (
+    flagspec.Bool(
+        "skip_bad_records",
+        False,
+        "Skip (and count, with a warning) records "
+        "that cannot be read or decoded instead of stopping.",
+    ),
+    flagspec.Bool(
+        "skip_nonfinite_steps",
+        False,
+        "Skip (make no update for, and count in TensorBoard's "
+        "train/nonfinite_skipped_steps and a warning) training steps whose loss or gradients "
+        "are NaN/Inf, instead of stopping at the first one with the last good checkpoint kept.",
+    ),
+    flagspec.Int("keep_checkpoint_max", 5, "Number of recent checkpoints kept.", lower=1),
+    # tf.estimator's warm_start_from (estimax.estimator.warm_start).
+    flagspec.Str(
+        "warm_start_from",
+        None,
+        "When --model_dir has no checkpoint yet, initialise the variables from this checkpoint: "
+        "a TensorFlow checkpoint of the original ResNet/Inception (its model_dir, or "
+        "model.ckpt-N) or an estimax model_dir. Variables of another shape (a new head: "
+        "another number of classes) start fresh; the log lists what was loaded.",
+    ),
+    flagspec.Bool(
+        "cpu_fast_ops",
+        True,
+        "Use estimax.ops' convolution and max-pool, whose "
+        "gradients XLA:CPU runs several times faster; identical ops on GPU/TPU.",
+    ),
+)
+
+
 def define_run_flags(
     fv: flags.FlagValues,
     *,
@@ -149,101 +246,15 @@ def define_run_flags(
     steps_per_eval_flag: str,
     precision_default: str,
 ) -> None:
-    """Defines the flags every ImageNet program has, with one wording, on ``fv``.
-
-    Args:
-      fv: the flag registry.
-      data_dir_default, data_dir_help: the program's ``--data_dir`` (the originals differ).
-      steps_per_eval_flag: the name of the program's steps-between-evaluations flag.
-      precision_default: the program's compute dtype.
-    """
-    flags.DEFINE_string("data_dir", data_dir_default, data_dir_help, flag_values=fv)
-    flags.DEFINE_string(
-        "model_dir",
-        None,
-        "Directory for checkpoints and TensorBoard summaries "
-        "(local, gs:// or s3://; default $TPU_MODEL_DIR when a job runner sets "
-        "it). One trainer at a time: a second one on the same directory stops.",
-        flag_values=fv,
-    )
-    flags.DEFINE_enum(
-        "mode",
-        "train_and_eval",
-        list(MODES),
-        "train: train to --train_steps; eval: evaluate each new checkpoint in "
-        "--model_dir until the one at --train_steps (another job trains); "
-        f"train_and_eval: alternate --{steps_per_eval_flag} training steps and an "
-        "evaluation.",
-        flag_values=fv,
-    )
-    flags.DEFINE_integer(
-        "eval_timeout",
-        None,
-        "In eval mode, stop after this many seconds "
-        "without a new checkpoint (default: wait for the one at --train_steps).",
-        lower_bound=0,
-        flag_values=fv,
-    )
-    flags.DEFINE_string(
-        "export_dir",
-        None,
-        "After training, publish the model for serving as "
-        "the next numbered version under this directory (export_dir/1, 2, ...: "
-        "`estimax serve --model_base_path=DIR` serves it; clients send JPEG/PNG "
-        "bytes); with a moving average of the weights, the averaged weights are "
-        "exported.",
-        flag_values=fv,
-    )
-    flags.DEFINE_bool(
-        "skip_bad_records",
-        False,
-        "Skip (and count, with a warning) records "
-        "that cannot be read or decoded instead of stopping.",
-        flag_values=fv,
-    )
-    flags.DEFINE_bool(
-        "skip_nonfinite_steps",
-        False,
-        "Skip (make no update for, and count in TensorBoard's "
-        "train/nonfinite_skipped_steps and a warning) training steps whose loss or gradients "
-        "are NaN/Inf, instead of stopping at the first one with the last good checkpoint kept.",
-        flag_values=fv,
-    )
-    flags.DEFINE_enum(
-        "precision",
-        precision_default,
-        ["bfloat16", "float32"],
-        "Compute dtype of the network (parameters and loss stay float32). On a "
-        "CPU, bfloat16 convolutions run natively only where the CPU has bf16 "
-        "instructions (AVX-512 bf16 or AMX); elsewhere (AVX2-only CPUs such as "
-        "AMD Zen 2) they run as float32 kernels on bf16 values, one rounding back "
-        "to bf16 each (`python -m estimax.ops.native status` says which), so "
-        "float32 is as fast there.",
-        flag_values=fv,
-    )
-    flags.DEFINE_integer(
-        "keep_checkpoint_max",
-        5,
-        "Number of recent checkpoints kept.",
-        lower_bound=1,
-        flag_values=fv,
-    )
-    # issue 24 (estimax.migrate): tf.estimator's warm_start_from.
-    flags.DEFINE_string(
-        "warm_start_from",
-        None,
-        "When --model_dir has no checkpoint yet, initialise the variables from this checkpoint: "
-        "a TensorFlow checkpoint of the original ResNet/Inception (its model_dir, or "
-        "model.ckpt-N) or an estimax model_dir. Variables of another shape (a new head: "
-        "another number of classes) start fresh; the log lists what was loaded.",
-        flag_values=fv,
-    )
-    flags.DEFINE_bool(
-        "cpu_fast_ops",
-        True,
-        "Use estimax.ops' convolution and max-pool, whose "
-        "gradients XLA:CPU runs several times faster; identical ops on GPU/TPU.",
-        flag_values=fv,
+    """Defines ``run_flags(...)`` on ``fv`` (see there for the arguments)."""
+    flagspec.define(
+        fv,
+        run_flags(
+            data_dir_default=data_dir_default,
+            data_dir_help=data_dir_help,
+            steps_per_eval_flag=steps_per_eval_flag,
+            precision_default=precision_default,
+        ),
     )
 
 
@@ -427,8 +438,30 @@ class Job:
     preprocessing: Any = None
     check_inputs: Callable[[], Any] | None = None
     export_tolerance: tuple[float, float] = (1e-3, 1e-4)
-    # --warm_start_from (issue 24): used only while model_dir has no checkpoint.
+    # --warm_start_from: used only while model_dir has no checkpoint.
     warm_start_from: str | None = None
+
+    @classmethod
+    def for_family(cls, family: Family, fv: flags.FlagValues, recipe: Any, **rest: Any) -> Job:
+        """A job whose model, ``flags.json`` record, export and result line are ``family``'s.
+
+        Args:
+          family: the program's family.
+          fv: the parsed flags.
+          recipe: the family's config of these flags (``family.config_from_flags(fv)``, or a
+            variant of it).
+          **rest: the other fields (config, loop, input_fn, batch_sizes, ...).
+        """
+        return cls(
+            program=family.name,
+            model_flags=family.recorded_flags(fv),
+            model_fn=family.make_model_fn(recipe),
+            serving=family.input_spec(fv),
+            preprocessing=family.preprocessing(fv),
+            metrics=family.metrics,
+            warm_start_from=fv["warm_start_from"].value if "warm_start_from" in fv else None,
+            **rest,
+        )
 
 
 def checkpoint_path(model_dir: str, step: int) -> str:
@@ -469,7 +502,7 @@ def evaluate_checkpoints(
         start = clock()
         try:
             # Recorded durably once its summaries are written: a restarted evaluator redoes an
-            # evaluation that was cut off, and never repeats a recorded one (issue 15).
+            # evaluation that was cut off, and never repeats a recorded one.
             results = training.evaluate_once(
                 est,
                 step,

@@ -46,8 +46,10 @@ from absl import flags
 import estimax as ex
 from estimax import ops, serving
 from estimax.data import imagenet
+from estimax.models import inception_v3 as inception_v3_model
 from estimax.models.inception_v3 import InceptionV3
-from estimax.programs import cli, common, logs, schedules
+from estimax.programs import cli, common, flagspec, logs, schedules
+from estimax.programs.family import Family
 
 # Constants of the original inception_v3.py / inception_v4.py.
 RMSPROP_DECAY = 0.9
@@ -76,6 +78,8 @@ class Variant:
       schedule_flags: the variant's warm-up flags, ``(name, default, help)``; the default's type
         is the flag's, the name the keyword of ``schedule``.
       schedule: the learning-rate schedule's factory (``estimax.programs.schedules``).
+      doc: the program's docstring (its ``--help``).
+      tf_names: the network's TensorFlow names (``estimax.models.TF_NAMES``).
     """
 
     name: str
@@ -83,6 +87,8 @@ class Variant:
     defaults: dict[str, Any]
     schedule_flags: tuple[tuple[str, Any, str], ...]
     schedule: Callable[..., optax.Schedule]
+    doc: str = ""
+    tf_names: Any = None
 
     def make_schedule(self, fv: flags.FlagValues) -> optax.Schedule:
         """The schedule of the parsed flags."""
@@ -116,232 +122,159 @@ V3 = Variant(
         ("warmup_epochs", 7, "Epochs of linear warm-up (with --use_learning_rate_warmup)."),
     ),
     schedule=schedules.inception_v3_schedule,
+    doc=__doc__,
+    tf_names=inception_v3_model.TF_NAMES,
 )
 
-_DEFINE_BY_TYPE: dict[type, Callable[..., Any]] = {
-    bool: flags.DEFINE_bool,
-    int: flags.DEFINE_integer,
-    float: flags.DEFINE_float,
-}
-
-
-def define_flags(fv: flags.FlagValues, variant: Variant = V3) -> None:
-    """Defines the original inception_v3.py / inception_v4.py flags on ``fv``."""
-    unused = common.UNUSED_HELP
-    dv = variant.defaults
-    common.define_tpu_flags(fv)
-    common.define_run_flags(
-        fv,
-        data_dir_default="",
-        steps_per_eval_flag="train_steps_per_eval",
-        precision_default="float32",
-        data_dir_help=(
-            "Directory of the ImageNet TFRecords (train-*, validation-*), local, gs:// or s3://; "
-            "read with --use_data=real. The original's public "
-            "gs://cloud-tpu-test-datasets/fake_imagenet means random fake data here (it cannot "
-            "be reached), with a warning."
-        ),
-    )
-    flags.DEFINE_integer(
+# The original inception_v3.py's flags; the values of ``Variant.defaults`` replace their defaults
+# (``define_flags``), and the variant's schedule flags follow.
+INCEPTION_FLAGS = (
+    flagspec.Int(
         "num_shards",
         8,
         "Number of replicas (devices); if this job has fewer "
         "devices, all of them are used (with a warning).",
-        lower_bound=1,
-        flag_values=fv,
-    )
-    flags.DEFINE_integer(
-        "iterations",
-        100,
-        "Training steps per device call (iterations_per_loop).",
-        lower_bound=1,
-        flag_values=fv,
-    )
-    flags.DEFINE_integer(
-        "train_batch_size",
-        dv["train_batch_size"],
-        "Global (not per-shard) training batch size.",
-        lower_bound=1,
-        flag_values=fv,
-    )
-    flags.DEFINE_integer(
-        "eval_batch_size",
-        1024,
-        "Global (not per-shard) evaluation batch size.",
-        lower_bound=1,
-        flag_values=fv,
-    )
-    flags.DEFINE_integer(
+        lower=1,
+    ),
+    flagspec.Int(
+        "iterations", 100, "Training steps per device call (iterations_per_loop).", lower=1
+    ),
+    flagspec.Int("train_batch_size", 1024, "Global (not per-shard) training batch size.", lower=1),
+    flagspec.Int("eval_batch_size", 1024, "Global (not per-shard) evaluation batch size.", lower=1),
+    flagspec.Int(
         "eval_total_size",
         0,
         "Number of evaluation images; 0 means all "
         f"{imagenet.NUM_EVAL_IMAGES:,}. estimax evaluates each exactly once (the "
         "original dropped the last partial batch).",
-        lower_bound=0,
-        flag_values=fv,
-    )
-    flags.DEFINE_integer(
-        "train_steps",
-        dv["train_steps"],
-        "Number of training steps (global, absolute).",
-        lower_bound=1,
-        flag_values=fv,
-    )
-    flags.DEFINE_integer(
+        lower=0,
+    ),
+    flagspec.Int("train_steps", 213000, "Number of training steps (global, absolute).", lower=1),
+    flagspec.Int(
         "train_steps_per_eval",
         2000,
         "Training steps between evaluations in train_and_eval.",
-        lower_bound=1,
-        flag_values=fv,
-    )
-    flags.DEFINE_integer(
-        "min_eval_interval",
-        180,
-        f"{unused} (defined but unused by the original too).",
-        flag_values=fv,
-    )
-    flags.DEFINE_bool(
+        lower=1,
+    ),
+    flagspec.Int(
+        "min_eval_interval", 180, f"{common.UNUSED_HELP} (defined but unused by the original too)."
+    ),
+    flagspec.Bool(
         "per_host_input_for_training",
         True,
-        f"{unused}: each host always feeds its own devices.",
-        flag_values=fv,
-    )
-    flags.DEFINE_enum(
+        f"{common.UNUSED_HELP}: each host always feeds its own devices.",
+    ),
+    flagspec.Enum(
         "use_data",
         "real",
         ["fake", "real"],
         "'fake': random images (no files "
         "read), with a warning; 'real': the TFRecords in --data_dir.",
-        flag_values=fv,
-    )
-    flags.DEFINE_float(
+    ),
+    flagspec.Float(
         "learning_rate",
-        dv["learning_rate"],
+        0.165,
         "Learning rate for a batch of 256; scaled by train_batch_size / 256.",
-        flag_values=fv,
-    )
-    flags.DEFINE_enum(
+    ),
+    flagspec.Enum(
         "optimizer",
         "RMS",
         ["sgd", "RMS", "momentum"],
         "Optimizer: RMSProp "
         "(decay 0.9, momentum 0.9, epsilon 1.0), plain SGD, or SGD with momentum "
         "0.9.",
-        flag_values=fv,
-    )
-    flags.DEFINE_integer(
+    ),
+    flagspec.Int(
         "num_classes",
         1001,
         "Number of logits (1000 ImageNet classes + background at 0).",
-        lower_bound=2,
-        flag_values=fv,
-    )
-    flags.DEFINE_integer(
-        "width",
-        299,
-        "Width of the network's input images.",
-        lower_bound=MIN_IMAGE_SIZE,
-        flag_values=fv,
-    )
-    flags.DEFINE_integer(
-        "height",
-        299,
-        "Height of the network's input images (== width).",
-        lower_bound=MIN_IMAGE_SIZE,
-        flag_values=fv,
-    )
-    flags.DEFINE_bool(
+        lower=2,
+    ),
+    flagspec.Int("width", 299, "Width of the network's input images.", lower=MIN_IMAGE_SIZE),
+    flagspec.Int(
+        "height", 299, "Height of the network's input images (== width).", lower=MIN_IMAGE_SIZE
+    ),
+    flagspec.Bool(
         "transpose_enabled",
         False,
-        f"{unused}: it fed the TPU infeed in HWCN layout.",
-        flag_values=fv,
-    )
-    flags.DEFINE_bool(
-        "log_device_placement", False, f"{unused} (a TF session option).", flag_values=fv
-    )
-    flags.DEFINE_integer(
-        "save_summary_steps",
-        100,
-        "Write training summaries every N steps.",
-        lower_bound=1,
-        flag_values=fv,
-    )
-    flags.DEFINE_integer(
+        f"{common.UNUSED_HELP}: it fed the TPU infeed in HWCN layout.",
+    ),
+    flagspec.Bool("log_device_placement", False, f"{common.UNUSED_HELP} (a TF session option)."),
+    flagspec.Int("save_summary_steps", 100, "Write training summaries every N steps.", lower=1),
+    flagspec.Int(
         "save_checkpoints_secs",
         1000,
         "Save a checkpoint every N seconds (and at the end of each training phase).",
-        lower_bound=1,
-        flag_values=fv,
-    )
-    flags.DEFINE_bool(
+        lower=1,
+    ),
+    flagspec.Bool(
         "moving_average",
         True,
         "Keep an exponential moving average (0.995) of the weights and evaluate/export with it.",
-        flag_values=fv,
-    )
-    flags.DEFINE_string(
-        "preprocessing",
-        "inception",
-        "Preprocessing: 'inception' (estimax has no 'vgg').",
-        flag_values=fv,
-    )
-    flags.DEFINE_bool(
+    ),
+    flagspec.Str(
+        "preprocessing", "inception", "Preprocessing: 'inception' (estimax has no 'vgg')."
+    ),
+    flagspec.Bool(
         "use_annotated_bbox",
-        dv["use_annotated_bbox"],
+        False,
         "Sample training crops around the records' image/object/bbox boxes.",
-        flag_values=fv,
-    )
-    flags.DEFINE_float(
-        "learning_rate_decay", 0.94, "Factor of the staircase learning-rate decay.", flag_values=fv
-    )
-    flags.DEFINE_float(
-        "learning_rate_decay_epochs",
-        dv["learning_rate_decay_epochs"],
-        "Epochs between learning-rate decays.",
-        flag_values=fv,
-    )
-    flags.DEFINE_bool("display_tensors", False, f"{unused} (a TPU debugging aid).", flag_values=fv)
-    flags.DEFINE_bool(
+    ),
+    flagspec.Float("learning_rate_decay", 0.94, "Factor of the staircase learning-rate decay."),
+    flagspec.Float("learning_rate_decay_epochs", 3, "Epochs between learning-rate decays."),
+    flagspec.Bool("display_tensors", False, f"{common.UNUSED_HELP} (a TPU debugging aid)."),
+    flagspec.Bool(
         "clear_update_collections",
         True,
-        f"{unused}: batch-norm statistics always update in the training step.",
-        flag_values=fv,
-    )
-    for name, default, help_text in variant.schedule_flags:
-        _DEFINE_BY_TYPE[type(default)](name, default, help_text, flag_values=fv)
-    flags.DEFINE_bool(
-        "prefetch_enabled", True, f"{unused}: the loader always prefetches.", flag_values=fv
-    )
-    flags.DEFINE_integer(
+        f"{common.UNUSED_HELP}: batch-norm statistics always update in the training step.",
+    ),
+    flagspec.Bool("prefetch_enabled", True, f"{common.UNUSED_HELP}: the loader always prefetches."),
+    flagspec.Int(
         "prefetch_dataset_buffer_size",
         8 * 1024 * 1024,
-        f"{unused} (a tf.data read buffer).",
-        flag_values=fv,
-    )
-    flags.DEFINE_integer(
-        "num_files_infeed",
-        8,
-        f"{unused}: the loader reads every file of this host.",
-        flag_values=fv,
-    )
-    flags.DEFINE_integer(
+        f"{common.UNUSED_HELP} (a tf.data read buffer).",
+    ),
+    flagspec.Int(
+        "num_files_infeed", 8, f"{common.UNUSED_HELP}: the loader reads every file of this host."
+    ),
+    flagspec.Int(
         "num_parallel_calls",
         64,
         "Parallel JPEG decode/preprocess workers (at most the CPU count).",
-        lower_bound=1,
-        flag_values=fv,
-    )
-    flags.DEFINE_integer(
+        lower=1,
+    ),
+    flagspec.Int(
         "initial_shuffle_buffer_size",
         1024,
-        f"{unused}: the loader shuffles the whole epoch.",
-        flag_values=fv,
-    )
-    flags.DEFINE_integer(
+        f"{common.UNUSED_HELP}: the loader shuffles the whole epoch.",
+    ),
+    flagspec.Int(
         "followup_shuffle_buffer_size",
         1000,
-        f"{unused}: the loader shuffles the whole epoch.",
-        flag_values=fv,
+        f"{common.UNUSED_HELP}: the loader shuffles the whole epoch.",
+    ),
+)
+_FLAG_BY_TYPE = {bool: flagspec.Bool, int: flagspec.Int, float: flagspec.Float}
+
+
+def define_flags(fv: flags.FlagValues, variant: Variant = V3) -> None:
+    """Defines the original inception_v3.py / inception_v4.py flags on ``fv``."""
+    common.define_tpu_flags(fv)
+    flagspec.define(
+        fv,
+        common.run_flags(
+            data_dir_default="",
+            steps_per_eval_flag="train_steps_per_eval",
+            precision_default="float32",
+            data_dir_help=(
+                "Directory of the ImageNet TFRecords (train-*, validation-*), local, gs:// or "
+                "s3://; read with --use_data=real. The original's public "
+                "gs://cloud-tpu-test-datasets/fake_imagenet means random fake data here (it "
+                "cannot be reached), with a warning."
+            ),
+        ),
+        flagspec.with_defaults(INCEPTION_FLAGS, variant.defaults),
+        (_FLAG_BY_TYPE[type(d)](name, d, text) for name, d, text in variant.schedule_flags),
     )
 
 
@@ -454,11 +387,8 @@ def config_from_flags(fv: flags.FlagValues, variant: Variant) -> InceptionConfig
     )
 
 
-def run_from_flags(fv: flags.FlagValues, variant: Variant = V3) -> dict[str, Any] | None:
-    """Flags -> config -> Estimator -> the mode loop. Returns the last eval results, if any."""
-    logs.setup()
-    common.log_unused_tpu_flags(fv)
-    common.check_locations(fv)
+def check_flags(fv: flags.FlagValues) -> None:
+    """Refuses flag values estimax cannot run (one ``UsageError`` naming the flag)."""
     if fv.width != fv.height:
         raise cli.UsageError(
             f"--width={fv.width} and --height={fv.height}: estimax's input "
@@ -469,12 +399,15 @@ def run_from_flags(fv: flags.FlagValues, variant: Variant = V3) -> dict[str, Any
             f"--preprocessing={fv.preprocessing!r}: estimax implements only "
             "'inception' preprocessing."
         )
+
+
+def make_inputs(fv: flags.FlagValues) -> tuple[Any, str | None, list[str]]:
+    """``(input_fn(is_training=...), data_dir, notes)`` of ``--data_dir`` / ``--use_data``."""
     # The original's default --data_dir is '': "not set" unless given (an unset $DATA_DIR).
     given = fv.data_dir if fv["data_dir"].present or fv.data_dir else None
     data_dir, fake_kind, notes = common.check_data(
         given, fv.mode, use_fake=fv.use_data == "fake", fake_hint="--use_data=fake"
     )
-    eval_size = fv.eval_total_size or imagenet.NUM_EVAL_IMAGES
     inputs = functools.partial(
         imagenet.input_fn,
         data_dir,
@@ -482,14 +415,23 @@ def run_from_flags(fv: flags.FlagValues, variant: Variant = V3) -> dict[str, Any
         preprocessing="inception",
         num_parallel_calls=max(1, min(fv.num_parallel_calls, os.cpu_count() or 1)),
         fake_data=fake_kind,
-        fake_eval_examples=eval_size,
+        fake_eval_examples=eval_size(fv),
         skip_bad_records=fv.skip_bad_records,
         # Files hold labels 1..num_classes-1 (class 0 is the background logit).
         num_classes=fv.num_classes - 1,
         use_annotated_bbox=fv.use_annotated_bbox,
     )
-    cfg = config_from_flags(fv, variant)
-    config = ex.RunConfig(
+    return inputs, data_dir, notes
+
+
+def eval_size(fv: flags.FlagValues) -> int:
+    """The number of evaluation images (``--eval_total_size``, 0: all of ImageNet's)."""
+    return fv.eval_total_size or imagenet.NUM_EVAL_IMAGES
+
+
+def run_config(fv: flags.FlagValues) -> ex.RunConfig:
+    """The ``RunConfig`` of the original's flags."""
+    return ex.RunConfig(
         model_dir=fv.model_dir,
         iterations_per_loop=fv.iterations,
         num_shards=common.resolve_num_shards(fv.num_shards, "num_shards"),
@@ -500,42 +442,63 @@ def run_from_flags(fv: flags.FlagValues, variant: Variant = V3) -> dict[str, Any
         profile_steps=cli.profile_steps(fv),
         skip_nonfinite_steps=fv.skip_nonfinite_steps,
     )
+
+
+def run_from_flags(fv: flags.FlagValues, variant: Variant = V3) -> dict[str, Any] | None:
+    """Flags -> config -> Estimator -> the mode loop. Returns the last eval results, if any."""
+    logs.setup()
+    common.log_unused_tpu_flags(fv)
+    common.check_locations(fv)
+    check_flags(fv)
+    inputs, data_dir, notes = make_inputs(fv)
     loop = common.LoopConfig.from_flags(
         fv,
         steps_per_eval=fv.train_steps_per_eval,
-        eval_examples=eval_size,
+        eval_examples=eval_size(fv),
         train_examples=imagenet.NUM_TRAIN_IMAGES,
     )
     return common.run(
-        common.Job(
-            program=variant.name,
-            config=config,
+        common.Job.for_family(
+            family(variant),
+            fv,
+            config_from_flags(fv, variant),
+            config=run_config(fv),
             loop=loop,
             notes=tuple(notes),
             input_fn=inputs,
-            model_fn=make_model_fn(cfg),
             batch_sizes=(fv.train_batch_size, fv.eval_batch_size),
-            # Clients send JPEG/PNG bytes; the server applies the eval preprocessing, the export
-            # takes its images in [-1, 1] and holds the moving-average weights.
-            serving=ex.TensorSpec((None, fv.width, fv.width, 3), np.float32),
-            metrics=METRICS,
-            preprocessing=serving.inception_eval(fv.width),
             check_inputs=lambda: common.sample_images(data_dir),
             export_tolerance=common.export_tolerance(fv.precision),
-            warm_start_from=fv.warm_start_from,
-            # The flags that change the checkpoint's tree (logits, optimizer slots, averages).
-            model_flags={
-                "num_classes": fv.num_classes,
-                "optimizer": fv.optimizer,
-                "moving_average": fv.moving_average,
-            },
         )
     )
 
 
+def family(variant: Variant) -> Family:
+    """The family of an Inception variant (its program is this module's, with its flags)."""
+    return Family(
+        name=variant.name,
+        doc=variant.doc,
+        define_flags=functools.partial(define_flags, variant=variant),
+        config_from_flags=functools.partial(config_from_flags, variant=variant),
+        make_model_fn=make_model_fn,
+        # The flags that change the checkpoint's tree (logits, optimizer slots, averages).
+        model_flags=("num_classes", "optimizer", "moving_average"),
+        # Clients send JPEG/PNG bytes; the server applies the eval preprocessing, the model (and
+        # export) take images in [-1, 1]; the export holds the moving-average weights.
+        input_spec=lambda fv: ex.TensorSpec((None, fv.width, fv.width, 3), np.float32),
+        serving_preprocessing=lambda fv: serving.inception_eval(fv.width),
+        run_from_flags=functools.partial(run_from_flags, variant=variant),
+        metrics=METRICS,
+        tf_names=variant.tf_names,
+    )
+
+
+FAMILY = family(V3)
+
+
 def run() -> None:
     """Console-script entry point (``inception_v3``)."""
-    cli.main(define_flags, run_from_flags, __doc__)
+    FAMILY.main()
 
 
 if __name__ == "__main__":

@@ -19,8 +19,9 @@ import dataclasses
 
 from absl import flags
 
+from estimax.models import inception_v4 as inception_v4_model
 from estimax.models.inception_v4 import InceptionV4
-from estimax.programs import cli, inception_v3, schedules
+from estimax.programs import inception_v3, schedules
 
 V4 = dataclasses.replace(
     inception_v3.V3,
@@ -39,7 +40,10 @@ V4 = dataclasses.replace(
         ("warmup_epochs", 2, "Epochs of linear warm-up after the cold ones."),
     ),
     schedule=schedules.inception_v4_schedule,
+    doc=__doc__,
+    tf_names=inception_v4_model.TF_NAMES,
 )
+FAMILY = inception_v3.family(V4)
 
 
 def define_flags(fv: flags.FlagValues) -> None:
@@ -54,7 +58,7 @@ def run_from_flags(fv: flags.FlagValues):
 
 def run() -> None:
     """Console-script entry point (``inception_v4``)."""
-    cli.main(define_flags, run_from_flags, __doc__)
+    FAMILY.main()
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ import estimax as ex
 from estimax import ops
 from estimax.data import example, tfrecord
 from estimax.models.mnist import MnistCNN
-from estimax.programs import cli, common, logs, schedules
+from estimax.programs import cli, common, flagspec, logs, schedules
+from estimax.programs.family import Family
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,107 +38,108 @@ class MnistConfig:
     dense_units: int = 128
 
 
-def define_flags(fv: flags.FlagValues) -> None:
-    """Defines the original mnist_tpu.py flags (same names and defaults) on ``fv``."""
-    c = MnistConfig
-    common.define_tpu_flags(fv)
-    flags.DEFINE_string(
+# The original mnist_tpu.py's flags (same names and defaults), then estimax's additions.
+MNIST_FLAGS = (
+    flagspec.Str(
         "data_dir",
         "",
         "Directory (local, gs:// or s3://) with train.tfrecords and validation.tfrecords.",
-        flag_values=fv,
-    )
-    flags.DEFINE_string(
+    ),
+    flagspec.Str(
         "model_dir",
         None,
         "Where checkpoints and TensorBoard summaries go (one trainer at a time).",
-        flag_values=fv,
-    )
-    flags.DEFINE_integer(
+    ),
+    flagspec.Int(
         "batch_size",
         1024,
         "Mini-batch size for training and evaluation: the "
         "global batch size, not the per-shard batch.",
-        lower_bound=1,
-        flag_values=fv,
-    )
-    flags.DEFINE_integer(
-        "train_steps", 1000, "Total number of training steps.", lower_bound=1, flag_values=fv
-    )
-    flags.DEFINE_integer(
+        lower=1,
+    ),
+    flagspec.Int("train_steps", 1000, "Total number of training steps.", lower=1),
+    flagspec.Int(
         "eval_steps",
         0,
         "Number of eval batches; 0 skips evaluation (as the "
         "original). -1 evaluates every held-out example exactly once (estimax).",
-        lower_bound=-1,
-        flag_values=fv,
-    )
-    flags.DEFINE_float(
+        lower=-1,
+    ),
+    flagspec.Float(
         "learning_rate",
-        c.learning_rate,
+        MnistConfig.learning_rate,
         "Initial learning rate (exponential decay 0.96 every 100000 steps, as the guide).",
-        flag_values=fv,
-    )
-    flags.DEFINE_integer(
-        "iterations",
-        50,
-        "Number of iterations per device loop (iterations_per_loop).",
-        lower_bound=1,
-        flag_values=fv,
-    )
-    flags.DEFINE_integer(
+    ),
+    flagspec.Int(
+        "iterations", 50, "Number of iterations per device loop (iterations_per_loop).", lower=1
+    ),
+    flagspec.Int(
         "num_shards",
         None,
         "Number of replicas (devices); default: every "
         "device this job sees. The original's default was 8 TPU cores.",
-        lower_bound=1,
-        flag_values=fv,
-    )
+        lower=1,
+    ),
     # estimax additions.
-    flags.DEFINE_integer(
+    flagspec.Int(
         "dense_units",
-        c.dense_units,
+        MnistConfig.dense_units,
         "Width of the hidden dense layer (128 in the guide; the later mnist_tpu.py used 1024).",
-        lower_bound=1,
-        flag_values=fv,
-    )
-    flags.DEFINE_string(
+        lower=1,
+    ),
+    flagspec.Str(
         "export_dir",
         None,
         "If set, publish the trained model for serving as "
         "the next numbered version here (estimax serve --model_base_path=DIR).",
-        flag_values=fv,
-    )
-    flags.DEFINE_integer(
+    ),
+    flagspec.Int(
         "save_checkpoints_steps",
         None,
         "Checkpoint every N steps (default: every 600 s and at the end).",
-        lower_bound=1,
-        flag_values=fv,
-    )
-    flags.DEFINE_bool(
+        lower=1,
+    ),
+    flagspec.Bool(
         "skip_bad_records",
         False,
         "Skip (and count, with a warning) records that "
         "cannot be read or parsed instead of stopping.",
-        flag_values=fv,
-    )
+    ),
+)
 
 
-def model_fn(features, labels, mode, params):
-    """The guide's model_fn, on estimax: same layers, loss, schedule and optimizer."""
-    logits = MnistCNN(dense_units=params["dense_units"])(features, train=mode == ex.ModeKeys.TRAIN)
-    # tf.train.exponential_decay(learning_rate, global_step, 100000, 0.96)
-    learning_rate = schedules.mnist_schedule(params["learning_rate"])(ex.get_global_step())
-    loss = None if labels is None else ex.losses.softmax_cross_entropy(logits, labels)
-    return ex.EstimatorSpec(
-        mode=mode,
-        loss=loss,
-        optimizer=optax.sgd(learning_rate),
-        eval_metrics=None if labels is None else {"accuracy": ex.metrics.accuracy(labels, logits)},
-        predictions={"classes": logits.argmax(-1), "probabilities": jax.nn.softmax(logits)},
-        scalars={"learning_rate": learning_rate},
-    )
+def define_flags(fv: flags.FlagValues) -> None:
+    """Defines the original mnist_tpu.py flags (same names and defaults) on ``fv``."""
+    common.define_tpu_flags(fv)
+    flagspec.define(fv, MNIST_FLAGS)
+
+
+def config_from_flags(fv: flags.FlagValues) -> MnistConfig:
+    """The guide's hyperparameters of the parsed flags."""
+    return MnistConfig(learning_rate=fv.learning_rate, dense_units=fv.dense_units)
+
+
+def make_model_fn(cfg: MnistConfig):
+    """Returns the guide's model_fn, on estimax: same layers, loss, schedule and optimizer."""
+
+    def model_fn(features, labels, mode, params):
+        """features: [B, 784] float32 in [-0.5, 0.5]; labels: [B] int32 in [0, 10)."""
+        del params
+        logits = MnistCNN(dense_units=cfg.dense_units)(features, train=mode == ex.ModeKeys.TRAIN)
+        # tf.train.exponential_decay(learning_rate, global_step, 100000, 0.96)
+        learning_rate = schedules.mnist_schedule(cfg.learning_rate)(ex.get_global_step())
+        loss = None if labels is None else ex.losses.softmax_cross_entropy(logits, labels)
+        metrics = None if labels is None else {"accuracy": ex.metrics.accuracy(labels, logits)}
+        return ex.EstimatorSpec(
+            mode=mode,
+            loss=loss,
+            optimizer=optax.sgd(learning_rate),
+            eval_metrics=metrics,
+            predictions={"classes": logits.argmax(-1), "probabilities": jax.nn.softmax(logits)},
+            scalars={"learning_rate": learning_rate},
+        )
+
+    return model_fn
 
 
 def load_tfrecords(path: str, skip_bad_records: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -201,14 +203,12 @@ def input_fn(path: str, is_training: bool, skip_bad_records: bool):
     return fn
 
 
-def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
-    """Flags -> config -> Estimator -> train (and evaluate). Returns the eval results, if any."""
-    logs.setup()
-    if jax.default_backend() == "cpu":
-        # Reuse large host buffers instead of mapping fresh pages each step (process-wide).
-        ops.tune_cpu_allocator()
-    common.log_unused_tpu_flags(fv)
-    common.check_locations(fv)
+def data_files(fv: flags.FlagValues) -> dict[bool, str]:
+    """``{is_training: path}`` of ``--data_dir``'s two files, checked to exist when read.
+
+    Raises:
+      UsageError: ``--data_dir`` is missing, or lacks a file this run reads.
+    """
     data_dir = cli.check_location("data_dir", fv.data_dir, required=True)
     assert data_dir is not None  # required=True: a missing one is a UsageError
     files = {
@@ -223,7 +223,19 @@ def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
                 "validation.tfrecords (write them with: python -m estimax.tools.mnist_data "
                 "--output_dir=DIR)."
             )
-    cfg = MnistConfig(learning_rate=fv.learning_rate, dense_units=fv.dense_units)
+    return files
+
+
+def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
+    """Flags -> config -> Estimator -> train (and evaluate). Returns the eval results, if any."""
+    logs.setup()
+    if jax.default_backend() == "cpu":
+        # Reuse large host buffers instead of mapping fresh pages each step (process-wide).
+        ops.tune_cpu_allocator()
+    common.log_unused_tpu_flags(fv)
+    common.check_locations(fv)
+    files = data_files(fv)
+    cfg = config_from_flags(fv)
     config = ex.RunConfig(
         model_dir=fv.model_dir,
         iterations_per_loop=fv.iterations,
@@ -241,27 +253,38 @@ def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
         export_dir=fv.export_dir,
     )
     return common.run(
-        common.Job(
-            program="mnist",
+        common.Job.for_family(
+            FAMILY,
+            fv,
+            cfg,
             config=config,
             loop=loop,
             params=dataclasses.asdict(cfg),
-            model_flags={"dense_units": fv.dense_units},
-            model_fn=model_fn,
             batch_sizes=(fv.batch_size, fv.batch_size),
             input_fn=lambda is_training: input_fn(
                 files[is_training], is_training, fv.skip_bad_records
             ),
-            serving=ex.TensorSpec((None, 784), np.float32),
             check_inputs=lambda: load_tfrecords(files[False], fv.skip_bad_records)[0][:16],
-            metrics=(("accuracy",), "held-out examples"),
         )
     )
 
 
+FAMILY = Family(
+    name="mnist",
+    doc=__doc__,
+    define_flags=define_flags,
+    config_from_flags=config_from_flags,
+    make_model_fn=make_model_fn,
+    model_flags=("dense_units",),
+    input_spec=lambda fv: ex.TensorSpec((None, 784), np.float32),
+    run_from_flags=run_from_flags,
+    metrics=(("accuracy",), "held-out examples"),
+)
+
+
 def run() -> None:
     """Console-script entry point (``estimax-mnist``)."""
-    cli.main(define_flags, run_from_flags, __doc__)
+    FAMILY.main()
 
 
 if __name__ == "__main__":

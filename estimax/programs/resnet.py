@@ -31,8 +31,10 @@ from absl import flags, logging
 import estimax as ex
 from estimax import ops, serving
 from estimax.data import bigtable, imagenet, preprocessing
+from estimax.models import resnet as resnet_model
 from estimax.models.resnet import RESNET_DEPTHS, resnet_v1
-from estimax.programs import cli, common, logs, schedules
+from estimax.programs import cli, common, flagspec, logs, schedules
+from estimax.programs.family import Family
 
 # What the result line shows: "Eval results at step N: top_1_accuracy = ... on N images".
 METRICS = (("top_1_accuracy", "top_5_accuracy"), "images")
@@ -58,200 +60,160 @@ class ResNetConfig:
     cpu_fast_ops: bool = True
 
 
-def define_flags(fv: flags.FlagValues) -> None:
-    """Defines resnet_main.py's flags (2018-12 names and defaults) on ``fv``."""
-    c = ResNetConfig
-    common.define_tpu_flags(fv)
-    common.define_run_flags(
-        fv,
-        data_dir_default=common.FAKE_DATA_DIR,
-        steps_per_eval_flag="steps_per_eval",
-        precision_default=c.precision,
-        data_dir_help=(
-            "Directory of the ImageNet TFRecords (train-* and validation-*), local, gs:// or "
-            "s3://. The default, the original's public fake ImageNet bucket, cannot be reached "
-            "from here: it means random fake data, with a warning. 'fake': random images; "
-            "'null': zero images with label 0 (the original's null input). Not used with "
-            "--bigtable_instance."
-        ),
-    )
-    flags.DEFINE_integer(
+_C = ResNetConfig
+# resnet_main.py's own flags (the shared ones are common.TPU_FLAGS and common.run_flags).
+RESNET_FLAGS = (
+    flagspec.Int(
         "resnet_depth",
-        c.resnet_depth,
+        _C.resnet_depth,
         f"Depth of ResNet: one of {', '.join(map(str, sorted(RESNET_DEPTHS)))}.",
-        flag_values=fv,
-    )
-    flags.DEFINE_integer(
+    ),
+    flagspec.Int(
         "train_steps",
         112590,
         "Number of training steps (global, absolute; 112590 is about 90 epochs at batch 1024).",
-        lower_bound=1,
-        flag_values=fv,
-    )
-    flags.DEFINE_integer(
-        "train_batch_size",
-        c.train_batch_size,
-        "Global batch size for training.",
-        lower_bound=1,
-        flag_values=fv,
-    )
-    flags.DEFINE_integer(
-        "eval_batch_size", 1024, "Global batch size for evaluation.", lower_bound=1, flag_values=fv
-    )
-    flags.DEFINE_integer(
+        lower=1,
+    ),
+    flagspec.Int(
+        "train_batch_size", _C.train_batch_size, "Global batch size for training.", lower=1
+    ),
+    flagspec.Int("eval_batch_size", 1024, "Global batch size for evaluation.", lower=1),
+    flagspec.Int(
         "num_train_images",
-        c.num_train_images,
+        _C.num_train_images,
         "Size of the training set (for epochs and the learning-rate schedule).",
-        lower_bound=1,
-        flag_values=fv,
-    )
-    flags.DEFINE_integer(
+        lower=1,
+    ),
+    flagspec.Int(
         "num_eval_images",
         imagenet.NUM_EVAL_IMAGES,
         "Size of the evaluation "
         "set. estimax evaluates every one exactly once (the original dropped the "
         "remainder of num_eval_images / eval_batch_size).",
-        lower_bound=1,
-        flag_values=fv,
-    )
-    flags.DEFINE_integer(
-        "num_label_classes",
-        c.num_label_classes,
-        "Number of classes.",
-        lower_bound=2,
-        flag_values=fv,
-    )
-    flags.DEFINE_integer(
+        lower=1,
+    ),
+    flagspec.Int("num_label_classes", _C.num_label_classes, "Number of classes.", lower=2),
+    flagspec.Int(
         "steps_per_eval",
         1251,
         "Training steps between evaluations in train_and_eval mode.",
-        lower_bound=1,
-        flag_values=fv,
-    )
-    flags.DEFINE_bool(
+        lower=1,
+    ),
+    flagspec.Bool(
         "skip_host_call",
-        not c.write_scalars,
+        not _C.write_scalars,
         "Do not write learning_rate and current_epoch to TensorBoard (the original's host_call).",
-        flag_values=fv,
-    )
-    flags.DEFINE_integer(
+    ),
+    flagspec.Int(
         "iterations_per_loop",
         1251,
         "Training steps per device call (on CPU "
         "they are dispatched one by one, still with one host sync per loop).",
-        lower_bound=1,
-        flag_values=fv,
-    )
-    flags.DEFINE_integer(
+        lower=1,
+    ),
+    flagspec.Int(
         "num_cores",
         8,
         "Number of replicas (devices) to train on; if this job "
         "has fewer devices, all of them are used (with a warning).",
-        lower_bound=1,
-        flag_values=fv,
-    )
-    flags.DEFINE_integer(
-        "num_parallel_calls",
-        8,
-        "Parallel JPEG decode/preprocess workers.",
-        lower_bound=1,
-        flag_values=fv,
-    )
-    flags.DEFINE_string(
+        lower=1,
+    ),
+    flagspec.Int("num_parallel_calls", 8, "Parallel JPEG decode/preprocess workers.", lower=1),
+    flagspec.Str(
         "data_format",
         "channels_last",
         f"{common.UNUSED_HELP}: the models are NHWC and XLA picks device layouts itself.",
-        flag_values=fv,
-    )
-    flags.DEFINE_bool(
+    ),
+    flagspec.Bool(
         "transpose_input",
         True,
         f"{common.UNUSED_HELP}: it fed the TPU infeed in HWCN layout.",
-        flag_values=fv,
-    )
-    flags.DEFINE_bool(
+    ),
+    flagspec.Bool(
         "export_to_tpu",
         False,
         f"{common.UNUSED_HELP}: every export is lowered for cpu, cuda and tpu.",
-        flag_values=fv,
-    )
-    flags.DEFINE_float(
+    ),
+    flagspec.Float(
         "base_learning_rate",
-        c.base_learning_rate,
+        _C.base_learning_rate,
         "Learning rate for a batch of 256; scaled linearly by train_batch_size / 256.",
-        flag_values=fv,
-    )
-    flags.DEFINE_float(
-        "momentum", c.momentum, "Nesterov momentum of the SGD optimizer.", flag_values=fv
-    )
-    flags.DEFINE_float(
-        "weight_decay",
-        c.weight_decay,
-        "L2 weight decay on every weight but batch norm's.",
-        flag_values=fv,
-    )
-    flags.DEFINE_float(
+    ),
+    flagspec.Float("momentum", _C.momentum, "Nesterov momentum of the SGD optimizer."),
+    flagspec.Float(
+        "weight_decay", _C.weight_decay, "L2 weight decay on every weight but batch norm's."
+    ),
+    flagspec.Float(
         "label_smoothing",
-        c.label_smoothing,
+        _C.label_smoothing,
         "Label smoothing of the cross-entropy.",
-        lower_bound=0.0,
-        upper_bound=1.0,
-        flag_values=fv,
-    )
-    flags.DEFINE_integer(
+        lower=0.0,
+        upper=1.0,
+    ),
+    flagspec.Int(
         "log_step_count_steps",
         64,
         "Log 'loss = X, step = N' and the speed every N steps.",
-        lower_bound=1,
-        flag_values=fv,
-    )
-    flags.DEFINE_bool(
+        lower=1,
+    ),
+    flagspec.Bool(
         "enable_lars",
         False,
         "LARS optimizer; the original used it only when "
         "train_batch_size >= 16384, which estimax does not implement (it stops "
         "with a message in that case).",
-        flag_values=fv,
-    )
-    flags.DEFINE_float(
-        "poly_rate", 0.0, "LARS polynomial decay power (only with LARS).", flag_values=fv
-    )
-    flags.DEFINE_bool(
+    ),
+    flagspec.Float("poly_rate", 0.0, "LARS polynomial decay power (only with LARS)."),
+    flagspec.Bool(
         "use_cache",
         True,
         f"{common.UNUSED_HELP}: the loader re-reads the files "
         "each epoch; the OS page cache does what tf.data's cache() did.",
-        flag_values=fv,
-    )
-    flags.DEFINE_bool(
+    ),
+    flagspec.Bool(
         "use_async_checkpointing",
         False,
         "estimax checkpoints are always asynchronous (Orbax); accepted for compatibility.",
-        flag_values=fv,
-    )
-    flags.DEFINE_integer(
-        "image_size",
-        224,
-        "Side of the square images the network sees.",
-        lower_bound=1,
-        flag_values=fv,
-    )
-    flags.DEFINE_integer(
+    ),
+    flagspec.Int("image_size", 224, "Side of the square images the network sees.", lower=1),
+    flagspec.Int(
         "profile_every_n_steps",
         0,
         "N > 0: one jax.profiler trace of step N for TensorBoard's profile plugin (the "
         "original traced every N steps); --profile_steps=START,STOP traces a range.",
-        flag_values=fv,
-    )
-    for name, default, help_text in BIGTABLE_FLAGS:
-        flags.DEFINE_string(name, default, f"Cloud Bigtable input: {help_text}", flag_values=fv)
+    ),
     # estimax additions.
-    flags.DEFINE_integer(
+    flagspec.Int(
         "save_checkpoints_steps",
         None,
         "Checkpoint every N steps (default: max(100, iterations_per_loop), as the original).",
-        lower_bound=1,
-        flag_values=fv,
+        lower=1,
+    ),
+)
+
+
+def define_flags(fv: flags.FlagValues) -> None:
+    """Defines resnet_main.py's flags (2018-12 names and defaults) on ``fv``."""
+    common.define_tpu_flags(fv)
+    flagspec.define(
+        fv,
+        common.run_flags(
+            data_dir_default=common.FAKE_DATA_DIR,
+            steps_per_eval_flag="steps_per_eval",
+            precision_default=_C.precision,
+            data_dir_help=(
+                "Directory of the ImageNet TFRecords (train-* and validation-*), local, gs:// or "
+                "s3://. The default, the original's public fake ImageNet bucket, cannot be "
+                "reached from here: it means random fake data, with a warning. 'fake': random "
+                "images; 'null': zero images with label 0 (the original's null input). Not "
+                "used with --bigtable_instance."
+            ),
+        ),
+        RESNET_FLAGS,
+        (
+            flagspec.Str(name, default, f"Cloud Bigtable input: {text}")
+            for name, default, text in BIGTABLE_FLAGS
+        ),
     )
 
 
@@ -373,11 +335,8 @@ def config_from_flags(fv: flags.FlagValues) -> ResNetConfig:
     )
 
 
-def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
-    """Flags -> config -> Estimator -> the mode loop. Returns the last eval results, if any."""
-    logs.setup()
-    common.log_unused_tpu_flags(fv)
-    common.check_locations(fv)
+def check_flags(fv: flags.FlagValues) -> None:
+    """Refuses flag values estimax cannot run (one ``UsageError`` naming the flag)."""
     if fv.enable_lars and fv.train_batch_size >= 16384:
         raise cli.UsageError(
             f"--enable_lars with --train_batch_size={fv.train_batch_size}: LARS is not "
@@ -388,8 +347,10 @@ def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
         raise cli.UsageError(
             f"--resnet_depth={fv.resnet_depth}: must be one of {sorted(RESNET_DEPTHS)}."
         )
-    notes: list[str] = []
-    data_dir = None
+
+
+def make_inputs(fv: flags.FlagValues) -> tuple[Any, str | None, list[str]]:
+    """``(input_fn(is_training=...), data_dir, notes)`` of ``--data_dir`` or ``--bigtable_*``."""
     inputs = functools.partial(
         imagenet.input_fn,
         image_size=fv.image_size,
@@ -405,12 +366,14 @@ def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
             "Reading the tf.Examples from Cloud Bigtable (--bigtable_instance); "
             "--data_dir is not used"
         )
-        inputs = functools.partial(inputs, None, bigtable=bigtable_table(fv))
-    else:
-        data_dir, fake_kind, notes = common.check_data(fv.data_dir, fv.mode)
-        inputs = functools.partial(inputs, data_dir, fake_data=fake_kind)
-    cfg = config_from_flags(fv)
-    config = ex.RunConfig(
+        return functools.partial(inputs, None, bigtable=bigtable_table(fv)), None, []
+    data_dir, fake_kind, notes = common.check_data(fv.data_dir, fv.mode)
+    return functools.partial(inputs, data_dir, fake_data=fake_kind), data_dir, notes
+
+
+def run_config(fv: flags.FlagValues) -> ex.RunConfig:
+    """The ``RunConfig`` of resnet_main.py's flags."""
+    return ex.RunConfig(
         model_dir=fv.model_dir,
         iterations_per_loop=fv.iterations_per_loop,
         num_shards=common.resolve_num_shards(fv.num_cores, "num_cores"),
@@ -421,6 +384,15 @@ def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
         profile_steps=cli.profile_steps(fv),
         skip_nonfinite_steps=fv.skip_nonfinite_steps,
     )
+
+
+def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
+    """Flags -> config -> Estimator -> the mode loop. Returns the last eval results, if any."""
+    logs.setup()
+    common.log_unused_tpu_flags(fv)
+    common.check_locations(fv)
+    check_flags(fv)
+    inputs, data_dir, notes = make_inputs(fv)
     loop = common.LoopConfig.from_flags(
         fv,
         steps_per_eval=fv.steps_per_eval,
@@ -428,33 +400,41 @@ def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
         train_examples=fv.num_train_images,
     )
     return common.run(
-        common.Job(
-            program="resnet",
-            config=config,
+        common.Job.for_family(
+            FAMILY,
+            fv,
+            config_from_flags(fv),
+            config=run_config(fv),
             loop=loop,
             notes=tuple(notes),
             input_fn=inputs,
             batch_sizes=(fv.train_batch_size, fv.eval_batch_size),
-            model_fn=make_model_fn(cfg),
-            # As the original's image_serving_input_fn, clients send JPEG/PNG bytes; the server
-            # applies estimax's eval preprocessing, the export takes its uint8 [0, 255] images.
-            serving=ex.TensorSpec((None, fv.image_size, fv.image_size, 3), np.uint8),
-            preprocessing=serving.resnet_eval(fv.image_size),
             check_inputs=lambda: common.sample_images(data_dir),
             export_tolerance=common.export_tolerance(fv.precision),
-            warm_start_from=fv.warm_start_from,
-            metrics=METRICS,
-            model_flags={
-                "resnet_depth": fv.resnet_depth,
-                "num_label_classes": fv.num_label_classes,
-            },
         )
     )
 
 
+FAMILY = Family(
+    name="resnet",
+    doc=__doc__,
+    define_flags=define_flags,
+    config_from_flags=config_from_flags,
+    make_model_fn=make_model_fn,
+    model_flags=("resnet_depth", "num_label_classes"),
+    # As the original's image_serving_input_fn, clients send JPEG/PNG bytes; the server applies
+    # estimax's eval preprocessing, and the model (and export) take uint8 [0, 255] images.
+    input_spec=lambda fv: ex.TensorSpec((None, fv.image_size, fv.image_size, 3), np.uint8),
+    serving_preprocessing=lambda fv: serving.resnet_eval(fv.image_size),
+    run_from_flags=run_from_flags,
+    metrics=METRICS,
+    tf_names=resnet_model.TF_NAMES,
+)
+
+
 def run() -> None:
     """Console-script entry point (``resnet``)."""
-    cli.main(define_flags, run_from_flags, __doc__)
+    FAMILY.main()
 
 
 if __name__ == "__main__":

@@ -110,7 +110,7 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--model_base_path", required=True)
     check.add_argument("--model_version", type=int, default=None)
 
-    # issue 24 (estimax.migrate.savedmodel): needs the estimax[tf] extra (TensorFlow).
+    # estimax.serving.savedmodel: needs the estimax[tf] extra (TensorFlow).
     saved = sub.add_parser(
         "export-savedmodel",
         help="a version -> a TensorFlow SavedModel (serving_default as the original's); "
@@ -119,7 +119,7 @@ def _parser() -> argparse.ArgumentParser:
     saved.add_argument("--model_base_path", required=True)
     saved.add_argument("--model_version", type=int, default=None)
     saved.add_argument("--output_dir", required=True, help="the SavedModel to write (new)")
-    saved.add_argument("--atol", default=None, help="see python -m estimax.migrate.savedmodel -h")
+    saved.add_argument("--atol", default=None, help="see python -m estimax.serving.savedmodel -h")
     return parser
 
 
@@ -267,8 +267,8 @@ def export_check(args: argparse.Namespace) -> int:
 
 
 def export_savedmodel(args: argparse.Namespace) -> int:
-    """A version as a TensorFlow SavedModel (``estimax.migrate.savedmodel``)."""
-    from estimax.migrate import savedmodel
+    """A version as a TensorFlow SavedModel (``estimax.serving.savedmodel``)."""
+    from estimax.serving import savedmodel
 
     path, _ = _version_dir(args.model_base_path, args.model_version)
     argv = [f"--export_dir={path}", f"--output_dir={args.output_dir}"]

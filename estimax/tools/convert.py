@@ -251,7 +251,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model_dir", help="the estimax model_dir to write (new, or without checkpoints)"
     )
-    p.add_argument("--model", choices=("resnet", "inception_v3", "inception_v4"))
+    # Checked against the family registry when used (importing it here would load JAX for
+    # every estimax-convert command).
+    p.add_argument(
+        "--model",
+        help="the program whose network the checkpoint holds: one with a TensorFlow original "
+        "(resnet, inception_v3, inception_v4; another name lists the registered ones)",
+    )
     p.add_argument(
         "--optimizer_state",
         choices=("load", "fresh"),
@@ -288,7 +294,7 @@ def _tf_checkpoint(args: argparse.Namespace, extra: list[str]) -> int:
     from absl import flags
 
     from estimax import migrate
-    from estimax.migrate import convert as migrate_convert
+    from estimax.tools import convert_tf
 
     try:
         if args.list:
@@ -301,7 +307,7 @@ def _tf_checkpoint(args: argparse.Namespace, extra: list[str]) -> int:
             return 0
         if not args.model_dir or not args.model:
             raise migrate.TFCheckpointError("give --model_dir and --model (or --list)")
-        report = migrate_convert.convert_tf_checkpoint(
+        report = convert_tf.convert_tf_checkpoint(
             args.checkpoint,
             args.model_dir,
             args.model,
