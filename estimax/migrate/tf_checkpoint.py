@@ -439,15 +439,9 @@ class CheckpointReader:
             raise damaged(f"offset {entry.offset}, size {entry.size} (negative)")
         if not 0 <= entry.shard_id < self.num_shards:
             raise damaged(f"shard {entry.shard_id}, of a checkpoint of {self.num_shards} shards")
+        sliced = len(entry.slices) > 0
         return TensorInfo(
-            name=name,
-            dtype=entry.dtype,
-            shape=shape,
-            shard_id=entry.shard_id,
-            offset=entry.offset,
-            size=entry.size,
-            crc32c=entry.crc32c,
-            sliced=len(entry.slices) > 0,
+            name, entry.dtype, shape, entry.shard_id, entry.offset, entry.size, entry.crc32c, sliced
         )
 
     def variables(self) -> dict[str, TensorInfo]:
