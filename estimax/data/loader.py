@@ -56,6 +56,7 @@ import multiprocessing
 import os
 import pickle
 import queue
+import signal
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, TypeVar, overload
@@ -278,7 +279,7 @@ def _run_chunk(
             out.append(transform(record, rng))
         except tfrecord.CorruptRecordError as e:
             out.append(_BadElement(rid, f"{e.path}: record at byte offset {e.offset}", e.problem))
-        except SourceError:
+        except (SourceError, tfrecord.ShardChangedError):  # not a record: the input stops
             raise
         except BadRecordError as e:
             out.append(_BadElement(rid, e.where, e.problem))
@@ -403,7 +404,10 @@ class _ProcessWorkers:
     def submit(self, fn: Callable, *args: Any) -> _Ticket:
         """Sends ``fn(*args)`` to the least busy worker."""
         index = min(range(len(self._conns)), key=self._outstanding.__getitem__)
-        self._conns[index].send((fn, args))
+        try:
+            self._conns[index].send((fn, args))
+        except OSError:  # BrokenPipeError, ConnectionResetError: it is gone
+            raise self._died(index) from None
         self._outstanding[index] += 1
         return _Ticket(self, index)
 
@@ -412,15 +416,22 @@ class _ProcessWorkers:
         try:
             ok, value = self._conns[index].recv()
         except (EOFError, OSError):
-            proc = self._procs[index]
-            proc.join(timeout=1)
-            raise RuntimeError(
-                f"a loader worker process died (exit code {proc.exitcode}); the input cannot go on"
-            ) from None
+            raise self._died(index) from None
         self._outstanding[index] -= 1
         if not ok:
             raise value
         return value
+
+    def _died(self, index: int) -> SourceError:
+        """The one error for worker ``index``'s death, whichever pipe operation found it."""
+        proc = self._procs[index]
+        proc.join(timeout=1)
+        how = f"exit code {proc.exitcode}"
+        if proc.exitcode is not None and proc.exitcode < 0:
+            how = f"killed by {signal.Signals(-proc.exitcode).name}"
+            if proc.exitcode == -signal.SIGKILL:
+                how += ": out of memory? Fewer or lighter workers need less"
+        return SourceError(f"a loader worker process died ({how}); the input cannot go on")
 
     def shutdown(self, wait: bool = True, cancel_futures: bool = True) -> None:
         """Stops the workers: closing their pipes ends them (after a task under way)."""
