@@ -3,8 +3,8 @@
 Two child processes (real processes: the lock must hold between them, not only between threads)
 each wait for the test's ``go`` on stdin, take ``WriterLock(model_dir)``, say whether they hold
 it, and release it on the next line. The test starts each round by writing ``go`` to both, with
-no lock present or with a stale one (its holder dead: a pid that no longer runs on this host),
-and asserts that exactly one of them holds it. Local disk, fake-gcs-server and moto's S3 (whose
+no lock present or (every other round) with a stale one (its holder dead: a pid that no longer
+runs on this host), and asserts that exactly one of them holds it. Local disk, fake-gcs-server and moto's S3 (whose
 preconditions these are: ``ifGenerationMatch``, ``If-None-Match``/``If-Match``).
 """
 
@@ -110,7 +110,7 @@ def _race(model_dir: str, rounds: int, put_stale, remove) -> tuple[int, list[str
 
 
 def test_two_trainers_on_local_disk_never_both_hold_the_lock(tmp_path, reliability_record):
-    rounds = scale(50, 200)
+    rounds = scale(100, 400)  # half of them with a stale lock
     path = tmp_path / lock.LOCK_FILE
     dead = _dead_pid()
     both, refusals = -1, []
@@ -131,7 +131,7 @@ def test_two_trainers_on_local_disk_never_both_hold_the_lock(tmp_path, reliabili
 def test_two_trainers_on_an_object_store_never_both_hold_the_lock(object_store, reliability_record):
     base, _ = object_store
     kind = base.split(":")[0]
-    rounds = scale(50, 200)
+    rounds = scale(100, 400)  # half of them with a stale lock
     model_dir = f"{base}/run"
     store = lock._store(f"{model_dir}/{lock.LOCK_FILE}")
     dead = _dead_pid()
