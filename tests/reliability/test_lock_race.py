@@ -4,8 +4,9 @@ Two child processes (real processes: the lock must hold between them, not only b
 each wait for the test's ``go`` on stdin, take ``WriterLock(model_dir)``, say whether they hold
 it, and release it on the next line. The test starts each round by writing ``go`` to both, with
 no lock present or (every other round) with a stale one (its holder dead: a pid that no longer
-runs on this host), and asserts that exactly one of them holds it. Local disk, fake-gcs-server and moto's S3 (whose
-preconditions these are: ``ifGenerationMatch``, ``If-None-Match``/``If-Match``).
+runs on this host), and asserts that exactly one of them holds it. Local disk, fake-gcs-server
+and moto's S3 (whose preconditions these are: ``ifGenerationMatch``, ``If-None-Match``,
+``If-Match``).
 """
 
 from __future__ import annotations
