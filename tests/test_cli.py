@@ -310,7 +310,7 @@ def test_lock_on_an_object_store_goes_stale_by_heartbeat():
 # ------------------------------------------------- help, flags on every program
 
 
-@pytest.mark.parametrize("program", ["resnet", "inception_v3", "estimax-mnist"])
+@pytest.mark.parametrize("program", ["resnet", "inception_v3", "efficientnet", "estimax-mnist"])
 def test_console_scripts_list_their_flags(tmp_path, program):
     proc = run_program(program, "--help", cwd=tmp_path)
     assert "Traceback" not in proc.stderr  # (absl's --help exits with status 1)

@@ -1,4 +1,4 @@
-"""Tests of the Flax reference models (estimax.models): ResNet 18-200, Inception v3/v4.
+"""Tests of the Flax reference models (estimax.models): ResNet, Inception v3/v4, EfficientNet.
 
 Compute is kept cheap: parameter counts use ``jax.eval_shape`` at the real input sizes (no
 FLOPs, no compile); the numeric checks (NaN, gradients, train/eval behaviour) run at batch 2 on
@@ -19,7 +19,7 @@ import numpy as np
 import optax
 import pytest
 
-from estimax.models import MODELS, get_model, resnet, resnet_v1
+from estimax.models import MODELS, efficientnet, get_model, resnet, resnet_v1
 from estimax.models import inception_v3 as v3
 from estimax.models import inception_v4 as v4
 
@@ -48,6 +48,8 @@ def _shapes(model: nn.Module, size: int):
 
 
 def _image_size(name: str) -> int:
+    if name.startswith("efficientnet_b"):  # the variant's resolution (224 for B0 .. 600 for B7)
+        return efficientnet.EFFICIENTNETS[name.replace("_", "-")][1]
     return 299 if name.startswith("inception") else 224
 
 
@@ -68,6 +70,9 @@ def _image_size(name: str) -> int:
 #   mean/variance, our ``batch_stats``).
 # Inception v4: timm ``inception_v4`` 42,679,816 (1000 classes, no aux head, BN with scale;
 #   timm's model card: 42.7 M).
+# EfficientNet B0-B7: torchvision's documented ``num_params`` (efficientnet_b0 .. b7, weights
+#   "ported from the original paper"), the original's layout: B0 5,288,548 (Keras's
+#   EfficientNetB0 trainable params are the same number).
 # --------------------------------------------------------------------------------------------
 TORCHVISION_LAYOUT_PROJECTION = 64 * 64 + 2 * 64
 
@@ -81,6 +86,14 @@ PUBLISHED = {
     "resnet200": ({}, 64_673_832),
     "inception_v3": ({"num_classes": 1000, "bn_scale": True}, 27_161_264),
     "inception_v4": ({"num_classes": 1000, "aux_logits": False, "bn_scale": True}, 42_679_816),
+    "efficientnet_b0": ({}, 5_288_548),
+    "efficientnet_b1": ({}, 7_794_184),
+    "efficientnet_b2": ({}, 9_109_994),
+    "efficientnet_b3": ({}, 12_233_232),
+    "efficientnet_b4": ({}, 19_341_616),
+    "efficientnet_b5": ({}, 30_389_784),
+    "efficientnet_b6": ({}, 43_040_704),
+    "efficientnet_b7": ({}, 66_347_960),
 }
 
 
@@ -96,7 +109,7 @@ def test_every_registered_model_output_shapes_at_its_real_size(name):
     # plus the aux logits for the Inceptions; the registry's default classes. (Eval mode runs
     # the same layers; it is checked numerically on the tiny variants below.)
     model = get_model(name)
-    size = 299 if name.startswith("inception") else 224
+    size = _image_size(name)
     x = jax.ShapeDtypeStruct((2, size, size, 3), jnp.float32)
     rngs = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
 
@@ -200,6 +213,7 @@ NUMERIC = {
     "resnet_tiny_bottleneck": (32, ("initial_conv",), ("initial_bn",), 0.9, True),
     "resnet18": (32, ("initial_conv",), ("initial_bn",), 0.9, False),
     "resnet50": (32, ("initial_conv",), ("initial_bn",), 0.9, False),
+    "efficientnet_tiny": (32, ("conv_stem",), ("bn0",), 0.99, True),
     "inception_v3_tiny": (107, ("Conv2d_1a_3x3", "conv"), ("Conv2d_1a_3x3", "bn"), 0.996, False),
     "inception_v4_tiny": (
         107,
@@ -256,12 +270,11 @@ def _numeric_run(name):
         variables = _compile(lambda r, x: model.init(r, x, train=False), rngs, x)(rngs, x)
     else:
         variables = _he_variables(model, rngs, x)
-    params = variables["params"]
     # The last BN of every ResNet block starts with gamma = 0 (as the original), which blocks
     # the gradient to that block's convs at initialisation by design; a trained network has
     # gamma != 0, so check gradient flow with all BN scales set to 1.
     grad_params = jax.tree_util.tree_map_with_path(
-        lambda p, v: jnp.ones_like(v) if p[-1].key == "scale" else v, params
+        lambda p, v: jnp.ones_like(v) if p[-1].key == "scale" else v, variables["params"]
     )
     capture = lambda mdl, _: mdl.scope.path == conv_path  # noqa: E731
 
@@ -290,12 +303,7 @@ def _numeric_run(name):
     train_a = grad_fn(grad_params, variables["batch_stats"], x, jax.random.key(2))
     train_b = grad_fn(grad_params, variables["batch_stats"], x, jax.random.key(3))
 
-    def eval_fn(v, x, dropout_rng):
-        return model.apply(
-            v, x, train=False, mutable=["batch_stats"], rngs={"dropout": dropout_rng}
-        )
-
-    ev = _compile(eval_fn, variables, x, jax.random.key(2))
+    eval_a, eval_b = _eval_twice(model, variables, x)
     (loss, (out_a, state_a)), grads = train_a
     (_, (out_b, _)), _ = train_b
     return types.SimpleNamespace(
@@ -308,9 +316,21 @@ def _numeric_run(name):
         out_a=out_a,
         state_a=state_a,
         out_b=out_b,
-        eval_a=ev(variables, x, jax.random.key(2)),
-        eval_b=ev(variables, x, jax.random.key(3)),
+        eval_a=eval_a,
+        eval_b=eval_b,
     )
+
+
+def _eval_twice(model, variables, x):
+    """Eval-mode outputs and state of ``model`` with two different dropout rngs."""
+
+    def eval_fn(v, x, dropout_rng):
+        return model.apply(
+            v, x, train=False, mutable=["batch_stats"], rngs={"dropout": dropout_rng}
+        )
+
+    ev = _compile(eval_fn, variables, x, jax.random.key(2))
+    return ev(variables, x, jax.random.key(2)), ev(variables, x, jax.random.key(3))
 
 
 @pytest.mark.parametrize("name", sorted(NUMERIC))
@@ -376,6 +396,8 @@ def test_dropout_only_in_train_and_only_before_the_main_logits(name):
         # changes the logits, not the aux head.
         assert not np.allclose(logits_a, logits_b)
         np.testing.assert_array_equal(aux_a, aux_b)
+    elif name.startswith("efficientnet"):  # dropout before the head, drop-connect in blocks
+        assert not np.allclose(logits_a, logits_b)
     else:  # ResNet has no dropout: train mode is deterministic given the batch
         np.testing.assert_array_equal(logits_a, logits_b)
     # Train (batch statistics) and eval (moving averages) do differ.
@@ -489,3 +511,97 @@ def test_bfloat16_traces_for_every_family(name):
     for logits in out if isinstance(out, tuple) else (out,):
         assert logits.shape == (2, NUM_CLASSES) and logits.dtype == jnp.float32
     assert {v.dtype for v in jax.tree.leaves(state)} == {jnp.dtype(jnp.float32)}
+
+
+# --------------------------------------------------------------------------------------------
+# EfficientNet: what the parameter counts do not see (block layout, skips, drop-connect, inits).
+# Expected values are the original's formulas (efficientnet_model.round_filters/round_repeats)
+# worked by hand, and timm's published head widths (num_features) of tf_efficientnet_b2..b7.
+# --------------------------------------------------------------------------------------------
+def test_efficientnet_block_strings_decode_as_the_original():
+    args = efficientnet.decode_block_string("r2_k5_s22_e6_i24_o40_se0.25")
+    assert (args.num_repeat, args.kernel_size, args.strides, args.expand_ratio) == (2, 5, (2, 2), 6)
+    assert (args.input_filters, args.output_filters, args.se_ratio, args.id_skip) == (
+        24,
+        40,
+        0.25,
+        True,
+    )
+    bare = efficientnet.decode_block_string("r1_k3_s11_e1_i32_o16_noskip")
+    assert bare.se_ratio is None and bare.id_skip is False
+    with pytest.raises(ValueError, match="strides"):
+        efficientnet.decode_block_string("r1_k3_s1_e1_i32_o16")
+
+
+@pytest.mark.parametrize(
+    "width,depth,head,blocks",
+    [
+        (1.0, 1.0, 1280, 16),
+        (1.1, 1.2, 1408, 23),  # b2: 2+3+3+4+4+5+2 repeats
+        (1.2, 1.4, 1536, 26),  # b3
+        (1.4, 1.8, 1792, 32),  # b4
+        (2.0, 3.1, 2560, 55),  # b7: ceil(3.1 * (1, 2, 2, 3, 3, 4, 1))
+    ],
+)
+def test_efficientnet_round_filters_and_repeats(width, depth, head, blocks):
+    assert efficientnet.round_filters(1280, width) == head
+    layout = efficientnet.scaled_blocks(efficientnet.BLOCKS_ARGS, width, depth)
+    assert len(layout) == blocks
+    # The first block of a stage strides and changes width; its repeats do neither.
+    for prev, block in zip(layout, layout[1:], strict=False):
+        if block.strides != (1, 1) or block.input_filters != block.output_filters:
+            assert block.input_filters == prev.output_filters
+    # Never more than 10% below the scaled count: 40 * 0.25 = 10 rounds to 8, then back up to 16.
+    assert efficientnet.round_filters(40, 0.25) == 16
+    assert efficientnet.round_filters(16, 0.25) == 8  # at least the divisor
+
+
+def test_efficientnet_skip_only_where_strides_are_1_and_widths_match():
+    r = _numeric_run("efficientnet_tiny")
+    params = jax.tree.map(lambda v: v, r.variables["params"])
+    # Zeroing a block's last batch norm zeroes its branch: what is left is the skip.
+    for name in ("blocks_1", "blocks_2"):
+        params[name]["bn2"] = jax.tree.map(jnp.zeros_like, params[name]["bn2"])
+    capture = lambda mdl, _: mdl.scope.path in (("blocks_1",), ("blocks_2",))  # noqa: E731
+    _, state = r.model.apply(
+        {**r.variables, "params": params},
+        r.x,
+        train=False,
+        mutable=["intermediates"],
+        capture_intermediates=capture,
+    )
+    out = state["intermediates"]
+    # blocks_1 (stride 2, 8 -> 8 at 32 px) has no skip; blocks_2 (its repeat) has one.
+    np.testing.assert_array_equal(out["blocks_1"]["__call__"][0], 0.0)
+    np.testing.assert_array_equal(out["blocks_2"]["__call__"][0], out["blocks_1"]["__call__"][0])
+
+
+def test_efficientnet_drop_connect_keeps_whole_examples_scaled():
+    x = jnp.ones((4000, 2, 2, 3))
+    layer = efficientnet.DropConnect(0.25)
+    y = np.asarray(layer.apply({}, x, False, rngs={"dropout": jax.random.key(0)}))
+    per_example = y.reshape(len(y), -1)
+    kept = per_example[:, 0] != 0
+    # Each example is all dropped or all kept and scaled by 1 / (1 - rate).
+    np.testing.assert_array_equal(per_example[kept], np.float32(1 / 0.75))
+    np.testing.assert_array_equal(per_example[~kept], 0.0)
+    assert 0.72 < kept.mean() < 0.78  # 4000 draws of p = 0.75
+    np.testing.assert_array_equal(layer.apply({}, x, True), x)  # eval: the identity
+
+
+def test_efficientnet_initialisers_are_the_originals():
+    params = _numeric_run("efficientnet_tiny").variables["params"]
+    # conv_kernel_initializer: N(0, sqrt(2 / (kh * kw * out))), untruncated.
+    head = np.asarray(params["conv_head"]["kernel"])  # [1, 1, 16, 320]
+    np.testing.assert_allclose(head.std(), np.sqrt(2 / 320), rtol=0.05)
+    assert np.abs(head).max() > 2.2 * np.sqrt(2 / 320)  # no truncation at 2 sigma
+    # The depthwise kernel's TF fan_out is kh * kw (depth multiplier 1).
+    dw = np.asarray(params["blocks_1"]["depthwise_conv"]["kernel"])  # [3, 3, 1, 48]
+    assert dw.shape == (3, 3, 1, 48)
+    np.testing.assert_allclose(dw.std(), np.sqrt(2 / 9), rtol=0.1)
+    # dense_kernel_initializer: U(-1/sqrt(classes), 1/sqrt(classes)); biases start at 0.
+    fc = np.asarray(params["fc"]["kernel"])
+    bound = 1 / np.sqrt(NUM_CLASSES)
+    assert np.abs(fc).max() <= bound and np.abs(fc).max() > 0.9 * bound
+    np.testing.assert_array_equal(params["fc"]["bias"], 0.0)
+    np.testing.assert_array_equal(params["blocks_1"]["se"]["reduce_conv"]["bias"], 0.0)

@@ -9,6 +9,7 @@ var <- var - mom, with ms initialised to ones by RMSPropOptimizer._create_slots)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import subprocess
@@ -27,7 +28,7 @@ from estimax.estimator import steps as steps_lib
 from estimax.models.inception_v3 import InceptionV3Tiny
 from estimax.models.inception_v4 import InceptionV4Tiny
 from estimax.models.resnet import ResNetTiny
-from estimax.programs import common, inception_v3, inception_v4, resnet
+from estimax.programs import common, efficientnet, inception_v3, inception_v4, resnet
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
@@ -257,11 +258,20 @@ def test_loop_config_rejects_bad_values():
         common.LoopConfig(mode="train", train_steps=0, steps_per_eval=1)
 
 
-def test_rmsprop_is_tf_rmsprop_with_eps_inside_sqrt_and_lr_inside_momentum():
+@pytest.mark.parametrize(
+    "make,epsilon",
+    [
+        (lambda schedule: inception_v3.make_optimizer("RMS", schedule), 1.0),
+        # EfficientNet's utils.build_optimizer: the same optimizer with epsilon 1e-3.
+        (lambda s: efficientnet.make_optimizer(efficientnet.EfficientNetConfig(), s), 1e-3),
+    ],
+    ids=["inception", "efficientnet"],
+)
+def test_rmsprop_is_tf_rmsprop_with_eps_inside_sqrt_and_lr_inside_momentum(make, epsilon):
     # A learning rate that changes every step exposes where the rate is applied.
     rates = [0.5, 0.25, 0.125, 0.5, 1.0]
     schedule = lambda step: jnp.asarray(rates)[step]  # noqa: E731
-    opt = inception_v3.make_optimizer("RMS", schedule)
+    opt = make(schedule)
     w = jnp.array([1.0, -2.0, 3.0])
     state = opt.init(w)
     ms, mom, w_tf = np.ones(3), np.zeros(3), np.array(w)
@@ -271,13 +281,14 @@ def test_rmsprop_is_tf_rmsprop_with_eps_inside_sqrt_and_lr_inside_momentum():
         updates, state = opt.update(jnp.asarray(g, jnp.float32), state, w)
         w = optax.apply_updates(w, updates)
         ms = 0.9 * ms + 0.1 * g * g
-        mom = 0.9 * mom + lr * g / np.sqrt(ms + 1.0)
+        mom = 0.9 * mom + lr * g / np.sqrt(ms + epsilon)
         w_tf = w_tf - mom
     np.testing.assert_allclose(np.asarray(w), w_tf, rtol=1e-5)
 
 
-def _spec(model_fn, features, labels, mode="train"):
-    """Runs a model_fn once, jitted, as the Estimator traces it.
+def _spec(model_fn, features, labels, mode="train", compute=True):
+    """Runs a model_fn once, jitted, as the Estimator traces it (``compute=False``: traced only,
+    for the spec's static fields; loss and scalars are then shapes).
 
     Returns:
       (the EstimatorSpec, whose array fields are stale tracers: read only its static fields,
@@ -298,7 +309,9 @@ def _spec(model_fn, features, labels, mode="train"):
         captured["spec"] = spec
         return spec.loss, spec.scalars
 
-    loss, scalars = jax.jit(run)(features, labels)
+    loss, scalars = (jax.jit(run) if compute else functools.partial(jax.eval_shape, run))(
+        features, labels
+    )
     return captured["spec"], loss, scalars
 
 

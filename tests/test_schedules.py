@@ -2,7 +2,8 @@
 
 Each reference below is the original's TF code transcribed to plain Python/numpy (float64) from
 ORIGINAL_SYSTEM.md §2.4 (resnet_main.py), §6 (inception_v3.py / inception_v4.py) and §7
-(mnist_tpu.py); the schedules under test compute in float32 with jnp, so values are compared with
+(mnist_tpu.py), and EfficientNet's main.py + utils.build_learning_rate (tensorflow/tpu 2019-06);
+the schedules under test compute in float32 with jnp, so values are compared with
 a float32 tolerance, and steps are chosen on both sides of every boundary.
 """
 
@@ -68,6 +69,18 @@ def ref_inception_v4(
     else:
         out = initial * decay ** (step // int(decay_epochs * bpe))
     return max(out, 0.0001 * initial)
+
+
+def ref_efficientnet(step, base_lr=0.016, batch=2048, n=N, decay=0.97, decay_epochs=2.4, warmup=5):
+    # main.py: scaled_lr = base * batch / 256, steps_per_epoch = n / batch (a float);
+    # build_learning_rate: exponential_decay(scaled, step, steps_per_epoch * decay_epochs, decay,
+    # staircase=True), replaced by scaled * step / int(warmup * steps_per_epoch) before that step.
+    scaled = base_lr * batch / 256.0
+    steps_per_epoch = n / batch
+    warmup_steps = int(warmup * steps_per_epoch)
+    if step < warmup_steps:
+        return scaled * step / warmup_steps
+    return scaled * decay ** math.floor(step / (steps_per_epoch * decay_epochs))
 
 
 def first_step_at_epoch(epoch, batch, n=N):
@@ -206,6 +219,35 @@ def test_inception_v4_scaled_batch():
     check(sched, lambda s: ref_inception_v4(s, batch=1024), [0, *around(*b)])
 
 
+# ---- EfficientNet --------------------------------------------------------------------------
+def test_efficientnet_warmup_then_staircase_decay_every_2_4_epochs():
+    sched = schedules.efficientnet_schedule(0.016, 2048)  # the defaults: 0.128 at batch 2048
+    decay_steps = 2.4 * N / 2048  # 1501.37: the decay period is fractional, as the original's
+    warmup_end = int(5 * N / 2048)
+    assert warmup_end == 3127
+    decays = [math.ceil(k * decay_steps) for k in (1, 2, 3, 4, 10)]
+    got = check(sched, ref_efficientnet, [0, 1, *around(warmup_end, *decays)])
+    assert got[0] == 0.0
+    np.testing.assert_allclose(got[3126], 0.128 * 3126 / 3127, rtol=1e-6)
+    # The decay counts from step 0, so two periods have passed when the warm-up ends.
+    np.testing.assert_allclose(got[3127], 0.128 * 0.97**2, rtol=1e-6)
+    np.testing.assert_allclose(got[decays[2] - 1], 0.128 * 0.97**2, rtol=1e-6)
+    np.testing.assert_allclose(got[decays[2]], 0.128 * 0.97**3, rtol=1e-6)
+    # The last decay of the default 218949 steps; 0.97 ** 145 in float32 is within 1e-5.
+    last = math.ceil(145 * decay_steps)
+    for step in (last - 1, last, 218949):
+        np.testing.assert_allclose(sched(step), ref_efficientnet(step), rtol=1e-5)
+    np.testing.assert_allclose(sched(218949), 0.128 * 0.97**145, rtol=1e-5)
+
+
+def test_efficientnet_scales_with_batch_and_base_rate():
+    sched = schedules.efficientnet_schedule(0.032, 512, N, warmup_epochs=1)
+    ref = lambda s: ref_efficientnet(s, base_lr=0.032, batch=512, warmup=1)  # noqa: E731
+    check(sched, ref, [0, *around(int(N / 512), math.ceil(2.4 * N / 512))])
+    no_warmup = schedules.efficientnet_schedule(0.016, 2048, warmup_epochs=0)
+    np.testing.assert_allclose(no_warmup(0), 0.128, rtol=1e-6)
+
+
 # ---- MNIST and errors -----------------------------------------------------------------------
 def test_mnist_continuous_exponential_decay():
     sched = schedules.mnist_schedule()
@@ -220,3 +262,5 @@ def test_bad_arguments_are_named():
         schedules.current_epoch(0, 1024, 0)
     with pytest.raises(ValueError, match="learning_rate_decay_epochs=0"):
         schedules.inception_v3_schedule(learning_rate_decay_epochs=0)
+    with pytest.raises(ValueError, match="decay_epochs must be > 0, got 0"):
+        schedules.efficientnet_schedule(0.016, 2048, decay_epochs=0)

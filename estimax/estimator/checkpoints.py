@@ -1,8 +1,10 @@
 """Checkpoints in ``model_dir``: Orbax, async, atomic, the input position saved beside the model.
 
-Layout: ``<model_dir>/checkpoints/<step>/state`` (the train state: step, params, mutable
-collections, optimizer state, EMA) and ``.../<step>/input`` (the input iterator's position, JSON),
-so a resumed run sees exactly the examples an uninterrupted run would have seen.
+Layout: ``<model_dir>/checkpoints/<step>/`` (``step_path``) holds the items ``model`` (step,
+params, mutable collections), ``optimizer``, ``ema`` (each only when not empty) and ``meta``
+(JSON: the input iterator's position, and which items exist), so a resumed run sees exactly the
+examples an uninterrupted run would have seen. ``state_items`` and ``state_from_items`` map a
+``TrainState`` to the items and back: the one place that layout is written.
 
 Orbax writes each checkpoint under a temporary name and renames it when complete, so a process
 killed during a save leaves no directory that ``latest_step`` would pick up. On ``gs://`` and
@@ -39,6 +41,7 @@ from absl import logging
 
 from estimax import storage
 from estimax.estimator import orbax_storage
+from estimax.estimator.steps import TrainState
 
 CHECKPOINT_SUBDIR = "checkpoints"
 MANIFEST_NAME = "estimax_manifest.json"
@@ -143,6 +146,50 @@ def checkpoint_dir(model_dir: str) -> str:
         # Orbax (tensorstore) refuses relative paths; users pass `--model_dir=runs/x`.
         model_dir = os.path.abspath(model_dir)
     return os.path.join(model_dir, CHECKPOINT_SUBDIR)
+
+
+def step_path(model_dir: str, step: int) -> str:
+    """The directory of the checkpoint at ``step``: ``<model_dir>/checkpoints/<step>``.
+
+    What ``Estimator.evaluate(checkpoint_path=...)`` takes; ``step_from_checkpoint_path``
+    splits it again.
+    """
+    return storage.join(checkpoint_dir(model_dir), str(int(step)))
+
+
+# --- The train state's layout in a checkpoint ---------------------------------------------------
+# Item names are part of the file format: model_dirs written by earlier versions must restore.
+MODEL_ITEM, OPTIMIZER_ITEM, EMA_ITEM, META_ITEM = "model", "optimizer", "ema", "meta"
+
+
+def state_items(state: TrainState) -> dict[str, Any]:
+    """A train state as checkpoint items: ``model`` (step, params, mutable collections),
+    ``optimizer`` (its state) and ``ema`` (moving averages of the params, or empty)."""
+    return {
+        MODEL_ITEM: {"step": state.step, "params": state.params, "model_state": state.model_state},
+        OPTIMIZER_ITEM: state.opt_state,
+        EMA_ITEM: state.ema_params,
+    }
+
+
+def state_from_items(items: dict[str, Any], like: TrainState) -> TrainState:
+    """The train state of restored ``items`` (``state_items``' inverse).
+
+    An item not restored takes ``like``'s value for the optimizer state, None for the EMA.
+    """
+    model = items[MODEL_ITEM]
+    return TrainState(
+        step=model["step"],
+        params=model["params"],
+        model_state=model["model_state"],
+        opt_state=items.get(OPTIMIZER_ITEM, like.opt_state),
+        ema_params=items.get(EMA_ITEM),
+    )
+
+
+def variables_of(model_item: dict[str, Any]) -> dict[str, Any]:
+    """``{"params": ..., <collection>: ...}`` of a restored ``model`` item."""
+    return {"params": model_item["params"], **model_item.get("model_state", {})}
 
 
 # --- Manifests: what a complete checkpoint holds, checked before it is read ---------------------
@@ -317,7 +364,7 @@ class Checkpointer:
         self._manager = ocp.CheckpointManager(
             checkpoint_dir(model_dir),
             options=options,
-            item_names=("model", "optimizer", "ema", "meta"),
+            item_names=(MODEL_ITEM, OPTIMIZER_ITEM, EMA_ITEM, META_ITEM),
         )
 
     def latest_step(self) -> int | None:
@@ -344,7 +391,7 @@ class Checkpointer:
 
     def step_dir(self, step: int) -> str:
         """The directory of the checkpoint at ``step``."""
-        return storage.join(checkpoint_dir(self.model_dir), str(step))
+        return step_path(self.model_dir, step)
 
     def verify(self, step: int) -> bool:
         """True if the checkpoint at ``step`` matches its manifest (checked once per process).
@@ -417,7 +464,9 @@ class Checkpointer:
         input_state: dict | None,
         input_states: list | None = None,
     ) -> None:
-        """Starts saving a checkpoint at ``step``; ``wait_until_finished`` makes it durable.
+        """Starts saving a checkpoint's items at ``step`` (``save_state`` saves a train state).
+
+        ``wait_until_finished`` makes it durable.
 
         Args:
           step: the global step.
@@ -428,14 +477,14 @@ class Checkpointer:
           input_states: with many processes, every process's position in process order (each
             host reads its own shard; only the primary host writes ``meta``), or None.
         """
-        items = {"model": ocp.args.StandardSave(model)}
+        items = {MODEL_ITEM: ocp.args.StandardSave(model)}
         has_optimizer = bool(jax.tree.leaves(optimizer))
         has_ema = bool(jax.tree.leaves(ema))
         if has_optimizer:
-            items["optimizer"] = ocp.args.StandardSave(optimizer)
+            items[OPTIMIZER_ITEM] = ocp.args.StandardSave(optimizer)
         if has_ema:
-            items["ema"] = ocp.args.StandardSave(ema)
-        items["meta"] = ocp.args.JsonSave(
+            items[EMA_ITEM] = ocp.args.StandardSave(ema)
+        items[META_ITEM] = ocp.args.JsonSave(
             {
                 "input_state": input_state,
                 **({"input_states": input_states} if input_states is not None else {}),
@@ -453,6 +502,43 @@ class Checkpointer:
             self._manager.save(step, args=ocp.args.Composite(**items), force=True)
         self._unsealed.append(step)
 
+    def save_state(
+        self,
+        step: int,
+        state: TrainState,
+        input_state: dict | None,
+        input_states: list | None = None,
+    ) -> None:
+        """Starts saving ``state`` at ``step`` (see ``save`` for the input positions)."""
+        items = state_items(state)
+        self.save(
+            step,
+            items[MODEL_ITEM],
+            items[OPTIMIZER_ITEM],
+            items[EMA_ITEM],
+            input_state,
+            input_states=input_states,
+        )
+
+    def restore_state(self, step: int, abstract: TrainState) -> TrainState:
+        """The train state at ``step``, laid out like ``abstract``.
+
+        Only the items ``abstract`` has leaves for and the checkpoint holds are read (evaluation
+        asks for no optimizer state); ``ema_params`` is None when the checkpoint has no EMA.
+
+        Raises:
+          CorruptCheckpointError: Orbax could not read it (the step is set aside).
+          ModelMismatchError: it holds another model's variables.
+        """
+        meta = self.restore_meta(step)
+        wanted = state_items(abstract)
+        items = {MODEL_ITEM: wanted[MODEL_ITEM]}
+        if meta.get("has_optimizer", True) and jax.tree.leaves(wanted[OPTIMIZER_ITEM]):
+            items[OPTIMIZER_ITEM] = wanted[OPTIMIZER_ITEM]
+        if meta.get("has_ema") and jax.tree.leaves(wanted[EMA_ITEM]):
+            items[EMA_ITEM] = wanted[EMA_ITEM]
+        return state_from_items(self.restore(step, **items), abstract)
+
     def restore_meta(self, step: int) -> dict:
         """Returns the JSON metadata saved at ``step``.
 
@@ -461,9 +547,9 @@ class Checkpointer:
         """
         with self._readable(step):
             restored = self._manager.restore(
-                step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+                step, args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()})
             )
-            meta = restored.meta
+            meta = restored[META_ITEM]
             if meta is not None and not isinstance(meta, dict):
                 raise ValueError(f"the meta item is a {type(meta).__name__}, not a JSON object")
         return dict(meta or {})
@@ -511,7 +597,7 @@ class Checkpointer:
             tree = getattr(metadata, "item_metadata", metadata)
             difference = first_difference(getattr(tree, "tree", tree), item)
             if difference is not None:
-                return difference if name == "model" else f"{name}: {difference}"
+                return difference if name == MODEL_ITEM else f"{name}: {difference}"
         return None
 
     @contextlib.contextmanager
@@ -550,7 +636,7 @@ class Checkpointer:
             )
         )
 
-    def restore_numpy(self, step: int, name: str = "model") -> Any:
+    def restore_numpy(self, step: int, name: str = MODEL_ITEM) -> Any:
         """Restores item ``name`` at ``step`` as host numpy arrays, whatever devices saved it."""
         with self._readable(step):
             metadata = self._manager.item_metadata(step)[name]

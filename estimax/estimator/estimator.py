@@ -16,7 +16,8 @@ Who owns what:
 | batches ahead on the devices (bounded)   | ``DevicePrefetcher``    | ``feeding.py``; ``_feeder`` |
 | position in the input                    | the input iterator      | ``get_state``/``set_state`` |
 | checkpoints (model + input position)     | Orbax ``Checkpointer``  | ``model_dir/checkpoints``   |
-| restoring one (train, eval, predict)     | ``Estimator._restore``  | below                       |
+| a train state <-> checkpoint items       | ``state_items`` etc.    | ``checkpoints.py``          |
+| restoring one (train, eval, predict)     | ``restore_state``       | ``checkpoints.py``          |
 | cadences (save, log, summaries)          | ``PeriodicAction``      | ``periodic.py``             |
 | summaries and log lines                  | ``Summaries``           | ``model_dir[/eval]``        |
 | many hosts (joining, comparing notes)    | ``jax.distributed``     | ``distributed.py``          |
@@ -258,7 +259,8 @@ class Estimator:
         self._compiled: dict[Any, Any] = {}  # jitted step functions, by what they compute
         self._summaries: dict[str, summaries_lib.Summaries] = {}
         self._is_chief = jax.process_index() == 0
-        self._warm_start_from = warm_start_from  # issue 24: used by _run_training's first init
+        # The variables' first values when model_dir has no checkpoint (``_train_state``).
+        self._warm_start_from = warm_start_from
         if jax.default_backend() == "cpu":
             # Which convolution kernels estimax.ops will call: a 2-5x difference on CPUs.
             logging.info("CPU convolutions (estimax.ops): %s", native.status())
@@ -364,36 +366,6 @@ class Estimator:
             raise FileNotFoundError(f"No complete checkpoint at {checkpoint_path}.")
         return checkpointer, step
 
-    def _restore(
-        self, checkpointer: ckpt_lib.Checkpointer, step: int, abstract: TrainState
-    ) -> TrainState:
-        """The one restore path: the checkpoint at ``step``, laid out like ``abstract``.
-
-        Only the items ``abstract`` has leaves for and the checkpoint holds are read (evaluation
-        asks for no optimizer state); ``ema_params`` is None when the checkpoint has no EMA.
-        """
-        meta = checkpointer.restore_meta(step)
-        items: dict[str, Any] = {
-            "model": {
-                "step": abstract.step,
-                "params": abstract.params,
-                "model_state": abstract.model_state,
-            }
-        }
-        if meta.get("has_optimizer", True) and jax.tree.leaves(abstract.opt_state):
-            items["optimizer"] = abstract.opt_state
-        if meta.get("has_ema") and jax.tree.leaves(abstract.ema_params):
-            items["ema"] = abstract.ema_params
-        restored = checkpointer.restore(step, **items)
-        model = restored["model"]
-        return TrainState(
-            step=model["step"],
-            params=model["params"],
-            model_state=model["model_state"],
-            opt_state=restored.get("optimizer", abstract.opt_state),
-            ema_params=restored.get("ema"),
-        )
-
     def _train_state(self, checkpointer: ckpt_lib.Checkpointer, step: int, sample: Any) -> Any:
         """The train state at ``step`` (restored), or initialised from ``sample`` at step 0."""
         if not step:
@@ -406,7 +378,7 @@ class Estimator:
         abstract = self._with_replicated_sharding(
             jax.eval_shape(self._init_fn, self._base_rng, *sample)
         )
-        state = self._restore(checkpointer, step, abstract)
+        state = checkpointer.restore_state(step, abstract)
         if state.ema_params is None:
             if jax.tree.leaves(abstract.ema_params):
                 logging.warning(
@@ -422,7 +394,7 @@ class Estimator:
         step = self._get_checkpointer().latest_step()
         if step is None:
             return None
-        return os.path.join(ckpt_lib.checkpoint_dir(self.model_dir), str(step))
+        return ckpt_lib.step_path(self.model_dir, step)
 
     def get_global_step(self) -> int:
         """Returns the step of the newest checkpoint in ``model_dir`` (0 if there is none)."""
@@ -438,8 +410,7 @@ class Estimator:
         if step is None:
             raise FileNotFoundError(f"No checkpoint in {self.model_dir}: train first.")
         # Host numpy whatever devices wrote it: no abstract layout on this mesh to restore to.
-        model = checkpointer.restore_numpy(step, "model")
-        return {"params": model["params"], **model.get("model_state", {})}
+        return ckpt_lib.variables_of(checkpointer.restore_numpy(step, ckpt_lib.MODEL_ITEM))
 
     def _load_variables(
         self, sample: Any, mode: str, checkpoint_path: str | None
@@ -472,7 +443,7 @@ class Estimator:
             opt_state={},
             ema_params=params,  # read only if the checkpoint has an EMA
         )
-        state = self._restore(checkpointer, step, abstract)
+        state = checkpointer.restore_state(step, abstract)
         chosen = state.params if state.ema_params is None else state.ema_params
         return {"params": chosen, **state.model_state}, step
 
@@ -590,7 +561,7 @@ class Estimator:
                 self._run_training(input_fn, steps, max_steps, listeners, user_hooks)
                 break
             except ckpt_lib.CorruptCheckpointError as e:
-                # issue 15: the damaged step (one without a manifest that Orbax could not read)
+                # The damaged step (one without a manifest that Orbax could not read)
                 # has been set aside, so this cannot repeat for it: resume from the previous one.
                 logging.warning("%s Resuming from the previous checkpoint now.", e)
         return self
@@ -939,7 +910,7 @@ class Estimator:
         if subdir not in self._summaries:
             self._summaries[subdir] = summaries_lib.Summaries(
                 os.path.join(self.model_dir, subdir),
-                # issue 15: a redone evaluation adds no second point at a step.
+                # A redone evaluation (killed before it was recorded) adds no second point.
                 unique_steps=subdir.startswith("eval"),
             )
         return self._summaries[subdir]

@@ -14,8 +14,6 @@ from typing import Any
 import numpy as np
 from absl import logging
 
-from estimax.estimator.steps import INVALID_LABEL_EXAMPLE, INVALID_LABELS, LABEL_CLASSES
-
 __all__ = ["InvalidLabelError", "InvalidLabelCheck"]
 
 
@@ -24,7 +22,7 @@ class InvalidLabelError(ValueError):
 
 
 class InvalidLabelCheck:
-    """Takes the label-check metrics out of a loop's metrics; raises, or counts and warns.
+    """Reads a loop's label-check signals; raises, or counts and warns.
 
     Args:
       checkpointer: its ``intact()`` (the latest checkpoint) is named in the error.
@@ -39,10 +37,11 @@ class InvalidLabelCheck:
         self.count = 0
 
     def after_loop(self, loop: Any) -> None:
-        """``loop``: has ``begin``, ``end`` and ``metrics`` (``{name: [steps]}`` on the host)."""
-        counts = loop.metrics.pop(INVALID_LABELS, None)
-        examples = loop.metrics.pop(INVALID_LABEL_EXAMPLE, None)
-        classes = loop.metrics.pop(LABEL_CLASSES, None)
+        """``loop``: has ``begin``, ``end`` and ``signals`` (``steps.Signals`` of ``[steps]``
+        host arrays)."""
+        signals = loop.signals
+        counts = signals.invalid_labels
+        examples, classes = signals.invalid_label_example, signals.label_classes
         if counts is None:
             return
         counts = np.asarray(counts).reshape(-1)

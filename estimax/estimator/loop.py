@@ -42,7 +42,7 @@ from estimax.estimator import hooks as hooks_lib
 from estimax.estimator import summaries as summaries_lib
 from estimax.estimator.label_check import InvalidLabelCheck
 from estimax.estimator.spec import ModeKeys, RunConfig
-from estimax.estimator.steps import SUMMARIES
+from estimax.estimator.steps import Signals, StepOutput
 from estimax.estimator.watchdog import Watchdog
 
 # The share of a loop the devices may sit idle waiting for input before we warn.
@@ -104,25 +104,30 @@ def to_host(tree: Any) -> Any:
 
 
 @jax.jit
-def _stack(metrics_list: list[dict[str, jax.Array]]) -> dict[str, jax.Array]:
-    """``[{name: scalar}] * n -> {name: [n]}`` (compiled once per loop length)."""
-    return {k: jnp.stack([m[k] for m in metrics_list]) for k in metrics_list[0]}
+def _stack(outputs: list[StepOutput]) -> StepOutput:
+    """``[StepOutput of scalars] * n -> StepOutput of [n]`` (compiled once per loop length)."""
+    return jax.tree.map(lambda *steps: jnp.stack(steps), *outputs)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class LoopEnd:
-    """What the host knows at a sync: the loop's steps, their metrics, and where input stands.
+    """What the host knows at a sync: the loop's steps, their outputs, and where input stands.
+
+    Components read it and change nothing in it.
 
     Attributes:
       begin, end: the global step before and after the loop.
-      metrics: ``{name: array [end - begin]}`` per-step values on the host.
+      metrics: ``{"loss": [n], <scalar>: [n]}`` per-step values on the host (``n = end -
+        begin``): the user's metrics, as logged and as hooks see them.
+      signals: the framework's per-step signals (``[n]`` numpy arrays, or None).
       input_state: the input position after the last batch trained on (None: not resumable).
       skipped: bad records the input has skipped so far (None: it cannot say).
     """
 
     begin: int
     end: int
-    metrics: dict[str, np.ndarray]
+    metrics: Mapping[str, np.ndarray]
+    signals: Signals
     input_state: Any
     skipped: int | None
 
@@ -138,7 +143,7 @@ class NonfiniteCheck:
         self._checkpointer = checkpointer
 
     def after_loop(self, loop: LoopEnd) -> None:
-        if "nonfinite_skipped" in loop.metrics:
+        if loop.signals.nonfinite_skipped is not None:
             return  # skip_nonfinite_steps: such steps made no update (SkippedStepsReport)
         losses = loop.metrics["loss"]
         bad = np.flatnonzero(~np.isfinite(losses))
@@ -159,7 +164,7 @@ class SkippedStepsReport:
         self.count = 0
 
     def after_loop(self, loop: LoopEnd) -> None:
-        flags = loop.metrics.pop("nonfinite_skipped", None)
+        flags = loop.signals.nonfinite_skipped
         if flags is None:
             return
         skipped = np.flatnonzero(np.asarray(flags).reshape(-1) > 0)
@@ -366,11 +371,9 @@ class Saver:
             due = distributed.agree(due)
         if not (due or final):
             return False
-        self._checkpointer.save(
+        self._checkpointer.save_state(
             loop.end,
-            {"step": state.step, "params": state.params, "model_state": state.model_state},
-            state.opt_state,
-            state.ema_params,
+            state,
             loop.input_state,
             input_states=(
                 distributed.allgather_json(loop.input_state) if jax.process_count() > 1 else None
@@ -399,7 +402,7 @@ class Setup:
       config, model_dir, clock: the Estimator's.
       checkpointer: where checkpoints go.
       summaries: the training summaries (None on processes other than the chief).
-      step_fn: ``(state, rng, features, labels) -> (state, metrics)`` on the mesh.
+      step_fn: ``(state, rng, features, labels) -> (state, StepOutput)`` on the mesh.
       rng: the replicated base key.
       state: the restored or initial train state.
       feeder: the bounded device prefetch of the input; ``fed``: its first batch.
@@ -463,10 +466,10 @@ class TrainingRun:
             length = hooks.loop_end(
                 begin, min(begin + self.setup.config.iterations_per_loop, target)
             )
-            metrics = self._steps(length - begin, traced=hooks.before_run(begin))
-            if not metrics:
+            outputs = self._steps(length - begin, traced=hooks.before_run(begin))
+            if not outputs:
                 break
-            loop = self._sync(begin, metrics)
+            loop = self._sync(begin, outputs)
             for report in self.reports:
                 report.after_loop(loop)
             self.stopped = hooks.after_run(begin, self.step, loop.metrics)
@@ -498,10 +501,11 @@ class TrainingRun:
         return self.step
 
     def _steps(self, count: int, traced: bool) -> list[Any]:
-        """Dispatches up to ``count`` steps, one queued behind the running one; their metrics."""
+        """Dispatches up to ``count`` steps, one queued behind the running one; their outputs
+        (summaries left out: ``_keep_summaries`` keeps the summary steps' ones)."""
         s, feeder, idle = self.setup, self.setup.feeder, self.idle
         step_fn, rng, watchdog, notice = s.step_fn, s.rng, self.watchdog, self.notice
-        metrics_list: list[Any] = []
+        outputs: list[StepOutput] = []
         previous = fed = None
         state, step = self.state, self.step
         for _ in range(count):
@@ -510,9 +514,9 @@ class TrainingRun:
                 break
             step += 1
             with jax.profiler.StepTraceAnnotation("train", step_num=step) if traced else _NO_SCOPE:
-                state, metrics = step_fn(state, rng, *fed.value)
-            self._keep_summaries(step, metrics.pop(SUMMARIES, None))
-            metrics_list.append(metrics)
+                state, out = step_fn(state, rng, *fed.value)
+            self._keep_summaries(step, out.summaries)
+            outputs.append(out.replace(summaries=None))
             self._input_state, self._skipped = fed.input_state, fed.num_skipped
             fed = None  # its device buffers go once the step is done with them
             if previous is not None:
@@ -520,7 +524,7 @@ class TrainingRun:
                 # (holding batches) by more than that, whatever the loop length.
                 previous.block_until_ready()
                 watchdog.heartbeat(step - 1)
-            previous = metrics["loss"]
+            previous = out.loss
             if notice.reached(step):
                 # Every process stops after this same step and saves it (see PreemptionNotice);
                 # the batches read ahead are not trained on.
@@ -530,7 +534,7 @@ class TrainingRun:
             feeder.fill()  # read and transfer the next batches while this step runs
             idle.after_read(previous, feeder.input_wait_secs - waited)
         self.state, self.step = state, step
-        return metrics_list
+        return outputs
 
     def _keep_summaries(self, step: int, summaries: Any) -> None:
         """Keeps a step's image/histogram/text summaries if it is a summary step; others' are
@@ -540,17 +544,19 @@ class TrainingRun:
             if periodic.steps_due(step - 1, step, every, self.setup.start + 1):
                 self._summaries.append((step, summaries))
 
-    def _sync(self, begin: int, metrics_list: list[Any]) -> LoopEnd:
-        """The loop's one host sync: its per-step metrics as ``{name: [n]}`` numpy arrays."""
+    def _sync(self, begin: int, outputs: list[StepOutput]) -> LoopEnd:
+        """The loop's one host sync: its per-step outputs as ``[n]`` numpy arrays."""
         if self._summaries and self.setup.summaries is not None:
             for step, values in to_host(self._summaries):
                 self.setup.summaries.summaries(step, values)
             self._summaries = []
         # Stacked on the devices: one transfer per metric, not one per step and metric (that
         # cost 6 us per step of host time, bench/overhead.py).
-        if len(metrics_list) == 1:  # nothing to stack: spare the dispatch (iterations_per_loop=1)
-            metrics = {k: np.reshape(v, (1,)) for k, v in to_host(metrics_list[0]).items()}
+        if len(outputs) == 1:  # nothing to stack: spare the dispatch (iterations_per_loop=1)
+            host = jax.tree.map(lambda v: np.reshape(v, (1,)), to_host(outputs[0]))
         else:
-            metrics = to_host(_stack(metrics_list))
+            host = to_host(_stack(outputs))
         self.watchdog.heartbeat(self.step)
-        return LoopEnd(begin, self.step, metrics, self._input_state, self._skipped)
+        return LoopEnd(
+            begin, self.step, host.metrics(), host.signals, self._input_state, self._skipped
+        )

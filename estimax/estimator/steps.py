@@ -12,6 +12,7 @@ it global (the Estimator does that wiring); without it, it is an ordinary single
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, cast
@@ -178,6 +179,63 @@ def init_state(model: nn.Module, rng: jax.Array, batch: tuple[Any, Any]) -> Trai
     )
 
 
+@struct.dataclass
+class Signals:
+    """What a training step tells the loop besides the user's metrics (None: not computed).
+
+    Attributes:
+      nonfinite_skipped: float32, 1.0 if the step was skipped for a non-finite loss or gradient
+        (``RunConfig.skip_nonfinite_steps``), else 0.0; None without that option.
+      invalid_labels: float32, the integer labels outside ``[0, num_classes)`` over every loss
+        and replica (``losses.label_checks``); None when no loss took integer labels.
+      invalid_label_example: float32, the largest such label (meaningful when the count is > 0).
+      label_classes: float32, the number of classes of the first checked loss.
+    """
+
+    nonfinite_skipped: jax.Array | None = None
+    invalid_labels: jax.Array | None = None
+    invalid_label_example: jax.Array | None = None
+    label_classes: jax.Array | None = None
+
+
+@struct.dataclass
+class StepOutput:
+    """What one training step returns besides the state; stacked, what one loop returns.
+
+    The user's metrics, the framework's signals and the summaries are separate fields, so no
+    name a user picks can collide with the loop's own. Each leaf is a scalar per step (``[n]``
+    once a loop's outputs are stacked).
+
+    Attributes:
+      loss: float32, the mean loss over replicas.
+      scalars: ``EstimatorSpec.scalars`` (float32, means over replicas).
+      signals: the framework's per-step signals.
+      summaries: ``EstimatorSpec.summaries`` reduced over replicas (images, histograms, text),
+        or None; never kept per step (the loop keeps summary steps' only).
+    """
+
+    loss: jax.Array
+    scalars: dict[str, jax.Array]
+    signals: Signals
+    summaries: dict[str, Any] | None = None
+
+    def metrics(self) -> dict[str, Any]:
+        """``{"loss": ..., <scalar>: ...}``: what is logged and what hooks see."""
+        return {"loss": self.loss, **self.scalars}
+
+    def __getitem__(self, name: str) -> Any:
+        """A metric by name, else a signal by its field name (convenient in tests)."""
+        metrics = self.metrics()
+        if name in metrics:
+            return metrics[name]
+        if name in _SIGNAL_NAMES and getattr(self.signals, name) is not None:
+            return getattr(self.signals, name)
+        raise KeyError(name)
+
+
+_SIGNAL_NAMES = frozenset(f.name for f in dataclasses.fields(Signals))
+
+
 def train_step(
     model: nn.Module,
     state: TrainState,
@@ -186,7 +244,7 @@ def train_step(
     *,
     axis_name: str | None = None,
     skip_nonfinite: bool = False,
-) -> tuple[TrainState, dict[str, jax.Array]]:
+) -> tuple[TrainState, StepOutput]:
     """One optimizer step on ``batch`` = (features, labels).
 
     The dropout key of the step is ``rng`` folded with ``state.step`` (and the replica index
@@ -205,8 +263,8 @@ def train_step(
         input position and schedules stay aligned); decided on the device, no host sync.
 
     Returns:
-      (the state after the step, ``{"loss": [], <spec.scalars>: []}`` float32 scalars; with
-      ``skip_nonfinite`` also ``"nonfinite_skipped"``: 1.0 if this step was skipped, else 0.0).
+      (the state after the step, its ``StepOutput``: the loss and the spec's scalars as float32
+      scalars, the label check and, with ``skip_nonfinite``, whether the step was skipped).
     """
     step = state.step
     spec, loss, new_model_state, aux, grads = _gradients(model, state, batch, rng, axis_name)
@@ -220,23 +278,22 @@ def train_step(
     # Batch statistics are computed per replica; keep one consistent (averaged) copy.
     new_model_state = mean(dict(new_model_state))
     ema = _ema(spec.ema_decay, step, state.ema_params, params)
-    metrics = {"loss": mean(loss)}
-    for name, value in aux["scalars"].items():
-        metrics[name] = mean(jnp.asarray(value, jnp.float32))
-    metrics.update(_label_metrics(aux["label_checks"], axis_name))
-    if aux["summaries"]:
-        # Not per-step scalars: the loop takes them out at once and keeps summary steps' only.
-        metrics[SUMMARIES] = summary_lib.reduce(aux["summaries"], axis_name)
+    loss = mean(loss)
+    scalars = {k: mean(jnp.asarray(v, jnp.float32)) for k, v in aux["scalars"].items()}
+    signals = _label_signals(aux["label_checks"], axis_name)
     if skip_nonfinite:
         # The gradients are already averaged over replicas, so every replica decides alike.
-        finite = jnp.isfinite(metrics["loss"]) & _all_finite(grads)
+        finite = jnp.isfinite(loss) & _all_finite(grads)
         params, opt_state, new_model_state, ema = jax.tree.map(
             lambda new, old: jnp.where(finite, new, old),
             (params, opt_state, new_model_state, ema),
             (state.params, state.opt_state, dict(state.model_state), state.ema_params),
         )
-        metrics["nonfinite_skipped"] = jnp.where(finite, 0.0, 1.0).astype(jnp.float32)
-    return TrainState(step + 1, params, new_model_state, opt_state, ema), metrics
+        skipped = jnp.where(finite, 0.0, 1.0).astype(jnp.float32)
+        signals = dataclasses.replace(signals, nonfinite_skipped=skipped)
+    summaries = summary_lib.reduce(aux["summaries"], axis_name) if aux["summaries"] else None
+    out = StepOutput(loss, scalars, signals, summaries)
+    return TrainState(step + 1, params, new_model_state, opt_state, ema), out
 
 
 def _gradients(
@@ -295,17 +352,14 @@ def _ema(decay: float | None, step: jax.Array, ema: Any, params: Any) -> Any:
     return jax.tree.map(lambda e, p: rate * e + (1.0 - rate) * p, ema, params)
 
 
-# Per-step metrics of the label check (see ``losses.label_checks``); the loop raises on them.
-INVALID_LABELS = "invalid_labels"
-INVALID_LABEL_EXAMPLE = "invalid_label_example"
-LABEL_CLASSES = "label_classes"
-# The step's reduced ``EstimatorSpec.summaries`` (images, histograms, text) in its metrics.
-SUMMARIES = "summaries"
-
-
 def _scalars(scalars: Any) -> dict[str, Any]:
     """``EstimatorSpec.scalars`` as a dict, refusing values that are not one number."""
     out = dict(scalars or {})
+    if "loss" in out:
+        raise ValueError(
+            "EstimatorSpec(scalars={'loss': ...}): 'loss' is the training loss, which the "
+            "Estimator writes itself; give this scalar another name (e.g. 'total_loss')."
+        )
     for name, value in out.items():
         shape = jnp.shape(value)
         if int(np.prod(shape)) != 1:
@@ -317,22 +371,22 @@ def _scalars(scalars: Any) -> dict[str, Any]:
     return out
 
 
-def _label_metrics(
+def _label_signals(
     checks: list[tuple[jax.Array, jax.Array, int]], axis_name: str | None
-) -> dict[str, jax.Array]:
+) -> Signals:
     """The step's label check over all losses and replicas: the invalid count, the largest
-    invalid label and the class count (empty when no loss took integer labels)."""
+    invalid label and the class count (all None when no loss took integer labels)."""
     if not checks:
-        return {}
+        return Signals()
     count = sum((c for c, _, _ in checks), jnp.int32(0))
     example = jnp.max(jnp.stack([e for _, e, _ in checks]))
     if axis_name is not None:
         count, example = lax.psum(count, axis_name), lax.pmax(example, axis_name)
-    return {
-        INVALID_LABELS: count.astype(jnp.float32),
-        INVALID_LABEL_EXAMPLE: example.astype(jnp.float32),
-        LABEL_CLASSES: jnp.float32(checks[0][2]),
-    }
+    return Signals(
+        invalid_labels=count.astype(jnp.float32),
+        invalid_label_example=example.astype(jnp.float32),
+        label_classes=jnp.float32(checks[0][2]),
+    )
 
 
 def _all_finite(tree: Any) -> jax.Array:
@@ -369,9 +423,26 @@ def eval_step(
     if spec.loss is not None:
         total, count = mean_loss(spec.loss, mask)
         out["loss"] = metrics_lib.Mean(total, count)
-    for name, metric in metrics_lib.from_spec(spec.eval_metrics).items():
+    for name, metric in _eval_metrics(spec).items():
         out[name] = metric.reduce(mask)
     return out if axis_name is None else lax.psum(out, axis_name)
+
+
+# Keys ``Estimator.evaluate`` sets in its results itself (the original refused "loss" too).
+_EVAL_RESULT_KEYS = ("loss", "global_step", "num_examples")
+
+
+def _eval_metrics(spec: EstimatorSpec) -> dict[str, metrics_lib.PerExample]:
+    """The spec's eval metrics, refusing a name the evaluation results use for their own."""
+    metrics = metrics_lib.from_spec(spec.eval_metrics)
+    for name in _EVAL_RESULT_KEYS:
+        if name in metrics:
+            raise ValueError(
+                f"EstimatorSpec(eval_metrics={{{name!r}: ...}}): {name!r} is a key the "
+                "evaluation results set themselves (loss, global_step, num_examples); give "
+                "this metric another name."
+            )
+    return metrics
 
 
 def predict_step(model: nn.Module, variables: Any, step: jax.Array, features: Any) -> Any:

@@ -113,7 +113,8 @@ def _is_tf_checkpoint(path: str) -> bool:
 
 
 def _estimax_variables(path: str) -> tuple[dict[str, Any], str]:
-    """The ``model`` item (params, model_state) of an estimax checkpoint at ``path``."""
+    """The variables (``{"params": ..., <collection>: ...}``) of an estimax checkpoint at
+    ``path``, and the checkpoint's directory."""
     from estimax.estimator import checkpoints
 
     path = path.rstrip("/")
@@ -130,10 +131,10 @@ def _estimax_variables(path: str) -> tuple[dict[str, Any], str]:
                 f"--warm_start_from={path}: neither a TensorFlow checkpoint ('checkpoint' file or "
                 "model.ckpt-N.index) nor an estimax model_dir with checkpoints"
             )
-        model = checkpointer.restore_numpy(step, "model")
+        model = checkpointer.restore_numpy(step, checkpoints.MODEL_ITEM)
     finally:
         checkpointer.close()
-    return dict(model), checkpointer.step_dir(step)
+    return checkpoints.variables_of(model), checkpointer.step_dir(step)
 
 
 def _flat(tree: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
@@ -196,7 +197,7 @@ def _from_estimax(
 ) -> dict[str, Any]:
     """``variables`` with an estimax checkpoint's variables in, matched by path and shape."""
     saved, report.source = _estimax_variables(settings.ckpt_to_initialize_from)
-    source_vars = _flat({"params": saved.get("params", {}), **saved.get("model_state", {})})
+    source_vars = _flat(saved)
     loaded = copy_tree(variables)
     for key, ours in _flat(variables).items():
         name = "/".join(key)

@@ -1,4 +1,4 @@
-"""Flax models: ResNet v1 18-200, Inception v3 and v4 (and the lead's MNIST CNN in ``mnist``).
+"""Flax models: ResNet v1 18-200, Inception v3 and v4, EfficientNet B0-B7 (MNIST CNN: ``mnist``).
 
 Every image model is called as ``model.apply(variables, x, train=..., mutable=[...])`` with
 ``x: [B, H, W, 3]`` float and returns float32 logits ``[B, num_classes]`` -- the Inceptions return
@@ -18,6 +18,7 @@ from typing import Any
 import flax.linen as nn
 
 from estimax.models import inception_v3, inception_v4, resnet
+from estimax.models.efficientnet import EFFICIENTNETS, EfficientNet, EfficientNetTiny
 from estimax.models.inception_v3 import InceptionV3, InceptionV3Tiny
 from estimax.models.inception_v4 import InceptionV4, InceptionV4Tiny
 from estimax.models.resnet import (
@@ -49,6 +50,9 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "inception_v3_tiny": InceptionV3Tiny,
     "inception_v4": InceptionV4,
     "inception_v4_tiny": InceptionV4Tiny,
+    # efficientnet_b0 .. efficientnet_b7
+    **{name.replace("-", "_"): variant for name, (variant, _) in EFFICIENTNETS.items()},
+    "efficientnet_tiny": EfficientNetTiny,
 }
 
 
@@ -110,4 +114,7 @@ __all__ = [
     "InceptionV3Tiny",
     "InceptionV4",
     "InceptionV4Tiny",
+    "EFFICIENTNETS",
+    "EfficientNet",
+    "EfficientNetTiny",
 ]

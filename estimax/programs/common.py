@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import os
 import posixpath
 import time
 from collections.abc import Callable
@@ -401,6 +400,35 @@ class LoopConfig:
         )
 
 
+def resnet_style_configs(
+    fv: flags.FlagValues, num_shards: int | None
+) -> tuple[ex.RunConfig, LoopConfig]:
+    """The RunConfig and loop of the flags resnet_main.py and EfficientNet's main.py share.
+
+    ``--iterations_per_loop``, ``--save_checkpoints_steps`` (default max(100,
+    iterations_per_loop), as both originals), ``--log_step_count_steps``, ``--steps_per_eval``,
+    ``--num_eval_images``, ``--num_train_images`` and ``run_flags``' flags.
+    """
+    config = ex.RunConfig(
+        model_dir=fv.model_dir,
+        iterations_per_loop=fv.iterations_per_loop,
+        num_shards=num_shards,
+        save_checkpoints_steps=fv.save_checkpoints_steps or max(100, fv.iterations_per_loop),
+        keep_checkpoint_max=fv.keep_checkpoint_max,
+        log_step_count_steps=fv.log_step_count_steps,
+        watchdog_timeout_secs=fv.watchdog_timeout,
+        profile_steps=cli.profile_steps(fv),
+        skip_nonfinite_steps=fv.skip_nonfinite_steps,
+    )
+    loop = LoopConfig.from_flags(
+        fv,
+        steps_per_eval=fv.steps_per_eval,
+        eval_examples=fv.num_eval_images,
+        train_examples=fv.num_train_images,
+    )
+    return config, loop
+
+
 @dataclasses.dataclass(frozen=True)
 class Job:
     """Everything the shared tail needs, gathered by a program from its flags.
@@ -416,6 +444,8 @@ class Job:
       serving: the features' spec for ``--export_dir``.
       preprocessing: for image programs, what the server applies to the JPEG/PNG bytes clients
         send (``estimax.serving.resnet_eval(size)``...); None: clients send ``serving`` arrays.
+      eval_preprocess: the input pipeline's eval preprocessing of one encoded image; with
+        ``preprocessing`` declared as data, the export is checked to match it (no skew).
       check_inputs: returns a few examples (encoded images with ``preprocessing``, else an
         array of features) that the export is checked with against ``Estimator.predict``
         before it is published; None, or returning None: no check (fake data has no images).
@@ -436,6 +466,7 @@ class Job:
     params: dict[str, Any] | None = None
     notes: tuple[str, ...] = ()
     preprocessing: Any = None
+    eval_preprocess: Callable[[bytes], Any] | None = None
     check_inputs: Callable[[], Any] | None = None
     export_tolerance: tuple[float, float] = (1e-3, 1e-4)
     # --warm_start_from: used only while model_dir has no checkpoint.
@@ -468,7 +499,7 @@ def checkpoint_path(model_dir: str, step: int) -> str:
     """The path ``Estimator.evaluate(checkpoint_path=...)`` takes for ``step`` in ``model_dir``."""
     from estimax.estimator import checkpoints
 
-    return os.path.join(checkpoints.checkpoint_dir(model_dir), str(step))
+    return checkpoints.step_path(model_dir, step)
 
 
 def evaluate_checkpoints(
@@ -587,6 +618,7 @@ def export(est: Any, job: Job) -> str:
         check_inputs=job.check_inputs() if job.check_inputs else None,
         rtol=rtol,
         atol=atol,
+        eval_preprocess=job.eval_preprocess,
     )
     logging.info("Exported the model to %s", path)
     return path

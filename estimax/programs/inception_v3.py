@@ -281,21 +281,11 @@ def define_flags(fv: flags.FlagValues, variant: Variant = V3) -> None:
 def make_optimizer(name: str, schedule: optax.Schedule) -> optax.GradientTransformation:
     """The original's optimizers, on optax.
 
-    ``RMS`` is ``tf.train.RMSPropOptimizer(lr, decay=0.9, momentum=0.9, epsilon=1.0)``, whose
-    update is ``ms = 0.9 ms + 0.1 g^2`` (``ms`` starts at 1, not 0), ``mom = 0.9 mom + lr * g /
-    sqrt(ms + eps)`` (epsilon *inside* the square root), ``w -= mom``. ``optax.rmsprop`` would
-    apply the learning rate after the momentum, which differs from TF whenever the rate changes,
-    so the chain is spelled out: ``scale_by_rms(initial_scale=1, eps_in_sqrt=True)``, then the
-    rate, then the momentum trace.
+    ``RMS`` is ``tf.train.RMSPropOptimizer(lr, decay=0.9, momentum=0.9, epsilon=1.0)``
+    (``schedules.tf_rmsprop``: TF's update, epsilon inside the square root).
     """
     if name == "RMS":
-        return optax.chain(
-            optax.scale_by_rms(
-                decay=RMSPROP_DECAY, eps=RMSPROP_EPSILON, initial_scale=1.0, eps_in_sqrt=True
-            ),
-            optax.scale_by_learning_rate(schedule),
-            optax.trace(decay=RMSPROP_MOMENTUM),
-        )
+        return schedules.tf_rmsprop(schedule, RMSPROP_DECAY, RMSPROP_MOMENTUM, RMSPROP_EPSILON)
     if name == "momentum":
         return optax.sgd(schedule, momentum=0.9)
     if name == "sgd":

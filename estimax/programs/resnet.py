@@ -22,7 +22,6 @@ import functools
 from typing import Any
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -30,10 +29,10 @@ from absl import flags, logging
 
 import estimax as ex
 from estimax import ops, serving
-from estimax.data import bigtable, imagenet, preprocessing
+from estimax.data import bigtable, imagenet
 from estimax.models import resnet as resnet_model
 from estimax.models.resnet import RESNET_DEPTHS, resnet_v1
-from estimax.programs import cli, common, flagspec, logs, schedules
+from estimax.programs import classifier, cli, common, flagspec, logs, schedules
 from estimax.programs.family import Family
 
 # What the result line shows: "Eval results at step N: top_1_accuracy = ... on N images".
@@ -257,52 +256,20 @@ def make_model_fn(cfg: ResNetConfig):
     schedule = schedules.resnet_schedule(
         cfg.base_learning_rate, cfg.train_batch_size, cfg.num_train_images
     )
-
-    def model_fn(features, labels, mode, params):
-        """features: [B, S, S, 3] uint8 (or float) in [0, 255]; labels: [B] int32 in [0, C)."""
-        del params
-        if isinstance(features, dict):
-            features = features["feature"]
-        model = build_model(cfg)
-        # Normalised on the device, as the original, so the host ships uint8.
-        images = preprocessing.normalize(features, jnp, dtype=model.dtype)
-        logits = model(images, train=mode == ex.ModeKeys.TRAIN)  # float32
-        predictions = {
-            "classes": jnp.argmax(logits, axis=1),
-            "probabilities": jax.nn.softmax(logits),
-        }
-        if mode == ex.ModeKeys.PREDICT:
-            return ex.EstimatorSpec(
-                mode=mode, predictions=predictions, export_outputs={"classify": predictions}
-            )
-        loss = ex.losses.softmax_cross_entropy(logits, labels, label_smoothing=cfg.label_smoothing)
-        step = ex.get_global_step()
-        learning_rate = schedule(step)
-        scalars = None
-        if cfg.write_scalars:
-            scalars = {
-                "learning_rate": learning_rate,
-                "current_epoch": schedules.current_epoch(
-                    step, cfg.train_batch_size, cfg.num_train_images
-                ),
-            }
-        return ex.EstimatorSpec(
-            mode=mode,
-            loss=loss,
+    return classifier.make_model_fn(
+        classifier.Recipe(
+            network=functools.partial(build_model, cfg),
             # tf.train.MomentumOptimizer(lr, momentum, use_nesterov=True): momentum accumulates
             # the raw gradient and the rate scales it after, as optax.sgd does.
             optimizer=optax.sgd(schedule, momentum=cfg.momentum, nesterov=True),
-            # The Estimator adds weight_decay * sum(l2_loss(w)) over non-batch-norm weights.
+            schedule=schedule,
+            train_batch_size=cfg.train_batch_size,
+            num_train_images=cfg.num_train_images,
+            label_smoothing=cfg.label_smoothing,
             weight_decay=cfg.weight_decay,
-            eval_metrics={
-                "top_1_accuracy": ex.metrics.accuracy(labels, logits),
-                "top_5_accuracy": ex.metrics.top_k_accuracy(labels, logits, k=5),
-            },
-            predictions=predictions,
-            scalars=scalars,
+            write_scalars=cfg.write_scalars,
         )
-
-    return model_fn
+    )
 
 
 def bigtable_table(fv: flags.FlagValues) -> bigtable.BigtableTable:
@@ -371,21 +338,6 @@ def make_inputs(fv: flags.FlagValues) -> tuple[Any, str | None, list[str]]:
     return functools.partial(inputs, data_dir, fake_data=fake_kind), data_dir, notes
 
 
-def run_config(fv: flags.FlagValues) -> ex.RunConfig:
-    """The ``RunConfig`` of resnet_main.py's flags."""
-    return ex.RunConfig(
-        model_dir=fv.model_dir,
-        iterations_per_loop=fv.iterations_per_loop,
-        num_shards=common.resolve_num_shards(fv.num_cores, "num_cores"),
-        save_checkpoints_steps=fv.save_checkpoints_steps or max(100, fv.iterations_per_loop),
-        keep_checkpoint_max=fv.keep_checkpoint_max,
-        log_step_count_steps=fv.log_step_count_steps,
-        watchdog_timeout_secs=fv.watchdog_timeout,
-        profile_steps=cli.profile_steps(fv),
-        skip_nonfinite_steps=fv.skip_nonfinite_steps,
-    )
-
-
 def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
     """Flags -> config -> Estimator -> the mode loop. Returns the last eval results, if any."""
     logs.setup()
@@ -393,18 +345,15 @@ def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
     common.check_locations(fv)
     check_flags(fv)
     inputs, data_dir, notes = make_inputs(fv)
-    loop = common.LoopConfig.from_flags(
-        fv,
-        steps_per_eval=fv.steps_per_eval,
-        eval_examples=fv.num_eval_images,
-        train_examples=fv.num_train_images,
+    config, loop = common.resnet_style_configs(
+        fv, num_shards=common.resolve_num_shards(fv.num_cores, "num_cores")
     )
     return common.run(
         common.Job.for_family(
             FAMILY,
             fv,
             config_from_flags(fv),
-            config=run_config(fv),
+            config=config,
             loop=loop,
             notes=tuple(notes),
             input_fn=inputs,

@@ -7,8 +7,10 @@ The arithmetic follows the original's TF graphs literally (float32 epoch = step 
 ``tf.where`` chains, ``tf.train.exponential_decay``), so boundary steps land where they did there.
 
 Sources: resnet_main.py's ``learning_rate_schedule``, inception_v3.py / inception_v4.py's
-``inception_model_fn``, mnist_tpu.py. They live beside the programs because they are recipes of
-particular models; ``estimax.estimator`` knows no model.
+``inception_model_fn``, EfficientNet's main.py and ``utils.build_learning_rate``, mnist_tpu.py.
+They live beside the programs because they are recipes of particular models;
+``estimax.estimator`` knows no model. ``tf_rmsprop`` is the optimizer the Inception and
+EfficientNet recipes drive: TF1's RMSProp, whose update optax's ``rmsprop`` does not reproduce.
 """
 
 from __future__ import annotations
@@ -235,6 +237,72 @@ def inception_v4_schedule(
         return jnp.maximum(lr, jnp.float32(final))
 
     return schedule
+
+
+def efficientnet_schedule(
+    base_learning_rate: float,
+    train_batch_size: int,
+    num_train_images: int = NUM_TRAIN_IMAGES,
+    *,
+    decay_factor: float = 0.97,
+    decay_epochs: float = 2.4,
+    warmup_epochs: float = 5,
+) -> optax.Schedule:
+    """EfficientNet: linear warm-up, then staircase exponential decay (efficientnet main.py).
+
+    ``scaled_lr = base_learning_rate * train_batch_size / 256``; with ``steps_per_epoch =
+    num_train_images / train_batch_size`` (a float): ``lr = scaled_lr * decay_factor **
+    floor(step / (steps_per_epoch * decay_epochs))`` (``tf.train.exponential_decay(staircase=
+    True)``, whose decay period is fractional), and for ``step < warmup_steps = int(warmup_epochs
+    * steps_per_epoch)`` instead ``scaled_lr * step / warmup_steps`` (``utils.build_learning_rate``
+    with its defaults: ``lr_decay_type='exponential'``).
+
+    Args:
+      base_learning_rate: ``--base_learning_rate`` (0.016 per 256 examples).
+      train_batch_size: ``--train_batch_size`` (global, 2048).
+      num_train_images: ``--num_train_images``.
+      decay_factor: the decay per period (0.97).
+      decay_epochs: epochs per decay period (2.4).
+      warmup_epochs: epochs of linear warm-up (5; 0: none).
+
+    Returns:
+      ``schedule(step) -> float32 lr``.
+    """
+    scaled_lr = base_learning_rate * train_batch_size / 256.0
+    steps_per_epoch = _batches_per_epoch(train_batch_size, num_train_images)
+    decay_steps = steps_per_epoch * decay_epochs
+    if decay_steps <= 0:
+        raise ValueError(f"decay_epochs must be > 0, got {decay_epochs}")
+    warmup_steps = int(warmup_epochs * steps_per_epoch)
+
+    def schedule(step):
+        step = jnp.asarray(step)
+        p = jnp.floor(step.astype(jnp.float32) / jnp.float32(decay_steps))
+        lr = jnp.float32(scaled_lr) * jnp.power(jnp.float32(decay_factor), p)
+        if warmup_steps > 0:
+            warmup = jnp.float32(scaled_lr) * step.astype(jnp.float32) / jnp.float32(warmup_steps)
+            lr = jnp.where(step < warmup_steps, warmup, lr)
+        return lr
+
+    return schedule
+
+
+def tf_rmsprop(
+    learning_rate: optax.ScalarOrSchedule, decay: float, momentum: float, epsilon: float
+) -> optax.GradientTransformation:
+    """``tf.train.RMSPropOptimizer(learning_rate, decay, momentum, epsilon)`` on optax.
+
+    TF1's update is ``ms = decay ms + (1 - decay) g^2`` (``ms`` starts at 1, not 0), ``mom =
+    momentum mom + lr * g / sqrt(ms + epsilon)`` (epsilon *inside* the square root), ``w -=
+    mom``. ``optax.rmsprop`` would apply the learning rate after the momentum, which differs from
+    TF whenever the rate changes, so the chain is spelled out: ``scale_by_rms(initial_scale=1,
+    eps_in_sqrt=True)``, then the rate, then the momentum trace.
+    """
+    return optax.chain(
+        optax.scale_by_rms(decay=decay, eps=epsilon, initial_scale=1.0, eps_in_sqrt=True),
+        optax.scale_by_learning_rate(learning_rate),
+        optax.trace(decay=momentum),
+    )
 
 
 def mnist_schedule(

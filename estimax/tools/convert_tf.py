@@ -109,17 +109,14 @@ def _refuse_existing(model_dir: str) -> None:
 def _write(model_dir: str, step: int, variables: dict, opt_state: Any, ema_params: Any) -> None:
     """Saves the converted state as ``model_dir``'s checkpoint at ``step`` (synchronously)."""
     from estimax.estimator import checkpoints
+    from estimax.estimator.steps import TrainState
 
-    params = variables.pop("params")
+    model_state = dict(variables)
+    params = model_state.pop("params")
+    state = TrainState(jnp.asarray(step, jnp.int32), params, model_state, opt_state, ema_params)
     writer = checkpoints.Checkpointer(model_dir, keep_checkpoint_max=None, async_save=False)
     try:
-        writer.save(
-            step,
-            {"step": np.asarray(step, np.int32), "params": params, "model_state": variables},
-            opt_state,
-            ema_params,
-            None,
-        )
+        writer.save_state(step, state, None)
         writer.wait_until_finished()
     finally:
         writer.close()
