@@ -301,20 +301,21 @@ def step_problem(step_dir: str, step: int) -> str | None:
     files = _step_files(step_dir)
     if not files:
         return "it is empty (a copy that was interrupted, or a directory made by hand)"
-    if "meta/metadata" not in files:
-        return "it is incomplete: meta/metadata is missing (a copy that was interrupted?)"
+    meta_file = f"{META_ITEM}/metadata"  # what Orbax's JsonSave writes
+    if meta_file not in files:
+        return f"it is incomplete: {meta_file} is missing (a copy that was interrupted?)"
     fs, _ = storage.filesystem(step_dir)
     try:
-        with fs.open(files["meta/metadata"], "rb") as f:
+        with fs.open(files[meta_file], "rb") as f:
             meta = json.loads(f.read())
     except (OSError, ValueError):
         return None
     if not isinstance(meta, dict):
         return None
     items = (
-        ["model"]
-        + ["optimizer"] * bool(meta.get("has_optimizer"))
-        + ["ema"] * bool(meta.get("has_ema"))
+        [MODEL_ITEM]
+        + [OPTIMIZER_ITEM] * bool(meta.get("has_optimizer"))
+        + [EMA_ITEM] * bool(meta.get("has_ema"))
     )
     for item in items:
         if not any(rel.startswith(item + "/") for rel in files):
