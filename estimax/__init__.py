@@ -43,10 +43,12 @@ if TYPE_CHECKING:
         StepCounterHook,
         StopAtStepHook,
         stop_if_no_decrease_hook,
+        stop_if_no_increase_hook,
     )
     from estimax.estimator.inputs import numpy_input_fn
     from estimax.estimator.replication import REPLICA_AXIS
     from estimax.estimator.spec import (
+        BestCheckpoint,
         EstimatorSpec,
         EvalSpec,
         InputContext,
@@ -56,6 +58,7 @@ if TYPE_CHECKING:
     )
     from estimax.estimator.training import train_and_evaluate
     from estimax.estimator.warm_start import WarmStartSettings
+    from estimax.serving.exporters import BestExporter, Exporter, FinalExporter, LatestExporter
 
 # Public name -> module that defines it. Imported on first use, so that `import estimax.data`
 # in input worker processes does not pay for importing JAX (1.8 s and ~150 MB each).
@@ -64,6 +67,7 @@ _EXPORTS = {
     "NanLossError": "estimax.estimator.estimator",
     "TrainState": "estimax.estimator.estimator",
     "get_global_step": "estimax.estimator.estimator",
+    "BestCheckpoint": "estimax.estimator.spec",
     "EstimatorSpec": "estimax.estimator.spec",
     "EvalSpec": "estimax.estimator.spec",
     "InputContext": "estimax.estimator.spec",
@@ -80,11 +84,16 @@ _EXPORTS = {
     "StepCounterHook": "estimax.estimator.hooks",
     "StopAtStepHook": "estimax.estimator.hooks",
     "stop_if_no_decrease_hook": "estimax.estimator.hooks",
+    "stop_if_no_increase_hook": "estimax.estimator.hooks",
     "numpy_input_fn": "estimax.estimator.inputs",
     "REPLICA_AXIS": "estimax.estimator.replication",
     "checkpoints_iterator": "estimax.estimator.checkpoints",
     "train_and_evaluate": "estimax.estimator.training",
     "WarmStartSettings": "estimax.estimator.warm_start",
+    "BestExporter": "estimax.serving.exporters",
+    "Exporter": "estimax.serving.exporters",
+    "FinalExporter": "estimax.serving.exporters",
+    "LatestExporter": "estimax.serving.exporters",
 }
 _SUBMODULES = {
     "losses": "estimax.estimator.losses",
@@ -94,11 +103,16 @@ _SUBMODULES = {
 
 # The public names, as _EXPORTS and _SUBMODULES (tests/test_public_api.py checks that they agree).
 __all__ = [
+    "BestCheckpoint",
+    "BestExporter",
     "Estimator",
     "EstimatorSpec",
     "EvalSpec",
+    "Exporter",
+    "FinalExporter",
     "HookSession",
     "InputContext",
+    "LatestExporter",
     "LoggingTensorHook",
     "ModeKeys",
     "NanLossError",
@@ -120,6 +134,7 @@ __all__ = [
     "metrics",
     "numpy_input_fn",
     "stop_if_no_decrease_hook",
+    "stop_if_no_increase_hook",
     "summary",
     "train_and_evaluate",
 ]

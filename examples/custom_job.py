@@ -15,8 +15,10 @@ wheel. Each step is what the article does, in the same order:
 4. ``train_and_evaluate`` on the accelerator(s) JAX finds (CPU, GPU or TPU: the same code).
 5. Export for serving: the eval preprocessing is *declared* (``image_preprocessing``) so the
    server can decode and resize JPEG bytes itself; the export is checked against this file's own
-   eval preprocessing and refused if they disagree (a train/serve skew).
-6. ``estimax serve`` answers TF Serving's REST request with the JPEG of a validation image.
+   eval preprocessing and refused if they disagree (a train/serve skew). The folder names travel
+   with it (``class_names_from_manifest``).
+6. ``estimax serve`` answers TF Serving's REST request with the JPEG of a validation image: its
+   class id and name.
 """
 
 from __future__ import annotations
@@ -161,8 +163,11 @@ def validation_jpegs(data_dir: str) -> tuple[list[bytes], np.ndarray]:
     return images, np.asarray(labels)
 
 
-def serve_and_ask(model_base_path: str, images: list[bytes]) -> list[int]:
-    """Starts ``estimax serve``, POSTs TF Serving's REST request for ``images``, stops it."""
+def serve_and_ask(model_base_path: str, images: list[bytes]) -> list[dict[str, Any]]:
+    """Starts ``estimax serve``, POSTs TF Serving's REST request for ``images``, stops it.
+
+    Returns the predictions: ``classes``, ``class_names``, ``probabilities`` per image.
+    """
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -190,7 +195,7 @@ def serve_and_ask(model_base_path: str, images: list[bytes]) -> list[int]:
             headers={"Content-Type": "application/json"},
         )
         with urllib.request.urlopen(request, timeout=120) as response:
-            return [p["classes"] for p in json.loads(response.read())["predictions"]]
+            return json.loads(response.read())["predictions"]
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -237,25 +242,40 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"on {results['num_examples']} validation images"
     )
 
+    return {
+        "estimator": est,
+        "results": results,
+        "data_dir": data_dir,
+        "image_dir": image_dir,
+        **export_and_serve(est, data_dir, args.work_dir),
+    }
+
+
+def export_and_serve(est: ex.Estimator, data_dir: str, work_dir: str) -> dict[str, Any]:
+    """Steps 5 and 6: the checked export, with the folder names, then a served request."""
     images, labels = validation_jpegs(data_dir)
-    base = os.path.join(args.work_dir, "serving")
+    base = os.path.join(work_dir, "serving")
     version_dir = serving.export_version(
         est,
         base,
         preprocessing=SERVING_PREPROCESSING,
         check_inputs=images[:8],
         eval_preprocess=eval_preprocess,  # refuses the export on a train/serve skew
+        # The folder names, by served class id (the converter's 1-based label - 1).
+        class_names=serving.class_names_from_manifest(data_dir),
     )
     print(f"Exported {version_dir}")
-    served = np.asarray(serve_and_ask(base, images))
-    print(f"Served prediction for validation image #0: class {served[0]}; its label is {labels[0]}")
+    predictions = serve_and_ask(base, images)
+    served = np.asarray([p["classes"] for p in predictions])
+    print(
+        f"Served prediction for validation image #0: class {served[0]} "
+        f"({predictions[0]['class_names']!r}); its label is {labels[0]}"
+    )
     served_accuracy = float((served == labels).mean())
     print(f"Served accuracy on {len(images)} validation JPEGs: {served_accuracy:.4f}")
     return {
-        "estimator": est,
-        "results": results,
-        "data_dir": data_dir,
         "served_classes": served,
+        "served_names": [p["class_names"] for p in predictions],
         "labels": labels,
         "images": images,
         "served_accuracy": served_accuracy,

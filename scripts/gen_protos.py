@@ -24,15 +24,19 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROTOS = os.path.join(ROOT, "estimax", "serving", "protos")
 PACKAGE = "estimax.serving.protos"
-TOP_LEVEL = ("tensorflow", "tensorflow_serving", "kserve")
+TOP_LEVEL = ("tensorflow", "tensorflow_serving")
 # Only these define services; the others get no (empty) *_pb2_grpc.py.
 SERVICES = (
     "tensorflow_serving/apis/prediction_service.proto",
     "tensorflow_serving/apis/model_service.proto",
-    "kserve/grpc_predict_v2.proto",
 )
+# Triton's protos import each other by bare name (`import "model_config.proto"`), so their
+# folder is its own include root: {folder: (its .proto files, those that define services)}.
+FLAT = {"triton": (("grpc_service.proto", "model_config.proto"), ("grpc_service.proto",))}
 GENERATED = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 _IMPORT = re.compile(rf"^(from|import) ({'|'.join(TOP_LEVEL)})(\b)", re.M)
+# `import x_pb2 as ...` in a FLAT folder's generated code.
+_FLAT_IMPORT = re.compile(r"^import (\w+_pb2) as", re.M)
 
 
 def proto_files() -> list[str]:
@@ -60,6 +64,15 @@ def generate(out: str) -> list[str]:
         raise SystemExit("protoc failed (messages above)")
     if protoc.main([*base, f"--grpc_python_out={out}", *SERVICES]) != 0:
         raise SystemExit("protoc failed for the services (messages above)")
+    for folder, (files, services) in FLAT.items():
+        flat_out = os.path.join(out, folder)
+        os.makedirs(flat_out, exist_ok=True)
+        flat = ["protoc", f"-I{os.path.join(PROTOS, folder)}", f"-I{include}"]
+        if (
+            protoc.main([*flat, f"--python_out={flat_out}", f"--pyi_out={flat_out}", *files]) != 0
+            or protoc.main([*flat, f"--grpc_python_out={flat_out}", *services]) != 0
+        ):
+            raise SystemExit(f"protoc failed for {folder}/ (messages above)")
     written = []
     for dirpath, _, names in os.walk(out):
         for name in names:
@@ -70,6 +83,9 @@ def generate(out: str) -> list[str]:
                 text = f.read()
             # `from tensorflow.core... import x` -> `from estimax.serving.protos.tensorflow.core...`
             text = _IMPORT.sub(lambda m: f"{m.group(1)} {PACKAGE}.{m.group(2)}", text)
+            folder = os.path.relpath(dirpath, out).split(os.sep)[0]
+            if folder in FLAT:  # `import x_pb2 as` -> `from estimax.serving.protos.triton import`
+                text = _FLAT_IMPORT.sub(rf"from {PACKAGE}.{folder} import \1 as", text)
             with open(path, "w") as f:
                 f.write(text)
             written.append(os.path.relpath(path, out))

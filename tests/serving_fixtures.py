@@ -42,12 +42,9 @@ def make_jpegs(n: int, seed: int = 0) -> tuple[list[bytes], np.ndarray]:
     return images, np.asarray(labels, np.int32)
 
 
-def model_fn(features, labels, mode, params):
-    """The resnet program's model_fn, tiny: uint8 [B, S, S, 3] -> classes, probabilities."""
-    del params
-    model = get_model("resnet_tiny", num_classes=NUM_CLASSES, dtype=jnp.bfloat16)
-    images = preprocessing.normalize(features, jnp, dtype=jnp.bfloat16)
-    logits = model(images, train=mode == ex.ModeKeys.TRAIN).astype(jnp.float32)
+def classify_spec(logits, labels, mode, **train):
+    """The classifier's EstimatorSpec: classes and probabilities; SGD with momentum (and
+    ``train``'s extra fields, e.g. ema_decay) to train."""
     predictions = {"classes": jnp.argmax(logits, axis=1), "probabilities": jax.nn.softmax(logits)}
     if mode == ex.ModeKeys.PREDICT:
         return ex.EstimatorSpec(
@@ -57,9 +54,18 @@ def model_fn(features, labels, mode, params):
         mode=mode,
         loss=ex.losses.softmax_cross_entropy(logits, labels),
         optimizer=optax.sgd(0.05, momentum=0.9),
-        ema_decay=0.9,
         predictions=predictions,
+        **train,
     )
+
+
+def model_fn(features, labels, mode, params):
+    """The resnet program's model_fn, tiny: uint8 [B, S, S, 3] -> classes, probabilities."""
+    del params
+    model = get_model("resnet_tiny", num_classes=NUM_CLASSES, dtype=jnp.bfloat16)
+    images = preprocessing.normalize(features, jnp, dtype=jnp.bfloat16)
+    logits = model(images, train=mode == ex.ModeKeys.TRAIN).astype(jnp.float32)
+    return classify_spec(logits, labels, mode, ema_decay=0.9)
 
 
 def build_estimator(model_dir: str) -> ex.Estimator:
@@ -104,19 +110,30 @@ def server_env() -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def running_server(args: list[str], timeout: float = 180.0):
-    """Starts ``estimax serve ARGS --port=P`` and yields its base URL once it is ready."""
+def running_server(
+    args: list[str],
+    timeout: float = 180.0,
+    log_path: str | None = None,
+    env: dict[str, str] | None = None,
+    port: int | None = None,
+):
+    """Starts ``estimax serve ARGS --port=P`` and yields its base URL once it is ready.
+
+    ``log_path``: its output goes there (appended: the test may read it meanwhile); ``env``:
+    more environment variables; ``port``: the port it listens on without a ``--port`` flag
+    (one the environment gives it).
+    """
     import tempfile
 
     import requests
 
-    port = free_port()
     # Its output goes to a file, not a pipe: a pipe nobody reads stops a chatty server once
     # its buffer is full (the server would hang, not the test fail).
-    log = tempfile.TemporaryFile("w+")
+    log = open(log_path, "a") if log_path else tempfile.TemporaryFile("w+")
+    flags = [] if port is not None else [f"--port={(port := free_port())}"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "estimax.serving.cli", "serve", f"--port={port}", *args],
-        env=server_env(),
+        [sys.executable, "-m", "estimax.serving.cli", "serve", *flags, *args],
+        env={**server_env(), **(env or {})},
         stdout=log,
         stderr=subprocess.STDOUT,
         text=True,
@@ -126,8 +143,13 @@ def running_server(args: list[str], timeout: float = 180.0):
         deadline = time.monotonic() + timeout
         while True:  # wait for readiness (a process start, not a timed assertion)
             if proc.poll() is not None:
-                log.seek(0)
-                raise RuntimeError(f"server exited with {proc.returncode}: {log.read()[-4000:]}")
+                if log_path:
+                    with open(log_path) as f:
+                        output = f.read()
+                else:
+                    log.seek(0)
+                    output = log.read()
+                raise RuntimeError(f"server exited with {proc.returncode}: {output[-4000:]}")
             try:
                 if requests.get(url + "/v2/health/ready", timeout=2).status_code == 200:
                     break
@@ -146,15 +168,29 @@ def running_server(args: list[str], timeout: float = 180.0):
         log.close()
 
 
-def export_dense(root: str) -> str:
+def export_dense(root: str, class_names: list[str] | None = None) -> str:
     """A small, fast-to-build export (a dense layer over 32x32 RGB) taking raw JPEG bytes.
 
     It goes through the real raw-image path (JPEG decoded and preprocessed in the server);
-    returns the model base path holding version 1.
+    returns the model base path holding version 1 (with ``class_names``, if given).
     """
-    import flax.linen as nn
-
     from estimax import serving
+
+    est, images = dense_estimator(root)
+    base = os.path.join(root, "serving")
+    serving.export_version(
+        est,
+        base,
+        preprocessing=serving.resnet_eval(IMAGE_SIZE),
+        check_inputs=images[:2],
+        class_names=class_names,
+    )
+    return base
+
+
+def dense_estimator(root: str) -> tuple[ex.Estimator, list[bytes]]:
+    """The trained estimator behind ``export_dense`` (one step) and its 8 training JPEGs."""
+    import flax.linen as nn
 
     def dense_model_fn(features, labels, mode, params):
         x = features.astype(jnp.float32).reshape(features.shape[0], -1) / 255.0
@@ -177,8 +213,4 @@ def export_dense(root: str) -> str:
         predict_batch_size=8,
     )
     est.train(ex.numpy_input_fn(preprocess_all(images), labels), max_steps=1)
-    base = os.path.join(root, "serving")
-    serving.export_version(
-        est, base, preprocessing=serving.resnet_eval(IMAGE_SIZE), check_inputs=images[:2]
-    )
-    return base
+    return est, images

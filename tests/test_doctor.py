@@ -6,7 +6,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from estimax import doctor
+from estimax.data import loader
 from estimax.ops import native
 
 
@@ -44,7 +47,8 @@ def test_doctor_reports_devices_kernels_workers_storage_and_emulators():
         assert kernels.startswith("CPU convolutions: oneDNN 3.") and " kernels)" in kernels
     assert "YNNPACK" in _line(lines, "XLA fallback: ")
     workers = len(os.sched_getaffinity(0))
-    assert _line(lines, "input workers: ").startswith(f"input workers: {workers} thread workers")
+    kind = "process" if workers >= 4 else "thread"  # worker_type="auto", one worker per core
+    assert _line(lines, "input workers: ").startswith(f"input workers: {workers} {kind} workers")
     storage = _line(lines, "storage clients: ")
     assert "gcsfs " in storage and "s3fs " in storage and "missing" not in storage
     assert _line(lines, "emulator variables: ") == (
@@ -70,3 +74,23 @@ def test_doctor_reports_a_backend_that_cannot_start_and_goes_on():
     assert _line(lines, "devices: ").startswith("devices: JAX could not start its backends")
     assert _line(lines, "input workers: ")
     assert "missing: a working JAX backend (see the devices line)" in lines
+
+
+@pytest.mark.parametrize("cores", [1, 2, 3, 4, 8, 64])
+def test_doctor_reports_the_workers_the_loader_starts(monkeypatch, cores):
+    # The host's usable cores as the OS reports them, read by the doctor and the Loader alike.
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    (line,) = doctor.input_lines()
+    ld = loader.Loader([b"x"] * 8, lambda record, rng: 0, 4, shuffle=False)  # starts nothing
+    assert ld.num_workers == cores
+    assert line.startswith(f"input workers: {cores} {ld.worker_type} workers (")
+    assert ld.worker_type == ("process" if cores >= 4 else "thread")
+
+
+@pytest.mark.parametrize(("cores", "workers"), [(2, 8), (8, 2), (3, 3), (4, 4), (16, 5)])
+def test_auto_workers_follow_the_policy_the_doctor_reports(monkeypatch, cores, workers):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    ld = loader.Loader([b"x"] * 8, lambda r, rng: 0, 4, shuffle=False, num_workers=workers)
+    # The rule the loader's docstring states: processes from 4 usable cores and 4 workers on.
+    assert ld.worker_type == ("process" if min(cores, workers) >= 4 else "thread")
+    assert loader.worker_policy(workers, cores)[0] == ld.worker_type

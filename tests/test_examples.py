@@ -84,6 +84,10 @@ def test_seed003_custom_job_serves_its_validation_jpegs_as_evaluate_scores_them(
     )
     np.testing.assert_array_equal(served, predicted)
     assert out["served_accuracy"] == pytest.approx(results["accuracy"], abs=1e-6)
+    # The folder names came with the export: class id k is the converter's label k + 1,
+    # labels numbering the sorted folder names.
+    folders = sorted(os.listdir(os.path.join(out["image_dir"], "train")))
+    assert out["served_names"] == [folders[c] for c in served]
 
 
 @pytest.mark.slow

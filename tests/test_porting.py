@@ -23,7 +23,6 @@ from estimax import data as estimax_data
         (lambda: ex.RunConfig(tf_random_seed=1), r"tf_random_seed=.*seed="),
         (lambda: ex.RunConfig(cluster=None), r"jax.distributed"),
         (lambda: ex.EvalSpec(None, start_delay_secs=120), r"throttle_secs="),
-        (lambda: ex.EvalSpec(None, exporters=[]), r"export_version"),
         (lambda: ex.Estimator(lambda *a: None, use_tpu=True), r"CPU, GPU and TPU"),
     ],
 )

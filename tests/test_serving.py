@@ -266,7 +266,8 @@ def test_every_bad_request_gets_its_4xx_and_the_server_keeps_serving(trained, se
         ),
         ("get", f"{url}/v1/models/other", None, 404, "Could not find any versions"),
         ("get", f"{url}/v1/models/{NAME}/versions/9/metadata", None, 404, "Servable not found"),
-        ("post", f"{url}/v1/models/{NAME}:classify", {"examples": []}, 400, "not supported"),
+        ("post", f"{url}/v1/models/{NAME}:classify", {"examples": []}, 400, "one example"),
+        ("post", f"{url}/v1/models/{NAME}:regress", {"examples": []}, 400, "not supported"),
         ("get", f"{url}/v1/nothing/here", None, 404, "Malformed request"),
         (
             "post",

@@ -44,6 +44,7 @@ from estimax.serving.protos.tensorflow_serving.apis import (  # noqa: E402
     model_service_pb2_grpc,
     predict_pb2,
     prediction_service_pb2_grpc,
+    regression_pb2,
 )
 
 NAME = "tiny"
@@ -356,6 +357,11 @@ def test_tf_serving_prediction_service_client_equals_the_rest_json_route(served)
             ),
             (
                 lambda: stub.Classify(classification_pb2.ClassificationRequest()),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "Input is empty",
+            ),
+            (
+                lambda: stub.Regress(regression_pb2.RegressionRequest()),
                 grpc.StatusCode.UNIMPLEMENTED,
                 "call Predict",
             ),

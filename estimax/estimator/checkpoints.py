@@ -344,7 +344,18 @@ class Checkpointer:
         keep_checkpoint_max: int | None = 5,
         async_save: bool = True,
         read_only: bool = False,
+        keep_also: Any = None,
     ):
+        """Opens (or creates) the checkpoints of ``model_dir``.
+
+        Args:
+          model_dir: the model directory.
+          keep_checkpoint_max: how many of the newest checkpoints to keep (None: all).
+          async_save: write in the background.
+          read_only: never write or delete.
+          keep_also: an Orbax ``PreservationPolicy`` whose checkpoints are kept too, beside
+            the newest ones (the best one: ``best.KeepBest``).
+        """
         self.model_dir = model_dir
         self._read_only = read_only
         _quiet_late_tensorstore_callbacks()
@@ -352,8 +363,12 @@ class Checkpointer:
         self._verified: set[int] = set()
         self._bad: dict[int, str] = {}
         self._failed_writes: set[int] = set()  # steps whose save failed (partials removed)
+        policies = ocp.checkpoint_managers
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep_checkpoint_max,
+            max_to_keep=keep_checkpoint_max if keep_also is None else None,
+            preservation_policy=None
+            if keep_also is None
+            else policies.AnyPreservationPolicy([policies.LatestN(keep_checkpoint_max), keep_also]),
             create=not read_only,
             read_only=read_only,
             enable_async_checkpointing=async_save,

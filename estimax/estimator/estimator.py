@@ -47,6 +47,7 @@ takes part in each step, save and evaluation batch, and each host's input positi
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import inspect
@@ -62,7 +63,9 @@ import numpy as np
 from absl import logging
 from jax.sharding import PartitionSpec as P
 
+from estimax.estimator import best as best_lib
 from estimax.estimator import checkpoints as ckpt_lib
+from estimax.estimator import compile as compile_lib
 from estimax.estimator import distributed, feeding, logs, preflight, replication
 from estimax.estimator import export as export_lib
 from estimax.estimator import hooks as hooks_lib
@@ -72,6 +75,7 @@ from estimax.estimator import summaries as summaries_lib
 from estimax.estimator.loop import NanLossError, Preempted  # noqa: F401 (public names)
 from estimax.estimator.replication import REPLICA_AXIS
 from estimax.estimator.spec import (
+    BestCheckpoint,
     EstimatorSpec,
     InputContext,
     ModeKeys,
@@ -194,6 +198,25 @@ def _restore_input_position(
             "restarts the input from its beginning.",
             step,
         )
+
+
+def _check_train_steps(steps: int | None, max_steps: int | None) -> None:
+    """The original's errors for ``train(steps=, max_steps=)``."""
+    if steps is not None and max_steps is not None:
+        raise ValueError("Can not provide both steps and max_steps.")
+    if steps is None and max_steps is None:
+        raise ValueError("One of `steps` or `max_steps` must be set. Cannot be both `None`.")
+    if steps is not None and steps <= 0:
+        raise ValueError(f"Must specify steps > 0, given: {steps}")
+    if max_steps is not None and max_steps <= 0:
+        raise ValueError(f"Must specify max_steps > 0, given: {max_steps}")
+
+
+def _same_dir(a: str, b: str) -> bool:
+    """Whether two model_dir paths name the same directory."""
+    if "://" in a or "://" in b:
+        return a.rstrip("/") == b.rstrip("/")
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 def _leading_rows(tree: Any, n: int | None) -> Any:
@@ -348,18 +371,43 @@ class Estimator:
 
     def _get_checkpointer(self) -> ckpt_lib.Checkpointer:
         if self._checkpointer is None:
+            best = self.config.keep_best_checkpoint
             self._checkpointer = ckpt_lib.Checkpointer(
-                self.model_dir, self.config.keep_checkpoint_max
+                self.model_dir,
+                self.config.keep_checkpoint_max,
+                keep_also=None if best is None else best_lib.KeepBest(self.model_dir, best),
             )
         return self._checkpointer
+
+    def best_checkpoint(self) -> str | None:
+        """The path of the best checkpoint of ``model_dir``, or None if none was evaluated.
+
+        Best by ``RunConfig.keep_best_checkpoint`` (default: the smallest ``loss`` in
+        ``model_dir/eval``), among the checkpoints that still exist; what
+        ``checkpoint_path="best"`` names.
+        """
+        best = self.config.keep_best_checkpoint or BestCheckpoint()
+        step = best_lib.best_checkpoint_step(
+            self.model_dir, best, self._get_checkpointer().all_steps()
+        )
+        return None if step is None else ckpt_lib.step_path(self.model_dir, step)
 
     def _open_checkpoint(
         self, checkpoint_path: str | None
     ) -> tuple[ckpt_lib.Checkpointer, int | None]:
-        """The checkpointer and step of ``checkpoint_path``, or of ``model_dir``'s latest."""
+        """The checkpointer and step of ``checkpoint_path`` ("best": ``best_checkpoint()``), or
+        of ``model_dir``'s latest."""
         if checkpoint_path is None:
             checkpointer = self._get_checkpointer()
             return checkpointer, checkpointer.latest_step()
+        if checkpoint_path == "best":
+            best = self.best_checkpoint()
+            if best is None:
+                raise FileNotFoundError(
+                    f"checkpoint_path='best': no checkpoint of {self.model_dir} has a recorded "
+                    "evaluation yet (evaluate first: Estimator.evaluate or train_and_evaluate)."
+                )
+            checkpoint_path = best
         model_dir, step = ckpt_lib.step_from_checkpoint_path(checkpoint_path)
         checkpointer = ckpt_lib.Checkpointer(model_dir, None, read_only=True)
         if step not in checkpointer.all_steps():
@@ -525,8 +573,12 @@ class Estimator:
         steps: int | None = None,
         max_steps: int | None = None,
         saving_listeners: Iterable[Any] | None = None,
+        checkpoint_path: str | None = None,
+        *,
+        last_segment: bool = True,
     ) -> Estimator:
-        """Trains, resuming from the latest checkpoint in ``model_dir``.
+        """Trains, resuming from the latest checkpoint in ``model_dir`` (one stopped early stays
+        stopped: nothing is trained, unless ``RunConfig(train_after_early_stop=True)``).
 
         Args:
           input_fn: ``input_fn(params) -> iterable of (features, labels)`` per-host batches of
@@ -540,25 +592,27 @@ class Estimator:
           saving_listeners: run after each checkpoint is complete on disk: callables
             ``listener(step)`` or objects with ``after_save(session, step)`` (the original's
             ``CheckpointSaverListener``); one returning True stops training (TF >= 1.13).
+          checkpoint_path: when ``model_dir`` has no checkpoint yet, start from this one (its
+            whole state; ``"best"``: ``best_checkpoint()``); an older one of this model_dir is
+            refused (it would overwrite the later steps' history).
+          last_segment: False when more training follows in the same job (train_and_evaluate's
+            segments): the ``Loss for final step`` line is left to the last one.
 
         Returns:
           self, as the original.
         """
-        if steps is not None and max_steps is not None:
-            raise ValueError("Can not provide both steps and max_steps.")
-        if steps is None and max_steps is None:
-            raise ValueError("One of `steps` or `max_steps` must be set. Cannot be both `None`.")
-        if steps is not None and steps <= 0:
-            raise ValueError(f"Must specify steps > 0, given: {steps}")
-        if max_steps is not None and max_steps <= 0:
-            raise ValueError(f"Must specify max_steps > 0, given: {max_steps}")
+        _check_train_steps(steps, max_steps)
         user_hooks = hooks_lib.all_hooks(hooks)
         if self.config.profile_steps is not None:
             user_hooks.append(hooks_lib.ProfilerHook(self.config.profile_steps))
         listeners = [hooks_lib.as_listener(x) for x in saving_listeners or []]
+        if best_lib.held_back(self.model_dir, self.config) is not None:
+            return self
         while True:
             try:
-                self._run_training(input_fn, steps, max_steps, listeners, user_hooks)
+                self._run_training(
+                    input_fn, steps, max_steps, listeners, user_hooks, checkpoint_path, last_segment
+                )
                 break
             except ckpt_lib.CorruptCheckpointError as e:
                 # The damaged step (one without a manifest that Orbax could not read)
@@ -573,9 +627,11 @@ class Estimator:
         max_steps: int | None,
         listeners: list[Callable[[int], Any]],
         hooks: list[hooks_lib.SessionRunHook],
+        checkpoint_path: str | None = None,
+        last_segment: bool = True,
     ) -> int:
         checkpointer = self._get_checkpointer()
-        start = checkpointer.latest_step() or 0
+        source, start = self._training_start(checkpointer, checkpoint_path)
         if max_steps is not None and start >= max_steps:
             logging.info("Skipping training since max_steps has already saved.")
             return start
@@ -585,7 +641,7 @@ class Estimator:
         user_hooks = loop_lib.Hooks(hooks, session)
         feeder, sample = self._feeder(ModeKeys.TRAIN, input_fn, limit=target - start)
         if start:
-            _restore_input_position(feeder, checkpointer, start)
+            _restore_input_position(feeder, source, start)
         fed = feeder.next()
         if fed is None:
             raise ValueError(
@@ -595,7 +651,7 @@ class Estimator:
                 "examples than that, and drop_remainder, yields none: repeat it "
                 "(num_epochs=None)."
             )
-        state = self._train_state(checkpointer, start, sample.pop())
+        state = self._train_state(source, start, sample.pop())
         self._preflight(state, start)
         setup = loop_lib.Setup(
             config=self.config,
@@ -613,11 +669,42 @@ class Estimator:
             global_batch=self._batch_size(ModeKeys.TRAIN),
             hooks=user_hooks,
             listeners=listeners,
+            last_segment=last_segment,
         )
         del state, fed  # the run owns them (the state's buffers are donated to its steps)
         with contextlib.ExitStack() as stack:
             # Every part's cleanup runs whatever raises (a failed final save included).
             return loop_lib.TrainingRun(setup, stack).run()
+
+    def _training_start(
+        self, checkpointer: ckpt_lib.Checkpointer, checkpoint_path: str | None
+    ) -> tuple[ckpt_lib.Checkpointer, int]:
+        """Where training starts: (the checkpointer to restore from, its step; 0: initialise)."""
+        start = checkpointer.latest_step() or 0
+        if checkpoint_path is None:
+            return checkpointer, start
+        chosen, step = self._open_checkpoint(checkpoint_path)
+        assert step is not None  # _open_checkpoint refuses a path without a checkpoint
+        if _same_dir(chosen.model_dir, self.model_dir):
+            if step == start:
+                return checkpointer, start
+            raise ValueError(
+                f"train(checkpoint_path={checkpoint_path!r}) is step {step} of this model_dir, "
+                f"whose latest checkpoint is step {start}: training from it here would "
+                "overwrite the history of the later steps. Train from it in a new model_dir: "
+                "Estimator(..., model_dir=NEW).train(..., checkpoint_path="
+                f"{ckpt_lib.step_path(self.model_dir, step)!r})."
+            )
+        if start:
+            logging.info(
+                "%s has its own checkpoint (step %d): resuming from it, not from %s.",
+                self.model_dir,
+                start,
+                checkpoint_path,
+            )
+            return checkpointer, start
+        logging.info("Starting from checkpoint %s (step %d).", checkpoint_path, step)
+        return chosen, step
 
     def _preflight(self, state: TrainState, start: int) -> None:
         """With many processes: all must train the same config, batches and parameter shapes."""
@@ -686,7 +773,8 @@ class Estimator:
           hooks: ``estimax.SessionRunHook``s, called once per ``iterations_per_loop`` batches
             with the metrics so far (``request_stop()`` ends the evaluation there); ``end``
             sees the results in ``session.results``.
-          checkpoint_path: a checkpoint directory; None means the latest in ``model_dir``.
+          checkpoint_path: a checkpoint directory, or ``"best"`` (``best_checkpoint()``); None
+            means the latest in ``model_dir``.
           name: write results to ``model_dir/eval_<name>`` instead of ``model_dir/eval``.
 
         Returns:
@@ -728,14 +816,16 @@ class Estimator:
         logging.info(
             "Saving dict for global step %d: %s",
             global_step,
-            ", ".join(f"{k} = {v}" for k, v in sorted(results.items())),
+            ", ".join(
+                f"{k} = {v.tolist() if isinstance(v, np.ndarray) else v}"
+                for k, v in sorted(results.items())
+            ),
         )
         if self._is_chief:
             writer = self._summary_writer("eval" if name is None else f"eval_{name}")
-            writer.scalars(
-                global_step,
-                {k: v for k, v in results.items() if k not in ("global_step", "num_examples")},
-            )
+            values = {k: v for k, v in results.items() if k not in ("global_step", "num_examples")}
+            writer.scalars(global_step, {k: v for k, v in values.items() if np.ndim(v) == 0})
+            writer.tables(global_step, {k: v for k, v in values.items() if np.ndim(v) == 2})
             writer.flush()
 
     def _eval_loop(
@@ -830,7 +920,8 @@ class Estimator:
           predict_keys: keep only these keys of a predictions dict.
           hooks: ``estimax.SessionRunHook``s, called once per batch with its predictions on
             the host (``request_stop()`` ends the prediction after that batch).
-          checkpoint_path: a checkpoint directory; None means the latest in ``model_dir``.
+          checkpoint_path: a checkpoint directory, or ``"best"`` (``best_checkpoint()``); None
+            means the latest in ``model_dir``.
           yield_single_examples: yield one value per example (else one per batch).
         """
         run = loop_lib.Hooks(
@@ -885,7 +976,8 @@ class Estimator:
           export_dir_base: parent directory of the timestamped export.
           serving_input_receiver_fn: returns the features' spec: a pytree of ``TensorSpec`` whose
             first dimension is None (the batch).
-          checkpoint_path: a checkpoint directory; None means the latest in ``model_dir``.
+          checkpoint_path: a checkpoint directory, or ``"best"`` (``best_checkpoint()``); None
+            means the latest in ``model_dir``.
           platforms: platforms to lower for (default: cpu, cuda and tpu).
         """
         input_specs = serving_input_receiver_fn()
@@ -902,6 +994,43 @@ class Estimator:
 
         return export_lib.export_saved_model(
             export_dir_base, serve, variables, input_specs, step, platforms
+        )
+
+    def compile_for(
+        self, topology: str, features: Any, labels: Any = None, **options: Any
+    ) -> list[compile_lib.StepReport]:
+        """Compiles the train and eval steps for a Cloud TPU slice, on any host (needs libtpu).
+
+        The steps ``train``/``evaluate`` would run (this ``model_fn``, its EMA and precision,
+        the donated state, each batch size's per-replica shapes) on a mesh over the slice's
+        devices; ``estimax.estimator.compile`` has the rest.
+
+        Args:
+          topology: e.g. ``v5e:2x4`` (``compile.KNOWN_TOPOLOGIES``).
+          features, labels: ``TensorSpec`` pytrees of a batch (batch dimension None).
+          **options: ``num_shards`` (default ``config.num_shards``), ``search`` (look for the
+            largest batch that fits when a step does not).
+
+        Returns:
+          a ``StepReport`` per step whose global batch size was given to the constructor.
+        """
+
+        def build(mesh: Any, mode: str, batch: int) -> compile_lib.Steps:
+            return copy.copy(self)._steps_on(mesh, mode, batch)  # noqa: SLF001 (a copy of self)
+
+        options.setdefault("num_shards", self.config.num_shards)
+        sizes = {m: self._batch_sizes[m] for m in (ModeKeys.TRAIN, ModeKeys.EVAL)}
+        batches = {m: size for m, size in sizes.items() if size is not None}
+        return compile_lib.compile_for(build, topology, (features, labels), batches, **options)
+
+    def _steps_on(self, mesh: Any, mode: str, batch: int) -> compile_lib.Steps:
+        """(Called on a copy.) The steps on ``mesh`` with ``mode``'s global batch ``batch``."""
+        self.mesh, self.num_replicas, self._compiled = mesh, mesh.size, {}
+        self._batch_sizes = {**self._batch_sizes, mode: batch}
+        init_eval = self._init_variables_fn(ModeKeys.EVAL)
+        _, eval_fn = self._eval_batch_fn()
+        return compile_lib.Steps(
+            self._init_fn, self._train_step_fn(), init_eval, eval_fn, self._base_rng
         )
 
     # ------------------------------------------------------------------ summaries
@@ -924,9 +1053,14 @@ class Estimator:
             self._checkpointer = None
 
 
-def _metric_values(totals: Any) -> dict[str, float]:
-    """The values of accumulated eval metrics (a host sync)."""
-    return {k: float(np.asarray(m.compute())) for k, m in loop_lib.to_host(totals).items()}
+def _metric_values(totals: Any) -> dict[str, Any]:
+    """The values of accumulated eval metrics (a host sync): numbers, or arrays (a confusion
+    matrix)."""
+    values = {}
+    for name, metric in loop_lib.to_host(totals).items():
+        value = np.asarray(metric.compute())
+        values[name] = float(value) if value.ndim == 0 else value
+    return values
 
 
 def _host_predictions(preds: Any, n: int, predict_keys: list[str] | None) -> Any:

@@ -22,7 +22,8 @@ devices once per loop (it fetches the loop's per-step metrics there), and hooks 
 |                                             | stops training                                   |
 | ``StopAtStepHook``, ``LoggingTensorHook``,  | ``StopAtStepHook``, ``LoggingTensorHook``,       |
 | ``StepCounterHook``, ``ProfilerHook``,      | ``StepCounterHook``, ``ProfilerHook``,           |
-| ``stop_if_no_decrease_hook``                | ``stop_if_no_decrease_hook``                     |
+| ``stop_if_no_decrease_hook``,               | the same; the decision is recorded in model_dir: |
+| ``stop_if_no_increase_hook``                | a stopped job stays stopped                      |
 
 estimax adds one method, ``end_loop_at(step)``: a hook may ask for a loop to end at a step
 (``StopAtStepHook`` to stop exactly there, ``ProfilerHook`` to trace exactly its steps).
@@ -43,7 +44,9 @@ import numpy as np
 from absl import logging
 
 from estimax import storage
+from estimax.estimator import best as best_lib
 from estimax.estimator import periodic
+from estimax.estimator import summaries as summaries_lib
 
 
 @dataclasses.dataclass
@@ -254,51 +257,124 @@ class StepCounterHook(SessionRunHook):
             self._writer.close()
 
 
-class _NoDecreaseHook(SessionRunHook):
-    """Stops training when an evaluated metric has not improved for a number of steps."""
+class _NoImprovementHook(SessionRunHook):
+    """Stops training when an evaluated metric has not improved for a number of steps, and
+    records that decision in ``model_dir`` (``early_stopping.json``) so the job stays stopped.
+
+    The original's rule (``tf.estimator.experimental``): over the recorded evaluations in step
+    order, skipping those before ``min_steps``, stop as soon as one comes
+    ``max_steps_without_improvement`` or more steps after the best so far. When training goes
+    on after a recorded stop (``RunConfig(train_after_early_stop=True)``), only evaluations
+    after that stop can stop it again.
+    """
 
     def __init__(
         self,
+        model_dir: str,
         eval_dir: str,
         metric_name: str,
-        max_steps_without_change: int,
-        better: Callable[[float, float], bool],
+        max_steps_without_improvement: int,
+        mode: str,
         min_steps: int,
         run_every_steps: int | None,
         run_every_secs: float | None,
     ):
-        self._eval_dir = eval_dir
+        if max_steps_without_improvement < 0:
+            raise ValueError(
+                "max_steps_without_decrease/increase must be >= 0, got "
+                f"{max_steps_without_improvement}."
+            )
+        self.model_dir = model_dir
+        self.eval_dir = eval_dir
         self._metric = metric_name
-        self._patience = max_steps_without_change
-        self._better = better
+        self._patience = max_steps_without_improvement
+        self._mode = mode
+        self._compare = best_lib.compare_by(metric_name, mode, f"early stopping on {metric_name!r}")
         self._min_steps = min_steps
         self._timer = periodic.PeriodicAction(run_every_steps, run_every_secs)
+        self._checked = False  # the original checks at the first step, then on its cadence
+
+    def decision(self, step: int) -> dict[str, Any] | None:
+        """Whether training at ``step`` must stop: the decision (recorded), or None."""
+        evaluations = summaries_lib.recorded_evaluations(self.eval_dir)
+        earlier = best_lib.read_early_stop(self.model_dir)
+        after = earlier["stopped_at"] if earlier is not None else -1
+        best: tuple[int, dict[str, Any]] | None = None
+        for at in sorted(evaluations):
+            if at < self._min_steps:
+                continue
+            results = evaluations[at]
+            best_lib.metric_value(results, self._metric, f"early stopping on {self._metric!r}")
+            if best is None or self._compare(best_eval_result=best[1], current_eval_result=results):
+                best = (at, results)
+            if at - best[0] >= self._patience and at > after:
+                return self._stop(step, at, best)
+        return None
+
+    def _stop(self, step: int, at: int, best: tuple[int, dict[str, Any]]) -> dict[str, Any]:
+        record = {
+            "stopped_at": int(step),
+            "best_step": best[0],
+            "best_value": best[1][self._metric],
+            "metric": self._metric,
+            "mode": self._mode,
+            "steps_without_improvement": at - best[0],
+            "max_steps_without_improvement": self._patience,
+            "eval_dir": self.eval_dir,
+        }
+        logging.info(
+            'No %s in metric "%s" for %d steps, which is greater than or equal to max steps (%d) '
+            "configured for early stopping.",
+            "increase" if self._mode == "max" else "decrease",
+            self._metric,
+            at - best[0],
+            self._patience,
+        )
+        if jax.process_index() == 0:
+            best_lib.record_early_stop(self.model_dir, record)
+        logging.info("Training %s.", best_lib.describe_early_stop(record))
+        return record
 
     def after_run(self, run_context: SessionRunContext, run_values: SessionRunValues) -> None:
         step = run_values.end_step
-        if step < self._min_steps or not self._timer.due(step):
+        if self._checked and not self._timer.due(step):
             return
+        self._checked = True
         self._timer.fired(step)
-        from estimax.estimator.summaries import recorded_evaluations
-
-        evaluations = recorded_evaluations(self._eval_dir)
-        points = [(s, r[self._metric]) for s, r in sorted(evaluations.items()) if self._metric in r]
-        if not points:
-            return
-        best_step, best = points[0]
-        for s, value in points[1:]:
-            if self._better(value, best):
-                best_step, best = s, value
-        last_step = points[-1][0]
-        if last_step - best_step >= self._patience:
-            logging.info(
-                "Early stopping: %s has not improved for %d steps (best %s at step %d).",
-                self._metric,
-                last_step - best_step,
-                best,
-                best_step,
-            )
+        if self.decision(step) is not None:
             run_context.request_stop()
+
+
+def _early_stopping_hook(
+    estimator: Any, metric_name: str, max_steps: int, mode: str, options: dict[str, Any]
+) -> SessionRunHook:
+    settings: dict[str, Any] = {
+        "eval_dir": None,
+        "min_steps": 0,
+        "run_every_secs": 60,
+        "run_every_steps": None,
+        "eval_name": None,
+    }
+    unknown = sorted(set(options) - set(settings))
+    if unknown:
+        raise TypeError(
+            f"early stopping: unknown argument(s) {unknown}; it takes {list(settings)}."
+        )
+    settings.update(options)
+    if settings["eval_dir"] is not None and settings["eval_name"] is not None:
+        raise ValueError("early stopping: give eval_dir or eval_name, not both.")
+    model_dir = str(estimator.model_dir)
+    every_steps = settings["run_every_steps"]
+    return _NoImprovementHook(
+        model_dir,
+        settings["eval_dir"] or best_lib.eval_dir(model_dir, settings["eval_name"]),
+        metric_name,
+        max_steps,
+        mode,
+        settings["min_steps"],
+        every_steps,
+        None if every_steps is not None else settings["run_every_secs"],
+    )
 
 
 def stop_if_no_decrease_hook(
@@ -309,22 +385,42 @@ def stop_if_no_decrease_hook(
     min_steps: int = 0,
     run_every_secs: float | None = 60,
     run_every_steps: int | None = None,
+    *,
+    eval_name: str | None = None,
 ) -> SessionRunHook:
     """A hook stopping training when ``metric_name`` has not decreased for that many steps.
 
     As ``tf.estimator.experimental.stop_if_no_decrease_hook``: it reads the evaluations recorded
-    in ``eval_dir`` (default: the estimator's ``model_dir/eval``; ``train_and_evaluate`` and
-    ``Estimator.evaluate`` record each one), every ``run_every_secs`` or ``run_every_steps``.
+    in ``eval_dir`` (default: the estimator's ``model_dir/eval``, or ``model_dir/eval_<name>``
+    for ``eval_name``; ``train_and_evaluate`` and ``Estimator.evaluate`` record each one), at
+    the first loop and then every ``run_every_secs`` or ``run_every_steps``;
+    ``train_and_evaluate`` also asks it right after each evaluation it watches. The decision
+    is recorded in ``model_dir/early_stopping.json``: running the job again trains nothing
+    (``RunConfig(train_after_early_stop=True)`` trains on).
     """
-    return _NoDecreaseHook(
-        eval_dir or os.path.join(estimator.model_dir, "eval"),
-        metric_name,
-        max_steps_without_decrease,
-        lambda new, best: new < best,
-        min_steps,
-        run_every_steps,
-        None if run_every_steps is not None else run_every_secs,
-    )
+    options = {
+        "eval_dir": eval_dir,
+        "min_steps": min_steps,
+        "run_every_secs": run_every_secs,
+        "run_every_steps": run_every_steps,
+        "eval_name": eval_name,
+    }
+    return _early_stopping_hook(estimator, metric_name, max_steps_without_decrease, "min", options)
+
+
+def stop_if_no_increase_hook(
+    estimator: Any, metric_name: str, max_steps_without_increase: int, **options: Any
+) -> SessionRunHook:
+    """A hook stopping training when ``metric_name`` (e.g. accuracy) has not increased for that
+    many steps: ``tf.estimator.experimental.stop_if_no_increase_hook``. ``options`` are
+    ``stop_if_no_decrease_hook``'s (``eval_dir``, ``min_steps``, ``run_every_secs``,
+    ``run_every_steps``, ``eval_name``), by name; the decision is recorded the same way."""
+    return _early_stopping_hook(estimator, metric_name, max_steps_without_increase, "max", options)
+
+
+def early_stopping_hooks(hooks: Iterable[Any]) -> list[_NoImprovementHook]:
+    """The early-stopping hooks among ``hooks`` (``train_and_evaluate`` asks them itself)."""
+    return [h for h in hooks if isinstance(h, _NoImprovementHook)]
 
 
 class ProfilerHook(SessionRunHook):

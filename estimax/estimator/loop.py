@@ -37,7 +37,7 @@ import numpy as np
 from absl import logging
 
 from estimax.estimator import checkpoints as ckpt_lib
-from estimax.estimator import distributed, feeding, periodic
+from estimax.estimator import distributed, feeding, periodic, progress
 from estimax.estimator import hooks as hooks_lib
 from estimax.estimator import summaries as summaries_lib
 from estimax.estimator.label_check import InvalidLabelCheck
@@ -186,7 +186,8 @@ class SkippedStepsReport:
 
 
 class StepLogger:
-    """Writes training scalars and the original's log lines at their true step numbers."""
+    """Writes training scalars and the original's log lines at their true step numbers, and
+    shows the progress (``progress.py``: a line with the ETA on a terminal)."""
 
     def __init__(
         self,
@@ -205,17 +206,22 @@ class StepLogger:
             every_steps=config.log_step_count_steps, clock=clock, start_step=start
         )
         self._first = start + 1
+        self._target = target
         self.last_loss: float | None = None
-        self._bar = None
-        if sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=target, initial=start, unit="step", dynamic_ncols=True)
+        # A line redrawn in place on a terminal; plain lines (no carriage returns) elsewhere.
+        self._bar = (
+            progress.ProgressBar(start, target, sys.stderr)
+            if progress.is_terminal(sys.stderr)
+            else None
+        )
 
     def after_loop(self, loop: LoopEnd) -> None:
         """Writes the per-step metrics of steps ``begin + 1 .. end``."""
         begin, end, metrics = loop.begin, loop.end, loop.metrics
         losses = metrics["loss"]
+        self.last_loss = float(losses[-1])
+        if self._bar is not None:  # first: the lines below are printed above the updated bar
+            self._bar.update(end - begin, self.last_loss)
         if self._summaries is not None:
             for step in periodic.steps_due(
                 begin, end, self._config.save_summary_steps, self._first
@@ -223,10 +229,6 @@ class StepLogger:
                 self._summaries.scalars(step, {k: v[step - begin - 1] for k, v in metrics.items()})
         for step in periodic.steps_due(begin, end, self._config.log_step_count_steps, self._first):
             summaries_lib.log_step(step, losses[step - begin - 1])
-        self.last_loss = float(losses[-1])
-        if self._bar is not None:
-            self._bar.update(end - begin)
-            self._bar.set_postfix(loss=f"{self.last_loss:.4g}")
         if self._speed.due(end):
             self._log_speed(end)
 
@@ -236,6 +238,14 @@ class StepLogger:
             steps_per_sec = (end - self._speed.last_step) / elapsed
             examples_per_sec = steps_per_sec * self._global_batch
             summaries_lib.log_speed(steps_per_sec, examples_per_sec)
+            if self._bar is None and end < self._target:  # the bar shows it on a terminal
+                logging.info(
+                    "Progress: step %d / %d (%d%%), ETA %s",
+                    end,
+                    self._target,
+                    100 * end // max(self._target, 1),
+                    progress.eta(self._target - end, steps_per_sec),
+                )
             if self._summaries is not None:
                 self._summaries.scalars(
                     end, {"global_step/sec": steps_per_sec, "examples/sec": examples_per_sec}
@@ -409,6 +419,7 @@ class Setup:
       start, target: the global step training starts at and must reach.
       global_batch: examples per step (for examples/sec).
       hooks, listeners: the user's.
+      last_segment: False when more training follows this run in the same job.
     """
 
     config: RunConfig
@@ -426,6 +437,7 @@ class Setup:
     global_batch: int
     hooks: Hooks
     listeners: list[Callable[[int], Any]]
+    last_segment: bool = True
 
 
 class TrainingRun:
@@ -489,7 +501,9 @@ class TrainingRun:
                 self.setup.global_batch // max(1, jax.process_count()),
             )
         hooks.end()
-        logging.info("Loss for final step: %s.", self.logger.last_loss)
+        if self.setup.last_segment or self.step < target or self.preempted or self.stopped:
+            # Not after each of train_and_evaluate's segments: only where training ends.
+            logging.info("Loss for final step: %s.", self.logger.last_loss)
         if self.preempted:
             stop: BaseException = (
                 Interrupted(self.step, self.setup.model_dir)

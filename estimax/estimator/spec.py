@@ -47,14 +47,13 @@ ORIGINAL_KEYWORDS: dict[str, dict[str, str]] = {
         "session_config": "XLA is configured with XLA_FLAGS; there is no session",
         "train_distribute": "not needed: replication over all devices is built in "
         "(num_shards= to use fewer)",
-        "keep_checkpoint_every_n_hours": "set keep_checkpoint_max= (None keeps all)",
+        "keep_checkpoint_every_n_hours": "set keep_checkpoint_max= (None keeps all) and "
+        "keep_best_checkpoint=estimax.BestCheckpoint(metric, mode) to keep the best one too",
     },
     "TrainSpec": {},
     "EvalSpec": {
         "start_delay_secs": "evaluation follows checkpoints: set throttle_secs= (at most one "
         "evaluation per that many seconds) or every_steps=",
-        "exporters": "export after training with estimax.serving.export_version(est, base, "
-        "...), or --export_dir on the programs",
     },
     "Estimator": {
         "use_tpu": _DEVICES,
@@ -169,6 +168,42 @@ class EstimatorSpec:
     gradient_clip_norm: float | None = None
 
 
+_MODES = ("min", "max")
+
+
+def check_mode(mode: str, what: str) -> None:
+    """Refuses a metric mode other than ``"min"`` (smaller is better) or ``"max"``."""
+    if mode not in _MODES:
+        raise ValueError(
+            f"{what}: mode must be 'min' (smaller is better, e.g. loss) or 'max' (larger is "
+            f"better, e.g. accuracy), got {mode!r}."
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class BestCheckpoint:
+    """Which evaluated checkpoint is the best: by ``metric``, smaller (``"min"``) or larger
+    (``"max"``) being better, in the evaluations recorded for ``eval_name``.
+
+    ``RunConfig(keep_best_checkpoint=BestCheckpoint("accuracy", "max"))`` keeps that checkpoint
+    beside the ``keep_checkpoint_max`` newest (never rotated away), and
+    ``checkpoint_path="best"`` names it.
+
+    Attributes:
+      metric: a key of the evaluation results (``loss``, ``accuracy``, ...).
+      mode: ``"min"`` or ``"max"``.
+      eval_name: the ``EvalSpec.name`` (``Estimator.evaluate(name=)``) whose evaluations count;
+        None: ``model_dir/eval``.
+    """
+
+    metric: str = "loss"
+    mode: str = "min"
+    eval_name: str | None = None
+
+    def __post_init__(self) -> None:
+        check_mode(self.mode, f"BestCheckpoint({self.metric!r})")
+
+
 @original_keywords
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
@@ -188,6 +223,12 @@ class RunConfig:
       save_checkpoints_secs: save every N seconds; the default (600) applies when neither is set,
         as in the original.
       keep_checkpoint_max: how many recent checkpoints to keep (``None`` keeps all).
+      keep_best_checkpoint: a ``BestCheckpoint``: also keep the checkpoint whose recorded
+        evaluation is the best by its metric, whatever its age (``checkpoint_path="best"``).
+      train_after_early_stop: train even though this model_dir's training was stopped early
+        (``stop_if_no_decrease_hook``/``stop_if_no_increase_hook`` record that decision in
+        ``model_dir/early_stopping.json``; by default a later ``train()`` trains nothing and
+        says so).
       save_summary_steps: write training scalars every N steps.
       log_step_count_steps: log ``loss = X, step = N`` and the speed every N steps.
       seed: seed of parameter initialisation and of the dropout streams.
@@ -221,6 +262,8 @@ class RunConfig:
     save_checkpoints_steps: int | None = None
     save_checkpoints_secs: float | None = None
     keep_checkpoint_max: int | None = 5
+    keep_best_checkpoint: BestCheckpoint | None = None
+    train_after_early_stop: bool = False
     save_summary_steps: int = 100
     log_step_count_steps: int = 100
     seed: int = 0
@@ -261,6 +304,13 @@ class RunConfig:
                 "RunConfig.keep_checkpoint_max must be >= 1 or None, got "
                 f"{self.keep_checkpoint_max}."
             )
+        if self.keep_best_checkpoint is not None and not isinstance(
+            self.keep_best_checkpoint, BestCheckpoint
+        ):
+            raise TypeError(
+                "RunConfig.keep_best_checkpoint must be an estimax.BestCheckpoint(metric, mode), "
+                f"got {self.keep_best_checkpoint!r}."
+            )
 
 
 @original_keywords
@@ -282,11 +332,16 @@ class EvalSpec:
     Attributes:
       input_fn: the eval input function (finite; evaluated exactly when ``steps`` is None).
       steps: number of eval batches, or None for the whole input.
-      name: results go to ``model_dir/eval_<name>`` instead of ``model_dir/eval``.
+      name: results go to ``model_dir/eval_<name>`` instead of ``model_dir/eval`` (with several
+        EvalSpecs, each needs its own name; TensorBoard shows each directory as a run).
       every_steps: evaluate each time this many training steps have been done (the original
         programs' ``steps_per_eval``). None: after each checkpoint save (throttled).
       throttle_secs: with ``every_steps=None``, do not evaluate more often than this.
       hooks: ``SessionRunHook``s passed to each ``Estimator.evaluate``.
+      exporters: ``estimax.BestExporter``, ``LatestExporter``, ``FinalExporter`` (or any object
+        with ``name`` and ``export(estimator, export_path, checkpoint_path, eval_result,
+        is_the_final_export)``, the original's ``Exporter``), run after each of this spec's
+        evaluations; each writes under ``model_dir/export/<name>/``. One exporter or a list.
     """
 
     input_fn: Callable[[dict], Any]
@@ -295,3 +350,28 @@ class EvalSpec:
     every_steps: int | None = None
     throttle_secs: float = 600.0
     hooks: Sequence[Any] = ()
+    exporters: Any = ()
+
+    def __post_init__(self) -> None:
+        exporters = self.exporters
+        if exporters is None:
+            exporters = ()
+        elif not isinstance(exporters, list | tuple):
+            exporters = (exporters,)
+        names = []
+        for exporter in exporters:
+            if not (hasattr(exporter, "name") and callable(getattr(exporter, "export", None))):
+                raise TypeError(
+                    "EvalSpec(exporters=...) takes estimax.BestExporter, LatestExporter or "
+                    f"FinalExporter objects (name and export()); got {type(exporter).__name__}."
+                )
+            names.append(exporter.name)
+        duplicated = sorted({n for n in names if names.count(n) > 1})
+        if duplicated:
+            raise ValueError(
+                f"EvalSpec(exporters=...): the names {duplicated} are used more than once; each "
+                "exporter writes to model_dir/export/<name>, so names must be unique."
+            )
+        self.exporters = tuple(exporters)
+        if self.every_steps is not None and self.every_steps < 1:
+            raise ValueError(f"EvalSpec.every_steps must be >= 1 or None, got {self.every_steps}.")

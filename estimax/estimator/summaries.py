@@ -101,6 +101,33 @@ class Summaries:
                 with self._errors("write summaries"):
                     self._writer.write_event(event)
 
+    def tables(self, step: int, values: Mapping[str, Any]) -> None:
+        """Writes each matrix (a confusion matrix: rows labels, columns predictions) as a
+        TensorBoard text summary, a markdown table, at ``step``.
+
+        Raises:
+          OSError: the event file could not be written (names the directory).
+        """
+        from tensorboardX import summary as tbx_summary
+        from tensorboardX.proto import event_pb2
+
+        if values and self._writer is None:
+            self._writer = self._open()
+        for name, matrix in values.items():
+            rows = np.asarray(matrix)
+            header = "| label \\ predicted | " + " | ".join(str(j) for j in range(rows.shape[1]))
+            lines = [header + " |", "|---" * (rows.shape[1] + 1) + "|"]
+            lines += [
+                f"| {i} | " + " | ".join(f"{v:g}" for v in row) + " |" for i, row in enumerate(rows)
+            ]
+            event = event_pb2.Event(
+                wall_time=time.time(),
+                step=int(step),
+                summary=tbx_summary.text(name, "\n".join(lines)),
+            )
+            with self._errors("write summaries"):
+                self._writer.write_event(event)
+
     def flush(self) -> None:
         """Makes everything written so far durable (flushed, fsynced) and visible to readers.
 
@@ -194,16 +221,29 @@ def record_evaluation(logdir: str, results: Mapping[str, Any]) -> None:
     """Adds ``results`` (with their ``global_step``) to ``logdir/evaluations.json``, durably.
 
     Call after the evaluation's summaries are flushed (``Summaries.flush``): an evaluation
-    recorded here is one TensorBoard holds. Local: written beside, fsynced, renamed into place;
-    object stores: one upload.
+    recorded here is one TensorBoard holds.
     """
     recorded = recorded_evaluations(logdir)
     recorded[int(results["global_step"])] = {k: _plain(v) for k, v in results.items()}
-    data = json.dumps(
-        {"evaluations": {str(k): recorded[k] for k in sorted(recorded)}}, indent=1
-    ).encode()
-    final = storage.join(logdir, EVALUATIONS_FILE)
-    if storage.is_remote(logdir):
+    write_json(
+        storage.join(logdir, EVALUATIONS_FILE),
+        {"evaluations": {str(k): recorded[k] for k in sorted(recorded)}},
+        "record the evaluation",
+    )
+
+
+def write_json(final: str, value: Any, action: str) -> None:
+    """Writes ``value`` as JSON to ``final`` durably: whole or not at all.
+
+    Local: written beside, fsynced, renamed into place (and the directory fsynced); object
+    stores: one upload.
+
+    Raises:
+      StorageError: it could not be written (names the file and ``action``).
+    """
+    data = json.dumps(value, indent=1).encode()
+    logdir = os.path.dirname(final)
+    if storage.is_remote(final):
         with storage.open_file(final, "wb") as f:
             f.write(data)
         return
@@ -219,7 +259,7 @@ def record_evaluation(logdir: str, results: Mapping[str, Any]) -> None:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise storage.StorageError(
-            e.errno, f"Could not record the evaluation in {final}: {e.strerror or e}"
+            e.errno, f"Could not {action} in {final}: {e.strerror or e}"
         ) from e
     fd = os.open(logdir, os.O_RDONLY)
     try:
@@ -229,9 +269,11 @@ def record_evaluation(logdir: str, results: Mapping[str, Any]) -> None:
 
 
 def _plain(value: Any) -> Any:
+    """A result value as JSON: a number, or nested lists (a confusion matrix)."""
     if isinstance(value, (int, float, str, bool)) or value is None:
         return value
-    return np.asarray(value).item()
+    array = np.asarray(value)
+    return array.item() if array.ndim == 0 else array.tolist()
 
 
 def log_step(step: int, loss: float) -> None:

@@ -51,6 +51,21 @@ def named_specs(tree: Any, single_name: str) -> dict[str, dict]:
     return out
 
 
+def _read(
+    fs: fsspec.AbstractFileSystem, root: str, export_dir: str, name: str, parse: Callable
+) -> Any:
+    """``parse(bytes)`` of one file of the export; an error names the file."""
+    with fs.open(posixpath.join(root, name), "rb") as f:
+        data = f.read()
+    try:
+        return parse(bytearray(data) if parse is jax.export.deserialize else data)
+    except Exception as e:  # noqa: BLE001 - a damaged file of any kind: say which one
+        raise ValueError(
+            f"{export_dir}/{name} cannot be read ({type(e).__name__}: {e}); export the "
+            "version again"
+        ) from e
+
+
 class ExportedModel:
     """A loaded export: call it with a batch of features to get the predictions.
 
@@ -66,12 +81,9 @@ class ExportedModel:
                 raise FileNotFoundError(
                     f"{export_dir} is not an estimax export: {name} is missing."
                 )
-        with fs.open(posixpath.join(root, MODEL_FILE), "rb") as f:
-            self._exported = jax.export.deserialize(bytearray(f.read()))
-        with fs.open(posixpath.join(root, VARIABLES_FILE), "rb") as f:
-            variables = serialization.msgpack_restore(f.read())
-        with fs.open(posixpath.join(root, SIGNATURE_FILE), "r") as f:
-            self.signature: dict = json.load(f)
+        self._exported = _read(fs, root, export_dir, MODEL_FILE, jax.export.deserialize)
+        variables = _read(fs, root, export_dir, VARIABLES_FILE, serialization.msgpack_restore)
+        self.signature: dict = _read(fs, root, export_dir, SIGNATURE_FILE, json.loads)
         platform = jax.default_backend()
         platforms = [p.lower() for p in self._exported.platforms]
         if platform not in platforms and not (platform == "gpu" and "cuda" in platforms):

@@ -74,6 +74,7 @@ class _Task:
     size: int
     arrived: float
     future: asyncio.Future
+    on_start: Callable[[float], None] | None = None
 
 
 class Batcher:
@@ -102,10 +103,21 @@ class Batcher:
         """How many instances may wait."""
         return self.options.max_enqueued_batches * self.options.max_batch_size
 
+    @property
+    def queued(self) -> int:
+        """How many instances wait now."""
+        return self._queued
+
     async def submit(
-        self, key: Any, run: Callable[[dict], dict], features: dict[str, np.ndarray]
+        self,
+        key: Any,
+        run: Callable[[dict], dict],
+        features: dict[str, np.ndarray],
+        on_start: Callable[[float], None] | None = None,
     ) -> dict[str, np.ndarray]:
         """Queues one request's instances; returns its rows of the batch's outputs.
+
+        ``on_start(seconds waited)`` is called when the request's batch starts running.
 
         Raises:
           QueueFullError: the queue holds ``capacity`` instances already.
@@ -123,7 +135,7 @@ class Batcher:
                 f"{self.options.max_batch_size}); retry later"
             )
         future = asyncio.get_running_loop().create_future()
-        self._tasks.append(_Task(key, run, features, size, self._clock(), future))
+        self._tasks.append(_Task(key, run, features, size, self._clock(), future, on_start))
         self._queued += size
         self._wakeup.set()
         return await future
@@ -173,6 +185,10 @@ class Batcher:
             features = {
                 k: np.concatenate([t.features[k] for t in batch]) for k in batch[0].features
             }
+            now = self._clock()
+            for task in batch:
+                if task.on_start is not None:
+                    task.on_start(now - task.arrived)
             loop = asyncio.get_running_loop()
             outputs = await loop.run_in_executor(self._executor, batch[0].run, features)
             self.batches_run += 1

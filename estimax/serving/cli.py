@@ -1,4 +1,4 @@
-"""The ``estimax`` command: ``serve``, ``predict`` and ``export-check``.
+"""The estimax command: serve exports, classify images with one, check and convert them.
 
     estimax serve --model_base_path=DIR --model_name=resnet [--port=8501 --grpc_port=8500]
     estimax predict --model_base_path=DIR image1.jpg image2.png
@@ -7,6 +7,13 @@
 Flags keep TensorFlow Serving's names, but for the ports: TF Serving's ``--port`` is its gRPC
 port and ``--rest_api_port`` its HTTP port; here ``--port`` (alias ``--rest_api_port``) is the HTTP
 port and ``--grpc_port`` the gRPC port. Bad flags or paths print one line and exit non-zero.
+
+**Vertex AI.** With ``AIP_MODE=PREDICTION`` in the environment (a Vertex AI custom serving
+container), ``serve``'s defaults come from Vertex's variables: ``--port`` from
+``AIP_HTTP_PORT`` (8080 if unset), ``--host`` 0.0.0.0, ``--model_base_path`` from
+``AIP_STORAGE_URI`` (the model's artifact URI: the folder of numeric versions), and the server
+also answers health checks at ``AIP_HEALTH_ROUTE`` and predictions at ``AIP_PREDICT_ROUTE``
+(``{"instances": [...]}`` -> ``{"predictions": [...]}``). Flags given on the command line win.
 """
 
 from __future__ import annotations
@@ -16,7 +23,8 @@ import json
 import logging as std_logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -32,21 +40,103 @@ def _sizes(text: str) -> tuple[int, ...]:
         ) from None
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="estimax", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` to a flag's help unless it says its default itself."""
 
-    serve = sub.add_parser("serve", help="serve the versions under --model_base_path over HTTP")
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, "", argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action) or text
+
+
+def _parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    # Each subcommand's help fits its line of an 80-column terminal (56 characters).
+    parser = argparse.ArgumentParser(
+        prog="estimax", description=__doc__.split("\n")[0], formatter_class=_Defaults
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    # Listed for --help; the `estimax` command (estimax.command) hands `estimax doctor ...` to
+    # estimax.doctor before this parser sees it.
+    sub.add_parser("doctor", help="devices, kernels, storage; --launch: a launch dry-run")
+    _serve_parser(sub, os.environ if env is None else env)
+
+    predict = sub.add_parser(
+        "predict",
+        help="classify image files with a version (and name them)",
+        formatter_class=_Defaults,
+    )
+    predict.add_argument(
+        "--model_base_path", required=True, help="folder (or URL) of numeric versions"
+    )
+    predict.add_argument(
+        "--model_version", type=int, default=None, help="the version (default: the newest)"
+    )
+    predict.add_argument("--top_k", type=int, default=5, help="classes printed per image")
+    predict.add_argument("images", nargs="+", help="JPEG or PNG files")
+
+    check = sub.add_parser(
+        "export-check",
+        help="rerun a version's parity examples on this machine",
+        formatter_class=_Defaults,
+    )
+    check.add_argument("--model_base_path", required=True, help="folder of numeric versions")
+    check.add_argument(
+        "--model_version", type=int, default=None, help="the version (default: the newest)"
+    )
+
+    _add_export_commands(sub)
+    return parser
+
+
+def _add_export_commands(sub: argparse._SubParsersAction) -> None:
+    """``export-savedmodel`` and ``export-onnx``: a version in another serving format."""
+    # estimax.serving.savedmodel / onnx_export: need the estimax[tf] / estimax[onnx] extras.
+    for name, what, output, module in (
+        (
+            "export-savedmodel",
+            "a TF SavedModel (estimax[tf])",
+            ("--output_dir", "the SavedModel to write"),
+            "savedmodel",
+        ),
+        (
+            # Image preprocessing stays the client's job (onnx_export's docstring).
+            "export-onnx",
+            "an ONNX model (estimax[onnx])",
+            ("--output", "the .onnx file to write"),
+            "onnx_export",
+        ),
+    ):
+        export = sub.add_parser(name, help=f"a version -> {what}", formatter_class=_Defaults)
+        export.add_argument(
+            "--model_base_path", required=True, help="folder (or URL) of numeric versions"
+        )
+        export.add_argument(
+            "--model_version", type=int, default=None, help="the version (default: the newest)"
+        )
+        export.add_argument(
+            output[0], required=True, help=f"{output[1]} (new; parents are created)"
+        )
+        export.add_argument(
+            "--atol", default=None, help=f"see python -m estimax.serving.{module} -h"
+        )
+
+
+def _serve_parser(sub: Any, env: Mapping[str, str]) -> None:
+    serve = sub.add_parser(
+        "serve",
+        help="serve versions over HTTP (TF Serving, v2) and gRPC",
+        formatter_class=_Defaults,
+    )
     serve.add_argument(
         "--model_base_path",
-        required=True,
-        help="directory (or gs://, s3:// URL) holding numeric version folders",
+        default=None,
+        help="directory (or gs://, s3:// URL) holding numeric version folders (required; "
+        "default under Vertex AI: AIP_STORAGE_URI)",
     )
     serve.add_argument("--model_name", default="default", help="the NAME in /v1/models/NAME")
     serve.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="address to bind (default loopback only; 0.0.0.0 for all)",
+        "--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)"
     )
     serve.add_argument(
         "--port",
@@ -62,7 +152,7 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="gRPC port (TF Serving's PredictionService/ModelService and v2's "
-        "GRPCInferenceService; TF Serving uses 8500); 0: no gRPC (default)",
+        "GRPCInferenceService; TF Serving uses 8500); 0: no gRPC",
     )
     serve.add_argument(
         "--rest_api_timeout_in_ms",
@@ -70,6 +160,7 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=30_000,
         dest="rest_api_timeout_in_ms",
+        help="a request taking longer answers 504 (gRPC: DEADLINE_EXCEEDED)",
     )
     serve.add_argument(
         "--file_system_poll_wait_seconds",
@@ -83,11 +174,37 @@ def _parser() -> argparse.ArgumentParser:
         default=1,
         help="serve the newest N versions (TF Serving's latest{N} policy)",
     )
-    serve.add_argument("--enable_batching", action=argparse.BooleanOptionalAction, default=False)
-    serve.add_argument("--max_batch_size", type=int, default=32)
-    serve.add_argument("--batch_timeout_micros", type=int, default=1000)
-    serve.add_argument("--max_enqueued_batches", type=int, default=16)
-    serve.add_argument("--num_batch_threads", type=int, default=1)
+    _batching_flags(serve)
+    _limit_flags(serve)
+    _ops_flags(serve)
+    _vertex_defaults(serve, env)
+
+
+def _batching_flags(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument(
+        "--enable_batching",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="merge concurrent requests into batches (TF Serving's batching knobs below)",
+    )
+    serve.add_argument(
+        "--max_batch_size", type=int, default=32, help="most instances in one model call"
+    )
+    serve.add_argument(
+        "--batch_timeout_micros",
+        type=int,
+        default=1000,
+        help="most time a batch waits to fill after its first request",
+    )
+    serve.add_argument(
+        "--max_enqueued_batches",
+        type=int,
+        default=16,
+        help="queue bound in batches of --max_batch_size; past it requests answer 429",
+    )
+    serve.add_argument(
+        "--num_batch_threads", type=int, default=1, help="model calls run at the same time"
+    )
     serve.add_argument(
         "--allowed_batch_sizes",
         type=_sizes,
@@ -95,32 +212,81 @@ def _parser() -> argparse.ArgumentParser:
         help="comma-separated sizes batches are padded to; the last must be "
         "--max_batch_size (default: powers of two)",
     )
-    serve.add_argument("--max_body_bytes", type=int, default=64 << 20)
-    serve.add_argument("--max_instances", type=int, default=1024)
-    serve.add_argument("--max_image_pixels", type=int, default=1 << 26)
-    serve.add_argument("--log_level", default="warning")
 
-    predict = sub.add_parser("predict", help="classify image files with the latest version")
-    predict.add_argument("--model_base_path", required=True)
-    predict.add_argument("--model_version", type=int, default=None)
-    predict.add_argument("--top_k", type=int, default=5)
-    predict.add_argument("images", nargs="+", help="JPEG or PNG files")
 
-    check = sub.add_parser("export-check", help="rerun a version's stored parity examples")
-    check.add_argument("--model_base_path", required=True)
-    check.add_argument("--model_version", type=int, default=None)
-
-    # estimax.serving.savedmodel: needs the estimax[tf] extra (TensorFlow).
-    saved = sub.add_parser(
-        "export-savedmodel",
-        help="a version -> a TensorFlow SavedModel (serving_default as the original's); "
-        "needs TensorFlow (the estimax[tf] extra)",
+def _limit_flags(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument(
+        "--max_body_bytes",
+        type=int,
+        default=64 << 20,
+        help="larger bodies answer 413 (gRPC messages: RESOURCE_EXHAUSTED)",
     )
-    saved.add_argument("--model_base_path", required=True)
-    saved.add_argument("--model_version", type=int, default=None)
-    saved.add_argument("--output_dir", required=True, help="the SavedModel to write (new)")
-    saved.add_argument("--atol", default=None, help="see python -m estimax.serving.savedmodel -h")
-    return parser
+    serve.add_argument(
+        "--max_instances", type=int, default=1024, help="more in one request answer 400"
+    )
+    serve.add_argument(
+        "--max_image_pixels",
+        type=int,
+        default=1 << 26,
+        help="larger images (by their header) answer 400 before they are decoded",
+    )
+
+
+def _ops_flags(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument(
+        "--monitoring_config_file",
+        default="",
+        help="TF Serving's monitoring config (text MonitoringConfig: prometheus_config "
+        "{ enable: true, path: ... }): serve Prometheus metrics at its path (default: none)",
+    )
+    serve.add_argument(
+        "--metrics_path",
+        default="",
+        help="serve Prometheus metrics at this HTTP path, e.g. /metrics or "
+        "/monitoring/prometheus/metrics (default: none)",
+    )
+    serve.add_argument(
+        "--access_log",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="write one line per request (time, client, protocol, route, model, version, "
+        "status, latency, instances)",
+    )
+    serve.add_argument(
+        "--access_log_file",
+        default="",
+        help="where the access log goes (default: standard error)",
+    )
+    serve.add_argument(
+        "--access_log_format",
+        choices=("text", "json"),
+        default="text",
+        help="text (key=value) or json (JSON lines)",
+    )
+    serve.add_argument(
+        "--log_level",
+        choices=("debug", "info", "warning", "error", "critical"),
+        default="info",
+        help="server log level (info: versions loaded and unloaded; warning: failed requests "
+        "with their cause)",
+    )
+
+
+def _vertex_defaults(serve: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+    """Under Vertex AI (``AIP_MODE=PREDICTION``) its variables are the defaults (module doc)."""
+    serve.set_defaults(vertex_predict_route="", vertex_health_route="", vertex_bad_port="")
+    if env.get("AIP_MODE") != "PREDICTION":
+        return
+    port = env.get("AIP_HTTP_PORT", "8080")
+    serve.set_defaults(
+        port=int(port) if port.isdigit() else 8080,
+        vertex_bad_port="" if port.isdigit() else port,  # one line in serve()
+        host="0.0.0.0",
+        model_base_path=env.get("AIP_STORAGE_URI") or None,
+        vertex_predict_route=env.get("AIP_PREDICT_ROUTE", ""),
+        vertex_health_route=env.get("AIP_HEALTH_ROUTE", ""),
+        vertex=True,
+    )
 
 
 def _version_dir(base: str, version: int | None) -> tuple[str, int]:
@@ -159,15 +325,11 @@ def _check_port(flag: str, host: str, port: int) -> None:
             ) from None
 
 
-def serve(args: argparse.Namespace) -> int:
-    """Runs the server until interrupted."""
-    import uvicorn
-
+def _server_options(args: argparse.Namespace) -> Any:
+    """The ``ServerOptions`` of ``serve``'s flags (ValueError naming a bad one)."""
     from estimax.serving.batching import BatchingOptions
-    from estimax.serving.manager import ModelManager
-    from estimax.serving.rest import Server, ServerOptions
-    from estimax.serving.servable import default_batch_sizes
-    from estimax.serving.versions import list_versions
+    from estimax.serving.metrics import parse_monitoring_config
+    from estimax.serving.rest import ServerOptions
 
     batching = BatchingOptions(
         args.max_batch_size,
@@ -177,20 +339,16 @@ def serve(args: argparse.Namespace) -> int:
         tuple(args.allowed_batch_sizes),
     )
     batching.validate()
-    for flag, port in (("--port", args.port), ("--grpc_port", args.grpc_port)):
-        _check_port(flag, args.host, port)
-    if args.grpc_port and args.grpc_port == args.port:
-        raise ValueError(f"--grpc_port={args.grpc_port} is also --port; give two ports")
-    list_versions(args.model_base_path)  # fails early, with the flag's name, if absent
-    sizes = list(batching.allowed_batch_sizes) or default_batch_sizes(batching.max_batch_size)
-    manager = ModelManager(
-        args.model_name,
-        args.model_base_path,
-        sizes,
-        num_versions=args.num_versions,
-        poll_wait_seconds=args.file_system_poll_wait_seconds,
+    if args.monitoring_config_file and args.metrics_path:
+        raise ValueError("give --monitoring_config_file or --metrics_path, not both")
+    metrics_path = (
+        parse_monitoring_config(args.monitoring_config_file)
+        if args.monitoring_config_file
+        else args.metrics_path or None
     )
-    options = ServerOptions(
+    if metrics_path is not None and not metrics_path.startswith("/"):
+        raise ValueError(f"--metrics_path={metrics_path} must start with /")
+    return ServerOptions(
         enable_batching=args.enable_batching,
         batching=batching,
         rest_api_timeout_in_ms=args.rest_api_timeout_in_ms,
@@ -199,20 +357,106 @@ def serve(args: argparse.Namespace) -> int:
         max_image_pixels=args.max_image_pixels,
         grpc_port=args.grpc_port,
         grpc_host=args.host,
+        metrics_paths=(metrics_path,) if metrics_path else (),
+        access_log=args.access_log,
+        access_log_format=args.access_log_format,
+        vertex_predict_route=args.vertex_predict_route,
+        vertex_health_route=args.vertex_health_route,
+    )
+
+
+def _check_vertex(args: argparse.Namespace) -> None:
+    """One line naming the Vertex AI variable that is missing or wrong."""
+    if not getattr(args, "vertex", False):
+        return
+    if args.vertex_bad_port:
+        raise ValueError(f"AIP_HTTP_PORT={args.vertex_bad_port!r} is not a port number")
+    for flag, variable in (
+        (args.vertex_predict_route, "AIP_PREDICT_ROUTE"),
+        (args.vertex_health_route, "AIP_HEALTH_ROUTE"),
+    ):
+        if not flag.startswith("/"):
+            raise ValueError(
+                f"AIP_MODE=PREDICTION but {variable}={flag!r}: Vertex AI sets it to the "
+                "route it calls (a path starting with /)"
+            )
+
+
+def _refuse_one_version(base: str) -> None:
+    """One line when the path given is a single version's folder, not the model's."""
+    import fsspec
+
+    from estimax.serving.artifact import SIGNATURE_FILE
+
+    fs, root = fsspec.core.url_to_fs(base)
+    if fs.exists(f"{root.rstrip('/')}/{SIGNATURE_FILE}"):
+        raise ValueError(
+            f"{base} is one version's export, not a model base path: serve the folder that "
+            "holds it as a numbered version (e.g. move it to BASE/1 and give BASE)"
+        )
+
+
+def _configure_logging(args: argparse.Namespace) -> None:
+    """The server's log (``--log_level``) and the access log (its own stream, bare lines)."""
+    std_logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        force=True,
+    )
+    access = std_logging.getLogger("estimax.serving.access")
+    access.propagate = False
+    handler = (
+        std_logging.FileHandler(args.access_log_file)  # OSError names the file
+        if args.access_log_file
+        else std_logging.StreamHandler(sys.stderr)
+    )
+    handler.setFormatter(std_logging.Formatter("%(message)s"))
+    access.handlers[:] = [handler]
+    access.setLevel(std_logging.INFO)
+    if args.log_level != "debug":  # JAX's start-up notes (no TPU found...) are not the server's
+        std_logging.getLogger("jax").setLevel(std_logging.WARNING)
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Runs the server until interrupted."""
+    import uvicorn
+
+    from estimax.serving.manager import ModelManager
+    from estimax.serving.rest import Server
+    from estimax.serving.servable import default_batch_sizes
+    from estimax.serving.versions import list_versions
+
+    _check_vertex(args)
+    if not args.model_base_path:
+        raise ValueError(
+            "--model_base_path is required (or AIP_STORAGE_URI with AIP_MODE=PREDICTION)"
+        )
+    options = _server_options(args)
+    for flag, port in (("--port", args.port), ("--grpc_port", args.grpc_port)):
+        _check_port(flag, args.host, port)
+    if args.grpc_port and args.grpc_port == args.port:
+        raise ValueError(f"--grpc_port={args.grpc_port} is also --port; give two ports")
+    if not list_versions(args.model_base_path):  # fails early, with the flag's name, if absent
+        _refuse_one_version(args.model_base_path)
+    _configure_logging(args)
+    batching = options.batching
+    sizes = list(batching.allowed_batch_sizes) or default_batch_sizes(batching.max_batch_size)
+    manager = ModelManager(
+        args.model_name,
+        args.model_base_path,
+        sizes,
+        num_versions=args.num_versions,
+        poll_wait_seconds=args.file_system_poll_wait_seconds,
     )
     server = Server(manager, options)
     manager.start()  # loads and warms the newest version before the port opens
-    for state in manager.states():
-        if state.error:
-            print(
-                f"estimax serve: version {state.version} failed to load: {state.error}",
-                file=sys.stderr,
-            )
     print(
         f"Serving model {args.model_name!r} from {args.model_base_path} on "
         f"http://{args.host}:{args.port} (REST: /v1/models/{args.model_name}, v2: "
         f"/v2/models/{args.model_name})"
-        + (f"; gRPC on {args.host}:{args.grpc_port}" if args.grpc_port else ""),
+        + (f"; gRPC on {args.host}:{args.grpc_port}" if args.grpc_port else "")
+        + (f"; metrics on {', '.join(options.metrics_paths)}" if options.metrics_paths else "")
+        + (f"; Vertex AI: {args.vertex_predict_route}" if args.vertex_predict_route else ""),
         flush=True,
     )
     try:
@@ -247,8 +491,13 @@ def predict(args: argparse.Namespace) -> int:
             if key != "probabilities":
                 line[key] = np.asarray(value[i]).tolist()
         if probabilities is not None:
-            top = np.argsort(-probabilities[i])[: args.top_k]
-            line["top_k"] = [[int(c), float(probabilities[i][c])] for c in top]
+            # [class id, probability] (and the class's name when the export has them).
+            top = np.argsort(-probabilities[i], kind="stable")[: args.top_k]
+            line["top_k"] = [
+                [int(c), float(probabilities[i][c])]
+                + ([str(servable.class_names[c])] if servable.class_names is not None else [])
+                for c in top
+            ]
         print(json.dumps(line))
     return 0
 
@@ -275,9 +524,18 @@ def export_savedmodel(args: argparse.Namespace) -> int:
     return savedmodel.main(argv + ([f"--atol={args.atol}"] if args.atol else []))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``estimax`` console script."""
-    args = _parser().parse_args(argv)
+def export_onnx(args: argparse.Namespace) -> int:
+    """A version as an ONNX model (``estimax.serving.onnx_export``)."""
+    from estimax.serving import onnx_export
+
+    path, _ = _version_dir(args.model_base_path, args.model_version)
+    argv = [f"--export_dir={path}", f"--output={args.output}"]
+    return onnx_export.main(argv + ([f"--atol={args.atol}"] if args.atol else []))
+
+
+def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+    """Entry point of the ``estimax`` console script (``env``: the environment to read)."""
+    args = _parser(env).parse_args(argv)
     std_logging.basicConfig(level=std_logging.WARNING)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     from estimax.serving.versions import ExportCheckError
@@ -288,6 +546,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "predict": predict,
             "export-check": export_check,
             "export-savedmodel": export_savedmodel,
+            "export-onnx": export_onnx,
         }[args.command](args)
     except ExportCheckError as e:
         print(f"estimax {args.command}: FAILED: {e}", file=sys.stderr)

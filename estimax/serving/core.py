@@ -8,6 +8,11 @@ gRPC services (TF Serving's ``PredictionService``/``ModelService``, v2's
 the requests that hold it), the same errors. ``ApiError`` carries the HTTP status TF Serving
 gives an error; ``ApiError.grpc_code`` is the gRPC code of the same error (TF Serving's
 ``ToHTTPStatusCode`` read backwards).
+
+Every request is also *tracked* here, in one place for every protocol (``track``/``finish``,
+``estimax.serving.tracking``): counted in ``ServingMetrics`` (Prometheus, Triton's statistics),
+written to the access log (``estimax.serving.access``), and, when it fails, logged with its cause
+at WARNING (ERROR for an internal error, 500) on ``estimax.serving.core``.
 """
 
 from __future__ import annotations
@@ -15,16 +20,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
+import logging
 import os
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
+from estimax.serving import tracking
 from estimax.serving.batching import Batcher, BatchingOptions, QueueFullError
 from estimax.serving.manager import ModelManager, VersionState
+from estimax.serving.metrics import ServingMetrics
 from estimax.serving.servable import InvalidInput, Servable
+from estimax.serving.tracking import RequestRecord
+
+log = logging.getLogger(__name__)
+access_log = logging.getLogger("estimax.serving.access")
 
 SIGNATURE_NAME = "serving_default"
 PREDICT_METHOD = "tensorflow/serving/predict"
@@ -45,6 +59,11 @@ class ServerOptions:
       max_image_pixels: larger images (by their header) answer 400.
       grpc_port: the gRPC port (TF Serving's ``--port``); 0: no gRPC.
       grpc_host: the address the gRPC port binds.
+      metrics_paths: HTTP paths answering Prometheus text (none: no metrics endpoint).
+      access_log: write one ``estimax.serving.access`` line per request.
+      access_log_format: ``text`` or ``json`` (JSON lines).
+      vertex_predict_route, vertex_health_route: Vertex AI's ``AIP_PREDICT_ROUTE`` and
+        ``AIP_HEALTH_ROUTE`` (empty: not served).
     """
 
     enable_batching: bool = False
@@ -55,6 +74,16 @@ class ServerOptions:
     max_image_pixels: int = 1 << 26
     grpc_port: int = 0
     grpc_host: str = "127.0.0.1"
+    metrics_paths: tuple[str, ...] = ()
+    access_log: bool = True
+    access_log_format: str = "text"
+    vertex_predict_route: str = ""
+    vertex_health_route: str = ""
+
+
+# A 429's Retry-After (HTTP) and grpc-retry-pushback-ms (gRPC): a full queue drains in about a
+# batch's run; one second is the smallest Retry-After can say.
+RETRY_AFTER_SECONDS = 1
 
 
 # HTTP status -> gRPC status code name, from TF Serving's ToHTTPStatusCode (its inverse; 413 and
@@ -73,6 +102,15 @@ _GRPC_CODES = {
     503: "UNAVAILABLE",
     504: "DEADLINE_EXCEEDED",
 }
+
+
+def grpc_code_of(status: int) -> str:
+    """The canonical (gRPC) code name of an HTTP status (``OK`` for 2xx)."""
+    return "OK" if 200 <= status < 300 else _GRPC_CODES.get(status, "UNKNOWN")
+
+
+# gRPC code name -> the HTTP status it stands for (the first of _GRPC_CODES with that code).
+HTTP_STATUS = {"OK": 200, "UNKNOWN": 500, **{c: s for s, c in reversed(_GRPC_CODES.items())}}
 
 
 class ApiError(Exception):
@@ -163,6 +201,45 @@ class ServingCore:
         self.batcher = (
             Batcher(options.batching, self._run_pool) if options.enable_batching else None
         )
+        self.metrics = ServingMetrics(
+            manager.name,
+            version_states=lambda: [(str(s.version), s.state) for s in manager.states()],
+            queued=lambda: self.batcher.queued if self.batcher is not None else 0,
+        )
+        manager.on_load = self.metrics.loaded
+
+    # ---------------------------------------------------------------- tracking
+    @contextlib.contextmanager
+    def track(self, record: RequestRecord) -> Iterator[RequestRecord]:
+        """Makes ``record`` the current request's for the block, then ``finish``es it.
+
+        The caller sets its outcome (``record.fail``) before the block ends.
+        """
+        token = tracking.CURRENT.set(record)
+        try:
+            yield record
+        finally:
+            tracking.CURRENT.reset(token)
+            self.finish(record)
+
+    def finish(self, record: RequestRecord) -> None:
+        """Counts a finished request, writes its access-log line and logs why it failed."""
+        record.end = time.perf_counter()
+        self.metrics.request(record)
+        if self.options.access_log:
+            access_log.info(record.access_line(self.options.access_log_format == "json"))
+        if record.status >= 400:
+            where = f"{record.method or record.transport.upper()} {record.route}"
+            # A server error (500) is the server's fault; the rest answer what was asked.
+            level = logging.ERROR if record.status == 500 else logging.WARNING
+            log.log(
+                level,
+                "%s -> %d %s: %s",
+                where,
+                record.status,
+                record.code,
+                record.error or "(no message)",
+            )
 
     @property
     def name(self) -> str:
@@ -177,6 +254,7 @@ class ServingCore:
           ApiError: 404 for an unknown model or version, 400 for a malformed version, 503 if
             versions keep being retired under the request.
         """
+        record = _noted(name, version)
         if name != self.manager.name:
             req = f"Specific({name}, {version})" if version is not None else f"Latest({name})"
             raise ApiError(404, f"Servable not found for request: {req}")
@@ -187,6 +265,7 @@ class ServingCore:
                 req = f"Specific({name}, {number})" if number is not None else f"Latest({name})"
                 raise ApiError(404, f"Servable not found for request: {req}")
             if servable.acquire():
+                record.version = str(servable.version if servable.version is not None else "")
                 try:
                     yield servable
                 finally:
@@ -205,6 +284,8 @@ class ServingCore:
 
     def count(self, n: int) -> None:
         """Refuses more than ``max_instances`` instances in one request (400)."""
+        record = tracking.current()
+        record.instances = max(record.instances, n)
         if n > self.options.max_instances:
             raise ApiError(
                 400,
@@ -219,6 +300,7 @@ class ServingCore:
 
     def states(self, name: str, version: str | int | None = None) -> list[VersionState]:
         """The versions of ``name`` (one if ``version``), newest first; 404 if none."""
+        _noted(name, version)
         if name != self.manager.name:
             raise ApiError(404, f"Could not find any versions of model {name}")
         states = self.manager.states()
@@ -232,6 +314,7 @@ class ServingCore:
 
     def ready(self, name: str, version: str | int | None) -> bool:
         """Whether the model (or that version) is available; 404 for an unknown one."""
+        _noted(name, version)
         if name != self.manager.name:
             raise ApiError(404, f"Model {name} is not served here")
         number = self.parse_version(version)
@@ -254,29 +337,125 @@ class ServingCore:
                 f"unknown outputs {unknown}; the model's outputs are {sorted(servable.outputs)}",
             )
 
+    def statistics(self, name: str | None, version: str | None) -> dict[str, Any]:
+        """Triton's statistics extension: ``{"model_stats": [...]}`` per version.
+
+        ``name`` None: every model (this server's one); ``version`` None: every version seen.
+        """
+        if name is None:
+            versions = [str(s.version) for s in self.manager.states()]
+        else:
+            versions = [str(s.version) for s in self.states(name, version)]
+        return {"model_stats": self.metrics.statistics(versions)}
+
+    def model_config(self, name: str, version: str | None) -> dict[str, Any]:
+        """Triton's model configuration (``ModelConfig`` as JSON) of the model or one version."""
+        with self.servable(name, version) as servable:
+            config: dict[str, Any] = {
+                "name": name,
+                "platform": "estimax_jax_export",
+                "backend": "estimax",
+                "version_policy": {"latest": {"num_versions": self.manager.num_versions}},
+                # Any request of up to --max_instances runs (in chunks of the largest
+                # compiled size): that is the batch a client may send.
+                "max_batch_size": self.options.max_instances,
+                "input": [_config_tensor(n, s) for n, s in servable.inputs.items()],
+                "output": [_config_tensor(n, s) for n, s in servable.outputs.items()],
+                "parameters": {"global_step": {"string_value": str(servable.global_step)}},
+            }
+        if self.options.enable_batching:
+            batching = self.options.batching
+            config["dynamic_batching"] = {
+                "preferred_batch_size": list(self.manager.batch_sizes),
+                "max_queue_delay_microseconds": batching.batch_timeout_micros,
+            }
+        return config
+
     async def infer(self, servable: Servable, columns: dict[str, Any]) -> dict[str, np.ndarray]:
-        """Prepares (decodes images) in a thread, runs (batched or not); bounded in time."""
-        loop = asyncio.get_running_loop()
+        """Prepares (decodes images) in a thread, runs (batched or not); bounded in time.
 
-        async def work() -> dict[str, np.ndarray]:
-            try:
-                features = await loop.run_in_executor(
-                    self._decode_pool, servable.prepare, columns, self.options.max_image_pixels
-                )
-            except InvalidInput as e:
-                raise ApiError(400, str(e)) from None
-            if self.batcher is not None:
-                try:
-                    return await self.batcher.submit(servable, servable.run, features)
-                except QueueFullError as e:
-                    raise ApiError(429, str(e)) from None
-            return await loop.run_in_executor(self._run_pool, servable.run, features)
-
+        The request's record gets the time each step took (Triton's statistics).
+        """
         try:
-            return await asyncio.wait_for(work(), self.options.rest_api_timeout_in_ms / 1000)
+            return await asyncio.wait_for(
+                self._infer(servable, columns, tracking.current()),
+                self.options.rest_api_timeout_in_ms / 1000,
+            )
         except TimeoutError:
             raise ApiError(
                 504,
                 "Request timed out after "
                 f"{self.options.rest_api_timeout_in_ms} ms (--rest_api_timeout_in_ms)",
             ) from None
+
+    async def _infer(
+        self, servable: Servable, columns: dict[str, Any], record: RequestRecord
+    ) -> dict[str, np.ndarray]:
+        loop = asyncio.get_running_loop()
+        start = time.perf_counter()
+        try:
+            features = await loop.run_in_executor(
+                self._decode_pool, servable.prepare, columns, self.options.max_image_pixels
+            )
+        except InvalidInput as e:
+            raise ApiError(400, str(e)) from None
+        record.prepare_s = time.perf_counter() - start
+        submitted = time.perf_counter()
+        run = functools.partial(self._execute, servable)
+        if self.batcher is not None:
+            size = int(next(iter(features.values())).shape[0])
+
+            def dequeued(wait: float) -> None:
+                record.queue_s = wait
+                self.metrics.dequeued(wait, size)
+
+            try:
+                outputs = await self.batcher.submit(servable, run, features, on_start=dequeued)
+            except QueueFullError as e:
+                raise ApiError(429, str(e)) from None
+        else:
+
+            def direct() -> dict[str, np.ndarray]:
+                record.queue_s = time.perf_counter() - submitted  # waiting for a run thread
+                return run(features)
+
+            outputs = await loop.run_in_executor(self._run_pool, direct)
+        record.run_end = time.perf_counter()
+        record.run_s = record.run_end - submitted - record.queue_s
+        return outputs
+
+    def _execute(self, servable: Servable, features: dict[str, np.ndarray]) -> dict:
+        """One model run (a request, or a batch of them), counted as one execution."""
+        start = time.perf_counter()
+        outputs = servable.run(features)
+        n = int(next(iter(features.values())).shape[0])
+        self.metrics.execution(
+            servable.version,
+            servable.executions(n),
+            time.perf_counter() - start,
+            batched=self.batcher is not None,
+        )
+        return outputs
+
+
+def _config_tensor(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """One input/output of Triton's ``ModelConfig``: dims without the batch dimension."""
+    dims = [-1 if d is None else int(d) for d in spec["shape"][1:]]
+    d = dtype_of(spec["dtype"])
+    tensor: dict[str, Any] = {
+        "name": name,
+        "data_type": "TYPE_STRING" if d.v2 == "BYTES" else f"TYPE_{d.v2}",
+        "dims": dims or [1],
+    }
+    if not dims:  # Triton's way to say [batch] alone: dims [1] reshaped to []
+        tensor["reshape"] = {"shape": []}
+    return tensor
+
+
+def _noted(name: str, version: str | int | None) -> RequestRecord:
+    """The current request's record, with the model (and version) it asks for."""
+    record = tracking.current()
+    record.model = name
+    if version is not None:
+        record.version = str(version)
+    return record

@@ -3,17 +3,23 @@
 * ``tensorflow.serving.PredictionService``: ``Predict`` (``TensorProto`` in and out; image bytes
   in ``string_val``; numbers in the typed ``*_val`` fields or ``tensor_content``) and
   ``GetModelMetadata`` (the ``signature_def`` as a packed ``SignatureDefMap``), as TF Serving's
-  ``tensorflow-serving-api`` clients call them on its port 8500. ``Classify``, ``Regress`` and
-  ``MultiInference`` answer UNIMPLEMENTED (exports have a predict signature only).
+  ``tensorflow-serving-api`` clients call them on its port 8500; ``Classify`` (``tf.Example``
+  inputs, a label and score per class: ``estimax.serving.classes``). ``Regress`` and
+  ``MultiInference`` answer UNIMPLEMENTED.
 * ``tensorflow.serving.ModelService``: ``GetModelStatus``.
-* ``inference.GRPCInferenceService`` (KServe's ``grpc_predict_v2.proto``; what
-  ``tritonclient.grpc`` calls): ``ServerLive``, ``ServerReady``, ``ModelReady``,
-  ``ServerMetadata``, ``ModelMetadata``, ``ModelInfer`` (typed ``contents`` or
-  ``raw_input_contents`` in; ``raw_output_contents`` out).
+* ``inference.GRPCInferenceService`` (Triton's ``grpc_service.proto``, a superset of KServe's
+  ``grpc_predict_v2.proto``; what ``tritonclient.grpc`` calls): ``ServerLive``, ``ServerReady``,
+  ``ModelReady``, ``ServerMetadata``, ``ModelMetadata``, ``ModelInfer`` (typed ``contents`` or
+  ``raw_input_contents`` in; ``raw_output_contents`` out; the ``classification`` output
+  parameter), and Triton's ``ModelStatistics`` and ``ModelConfig``; the others (repository,
+  shared memory, trace, logging) answer UNIMPLEMENTED.
 
 Every call goes through ``ServingCore`` as the HTTP routes do (same versions, batching queue,
 limits and errors); errors are answered with the gRPC code of the HTTP status TF Serving gives
-them (``ApiError.grpc_code``). The server runs on the HTTP server's asyncio loop (``grpc.aio``).
+them (``ApiError.grpc_code``); a full batching queue's RESOURCE_EXHAUSTED carries
+``grpc-retry-pushback-ms`` in its trailing metadata (gRPC's retry pushback, the twin of HTTP's
+``Retry-After``). Each call is tracked as the HTTP requests are (``ServingCore.track``). The
+server runs on the HTTP server's asyncio loop (``grpc.aio``).
 Messages come from the published .proto files (``estimax.serving.protos``); no TensorFlow.
 """
 
@@ -25,23 +31,24 @@ from typing import Any, TypeVar
 
 import grpc
 import numpy as np
-from google.protobuf import any_pb2
+from google.protobuf import any_pb2, json_format
 from google.protobuf.message import DecodeError
 
-from estimax.serving import v2
+from estimax.serving import classes, tracking, v2
 from estimax.serving.core import (
+    HTTP_STATUS,
     PREDICT_METHOD,
+    RETRY_AFTER_SECONDS,
     SIGNATURE_NAME,
     ApiError,
     ServingCore,
     dtype_of,
     numpy_dtype,
 )
-from estimax.serving.protos.kserve import grpc_predict_v2_pb2 as pb_v2
-from estimax.serving.protos.kserve import grpc_predict_v2_pb2_grpc as grpc_v2
 from estimax.serving.protos.tensorflow.core.framework import tensor_pb2, tensor_shape_pb2, types_pb2
 from estimax.serving.protos.tensorflow.core.protobuf import meta_graph_pb2
 from estimax.serving.protos.tensorflow_serving.apis import (
+    classification_pb2,
     get_model_metadata_pb2,
     get_model_status_pb2,
     model_pb2,
@@ -49,7 +56,10 @@ from estimax.serving.protos.tensorflow_serving.apis import (
     predict_pb2,
     prediction_service_pb2_grpc,
 )
+from estimax.serving.protos.triton import grpc_service_pb2 as pb_v2
+from estimax.serving.protos.triton import grpc_service_pb2_grpc as grpc_v2
 from estimax.serving.servable import IMAGE_INPUT, Servable
+from estimax.serving.tracking import RequestRecord
 
 _T = TypeVar("_T")
 
@@ -78,11 +88,19 @@ async def _answer(context: grpc.aio.ServicerContext, call: Awaitable[_T]) -> _T:
     try:
         return await call
     except ApiError as e:
-        await context.abort(getattr(grpc.StatusCode, e.grpc_code), e.message)
+        tracking.current().fail(e.status, e.grpc_code, e.message)
+        pushback = (
+            (("grpc-retry-pushback-ms", str(RETRY_AFTER_SECONDS * 1000)),)
+            if e.status == 429
+            else ()
+        )
+        await context.abort(getattr(grpc.StatusCode, e.grpc_code), e.message, pushback)
     except grpc.aio.AbortError:
         raise
     except Exception as e:  # noqa: BLE001 - the server keeps serving; the client learns why
-        await context.abort(grpc.StatusCode.INTERNAL, f"Internal: {type(e).__name__}: {e}")
+        message = f"Internal: {type(e).__name__}: {e}"
+        tracking.current().fail(500, "INTERNAL", message)
+        await context.abort(grpc.StatusCode.INTERNAL, message)
     raise AssertionError("unreachable: abort raises")
 
 
@@ -160,7 +178,7 @@ def array_to_tensor(array: np.ndarray) -> Any:
     )
     field = getattr(proto, _VALUE_FIELD[d.tf])
     if d.v2 == "BYTES":
-        field.extend(bytes(x) for x in array.ravel())
+        field.extend(x.encode() if isinstance(x, str) else bytes(x) for x in array.ravel())
     elif d.tf in ("DT_HALF", "DT_BFLOAT16"):
         field.extend(array.ravel().view(np.uint16).tolist())
     else:
@@ -260,11 +278,29 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
             return response
 
     async def Classify(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
-        """UNIMPLEMENTED: exports have a predict signature."""
-        await _unimplemented(context, "Classify")
+        """``Classify``: ``tf.Example`` inputs -> a ``Class`` (label, score) per class id."""
+        return await _answer(context, self._classify(request))
+
+    async def _classify(self, request: Any) -> Any:
+        spec = request.model_spec
+        self.core.check_signature(spec.signature_name)
+        examples = _examples(request.input)
+        self.core.count(len(examples))
+        with self.core.servable(spec.name, _spec_version(spec)) as servable:
+            classes.check_classify(servable)
+            columns = classes.example_columns(servable, examples)
+            outputs = await self.core.infer(servable, columns)
+            response = classification_pb2.ClassificationResponse(
+                model_spec=_model_spec(spec.name, servable)
+            )
+            for row in classes.classify_results(servable, outputs):
+                response.result.classifications.add().classes.extend(
+                    classification_pb2.Class(label=label, score=score) for label, score in row
+                )
+            return response
 
     async def Regress(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
-        """UNIMPLEMENTED: exports have a predict signature."""
+        """UNIMPLEMENTED: exports have no regression signature."""
         await _unimplemented(context, "Regress")
 
     async def MultiInference(  # noqa: N802
@@ -277,8 +313,39 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
 async def _unimplemented(context: grpc.aio.ServicerContext, method: str) -> None:
     await context.abort(
         grpc.StatusCode.UNIMPLEMENTED,
-        f"{method} is not supported: estimax exports have one predict signature; call Predict",
+        f"{method} is not supported: estimax exports have a predict signature; call Predict "
+        "(or Classify)",
     )
+
+
+def _examples(proto: Any) -> list[dict[str, list]]:
+    """A ``tensorflow.serving.Input`` -> its examples, ``{feature: [values]}``, context merged."""
+    kind = proto.WhichOneof("kind")
+    if kind == "example_list":
+        examples, context = list(proto.example_list.examples), None
+    elif kind == "example_list_with_context":
+        examples = list(proto.example_list_with_context.examples)
+        context = proto.example_list_with_context.context
+    else:
+        raise ApiError(400, "Input is empty: give example_list or example_list_with_context")
+    shared = _features(context) if context is not None else {}
+    out = []
+    for i, example in enumerate(examples):
+        features = _features(example)
+        overlap = sorted(set(features) & set(shared))
+        if overlap:
+            raise ApiError(400, f"example {i}: features {overlap} are also in the context")
+        out.append({**shared, **features})
+    return out
+
+
+def _features(example: Any) -> dict[str, list]:
+    """A ``tf.Example``'s features -> ``{name: [values]}``."""
+    out = {}
+    for name, feature in example.features.feature.items():
+        kind = feature.WhichOneof("kind")
+        out[name] = list(getattr(feature, kind).value) if kind else []
+    return out
 
 
 class ModelService(model_service_pb2_grpc.ModelServiceServicer):
@@ -347,8 +414,10 @@ class InferenceService(grpc_v2.GRPCInferenceServiceServicer):
     async def ServerMetadata(  # noqa: N802
         self, request: Any, context: grpc.aio.ServicerContext
     ) -> Any:
-        """Name, version; no extension of the HTTP protocol applies to gRPC."""
-        return pb_v2.ServerMetadataResponse(name="estimax", version="0.1.0")
+        """Name, version, the extensions served over gRPC."""
+        return pb_v2.ServerMetadataResponse(
+            name="estimax", version="0.1.0", extensions=v2.GRPC_EXTENSIONS
+        )
 
     async def ModelMetadata(  # noqa: N802
         self, request: Any, context: grpc.aio.ServicerContext
@@ -409,6 +478,13 @@ class InferenceService(grpc_v2.GRPCInferenceServiceServicer):
                 columns[name] = column
             wanted = [o.name for o in request.outputs] or list(servable.outputs)
             self.core.check_outputs(servable, wanted)
+            counts = {
+                o.name: classes.classification_k(
+                    _parameter(o.parameters["classification"]), f"outputs[{i}]"
+                )
+                for i, o in enumerate(request.outputs)
+                if "classification" in o.parameters
+            }
             outputs = await self.core.infer(servable, columns)
             version = str(servable.version)
         response = pb_v2.ModelInferResponse(
@@ -416,11 +492,39 @@ class InferenceService(grpc_v2.GRPCInferenceServiceServicer):
         )
         for n in wanted:
             array = outputs[n]
+            if n in counts:
+                array = classes.classification(array, counts[n], servable, n)
             response.outputs.add(
                 name=n, datatype=v2.output_type(array).v2, shape=[int(s) for s in array.shape]
             )
             response.raw_output_contents.append(v2.encode_raw(array))
         return response
+
+    async def ModelStatistics(  # noqa: N802
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> Any:
+        """Triton's statistics extension (the HTTP route's JSON, as the message)."""
+
+        async def statistics() -> Any:
+            stats = self.core.statistics(request.name or None, request.version or None)
+            return json_format.ParseDict(stats, pb_v2.ModelStatisticsResponse())
+
+        return await _answer(context, statistics())
+
+    async def ModelConfig(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        """Triton's model configuration extension (the HTTP route's JSON, as the message)."""
+
+        async def config() -> Any:
+            model = self.core.model_config(request.name, request.version or None)
+            return json_format.ParseDict({"config": model}, pb_v2.ModelConfigResponse())
+
+        return await _answer(context, config())
+
+
+def _parameter(p: Any) -> Any:
+    """An ``InferParameter``'s value (whichever field is set)."""
+    kind = p.WhichOneof("parameter_choice")
+    return getattr(p, kind) if kind else None
 
 
 # InferTensorContents' field for each v2 datatype (the protocol's table).
@@ -481,16 +585,72 @@ def _lenient(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
     return parse
 
 
-def _checked(behavior: Callable[[Any, Any], Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+def _checked(
+    core: ServingCore, service: str, method: str, behavior: Callable[[Any, Any], Awaitable[Any]]
+) -> Callable[..., Awaitable[Any]]:
+    """``behavior`` tracked as one request (``ServingCore.track``), malformed messages refused."""
+    protocol = "tf_serving" if service.startswith("tensorflow.serving.") else "v2"
+    route = f"/{service}/{method}"
+
     async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if isinstance(request, _Malformed):
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"The request is not a valid message: {request.error}",
-            )
-        return await behavior(request, context)
+        record = RequestRecord(
+            "grpc", route, client=context.peer() or "", protocol=protocol, api=method
+        )
+        with core.track(record):
+            try:
+                record.model = _model_of(request)
+                if isinstance(request, _Malformed):
+                    await context.abort(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"The request is not a valid message: {request.error}",
+                    )
+                return await behavior(request, context)
+            finally:
+                _outcome(record, context)
 
     return call
+
+
+def _model_of(request: Any) -> str:
+    """The model a request names, whichever service's message it is."""
+    if isinstance(request, _Malformed):
+        return ""
+    for field in ("model_spec", "model_name", "name"):
+        value = getattr(request, field, None)
+        if value is not None:
+            return value if isinstance(value, str) else value.name
+    return ""
+
+
+def _outcome(record: RequestRecord, context: grpc.aio.ServicerContext) -> None:
+    """The record's status from the call's code (unless ``_answer`` already set it)."""
+    code = context.code()
+    name = code.name if isinstance(code, grpc.StatusCode) else "OK"
+    if name != "OK" and record.code == "OK":
+        record.fail(HTTP_STATUS.get(name, 500), name, context.details() or "")
+
+
+def _handler(core: ServingCore, service: str, method: str, generated: Any) -> Any:
+    """The served handler of one method: tracked, lenient parsing; UNIMPLEMENTED if not ours."""
+    behavior = generated.unary_unary
+    route = f"/{service}/{method}"
+
+    async def unimplemented(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{route} is not served by estimax")
+
+    if behavior is None:  # Triton's streaming ModelStreamInfer
+        return grpc.stream_stream_rpc_method_handler(
+            unimplemented,
+            request_deserializer=generated.request_deserializer,
+            response_serializer=generated.response_serializer,
+        )
+    if behavior.__module__.endswith("_pb2_grpc"):  # the generated servicer's placeholder
+        behavior = unimplemented
+    return grpc.unary_unary_rpc_method_handler(
+        _checked(core, service, method, behavior),
+        request_deserializer=_lenient(generated.request_deserializer),
+        response_serializer=generated.response_serializer,
+    )
 
 
 async def start(core: ServingCore, host: str, port: int) -> grpc.aio.Server:
@@ -513,14 +673,7 @@ async def start(core: ServingCore, host: str, port: int) -> grpc.aio.Server:
     model_service_pb2_grpc.add_ModelServiceServicer_to_server(ModelService(core), collect)
     grpc_v2.add_GRPCInferenceServiceServicer_to_server(InferenceService(core), collect)
     for service, handlers in collect.services.items():
-        handlers = {
-            method: grpc.unary_unary_rpc_method_handler(
-                _checked(h.unary_unary),
-                request_deserializer=_lenient(h.request_deserializer),
-                response_serializer=h.response_serializer,
-            )
-            for method, h in handlers.items()
-        }
+        handlers = {method: _handler(core, service, method, h) for method, h in handlers.items()}
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
         server.add_registered_method_handlers(service, handlers)
     server.add_insecure_port(f"{host}:{port}")

@@ -6,20 +6,27 @@ unloaded (availability-preserving, as TF Serving's default). A version that fail
 reported (state ``END`` with its error) and is not retried until its directory changes; it never
 replaces a working one. An unloaded version refuses new requests, finishes those in flight, then
 frees its device memory.
+
+Each load and unload logs one INFO line (``estimax.serving.manager``) with the version's path and
+how long it took; a failed load one ERROR line with the path and the cause (which names the file
+that could not be read).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import posixpath
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import fsspec
-from absl import logging
 
 from estimax.serving.servable import SERVING_FILE, Servable
 from estimax.serving.versions import list_versions
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -31,6 +38,7 @@ class VersionState:
     error: str = ""
     servable: Servable | None = None
     stamp: float | None = None  # the marker's mtime when loading failed
+    path: str = ""
 
 
 class ModelManager:
@@ -57,6 +65,8 @@ class ModelManager:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.last_poll_error = ""
+        # Called with (path, seconds, ok) after each load attempt (the server's metrics).
+        self.on_load: Callable[[str, float, bool], None] | None = None
 
     # ---------------------------------------------------------------- queries (any thread)
     def states(self) -> list[VersionState]:
@@ -100,7 +110,7 @@ class ModelManager:
             self.last_poll_error = ""
         except (OSError, ValueError) as e:
             if self.last_poll_error != str(e):
-                logging.error("Model %s: cannot list versions: %s", self.name, e)
+                log.error("Model %s: cannot list versions: %s", self.name, e)
             self.last_poll_error = str(e)
             return
         wanted = sorted(on_disk)[-self.num_versions :]
@@ -123,30 +133,60 @@ class ModelManager:
                 s.state = "UNLOADING"
         for s in to_unload:
             servable = s.servable
-            logging.info("Model %s: unloading version %d", self.name, s.version)
+            start = time.perf_counter()
             if servable is not None:
-                servable.retire()
+                servable.retire()  # waits for the requests that hold it
             with self._lock:
                 s.state, s.servable = "END", None
+            log.info(
+                "Model %s: unloaded version %d (%s) in %.2f s",
+                self.name,
+                s.version,
+                s.path,
+                time.perf_counter() - start,
+            )
 
     def _load_version(self, version: int, stamp: float | None) -> None:
         path = posixpath.join(self.base_path.rstrip("/"), str(version))
         with self._lock:
-            self._versions[version] = VersionState(version, "LOADING")
-        logging.info("Model %s: loading version %d from %s", self.name, version, path)
+            self._versions[version] = VersionState(version, "LOADING", path=path)
+        log.debug("Model %s: loading version %d from %s", self.name, version, path)
+        start = time.perf_counter()
         try:
             servable = self._load(path, version, self.batch_sizes)
             servable.warm()
         except Exception as e:  # noqa: BLE001 - any failure is reported, the old one stays
-            logging.error("Model %s: version %d failed to load: %s", self.name, version, e)
+            seconds = time.perf_counter() - start
+            log.error(
+                "Model %s: version %d failed to load from %s: %s: %s",
+                self.name,
+                version,
+                path,
+                type(e).__name__,
+                e,
+            )
             with self._lock:
                 self._versions[version] = VersionState(
-                    version, "END", error=f"{type(e).__name__}: {e}", stamp=stamp
+                    version, "END", error=f"{type(e).__name__}: {e}", stamp=stamp, path=path
                 )
+            if self.on_load is not None:
+                self.on_load(path, seconds, False)
             return
+        seconds = time.perf_counter() - start
         with self._lock:
-            self._versions[version] = VersionState(version, "AVAILABLE", servable=servable)
-        logging.info("Model %s: version %d is available", self.name, version)
+            self._versions[version] = VersionState(
+                version, "AVAILABLE", servable=servable, path=path
+            )
+        log.info(
+            "Model %s: loaded version %d from %s in %.2f s (compiled for batch sizes %s)",
+            self.name,
+            version,
+            path,
+            seconds,
+            self.batch_sizes,
+        )
+        if self.on_load is not None:
+            self.on_load(path, seconds, True)
 
     def start(self) -> None:
         """Polls once now, then every ``poll_wait_seconds`` in a thread (never if 0)."""
@@ -160,7 +200,7 @@ class ModelManager:
             try:
                 self.poll()
             except Exception:  # noqa: BLE001 - the poller must outlive any one bad poll
-                logging.exception("Model %s: poll failed", self.name)
+                log.exception("Model %s: poll failed", self.name)
 
     def stop(self) -> None:
         """Stops polling."""

@@ -13,6 +13,15 @@ Two protocols over one ``ServingCore`` (``core``: the model manager, limits, bat
   data extension both ways (``v2``: a JSON header of ``Inference-Header-Content-Length`` bytes,
   then the raw tensors), as ``tritonclient`` sends by default.
 
+Triton's extensions of v2 are served too: statistics (``GET /v2/models[/NAME[/versions/V]]/stats``),
+model configuration (``GET /v2/models/NAME[/versions/V]/config``) and classification (an output
+requested with ``parameters: {"classification": k}``); and TF Serving's ``:classify``. With
+``--monitoring_config_file``/``--metrics_path`` the port answers Prometheus text
+(``estimax.serving.metrics``); under Vertex AI (``AIP_MODE=PREDICTION``) it also answers
+``AIP_HEALTH_ROUTE`` and ``AIP_PREDICT_ROUTE`` (TF Serving's row format: ``{"instances": [...]}``
+in, ``{"predictions": [...]}`` out). Every request is tracked by one middleware (``_Tracking``:
+access log, metrics, statistics); each route names its protocol (its tag) and API (its name).
+
 The gRPC services (``grpc_server``) join the same core on ``--grpc_port``, started and stopped
 with this app (one asyncio loop, so one batching queue for both ports).
 
@@ -34,40 +43,59 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from estimax.serving import v2
+from estimax.serving import classes, metrics, tracking, v2
 from estimax.serving.core import (
     BY_V2,
     PREDICT_METHOD,
+    RETRY_AFTER_SECONDS,
     SIGNATURE_NAME,
     ApiError,
     ServerOptions,
     ServingCore,
     dtype_of,
+    grpc_code_of,
 )
 from estimax.serving.manager import ModelManager
 from estimax.serving.servable import Servable
+from estimax.serving.tracking import RequestRecord
+
+# The protocols, as the routes' tags (the access log's ``protocol``).
+TF = "tf_serving"
+V2 = "v2"
+VERTEX = "vertex"
 
 # Public (README "Public API"); not re-exported by estimax.serving, which loads no FastAPI.
 __all__ = ["ApiError", "Server", "ServerOptions"]
 
-_PREDICT_SCHEMA = {
-    "requestBody": {
-        "required": True,
-        "content": {
-            "application/json": {
-                "schema": {
-                    "type": "object",
-                    "properties": {
-                        "signature_name": {"type": "string"},
-                        "instances": {"type": "array", "items": {}},
-                        "inputs": {},
-                    },
-                }
-            }
+
+def _json_body(schema: dict[str, Any]) -> dict[str, Any]:
+    """An operation's ``openapi_extra``: a required JSON body of ``schema``."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+_PREDICT_SCHEMA = _json_body(
+    {
+        "type": "object",
+        "properties": {
+            "signature_name": {"type": "string"},
+            "instances": {"type": "array", "items": {}},
+            "inputs": {},
         },
-    },
-}
+    }
+)
+_CLASSIFY_SCHEMA = _json_body(
+    {
+        "type": "object",
+        "required": ["examples"],
+        "properties": {
+            "signature_name": {"type": "string"},
+            "context": {"type": "object"},
+            "examples": {"type": "array", "items": {"type": "object"}},
+        },
+    }
+)
 _TENSOR_SCHEMA = {
     "type": "object",
     "required": ["name", "shape", "datatype", "data"],
@@ -79,28 +107,21 @@ _TENSOR_SCHEMA = {
         "data": {},
     },
 }
-_INFER_SCHEMA = {
-    "requestBody": {
-        "required": True,
-        "content": {
-            "application/json": {
-                "schema": {
-                    "type": "object",
-                    "required": ["inputs"],
-                    "properties": {
-                        "id": {"type": "string"},
-                        "parameters": {"type": "object"},
-                        "inputs": {"type": "array", "items": _TENSOR_SCHEMA},
-                        "outputs": {
-                            "type": "array",
-                            "items": {"type": "object", "properties": {"name": {"type": "string"}}},
-                        },
-                    },
-                }
-            }
+_INFER_SCHEMA = _json_body(
+    {
+        "type": "object",
+        "required": ["inputs"],
+        "properties": {
+            "id": {"type": "string"},
+            "parameters": {"type": "object"},
+            "inputs": {"type": "array", "items": _TENSOR_SCHEMA},
+            "outputs": {
+                "type": "array",
+                "items": {"type": "object", "properties": {"name": {"type": "string"}}},
+            },
         },
-    },
-}
+    }
+)
 
 
 _E = TypeVar("_E", bound=Exception)
@@ -247,6 +268,7 @@ class TFServingRest:
                         "preprocessing": (
                             servable.preprocessing.to_json() if servable.preprocessing else None
                         ),
+                        "class_names": servable.record.class_names,
                     }
                 },
             }
@@ -330,42 +352,77 @@ class TFServingRest:
             return {"outputs": _tolist(outputs[names[0]], names[0])}
         return {"outputs": {n: _tolist(outputs[n], n) for n in names}}
 
-    def add_routes(self, app: FastAPI, errors: dict[int | str, dict[str, Any]]) -> None:
-        """Registers the ``/v1`` routes on ``app``."""
+    async def classify(self, name: str, version: str | None, request: Request) -> dict:
+        """``POST ...:classify``: ``examples`` (+ ``context``) -> ``result`` label/score pairs."""
+        body = parse_json(await read_body(request, self.core.options.max_body_bytes))
+        if not isinstance(body, dict) or not isinstance(body.get("examples"), list):
+            raise ApiError(400, "The request body must be an object with an 'examples' list")
+        self.core.check_signature(body.get("signature_name", SIGNATURE_NAME))
+        context = body.get("context", {})
+        if not isinstance(context, dict):
+            raise ApiError(400, "'context' must be an object of features")
+        examples = []
+        for i, example in enumerate(body["examples"]):
+            if not isinstance(example, dict):
+                raise ApiError(400, f"example {i} must be an object of features")
+            shared = sorted(set(example) & set(context))
+            if shared:
+                raise ApiError(400, f"example {i}: features {shared} are also in 'context'")
+            merged = {**context, **example}
+            examples.append({k: _feature_values(v, f"example {i}") for k, v in merged.items()})
+        self.core.count(len(examples))
+        with self.core.servable(name, version) as servable:
+            classes.check_classify(servable)
+            columns = classes.example_columns(servable, examples)
+            outputs = await self.core.infer(servable, columns)
+            return {"result": classes.classify_results(servable, outputs)}
 
-        @app.get("/v1/models/{name}", responses=errors)
+    def add_routes(self, app: FastAPI, errors: dict[int | str, dict[str, Any]]) -> None:
+        """Registers the ``/v1`` routes on ``app`` (tag: the protocol; name: the API)."""
+        kw: dict[str, Any] = {"responses": errors, "tags": [TF]}
+
+        @app.get("/v1/models/{name}", name="status", **kw)
         async def v1_status(name: str) -> Response:
             return _json(self.status(name, None))
 
-        @app.get("/v1/models/{name}/versions/{version}", responses=errors)
+        @app.get("/v1/models/{name}/versions/{version}", name="status", **kw)
         async def v1_status_version(name: str, version: str) -> Response:
             return _json(self.status(name, version))
 
-        @app.get("/v1/models/{name}/metadata", responses=errors)
+        @app.get("/v1/models/{name}/metadata", name="metadata", **kw)
         async def v1_metadata(name: str) -> Response:
             return _json(self.metadata(name, None))
 
-        @app.get("/v1/models/{name}/versions/{version}/metadata", responses=errors)
+        @app.get("/v1/models/{name}/versions/{version}/metadata", name="metadata", **kw)
         async def v1_metadata_version(name: str, version: str) -> Response:
             return _json(self.metadata(name, version))
 
-        @app.post(
-            "/v1/models/{name}/versions/{version}:predict",
-            responses=errors,
-            openapi_extra=_PREDICT_SCHEMA,
-        )
+        predict = {**kw, "name": "predict", "openapi_extra": _PREDICT_SCHEMA}
+
+        @app.post("/v1/models/{name}/versions/{version}:predict", **predict)
         async def v1_predict_version(name: str, version: str, request: Request) -> Response:
             return _json(await self.predict(name, version, request))
 
-        @app.post("/v1/models/{name}:predict", responses=errors, openapi_extra=_PREDICT_SCHEMA)
+        @app.post("/v1/models/{name}:predict", **predict)
         async def v1_predict(name: str, request: Request) -> Response:
             return _json(await self.predict(name, None, request))
 
-        @app.post("/v1/models/{name}:{method}", responses=errors)
+        classify = {**kw, "name": "classify", "openapi_extra": _CLASSIFY_SCHEMA}
+
+        @app.post("/v1/models/{name}/versions/{version}:classify", **classify)
+        async def v1_classify_version(name: str, version: str, request: Request) -> Response:
+            return _json(await self.classify(name, version, request))
+
+        @app.post("/v1/models/{name}:classify", **classify)
+        async def v1_classify(name: str, request: Request) -> Response:
+            return _json(await self.classify(name, None, request))
+
+        @app.post("/v1/models/{name}:{method}", name="other", **kw)
         async def v1_other(name: str, method: str) -> Response:
             raise ApiError(
-                400 if method in ("classify", "regress") else 404,
-                f"Malformed request: :{method} is not supported by this model; use :predict",
+                400 if method == "regress" else 404,
+                f"Malformed request: :{method} is not supported by this model; use :predict "
+                "or :classify",
             )
 
 
@@ -378,7 +435,7 @@ class V2Rest:
 
     def server_metadata(self) -> dict:
         """``GET /v2``."""
-        return {"name": "estimax", "version": "0.1.0", "extensions": [v2.BINARY_EXTENSION]}
+        return {"name": "estimax", "version": "0.1.0", "extensions": list(v2.HTTP_EXTENSIONS)}
 
     def metadata(self, name: str, version: str | None) -> dict:
         """``GET /v2/models/NAME[/versions/V]``."""
@@ -422,7 +479,7 @@ class V2Rest:
         binary_default = _flag(parameters, "binary_data_output", "request parameters")
         with self.core.servable(name, version) as servable:
             columns = self._columns(servable, body["inputs"], binary)
-            wanted, as_binary = self._wanted(servable, body.get("outputs"), binary_default)
+            wanted, as_binary, counts = self._wanted(servable, body.get("outputs"), binary_default)
             outputs = await self.core.infer(servable, columns)
         head: dict[str, Any] = {"model_name": name, "model_version": str(servable.version)}
         if "id" in body:
@@ -430,6 +487,8 @@ class V2Rest:
         tensors, blobs = [], []
         for n in wanted:
             array = outputs[n]
+            if n in counts:
+                array = classes.classification(array, counts[n], servable, n)
             tensor: dict[str, Any] = {
                 "name": n,
                 "datatype": v2.output_type(array).v2,
@@ -514,17 +573,18 @@ class V2Rest:
 
     def _wanted(
         self, servable: Servable, requested: Any, binary_default: bool
-    ) -> tuple[list[str], dict[str, bool]]:
+    ) -> tuple[list[str], dict[str, bool], dict[str, int]]:
+        """The outputs to answer, which in binary, and which as k classifications."""
         if requested is None:
             wanted = list(servable.outputs)
-            return wanted, {n: binary_default for n in wanted}
+            return wanted, {n: binary_default for n in wanted}, {}
         if not isinstance(requested, list) or not all(
             isinstance(o, dict) and isinstance(o.get("name"), str) for o in requested
         ):
             raise ApiError(400, "'outputs' must be a list of {\"name\": ...} objects")
         wanted = [o["name"] for o in requested]
         self.core.check_outputs(servable, wanted)
-        as_binary = {}
+        as_binary, counts = {}, {}
         for i, o in enumerate(requested):
             # Per output "binary_data"; without it the request's "binary_data_output".
             parameters = _parameters(o, f"outputs[{i}]")
@@ -533,29 +593,39 @@ class V2Rest:
                 if "binary_data" in parameters
                 else binary_default
             )
-        return wanted, as_binary
+            if "classification" in parameters:
+                counts[o["name"]] = classes.classification_k(
+                    parameters["classification"], f"outputs[{i}]"
+                )
+        return wanted, as_binary, counts
 
     def add_routes(self, app: FastAPI, errors: dict[int | str, dict[str, Any]]) -> None:
-        """Registers the ``/v2`` routes on ``app``."""
+        """Registers the ``/v2`` routes on ``app`` (tag: the protocol; name: the API)."""
+        kw: dict[str, Any] = {"responses": errors, "tags": [V2]}
 
-        @app.get("/v2")
+        @app.get("/v2", name="server_metadata", tags=[V2])
         async def v2_server() -> Response:
             return _json(self.server_metadata())
 
-        @app.get("/v2/health/live")
+        @app.get("/v2/health/live", name="live", tags=[V2])
         async def v2_live() -> Response:
             return _json({"live": True})
 
-        @app.get("/v2/health/ready")
+        @app.get("/v2/health/ready", name="ready", tags=[V2])
         async def v2_ready() -> Response:
             ready = self.core.manager.ready()
             return _json({"ready": ready}, 200 if ready else 503)
 
-        @app.get("/v2/models/{name}", responses=errors)
+        # Before /v2/models/{name}, which would take "stats" for a model's name.
+        @app.get("/v2/models/stats", name="stats", **kw)
+        async def v2_all_stats() -> Response:
+            return _json(self.core.statistics(None, None))
+
+        @app.get("/v2/models/{name}", name="metadata", **kw)
         async def v2_model(name: str) -> Response:
             return _json(self.metadata(name, None))
 
-        @app.get("/v2/models/{name}/versions/{version}", responses=errors)
+        @app.get("/v2/models/{name}/versions/{version}", name="metadata", **kw)
         async def v2_model_version(name: str, version: str) -> Response:
             return _json(self.metadata(name, version))
 
@@ -563,25 +633,51 @@ class V2Rest:
             ok = self.core.ready(name, version)
             return _json({"name": name, "ready": ok}, 200 if ok else 503)
 
-        @app.get("/v2/models/{name}/ready", responses=errors)
+        @app.get("/v2/models/{name}/ready", name="ready", **kw)
         async def v2_model_ready(name: str) -> Response:
             return await ready(name, None)
 
-        @app.get("/v2/models/{name}/versions/{version}/ready", responses=errors)
+        @app.get("/v2/models/{name}/versions/{version}/ready", name="ready", **kw)
         async def v2_model_version_ready(name: str, version: str) -> Response:
             return await ready(name, version)
 
-        @app.post("/v2/models/{name}/infer", responses=errors, openapi_extra=_INFER_SCHEMA)
+        infer = {**kw, "name": "infer", "openapi_extra": _INFER_SCHEMA}
+
+        @app.post("/v2/models/{name}/infer", **infer)
         async def v2_infer(name: str, request: Request) -> Response:
             return await self.infer(name, None, request)
 
-        @app.post(
-            "/v2/models/{name}/versions/{version}/infer",
-            responses=errors,
-            openapi_extra=_INFER_SCHEMA,
-        )
+        @app.post("/v2/models/{name}/versions/{version}/infer", **infer)
         async def v2_infer_version(name: str, version: str, request: Request) -> Response:
             return await self.infer(name, version, request)
+
+        self._add_extension_routes(app, kw)
+
+    def _add_extension_routes(self, app: FastAPI, kw: dict[str, Any]) -> None:
+        """Triton's statistics and model configuration extensions."""
+
+        @app.get("/v2/models/{name}/stats", name="stats", **kw)
+        async def v2_stats(name: str) -> Response:
+            return _json(self.core.statistics(name, None))
+
+        @app.get("/v2/models/{name}/versions/{version}/stats", name="stats", **kw)
+        async def v2_stats_version(name: str, version: str) -> Response:
+            return _json(self.core.statistics(name, version))
+
+        @app.get("/v2/models/{name}/config", name="config", **kw)
+        async def v2_config(name: str) -> Response:
+            return _json(self.core.model_config(name, None))
+
+        @app.get("/v2/models/{name}/versions/{version}/config", name="config", **kw)
+        async def v2_config_version(name: str, version: str) -> Response:
+            return _json(self.core.model_config(name, version))
+
+
+def _feature_values(value: Any, where: str) -> list:
+    """A classify feature (a value or a list of them) -> its values (bytes for strings)."""
+    values = value if isinstance(value, list) else [value]
+    decoded = [_decode_value(v, where) for v in values]
+    return [v.encode() if isinstance(v, str) else v for v in decoded]
 
 
 def _parameters(obj: dict, where: str) -> dict:
@@ -637,34 +733,7 @@ class Server:
             version="1",
             lifespan=self._lifespan,
         )
-
-        async def api_error(request: Request, exc: ApiError) -> Response:
-            return _json({"error": exc.message}, exc.status)
-
-        async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-            message = (
-                f"Malformed request: {request.method} {request.url.path}"
-                if exc.status_code in (404, 405)
-                else str(exc.detail)
-            )
-            return _json({"error": message}, exc.status_code)
-
-        async def validation_error(request: Request, exc: RequestValidationError) -> Response:
-            return _json({"error": f"Malformed request: {exc.errors()}"}, 400)
-
-        async def too_deep(request: Request, exc: RecursionError) -> Response:
-            return _json({"error": "The request body is nested too deeply"}, 400)
-
-        async def internal_error(request: Request, exc: Exception) -> Response:
-            # TF Serving's Internal -> 500, still as {"error": ...}; the server keeps serving.
-            return _json({"error": f"Internal: {type(exc).__name__}: {exc}"}, 500)
-
-        _on_exception(app, Exception, internal_error)
-        _on_exception(app, ApiError, api_error)
-        _on_exception(app, RecursionError, too_deep)
-        _on_exception(app, StarletteHTTPException, http_error)
-        _on_exception(app, RequestValidationError, validation_error)
-
+        _add_error_handlers(app)
         errors: dict[int | str, dict[str, Any]] = {
             c: {
                 "description": d,
@@ -682,6 +751,132 @@ class Server:
                 (504, "timed out"),
             )
         }
+        self._add_vertex_routes(app, errors)  # first: they may shadow the others' paths
         self.tf_serving.add_routes(app, errors)
         self.v2.add_routes(app, errors)
+        for path in self.options.metrics_paths:
+            app.add_api_route(path, self._metrics, methods=["GET"], include_in_schema=False)
+        app.add_middleware(
+            _Tracking, core=self.core, untracked=frozenset(self.options.metrics_paths)
+        )
         return app
+
+    async def _metrics(self) -> Response:
+        return Response(self.core.metrics.exposition(), media_type=metrics.CONTENT_TYPE)
+
+    def _add_vertex_routes(self, app: FastAPI, errors: dict[int | str, dict[str, Any]]) -> None:
+        """Vertex AI's ``AIP_HEALTH_ROUTE`` and ``AIP_PREDICT_ROUTE`` (when given)."""
+        kw: dict[str, Any] = {"responses": errors, "tags": [VERTEX]}
+        if self.options.vertex_health_route:
+
+            @app.get(self.options.vertex_health_route, name="health", **kw)
+            async def vertex_health() -> Response:
+                ready = self.core.manager.ready()
+                return _json({"ready": ready}, 200 if ready else 503)
+
+        if self.options.vertex_predict_route:
+
+            @app.post(
+                self.options.vertex_predict_route,
+                name="predict",
+                openapi_extra=_PREDICT_SCHEMA,
+                **kw,
+            )
+            async def vertex_predict(request: Request) -> Response:
+                # Vertex's body is TF Serving's row format: {"instances": [...]} ->
+                # {"predictions": [...]}, on the latest version of the served model.
+                return _json(await self.tf_serving.predict(self.core.name, None, request))
+
+
+def _failed(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+    """An ``{"error": message}`` answer; the request's record keeps the message."""
+    tracking.current().error = message
+    return Response(
+        _dumps({"error": message}),
+        status_code=status,
+        media_type="application/json",
+        headers=headers,
+    )
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    async def api_error(request: Request, exc: ApiError) -> Response:
+        retry = {"Retry-After": str(RETRY_AFTER_SECONDS)} if exc.status == 429 else None
+        return _failed(exc.status, exc.message, retry)
+
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        message = (
+            f"Malformed request: {request.method} {request.url.path}"
+            if exc.status_code in (404, 405)
+            else str(exc.detail)
+        )
+        return _failed(exc.status_code, message)
+
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return _failed(400, f"Malformed request: {exc.errors()}")
+
+    async def too_deep(request: Request, exc: RecursionError) -> Response:
+        return _failed(400, "The request body is nested too deeply")
+
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        # TF Serving's Internal -> 500, still as {"error": ...}; the server keeps serving.
+        return _json({"error": f"Internal: {type(exc).__name__}: {exc}"}, 500)
+
+    _on_exception(app, Exception, internal_error)
+    _on_exception(app, ApiError, api_error)
+    _on_exception(app, RecursionError, too_deep)
+    _on_exception(app, StarletteHTTPException, http_error)
+    _on_exception(app, RequestValidationError, validation_error)
+
+
+class _Tracking:
+    """ASGI middleware: one ``RequestRecord`` per HTTP request (``ServingCore.track``).
+
+    The route that answered names the protocol (its tag) and the API (its name); the model comes
+    from the core or, for a request refused before it asked, from the path.
+    """
+
+    def __init__(self, app: ASGIApp, core: ServingCore, untracked: frozenset[str]):
+        self.app = app
+        self.core = core
+        self.untracked = untracked
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.untracked:
+            await self.app(scope, receive, send)
+            return
+        client = scope.get("client")
+        record = RequestRecord(
+            "http",
+            scope["path"],
+            client=f"{client[0]}:{client[1]}" if client else "",
+            method=scope["method"],
+        )
+        status = 500
+
+        async def sending(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        with self.core.track(record):
+            try:
+                await self.app(scope, receive, sending)
+            except Exception as e:
+                record.error = record.error or f"Internal: {type(e).__name__}: {e}"
+                status = 500
+                raise
+            finally:
+                _describe(record, scope, status)
+
+
+def _describe(record: RequestRecord, scope: Scope, status: int) -> None:
+    """Fills in what the route and the answer tell about the request."""
+    route = scope.get("route")
+    if route is not None:
+        record.protocol = route.tags[0] if getattr(route, "tags", None) else ""
+        record.api = getattr(route, "name", "")
+    if not record.model:
+        record.model = scope.get("path_params", {}).get("name", "")
+    record.status, record.code = status, grpc_code_of(status)

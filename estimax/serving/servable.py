@@ -8,20 +8,17 @@ to one of a few compiled sizes and calls the export. The HTTP server, ``estimax 
 
 from __future__ import annotations
 
-import json
-import posixpath
 import threading
 from collections.abc import Sequence
 from typing import Any
 
-import fsspec
 import numpy as np
 
 from estimax.serving import artifact
 from estimax.serving import preprocess as preprocess_lib
+from estimax.serving import record as record_lib
+from estimax.serving.record import SERVING_FILE
 
-SERVING_FILE = "serving.json"
-SERVING_FORMAT = "estimax.serving/1"
 IMAGE_INPUT = "image_bytes"  # the original's image_serving_input_fn key
 DEFAULT_INPUT = "input"  # the name of a single unnamed tensor input
 
@@ -48,6 +45,10 @@ class Servable:
         (``image_bytes`` of dtype ``string`` for raw-image exports).
       outputs: ``{name: {"shape": [None, ...], "dtype": str}}``.
       preprocessing: the recorded ``Preprocessing``, or None (the export takes arrays).
+      record: the version's ``serving.json`` (``estimax.serving.record``).
+      class_names: ``class_names[i]`` names class id ``i``, or None; with them the outputs
+        gain ``class_names`` [batch] (the name of ``classes``) and, with ``top_k``,
+        ``top_k_class_names`` [batch, k].
     """
 
     def __init__(
@@ -59,24 +60,14 @@ class Servable:
         """Loads ``path`` (an export directory, local or fsspec URL)."""
         self.path = path
         self.version = version
+        self.record = record_lib.read(path)
         self.model = artifact.load(path)
-        fs, root = fsspec.core.url_to_fs(path)
-        spec_path = posixpath.join(root, SERVING_FILE)
-        self.spec: dict[str, Any] = {}
-        if fs.exists(spec_path):
-            with fs.open(spec_path, "r") as f:
-                self.spec = json.load(f)
-            if self.spec.get("format") != SERVING_FORMAT:
-                raise ValueError(
-                    f"{path}/{SERVING_FILE} has format {self.spec.get('format')!r}; "
-                    f"this estimax reads {SERVING_FORMAT!r}"
-                )
         signature = self.model.signature
         self._model_inputs = artifact.named_specs(signature["inputs"], DEFAULT_INPUT)
         self._single_input = artifact.is_leaf_spec(signature["inputs"])
         self.outputs = artifact.named_specs(signature["outputs"], "output")
         self._single_output = artifact.is_leaf_spec(signature["outputs"])
-        pre = self.spec.get("preprocessing")
+        pre = self.record.preprocessing
         self.preprocessing = preprocess_lib.from_spec(pre) if pre else None
         if self.preprocessing is not None:
             (model_input,) = self._model_inputs.values()
@@ -92,7 +83,7 @@ class Servable:
             }
         else:
             self.inputs = self._model_inputs
-        self.top_k = self.spec.get("top_k")
+        self.top_k = self.record.top_k
         if self.top_k is not None:
             probs = self.outputs.get("probabilities")
             if probs is None or len(probs["shape"]) != 2:
@@ -105,10 +96,32 @@ class Servable:
                 "top_k_classes": {"shape": [None, self.top_k], "dtype": "int32"},
                 "top_k_probabilities": {"shape": [None, self.top_k], "dtype": probs["dtype"]},
             }
+        self.class_names = self._named_outputs(path)
         self.batch_sizes = sorted({int(b) for b in batch_sizes})
         self._in_flight = 0
         self._retired = False
         self._cond = threading.Condition()
+
+    def _named_outputs(self, path: str) -> np.ndarray | None:
+        """The record's class names as an array (adds their outputs), or None."""
+        if self.record.class_names is None:
+            return None
+        names = record_lib.check_class_names(
+            self.record.class_names, self.outputs, f"{path}/{SERVING_FILE}"
+        )
+        classes = self.outputs.get("classes")
+        if classes is not None and len(classes["shape"]) == 1:
+            self.outputs["class_names"] = {"shape": [None], "dtype": "string"}
+        if self.top_k is not None:
+            self.outputs["top_k_class_names"] = {"shape": [None, self.top_k], "dtype": "string"}
+        return np.asarray(names, dtype=np.str_)
+
+    def names_of(self, ids: np.ndarray) -> np.ndarray:
+        """The class names of integer class ids (any shape; ``""`` for an unnamed id)."""
+        assert self.class_names is not None
+        ids = np.asarray(ids)
+        known = (ids >= 0) & (ids < len(self.class_names))
+        return np.where(known, self.class_names[np.where(known, ids, 0)], "")
 
     @property
     def global_step(self) -> int:
@@ -174,12 +187,11 @@ class Servable:
           ``{output name: [N, ...] array}``.
         """
         n = next(iter(features.values())).shape[0]
-        largest = self.batch_sizes[-1]
         pieces = []
-        for start in range(0, n, largest):
-            chunk = {k: v[start : start + largest] for k, v in features.items()}
-            m = min(largest, n - start)
-            size = next(b for b in self.batch_sizes if b >= m)
+        start = 0
+        for size, m in self.executions(n):
+            chunk = {k: v[start : start + m] for k, v in features.items()}
+            start += m
             if size != m:  # pad with copies of the first row; the extra outputs are dropped
                 chunk = {
                     k: np.concatenate([v, np.repeat(v[:1], size - m, axis=0)])
@@ -196,7 +208,24 @@ class Servable:
             outputs["top_k_probabilities"] = np.take_along_axis(
                 outputs["probabilities"], order, axis=1
             )
+        if self.class_names is not None:
+            if "class_names" in self.outputs:
+                outputs["class_names"] = self.names_of(outputs["classes"])
+            if "top_k_classes" in outputs:
+                outputs["top_k_class_names"] = self.names_of(outputs["top_k_classes"])
         return outputs
+
+    def executions(self, n: int) -> list[tuple[int, int]]:
+        """How ``run`` computes ``n`` instances: ``(compiled batch size, instances)`` per call.
+
+        Chunks of the largest compiled size, the last padded up to the next compiled size.
+        """
+        largest = self.batch_sizes[-1]
+        out = []
+        for start in range(0, n, largest):
+            m = min(largest, n - start)
+            out.append((next(b for b in self.batch_sizes if b >= m), m))
+        return out
 
     def warm(self) -> None:
         """Compiles the export for every batch size it will be called with."""

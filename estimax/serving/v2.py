@@ -24,6 +24,9 @@ from estimax.serving.core import BY_V2, ApiError, DType, dtype_of, numpy_dtype
 from estimax.serving.servable import IMAGE_INPUT, Servable
 
 BINARY_EXTENSION = "binary_tensor_data"
+# The extensions served (Triton's names), listed by server metadata; gRPC has no binary one.
+GRPC_EXTENSIONS = ("classification", "statistics", "model_configuration")
+HTTP_EXTENSIONS = (BINARY_EXTENSION, *GRPC_EXTENSIONS)
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _LENGTH = struct.Struct("<I")
 
@@ -77,10 +80,10 @@ def split_bytes(raw: bytes, where: str) -> list[bytes]:
 
 
 def join_bytes(elements: Any) -> bytes:
-    """The BYTES framing of ``elements`` (bytes-like objects)."""
+    """The BYTES framing of ``elements`` (bytes-like objects; text as UTF-8)."""
     parts = []
     for element in elements:
-        data = bytes(element)
+        data = element.encode() if isinstance(element, str) else bytes(element)
         parts += [_LENGTH.pack(len(data)), data]
     return b"".join(parts)
 
@@ -183,7 +186,9 @@ def encode_raw(array: np.ndarray) -> bytes:
 
 
 def encode_json(array: np.ndarray) -> list:
-    """An output's JSON ``data`` (flat, row-major; BYTES as base64 strings)."""
+    """An output's JSON ``data`` (flat, row-major; text as strings, other BYTES as base64)."""
+    if array.dtype.kind == "U":  # class names, classification strings
+        return array.ravel().tolist()
     if dtype_of(array).v2 == "BYTES":
         return [base64.b64encode(bytes(x)).decode() for x in array.ravel()]
     return array.ravel().tolist()

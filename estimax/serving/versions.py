@@ -27,8 +27,10 @@ import numpy as np
 from absl import logging
 
 from estimax.serving import artifact
+from estimax.serving import record as record_lib
 from estimax.serving.preprocess import Preprocessing
-from estimax.serving.servable import IMAGE_INPUT, SERVING_FILE, SERVING_FORMAT, Servable
+from estimax.serving.record import SERVING_FILE
+from estimax.serving.servable import IMAGE_INPUT, Servable
 from estimax.storage import StorageError
 
 if TYPE_CHECKING:
@@ -94,6 +96,7 @@ def export_version(
     checkpoint_path: str | None = None,
     platforms: tuple[str, ...] | None = None,
     eval_preprocess: Callable[[bytes], np.ndarray] | None = None,
+    class_names: Sequence[str] | None = None,
 ) -> str:
     """Exports ``estimator``'s model as the next version under ``model_base_path``.
 
@@ -120,6 +123,9 @@ def export_version(
         function your eval ``input_fn`` applies). With ``preprocessing`` and ``check_inputs``,
         the check also runs ``check_inputs`` through it and ``Estimator.predict``: an export whose
         served preprocessing disagrees with training's (a train/serve skew) is refused.
+      class_names: ``class_names[i]`` names class id ``i`` (as many as ``probabilities`` has
+        columns); the server answers them beside the ids. From a folder conversion:
+        ``estimax.serving.class_names_from_manifest(data_dir)`` (``estimax.serving.record``).
 
     Returns:
       The published version directory.
@@ -153,26 +159,24 @@ def export_version(
             checkpoint_path=checkpoint_path,
             platforms=platforms,
         )
-        spec: dict[str, Any] = {
-            "format": SERVING_FORMAT,
-            "preprocessing": preprocessing.to_json() if preprocessing else None,
-        }
-        if top_k is not None:
-            spec["top_k"] = int(top_k)
+        record = record_lib.ExportRecord(
+            preprocessing=preprocessing.to_json() if preprocessing else None,
+            top_k=int(top_k) if top_k is not None else None,
+            class_names=_checked_names(export_dir, class_names),
+        )
         # serving.json marks a version published: in the staging directory (not a numeric
         # name, so never listed) it is harmless; uploads to object stores send it last.
-        with open(os.path.join(export_dir, SERVING_FILE), "w") as f:
-            json.dump(spec, f, indent=2)
+        record_lib.write(export_dir, record)
         if check_inputs is not None:
-            record = _check(
+            checked = _check(
                 estimator, export_dir, preprocessing, check_inputs, rtol, atol, numpy_input_fn
             )
             if eval_preprocess is not None and preprocessing is not None:
                 _check_skew(
-                    estimator, record, check_inputs, eval_preprocess, rtol, atol, numpy_input_fn
+                    estimator, checked, check_inputs, eval_preprocess, rtol, atol, numpy_input_fn
                 )
             with open(os.path.join(export_dir, CHECK_FILE), "w") as f:
-                json.dump(record, f)
+                json.dump(checked, f)
         while True:
             version = _next_version(fs, root)
             final = posixpath.join(root, str(version))
@@ -201,6 +205,15 @@ def export_version(
     url = final if local else fs.unstrip_protocol(final)
     logging.info("Published version %d of the model under %s", version, model_base_path)
     return url
+
+
+def _checked_names(export_dir: str, names: Sequence[str] | None) -> tuple[str, ...] | None:
+    """``names`` checked against the export's outputs (ValueError before anything is published)."""
+    if names is None:
+        return None
+    with open(os.path.join(export_dir, artifact.SIGNATURE_FILE)) as f:
+        outputs = artifact.named_specs(json.load(f)["outputs"], "output")
+    return record_lib.check_class_names(names, outputs, "export_version(class_names=...)")
 
 
 def _encode(x: Any) -> Any:

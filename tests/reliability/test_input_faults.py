@@ -15,7 +15,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from estimax.data import example, tfrecord
+from estimax.data import chunks, example, tfrecord, workers
 from estimax.data import loader as L
 from estimax.programs import cli, mnist
 from estimax.tools import mnist_data
@@ -163,20 +163,21 @@ def _wait_on_fifo(record: bytes, rng: np.random.Generator) -> np.ndarray:
 def test_a_killed_worker_is_one_error_whichever_pipe_finds_it(tmp_path):
     fifo = str(tmp_path / "fifo")
     os.mkfifo(fifo)
-    workers = L._ProcessWorkers(2, [fifo.encode()], _wait_on_fifo, 0)
+    pool = workers.ProcessWorkers(2, chunks.ChunkWorker([fifo.encode()], _wait_on_fifo, 0))
+    task = chunks.TransformChunk(epochs=[0], record_ids=[0])
     try:
         # Waiting for the reply of a worker that dies meanwhile (blocked on the FIFO).
-        ticket = workers.submit(L._run_chunk, [0], [0])  # to worker 0: both are idle
-        os.kill(workers._procs[0].pid, signal.SIGKILL)
+        pending = pool.submit(task)  # to worker 0: both are idle
+        os.kill(pool._procs[0].pid, signal.SIGKILL)
         with pytest.raises(L.SourceError) as received:
-            ticket.result()
+            pending.result()
         # Sending to a dead worker (BrokenPipeError before): worker 1, the least busy.
-        os.kill(workers._procs[1].pid, signal.SIGKILL)
-        workers._procs[1].join()
+        os.kill(pool._procs[1].pid, signal.SIGKILL)
+        pool._procs[1].join()
         with pytest.raises(L.SourceError) as sent:
-            workers.submit(L._run_chunk, [0], [0])
+            pool.submit(task)
     finally:
-        workers.shutdown()
+        pool.shutdown()
     for error in (sent.value, received.value):
         assert str(error) == (
             "a loader worker process died (killed by SIGKILL: out of memory? Fewer or lighter "
@@ -200,7 +201,7 @@ def run(fv):
                        worker_type="process", chunk_size=1)
     it = iter(ld)
     next(it)
-    for proc in it._executor._procs:  # the OOM killer, say
+    for proc in it._workers._procs:  # the OOM killer, say
         os.kill(proc.pid, signal.SIGKILL)
     while True:
         next(it)
