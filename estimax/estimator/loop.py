@@ -485,6 +485,7 @@ class TrainingRun:
         hooks.started()
         more = True  # the Estimator saw a first batch
         while more and not (self.preempted or self.stopped):  # a saving listener may stop it
+            self.notice.keep_handlers()
             begin = self.step
             length = hooks.loop_end(
                 begin, min(begin + self.setup.config.iterations_per_loop, target)

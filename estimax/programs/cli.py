@@ -174,7 +174,7 @@ def _run(
     argv: list[str],
 ) -> None:
     from estimax import storage
-    from estimax.data import bigtable
+    from estimax.data import bigtable, loader, tfrecord
     from estimax.estimator import checkpoints, preflight
     from estimax.estimator.estimator import Preempted
     from estimax.estimator.label_check import InvalidLabelError
@@ -200,6 +200,10 @@ def _run(
     except bigtable.BigtableError as e:
         # A table that cannot be read is a setup problem: its message, without a traceback.
         _fatal(f"Cloud Bigtable input: {e}")
+    except (loader.SourceError, tfrecord.ShardChangedError) as e:
+        # The input cannot go on (a worker process died, a shard changed while read): it says
+        # why and what to do; its traceback is not the user's to read.
+        _fatal(f"input: {e}")
     except storage.StorageError as e:
         # The clients' retries ran out; the message names the path (no traceback: not a bug).
         _fatal(str(e))

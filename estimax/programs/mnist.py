@@ -156,8 +156,12 @@ def load_tfrecords(path: str, skip_bad_records: bool = False) -> tuple[np.ndarra
     images: list[np.ndarray] = []
     labels: list[int] = []
     skipped = 0
+    # A record whose data CRC is wrong (its framing intact) is skipped alone, as the loader does.
+    damaged: list[tfrecord.CorruptRecordError] = []
     try:
-        for record in tfrecord.read_records(path):
+        for record in tfrecord.read_records(
+            path, on_bad_record=damaged.append if skip_bad_records else None
+        ):
             try:
                 parsed = example.parse_example(record, schema)
                 image = np.frombuffer(parsed["image_raw"], np.uint8)
@@ -168,7 +172,7 @@ def load_tfrecords(path: str, skip_bad_records: bool = False) -> tuple[np.ndarra
             except ValueError as e:
                 if not skip_bad_records:
                     raise cli.UsageError(
-                        f"{path}: record {len(images) + skipped}: {e} (skip "
+                        f"{path}: record {len(images) + skipped + len(damaged)}: {e} (skip "
                         "such records with --skip_bad_records)."
                     ) from None
                 skipped += 1
@@ -177,8 +181,12 @@ def load_tfrecords(path: str, skip_bad_records: bool = False) -> tuple[np.ndarra
             labels.append(int(parsed["label"]))
     except tfrecord.CorruptRecordError as e:
         if not skip_bad_records:
-            raise cli.UsageError(f"{e} (skip the damaged rest with --skip_bad_records).") from None
+            what = "such records" if e.next_offset is not None else "the damaged rest"
+            raise cli.UsageError(f"{e} (skip {what} with --skip_bad_records).") from None
         logging.warning("Skipping the damaged rest of %s (--skip_bad_records): %s", path, e)
+    for error in damaged:
+        logging.warning("Skipped a damaged record (--skip_bad_records): %s", error)
+    skipped += len(damaged)
     if skipped:
         logging.warning("Skipped %d bad records of %s (--skip_bad_records).", skipped, path)
     if not images:

@@ -87,7 +87,10 @@ _FAULT_TARGETS = {
     "test_checkpoints.py": "checkpoint damaged or torn",
     "test_disk_full.py": "disk full while writing",
     "test_evaluations.py": "kill around an evaluation",
+    "test_input_faults.py": "input: record, shard, worker",
     "test_nonfinite.py": "non-finite loss",
+    "test_signals.py": "signals, oneDNN loaded",
+    "test_writer_lock.py": "lock: restart, read-only, full",
 }
 
 
