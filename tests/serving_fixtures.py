@@ -110,12 +110,13 @@ def running_server(
     log_path: str | None = None,
     env: dict[str, str] | None = None,
     port: int | None = None,
+    open_files: int | None = None,
 ):
     """Starts ``estimax serve ARGS --port=P`` and yields its base URL once it is ready.
 
     ``log_path``: its output goes there (appended: the test may read it meanwhile); ``env``:
     more environment variables; ``port``: the port it listens on without a ``--port`` flag
-    (one the environment gives it).
+    (one the environment gives it); ``open_files``: its open-file limit (``ulimit -n``).
     """
     import tempfile
 
@@ -125,8 +126,11 @@ def running_server(
     # its buffer is full (the server would hang, not the test fail).
     log = open(log_path, "a") if log_path else tempfile.TemporaryFile("w+")
     flags = [] if port is not None else [f"--port={(port := free_port())}"]
+    command = [sys.executable, "-m", "estimax.serving.cli", "serve", *flags, *args]
+    if open_files is not None:  # set in the child before it becomes the server (no fork here)
+        command = [sys.executable, "-c", _LIMIT_FILES, str(open_files), *command]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "estimax.serving.cli", "serve", *flags, *args],
+        command,
         env={**server_env(), **(env or {})},
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -160,6 +164,13 @@ def running_server(
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+# python -c _LIMIT_FILES N COMMAND...: runs COMMAND with an open-file limit of N.
+_LIMIT_FILES = (
+    "import os, resource, sys; n = int(sys.argv[1]); "
+    "resource.setrlimit(resource.RLIMIT_NOFILE, (n, n)); os.execv(sys.argv[2], sys.argv[2:])"
+)
 
 
 def export_dense(root: str, class_names: list[str] | None = None) -> str:
