@@ -267,3 +267,149 @@ def test_limits_that_are_not_positive_name_their_flag():
         transport.ConnectionLimits(body_timeout_s=0).validate()
     with pytest.raises(ValueError, match="--max_connections must be > 0"):
         transport.protocol_class(transport.ConnectionLimits(max_connections=0))
+
+
+# ----------------------------------------------------------------------------- numbers
+@pytest.mark.parametrize(
+    "text", ["\u0661", "\u00b2", "\uff11", "-1", "+1", " 1", "1.0", "", "9" * 5000, str(2**63)]
+)
+def test_a_requests_numbers_are_ascii_integers_within_bounds(text):
+    from estimax.serving.core import ApiError, ServingCore, ascii_int
+
+    with pytest.raises(ApiError) as e:
+        ascii_int(text, "Inference-Header-Content-Length", 2**63 - 1)
+    assert e.value.status == 400 and "integer from 0 to" in e.value.message
+    assert len(e.value.message) < 200  # a 5000-digit number is not echoed whole
+    with pytest.raises(ApiError) as e:
+        ServingCore.parse_version(text)
+    assert e.value.status == 400 and "versions are integers" in e.value.message
+
+
+def test_versions_in_requests_and_on_disk():
+    from estimax.serving.core import ServingCore
+    from estimax.serving.versions import version_number
+
+    assert ServingCore.parse_version("7") == 7 and ServingCore.parse_version("007") == 7
+    assert ServingCore.parse_version("0" * 5000) == 0
+    assert ServingCore.parse_version(str(2**63 - 1)) == 2**63 - 1
+    # A folder is a version only as str(version) writes it.
+    assert [version_number(n) for n in ("7", "0", str(2**63 - 1))] == [7, 0, 2**63 - 1]
+    for name in ("07", "\u0661", "\u00b2", str(2**63), str(2**64), "1e3", ".tmp-2"):
+        assert version_number(name) is None, name
+
+
+def test_shapes_are_bounded_in_rank_and_size():
+    from estimax.serving import v2
+    from estimax.serving.core import ApiError
+
+    assert v2.check_shape([2, 3], "inputs[0]") == [2, 3]
+    for shape, message in (
+        ([1] * 33, "has 33 dimensions; at most 32"),
+        ([1, 2**63], "integers from 0 to"),
+        ([1, -1], "integers from 0 to"),
+        ([True], "integers from 0 to"),
+        ([], "non-empty list"),
+    ):
+        with pytest.raises(ApiError, match=message):
+            v2.check_shape(shape, "inputs[0]")
+
+
+def test_a_repeated_output_is_refused_as_it_is_counted():
+    from estimax.serving.core import ApiError, refuse_repeated
+
+    refuse_repeated(["classes", "probabilities"])
+    with pytest.raises(ApiError, match=r"outputs \['classes'\] are asked for more than once"):
+        refuse_repeated(iter(["classes"] * 200_000))
+
+
+# ----------------------------------------------------------------------------- bodies
+def test_json_errors_are_400s_and_numbers_pack_as_their_consumers_would_make_them():
+    import numpy as np
+
+    from estimax.serving import bodies
+    from estimax.serving.core import ApiError
+
+    for text, message in (
+        (b'{"a": %s}' % (b"9" * 5000), "more than 4300 digits"),
+        (b"{nope", "JSON Parse error"),
+        (b"[" * 100_000, "JSON Parse error"),
+        (b"\xff", "JSON Parse error"),
+    ):
+        with pytest.raises(ApiError, match=message) as e:
+            bodies.parse(text)
+        assert e.value.status == 400
+    floats, ints = [[0.5] * 8] * 8, list(range(100))
+    tree = {
+        "rows": floats,
+        "ints": ints,
+        "flags": [True, False] * 40,
+        "few": [1, 2, 3],
+        "words": ["a"] * 100,
+        "ragged": [list(range(70)), [1]],
+        "huge": [2**70] * 100,
+        "nested": [{"x": ints}],
+    }
+    packed = bodies.pack(tree)
+    assert isinstance(packed["rows"], np.ndarray) and packed["rows"].shape == (8, 8)
+    assert packed["ints"].dtype == np.asarray(ints).dtype and packed["flags"].dtype == bool
+    assert packed["few"] == [1, 2, 3] and packed["words"] == ["a"] * 100
+    assert isinstance(packed["ragged"][0], np.ndarray) and packed["ragged"][1] == [1]
+    assert packed["huge"] == [2**70] * 100  # past 64 bits: kept as Python integers
+    assert isinstance(packed["nested"][0]["x"], np.ndarray)
+    assert json.loads(bodies.encode(packed)) == tree  # arrays written back as lists
+
+
+def test_large_bodies_are_parsed_in_a_worker_process_and_its_refusals_arrive_as_4xx():
+    import numpy as np
+
+    from estimax.serving import bodies, v2
+    from estimax.serving.core import ApiError
+
+    workers = bodies.JsonWorkers(workers=1)
+    loop = asyncio.new_event_loop()
+    try:
+        data = np.arange(100_000, dtype=np.float64) / 7
+        raw = json.dumps({"inputs": data.tolist()}).encode()
+        assert len(raw) > bodies.INLINE_BYTES
+        tree = loop.run_until_complete(workers.loads(raw, v2.check_infer_body))
+        np.testing.assert_array_equal(tree["inputs"], data)
+        repeated = {"inputs": [], "outputs": [{"name": "classes"}] * 100_000}
+        with pytest.raises(ApiError, match="asked for more than once") as e:
+            loop.run_until_complete(
+                workers.loads(json.dumps(repeated).encode(), v2.check_infer_body)
+            )
+        assert e.value.status == 400
+        text = loop.run_until_complete(workers.dumps({"outputs": data}, numbers=data.size))
+        np.testing.assert_array_equal(json.loads(text)["outputs"], data)
+    finally:
+        workers.close()
+        loop.close()
+
+
+# ----------------------------------------------------------------------------- work
+def test_a_request_given_up_while_it_waits_for_its_batch_is_not_run():
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    from estimax.serving.batching import Batcher, BatchingOptions
+
+    ran = []
+
+    def run(features):
+        ran.append(len(features["x"]))
+        return {"y": features["x"] * 2}
+
+    async def main():
+        batcher = Batcher(BatchingOptions(8, batch_timeout_micros=200_000), executor)
+        given_up = asyncio.create_task(batcher.submit("v1", run, {"x": np.zeros((3, 1))}))
+        kept = asyncio.create_task(batcher.submit("v1", run, {"x": np.ones((2, 1))}))
+        await asyncio.sleep(0)  # both queued, the batch still filling
+        given_up.cancel()  # as asyncio.wait_for does at --rest_api_timeout_in_ms
+        out = await kept
+        await batcher.close()
+        return out, batcher.queued
+
+    with ThreadPoolExecutor(1) as executor:
+        out, queued = asyncio.run(main())
+    assert ran == [2] and out["y"].tolist() == [[2.0], [2.0]] and queued == 0

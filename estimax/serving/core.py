@@ -326,7 +326,10 @@ class ServingCore:
         """A request's version (None: the latest); 400 unless an integer of ASCII digits."""
         if version is None or isinstance(version, int):
             return version
-        number = version_number(version)
+        # Leading zeros are fine in a request ("01" asks for version 1).
+        number = (
+            version_number(version.lstrip("0") or "0") if version.isascii() and version else None
+        )
         if number is None:
             raise ApiError(
                 400,

@@ -129,17 +129,7 @@ def tensor_to_column(proto: Any, name: str, servable: Servable, core: ServingCor
     got = types_pb2.DataType.Name(proto.dtype) if proto.dtype in types_pb2.DataType.values() else ""
     if got != want.tf:
         raise ApiError(400, f"{where}: expects dtype {want.tf}, got {got or proto.dtype}")
-    if proto.tensor_shape.unknown_rank:
-        raise ApiError(400, f"{where}: the tensor's shape must be known")
-    if len(proto.tensor_shape.dim) > v2.MAX_RANK:
-        raise ApiError(
-            400,
-            f"{where}: the shape has {len(proto.tensor_shape.dim)} dimensions; at most "
-            f"{v2.MAX_RANK} are accepted",
-        )
-    shape = [int(d.size) for d in proto.tensor_shape.dim]
-    if not shape or any(d < 0 for d in shape):
-        raise ApiError(400, f"{where}: shape {shape} must be [batch, ...] with sizes >= 0")
+    shape = _shape(proto.tensor_shape, where)
     core.count(shape[0])
     elements = math.prod(shape)
     dtype = numpy_dtype(want)
@@ -184,6 +174,22 @@ def tensor_to_column(proto: Any, name: str, servable: Servable, core: ServingCor
     if flat.size != elements:
         raise ApiError(400, f"{where}: shape {shape} needs {elements} values, got {flat.size}")
     return flat.reshape(shape)
+
+
+def _shape(proto: Any, where: str) -> list[int]:
+    """A ``TensorShapeProto`` as ``[batch, ...]``: known, 1 to ``MAX_RANK`` sizes >= 0."""
+    if proto.unknown_rank:
+        raise ApiError(400, f"{where}: the tensor's shape must be known")
+    if len(proto.dim) > v2.MAX_RANK:
+        raise ApiError(
+            400,
+            f"{where}: the shape has {len(proto.dim)} dimensions; at most {v2.MAX_RANK} are "
+            "accepted",
+        )
+    shape = [int(d.size) for d in proto.dim]
+    if not shape or any(d < 0 for d in shape):
+        raise ApiError(400, f"{where}: shape {shape} must be [batch, ...] with sizes >= 0")
+    return shape
 
 
 def array_to_tensor(array: np.ndarray) -> Any:

@@ -532,48 +532,7 @@ class V2Rest:
         self, servable: Servable, inputs: list, binary: bytearray | None
     ) -> dict[str, Any]:
         # First the binary data's layout (every input's slice, all bytes claimed), then decoding.
-        raws: list[bytearray | None] = []
-        offset = 0
-        for i, tensor in enumerate(inputs):
-            where = f"inputs[{i}]"
-            if not isinstance(tensor, dict) or not {"name", "shape", "datatype"} <= set(tensor):
-                raise ApiError(
-                    400,
-                    f"{where} must have 'name', 'shape', 'datatype' and 'data' "
-                    "(or parameters.binary_data_size)",
-                )
-            size = _parameters(tensor, where).get("binary_data_size")
-            if size is None:
-                if "data" not in tensor:
-                    raise ApiError(
-                        400,
-                        f"{where} must have 'name', 'shape', 'datatype' and 'data' "
-                        "(or parameters.binary_data_size)",
-                    )
-                raws.append(None)
-                continue
-            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-                raise ApiError(400, f"{where}: binary_data_size must be a non-negative integer")
-            if binary is None:
-                raise ApiError(
-                    400,
-                    f"{where}: binary_data_size is given but the request has no "
-                    f"{v2.HEADER_LENGTH} header (binary tensor data extension)",
-                )
-            if offset + size > len(binary):
-                raise ApiError(
-                    400,
-                    f"{where}: binary_data_size {size} runs past the {len(binary)} bytes of "
-                    "binary data after the JSON header",
-                )
-            raws.append(binary[offset : offset + size])
-            offset += size
-        if binary is not None and offset != len(binary):
-            raise ApiError(
-                400,
-                f"{len(binary) - offset} bytes of binary data after the JSON header belong to "
-                "no input (their binary_data_size values add up to less)",
-            )
+        raws = _binary_slices(inputs, binary)
         columns: dict[str, Any] = {}
         for i, (tensor, raw) in enumerate(zip(inputs, raws, strict=True)):
             name, column = v2.decode_input(
@@ -691,6 +650,53 @@ class V2Rest:
         @app.get("/v2/models/{name}/versions/{version}/config", name="config", **kw)
         async def v2_config_version(name: str, version: str) -> Response:
             return _json(self.core.model_config(name, version))
+
+
+def _binary_slices(inputs: list, binary: bytearray | None) -> list[bytearray | None]:
+    """Each input's raw bytes (binary tensor data extension), None for one given as ``data``."""
+    raws: list[bytearray | None] = []
+    offset = 0
+    for i, tensor in enumerate(inputs):
+        where = f"inputs[{i}]"
+        if not isinstance(tensor, dict) or not {"name", "shape", "datatype"} <= set(tensor):
+            raise ApiError(
+                400,
+                f"{where} must have 'name', 'shape', 'datatype' and 'data' "
+                "(or parameters.binary_data_size)",
+            )
+        size = _parameters(tensor, where).get("binary_data_size")
+        if size is None:
+            if "data" not in tensor:
+                raise ApiError(
+                    400,
+                    f"{where} must have 'name', 'shape', 'datatype' and 'data' "
+                    "(or parameters.binary_data_size)",
+                )
+            raws.append(None)
+            continue
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ApiError(400, f"{where}: binary_data_size must be a non-negative integer")
+        if binary is None:
+            raise ApiError(
+                400,
+                f"{where}: binary_data_size is given but the request has no "
+                f"{v2.HEADER_LENGTH} header (binary tensor data extension)",
+            )
+        if offset + size > len(binary):
+            raise ApiError(
+                400,
+                f"{where}: binary_data_size {size} runs past the {len(binary)} bytes of "
+                "binary data after the JSON header",
+            )
+        raws.append(binary[offset : offset + size])
+        offset += size
+    if binary is not None and offset != len(binary):
+        raise ApiError(
+            400,
+            f"{len(binary) - offset} bytes of binary data after the JSON header belong to "
+            "no input (their binary_data_size values add up to less)",
+        )
+    return raws
 
 
 def _v2_outputs(

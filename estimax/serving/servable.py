@@ -162,28 +162,8 @@ class Servable:
                 + (f"unknown: {unknown}" if unknown else f"missing: {missing}")
             )
         if self.preprocessing is not None:
-            images = []
-            column = columns[IMAGE_INPUT]
-            for i, data in enumerate(column):
-                if cancelled is not None and cancelled.is_set():
-                    raise RequestCancelled(
-                        f"stopped decoding before image {i} of {len(column)}: the request timed out"
-                    )
-                if not isinstance(data, (bytes, bytearray)):
-                    raise InvalidInput(
-                        f"instance {i}: {IMAGE_INPUT} must be encoded image bytes "
-                        '(in JSON: {"b64": "<base64 of the JPEG/PNG>"})'
-                    )
-                data = bytes(data)
-                try:
-                    preprocess_lib.check_image_size(data, max_pixels)
-                    images.append(self.preprocessing(data))
-                except ValueError as e:  # ImageDecodeError is a ValueError
-                    raise InvalidInput(f"instance {i}: {e}") from None
-            if not images:
-                raise InvalidInput("the request has no instances")
             (name,) = self._model_inputs
-            return {name: np.stack(images)}
+            return {name: self._images(columns[IMAGE_INPUT], max_pixels, cancelled)}
         features = {}
         sizes = set()
         for name, spec in self._model_inputs.items():
@@ -194,6 +174,32 @@ class Servable:
         if sizes == {0}:
             raise InvalidInput("the request has no instances")
         return features
+
+    def _images(
+        self, column: Any, max_pixels: int, cancelled: threading.Event | None
+    ) -> np.ndarray:
+        """Encoded images -> the preprocessed batch (``prepare``'s image path)."""
+        assert self.preprocessing is not None
+        images = []
+        for i, data in enumerate(column):
+            if cancelled is not None and cancelled.is_set():
+                raise RequestCancelled(
+                    f"stopped decoding before image {i} of {len(column)}: the request timed out"
+                )
+            if not isinstance(data, (bytes, bytearray)):
+                raise InvalidInput(
+                    f"instance {i}: {IMAGE_INPUT} must be encoded image bytes "
+                    '(in JSON: {"b64": "<base64 of the JPEG/PNG>"})'
+                )
+            data = bytes(data)
+            try:
+                preprocess_lib.check_image_size(data, max_pixels)
+                images.append(self.preprocessing(data))
+            except ValueError as e:  # ImageDecodeError is a ValueError
+                raise InvalidInput(f"instance {i}: {e}") from None
+        if not images:
+            raise InvalidInput("the request has no instances")
+        return np.stack(images)
 
     # --------------------------------------------------------------------- running
     def run(self, features: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

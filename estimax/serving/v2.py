@@ -182,15 +182,23 @@ def decode_input(
                 + (" (BYTES inputs have shape [batch])" if name == IMAGE_INPUT else ""),
             )
         return name, values
+    return name, _numbers(where, shape, spec_type, data, raw)
+
+
+def _numbers(
+    where: str, shape: list[int], spec_type: DType, data: Any, raw: bytes | bytearray | None
+) -> np.ndarray:
+    """A numeric input tensor from its raw bytes or its JSON/typed elements."""
+    elements = math.prod(shape)
     dtype = numpy_dtype(spec_type)
     if raw is not None:
         if len(raw) != elements * dtype.itemsize:
             raise ApiError(
                 400,
-                f"{where}: shape {shape} of {datatype} needs {elements * dtype.itemsize} bytes, "
-                f"got {len(raw)}",
+                f"{where}: shape {shape} of {spec_type.v2} needs {elements * dtype.itemsize} "
+                f"bytes, got {len(raw)}",
             )
-        return name, np.frombuffer(raw, dtype).reshape(shape)
+        return np.frombuffer(raw, dtype).reshape(shape)
     flat = flatten_list(data)
     if len(flat) != elements:
         raise ApiError(400, f"{where}: shape {shape} needs {elements} elements, got {len(flat)}")
@@ -199,8 +207,8 @@ def decode_input(
     else:
         numbers = all(isinstance(x, (int, float)) for x in flat)
     if not numbers:
-        raise ApiError(400, f"{where}: data must be numbers for {datatype}")
-    return name, np.asarray(flat).reshape(shape)
+        raise ApiError(400, f"{where}: data must be numbers for {spec_type.v2}")
+    return np.asarray(flat).reshape(shape)
 
 
 def _bytes_element(x: Any, where: str) -> bytes:

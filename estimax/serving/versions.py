@@ -41,7 +41,8 @@ CHECK_FILE = "export_check.json"
 # Versions are int64, as TF Serving's (``ModelSpec.version`` is an ``Int64Value``): a folder named
 # beyond it is not a version (answering it would break every gRPC reply that names the version).
 MAX_VERSION = 2**63 - 1
-_VERSION_NAME = re.compile(r"[0-9]{1,19}")
+# Written as str(version) writes it: "01" is not version 1 (the folder "1" may also exist).
+_VERSION_NAME = re.compile(r"0|[1-9][0-9]{0,18}")
 
 
 class ExportCheckError(AssertionError):
@@ -53,7 +54,8 @@ def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
 
 
 def version_number(name: str) -> int | None:
-    """The version a folder name stands for: ASCII digits up to ``MAX_VERSION``, else None.
+    """The version a folder name stands for: ASCII digits up to ``MAX_VERSION`` without
+    leading zeros, else None.
 
     ``str.isdigit`` and ``int`` also take other scripts' digits (``"١"`` is 1 to ``int``) and
     ``"²"``: such a folder is not a version.
