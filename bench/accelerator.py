@@ -20,6 +20,11 @@ The timed ``train`` calls each end with a checkpoint save, as a real run's do (c
 Writes ``bench/results/accelerator_<device>.md`` (and ``.json``). MLPerf Training's ResNet-50
 reaches ~7,160 images/s per H100 and ~7,940 per H200 (for comparison; different code).
 
+``--dry_run`` (``make bench-accelerator-dry-run``) does every step but the device, on any
+machine: it prints the commands a GPU and a TPU machine would run (the extra installed editable
+from this checkout: estimax is not on the package index) and the result file it would write,
+then runs the tiny version below through the same code.
+
 On a machine without GPU or TPU it runs a tiny version of itself in the current environment
 (``models.resnet.ResNetTinyBottleneck``, the same code with two one-block groups, at 32x32,
 batch 8, iterations_per_loop 1 and 5, a few steps): what the test suite runs to keep this
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -50,36 +56,85 @@ def detect_device() -> str:
     return "cpu"
 
 
-def gpu_extra() -> str:
-    """cuda13 where the driver runs CUDA 13 (>= 580), else cuda12."""
+def nvidia_smi(field: str) -> str | None:
+    """The first GPU's ``field`` (``nvidia-smi --query-gpu``), or None without one."""
     try:
         out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            ["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"],
             capture_output=True,
             text=True,
             check=True,
             timeout=60,
         ).stdout
-        return "cuda13" if int(out.split(".")[0]) >= 580 else "cuda12"
-    except (OSError, subprocess.SubprocessError, ValueError):
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (out.splitlines() or [""])[0].strip() or None
+
+
+def gpu_extra() -> str:
+    """cuda13 where the driver runs CUDA 13 (>= 580), else cuda12."""
+    try:
+        return (
+            "cuda13" if int((nvidia_smi("driver_version") or "").split(".")[0]) >= 580 else "cuda12"
+        )
+    except ValueError:
         return "cuda12"
+
+
+def install_commands(device: str, venv: Path, argv: list[str]) -> list[list[str]]:
+    """The commands that install estimax[<extra>] from this checkout and rerun this script."""
+    extra = gpu_extra() if device == "gpu" else "tpu"
+    python = str(venv / "bin" / "python")
+    return [
+        [sys.executable, "-m", "venv", str(venv)],
+        [python, "-m", "pip", "install", "-q", "-c", str(REPO / "constraints.txt"), "-e",
+         f"{REPO}[{extra}]"],
+        [python, __file__, *argv, "--no_install", "--device", device],
+    ]  # fmt: skip
 
 
 def install_and_rerun(device: str, venv: Path, argv: list[str]) -> int:
     """Installs estimax[<extra>] into a fresh venv, then runs this script there."""
-    extra = gpu_extra() if device == "gpu" else "tpu"
+    make_venv, install, rerun = install_commands(device, venv, argv)
     if venv.exists():
         import shutil
 
         shutil.rmtree(venv)
-    print(f"bench/accelerator.py: installing estimax[{extra}] into {venv}", flush=True)
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
-    subprocess.run(
-        [*pip, "-c", str(REPO / "constraints.txt"), "-e", f"{REPO}[{extra}]"], check=True
-    )
-    cmd = [str(venv / "bin" / "python"), __file__, *argv, "--no_install", "--device", device]
-    return subprocess.run(cmd, check=False).returncode
+    print(f"bench/accelerator.py: {shlex.join(install)}", flush=True)
+    subprocess.run(make_venv, check=True)
+    subprocess.run(install, check=True)
+    return subprocess.run(rerun, check=False).returncode
+
+
+def device_name(device: str) -> str | None:
+    """The accelerator's name as the OS tells it before JAX runs (None where it cannot)."""
+    return nvidia_smi("name") if device == "gpu" else None
+
+
+def dry_run(args: argparse.Namespace, argv: list[str]) -> int:
+    """Every step but the device: the install it would run, its extra, the tiny measurement on
+    this CPU through the same code, and the result files the real run would write."""
+    import tomllib
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    devices = ["gpu", "tpu"] if args.device in ("auto", "cpu") else [args.device]
+    rerun_argv = [a for a in argv if a != "--dry_run"]
+    for device in devices:
+        commands = install_commands(device, Path(args.venv), rerun_argv)
+        extra = commands[1][-1].rsplit("[", 1)[1].rstrip("]")
+        if extra not in extras["optional-dependencies"]:
+            sys.exit(f"bench/accelerator.py: pyproject.toml has no [{extra}] extra")
+        name = device_name(device)
+        result = f"accelerator_{_slug(name)}" if name else "accelerator_<device kind>"
+        print(f"dry run, on a {device.upper()} machine this would run:")
+        for cmd in commands:
+            print("  " + shlex.join(cmd))
+        print(f"  and write {RESULTS / result}.md (and .json)", flush=True)
+    out = Path(args.out or tempfile.mkdtemp(prefix="bench_accelerator_dry_"))
+    out = out if out.suffix == ".json" else out / "accelerator_cpu_tiny.json"
+    code = main([*rerun_argv, "--device=cpu", f"--out={out}", "--no_install"])
+    print(f"dry run: the tiny CPU measurement through the same code wrote {out} (exit {code})")
+    return code
 
 
 def _peak_bytes(device: Any) -> int | None:
@@ -312,7 +367,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iterations_per_loop", default=None, help="e.g. 1,100")
     p.add_argument("--steps", type=int, default=None, help="timed steps per figure")
     p.add_argument("--out", default=None)
+    p.add_argument(
+        "--dry_run",
+        action="store_true",
+        help="no install, no device: print what a GPU/TPU run would install, run and write, "
+        "then run the tiny CPU version through the same code",
+    )
     args = p.parse_args(argv)
+    if args.dry_run:
+        return dry_run(args, argv)
     device = detect_device() if args.device == "auto" else args.device
     if device != "cpu" and not args.no_install:
         return install_and_rerun(device, Path(args.venv), argv)

@@ -22,6 +22,17 @@ The client threads share the machine's cores with the server, as on any single-h
     .venv/bin/python bench/serving.py [--requests 2000 --clients 32 --routes all --repeats 3]
 
 Writes bench/results/serving.json and bench/results/serving.md.
+
+``--part peer`` (also run by ``--part all``): ONNX Runtime beside estimax on the same ResNet-50
+(resnet50, 224x224, float32, initialised weights) on the CPU, from one export: estimax's export
+as it serves it, and ``estimax export-onnx`` of it in ONNX Runtime with the same number of
+threads (the machine's cores). In-process: the network on the same preprocessed batches of each
+size (``--peer_batch_sizes``), rounds interleaved, median latency; over HTTP: ``estimax serve``
+against bench/onnx_http.py (a minimal ThreadingHTTPServer around onnxruntime doing the same
+JPEG decode + preprocessing with estimax's recipe), the same TF Serving REST requests (one JPEG
+each) from ``--peer_clients`` clients, then one. Each number is also given as estimax / ONNX
+Runtime. Writes the "ONNX Runtime beside estimax" section of serving.md and ``peer`` of
+serving.json, keeping the rest of the files.
 """
 
 from __future__ import annotations
@@ -29,15 +40,19 @@ from __future__ import annotations
 import abc
 import argparse
 import base64
+import contextlib
 import json
 import os
 import platform
+import re
 import struct
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import requests
@@ -320,17 +335,290 @@ ROUTES = {
 }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--requests", type=int, default=2000)
-    parser.add_argument("--clients", type=int, default=32)
-    parser.add_argument("--lone_requests", type=int, default=200)
-    parser.add_argument("--max_seconds", type=float, default=180)
-    parser.add_argument(
-        "--routes", default="all", help=f"comma-separated among {sorted(ROUTES)}, or all"
+def _peer_export(tmp: str, images: list[bytes]) -> tuple[str, str]:
+    """ResNet-50 (initialised) behind resnet_eval(224), and its ONNX model."""
+    from estimax.serving import onnx_export
+
+    def resnet50_fn(features, labels, mode, params):
+        logits = get_model("resnet50", num_classes=1000)(
+            preprocessing.normalize(features, jnp), train=False
+        )
+        predictions = {"classes": jnp.argmax(logits, 1), "probabilities": jax.nn.softmax(logits)}
+        return ex.EstimatorSpec(
+            mode=mode, predictions=predictions, export_outputs={"classify": predictions}
+        )
+
+    est = ex.Estimator(
+        resnet50_fn,
+        ex.RunConfig(model_dir=os.path.join(tmp, "r50"), num_shards=1),
+        predict_batch_size=2,
     )
-    parser.add_argument("--repeats", type=int, default=3, help="rounds over the routes")
-    args = parser.parse_args()
+    path = serving.export_version(
+        est,
+        os.path.join(tmp, "r50_models"),
+        preprocessing=serving.resnet_eval(224),
+        check_inputs=images[:2],
+        platforms=("cpu",),
+    )
+    est.close()
+    out = os.path.join(tmp, "r50.onnx")
+    print(onnx_export.describe(onnx_export.export_onnx(path, out)), flush=True)
+    return path, out
+
+
+def _peer_in_process(path: str, onnx_path: str, images, sizes, rounds: int) -> dict:
+    import onnxruntime as ort
+
+    servable = serving.Servable(path, 1, batch_sizes=sizes)
+    servable.warm()
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = os.cpu_count() or 1
+    # Its threads otherwise spin after each call and take the cores from XLA's next call in
+    # this process (interleaved rounds).
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    session = ort.InferenceSession(onnx_path, options, providers=["CPUExecutionProvider"])
+    runs: dict = {}
+    for size in sizes:
+        pixels = servable.prepare({"image_bytes": [images[i % len(images)] for i in range(size)]})
+        x = pixels["input"]
+        engines = {
+            "estimax": lambda: servable.run(pixels),
+            "onnxruntime": lambda: session.run(None, {"input": x}),
+        }
+        times: dict = {name: [] for name in engines}
+        for fn in engines.values():
+            fn()  # warm
+        for _ in range(rounds):  # interleaved: the machine's load changes by the second
+            for name, fn in engines.items():
+                t = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t)
+        runs[size] = {
+            name: {"median_ms": 1000 * float(np.median(t)), "images_per_s": size / np.median(t)}
+            for name, t in times.items()
+        }
+        print("in-process batch", size, runs[size], flush=True)
+    return runs
+
+
+@contextlib.contextmanager
+def _onnx_server(onnx_path: str):
+    port = fx.free_port()
+    script = os.path.join(os.path.dirname(__file__), "onnx_http.py")
+    threads = str(os.cpu_count() or 1)
+    proc = subprocess.Popen(
+        [sys.executable, script, onnx_path, str(port), threads], env=fx.server_env()
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):  # wait for readiness (a process start, not a timed assertion)
+            with contextlib.suppress(requests.ConnectionError):
+                if requests.get(url, timeout=2).status_code == 200:
+                    break
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _peer_http(path: str, onnx_path: str, images, args) -> dict:
+    base = os.path.dirname(path)
+    out: dict = {}
+    with (
+        fx.running_server([f"--model_base_path={base}", "--model_name=bench"]) as (url, _),
+        _onnx_server(onnx_path) as onnx_url,
+    ):
+        routes = {"estimax": RestJson(url, images), "onnxruntime": RestJson(onnx_url, images)}
+        for route in routes.values():
+            load_test(route, 4, 2, 120)  # warm
+        for name in routes:
+            out[name] = {"concurrent": [], "lone": []}
+        for _ in range(args.repeats):
+            for name, route in routes.items():
+                c = load_test(route, args.peer_requests, args.peer_clients, args.max_seconds)
+                lone = load_test(route, max(4, args.peer_requests // 4), 1, args.max_seconds)
+                out[name]["concurrent"].append(c)
+                out[name]["lone"].append(lone)
+                print("http", name, c, lone, flush=True)
+    return out
+
+
+def peer(args) -> dict:
+    """ONNX Runtime beside estimax on ResNet-50 (see the module docstring)."""
+    big = [
+        simplejpeg.encode_jpeg(
+            np.random.default_rng(i).integers(0, 255, (375, 500, 3), dtype=np.uint8),
+            quality=90,
+            colorspace="RGB",
+        )
+        for i in range(8)
+    ]
+    results: dict = {"load_before": open("/proc/loadavg").read().split()[:3]}
+    sizes = [int(b) for b in args.peer_batch_sizes.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        path, onnx_path = _peer_export(tmp, big)
+        results["in_process"] = _peer_in_process(path, onnx_path, big, sizes, args.peer_rounds)
+        results["http"] = _peer_http(path, onnx_path, big, args)
+    results["load_after"] = open("/proc/loadavg").read().split()[:3]
+    results["threads"] = os.cpu_count()
+    results["cpu"] = _cpu_name()
+    return results
+
+
+def _cpu_name() -> str:
+    with contextlib.suppress(OSError):
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def _peer_http_lines(r: dict, args) -> list[str]:
+    """The HTTP table and its ratios."""
+    lines: list[str] = []
+    lines += [
+        "",
+        f"Over HTTP (TF Serving REST `:predict`, one 500x375 JPEG per request, decode + "
+        f"preprocessing in the server), {args.repeats} rounds, median round; `estimax serve` "
+        "without batching against bench/onnx_http.py:",
+        "",
+        f"| server | ok / sent | req/s, {args.peer_clients} clients | p50 ms | p99 ms | "
+        "lone req/s | lone p50 ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    med = {}
+    for name, runs in r["http"].items():
+        every = runs["concurrent"] + runs["lone"]
+        c, lone = median_run(runs["concurrent"]), median_run(runs["lone"])
+        med[name] = (c, lone)
+        lines.append(
+            f"| {name} | {sum(x['ok'] for x in every)} / {sum(x['sent'] for x in every)} | "
+            f"{c['requests_per_s']:.2f} | {c['p50_ms']:.0f} | {c['p99_ms']:.0f} | "
+            f"{lone['requests_per_s']:.2f} | {lone['p50_ms']:.0f} |"
+        )
+    (ce, le), (co, lo) = med["estimax"], med["onnxruntime"]
+    lines += [
+        "",
+        f"Ratios estimax / ONNX Runtime over HTTP: throughput "
+        f"{ce['requests_per_s'] / co['requests_per_s']:.2f} ({args.peer_clients} clients), "
+        f"{le['requests_per_s'] / lo['requests_per_s']:.2f} (lone); lone p50 latency "
+        f"{le['p50_ms'] / lo['p50_ms']:.2f}.",
+    ]
+    return lines
+
+
+def peer_markdown(r: dict, args) -> str:
+    """The "ONNX Runtime beside estimax" section of serving.md."""
+    lines = [
+        "## ONNX Runtime beside estimax (`--part peer`)",
+        "",
+        f"ResNet-50 (224x224, float32, initialised weights), one export; {r['cpu']}, "
+        f"{r['threads']} threads for each engine (XLA:CPU's default pool; ONNX Runtime "
+        f"`intra_op_num_threads={r['threads']}`). Load average before "
+        f"{' '.join(r['load_before'])}, after {' '.join(r['load_after'])} (a shared machine; "
+        "other engineers' jobs ran: read the ratios, measured interleaved in one run).",
+        "",
+        f"In-process, the network alone on the same preprocessed uint8 batch, median of "
+        f"{args.peer_rounds} interleaved calls:",
+        "",
+        "| batch | estimax ms | ONNX Runtime ms | estimax img/s | ONNX Runtime img/s | "
+        "estimax / ONNX Runtime (throughput) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for size, row in r["in_process"].items():
+        e, o = row["estimax"], row["onnxruntime"]
+        lines.append(
+            f"| {size} | {e['median_ms']:.1f} | {o['median_ms']:.1f} | {e['images_per_s']:.1f} "
+            f"| {o['images_per_s']:.1f} | {e['images_per_s'] / o['images_per_s']:.2f} |"
+        )
+    lines += _peer_http_lines(r, args) + [
+        "",
+        "- The ONNX model is `estimax export-onnx` of the same export, so ONNX Runtime runs the "
+        "export's own computation: estimax.ops' 1x1 convolutions as matmuls, NHWC with a "
+        "transpose pair around each convolution (ONNX convolves NCHW), batch norm as separate "
+        "elementwise ops (XLA fuses them; ONNX Runtime's Conv+BN fusions need NCHW convolutions "
+        "followed by BatchNormalization). A ResNet-50 exported to ONNX from an NCHW framework "
+        "with folded batch norm would likely run faster in ONNX Runtime; these rows measure "
+        "what a team gets from an estimax export.",
+        "- HTTP: `estimax serve` is FastAPI on uvicorn (no batching); bench/onnx_http.py is "
+        "Python's ThreadingHTTPServer around one onnxruntime session, preprocessing with "
+        "estimax's recipe (an ONNX model's client does it), no batching. Both decode the JPEG "
+        "and resize it in the server.",
+        "- ONNX Runtime runs without spinning threads (`session.intra_op.allow_spinning=0`), "
+        "in-process and in the wrapper: otherwise they take the cores from XLA's next call in "
+        "the same process, and from the request's Python work on 2 cores.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _write_peer(results: dict, args) -> None:
+    os.makedirs(RESULTS, exist_ok=True)
+    json_path, md_path = os.path.join(RESULTS, "serving.json"), os.path.join(RESULTS, "serving.md")
+    data = json.load(open(json_path)) if os.path.exists(json_path) else {}
+    data["peer"] = results
+    with open(json_path, "w") as f:
+        json.dump(data, f, indent=2)
+    text = open(md_path).read() if os.path.exists(md_path) else ""
+    section = peer_markdown(results, args)
+    pattern = re.compile(r"## ONNX Runtime beside estimax.*?(?=\n## |\Z)", re.S)
+    text = pattern.sub(lambda m: section, text) if pattern.search(text) else text + "\n" + section
+    with open(md_path, "w") as f:
+        f.write(text)
+    print(section)
+
+
+def _route_servers(tmp: str, images: list[bytes], routes: list[str], args, results: dict) -> None:
+    """The routes against `estimax serve`, without and with batching, rounds interleaved."""
+    for server, flags in (
+        ("no batching", []),
+        (
+            "batching",
+            [
+                "--enable_batching",
+                "--max_batch_size=16",
+                "--batch_timeout_micros=2000",
+                "--max_enqueued_batches=64",
+            ],
+        ),
+    ):
+        grpc_port = fx.free_port()
+        with fx.running_server(
+            [
+                f"--model_base_path={os.path.join(tmp, 'models')}",
+                "--model_name=bench",
+                f"--grpc_port={grpc_port}",
+                *flags,
+            ]
+        ) as (url, _):
+            made = {}
+            for name in routes:
+                address = f"127.0.0.1:{grpc_port}" if name.startswith("grpc") else url
+                made[name] = ROUTES[name](address, images)
+                load_test(made[name], 64, 8, 60)  # warm the connections and threads
+                results["runs"][f"{server}/{name}"] = {
+                    "server": server,
+                    "route": made[name].label,
+                    "flags": flags,
+                    "concurrent": [],
+                    "lone": [],
+                }
+            # Rounds over the routes in turn: the machine's other load changes by the
+            # second, and interleaving spreads it over every route alike.
+            for _ in range(args.repeats):
+                for name, route in made.items():
+                    run = results["runs"][f"{server}/{name}"]
+                    run["concurrent"].append(
+                        load_test(route, args.requests, args.clients, args.max_seconds)
+                    )
+                    # A lone client: what a request costs with no company.
+                    run["lone"].append(load_test(route, args.lone_requests, 1, args.max_seconds))
+                    print(server, name, run["concurrent"][-1], run["lone"][-1], flush=True)
+
+
+def _routes_run(args) -> dict:
+    """The tiny model's export in-process and over every route (see the module docstring)."""
     routes = list(ROUTES) if args.routes == "all" else args.routes.split(",")
 
     rng = np.random.default_rng(0)
@@ -361,56 +649,16 @@ def main() -> None:
         )
         results["in_process"] = in_process(path, images, min(args.requests, 500))
         print("in-process", results["in_process"], flush=True)
-        for server, flags in (
-            ("no batching", []),
-            (
-                "batching",
-                [
-                    "--enable_batching",
-                    "--max_batch_size=16",
-                    "--batch_timeout_micros=2000",
-                    "--max_enqueued_batches=64",
-                ],
-            ),
-        ):
-            grpc_port = fx.free_port()
-            with fx.running_server(
-                [
-                    f"--model_base_path={os.path.join(tmp, 'models')}",
-                    "--model_name=bench",
-                    f"--grpc_port={grpc_port}",
-                    *flags,
-                ]
-            ) as (url, _):
-                made = {}
-                for name in routes:
-                    address = f"127.0.0.1:{grpc_port}" if name.startswith("grpc") else url
-                    made[name] = ROUTES[name](address, images)
-                    load_test(made[name], 64, 8, 60)  # warm the connections and threads
-                    results["runs"][f"{server}/{name}"] = {
-                        "server": server,
-                        "route": made[name].label,
-                        "flags": flags,
-                        "concurrent": [],
-                        "lone": [],
-                    }
-                # Rounds over the routes in turn: the machine's other load changes by the
-                # second, and interleaving spreads it over every route alike.
-                for _ in range(args.repeats):
-                    for name, route in made.items():
-                        run = results["runs"][f"{server}/{name}"]
-                        run["concurrent"].append(
-                            load_test(route, args.requests, args.clients, args.max_seconds)
-                        )
-                        # A lone client: what a request costs with no company.
-                        run["lone"].append(
-                            load_test(route, args.lone_requests, 1, args.max_seconds)
-                        )
-                        print(server, name, run["concurrent"][-1], run["lone"][-1], flush=True)
+        _route_servers(tmp, images, routes, args, results)
     results["load_after"] = open("/proc/loadavg").read().split()[:3]
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "serving.json"), "w") as f:
         json.dump(results, f, indent=2)
+    return results
+
+
+def _routes_markdown(results: dict, args) -> str:
+    """serving.md's routes table."""
     r = results["in_process"]
     lines = [
         "# Serving load test (`bench/serving.py`)",
@@ -445,9 +693,35 @@ def main() -> None:
     if batching:
         lines += ["", "Batching flags: " + " ".join(batching["flags"])]
     lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--lone_requests", type=int, default=200)
+    parser.add_argument("--max_seconds", type=float, default=180)
+    parser.add_argument(
+        "--routes", default="all", help=f"comma-separated among {sorted(ROUTES)}, or all"
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="rounds over the routes")
+    parser.add_argument("--part", choices=("routes", "peer", "all"), default="all")
+    parser.add_argument("--peer_batch_sizes", default="1,8")
+    parser.add_argument("--peer_rounds", type=int, default=5)
+    parser.add_argument("--peer_requests", type=int, default=24)
+    parser.add_argument("--peer_clients", type=int, default=4)
+    args = parser.parse_args()
+    if args.part == "peer":
+        _write_peer(peer(args), args)
+        return
+    results = _routes_run(args)
+    text = _routes_markdown(results, args)
     with open(os.path.join(RESULTS, "serving.md"), "w") as f:
-        f.write("\n".join(lines))
-    print("\n".join(lines))
+        f.write(text)
+    print(text)
+    if args.part == "all":
+        _write_peer(peer(args), args)
 
 
 if __name__ == "__main__":

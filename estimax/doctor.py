@@ -1,10 +1,17 @@
-"""``python -m estimax.doctor``: what estimax would run on here, one line per fact.
+"""``estimax doctor`` (``python -m estimax.doctor``): what estimax would run on here, one line
+per fact.
 
 Prints the JAX release and the devices JAX sees (kind, count, memory), the accelerator plugins
 installed, the CPU convolution kernels in use (oneDNN 3 and its instruction set, or XLA's), the
 input workers the input pipeline would start, the storage clients and the emulator variables
 they follow, and, last, anything missing (a GPU that JAX does not see, kernels not built, ...)
 with the command that fixes it. Exit status 0 (it only reports).
+
+``--launch``, run on every process of a job as the job would run the program: the cluster kind
+found, the coordinator, this process's index and the count; then a check with every other
+process, bounded by ``--timeout`` (default 20 s); then the local devices and the global mesh.
+A process that disagrees, or a coordinator not reached, is one ``FATAL:`` line on every process
+and exit status 1 -- never a hang.
 """
 
 from __future__ import annotations
@@ -87,10 +94,11 @@ def device_lines(missing: list[str]) -> list[str]:
     platforms = {p for p, _, _ in groups}
     for hw in _accelerator_hardware():
         if hw not in platforms:
-            extra = "cuda12' (or 'estimax[cuda13]" if hw == "gpu" else "tpu"
+            # estimax is not on the package index: the extras install from a checkout.
+            extra = "'.[cuda12]' (or '.[cuda13]')" if hw == "gpu" else "'.[tpu]'"
             missing.append(
                 f"this machine has a {hw.upper()} that JAX does not see: "
-                f"pip install 'estimax[{extra}]'"
+                f"pip install -e {extra} in estimax's checkout"
             )
     return lines
 
@@ -155,9 +163,72 @@ def report() -> list[str]:
     return lines
 
 
+def launch_report(
+    coordinator_address: str | None,
+    num_processes: int | None,
+    process_id: int | None,
+    timeout: float,
+) -> int:
+    """``--launch``: prints what this process is in its job, checks it with the others within
+    ``timeout`` seconds, joins, and prints the devices; returns the exit status.
+
+    A malformed spec, a disagreement or a coordinator not reached is one ``FATAL:`` line on
+    stderr (the same on every process that reached the coordinator) and status 1.
+    """
+    from estimax.estimator import distributed, launch  # noqa: PLC0415
+
+    try:
+        found = launch.detect(coordinator_address, num_processes, process_id, timeout=timeout)
+        print(f"launch: {found.describe()}", flush=True)
+        if not found.joins:
+            return 0
+        views = launch.rendezvous(found, timeout)
+    except launch.LaunchError as e:
+        print(f"FATAL: {e}", file=sys.stderr, flush=True)
+        return 1
+    hosts = sorted({str(v.get("host")) for v in views})
+    print(f"launch: all {len(views)} processes agree (hosts: {', '.join(hosts)})", flush=True)
+    import jax  # noqa: PLC0415 - after the check: JAX must not start before it joins
+
+    jax.distributed.initialize(
+        found.coordinator,
+        found.num_processes,
+        found.process_id,
+        initialization_timeout=max(10, int(timeout)),
+    )
+    per_process = Counter(d.process_index for d in jax.devices())
+    print(f"launch: local devices: {distributed.describe_devices(jax.local_devices())}")
+    print(
+        f"launch: global mesh: {jax.device_count()} devices over {jax.process_count()} "
+        f"processes ({', '.join(f'process {p}: {n}' for p, n in sorted(per_process.items()))}), "
+        f"one data axis of {jax.device_count()} replicas"
+    )
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="estimax doctor", description=__doc__)
+    p.add_argument(
+        "--launch",
+        action="store_true",
+        help="a launch dry-run: the cluster this process finds ($CLUSTER_SPEC, $TF_CONFIG, "
+        "JAX's detection, or the flags below), a check with every other process of the job "
+        "within --timeout, then its devices and the global mesh",
+    )
+    p.add_argument("--coordinator_address", default="auto", help="HOST:PORT, or auto")
+    p.add_argument("--num_processes", type=int, default=None)
+    p.add_argument("--process_id", type=int, default=None)
+    p.add_argument("--timeout", type=float, default=20.0, help="seconds for the check (default 20)")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Prints the report; returns the exit status."""
-    argparse.ArgumentParser(prog="python -m estimax.doctor", description=__doc__).parse_args(argv)
+    """Prints the report (or, with ``--launch``, the launch dry-run); returns the exit status."""
+    args = _parser().parse_args(argv)
+    if args.launch:
+        return launch_report(
+            args.coordinator_address, args.num_processes, args.process_id, args.timeout
+        )
     for line in report():
         print(line)
     return 0

@@ -14,6 +14,7 @@ import re
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 
 import numpy as np
 
@@ -32,6 +33,11 @@ FLAGS = (
     "--dense_units=16",
     "--learning_rate=0.1",
 )
+
+
+# Variables that tell a process its job: never inherited from the test's own environment.
+CLUSTER_VARS = ("TF_CONFIG", "CLUSTER_SPEC")
+CLUSTER_PREFIXES = ("SLURM_", "OMPI_", "PMIX_")
 
 
 @dataclasses.dataclass
@@ -64,28 +70,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_job(
-    num_processes: int,
-    data_dir: str,
-    model_dir: str,
-    *extra: str,
-    faults: dict[int, str] | None = None,
-    per_process: dict[int, tuple[str, ...]] | None = None,
-    timeout: float = 300,
-    devices: int = 4,
-) -> list[Proc]:
-    """Runs the MNIST program as a job of ``num_processes``; returns each process's result.
-
-    Args:
-      faults: ``{process: "kind:N"}`` (see multihost_worker.py).
-      per_process: extra flags for one process only.
-      devices: CPU devices of the whole job, split evenly between its processes.
-    """
-    devices //= num_processes
+def _job_env(data_dir: str, devices: int) -> dict[str, str]:
+    """The environment of each process of a test job: this checkout, ``devices`` CPU devices,
+    a shared compilation cache, and nothing of the test's own job variables."""
     base = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("ESTIMAX_", "JAX_", "XLA_FLAGS", "PYTEST"))
+        if not k.startswith(("ESTIMAX_", "JAX_", "XLA_FLAGS", "PYTEST", *CLUSTER_PREFIXES))
+        and k not in CLUSTER_VARS
     }
     base.update(
         PYTHONPATH=ROOT,
@@ -97,6 +89,30 @@ def run_job(
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
         JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
     )
+    return base
+
+
+def run_job(
+    num_processes: int,
+    data_dir: str,
+    model_dir: str,
+    *extra: str,
+    faults: dict[int, str] | None = None,
+    per_process: dict[int, tuple[str, ...]] | None = None,
+    timeout: float = 300,
+    devices: int = 4,
+    cluster_env: Callable[[int, int], dict[str, str]] | None = None,
+) -> list[Proc]:
+    """Runs the MNIST program as a job of ``num_processes``; returns each process's result.
+
+    Args:
+      faults: ``{process: "kind:N"}`` (see multihost_worker.py).
+      per_process: extra flags for one process only.
+      devices: CPU devices of the whole job, split evenly between its processes.
+      cluster_env: ``(process, free port) -> variables`` that tell each process its job (a
+        ``TF_CONFIG``...) instead of the cluster flags.
+    """
+    base = _job_env(data_dir, devices // num_processes)
     cluster: tuple[str, ...] = ()
     port = _free_port()
     procs = []
@@ -104,7 +120,9 @@ def run_job(
         env = dict(base)
         if faults and i in faults:
             env["ESTIMAX_TEST_FAULT"] = faults[i]
-        if num_processes > 1:
+        if cluster_env is not None:
+            env.update(cluster_env(i, port))
+        elif num_processes > 1:
             cluster = (
                 f"--coordinator_address=localhost:{port}",
                 f"--num_processes={num_processes}",
@@ -125,6 +143,11 @@ def run_job(
                 args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
             )
         )
+    return finish(procs, timeout)
+
+
+def finish(procs: list[subprocess.Popen], timeout: float = 300) -> list[Proc]:
+    """Each process's result, in order; any still running after ``timeout`` is killed."""
     results = []
     try:
         for p in procs:
@@ -165,6 +188,37 @@ def assert_same_params(a: dict, b: dict, rtol: float = 1e-5, atol: float = 1e-6)
         np.testing.assert_allclose(
             x, leaves_b[path], rtol=rtol, atol=atol, err_msg=jax.tree_util.keystr(path)
         )
+
+
+def assert_bitwise(a: dict, b: dict) -> None:
+    """The two checkpoints' parameters are bitwise equal (``params`` results)."""
+    import jax
+
+    leaves_a = jax.tree_util.tree_leaves_with_path(a["params"])
+    leaves_b = dict(jax.tree_util.tree_leaves_with_path(b["params"]))
+    assert len(leaves_a) == len(leaves_b) > 0
+    for path, x in leaves_a:
+        np.testing.assert_array_equal(x, leaves_b[path], err_msg=jax.tree_util.keystr(path))
+
+
+def run_mnist(tmp_path: str, *args: str, env: dict[str, str]) -> Proc:
+    """One process of the MNIST program on the digits, with ``args`` and exactly ``env``."""
+    data_dir = write_data(os.path.join(tmp_path, "data"))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "estimax.programs.mnist",
+            f"--data_dir={data_dir}",
+            f"--model_dir={os.path.join(tmp_path, 'model')}",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    return Proc(proc.returncode, proc.stdout, proc.stderr)
 
 
 def eval_results(stderr: str) -> dict[str, float]:

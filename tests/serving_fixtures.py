@@ -42,12 +42,9 @@ def make_jpegs(n: int, seed: int = 0) -> tuple[list[bytes], np.ndarray]:
     return images, np.asarray(labels, np.int32)
 
 
-def model_fn(features, labels, mode, params):
-    """The resnet program's model_fn, tiny: uint8 [B, S, S, 3] -> classes, probabilities."""
-    del params
-    model = get_model("resnet_tiny", num_classes=NUM_CLASSES, dtype=jnp.bfloat16)
-    images = preprocessing.normalize(features, jnp, dtype=jnp.bfloat16)
-    logits = model(images, train=mode == ex.ModeKeys.TRAIN).astype(jnp.float32)
+def classify_spec(logits, labels, mode, **train):
+    """The classifier's EstimatorSpec: classes and probabilities; SGD with momentum (and
+    ``train``'s extra fields, e.g. ema_decay) to train."""
     predictions = {"classes": jnp.argmax(logits, axis=1), "probabilities": jax.nn.softmax(logits)}
     if mode == ex.ModeKeys.PREDICT:
         return ex.EstimatorSpec(
@@ -57,9 +54,18 @@ def model_fn(features, labels, mode, params):
         mode=mode,
         loss=ex.losses.softmax_cross_entropy(logits, labels),
         optimizer=optax.sgd(0.05, momentum=0.9),
-        ema_decay=0.9,
         predictions=predictions,
+        **train,
     )
+
+
+def model_fn(features, labels, mode, params):
+    """The resnet program's model_fn, tiny: uint8 [B, S, S, 3] -> classes, probabilities."""
+    del params
+    model = get_model("resnet_tiny", num_classes=NUM_CLASSES, dtype=jnp.bfloat16)
+    images = preprocessing.normalize(features, jnp, dtype=jnp.bfloat16)
+    logits = model(images, train=mode == ex.ModeKeys.TRAIN).astype(jnp.float32)
+    return classify_spec(logits, labels, mode, ema_decay=0.9)
 
 
 def build_estimator(model_dir: str) -> ex.Estimator:

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -91,10 +94,19 @@ def read_dir(out_dir) -> dict[str, list[dict]]:
 
 
 def digests(out_dir) -> dict[str, str]:
-    return {
-        os.path.basename(p): hashlib.sha256(open(p, "rb").read()).hexdigest()
-        for p in tfrecord.list_files(os.path.join(str(out_dir), "*-of-*"))
-    }
+    """{file name: SHA-256} of every shard and index file in out_dir."""
+    out = str(out_dir)
+    paths = tfrecord.list_files(os.path.join(out, "*-of-*"))
+    paths += tfrecord.list_files(os.path.join(out, "*-of-*.idx"))
+    return {os.path.basename(p): hashlib.sha256(open(p, "rb").read()).hexdigest() for p in paths}
+
+
+def assert_indexed(out_dir: str) -> None:
+    """Every shard has its index file, listing exactly its records."""
+    shards = tfrecord.list_files(os.path.join(out_dir, "*-of-*"))
+    assert shards
+    for path in shards:
+        assert convert_shards.index_problems(path) == [], path
 
 
 @pytest.fixture(scope="module")
@@ -222,6 +234,7 @@ def test_imagenet_input_fn_reads_the_output_with_zero_based_labels(converted):
 
 def test_verify_passes_then_catches_a_deleted_record(converted, tmp_path):
     out, _, _ = converted
+    assert_indexed(str(out))
     assert convert_shards.verify(str(out), decode=True, num_workers=1) == []
     copy = tmp_path / "copy"
     copy.mkdir()
@@ -237,7 +250,44 @@ def test_verify_passes_then_catches_a_deleted_record(converted, tmp_path):
     assert any(
         f"{len(records) - 1} records, the manifest says {len(records)}" in p for p in problems
     )
+    assert f"{shard}.idx: lists {len(records)} records, the shard has {len(records) - 1}; " in (
+        "\n".join(problems)
+    )
     assert convert.main(["verify", f"--output_dir={copy}"]) == 1
+
+
+def test_verify_checks_index_files_and_a_rerun_writes_missing_ones(raw, converted, tmp_path):
+    root, _ = raw
+    out, _, _ = converted
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for name in os.listdir(out):
+        (copy / name).write_bytes((out / name).read_bytes())
+    lost = copy / "train-00000-of-00003.idx"
+    lost.unlink()
+    short = copy / "validation-00001-of-00002.idx"
+    lines = short.read_text().splitlines(keepends=True)
+    short.write_text("".join(lines[:-1]))
+    problems = convert_shards.verify(str(copy), num_workers=1)
+    assert problems == [
+        f"{lost}: missing (the shard's index, which training hosts read); rerun the same "
+        "convert command to rewrite it",
+        f"{short}: lists {len(lines) - 1} records, the shard has {len(lines)}; rerun the same "
+        "convert command to rewrite it",
+    ]
+    # The same command again: every shard kept (its SHA-256 matches), the indexes rewritten.
+    rewritten = []
+    convert_shards.convert_local(
+        convert_sources.imagenet_source(str(root)),
+        str(copy),
+        {"train": 3, "validation": 2},
+        num_workers=1,
+        progress=False,
+        on_shard=rewritten.append,
+    )
+    assert rewritten == []
+    assert convert_shards.verify(str(copy), num_workers=1) == []
+    assert digests(copy) == digests(out)
 
 
 def _fake_args(out, *extra):
@@ -279,10 +329,12 @@ def test_interrupted_conversion_resumes_and_equals_an_uninterrupted_one(tmp_path
         proc.wait()
     partial = convert_shards.load_manifest(str(killed))
     assert not partial.complete and 2 <= len(partial.shards) < 24
-    # No half-written shard under a final name: every final-name file reads cleanly.
+    # No half-written shard under a final name: every final-name file reads cleanly, and its
+    # index is there with it.
     for name in os.listdir(killed):
-        if name.startswith("train-"):
+        if name.startswith("train-") and not name.endswith(".idx"):
             assert list(tfrecord.read_records(str(killed / name)))
+            assert convert_shards.index_problems(str(killed / name)) == []
     rewritten = []
     args = convert._parser().parse_args(_fake_args(killed)[3:])
     ds, _ = convert._dataset(args)
@@ -307,6 +359,7 @@ def test_fake_imagenet_fields_labels_and_worker_independence(tmp_path):
         ds, str(tmp_path / "b"), {"train": 3, "validation": 2}, num_workers=1, progress=False
     )
     assert digests(tmp_path / "a") == digests(tmp_path / "b")
+    assert_indexed(str(tmp_path / "a"))
     assert a.label_map == {f"n{k:08d}": k for k in range(1, 6)}
     for examples in read_dir(tmp_path / "a").values():
         for ex in examples:
@@ -367,9 +420,10 @@ def test_folder_and_csv_commands_write_the_same_examples_as_imagenet(raw, conver
             label = labels.index(synset) + 1 if kind == "csv" else manifest.label_map[synset]
             assert int(ex["image/class/label"][0]) == label
         assert convert.main(["verify", f"--output_dir={tmp_path / kind}"]) == 0
+        assert_indexed(str(tmp_path / kind))
 
 
-def test_beam_direct_runner_writes_the_same_examples_as_the_local_tool(raw, converted, tmp_path):
+def _require_beam() -> None:
     if os.environ.get("ESTIMAX_REQUIRE_BEAM"):  # `make test` runs this in .venv-beam
         import apache_beam  # noqa: F401
     pytest.importorskip(
@@ -377,17 +431,96 @@ def test_beam_direct_runner_writes_the_same_examples_as_the_local_tool(raw, conv
         reason="apache-beam runs in its own venv (`make test` "
         "builds .venv-beam: Beam pins protobuf<7); not installed here",
     )
+
+
+def _watch_sdk_workers(stop: threading.Event, seen: set[int]) -> None:
+    """Collects the pids of this process's Beam SDK worker children until ``stop``."""
+    me = str(os.getpid())
+    while not stop.is_set():
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmdline = f.read()
+                with open(f"/proc/{pid}/stat") as f:
+                    parent = f.read().rsplit(")", 1)[1].split()[1]
+            except OSError:
+                continue
+            if b"sdk_worker_main" in cmdline and parent == me:
+                seen.add(int(pid))
+        stop.wait(0.02)  # polling the process table while the pipeline runs
+
+
+def test_beam_direct_runner_writes_the_same_examples_as_the_local_tool(
+    raw, converted, tmp_path, caplog
+):
+    _require_beam()
     from estimax.tools import convert_beam
 
     root, _ = raw
     out_local, _, _ = converted
     ds = convert_sources.imagenet_source(str(root))
-    manifest = convert_beam.convert_beam(
-        ds, str(tmp_path), {"train": 3, "validation": 2}, num_workers=2
-    )
+    stop, workers = threading.Event(), set()
+    watcher = threading.Thread(target=_watch_sdk_workers, args=(stop, workers))
+    watcher.start()
+    caplog.set_level(logging.INFO, logger="estimax.tools.convert_beam")
+    try:
+        manifest = convert_beam.convert_beam(
+            ds, str(tmp_path), {"train": 3, "validation": 2}, num_workers=2
+        )
+    finally:
+        stop.set()
+        watcher.join()
     assert manifest.complete
-    assert digests(tmp_path) == digests(out_local)
+    assert digests(tmp_path) == digests(out_local)  # shards and index files, byte for byte
     assert convert_shards.verify(str(tmp_path), num_workers=1) == []
+    # The runner that ran is named, with the worker processes asked for; they ran.
+    assert "Beam: writing 5 shards on FnApiRunner (Beam's local runner, 2 worker processes" in (
+        caplog.text
+    )
+    assert "Beam: FnApiRunner wrote 5 shards" in caplog.text
+    assert "Prism" not in caplog.text.replace("never tries Prism", "")
+    assert len(workers) == 2, workers
+
+
+def test_beam_converter_runs_with_no_network_and_names_its_runner(raw, converted, tmp_path):
+    _require_beam()
+    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("ip") is None:
+        pytest.skip("needs root, unshare and ip to run the converter in a network namespace")
+    # A new network namespace: only the loopback interface (up, for Beam's worker channels),
+    # no route out. The Prism runner's download could not even start.
+    probe = subprocess.run(["unshare", "-n", "ip", "link", "set", "lo", "up"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make a network namespace here: {probe.stderr.decode().strip()}")
+    root, _ = raw
+    out_local, _, _ = converted
+    out = tmp_path / "offline"
+    command = [
+        sys.executable,
+        "-m",
+        "estimax.tools.convert",
+        "imagenet",
+        f"--raw_data_dir={root}",
+        f"--output_dir={out}",
+        "--train_shards=3",
+        "--validation_shards=2",
+        "--runner=DirectRunner",
+        "--num_workers=2",
+        "--no_progress",
+    ]
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *command],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,  # bounded: a runner waiting on the network would be killed here
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Beam: writing 5 shards on FnApiRunner (Beam's local runner, 2 worker processes" in (
+        proc.stderr
+    )
+    assert "PrismRunner" not in proc.stderr
+    assert digests(out) == digests(out_local)
 
 
 # ------------------------------------------------------------------------------ bad input
@@ -481,9 +614,9 @@ def test_a_different_conversion_in_the_same_output_dir_is_refused(tmp_path):
     with pytest.raises(InputError, match="manifest.json is from a different conversion"):
         _convert(root, tmp_path / "o", shards={"train": 3, "validation": 1})
     manifest = _convert(root, tmp_path / "o", shards={"train": 3, "validation": 1}, overwrite=True)
+    shards = ["validation-00000-of-00001"] + [f"train-0000{i}-of-00003" for i in range(3)]
     assert sorted(os.listdir(tmp_path / "o")) == sorted(
-        ["manifest.json", "validation-00000-of-00001"]
-        + [f"train-0000{i}-of-00003" for i in range(3)]
+        ["manifest.json", *shards, *(f"{name}.idx" for name in shards)]
     )
     assert manifest.complete
 
@@ -496,6 +629,7 @@ def test_output_to_a_remote_fsspec_filesystem_and_rerun_rewrites_nothing():
         ds, out, {"train": 2, "validation": 1}, num_workers=1, progress=False
     )
     assert manifest.complete and convert_shards.verify(out, num_workers=1) == []
+    assert_indexed(out)
     records = list(tfrecord.read_records(out + "/train-00001-of-00002"))
     assert len(records) == manifest.shards["train-00001-of-00002"]["num_examples"] == 10
     rewritten = []

@@ -112,7 +112,7 @@ def test_two_processes_and_one_train_bitwise_equal_and_resume_across_host_counts
     mh.assert_ok(two)
     a, b = mh.params(one_dir), mh.params(two_dir)
     assert a["step"] == b["step"] == 30
-    _assert_bitwise(a["params"], b["params"])
+    mh.assert_bitwise(a, b)
     reference = mh.eval_results(one[0].stderr)
     assert reference["num_examples"] == NUM_EVAL
     for proc in two:
@@ -136,17 +136,7 @@ def test_two_processes_and_one_train_bitwise_equal_and_resume_across_host_counts
     assert "input restarts" not in finished[0].stderr
     c = mh.params(resumed_dir)
     assert c["step"] == 30
-    _assert_bitwise(a["params"], c["params"])
-
-
-def _assert_bitwise(a, b) -> None:
-    import jax
-
-    leaves_a = jax.tree_util.tree_leaves_with_path(a)
-    leaves_b = dict(jax.tree_util.tree_leaves_with_path(b))
-    assert len(leaves_a) == len(leaves_b) > 0
-    for path, x in leaves_a:
-        np.testing.assert_array_equal(x, leaves_b[path], err_msg=jax.tree_util.keystr(path))
+    mh.assert_bitwise(a, c)
 
 
 def test_a_checkpoints_global_position_restores_on_another_process_count(caplog):

@@ -121,25 +121,8 @@ def test_a_host_that_stops_stepping_trips_its_watchdog_and_the_job_ends(tmp_path
 
 
 def test_a_program_refuses_cluster_numbers_without_an_address_in_one_line(tmp_path):
-    data_dir = mh.write_data(str(tmp_path / "data"))
-    import subprocess
-    import sys
-
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "estimax.programs.mnist",
-            f"--data_dir={data_dir}",
-            f"--model_dir={tmp_path / 'model'}",
-            "--num_processes=2",
-            "--process_id=1",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "ESTIMAX_"))},
-    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "ESTIMAX_"))}
+    proc = mh.run_mnist(str(tmp_path), "--num_processes=2", "--process_id=1", env=env)
     assert proc.returncode == 2
     assert (
         "FATAL: could not join the multi-process job: num_processes=2, process_id=1 given "

@@ -4,6 +4,7 @@ resume after a SIGKILL, memory that does not grow with the epochs."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import struct
@@ -174,3 +175,148 @@ def test_peak_memory_does_not_grow_with_the_epochs(object_store, tmp_path, worke
     peak = [int(line.split()[1]) for line in out.stdout.splitlines()]  # KiB
     assert len(peak) == 16
     assert peak[-1] - peak[3] < 12 * 1024, peak  # less than two epochs' bytes, in KiB
+
+
+def test_a_bucket_backed_training_reads_no_shard_in_full_before_its_first_batch(
+    gcs_emulator, monkeypatch, caplog
+):
+    import uuid
+
+    from conftest import point_clients_at
+    from counting_proxy import CountingProxy
+
+    from estimax import storage
+    from estimax.data import imagenet
+    from estimax.tools import convert
+
+    caplog.set_level(logging.INFO, logger="estimax.data.sources")
+    bucket = f"estimax-{uuid.uuid4().hex[:12]}"
+    gcs_emulator.create_bucket(bucket)
+    point_clients_at(monkeypatch, "gs", gcs_emulator.url)
+    data_dir = f"gs://{bucket}/imagenet"
+    # The converter writes straight into the bucket: 4 shards of 64 images, each with its index.
+    args = ["--train_examples=256", "--validation_examples=0", "--train_shards=4"]
+    args += ["--min_size=40", "--max_size=64", "--num_workers=1", "--no_progress"]
+    assert convert.main(["fake-imagenet", f"--output_dir={data_dir}", *args]) == 0
+    fs, root = storage.filesystem(data_dir)
+    sizes = {e["name"].split("/", 1)[1]: e["size"] for e in fs.ls(root, detail=True)}
+    shards = sorted(n for n in sizes if "/train-" in n and not n.endswith(".idx"))
+    assert len(shards) == 4 and all(f"{n}.idx" in sizes for n in shards)
+
+    def first_batch_reads() -> tuple[dict[str, int], dict[str, int]]:
+        """Bytes and requests of each object until the first batch is out."""
+        proxy = CountingProxy(gcs_emulator.url)
+        point_clients_at(monkeypatch, "gs", proxy.url)
+        try:
+            fn = imagenet.input_fn(data_dir, True, image_size=32, num_parallel_calls=2)
+            it = iter(fn({"batch_size": 8}))
+            images, _ = next(it)
+            assert images.shape == (8, 32, 32, 3)
+            it.close()
+            return dict(proxy.read), dict(proxy.requests)
+        finally:
+            proxy.stop()
+
+    read, requests = first_batch_reads()
+    assert "indexed" not in caplog.text
+    for name in shards:
+        # Only the records it needs (a batch and the read-ahead), fewer than half of them:
+        # never the whole shard, nor a request per record to find them.
+        assert read.get(name, 0) < sizes[name] / 2, (name, read.get(name), sizes[name])
+        assert requests.get(name, 0) < 32, requests
+        assert read[f"{name}.idx"] == sizes[f"{name}.idx"]  # its index, read once
+    # Without the index files the same input reads every shard whole to find its records
+    # (in 8 MiB blocks, not a request per record): what the index saves every host.
+    point_clients_at(monkeypatch, "gs", gcs_emulator.url)
+    fs, _ = storage.filesystem(data_dir)
+    for name in shards:
+        fs.rm(f"{bucket}/{name}.idx")
+    read, requests = first_batch_reads()
+    assert all(read[name] >= sizes[name] for name in shards), (read, sizes)
+    said = [r for r in caplog.records if r.name == "estimax.data.sources"]
+    assert [r.getMessage().split(" (")[0] for r in said] == ["indexed 4 of 4 files by reading them"]
+    assert said[0].levelname == "WARNING" and "reads each such file whole" in said[0].getMessage()
+    assert all(requests[name] < 32 for name in shards), requests
+
+
+class _CountingSource:
+    """A source that wants read-ahead; records which chunks were read."""
+
+    read_ahead = True
+
+    def __init__(self):
+        self.calls: list[list[int]] = []
+
+    def read_many(self, ids):
+        self.calls.append(list(ids))
+        return [b"r%d" % i for i in ids]
+
+
+def test_read_ahead_reads_a_window_of_chunks_ahead_of_their_decoding():
+    import concurrent.futures
+
+    from estimax.data.read_ahead import ReadAhead
+
+    source = _CountingSource()
+    ahead = ReadAhead(source, depth=2)
+    takes = [ahead.start([i]) for i in range(6)]
+    assert ahead.in_window == 2  # chunks 0 and 1 begun; 2-5 wait
+    assert takes[0]() == [b"r0"]
+    assert ahead.in_window == 2  # 0 taken: 2 begun
+    assert takes[5]() == [b"r5"]  # its decoding came first: begun then, the window unchanged
+    assert ahead.in_window == 2
+    ahead.close()
+    # Never begun: never read, and their decoding learns the loader stopped.
+    with pytest.raises(concurrent.futures.CancelledError):
+        takes[3]()
+    read = {c[0] for c in source.calls}
+    assert {0, 5} <= read <= {0, 1, 2, 5}
+
+
+@pytest.mark.parametrize("worker_type", ["thread", "process"])
+def test_an_epoch_at_object_store_latency_reads_each_record_once(
+    gcs_emulator, monkeypatch, worker_type
+):
+    import uuid
+
+    from conftest import point_clients_at
+    from counting_proxy import CountingProxy
+
+    from estimax.data import produce
+    from estimax.data.read_ahead import CHUNKS_PER_WORKER
+
+    bucket = f"estimax-{uuid.uuid4().hex[:12]}"
+    gcs_emulator.create_bucket(bucket)
+    point_clients_at(monkeypatch, "gs", gcs_emulator.url)
+    files = _write(f"gs://{bucket}")
+    offsets = {f.split("/", 3)[3]: tfrecord.RecordFile(f).offsets for f in files}
+    total = sum(PER_FILE)  # 30 records
+    # Every request held 20 ms, as an object store's first byte.
+    proxy = CountingProxy(gcs_emulator.url, delay=0.02)
+    point_clients_at(monkeypatch, "gs", proxy.url)
+    try:
+        source = L.TFRecordSource(files)
+        loader = L.Loader(
+            source, _ids_transform, 3, shuffle=True, seed=5, num_workers=2,
+            worker_type=worker_type, chunk_size=2,
+        )  # fmt: skip
+        it = iter(loader)
+        seen = [i for _ in range(total // 3) for i in next(it)[:, 0].tolist()]
+        it.close()
+        ranges = list(proxy.ranges)
+    finally:
+        proxy.stop()
+    assert sorted(seen) == sorted(f * 1000 + i for f, n in enumerate(PER_FILE) for i in range(n))
+    fetched: dict[tuple[str, int], int] = {}
+    for name, byte_range in ranges:
+        if name in offsets:  # a shard (not an index file): the records its range covers
+            lo, hi = (int(x) for x in byte_range.split("=")[1].split("-"))
+            for j, (a, b) in enumerate(zip(offsets[name][:-1], offsets[name][1:], strict=True)):
+                if lo <= a and b <= hi + 1:
+                    fetched[(name, j)] = fetched.get((name, j), 0) + 1
+    # One epoch used: every record read, and beyond it (read for nothing when the run stops) at
+    # most the batches decoded ahead and the read-ahead's window, whatever the latency.
+    window = CHUNKS_PER_WORKER * 2 * 2  # chunks per worker x workers x records per chunk
+    ahead = produce._blocks_in_flight(loader) * 3  # batches decoded ahead (slots) x batch
+    assert len(fetched) == total
+    assert total <= sum(fetched.values()) <= total + ahead + window, (fetched, ahead, window)

@@ -523,7 +523,7 @@ def test_help_lists_every_command_on_one_line_and_every_serve_flag_with_its_defa
     with pytest.raises(SystemExit):
         cli.main(["--help"], env={})
     out = capsys.readouterr().out.splitlines()
-    commands = ["serve", "predict", "export-check", "export-savedmodel"]
+    commands = ["doctor", "serve", "predict", "export-check", "export-savedmodel", "export-onnx"]
     for command in commands:
         (line,) = [x for x in out if x.strip().split(" ")[0] == command]
         assert len(line.split()) > 3, line  # its help is on the same line

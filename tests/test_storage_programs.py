@@ -76,8 +76,11 @@ def test_convert_train_eval_export_resume_all_in_the_bucket(object_store, monkey
     assert _ls(data) == [
         "manifest.json",
         "train-00000-of-00002",
+        "train-00000-of-00002.idx",
         "train-00001-of-00002",
+        "train-00001-of-00002.idx",
         "validation-00000-of-00001",
+        "validation-00000-of-00001.idx",
     ]
     capsys.readouterr()
     assert convert.main(["verify", f"--output_dir={data}", "--num_workers=1"]) == 0

@@ -141,6 +141,36 @@ def test_writer_is_atomic_on_error(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_writer_writes_the_index_with_the_file_and_neither_on_error(tmp_path, monkeypatch):
+    path = str(tmp_path / "train-00000-of-00001")
+    records = [b"x" * n for n in (0, 5, 300)]
+    renamed = []
+    replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda a, b: (renamed.append(b), replace(a, b)))
+    with tfrecord.TFRecordWriter(path, index=True) as w:
+        for r in records:
+            w.write(r)
+    # The same index a scan writes, in place before the file takes its name.
+    assert renamed == [path + ".idx", path]
+    indexed = open(path + ".idx").read()
+    assert indexed == "0 16\n16 21\n37 316\n"
+    assert tfrecord.RecordFile(path).index_path == path + ".idx"
+    os.remove(path + ".idx")
+    assert open(tfrecord.write_index(path)).read() == indexed
+    # A file that cannot be finished takes its index with it; a failed block leaves neither.
+    monkeypatch.setattr(os, "replace", lambda a, b: replace(a, b) if b.endswith(".idx") else 1 / 0)
+    other = str(tmp_path / "train-00000-of-00002")
+    with pytest.raises(ZeroDivisionError):
+        with tfrecord.TFRecordWriter(other, index=True) as w:
+            w.write(b"r")
+    assert not os.path.exists(other + ".idx") and not os.path.exists(other)
+    with pytest.raises(RuntimeError):
+        with tfrecord.TFRecordWriter(other, index=True) as w:
+            w.write(b"r")
+            raise RuntimeError("crash")
+    assert sorted(os.listdir(tmp_path)) == ["train-00000-of-00001", "train-00000-of-00001.idx"]
+
+
 def test_sharded_name_and_list_files(tmp_path):
     assert tfrecord.sharded_name("train", 3, 10) == "train-00003-of-00010"
     assert tfrecord.sharded_name("gs://b/validation", 127, 128) == (

@@ -80,12 +80,32 @@ def host_shard(
     return share if isinstance(share, np.ndarray) else list(share)
 
 
+def _say_what_was_scanned(record_files: list[tfrecord.RecordFile]) -> None:
+    """One line when files had no index file and were read to find their records."""
+    scanned = [rf for rf in record_files if rf.index_path is None]
+    if not scanned:
+        return
+    remote = any(rf.is_remote for rf in scanned)
+    log.log(
+        logging.WARNING if remote else logging.INFO,
+        "indexed %d of %d files by reading them (no %s index file beside them, e.g. %s)%s; "
+        "estimax-convert writes index files with its shards, estimax.data.write_index(path) "
+        "for others",
+        len(scanned),
+        len(record_files),
+        tfrecord.INDEX_SUFFIX,
+        tfrecord.default_index_path(scanned[0].path),
+        ": every host reads each such file whole before its first batch" if remote else "",
+    )
+
+
 class TFRecordSource:
     """The records of several TFRecord files, addressed by one index ``0..len-1`` in file order.
 
-    Record offsets come from each file's index (``<file>.idx``, see ``tfrecord.write_index``) or,
-    without one, from a scan of the file's headers at construction (cheap for local files; for
-    ``gs://`` write index files first, or each file is read once to find its records).
+    Record offsets come from each file's index (``<file>.idx``: the converters write them, see
+    ``tfrecord.write_index``) or, without one, from a scan of the file's headers at construction
+    (cheap for local files; on ``gs://`` each file is read whole), which is logged once, naming
+    how many files had no index.
 
     Args:
       files: TFRecord paths, in the order they are addressed.
@@ -113,6 +133,7 @@ class TFRecordSource:
                 self.num_skipped_at_open += 1
                 log.warning("skipping the damaged rest of %s (skip_bad_records): %s", path, e)
             self._record_files.append(rf)
+        _say_what_was_scanned(self._record_files)
         counts = np.asarray([len(rf) for rf in self._record_files], dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum(counts)])
         # On object stores a worker reads the records of the chunks it was given ahead of

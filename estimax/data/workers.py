@@ -128,14 +128,14 @@ class InlineWorkers:
 
 class ThreadWorkers:
     """A pool of threads; on object stores a chunk's records are read ahead from when it is
-    submitted (``estimax.data.read_ahead``)."""
+    submitted, a window of chunks shared by the threads (``estimax.data.read_ahead``)."""
 
     shared_memory = False
 
     def __init__(self, num: int, worker: ChunkWorker):
         self._worker = worker
         self._pool = concurrent.futures.ThreadPoolExecutor(num)
-        self._ahead = read_ahead_for(worker.source)
+        self._ahead = read_ahead_for(worker.source, num)
 
     def submit(self, task: ChunkTask) -> Pending:
         read = self._ahead.start(task.record_ids) if self._ahead is not None else None
@@ -270,7 +270,7 @@ def _worker_main(conn: Any, payload: bytes, environ: dict[str, str], owner_pid: 
     tasks: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(
         target=_receive,
-        args=(conn, tasks, read_ahead_for(worker.source)),
+        args=(conn, tasks, read_ahead_for(worker.source, 1)),
         name="estimax-worker-receive",
         daemon=True,
     ).start()

@@ -4,9 +4,9 @@ One estimax process runs per host (a TPU VM worker, a GPU node); each feeds its 
 its own shard of the input (``InputContext``). JAX's runtime connects them: process 0 runs the
 coordination service, every process connects to it, and ``jax.devices()`` then lists all hosts'
 devices, so the one ``jit`` over the global mesh spans every host. Nothing here re-implements
-cluster detection: ``coordinator_address="auto"`` (or nothing given, with
-``$JAX_COORDINATOR_ADDRESS`` set) leaves it to ``jax.distributed.initialize`` (Cloud TPU VMs,
-SLURM, Open MPI, Kubernetes).
+cluster detection: ``launch.detect`` reads the cluster specs JAX does not (``$TF_CONFIG``,
+Vertex AI's ``$CLUSTER_SPEC``) and asks JAX's own detection for the rest (Cloud TPU VMs, SLURM,
+Open MPI, Kubernetes); ``launch.rendezvous`` checks the processes agree before JAX joins them.
 
 ``allgather_json`` is how hosts compare notes (the pre-flight check) and pool what only each host
 knows (its input position) -- a ``process_allgather`` of the JSON's bytes.
@@ -15,63 +15,84 @@ knows (its input position) -- a ``process_allgather`` of the JSON's bytes.
 from __future__ import annotations
 
 import json
-import os
+import math
 from typing import Any
 
 import jax
 import numpy as np
 from absl import logging
 
-AUTO = "auto"
+from estimax.estimator import launch
+
+AUTO = launch.AUTO
 
 
 def initialize(
     coordinator_address: str | None = None,
     num_processes: int | None = None,
     process_id: int | None = None,
+    *,
+    timeout: float = 300.0,
 ) -> bool:
     """Joins a multi-process JAX job when one is asked for; must run before JAX's first use.
 
+    Finds the job (``estimax.estimator.launch.detect``: the flags, ``$CLUSTER_SPEC``,
+    ``$TF_CONFIG``, ``$JAX_COORDINATOR_ADDRESS``, and with ``"auto"`` JAX's own detection), checks
+    with every other process that they see the same job (``launch.rendezvous``, within
+    ``timeout``), then calls ``jax.distributed.initialize`` with what was found.
+
     Args:
       coordinator_address: ``host:port`` of process 0's coordination service (the same on every
-        process), or ``"auto"``: JAX's cluster detection finds it and the two numbers below.
-        None: ``$JAX_COORDINATOR_ADDRESS`` if set, else a single-process job.
-      num_processes: how many processes the job has (None: JAX detects it).
-      process_id: this process's index, ``0 .. num_processes - 1`` (None: JAX detects it).
+        process), or ``"auto"``. None: the cluster specs and ``$JAX_COORDINATOR_ADDRESS`` if set,
+        else a single-process job.
+      num_processes: how many processes the job has (None: detected).
+      process_id: this process's index, ``0 .. num_processes - 1`` (None: detected).
+      timeout: seconds to wait for every process to reach the coordinator.
 
     Returns:
-      True when this process is now part of a multi-process job, False for a single process.
+      True when this process is now part of a multi-process job, False for a single process or
+      the job's evaluator task (``launch.evaluator_task()`` says which).
 
     Raises:
-      ValueError: numbers given without an address, or ones JAX refuses (the message says which).
+      ValueError: (``launch.LaunchError``) a malformed spec, numbers given without an address,
+        processes that disagree or do not all come within ``timeout``: one line saying which.
     """
     if jax.distributed.is_initialized():
         return True
-    if coordinator_address is None and not os.environ.get("JAX_COORDINATOR_ADDRESS"):
-        if num_processes is not None and num_processes > 1 or process_id is not None:
-            raise ValueError(
-                f"num_processes={num_processes}, process_id={process_id} given without a "
-                "coordinator address: give --coordinator_address=HOST:PORT (process 0's host, the "
-                "same on every process), or 'auto' on a TPU VM / SLURM / MPI / Kubernetes job."
-            )
+    found = launch.detect(coordinator_address, num_processes, process_id, timeout=timeout)
+    logging.info("Launch: %s.", found.describe())
+    if not found.joins:
         return False
-    if coordinator_address == AUTO:
-        coordinator_address = None
-    if num_processes == 1 and coordinator_address is None:
-        return False
+    views = launch.rendezvous(found, timeout)
+    logging.info(
+        "Launch check: the %d processes agree (hosts %s).",
+        len(views),
+        ", ".join(sorted({str(v.get("host")) for v in views})),
+    )
     jax.distributed.initialize(
-        coordinator_address=coordinator_address,
-        num_processes=num_processes,
-        process_id=process_id,
+        coordinator_address=found.coordinator,
+        num_processes=found.num_processes,
+        process_id=found.process_id,
+        initialization_timeout=max(60, math.ceil(timeout)),
     )
     logging.info(
-        "Joined a JAX job of %d processes as process %d; %d of its %d devices are local.",
+        "Joined a JAX job of %d processes as process %d; %d of its %d devices are local (%s).",
         jax.process_count(),
         jax.process_index(),
         jax.local_device_count(),
         jax.device_count(),
+        describe_devices(jax.local_devices()),
     )
     return jax.process_count() > 1
+
+
+def describe_devices(devices: list[Any]) -> str:
+    """``2 x cpu (cpu)``: the devices by platform and kind."""
+    counts: dict[str, int] = {}
+    for d in devices:
+        key = f"{d.platform} ({d.device_kind})"
+        counts[key] = counts.get(key, 0) + 1
+    return ", ".join(f"{n} x {key}" for key, n in counts.items())
 
 
 def allgather_json(value: Any) -> list[Any]:

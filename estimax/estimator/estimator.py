@@ -47,6 +47,7 @@ takes part in each step, save and evaluation batch, and each host's input positi
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import inspect
@@ -64,6 +65,7 @@ from jax.sharding import PartitionSpec as P
 
 from estimax.estimator import best as best_lib
 from estimax.estimator import checkpoints as ckpt_lib
+from estimax.estimator import compile as compile_lib
 from estimax.estimator import distributed, feeding, logs, preflight, replication
 from estimax.estimator import export as export_lib
 from estimax.estimator import hooks as hooks_lib
@@ -992,6 +994,43 @@ class Estimator:
 
         return export_lib.export_saved_model(
             export_dir_base, serve, variables, input_specs, step, platforms
+        )
+
+    def compile_for(
+        self, topology: str, features: Any, labels: Any = None, **options: Any
+    ) -> list[compile_lib.StepReport]:
+        """Compiles the train and eval steps for a Cloud TPU slice, on any host (needs libtpu).
+
+        The steps ``train``/``evaluate`` would run (this ``model_fn``, its EMA and precision,
+        the donated state, each batch size's per-replica shapes) on a mesh over the slice's
+        devices; ``estimax.estimator.compile`` has the rest.
+
+        Args:
+          topology: e.g. ``v5e:2x4`` (``compile.KNOWN_TOPOLOGIES``).
+          features, labels: ``TensorSpec`` pytrees of a batch (batch dimension None).
+          **options: ``num_shards`` (default ``config.num_shards``), ``search`` (look for the
+            largest batch that fits when a step does not).
+
+        Returns:
+          a ``StepReport`` per step whose global batch size was given to the constructor.
+        """
+
+        def build(mesh: Any, mode: str, batch: int) -> compile_lib.Steps:
+            return copy.copy(self)._steps_on(mesh, mode, batch)  # noqa: SLF001 (a copy of self)
+
+        options.setdefault("num_shards", self.config.num_shards)
+        sizes = {m: self._batch_sizes[m] for m in (ModeKeys.TRAIN, ModeKeys.EVAL)}
+        batches = {m: size for m, size in sizes.items() if size is not None}
+        return compile_lib.compile_for(build, topology, (features, labels), batches, **options)
+
+    def _steps_on(self, mesh: Any, mode: str, batch: int) -> compile_lib.Steps:
+        """(Called on a copy.) The steps on ``mesh`` with ``mode``'s global batch ``batch``."""
+        self.mesh, self.num_replicas, self._compiled = mesh, mesh.size, {}
+        self._batch_sizes = {**self._batch_sizes, mode: batch}
+        init_eval = self._init_variables_fn(ModeKeys.EVAL)
+        _, eval_fn = self._eval_batch_fn()
+        return compile_lib.Steps(
+            self._init_fn, self._train_step_fn(), init_eval, eval_fn, self._base_rng
         )
 
     # ------------------------------------------------------------------ summaries

@@ -15,9 +15,12 @@
 * ``check_model_dir``: the run's model-shaping flags are kept in ``model_dir/flags.json``; a later
   run that differs is stopped with the flag's name before any checkpoint is read.
 * Many hosts (``define_cluster_flags``): ``--coordinator_address --num_processes --process_id``
-  (or ``ESTIMAX_*``/``$JAX_COORDINATOR_ADDRESS``, or ``auto``) join JAX's multi-process runtime
-  before anything touches the devices; then the processes compare their flags, data files and
-  code (the pre-flight check) and any difference is one ``FATAL`` line on every process.
+  (or ``ESTIMAX_*``/``$JAX_COORDINATOR_ADDRESS``, a Vertex AI ``$CLUSTER_SPEC`` or a
+  ``$TF_CONFIG``, or ``auto``) join JAX's multi-process runtime before anything touches the
+  devices (``estimax.estimator.launch``: what was found is logged, and the processes check
+  within ``--launch_timeout`` that they see the same job); then they compare their flags, data
+  files and code (the pre-flight check) and any difference is one ``FATAL`` line on every
+  process.
 * A preemption notice (SIGTERM) ends training after a checkpoint at the current step: the
   program prints ``Preempted (SIGTERM): saved a checkpoint at step N ...`` and exits 0.
 """
@@ -57,8 +60,18 @@ def define_cluster_flags(fv: flags.FlagValues) -> None:
         "coordinator_address",
         None,
         "Many hosts: HOST:PORT of process 0's coordination service, the same on every process "
-        "(JAX's jax.distributed); 'auto' lets JAX detect the cluster (Cloud TPU VM pods, SLURM, "
-        "Open MPI, Kubernetes). Default: $JAX_COORDINATOR_ADDRESS if set, else one process.",
+        "(JAX's jax.distributed); 'auto' also lets JAX detect the cluster (Cloud TPU VM pods, "
+        "SLURM, Open MPI 4, Kubernetes). Default: $CLUSTER_SPEC (Vertex AI) or $TF_CONFIG (Cloud "
+        "ML Engine) if set, else $JAX_COORDINATOR_ADDRESS if set, else one process.",
+        flag_values=fv,
+    )
+    flags.DEFINE_float(
+        "launch_timeout",
+        300.0,
+        "Many hosts: seconds for every process to reach the coordinator and agree on the job "
+        "(kind, coordinator, process count, ids) before JAX joins them; a process that "
+        "disagrees or never comes ends every process with one line.",
+        lower_bound=1.0,
         flag_values=fv,
     )
     flags.DEFINE_integer(
@@ -207,12 +220,16 @@ def join_processes(fv: flags.FlagValues, program_flags: list[str]) -> None:
       UsageError: bad cluster flags (the message says which).
       PreflightError: the processes differ.
     """
-    from estimax.estimator import distributed, preflight
+    from estimax.estimator import distributed, launch, preflight
 
     if "coordinator_address" not in fv:
         return
     try:
-        many = distributed.initialize(fv.coordinator_address, fv.num_processes, fv.process_id)
+        many = distributed.initialize(
+            fv.coordinator_address, fv.num_processes, fv.process_id, timeout=fv.launch_timeout
+        )
+    except launch.LaunchError as e:
+        raise UsageError(f"could not join the multi-process job: {e}") from None
     except ValueError as e:
         raise UsageError(
             f"could not join the multi-process job: {e} Give --coordinator_address=HOST:PORT "

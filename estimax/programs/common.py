@@ -35,15 +35,18 @@ import contextlib
 import dataclasses
 import functools
 import posixpath
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
 import fsspec
 import jax
+import numpy as np
 from absl import flags, logging
 
 import estimax as ex
+from estimax.estimator import compile as compile_lib
 from estimax.programs import cli, flagspec, lock
 from estimax.programs.cli import UsageError
 from estimax.programs.family import Family
@@ -76,6 +79,16 @@ TPU_FLAGS = (
     flagspec.Str("gcp_project", None, f"{UNUSED_HELP} (it located the Cloud TPU)."),
     flagspec.Str("tpu_zone", None, f"{UNUSED_HELP} (it located the Cloud TPU)."),
 )
+# Compile the steps for a TPU slice instead of running them (estimax.estimator.compile).
+COMPILE_FOR_FLAG = flagspec.Str(
+    "compile_for",
+    None,
+    "Compile this run's train and eval steps for a Cloud TPU slice instead of running them "
+    "(no TPU, network or data needed; needs libtpu: pip install -e '.[tpu]') and print per "
+    "step whether it fits, its memory, work and roofline speed per device; if a step does not "
+    "fit, exit 2 naming the largest global batch that does. Topologies: "
+    f"{compile_lib.known_topologies()}.",
+)
 # The older programs' way to name the TPU.
 MASTER_FLAG = flagspec.Str(
     "master", None, f"{UNUSED_HELP}: the TPU's gRPC address (e.g. $TPU_GRPC_URL)."
@@ -89,7 +102,7 @@ def define_tpu_flags(fv: flags.FlagValues, *, master: bool = True) -> None:
       fv: the flag registry (``flags.FLAGS`` for a program, a fresh one in tests).
       master: also define ``--master`` (the older programs' way to name the TPU).
     """
-    flagspec.define(fv, TPU_FLAGS, (MASTER_FLAG,) if master else ())
+    flagspec.define(fv, (*TPU_FLAGS, COMPILE_FOR_FLAG), (MASTER_FLAG,) if master else ())
     cli.define_cluster_flags(fv)
 
 
@@ -108,23 +121,27 @@ def log_unused_tpu_flags(fv: flags.FlagValues) -> None:
         )
 
 
-def resolve_num_shards(requested: int | None, flag_name: str) -> int | None:
+def resolve_num_shards(
+    requested: int | None, flag_name: str, *, compile_only: bool = False
+) -> int | None:
     """Maps ``--num_cores``/``--num_shards`` to ``RunConfig.num_shards``.
 
     Args:
       requested: the flag's value (the original's default 8 is the cores of one Cloud TPU).
       flag_name: for the message.
+      compile_only: ``--compile_for``: the slice's devices, not this host's, are what
+        ``requested`` is checked against (when the steps are compiled).
 
     Returns:
-      ``requested`` if this job has that many devices; else None (every device), after a warning
-      that names the flag, the value and the devices found.
+      ``requested`` if this job has that many devices (or with ``compile_only``); else None
+      (every device), after a warning that names the flag, the value and the devices found.
     """
     available = jax.device_count()
     if requested is None:
         return None
     if requested < 1:
         raise UsageError(f"--{flag_name}={requested}: must be >= 1.")
-    if requested > available:
+    if requested > available and not compile_only:
         logging.warning(
             "--%s=%d but this job has %d %s device(s); using all %d. (The original's default "
             "8 was the cores of one Cloud TPU; set --%s to at most %d to silence this.)",
@@ -258,8 +275,9 @@ def define_run_flags(
 
 
 def check_locations(fv: flags.FlagValues) -> None:
-    """Checks ``--model_dir`` (required) and ``--export_dir`` before any work (see cli)."""
-    cli.check_location("model_dir", fv.model_dir, required=True)
+    """Checks ``--model_dir`` (required unless ``--compile_for``) and ``--export_dir`` before any
+    work (see cli)."""
+    cli.check_location("model_dir", fv.model_dir, required=not fv.compile_for)
     cli.check_location("export_dir", fv.export_dir)
 
 
@@ -287,7 +305,12 @@ def resolve_data_dir(data_dir: str | None, *, use_fake: bool = False) -> tuple[s
 
 
 def check_data(
-    data_dir: str | None, mode: str, *, use_fake: bool = False, fake_hint: str = "--data_dir=fake"
+    data_dir: str | None,
+    mode: str,
+    *,
+    use_fake: bool = False,
+    fake_hint: str = "--data_dir=fake",
+    compile_only: bool = False,
 ) -> tuple[str | None, str, list[str]]:
     """``resolve_data_dir`` plus what a user must hear at start: fake data, a missing split.
 
@@ -296,6 +319,7 @@ def check_data(
       mode: ``--mode`` (which splits the run reads).
       use_fake: fake data asked for by another flag (``--use_data=fake``).
       fake_hint: how this program asks for fake data, for the messages.
+      compile_only: ``--compile_for``: no data is read, so none is checked (it may be remote).
 
     Returns:
       ``(data_dir, fake_kind, notes)``: the first two for the input; ``notes`` the warnings to
@@ -304,8 +328,8 @@ def check_data(
     Raises:
       UsageError: no data asked for, or a split the mode reads has no files.
     """
-    from estimax.data import imagenet, tfrecord
-
+    if compile_only:
+        return None, "random", []
     if data_dir is None and not use_fake:
         raise UsageError(
             f"--data_dir is not set: give the directory of the ImageNet TFRecords "
@@ -329,6 +353,14 @@ def check_data(
         )
         logging.warning("*** %s ***", note)
         return None, kind, [note]
+    _check_splits(resolved, data_dir, mode, fake_hint)
+    return resolved, kind, []
+
+
+def _check_splits(resolved: str, data_dir: str | None, mode: str, fake_hint: str) -> None:
+    """Raises UsageError naming the first split ``mode`` reads that has no files."""
+    from estimax.data import imagenet, tfrecord
+
     splits = {"train": [True], "eval": [False], "train_and_eval": [True, False]}[mode]
     for is_training in splits:
         pattern = imagenet.file_pattern(resolved, is_training)
@@ -340,7 +372,6 @@ def check_data(
                 f"--mode={mode} reads: point --data_dir at the ImageNet TFRecords "
                 f"(estimax-convert writes them), or ask for fake data with {fake_hint}."
             ) from None
-    return resolved, kind, []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -471,6 +502,8 @@ class Job:
     export_tolerance: tuple[float, float] = (1e-3, 1e-4)
     # --warm_start_from: used only while model_dir has no checkpoint.
     warm_start_from: str | None = None
+    # --compile_for: compile the steps for this TPU slice instead of running them.
+    compile_for: str | None = None
 
     @classmethod
     def for_family(cls, family: Family, fv: flags.FlagValues, recipe: Any, **rest: Any) -> Job:
@@ -491,6 +524,7 @@ class Job:
             preprocessing=family.preprocessing(fv),
             metrics=family.metrics,
             warm_start_from=fv["warm_start_from"].value if "warm_start_from" in fv else None,
+            compile_for=fv["compile_for"].value if "compile_for" in fv else None,
             **rest,
         )
 
@@ -657,12 +691,36 @@ def write_run_description(model_dir: str, notes: list[str] | tuple[str, ...]) ->
     writer.close()
 
 
+def for_cluster_role(loop: LoopConfig) -> LoopConfig:
+    """The mode for this process's task in a cluster spec (``$TF_CONFIG``, ``$CLUSTER_SPEC``).
+
+    An evaluator task evaluates each checkpoint the training tasks write (``eval``); with an
+    evaluator in the job, the training tasks only train, as TF's ``train_and_evaluate`` did.
+    """
+    from estimax.estimator import launch
+
+    evaluator = launch.evaluator_task()
+    if evaluator is not None:
+        logging.info("%s: this process is the job's evaluator (mode eval).", evaluator)
+        return dataclasses.replace(loop, mode="eval")
+    if loop.mode == "train_and_eval" and launch.has_evaluator():
+        logging.info(
+            "The cluster spec has an evaluator task, which evaluates each checkpoint: this "
+            "process only trains (mode train)."
+        )
+        return dataclasses.replace(loop, mode="train")
+    return loop
+
+
 def run(job: Job) -> dict[str, Any] | None:
     """The tail every program shares: model_dir checks and lock, the mode, export, print, close.
 
     Returns:
       the last evaluation's results, or None when there was no evaluation.
     """
+    if job.compile_for:
+        return {"compile_for": [r.as_dict() for r in compile_job(job)]}
+    job = dataclasses.replace(job, loop=for_cluster_role(job.loop))
     model_dir = job.config.model_dir
     training = job.loop.mode != "eval"
     if training and job.loop.export_dir and jax.process_count() > 1:
@@ -707,3 +765,60 @@ def run(job: Job) -> dict[str, Any] | None:
         )
     print(f"TensorBoard logs: tensorboard --logdir={est.model_dir}", flush=True)
     return results
+
+
+def compile_inputs(job: Job) -> tuple[Any, Any]:
+    """The (features, labels) a program's steps are compiled with: what it serves, int32 labels.
+
+    The one place that says what a program's input batches look like to ``--compile_for``.
+    """
+    return job.serving, ex.TensorSpec((None,), np.int32)
+
+
+class DoesNotFit(UsageError):
+    """``--compile_for``: a step does not fit; the message names the largest batch that does."""
+
+    def __init__(self, message: str, reports: list[Any]):
+        super().__init__(message)
+        self.reports = reports
+
+
+def compile_job(job: Job) -> list[Any]:
+    """``--compile_for``: compiles the job's train and eval steps for a TPU slice, one line each.
+
+    Nothing is read or written: no data, no ``model_dir`` (a temporary one if none is given).
+
+    Returns:
+      the ``estimax.estimator.compile.StepReport`` of each step.
+
+    Raises:
+      UsageError: an unknown topology, no libtpu, a batch that does not divide over the slice.
+      DoesNotFit: a step does not fit (after searching for the largest batch that does).
+    """
+    config, topology = job.config, job.compile_for
+    assert topology is not None  # run() calls this for --compile_for only
+    local = dataclasses.replace(config, num_shards=1)  # the slice's devices replace this one
+    with contextlib.ExitStack() as stack:
+        if config.model_dir is None:
+            local = dataclasses.replace(
+                local, model_dir=stack.enter_context(tempfile.TemporaryDirectory())
+            )
+        est = ex.Estimator(
+            job.model_fn,
+            local,
+            params=job.params,
+            train_batch_size=job.batch_sizes[0],
+            eval_batch_size=job.batch_sizes[1],
+        )
+        try:
+            reports = est.compile_for(
+                topology, *compile_inputs(job), num_shards=config.num_shards, search=True
+            )
+        except compile_lib.CompileForError as e:
+            raise UsageError(f"--compile_for={topology}: {e}") from None
+    for report in reports:
+        print(report.line(), flush=True)
+    failed = [r for r in reports if not r.fits]
+    if failed:
+        raise DoesNotFit(" ".join(compile_lib.describe_failure(r) for r in failed), reports)
+    return reports

@@ -353,7 +353,9 @@ def serving_preprocessing(fv: flags.FlagValues) -> serving.Preprocessing:
 
 def make_inputs(fv: flags.FlagValues) -> tuple[Any, str | None, list[str]]:
     """``(input_fn(is_training=...), data_dir, notes)`` of ``--data_dir``."""
-    data_dir, fake_kind, notes = common.check_data(fv.data_dir, fv.mode)
+    data_dir, fake_kind, notes = common.check_data(
+        fv.data_dir, fv.mode, compile_only=bool(fv.compile_for)
+    )
     inputs = functools.partial(
         imagenet.input_fn,
         data_dir,

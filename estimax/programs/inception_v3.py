@@ -396,7 +396,11 @@ def make_inputs(fv: flags.FlagValues) -> tuple[Any, str | None, list[str]]:
     # The original's default --data_dir is '': "not set" unless given (an unset $DATA_DIR).
     given = fv.data_dir if fv["data_dir"].present or fv.data_dir else None
     data_dir, fake_kind, notes = common.check_data(
-        given, fv.mode, use_fake=fv.use_data == "fake", fake_hint="--use_data=fake"
+        given,
+        fv.mode,
+        use_fake=fv.use_data == "fake",
+        fake_hint="--use_data=fake",
+        compile_only=bool(fv.compile_for),
     )
     inputs = functools.partial(
         imagenet.input_fn,
@@ -424,7 +428,9 @@ def run_config(fv: flags.FlagValues) -> ex.RunConfig:
     return ex.RunConfig(
         model_dir=fv.model_dir,
         iterations_per_loop=fv.iterations,
-        num_shards=common.resolve_num_shards(fv.num_shards, "num_shards"),
+        num_shards=common.resolve_num_shards(
+            fv.num_shards, "num_shards", compile_only=bool(fv.compile_for)
+        ),
         save_checkpoints_secs=fv.save_checkpoints_secs,
         save_summary_steps=fv.save_summary_steps,
         keep_checkpoint_max=fv.keep_checkpoint_max,

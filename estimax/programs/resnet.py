@@ -334,7 +334,9 @@ def make_inputs(fv: flags.FlagValues) -> tuple[Any, str | None, list[str]]:
             "--data_dir is not used"
         )
         return functools.partial(inputs, None, bigtable=bigtable_table(fv)), None, []
-    data_dir, fake_kind, notes = common.check_data(fv.data_dir, fv.mode)
+    data_dir, fake_kind, notes = common.check_data(
+        fv.data_dir, fv.mode, compile_only=bool(fv.compile_for)
+    )
     return functools.partial(inputs, data_dir, fake_data=fake_kind), data_dir, notes
 
 
@@ -346,7 +348,10 @@ def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
     check_flags(fv)
     inputs, data_dir, notes = make_inputs(fv)
     config, loop = common.resnet_style_configs(
-        fv, num_shards=common.resolve_num_shards(fv.num_cores, "num_cores")
+        fv,
+        num_shards=common.resolve_num_shards(
+            fv.num_cores, "num_cores", compile_only=bool(fv.compile_for)
+        ),
     )
     return common.run(
         common.Job.for_family(

@@ -17,7 +17,10 @@
 | TF Serving REST API + Open Inference Protocol v2 over HTTP (FastAPI) | ``rest`` |
 | TF Serving gRPC (Predict, Classify, metadata, status), v2 + Triton's | ``grpc_server`` |
 | messages generated from the published .proto files | ``protos`` |
-| ``estimax serve | predict | export-check``, Vertex AI's ``AIP_*`` contract | ``cli`` |
+| the ``estimax`` subcommands (serve, predict, export-*), Vertex AI's ``AIP_*`` | ``cli`` |
+| a version as a TF SavedModel, preprocessing in TF ops | ``savedmodel``, ``tf_preprocess`` |
+| a version as an ONNX model: StableHLO -> ONNX op by op | ``onnx_export``, ``stablehlo_onnx`` |
+| what both read: the export, names, check inputs, comparison | ``export_formats`` |
 
 Serving needs JAX and the export directory only: nothing here imports the model's code
 (``estimax.models``, ``estimax.programs``); only ``export_version`` imports the estimator.

@@ -56,6 +56,9 @@ def _parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
         prog="estimax", description=__doc__.split("\n")[0], formatter_class=_Defaults
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    # Listed for --help; the `estimax` command (estimax.command) hands `estimax doctor ...` to
+    # estimax.doctor before this parser sees it.
+    sub.add_parser("doctor", help="devices, kernels, storage; --launch: a launch dry-run")
     _serve_parser(sub, os.environ if env is None else env)
 
     predict = sub.add_parser(
@@ -82,15 +85,41 @@ def _parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
         "--model_version", type=int, default=None, help="the version (default: the newest)"
     )
 
-    # estimax.serving.savedmodel: needs the estimax[tf] extra (TensorFlow).
-    saved = sub.add_parser(
-        "export-savedmodel", help="a version -> a TensorFlow SavedModel (estimax[tf])"
-    )
-    saved.add_argument("--model_base_path", required=True)
-    saved.add_argument("--model_version", type=int, default=None)
-    saved.add_argument("--output_dir", required=True, help="the SavedModel to write (new)")
-    saved.add_argument("--atol", default=None, help="see python -m estimax.serving.savedmodel -h")
+    _add_export_commands(sub)
     return parser
+
+
+def _add_export_commands(sub: argparse._SubParsersAction) -> None:
+    """``export-savedmodel`` and ``export-onnx``: a version in another serving format."""
+    # estimax.serving.savedmodel / onnx_export: need the estimax[tf] / estimax[onnx] extras.
+    for name, what, output, module in (
+        (
+            "export-savedmodel",
+            "a TF SavedModel (estimax[tf])",
+            ("--output_dir", "the SavedModel to write"),
+            "savedmodel",
+        ),
+        (
+            # Image preprocessing stays the client's job (onnx_export's docstring).
+            "export-onnx",
+            "an ONNX model (estimax[onnx])",
+            ("--output", "the .onnx file to write"),
+            "onnx_export",
+        ),
+    ):
+        export = sub.add_parser(name, help=f"a version -> {what}", formatter_class=_Defaults)
+        export.add_argument(
+            "--model_base_path", required=True, help="folder (or URL) of numeric versions"
+        )
+        export.add_argument(
+            "--model_version", type=int, default=None, help="the version (default: the newest)"
+        )
+        export.add_argument(
+            output[0], required=True, help=f"{output[1]} (new; parents are created)"
+        )
+        export.add_argument(
+            "--atol", default=None, help=f"see python -m estimax.serving.{module} -h"
+        )
 
 
 def _serve_parser(sub: Any, env: Mapping[str, str]) -> None:
@@ -568,6 +597,15 @@ def export_savedmodel(args: argparse.Namespace) -> int:
     return savedmodel.main(argv + ([f"--atol={args.atol}"] if args.atol else []))
 
 
+def export_onnx(args: argparse.Namespace) -> int:
+    """A version as an ONNX model (``estimax.serving.onnx_export``)."""
+    from estimax.serving import onnx_export
+
+    path, _ = _version_dir(args.model_base_path, args.model_version)
+    argv = [f"--export_dir={path}", f"--output={args.output}"]
+    return onnx_export.main(argv + ([f"--atol={args.atol}"] if args.atol else []))
+
+
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
     """Entry point of the ``estimax`` console script (``env``: the environment to read)."""
     args = _parser(env).parse_args(argv)
@@ -581,6 +619,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
             "predict": predict,
             "export-check": export_check,
             "export-savedmodel": export_savedmodel,
+            "export-onnx": export_onnx,
         }[args.command](args)
     except ExportCheckError as e:
         print(f"estimax {args.command}: FAILED: {e}", file=sys.stderr)

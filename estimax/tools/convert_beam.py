@@ -1,5 +1,9 @@
 """The conversion as an Apache Beam pipeline: DirectRunner here, Dataflow, Flink or Spark at scale.
 
+``--runner=DirectRunner`` runs on Beam's ``FnApiRunner``, named explicitly (see ``_runner``: no
+Prism, no download, works offline), with ``--num_workers`` SDK worker processes; the log names
+the runner that ran.
+
 Same plan, shard writer and manifest as the local tool (``convert_shards``), so the output is the
 same bytes: the driver lists the inputs, assigns them to shards and drops shards already complete
 (resume); the pipeline is::
@@ -23,6 +27,7 @@ Requires the optional extra ``estimax[beam]`` (``apache-beam``).
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -38,6 +43,8 @@ from estimax.tools.convert_sources import Dataset
 __all__ = ["RUNNERS", "convert_beam"]
 
 RUNNERS = ("DirectRunner", "DataflowRunner", "FlinkRunner", "SparkRunner")
+
+log = logging.getLogger(__name__)
 
 
 def _write_final_manifest(
@@ -67,21 +74,16 @@ def convert_beam(
     """Converts ``dataset`` with Beam; same arguments and output as ``convert_local``.
 
     Args:
-      runner: one of :data:`RUNNERS`.
+      runner: one of :data:`RUNNERS` (``DirectRunner``: Beam's FnApiRunner, see ``_runner``).
       pipeline_args: extra Beam pipeline options (``--project=...`` etc.).
-      num_workers: DirectRunner worker processes (default: the usable cores).
+      num_workers: local worker processes (default: the usable cores).
 
     Raises:
       ImportError: apache-beam is not installed (the message says how to install it).
     """
-    try:
-        import apache_beam as beam
-        from apache_beam.options.pipeline_options import PipelineOptions
-    except ImportError as e:
-        raise ImportError(
-            "the Beam pipeline needs apache-beam: pip install 'estimax[beam]' "
-            f"(or apache-beam==2.77.0); {e}"
-        ) from None
+    beam = _beam()
+    from apache_beam.options.pipeline_options import PipelineOptions
+
     if runner not in RUNNERS:
         raise ValueError(f"--runner must be one of local, {', '.join(RUNNERS)}; got {runner!r}")
     tasks = plan_shards(dataset, num_shards, output_dir, check, skip_bad)
@@ -89,15 +91,15 @@ def convert_beam(
     manifest = prepare_manifest(tasks, dataset, output_dir, source or {}, options, overwrite)
     manifest.save(output_dir)
     todo = [t for t in tasks if t.name not in manifest.shards]
-    extra: dict[str, Any] = {"runner": runner}
-    if runner == "DirectRunner":
-        # multi_processing: one SDK worker process per core (the in-memory mode is one process).
-        extra.update(
-            direct_num_workers=num_workers or len(os.sched_getaffinity(0)),
-            direct_running_mode="multi_processing",
-        )
-    opts = PipelineOptions(pipeline_args or [], **extra)
-    with beam.Pipeline(options=opts) as p:
+    workers = num_workers or len(os.sched_getaffinity(0))
+    pipeline_runner, described = _runner(runner, workers)
+    # multi_processing: one SDK worker process per core (the in-memory mode is one process).
+    local = {"direct_num_workers": workers, "direct_running_mode": "multi_processing"}
+    extra: dict[str, Any] = local if runner == "DirectRunner" else {"runner": runner}
+    log.info("Beam: writing %d shards on %s", len(todo), described)
+    with beam.Pipeline(
+        runner=pipeline_runner, options=PipelineOptions(pipeline_args or [], **extra)
+    ) as p:
         _ = (
             p
             | "Shards" >> beam.Create(todo)
@@ -111,4 +113,35 @@ def convert_beam(
         )
     final = load_manifest(output_dir)
     assert final is not None
+    log.info("Beam: %s wrote %d shards", described.split(" (")[0], len(todo))
     return final
+
+
+def _beam() -> Any:
+    """``apache_beam``, or an ImportError saying how to install it."""
+    try:
+        import apache_beam
+    except ImportError as e:
+        raise ImportError(
+            "the Beam pipeline needs apache-beam: pip install 'estimax[beam]' "
+            f"(or apache-beam==2.77.0); {e}"
+        ) from None
+    return apache_beam
+
+
+def _runner(name: str, num_workers: int) -> tuple[Any, str]:
+    """The runner to give the pipeline, and a line naming it for the log.
+
+    ``DirectRunner`` is run on Beam's ``FnApiRunner``, named explicitly: in Beam 2.77 the
+    DirectRunner is a switching runner that first tries Prism, which downloads its binary from
+    GitHub (no timeout: an offline machine waits) and ignores ``direct_num_workers`` when it
+    runs. Beam's own advice for local runs is to pin the FnApiRunner (apache/beam PR #34612).
+    """
+    if name != "DirectRunner":
+        return name, name
+    from apache_beam.runners.portability.fn_api_runner import FnApiRunner
+
+    return FnApiRunner(), (
+        f"FnApiRunner (Beam's local runner, {num_workers} worker processes; --runner="
+        "DirectRunner never tries Prism, which would download its binary from GitHub)"
+    )

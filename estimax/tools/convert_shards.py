@@ -2,8 +2,10 @@
 
 A conversion is a list of shards (:class:`ShardTask`), each the unit of work: a worker reads its
 images, writes ``<split>-SSSSS-of-NNNNN`` through :class:`~estimax.data.tfrecord.TFRecordWriter`
-(temporary name, renamed when complete: a shard is never half-written under its final name) and
-returns its count and SHA-256. The parent records finished shards in ``manifest.json``::
+(temporary name, renamed when complete: a shard is never half-written under its final name) with
+its index file ``<shard>.idx`` (in place before the shard is: training hosts read a shard's
+records through it, never the whole shard to find them) and returns its count and SHA-256. The
+parent records finished shards in ``manifest.json``::
 
     {"format": "estimax-convert/1",
      "fingerprint": "<sha256 of the plan: every shard's inputs, labels and the options>",
@@ -60,6 +62,7 @@ __all__ = [
     "ShardTask",
     "convert_local",
     "plan_shards",
+    "index_problems",
     "prepare_manifest",
     "sha256_file",
     "verify",
@@ -176,18 +179,18 @@ def write_shard(task: ShardTask) -> dict[str, Any]:
 
 
 def _remove_shard_temporaries(task: ShardTask) -> None:
-    """Deletes the ``.<shard>.tmp-*`` file(s) of one shard whose write failed (local only)."""
+    """Deletes the ``.<shard>[.idx].tmp-*`` files of one shard whose write failed (local only)."""
     if "://" in task.output_dir or not os.path.isdir(task.output_dir):
         return
     for name in os.listdir(task.output_dir):
-        if name.startswith(f".{task.name}.tmp-"):
+        if name.startswith((f".{task.name}.tmp-", f".{task.name}{tfrecord.INDEX_SUFFIX}.tmp-")):
             with contextlib.suppress(OSError):
                 os.remove(os.path.join(task.output_dir, name))
 
 
 def _write_shard(task: ShardTask) -> dict[str, Any]:
     skipped, fixed = [], []
-    with tfrecord.TFRecordWriter(task.path) as writer:
+    with tfrecord.TFRecordWriter(task.path, index=True) as writer:
         for item in task.items:
             try:
                 image = convert_image(read_image_bytes(item.path), task.check)
@@ -302,11 +305,12 @@ def _existing_shards(output_dir: str, splits: Iterable[str]) -> list[str]:
 
 
 def _remove_stale_temporaries(output_dir: str) -> None:
-    """Deletes ``.<shard>.tmp-*`` files a killed run's writers left (local dirs only)."""
+    """Deletes ``.<shard>[.idx].tmp-*`` files a killed run's writers left (local dirs only)."""
     if "://" in output_dir or not os.path.isdir(output_dir):
         return
     for name in os.listdir(output_dir):
-        if name.startswith(".") and ".tmp-" in name and _SHARD_RE.match(name[1:].split(".tmp-")[0]):
+        base = name[1:].split(".tmp-")[0].removesuffix(tfrecord.INDEX_SUFFIX)
+        if name.startswith(".") and ".tmp-" in name and _SHARD_RE.match(base):
             os.remove(os.path.join(output_dir, name))
 
 
@@ -351,12 +355,17 @@ def prepare_manifest(
         fs, fs_dir = storage.filesystem(output_dir)
         for name in existing:
             fs.rm(posixpath.join(fs_dir, name))
+            with contextlib.suppress(FileNotFoundError):
+                fs.rm(posixpath.join(fs_dir, name + tfrecord.INDEX_SUFFIX))
         return fresh
     for name, entry in old.shards.items():
         path = posixpath.join(output_dir, name)
         fs, fs_path = storage.filesystem(path)
         if fs.exists(fs_path) and sha256_file(path) == entry["sha256"]:
             fresh.shards[name] = entry
+            if index_problems(path):  # a shard of an older estimax, or its index lost
+                log.info("%s: writing its index file", path)
+                tfrecord.write_index(path)
         else:
             log.warning("%s: missing or changed since the manifest recorded it; rewriting", path)
     return fresh
@@ -400,6 +409,50 @@ def _progress(total: int, initial: int, enabled: bool) -> Any:
         desc="converting",
         smoothing=0.1,
     )
+
+
+def _write_shards(
+    todo: list[ShardTask],
+    manifest: Manifest,
+    output_dir: str,
+    num_workers: int,
+    progress: tuple[int, int, bool],
+    on_shard: Callable[[dict[str, Any]], None] | None,
+    save_secs: float,
+) -> None:
+    """Writes ``todo`` (in a process pool when there are several), recording each finished shard
+    in ``manifest``, saved at most every ``save_secs`` and at the end (an error's too)."""
+    last_save = time.monotonic()
+    pool, futures = None, {}
+    if num_workers > 1 and len(todo) > 1:
+        # Started (and, with fork, forked) before the progress bar starts tqdm's monitor thread.
+        pool = _pool(min(num_workers, len(todo)))
+        futures = {pool.submit(write_shard, t): t for t in todo}
+    try:
+        with _progress(*progress) as bar:
+
+            def finished(result: dict[str, Any], task: ShardTask) -> None:
+                nonlocal last_save
+                manifest.add_shard(result)
+                bar.update(len(task.items))
+                if on_shard:
+                    on_shard(result)
+                if time.monotonic() - last_save >= save_secs:
+                    manifest.save(output_dir)
+                    last_save = time.monotonic()
+
+            if pool is None:
+                for task in todo:
+                    finished(write_shard(task), task)
+            else:
+                for fut in cf.as_completed(futures):
+                    finished(fut.result(), futures[fut])
+    finally:
+        if pool is not None:
+            for f in futures:
+                f.cancel()
+            pool.shutdown(wait=True)
+        manifest.save(output_dir)
 
 
 def convert_local(
@@ -447,46 +500,18 @@ def convert_local(
     total = sum(len(t.items) for t in tasks)
     done_items = total - sum(len(t.items) for t in todo)
     if len(todo) < len(tasks):
-        log.info(
-            "resuming: %d of %d shards already complete in %s",
-            len(tasks) - len(todo),
-            len(tasks),
-            output_dir,
-        )
+        done = len(tasks) - len(todo)
+        log.info("resuming: %d of %d shards already complete in %s", done, len(tasks), output_dir)
     manifest.save(output_dir)
-    num_workers = num_workers or len(os.sched_getaffinity(0))
-    last_save = time.monotonic()
-    parallel = num_workers > 1 and len(todo) > 1
-    pool, futures = None, {}
-    if parallel:
-        # Started (and, with fork, forked) before the progress bar starts tqdm's monitor thread.
-        pool = _pool(min(num_workers, len(todo)))
-        futures = {pool.submit(write_shard, t): t for t in todo}
-    try:
-        with _progress(total, done_items, progress) as bar:
-
-            def finished(result: dict[str, Any], task: ShardTask) -> None:
-                nonlocal last_save
-                manifest.add_shard(result)
-                bar.update(len(task.items))
-                if on_shard:
-                    on_shard(result)
-                if time.monotonic() - last_save >= manifest_save_secs:
-                    manifest.save(output_dir)
-                    last_save = time.monotonic()
-
-            if pool is None:
-                for task in todo:
-                    finished(write_shard(task), task)
-            else:
-                for fut in cf.as_completed(futures):
-                    finished(fut.result(), futures[fut])
-    finally:
-        if pool is not None:
-            for f in futures:
-                f.cancel()
-            pool.shutdown(wait=True)
-        manifest.save(output_dir)
+    _write_shards(
+        todo,
+        manifest,
+        output_dir,
+        num_workers or len(os.sched_getaffinity(0)),
+        (total, done_items, progress),
+        on_shard,
+        manifest_save_secs,
+    )
     manifest.complete = len(manifest.shards) == len(tasks)
     manifest.save(output_dir)
     return manifest
@@ -512,13 +537,11 @@ def verify_shard(
 ) -> list[str]:
     """Problems of one shard against its manifest entry (empty list: none).
 
-    Checks: SHA-256 and size; every record's CRC; the record count; every record is a tf.Example
-    with the converter's fields, 3 channels, an RGB JPEG, a label in ``1..len(label_map)`` that
-    ``label_map`` gives its synset. With ``decode``, every image is decoded and its height/width
-    compared with the record's.
+    Checks: SHA-256 and size; every record's CRC; the record count; the index file (``.idx``)
+    lists the shard's records; every record is a tf.Example with the converter's fields, 3
+    channels, an RGB JPEG, a label in ``1..len(label_map)`` that ``label_map`` gives its synset.
+    With ``decode``, every image is decoded and its height/width compared with the record's.
     """
-    from estimax.data.example import decode_example
-
     fs, fs_path = storage.filesystem(path)
     if not fs.exists(fs_path):
         return [f"{path}: missing (the manifest lists it with {entry['num_examples']} examples)"]
@@ -530,48 +553,89 @@ def verify_shard(
             f"{entry['sha256'][:16]}... (the file changed since it was written)"
         )
     count = 0
+    offsets = [0]  # where each record starts, then where the last ends (as an index lists them)
     try:
-        for count, record in enumerate(tfrecord.read_records(path), start=1):
-            where = f"{path}: record {count - 1}"
-            try:
-                ex = decode_example(record)
-            except ValueError as e:
-                problems.append(f"{where}: {e}")
-                continue
-            missing = [k for k in _REQUIRED if k not in ex or len(ex[k]) != 1]
-            if missing:
-                problems.append(f"{where}: missing or repeated fields {missing}")
-                continue
-            label, synset = int(ex["image/class/label"][0]), ex["image/class/synset"][0].decode()
-            if label_map.get(synset) != label:
-                problems.append(
-                    f"{where}: label {label} for synset {synset!r}, but the label "
-                    f"map gives {label_map.get(synset)}"
-                )
-            if (
-                int(ex["image/channels"][0]) != 3
-                or ex["image/colorspace"][0] != b"RGB"
-                or ex["image/format"][0] != b"JPEG"
-            ):
-                problems.append(f"{where}: not a 3-channel RGB JPEG record")
-            if decode:
-                from estimax.data import jpeg
-
-                try:
-                    h, w = jpeg.decode(ex["image/encoded"][0]).shape[:2]
-                except ValueError as e:
-                    problems.append(f"{where}: image does not decode: {e}")
-                    continue
-                if (h, w) != (int(ex["image/height"][0]), int(ex["image/width"][0])):
-                    problems.append(
-                        f"{where}: image is {h}x{w} but the record says "
-                        f"{int(ex['image/height'][0])}x{int(ex['image/width'][0])}"
-                    )
+        for count, (offset, record) in enumerate(tfrecord.read_records_with_offsets(path), 1):
+            offsets[-1:] = [offset, offset + _FRAME_OVERHEAD + len(record)]
+            problems += _record_problems(f"{path}: record {count - 1}", record, label_map, decode)
     except tfrecord.CorruptRecordError as e:
         problems.append(str(e))
+        offsets = []
     if count != entry["num_examples"]:
         problems.append(f"{path}: {count} records, the manifest says {entry['num_examples']}")
+    return problems + (index_problems(path, offsets) if offsets else [])
+
+
+def _record_problems(
+    where: str, record: bytes, label_map: dict[str, int], decode: bool
+) -> list[str]:
+    """What is wrong with one converted record (``verify_shard``'s checks), ``where`` first."""
+    from estimax.data.example import decode_example
+
+    try:
+        ex = decode_example(record)
+    except ValueError as e:
+        return [f"{where}: {e}"]
+    missing = [k for k in _REQUIRED if k not in ex or len(ex[k]) != 1]
+    if missing:
+        return [f"{where}: missing or repeated fields {missing}"]
+    problems = []
+    label, synset = int(ex["image/class/label"][0]), ex["image/class/synset"][0].decode()
+    if label_map.get(synset) != label:
+        problems.append(
+            f"{where}: label {label} for synset {synset!r}, but the label "
+            f"map gives {label_map.get(synset)}"
+        )
+    if (
+        int(ex["image/channels"][0]) != 3
+        or ex["image/colorspace"][0] != b"RGB"
+        or ex["image/format"][0] != b"JPEG"
+    ):
+        problems.append(f"{where}: not a 3-channel RGB JPEG record")
+    if decode:
+        from estimax.data import jpeg
+
+        try:
+            h, w = jpeg.decode(ex["image/encoded"][0]).shape[:2]
+        except ValueError as e:
+            return [*problems, f"{where}: image does not decode: {e}"]
+        if (h, w) != (int(ex["image/height"][0]), int(ex["image/width"][0])):
+            problems.append(
+                f"{where}: image is {h}x{w} but the record says "
+                f"{int(ex['image/height'][0])}x{int(ex['image/width'][0])}"
+            )
     return problems
+
+
+# A record's bytes in the file besides its data: the length, its CRC, the data's CRC.
+_FRAME_OVERHEAD = 16
+
+
+def index_problems(path: str, offsets: list[int] | None = None) -> list[str]:
+    """What is wrong with a shard's index file (``path + '.idx'``): missing, unreadable, or
+    not the shard's record offsets (``offsets``, [N + 1]; default: scanned from the shard)."""
+    index = tfrecord.default_index_path(path)
+    fs, fs_path = storage.filesystem(index)
+    fix = "rerun the same convert command to rewrite it"
+    if not fs.exists(fs_path):
+        return [f"{index}: missing (the shard's index, which training hosts read); {fix}"]
+    try:
+        listed = tfrecord.read_index(index).tolist()
+    except ValueError as e:
+        return [f"{e}; {fix}"]
+    if offsets is None:
+        offsets = tfrecord.record_offsets(path, verify_crc=False).tolist()
+    if listed == offsets:
+        return []
+    if len(listed) != len(offsets):
+        return [
+            f"{index}: lists {len(listed) - 1} records, the shard has {len(offsets) - 1}; {fix}"
+        ]
+    i = next(i for i, (a, b) in enumerate(zip(listed, offsets, strict=True)) if a != b)
+    return [
+        f"{index}: record {i} starts at byte {listed[i]} in the index, at {offsets[i]} in the "
+        f"shard; {fix}"
+    ]
 
 
 def verify(output_dir: str, decode: bool = False, num_workers: int | None = None) -> list[str]:

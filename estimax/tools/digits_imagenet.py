@@ -85,7 +85,7 @@ def write_split(
         os.path.join(output_dir, tfrecord.sharded_name(prefix, s, num_shards))
         for s in range(num_shards)
     ]
-    writers = [tfrecord.TFRecordWriter(p) for p in paths]
+    writers = [tfrecord.TFRecordWriter(p, index=True) for p in paths]
     try:
         for i, (image, label) in enumerate(zip(images, labels, strict=False)):
             encoded = digit_jpeg(image, canvas_size)

@@ -168,7 +168,8 @@ def test_converter_shard_write(tmp_path):
     first = json.loads(out.split("FIRST: ", 1)[1].splitlines()[0])
     second_path = os.path.join(str(out_dir), "train-00001-of-00002")
     assert f"ERROR: [Errno 27] {second_path}: could not write the shard: File too large" in out
-    assert sorted(os.listdir(out_dir)) == ["train-00000-of-00002"]  # no partial, no temporary
+    # No partial shard or index, no temporary: the first shard and its index only.
+    assert sorted(os.listdir(out_dir)) == ["train-00000-of-00002", "train-00000-of-00002.idx"]
     from estimax.data import tfrecord
     from estimax.tools import convert_shards
 

@@ -1,0 +1,525 @@
+"""Launching where users run: cluster specs, JAX's detection, the bounded launch check.
+
+The end-to-end runs start the MNIST program (tests/multihost_worker.py) as a 2-process job told
+its place only the way a job runner tells it -- a synthetic ``TF_CONFIG``, a Vertex
+``CLUSTER_SPEC``, SLURM's variables set by hand, or ``mpirun -np 2`` -- and compare the
+parameters with one process of 2 devices: with 2 replicas the gradient sum is one addition,
+the same in any order, so they must be bitwise equal (as tests/test_global_order.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+
+import multihost_helpers as mh
+import pytest
+
+from estimax.estimator import launch
+from estimax.estimator.launch import Launch, LaunchError
+
+CLEAN = {
+    k: v
+    for k, v in os.environ.items()
+    if not k.startswith(("JAX_", "ESTIMAX_", *mh.CLUSTER_PREFIXES)) and k not in mh.CLUSTER_VARS
+}
+
+
+def _tf_config(cluster: dict, kind: str, index: int = 0) -> str:
+    return json.dumps({"cluster": cluster, "task": {"type": kind, "index": index}})
+
+
+# ----------------------------------------------------------------------------- specs
+
+
+def test_tf_config_chief_is_process_0_and_workers_follow_in_index_order():
+    cluster = {"chief": ["c:2222"], "worker": ["w0:2222", "w1:2222"], "evaluator": ["e:2222"]}
+    assert launch.parse_tf_config(_tf_config(cluster, "chief")) == Launch(
+        "tf_config", "$TF_CONFIG task chief:0", "c:2222", 3, 0
+    )
+    assert launch.parse_tf_config(_tf_config(cluster, "worker", 1)).process_id == 2
+    evaluator = launch.parse_tf_config(_tf_config(cluster, "evaluator"))
+    assert evaluator.evaluator and not evaluator.joins
+    # Without a chief, worker 0 is process 0 (TF's rule); ML Engine's "master" is the chief.
+    no_chief = {"worker": ["w0:1", "w1:1"]}
+    assert launch.parse_tf_config(_tf_config(no_chief, "worker", 1)).process_id == 1
+    assert launch.parse_tf_config(_tf_config(no_chief, "worker", 0)).coordinator == "w0:1"
+    master = {"master": ["m:1"], "worker": ["w0:1"]}
+    assert launch.parse_tf_config(_tf_config(master, "worker")).coordinator == "m:1"
+    alone = launch.parse_tf_config(_tf_config({"chief": ["c:1"]}, "chief"))
+    assert not alone.joins  # one training task: no job to join
+
+
+def test_vertex_cluster_spec_primary_pool_first_workerpool3_evaluates():
+    cluster = {
+        "workerpool0": ["cmle-training-workerpool0-ab-0:2222"],
+        "workerpool1": [
+            "cmle-training-workerpool1-ab-0:2222",
+            "cmle-training-workerpool1-ab-1:2222",
+        ],
+        "workerpool3": ["cmle-training-workerpool3-ab-0:2222"],
+    }
+    spec = {"cluster": cluster, "task": {"type": "workerpool1", "index": 1}, "environment": "cloud"}
+    found = launch.parse_cluster_spec(json.dumps(spec))
+    assert found == Launch(
+        "vertex",
+        "$CLUSTER_SPEC task workerpool1:1",
+        "cmle-training-workerpool0-ab-0:2222",
+        3,
+        2,
+    )
+    spec["task"] = {"type": "workerpool3", "index": 0}
+    assert launch.parse_cluster_spec(json.dumps(spec)).evaluator
+
+
+@pytest.mark.parametrize(
+    "var, text, message",
+    [
+        ("TF_CONFIG", "{not json", r"^\$TF_CONFIG is not JSON \("),
+        ("TF_CONFIG", "[1]", r"^\$TF_CONFIG must be a JSON object, got list$"),
+        ("TF_CONFIG", '{"cluster": {"worker": ["a:1"]}}', r"^\$TF_CONFIG: task must be an object"),
+        (
+            "TF_CONFIG",
+            '{"cluster": {"worker": ["a:1"]}, "task": {"type": "wroker", "index": 0}}',
+            r"^\$TF_CONFIG: task.type = 'wroker' is not one of chief, master, worker",
+        ),
+        (
+            "TF_CONFIG",
+            '{"cluster": {"worker": ["a:1", "b"]}, "task": {"type": "worker", "index": 0}}',
+            r"^\$TF_CONFIG: cluster.worker\[1\] = 'b' is not HOST:PORT$",
+        ),
+        (
+            "TF_CONFIG",
+            '{"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 3}}',
+            r"^\$TF_CONFIG: task.index = 3 but cluster.worker lists 1 task\(s\)$",
+        ),
+        (
+            "TF_CONFIG",
+            '{"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": -1}}',
+            r"^\$TF_CONFIG: task.index = -1 is not an index",
+        ),
+        (
+            "TF_CONFIG",
+            '{"cluster": {"ps": ["p:1"], "worker": ["a:1"]}, "task": {"type": "ps"}}',
+            r"^\$TF_CONFIG: task.type = 'ps' \(a parameter server\): estimax has none",
+        ),
+        (
+            "CLUSTER_SPEC",
+            '{"cluster": {"workerpool0": ["a:1", "b:1"]}, "task": {"type": "workerpool0"}}',
+            r"^\$CLUSTER_SPEC: cluster.workerpool0 lists 2 tasks; a job has exactly one$",
+        ),
+        (
+            "CLUSTER_SPEC",
+            '{"cluster": {"pool1": ["a:1"]}, "task": {"type": "workerpool0"}}',
+            r"^\$CLUSTER_SPEC: cluster.pool1 is not one of workerpool0, workerpool1",
+        ),
+        (
+            "CLUSTER_SPEC",
+            '{"cluster": {"workerpool0": ["a:1"]}, "task": {"type": "workerpool2"}}',
+            r"^\$CLUSTER_SPEC: task.type = 'workerpool2' \(parameter or reduction servers\)",
+        ),
+    ],
+)
+def test_a_malformed_spec_is_one_line_naming_the_field(var, text, message):
+    with pytest.raises(LaunchError, match=message) as e:
+        launch.detect(None, environ={var: text})
+    assert "\n" not in str(e.value)
+
+
+def test_detection_order_flags_then_vertex_then_tf_config_then_jax_address():
+    tf = _tf_config({"chief": ["c:1"], "worker": ["w:1"]}, "worker")
+    vertex = json.dumps(
+        {
+            "cluster": {"workerpool0": ["v:1"], "workerpool1": ["x:1"]},
+            "task": {"type": "workerpool0"},
+        }
+    )
+    assert launch.detect(None, environ={"TF_CONFIG": tf}).kind == "tf_config"
+    both = {"TF_CONFIG": tf, "CLUSTER_SPEC": vertex}
+    assert launch.detect("auto", environ=both).coordinator == "v:1"  # Vertex sets both
+    flags = launch.detect("h:9", 2, 1, environ=both)
+    assert (flags.kind, flags.coordinator, flags.process_id) == ("flags", "h:9", 1)
+    assert launch.detect(None, environ={}).kind == "single"
+    env = launch.detect(None, 2, 0, environ={"JAX_COORDINATOR_ADDRESS": "j:1"})
+    assert (env.kind, env.coordinator) == ("env", "j:1")
+    evaluator = {"TF_CONFIG": _tf_config({"chief": ["c:1"]}, "evaluator")}
+    with pytest.raises(LaunchError, match="the job's evaluator, but --coordinator_address=h:9"):
+        launch.detect("h:9", 2, 1, environ=evaluator)
+
+
+def test_auto_uses_jax_slurm_detection(monkeypatch):
+    for k in [k for k in os.environ if k.startswith(mh.CLUSTER_PREFIXES)]:
+        monkeypatch.delenv(k)
+    slurm = {
+        "SLURM_JOB_ID": "4096",
+        "SLURM_STEP_NODELIST": "node[003-004]",
+        "SLURM_NTASKS": "2",
+        "SLURM_PROCID": "1",
+        "SLURM_LOCALID": "0",
+    }
+    for k, v in slurm.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("JAX_COORDINATOR_PORT", raising=False)
+    # JAX's SLURM rule: the first node, port 61440 + job id mod 4096.
+    assert launch.detect("auto", environ={}) == Launch(
+        "slurm", "JAX's slurm detection", "node003:61440", 2, 1
+    )
+
+
+def test_auto_without_a_cluster_and_numbers_without_an_address_are_one_line(monkeypatch):
+    for k in [k for k in os.environ if k.startswith(mh.CLUSTER_PREFIXES)]:
+        monkeypatch.delenv(k)
+    with pytest.raises(LaunchError, match=r"^--coordinator_address=auto found no cluster: no"):
+        launch.detect("auto", environ={})
+    with pytest.raises(LaunchError, match="given without a coordinator address"):
+        launch.detect(None, 2, 1, environ={})
+    with pytest.raises(LaunchError, match=r"--process_id=2 is not in 0 .. 1"):
+        launch.detect("h:1", 2, 2, environ={})
+
+
+# ----------------------------------------------------------------------------- rendezvous
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _together(launches: list[Launch], timeout: float = 10.0) -> list[object]:
+    """Each launch's rendezvous in its own thread: its views, or its LaunchError."""
+    results: list[object] = [None] * len(launches)
+
+    def one(i: int) -> None:
+        try:
+            results[i] = launch.rendezvous(launches[i], timeout)
+        except LaunchError as e:
+            results[i] = e
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(launches))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 30)
+    return results
+
+
+def _job(port: int, counts: list[int], ids: list[int] | None = None) -> list[Launch]:
+    ids = ids if ids is not None else list(range(len(counts)))
+    return [
+        Launch("flags", "test", f"localhost:{port}", n, i) for n, i in zip(counts, ids, strict=True)
+    ]
+
+
+def test_the_launch_check_returns_every_view_when_all_agree():
+    results = _together(_job(_free_port(), [3, 3, 3]))
+    for views in results:
+        assert [v["process_id"] for v in views] == [0, 1, 2], results
+        assert {v["num_processes"] for v in views} == {3}
+
+
+def test_a_wrong_process_count_is_the_same_one_line_on_every_process():
+    results = _together(_job(_free_port(), [2, 3]))
+    assert all(isinstance(r, LaunchError) for r in results), results
+    assert (
+        str(results[0])
+        == str(results[1])
+        == (
+            "launch check: the processes disagree on num_processes (process 0: 2, process 1: 3); "
+            "start every process of the job with the same cluster flags or spec"
+        )
+    )
+
+
+def test_two_processes_with_one_id_and_a_missing_process_are_named():
+    port = _free_port()
+    dup = _together(_job(port, [3, 3, 3], [0, 1, 1]))
+    assert any("two processes say they are process 1" in str(r) for r in dup), dup
+    missing = _together(_job(_free_port(), [3, 3]), timeout=5)
+    for r in missing:
+        assert str(r).startswith("launch check: only 2 of 3 processes reached the coordinator")
+        assert "within 5 s (missing: process 2)" in str(r)
+
+
+def test_an_unreachable_coordinator_and_a_foreign_server_end_within_the_timeout():
+    port = _free_port()
+    [alone] = _together([_job(port, [2, 2])[1]], timeout=1)
+    assert isinstance(alone, LaunchError)
+    assert str(alone).startswith(
+        f"launch check: process 1 got no answer from the coordinator localhost:{port} "
+        "(process 0) within 1 s"
+    )
+    # Something else on the port (the job already running, another service): it answers
+    # something that is not a verdict.
+    with socket.create_server(("127.0.0.1", 0)) as other:
+        port = other.getsockname()[1]
+
+        def answer_garbage() -> None:
+            conn, _ = other.accept()
+            with conn:
+                conn.recv(1024)
+                conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+
+        t = threading.Thread(target=answer_garbage)
+        t.start()
+        [result] = _together([_job(port, [2, 2])[1]], timeout=5)
+        t.join()
+    assert "answered, but not as an estimax process 0" in str(result)
+
+
+# ----------------------------------------------------------------------------- processes
+
+
+def _doctor(args: list[str], env: dict[str, str]) -> subprocess.Popen:
+    full = {**CLEAN, "JAX_PLATFORMS": "cpu", **env}
+    return subprocess.Popen(
+        [sys.executable, "-m", "estimax.doctor", "--launch", *args],
+        env=full,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_doctor_launch_with_a_wrong_process_count_ends_every_process_with_one_line():
+    port = _free_port()
+    flags = [f"--coordinator_address=localhost:{port}", "--timeout=15"]
+    procs = mh.finish(
+        [
+            _doctor([*flags, "--num_processes=2", "--process_id=0"], {}),
+            _doctor([*flags, "--num_processes=3", "--process_id=1"], {}),
+        ]
+    )
+    for i, p in enumerate(procs):
+        assert p.returncode == 1, p.stderr
+        assert p.stderr.strip().splitlines() == [
+            "FATAL: launch check: the processes disagree on num_processes (process 0: 2, "
+            "process 1: 3); start every process of the job with the same cluster flags or spec"
+        ], p.stderr
+        assert p.stdout.splitlines() == [
+            f"launch: flags (--coordinator_address): process {i} of {2 + i}, coordinator "
+            f"localhost:{port}"
+        ]
+    # Process 0 told 3, its one peer told 3 too: the check waits out --timeout, then the same
+    # line on both (never JAX's 300 s wait and abort).
+    port = _free_port()
+    flags = [f"--coordinator_address=localhost:{port}", "--timeout=5", "--num_processes=3"]
+    procs = mh.finish([_doctor([*flags, f"--process_id={i}"], {}) for i in (0, 1)])
+    for p in procs:
+        assert p.returncode == 1, p.stderr
+        assert p.stderr.strip().splitlines() == [
+            f"FATAL: launch check: only 2 of 3 processes reached the coordinator localhost:{port} "
+            "within 5 s (missing: process 2); start them, or give every process the same, "
+            "correct --num_processes"
+        ]
+
+
+def test_doctor_launch_from_a_tf_config_prints_the_job_and_the_global_mesh():
+    port = _free_port()
+    cluster = {"chief": [f"localhost:{port}"], "worker": ["localhost:1"]}
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    procs = mh.finish(
+        [
+            _doctor([], {**env, "TF_CONFIG": _tf_config(cluster, kind)})
+            for kind in ("chief", "worker")
+        ]
+    )
+    for i, p in enumerate(procs):
+        assert p.returncode == 0, p.stderr[-3000:]
+        kind = ("chief", "worker")[i]
+        assert p.stdout.splitlines() == [
+            f"launch: tf_config ($TF_CONFIG task {kind}:0): process {i} of 2, coordinator "
+            f"localhost:{port}",
+            f"launch: all 2 processes agree (hosts: {socket.gethostname()})",
+            "launch: local devices: 2 x cpu (cpu)",
+            "launch: global mesh: 4 devices over 2 processes (process 0: 2, process 1: 2), one "
+            "data axis of 4 replicas",
+        ]
+
+
+def test_a_program_given_a_malformed_tf_config_stops_in_one_line(tmp_path):
+    bad = '{"cluster": {"chief": ["c:1"], "worker": ["w"]}, "task": {"type": "chief"}}'
+    proc = mh.run_mnist(str(tmp_path), env={**CLEAN, "TF_CONFIG": bad, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 2
+    assert (
+        "FATAL: could not join the multi-process job: $TF_CONFIG: cluster.worker[0] = 'w' is "
+        "not HOST:PORT" in proc.stderr
+    )
+    assert "Traceback" not in proc.stderr
+
+
+# ----------------------------------------------------------------------------- jobs
+
+_REFERENCE: dict[str, tuple[str, list[mh.Proc]]] = {}
+
+
+def _reference(tmp_path_factory) -> tuple[str, str, list[mh.Proc]]:
+    """One process of 2 devices: the run every launcher's 2-process job must equal."""
+    data_dir = mh.write_data(str(tmp_path_factory.getbasetemp() / "multihost_data"))
+    if "one" not in _REFERENCE:
+        model_dir = str(tmp_path_factory.mktemp("launch_reference"))
+        results = mh.run_job(1, data_dir, model_dir, devices=2)
+        mh.assert_ok(results)
+        _REFERENCE["one"] = (model_dir, results)
+    model_dir, results = _REFERENCE["one"]
+    return data_dir, model_dir, results
+
+
+def _assert_bitwise(a: dict, b: dict) -> None:
+    assert a["step"] == b["step"] == mh.TRAIN_STEPS
+    mh.assert_bitwise(a, b)
+
+
+@pytest.mark.slow
+def test_a_tf_config_job_trains_as_one_process_and_its_evaluator_follows(tmp_path_factory):
+    data_dir, one_dir, one = _reference(tmp_path_factory)
+    model_dir = str(tmp_path_factory.mktemp("tf_config"))
+
+    def tf_config(i: int, port: int) -> dict[str, str]:
+        cluster = {
+            "chief": [f"localhost:{port}"],
+            "worker": ["localhost:1"],
+            "evaluator": ["localhost:2"],
+        }
+        kind = ("chief", "worker", "evaluator")[i]
+        return {"TF_CONFIG": _tf_config(cluster, kind)}
+
+    # 3 processes of 1 device: chief, worker, evaluator; no cluster flags at all.
+    procs = mh.run_job(3, data_dir, model_dir, devices=3, cluster_env=tf_config)
+    mh.assert_ok(procs)
+    _assert_bitwise(mh.params(model_dir), mh.params(one_dir))
+    for p in procs[:2]:
+        assert "Launch check: the 2 processes agree" in p.stderr
+        assert "Saving dict for global step" not in p.stderr  # the evaluator evaluates
+    evaluator = procs[2].stderr
+    assert "$TF_CONFIG task evaluator:0: this process is the job's evaluator" in evaluator
+    assert "Launch check" not in evaluator  # never joined the training processes
+    results, reference = mh.eval_results(evaluator), mh.eval_results(one[0].stderr)
+    assert results["global_step"] == mh.TRAIN_STEPS
+    assert results["num_examples"] == reference["num_examples"] == mh.NUM_EVAL
+    assert results["accuracy"] == reference["accuracy"]
+    assert results["loss"] == pytest.approx(reference["loss"], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_a_vertex_cluster_spec_job_trains_as_one_process(tmp_path_factory):
+    data_dir, one_dir, _ = _reference(tmp_path_factory)
+    model_dir = str(tmp_path_factory.mktemp("vertex"))
+
+    def cluster_spec(i: int, port: int) -> dict[str, str]:
+        cluster = {"workerpool0": [f"localhost:{port}"], "workerpool1": ["localhost:1"]}
+        task = {"type": f"workerpool{i}", "index": 0}
+        return {"CLUSTER_SPEC": json.dumps({"cluster": cluster, "task": task})}
+
+    procs = mh.run_job(2, data_dir, model_dir, devices=2, cluster_env=cluster_spec)
+    mh.assert_ok(procs)
+    assert "Launch: vertex ($CLUSTER_SPEC task workerpool1:0): process 1 of 2" in procs[1].stderr
+    _assert_bitwise(mh.params(model_dir), mh.params(one_dir))
+
+
+@pytest.mark.slow
+def test_slurm_variables_set_by_hand_start_the_same_job(tmp_path_factory):
+    data_dir, one_dir, _ = _reference(tmp_path_factory)
+    model_dir = str(tmp_path_factory.mktemp("slurm"))
+
+    def slurm(i: int, port: int) -> dict[str, str]:
+        # What srun sets for `srun --ntasks=2` on one node; JAX_COORDINATOR_PORT is JAX's own
+        # override of the port it derives from the job id (a free one here).
+        return {
+            "SLURM_JOB_ID": "1234",
+            "SLURM_STEP_NODELIST": "localhost",
+            "SLURM_NTASKS": "2",
+            "SLURM_PROCID": str(i),
+            "SLURM_LOCALID": str(i),
+            "JAX_COORDINATOR_PORT": str(port),
+        }
+
+    procs = mh.run_job(
+        2, data_dir, model_dir, "--coordinator_address=auto", devices=2, cluster_env=slurm
+    )
+    mh.assert_ok(procs)
+    assert "Launch: slurm (JAX's slurm detection): process 1 of 2" in procs[1].stderr
+    _assert_bitwise(mh.params(model_dir), mh.params(one_dir))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    shutil.which("mpirun") is None,
+    reason="mpirun (Open MPI 4; JAX 0.10.2 detects Open MPI <= 4 only) is not installed: "
+    "apt-get install openmpi-bin (make test does, as root)",
+)
+def test_mpirun_starts_the_same_job(tmp_path_factory):
+    data_dir, one_dir, _ = _reference(tmp_path_factory)
+    model_dir = str(tmp_path_factory.mktemp("mpirun"))
+    env = {
+        **CLEAN,
+        "PYTHONPATH": mh.ROOT,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+        "JAX_PLATFORMS": "cpu",
+        "ESTIMAX_REQUIRE_ONEDNN": "0",
+        "JAX_COORDINATOR_PORT": str(_free_port()),
+        # Open MPI refuses root unless told; CI runs as root.
+        "OMPI_ALLOW_RUN_AS_ROOT": "1",
+        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+    }
+    version = subprocess.run(["mpirun", "--version"], capture_output=True, text=True).stdout
+    if "Open MPI" not in version or not version.split("Open MPI)")[-1].strip().startswith(
+        ("1.", "2.", "3.", "4.")
+    ):
+        pytest.skip(f"mpirun is not Open MPI 4 or older (JAX 0.10.2 detects only those): {version}")
+    proc = subprocess.run(
+        [
+            "mpirun",
+            "-np",
+            "2",
+            "--oversubscribe",
+            # Open MPI binds each rank to one core by default: oneDNN would then run other
+            # kernels (fewer threads) than the reference, and round differently.
+            "--bind-to",
+            "none",
+            sys.executable,
+            mh.WORKER,
+            f"--data_dir={data_dir}",
+            f"--model_dir={model_dir}",
+            *mh.FLAGS,
+            "--coordinator_address=auto",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "Launch: ompi (JAX's ompi detection): process 1 of 2" in proc.stderr
+    _assert_bitwise(mh.params(model_dir), mh.params(one_dir))
+
+
+def test_the_estimax_command_runs_doctor_launch():
+    port = _free_port()
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from estimax.command import run; run()",
+            "doctor",
+            "--launch",
+            f"--coordinator_address=localhost:{port}",
+            "--num_processes=2",
+            "--process_id=1",
+            "--timeout=1",
+        ],
+        env={**CLEAN, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.startswith(
+        f"FATAL: launch check: process 1 got no answer from the coordinator localhost:{port} "
+        "(process 0) within 1 s"
+    )

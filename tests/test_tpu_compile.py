@@ -1,0 +1,311 @@
+"""``--compile_for`` / ``Estimator.compile_for``: every program's steps compiled for a TPU slice.
+
+The tests that need XLA's TPU compiler (libtpu, the ``tpu`` extra) run in ``make test``'s
+``.venv-tpu`` (``ESTIMAX_REQUIRE_LIBTPU=1``: they fail there instead of skipping); in the default
+venv they skip, and the ones that need no libtpu run (the batch search, the messages, the CUDA
+lowering, and the line a user without libtpu sees).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+from absl import flags
+
+import estimax as ex
+from estimax.estimator import compile as compile_lib
+from estimax.models.inception_v3 import InceptionV3Tiny
+from estimax.models.inception_v4 import InceptionV4Tiny
+from estimax.models.resnet import ResNetTiny
+from estimax.ops import native
+from estimax.programs import common, efficientnet, inception_v3, inception_v4, mnist, resnet
+
+REPO = Path(__file__).resolve().parents[1]
+HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
+if os.environ.get("ESTIMAX_REQUIRE_LIBTPU") and not HAS_LIBTPU:
+    raise RuntimeError("ESTIMAX_REQUIRE_LIBTPU is set but libtpu is not installed")
+needs_libtpu = pytest.mark.skipif(
+    not HAS_LIBTPU, reason="needs libtpu (the tpu extra; make test runs these in .venv-tpu)"
+)
+# A small slice: 4 chips. Batches below divide by 4 and by the 8 virtual CPU devices.
+TOPOLOGY = "v5e:2x2"
+# estimax.ops' oneDNN kernels: XLA:CPU custom calls, which no other backend has.
+CPU_ONLY = re.compile(r"^estimax_onednn")
+
+# program -> (module, argv, how the test swaps in the tiny network)
+TINY = {
+    "mnist": (mnist, ["--batch_size=8", "--eval_steps=1"]),
+    "resnet": (resnet, ["--train_batch_size=8", "--eval_batch_size=8", "--image_size=32"]),
+    "inception_v3": (
+        inception_v3,
+        ["--train_batch_size=8", "--eval_batch_size=8", "--width=107", "--height=107"],
+    ),
+    "inception_v4": (
+        inception_v4,
+        ["--train_batch_size=8", "--eval_batch_size=8", "--width=107", "--height=107"],
+    ),
+    "efficientnet": (
+        efficientnet,
+        ["--model_name=efficientnet-tiny", "--train_batch_size=8", "--eval_batch_size=8"],
+    ),
+}
+
+
+def run_program(program: str, argv: list[str], monkeypatch) -> tuple[object, list[common.Job]]:
+    """Runs ``program``'s command line in-process with its tiny network; (result, jobs run)."""
+    module, base = TINY[program]
+    fv = flags.FlagValues()
+    module.define_flags(fv)
+    fv([program, *base, *argv])
+    jobs: list[common.Job] = []
+    compile_job = common.compile_job
+    monkeypatch.setattr(common, "compile_job", lambda job: jobs.append(job) or compile_job(job))
+    if program == "resnet":
+        monkeypatch.setattr(
+            resnet, "resnet_v1", lambda depth, classes, **kw: ResNetTiny(num_classes=classes, **kw)
+        )
+        return resnet.run_from_flags(fv), jobs
+    if program.startswith("inception"):
+        variant = inception_v3.V3 if program == "inception_v3" else inception_v4.V4
+        tiny = InceptionV3Tiny if program == "inception_v3" else InceptionV4Tiny
+        return inception_v3.run_from_flags(fv, dataclasses.replace(variant, model=tiny)), jobs
+    return module.run_from_flags(fv), jobs
+
+
+def steps_on_cpu(job: common.Job) -> tuple[ex.Estimator, compile_lib.Steps]:
+    """The job's Estimator on this host's 8 CPU devices, and its steps at its batch sizes."""
+    est = ex.Estimator(
+        job.model_fn,
+        dataclasses.replace(job.config, num_shards=None),
+        params=job.params,
+        train_batch_size=job.batch_sizes[0],
+        eval_batch_size=job.batch_sizes[1],
+    )
+    return est, est._steps_on(est.mesh, "train", job.batch_sizes[0])
+
+
+def lowered_text(job: common.Job, step: str, platform: str | None) -> str:
+    """The job's ``step`` lowered on the CPU mesh (``platform`` None), or exported for it."""
+    est, steps = steps_on_cpu(job)
+    io = common.compile_inputs(job)
+    batch = job.batch_sizes[0 if step == "train" else 1]
+    if platform is None:
+        return compile_lib.lower(step, steps, est.mesh, io, batch).as_text()
+    args = (compile_lib.train_args if step == "train" else compile_lib.eval_args)(
+        steps, est.mesh, io, batch
+    )
+    fn = steps.train if step == "train" else steps.eval
+    return jax.export.export(fn, platforms=(platform,))(*args).mlir_module()
+
+
+@pytest.mark.parametrize("program", sorted(TINY))
+def test_steps_lowered_for_cuda_have_no_cpu_only_custom_call(program, monkeypatch, tmp_path):
+    monkeypatch.setattr(common, "compile_job", lambda job: jobs.append(job) or [])
+    jobs: list[common.Job] = []
+    run_program(program, [f"--compile_for={TOPOLOGY}", f"--model_dir={tmp_path}"], monkeypatch)
+    (job,) = jobs
+    for step in ("train", "eval"):
+        cuda = compile_lib.custom_call_targets(lowered_text(job, step, "cuda"))
+        assert not [t for t in cuda if CPU_ONLY.match(t)], (step, cuda)
+    if native.available() and program in ("mnist", "resnet"):
+        # The same step lowered for this CPU does call them: the check above can see them.
+        cpu = compile_lib.custom_call_targets(lowered_text(job, "train", None))
+        assert [t for t in cpu if CPU_ONLY.match(t)], cpu
+
+
+@needs_libtpu
+@pytest.mark.parametrize("program", sorted(TINY))
+def test_every_program_compiles_for_a_tpu_slice_without_cpu_only_custom_calls(
+    program, monkeypatch, capsys
+):
+    result, _ = run_program(program, [f"--compile_for={TOPOLOGY}"], monkeypatch)
+    reports = result["compile_for"]
+    assert [r["step"] for r in reports] == ["train", "eval"]
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2
+    for line, report in zip(lines, reports, strict=True):
+        assert line.startswith(f"{report['step']} step on TPU v5 lite x4 ({TOPOLOGY}; global ")
+        assert ": fits: " in line and "examples/s" in line
+        assert report["fits"] and report["global_batch"] == 8
+        assert report["flops"] > 0 and report["bytes_accessed"] > 0
+        assert 0 < report["memory_bytes"] < report["hbm_bytes"] == 16 * 2**30
+        assert report["roofline_s"] > 0 and report["examples_per_s"] > 0
+        assert not [t for t in report["custom_calls"] if CPU_ONLY.match(t)], report
+    if program == "resnet":  # the recipe computes in bfloat16
+        assert "bf16" in reports[0]["dtypes"]
+
+
+class Dense(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(10)(x)
+
+
+def dense_model_fn(features, labels, mode, params):
+    logits = Dense()(features)
+    loss = ex.losses.softmax_cross_entropy(logits, labels)
+    import optax
+
+    return ex.EstimatorSpec(
+        mode=mode,
+        loss=loss,
+        optimizer=optax.sgd(0.1),
+        eval_metrics={"accuracy": ex.metrics.accuracy(labels, logits)},
+    )
+
+
+@needs_libtpu
+def test_a_step_that_does_not_fit_names_the_largest_batch_that_does(tmp_path):
+    # 2**25 examples of 784 floats: 25 GiB of input per chip, more than a v5e chip's 16 GiB.
+    too_big = 2**25
+    job = common.Job(
+        program="dense",
+        model_flags={},
+        model_fn=dense_model_fn,
+        config=ex.RunConfig(model_dir=str(tmp_path), num_shards=None),
+        batch_sizes=(too_big, 8),
+        input_fn=lambda is_training: None,
+        loop=common.LoopConfig(mode="train", train_steps=1, steps_per_eval=1),
+        serving=ex.TensorSpec((None, 784), np.float32),
+        metrics=(("accuracy",), "examples"),
+        compile_for=TOPOLOGY,
+    )
+    with pytest.raises(common.DoesNotFit) as raised:
+        common.run(job)
+    message = str(raised.value)
+    assert "\n" not in message and message.startswith(
+        f"the train step does not fit on {TOPOLOGY} at global batch {too_big:,}: "
+    )
+    exact = re.search(
+        r"the largest global batch that fits is ([\d,]+) \(([\d,]+) does not", message
+    )
+    bracket = re.search(r"a global batch of ([\d,]+) fits and ([\d,]+) does not", message)
+    fits, fails = (int(g.replace(",", "")) for g in (exact or bracket).groups())
+    assert fits % 4 == 0 and fits < fails < too_big and (not exact or fails == fits + 4)
+    # The input alone (784 float32 per example, a quarter of the batch per chip) nearly fills
+    # the 15.75 GiB XLA may use of a v5e chip: the search went close to the limit.
+    assert 0.9 * 15.75 * 2**30 < fits * 784 <= 15.75 * 2**30
+    assert len(raised.value.reports) == 2 and not raised.value.reports[0].fits
+
+
+def test_unknown_topology_is_one_line_listing_the_known_ones():
+    proc = subprocess.run(
+        [sys.executable, "-m", "estimax.programs.resnet", "--compile_for=v9:2x2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert proc.returncode == 2
+    fatal = [line for line in proc.stderr.splitlines() if line.startswith("FATAL")]
+    assert fatal == [
+        "FATAL: --compile_for=v9:2x2: unknown TPU topology 'v9:2x2': known are "
+        + compile_lib.known_topologies()
+        + "."
+    ]
+    for name in compile_lib.KNOWN_TOPOLOGIES:
+        assert name in fatal[0]
+
+
+@pytest.mark.skipif(HAS_LIBTPU, reason="shows what a user without libtpu sees")
+def test_without_libtpu_one_line_says_how_to_install_it():
+    proc = subprocess.run(
+        [sys.executable, "-m", "estimax.programs.mnist", "--compile_for=v5e:2x4"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert proc.returncode == 2
+    fatal = [line for line in proc.stderr.splitlines() if line.startswith("FATAL")]
+    assert fatal == [
+        "FATAL: --compile_for=v5e:2x4: compiling for v5e:2x4 needs XLA's TPU compiler "
+        f"(libtpu): {compile_lib.INSTALL_HINT}."
+    ]
+
+
+@pytest.mark.parametrize("module", [mnist, resnet, inception_v3, inception_v4, efficientnet])
+def test_help_lists_the_known_topologies(module):
+    fv = flags.FlagValues()
+    module.define_flags(fv)
+    for name in compile_lib.KNOWN_TOPOLOGIES:
+        assert name in fv["compile_for"].help
+
+
+def fake_step(batch: int, per_example: float, fixed: float, hbm: float) -> compile_lib.StepReport:
+    """What compiling a step whose memory is ``fixed + per_example * batch`` reports."""
+    need = fixed + per_example * batch
+    report = compile_lib.StepReport(
+        "train", "v5e:2x4", "TPU v5 lite", 8, 1, batch, "bf16", need <= hbm, 1.0, hbm
+    )
+    if report.fits:
+        report.temp_bytes = int(need)
+    else:
+        # XLA:TPU's words (libtpu 0.0.42.1).
+        report.error = (
+            f"Ran out of memory on HBM, the total memory required for HLO temporaries "
+            f"({need / 2**30:.2f}G) exceeds available HBM ({hbm / 2**30:.2f}G)."
+        )
+    return report
+
+
+@pytest.mark.parametrize("fixed_gib", [0.1, 3.0, 12.0])
+def test_the_batch_search_finds_the_largest_fitting_batch_in_few_compiles(fixed_gib):
+    hbm, per_example, fixed = 16 * 2**30, 0.6e6, fixed_gib * 2**30
+    tried: list[int] = []
+
+    def probe(batch: int) -> compile_lib.StepReport:
+        tried.append(batch)
+        return fake_step(batch, per_example, fixed, hbm)
+
+    failed = probe(65536)
+    search = compile_lib.largest_batch(probe, failed, multiple=8)
+    largest = int((hbm - fixed) // per_example) // 8 * 8
+    assert search.exact and (search.fits, search.fails) == (largest, largest + 8)
+    assert search.compiles <= 6 and all(b % 8 == 0 for b in tried)
+    failed.search = search
+    assert compile_lib.describe_failure(failed) == (
+        f"the train step does not fit on v5e:2x4 at global batch 65,536: the largest global "
+        f"batch that fits is {largest:,} ({largest + 8:,} does not; found in "
+        f"{search.compiles} compiles)."
+    )
+
+
+def test_the_report_line_says_fit_memory_work_and_roofline():
+    report = compile_lib.StepReport(
+        "train", "v2:2x2", "TPU v2", 8, 2, 1024, "bf16", True, 268.0,
+        hbm_bytes=8 * 2**30, argument_bytes=int(0.25 * 2**30), temp_bytes=int(4.25 * 2**30),
+        code_bytes=int(0.5 * 2**30), flops=3.08e12, bytes_accessed=34.1e9,
+        peak_flops=23e12, hbm_bandwidth=350e9,
+    )  # fmt: skip
+    # 3.08e12 / 23e12 = 134 ms (compute-bound; bytes: 97 ms): 1024 / 0.1339 = 7,647 images/s.
+    assert report.line() == (
+        "train step on TPU v2 x8 (v2:2x2; global batch 1,024, bf16): fits: 5.0 GiB of 8.0 GiB per "
+        "device (args 0.2 GiB, temp 4.2 GiB, code 0.5 GiB); 3.08 TFLOP, 34.1 GB per device per "
+        "step; roofline >= 134 ms/step = 7,647 examples/s (956 per device); compiled in 268 s"
+    )
+    assert report.as_dict()["bound"] == "compute"
+
+
+def test_chip_table_has_every_generation_with_its_source():
+    for gen in ("v2", "v3", "v4", "v5e", "v5p", "v6e"):
+        chip = compile_lib.TPU_CHIPS[gen]
+        assert chip.source == f"https://cloud.google.com/tpu/docs/{gen}"
+        assert chip.hbm_gib > 0 and chip.hbm_gbps > 0 and chip.bf16_tflops > 0
+    assert compile_lib.check_topology("v5e:2x4") == "v5e"
+    with pytest.raises(compile_lib.CompileForError, match="unknown TPU topology 'v5e-8'"):
+        compile_lib.check_topology("v5e-8")
