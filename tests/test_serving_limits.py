@@ -10,6 +10,7 @@ tests/reliability/test_server_attacks.py.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 
 import pytest
@@ -21,13 +22,8 @@ from uvicorn.server import ServerState  # noqa: E402
 
 from estimax.serving import transport  # noqa: E402
 
-LIMITS = transport.ConnectionLimits(
-    header_timeout_s=10.0,
-    body_timeout_s=30.0,
-    keep_alive_timeout_s=5.0,
-    max_connections=3,
-    max_header_bytes=1024,
-)
+# Timeouts of 10, 30 and 5 s (header, body, keep-alive); 3 connections, 1 KiB of headers.
+LIMITS = transport.ConnectionLimits(10.0, 30.0, 5.0, max_connections=3, max_header_bytes=1024)
 
 
 class FakeTransport:
@@ -387,6 +383,12 @@ def test_large_bodies_are_parsed_in_a_worker_process_and_its_refusals_arrive_as_
 
 
 # ----------------------------------------------------------------------------- work
+def _doubled(ran: list, features: dict) -> dict:
+    """A model run: twice its input; ``ran`` gets each batch's size."""
+    ran.append(len(features["x"]))
+    return {"y": features["x"] * 2}
+
+
 def test_a_request_given_up_while_it_waits_for_its_batch_is_not_run():
     from concurrent.futures import ThreadPoolExecutor
 
@@ -394,11 +396,8 @@ def test_a_request_given_up_while_it_waits_for_its_batch_is_not_run():
 
     from estimax.serving.batching import Batcher, BatchingOptions
 
-    ran = []
-
-    def run(features):
-        ran.append(len(features["x"]))
-        return {"y": features["x"] * 2}
+    ran: list[int] = []
+    run = functools.partial(_doubled, ran)
 
     async def main():
         batcher = Batcher(BatchingOptions(8, batch_timeout_micros=200_000), executor)

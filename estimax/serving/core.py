@@ -440,28 +440,20 @@ class ServingCore:
         and a run that has not started yet never starts. The request's record gets the time
         each step took (Triton's statistics).
         """
+        cancelled = threading.Event()  # set: the threads working for the request stop
         try:
             return await asyncio.wait_for(
-                self._infer(servable, columns, tracking.current(), threading.Event()),
+                self._prepare_and_run(servable, columns, tracking.current(), cancelled),
                 self.options.rest_api_timeout_in_ms / 1000,
             )
         except TimeoutError:
+            cancelled.set()
             raise ApiError(
                 504,
                 "Request timed out after "
                 f"{self.options.rest_api_timeout_in_ms} ms (--rest_api_timeout_in_ms)",
             ) from None
-
-    async def _infer(
-        self,
-        servable: Servable,
-        columns: dict[str, Any],
-        record: RequestRecord,
-        cancelled: threading.Event,
-    ) -> dict[str, np.ndarray]:
-        try:
-            return await self._prepare_and_run(servable, columns, record, cancelled)
-        except asyncio.CancelledError:  # timed out (or the server stops): the threads stop too
+        except asyncio.CancelledError:  # the server stops, or the client went away
             cancelled.set()
             raise
 

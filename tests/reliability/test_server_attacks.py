@@ -36,15 +36,6 @@ triton_http = pytest.importorskip("tritonclient.http")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import serving_fixtures as fx  # noqa: E402
 
-from estimax.serving.protos.tensorflow.core.framework import (  # noqa: E402
-    tensor_pb2,
-    tensor_shape_pb2,
-)
-from estimax.serving.protos.tensorflow_serving.apis import (  # noqa: E402
-    predict_pb2,
-    prediction_service_pb2_grpc,
-)
-
 pytestmark = pytest.mark.slow
 NAME = "tiny"
 HEADER_S, BODY_S, KEEP_ALIVE_S = 1.5, 3.0, 1.0
@@ -56,21 +47,20 @@ SLACK_S = 10.0
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
+    """The server, under short limits and ``ulimit -n 256``, warmed up; its RSS then."""
     root = tmp_path_factory.mktemp("server_attacks")
-    base = fx.export_dense(str(root))
     grpc_port = fx.free_port()
-    log = root / "server.log"
-    args = [
-        f"--model_base_path={base}",
-        f"--model_name={NAME}",
-        f"--grpc_port={grpc_port}",
+    args = fx.serve_flags(
+        fx.export_dense(str(root)),
+        NAME,
+        grpc_port,
         f"--rest_api_header_timeout_in_ms={HEADER_S * 1000:.0f}",
         f"--rest_api_body_timeout_in_ms={BODY_S * 1000:.0f}",
         f"--rest_api_keep_alive_timeout_in_ms={KEEP_ALIVE_S * 1000:.0f}",
         "--rest_api_timeout_in_ms=1000",
         "--metrics_path=/metrics",
-        "--log_level=info",
-    ]
+    )
+    log = root / "server.log"
     with fx.running_server(args, log_path=str(log), open_files=OPEN_FILES) as (url, proc):
         images, _ = fx.make_jpegs(2, seed=4)
         server = Served(url, proc, f"127.0.0.1:{grpc_port}", images, log)
@@ -105,10 +95,8 @@ class Served:
             assert result.as_numpy("classes").shape == (1,)
         finally:
             client.close()
-        with grpc.insecure_channel(self.grpc) as channel:
-            stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
-            reply = stub.Predict(tf_request(self.images[:1]), timeout=60)
-            assert np.isclose(sum(reply.outputs["probabilities"].float_val), 1.0, atol=1e-5)
+        reply = fx.grpc_predict(self.grpc, tf_request(self.images[:1]))
+        assert np.isclose(sum(reply.outputs["probabilities"].float_val), 1.0, atol=1e-5)
 
     def raw(self) -> socket.socket:
         s = socket.create_connection(("127.0.0.1", self.port), timeout=60)
@@ -116,28 +104,13 @@ class Served:
 
     def memory_comes_back(self) -> None:
         """Waits (with a deadline) for the RSS to come back within 10% of its start."""
-        limit = self.rss_start * 1.1
-        deadline = time.monotonic() + 60
-        while self.rss() > limit:
-            assert time.monotonic() < deadline, (self.rss() >> 20, self.rss_start >> 20)
-            time.sleep(0.2)
+        what = f"RSS within 10% of {self.rss_start >> 20} MiB"
+        fx.wait_until(lambda: self.rss() <= self.rss_start * 1.1, what, timeout=60)
         assert self.proc.poll() is None, "the server died"
 
 
 def tf_request(images, dims=None, outputs=()):
-    request = predict_pb2.PredictRequest()
-    request.model_spec.name = NAME
-    request.inputs["image_bytes"].CopyFrom(
-        tensor_pb2.TensorProto(
-            dtype=7,  # DT_STRING
-            tensor_shape=tensor_shape_pb2.TensorShapeProto(
-                dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=d) for d in (dims or [len(images)])]
-            ),
-            string_val=images,
-        )
-    )
-    request.output_filter.extend(outputs)
-    return request
+    return fx.tf_predict_request(NAME, images, dims, outputs)
 
 
 def closed_within(sock: socket.socket, seconds: float) -> bytes:
@@ -329,12 +302,10 @@ def test_hostile_numbers_versions_shapes_and_outputs_get_4xx(served, reliability
             f"{'9' * 5000}\r\n\r\n{{}}".encode()
         )
         assert closed_within(s, SLACK_S).split(b" ")[1].startswith(b"4")
-        with grpc.insecure_channel(served.grpc) as channel:
-            stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
-            for what, request in grpc_attacks:
-                with pytest.raises(grpc.RpcError) as e:
-                    stub.Predict(request, timeout=60)
-                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (what, e.value)
+        for what, request in grpc_attacks:
+            with pytest.raises(grpc.RpcError) as e:
+                fx.grpc_predict(served.grpc, request)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (what, e.value)
         served.good()
         served.memory_comes_back()
 
@@ -394,13 +365,9 @@ def test_a_timed_out_request_stops_decoding_its_images(served, reliability_recor
         r = requests.post(f"{served.url}/v1/models/{NAME}:predict", json=body, timeout=120)
         assert r.status_code == 504, r.text[:300]
         # The decoding thread notices at its next image and says where it stopped.
-        deadline = time.monotonic() + 60
-        while "stopped decoding before image" not in served.log.read_text():
-            assert time.monotonic() < deadline, "the decoding went on"
-            time.sleep(0.2)
-        line = next(
-            x for x in served.log.read_text().splitlines() if "stopped decoding before image" in x
-        )
-        stopped_at = int(line.split("stopped decoding before image ")[1].split(" ")[0])
+        stopped = "stopped decoding before image"
+        fx.wait_until(lambda: stopped in served.log.read_text(), "the decoding to stop", 60)
+        line = next(x for x in served.log.read_text().splitlines() if stopped in x)
+        stopped_at = int(line.split(f"{stopped} ")[1].split(" ")[0])
         assert stopped_at < count, line
         served.good()

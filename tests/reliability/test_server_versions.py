@@ -15,29 +15,21 @@ import base64
 import os
 import shutil
 import sys
-import time
 
 import numpy as np
 import pytest
 
 pytest.importorskip("fastapi")
+pytest.importorskip("grpc")
 requests = pytest.importorskip("requests")
-grpc = pytest.importorskip("grpc")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import serving_fixtures as fx  # noqa: E402
 
 from estimax import serving  # noqa: E402
-from estimax.serving.protos.tensorflow.core.framework import (  # noqa: E402
-    tensor_pb2,
-    tensor_shape_pb2,
-)
-from estimax.serving.protos.tensorflow_serving.apis import (  # noqa: E402
-    predict_pb2,
-    prediction_service_pb2_grpc,
-)
 
 NAME = "tiny"
+POLL = "--file_system_poll_wait_seconds=0.2"
 
 
 @pytest.fixture(scope="module")
@@ -88,12 +80,8 @@ def states(url):
     }
 
 
-def wait_for(condition, what, timeout=120.0):
-    """Waits for a condition of the server (not a timed assertion)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
+def state(url, version: str) -> str:
+    return states(url).get(version, ("",))[0]
 
 
 def rest_predict(url, images):
@@ -113,39 +101,27 @@ def _v2(images):
     }
 
 
+def with_version_1(exported, tmp_path):
+    """A model base path holding version 1, and a free port for the server's gRPC."""
+    base = tmp_path / "models"
+    publish(exported["version"], base, 1)
+    return base, fx.free_port()
+
+
 def grpc_version(target, images):
     """The version TF Serving's gRPC client is answered by."""
-    request = predict_pb2.PredictRequest()
-    request.model_spec.name = NAME
-    request.inputs["image_bytes"].CopyFrom(
-        tensor_pb2.TensorProto(
-            dtype=7,  # DT_STRING
-            tensor_shape=tensor_shape_pb2.TensorShapeProto(
-                dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=len(images))]
-            ),
-            string_val=images,
-        )
-    )
-    with grpc.insecure_channel(target) as channel:
-        stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
-        return stub.Predict(request, timeout=60).model_spec.version.value
+    reply = fx.grpc_predict(target, fx.tf_predict_request(NAME, images))
+    return reply.model_spec.version.value
 
 
 def test_a_damaged_version_is_refused_and_retried_only_when_its_files_change(
     exported, tmp_path, reliability_record
 ):
     images = exported["images"]
-    base = tmp_path / "models"
-    publish(exported["version"], base, 1)
-    grpc_port = fx.free_port()
+    base, grpc_port = with_version_1(exported, tmp_path)
     log = tmp_path / "server.log"
-    args = [
-        f"--model_base_path={base}",
-        f"--model_name={NAME}",
-        f"--grpc_port={grpc_port}",
-        "--num_versions=2",  # version 2 stays wanted while version 3 loads
-        "--file_system_poll_wait_seconds=0.2",
-    ]
+    # --num_versions=2: version 2 stays wanted while version 3 loads.
+    args = fx.serve_flags(base, NAME, grpc_port, POLL, "--num_versions=2")
     ok = False
     try:
         with fx.running_server(args, log_path=str(log)) as (url, _):
@@ -158,7 +134,7 @@ def test_a_damaged_version_is_refused_and_retried_only_when_its_files_change(
                 2,
                 damage=lambda d: flip_a_weight(os.path.join(d, "variables.msgpack")),
             )
-            wait_for(lambda: states(url).get("2", ("",))[0] == "END", "version 2 refused")
+            fx.wait_until(lambda: state(url, "2") == "END", "version 2 refused")
             error = states(url)["2"][1]
             assert "ExportCheckError" in error and "differs" in error, error
             # Version 1 keeps answering, the same, on every protocol.
@@ -168,14 +144,14 @@ def test_a_damaged_version_is_refused_and_retried_only_when_its_files_change(
             assert grpc_version(f"127.0.0.1:{grpc_port}", images) == 1
             # Unchanged, it is not loaded again, however many polls (version 3 took some).
             publish(exported["version"], base, 3)
-            wait_for(lambda: states(url).get("3", ("",))[0] == "AVAILABLE", "version 3")
+            fx.wait_until(lambda: state(url, "3") == "AVAILABLE", "version 3")
             assert log.read_text().count("version 2 failed to load") == 1
             # Repaired (its files change): retried, checked, served beside version 3.
             shutil.copy(
                 os.path.join(exported["version"], "variables.msgpack"),
                 base / "2" / "variables.msgpack",
             )
-            wait_for(lambda: states(url).get("2", ("",))[0] == "AVAILABLE", "version 2 loaded")
+            fx.wait_until(lambda: state(url, "2") == "AVAILABLE", "version 2 loaded")
             assert "its stored check passed" in log.read_text()
             assert rest_predict(url, images)[0] == "3"
         ok = True
@@ -187,30 +163,22 @@ def test_a_version_copied_in_out_of_order_is_served_once_complete(
     exported, tmp_path, reliability_record
 ):
     images = exported["images"]
-    base = tmp_path / "models"
-    publish(exported["version"], base, 1)
-    grpc_port = fx.free_port()
-    args = [
-        f"--model_base_path={base}",
-        f"--model_name={NAME}",
-        f"--grpc_port={grpc_port}",
-        "--file_system_poll_wait_seconds=0.2",
-    ]
+    base, grpc_port = with_version_1(exported, tmp_path)
     ok = False
     try:
-        with fx.running_server(args) as (url, _):
+        with fx.running_server(fx.serve_flags(base, NAME, grpc_port, POLL)) as (url, _):
             # A copy that writes serving.json first (the marker), then the rest one by one.
             target = base / "2"
             target.mkdir()
             source = exported["version"]
             shutil.copy(os.path.join(source, "serving.json"), target)
-            wait_for(lambda: states(url).get("2", ("",))[0] == "END", "the incomplete version")
+            fx.wait_until(lambda: state(url, "2") == "END", "the incomplete version")
             assert "model.jaxexport is missing" in states(url)["2"][1]
             assert rest_predict(url, images)[0] == "1"
             for name in sorted(os.listdir(source)):
                 if name != "serving.json":
                     shutil.copy(os.path.join(source, name), target)
-            wait_for(lambda: states(url).get("2", ("",))[0] == "AVAILABLE", "version 2")
+            fx.wait_until(lambda: state(url, "2") == "AVAILABLE", "version 2")
             assert rest_predict(url, images)[0] == "2"
             assert grpc_version(f"127.0.0.1:{grpc_port}", images) == 2
         ok = True
@@ -220,23 +188,15 @@ def test_a_version_copied_in_out_of_order_is_served_once_complete(
 
 def test_folders_that_are_no_int64_version_are_not_served(exported, tmp_path, reliability_record):
     images = exported["images"]
-    base = tmp_path / "models"
-    publish(exported["version"], base, 1)
-    grpc_port = fx.free_port()
-    args = [
-        f"--model_base_path={base}",
-        f"--model_name={NAME}",
-        f"--grpc_port={grpc_port}",
-        "--file_system_poll_wait_seconds=0.2",
-    ]
-    names = [str(2**64), str(2**63), "\u0662", "\u00b2", "0" * 30 + "2"]
+    base, grpc_port = with_version_1(exported, tmp_path)
+    names = [str(2**64), str(2**63), "\u0662", "\u00b2", "0" * 30 + "2", "02"]
     ok = False
     try:
-        with fx.running_server(args) as (url, _):
+        with fx.running_server(fx.serve_flags(base, NAME, grpc_port, POLL)) as (url, _):
             for name in names:
                 publish(exported["version"], base, name)  # type: ignore[arg-type]
             publish(exported["version"], base, 2)  # a real one, published after them
-            wait_for(lambda: states(url).get("2", ("",))[0] == "AVAILABLE", "version 2")
+            fx.wait_until(lambda: state(url, "2") == "AVAILABLE", "version 2")
             assert set(states(url)) == {"1", "2"}
             assert grpc_version(f"127.0.0.1:{grpc_port}", images) == 2
             assert rest_predict(url, images)[0] == "2"
