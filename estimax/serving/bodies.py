@@ -26,7 +26,7 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -37,6 +37,7 @@ INLINE_BYTES = 256 << 10  # parsed in place: ~10 ms of the loop at most
 INLINE_ELEMENTS = 1 << 16  # numbers an answer may hold and still be written in place
 PACK_MIN = 64  # lists of fewer numbers stay lists (shapes, parameters, a few values)
 WORKERS = 2
+_T = TypeVar("_T")
 
 
 def parse(raw: bytes | bytearray) -> Any:
@@ -137,6 +138,15 @@ class JsonWorkers:
                 check(tree)
             return tree
         return await self._run(_parse_packed, raw, check)
+
+    @staticmethod
+    async def walk(large: bool, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(*args)``, Python work over a parsed body or an answer: in a thread when
+        ``large`` (the loop answers others meanwhile), else in place (a thread hop would cost
+        a small request more than the work)."""
+        if large:
+            return await asyncio.to_thread(fn, *args)
+        return fn(*args)
 
     async def dumps(self, body: Any, numbers: int) -> bytes:
         """``body`` as JSON text (``numbers``: how many numbers its arrays hold)."""

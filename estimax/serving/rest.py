@@ -27,7 +27,11 @@ with this app (one asyncio loop, so one batching queue for both ports).
 
 Bodies are parsed by hand rather than by pydantic models because both protocols define their
 own error bodies and messages (FastAPI's 422 format would break TF Serving clients); the
-OpenAPI description still documents them (``openapi_extra``).
+OpenAPI description still documents them (``openapi_extra``). Large bodies (over
+``bodies.INLINE_BYTES``) are parsed in ``estimax.serving.bodies``'s worker processes and walked
+in a thread, and large answers written there, so that the event loop keeps answering health
+checks and other requests meanwhile. The connections' timeouts, header size limit and cap are
+the transport's (``estimax.serving.transport``); a body cut off by its timeout is answered 408.
 """
 
 from __future__ import annotations
@@ -369,7 +373,8 @@ class TFServingRest:
 
     async def predict(self, name: str, version: str | None, request: Request) -> Response:
         """``POST ...:predict``."""
-        body = await self.bodies.loads(await read_body(request, self.core.options.max_body_bytes))
+        raw = await read_body(request, self.core.options.max_body_bytes)
+        body = await self.bodies.loads(raw)
         if not isinstance(body, dict):
             raise ApiError(400, "The request body must be a JSON object")
         self.core.check_signature(body.get("signature_name", SIGNATURE_NAME))
@@ -382,20 +387,22 @@ class TFServingRest:
             )
         row = "instances" in body
         with self.core.servable(name, version) as servable:
-            # Walking the instances is Python work: in a thread, the loop answers meanwhile.
-            columns = await asyncio.to_thread(
+            columns = await self.bodies.walk(
+                len(raw) > bodies.INLINE_BYTES,
                 self._row_columns if row else self._columnar,
                 servable,
                 body["instances" if row else "inputs"],
             )
             outputs = await self.core.infer(servable, columns)
-        answer = await asyncio.to_thread(_predict_answer, outputs, row)
         numbers = sum(int(a.size) for a in outputs.values())
+        large = numbers > bodies.INLINE_ELEMENTS
+        answer = await self.bodies.walk(large, _predict_answer, outputs, row)
         return _json_text(await self.bodies.dumps(answer, numbers))
 
     async def classify(self, name: str, version: str | None, request: Request) -> dict:
         """``POST ...:classify``: ``examples`` (+ ``context``) -> ``result`` label/score pairs."""
-        body = await self.bodies.loads(await read_body(request, self.core.options.max_body_bytes))
+        raw = await read_body(request, self.core.options.max_body_bytes)
+        body, large = await self.bodies.loads(raw), len(raw) > bodies.INLINE_BYTES
         if not isinstance(body, dict) or not isinstance(body.get("examples"), list):
             raise ApiError(400, "The request body must be an object with an 'examples' list")
         self.core.check_signature(body.get("signature_name", SIGNATURE_NAME))
@@ -403,10 +410,10 @@ class TFServingRest:
         if not isinstance(context, dict):
             raise ApiError(400, "'context' must be an object of features")
         self.core.count(len(body["examples"]))
-        examples = await asyncio.to_thread(_examples, body["examples"], context)
+        examples = await self.bodies.walk(large, _examples, body["examples"], context)
         with self.core.servable(name, version) as servable:
             classes.check_classify(servable)
-            columns = await asyncio.to_thread(classes.example_columns, servable, examples)
+            columns = await self.bodies.walk(large, classes.example_columns, servable, examples)
             outputs = await self.core.infer(servable, columns)
             return {"result": classes.classify_results(servable, outputs)}
 
@@ -496,6 +503,7 @@ class V2Rest:
     async def infer(self, name: str, version: str | None, request: Request) -> Response:
         """``POST /v2/models/NAME[/versions/V]/infer``: JSON, or JSON + binary tensors."""
         raw = await read_body(request, self.core.options.max_body_bytes)
+        large = len(raw) > bodies.INLINE_BYTES
         header = request.headers.get(v2.HEADER_LENGTH)
         binary: bytearray | None = None
         if header is not None:
@@ -508,17 +516,22 @@ class V2Rest:
         parameters = _parameters(body, "request")
         binary_default = _flag(parameters, "binary_data_output", "request parameters")
         with self.core.servable(name, version) as servable:
-            # Walking the tensors is Python work: in a thread, the loop answers meanwhile.
-            columns = await asyncio.to_thread(self._columns, servable, body["inputs"], binary)
+            columns = await self.bodies.walk(large, self._columns, servable, body["inputs"], binary)
             wanted, as_binary, counts = self._wanted(servable, body.get("outputs"), binary_default)
             outputs = await self.core.infer(servable, columns)
         head: dict[str, Any] = {"model_name": name, "model_version": str(servable.version)}
         if "id" in body:
             head["id"] = body["id"]
-        head["outputs"], blobs = await asyncio.to_thread(
-            _v2_outputs, servable, outputs, wanted, as_binary, counts
-        )
         numbers = sum(int(outputs[n].size) for n in wanted if not as_binary[n])
+        head["outputs"], blobs = await self.bodies.walk(
+            numbers > bodies.INLINE_ELEMENTS,
+            _v2_outputs,
+            servable,
+            outputs,
+            wanted,
+            as_binary,
+            counts,
+        )
         text = await self.bodies.dumps(head, numbers)
         if not blobs:
             return _json_text(text)

@@ -28,6 +28,7 @@ import serving_fixtures as fx  # noqa: E402
 
 from estimax import serving  # noqa: E402
 
+pytestmark = pytest.mark.slow
 NAME = "tiny"
 POLL = "--file_system_poll_wait_seconds=0.2"
 
