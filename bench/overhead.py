@@ -1,22 +1,28 @@
-"""Estimator.train throughput vs a bare jitted train-step loop (same model, data and prefetch).
+"""Estimator.train throughput vs plain jitted train-step loops (same model, data and steps).
 
-Both sides train the same model on the same host batches, read from one instrumented input that
-notes the time of every batch read; both move batches to the device with a prefetch of 2 (the
-bare side with flax's ``prefetch_to_device`` recipe: ``jax.device_put`` of the next batches while
-the current step runs). A side's speed is taken over a window of reads in the middle of one long
-``train`` call (steps ``skip`` .. ``skip + window``): its steady-state loop, including the host
-syncs at every ``iterations_per_loop`` boundary, but neither compilation, the restore at the start
-of ``train`` nor the checkpoint at its end. The checkpoint is measured separately (the time from
-the last loop's log line to ``train`` returning: the final save and its wait). Rounds are
-interleaved and medians compared, since this machine's timings drift.
+Every side trains the same model on the same host batches, read from one instrumented input
+that notes the time of every batch read, with one step queued behind the running one. Two
+baselines: ``plain_jit_loop`` calls a jitted, donated step with the numpy batches themselves (jit
+moves them in its C++ dispatch); ``prefetch_jit_loop`` moves them first with flax's
+``prefetch_to_device`` recipe (``jax.device_put`` of the next 2 batches while the current step
+runs: the baseline called ``bare_jit_loop`` in results before 2026-11-25). ``estimax_train_iplN``
+streams steps one device call each; ``estimax_train_iplN_kK`` runs K steps per device call
+(``RunConfig(steps_per_device_call=K)``, a ``lax.scan``). A side's speed is taken over a window of
+reads in the middle of one long ``train`` call (steps ``skip`` .. ``skip + window``): its
+steady-state loop, including the host syncs at every ``iterations_per_loop`` boundary, but
+neither compilation, the restore at the start of ``train`` nor the checkpoint at its end. The
+checkpoint is measured separately (the time from the last loop's log line to ``train``
+returning: the final save and its wait). Rounds are interleaved and medians compared, since
+this machine's timings drift.
 
-    .venv/bin/python bench/overhead.py --model zero --iterations_per_loop 100 --window 2000
+    .venv/bin/python bench/overhead.py --model zero --iterations_per_loop 1 100 \
+        --steps_per_device_call 10 100 --window 2000 --rounds 7
     .venv/bin/python bench/overhead.py --model mnist --iterations_per_loop 1 100
     .venv/bin/python bench/overhead.py --model resnet50 --iterations_per_loop 100 \
         --rounds 3 --window 3 --skip 3
 
 Writes bench/results/overhead_<model>.json and .md (zero: a near-zero-cost model, whose step
-time is the host's cost per step, reported in microseconds over the bare loop; mnist: MNIST
+time is the host's cost per step, reported in microseconds over each baseline; mnist: MNIST
 CNN, batch 128; resnet50: ResNet-50, 224x224, batch 16, float32).
 """
 
@@ -24,11 +30,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import logging as std_logging
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 
@@ -103,11 +111,13 @@ def prefetch_to_device(iterator, size: int):
 
 
 class Bare:
-    """init, one jitted donated step, batches through prefetch_to_device(2), no host syncs."""
+    """init, one jitted donated step, no host syncs; batches given to the step as numpy
+    (``prefetch=None``) or through prefetch_to_device(prefetch)."""
 
-    def __init__(self, name: str, batches):
+    def __init__(self, name: str, batches, prefetch: int | None):
         factory = MODELS[name][0]
         self.batch = len(batches[0][1])
+        self.prefetch = prefetch
         model = factory()
         tx = optax.sgd(0.05, momentum=0.9)
         x0 = jnp.asarray(batches[0][0])
@@ -144,7 +154,8 @@ class Bare:
 
     def run(self, source: TimedInput, steps: int) -> None:
         loss = previous = None
-        for _, (xb, yb) in zip(range(steps), prefetch_to_device(source, 2), strict=False):
+        feed = source if self.prefetch is None else prefetch_to_device(source, self.prefetch)
+        for _, (xb, yb) in zip(range(steps), feed, strict=False):
             self.state, loss = self.step(self.state, xb, yb)
             if previous is not None:
                 # One step queued behind the running one, as the Estimator: otherwise the host
@@ -157,7 +168,7 @@ class Bare:
 class Estimated:
     """estimax.Estimator.train on the same model, one long train() call per round."""
 
-    def __init__(self, name: str, batches, iterations_per_loop: int):
+    def __init__(self, name: str, batches, iterations_per_loop: int, per_call: int = 1):
         factory = MODELS[name][0]
         self.batch = len(batches[0][1])
 
@@ -173,6 +184,7 @@ class Estimated:
         config = ex.RunConfig(
             model_dir=tempfile.mkdtemp(prefix="overhead_"),
             iterations_per_loop=iterations_per_loop,
+            steps_per_device_call=per_call,
             save_checkpoints_secs=1e9,
             log_step_count_steps=10**6,
             save_summary_steps=10**6,
@@ -181,7 +193,7 @@ class Estimated:
         )
         self.est = ex.Estimator(model_fn, config, train_batch_size=self.batch)
         self.batches = batches
-        self.run(TimedInput(batches), 2)  # compile and warm up
+        self.run(TimedInput(batches), 2 * per_call)  # compile and warm up
         self.checkpoint_secs: list[float] = []
 
     def run(self, source: TimedInput, steps: int) -> None:
@@ -212,14 +224,24 @@ class Estimated:
         return secs
 
 
-def main() -> None:
+BASELINES = ("plain_jit_loop", "prefetch_jit_loop")
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", choices=sorted(MODELS), default="mnist")
     parser.add_argument("--batch_size", type=int, default=None, help="default: the model's")
     parser.add_argument("--iterations_per_loop", type=int, nargs="+", default=[1, 100])
+    parser.add_argument(
+        "--steps_per_device_call",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also time these RunConfig.steps_per_device_call at the largest iterations_per_loop",
+    )
     parser.add_argument("--rounds", type=int, default=5)
-    # At least device_prefetch + 1: the Estimator reads its first 2 batches before it restores
-    # the checkpoint, so an earlier window would time the restore.
+    # After the reads before the restore: the Estimator reads its first batches (2, or a block
+    # of steps_per_device_call) before it restores the checkpoint.
     parser.add_argument("--skip", type=int, default=20, help="steps before the timed window")
     parser.add_argument("--window", type=int, default=200, help="steps in the timed window")
     parser.add_argument(
@@ -229,8 +251,122 @@ def main() -> None:
         help="train(steps=1) calls whose final checkpoint is timed",
     )
     args = parser.parse_args()
-    if args.skip < 3:
-        parser.error("--skip must be >= 3: the Estimator restores after reading 2 batches.")
+    if args.skip < 2 * max([2, *args.steps_per_device_call]) - 1:
+        parser.error(
+            "--skip must be at least 2 x the largest --steps_per_device_call (and >= 3): the "
+            "Estimator reads a block of batches before it restores."
+        )
+    return args
+
+
+def make_runners(args: argparse.Namespace, batches) -> dict:
+    """The baselines, then each Estimator configuration, by name."""
+    runners: dict = {
+        "plain_jit_loop": Bare(args.model, batches, prefetch=None),
+        "prefetch_jit_loop": Bare(args.model, batches, prefetch=2),
+    }
+    for ipl in args.iterations_per_loop:
+        runners[f"estimax_train_ipl{ipl}"] = Estimated(args.model, batches, ipl)
+    ipl = max(args.iterations_per_loop)
+    for k in args.steps_per_device_call:
+        runners[f"estimax_train_ipl{ipl}_k{k}"] = Estimated(args.model, batches, ipl, k)
+    return runners
+
+
+def measure(args: argparse.Namespace, runners: dict, batches, batch: int) -> tuple[dict, dict]:
+    """Interleaved rounds: images per wall-second and per CPU-second of each runner's window."""
+    steps = args.skip + args.window + 1
+    rates: dict[str, list[float]] = {k: [] for k in runners}
+    cpu_rates: dict[str, list[float]] = {k: [] for k in runners}
+    for _ in range(args.rounds):
+        for name, runner in runners.items():
+            source = TimedInput(batches)
+            runner.run(source, steps)
+            rates[name].append(window_rate(source.times, args.skip, args.window, batch))
+            cpu_rates[name].append(window_rate(source.cpu_times, args.skip, args.window, batch))
+    return rates, cpu_rates
+
+
+def per_step(rates: dict[str, list[float]], batch: int) -> dict:
+    """Median images/s, the ratio to each baseline, and microseconds per step over each."""
+    medians = {k: statistics.median(v) for k, v in rates.items()}
+    us = {k: round(batch * 1e6 / v, 1) for k, v in medians.items()}
+    return {
+        "median": {k: round(v, 2) for k, v in medians.items()},
+        "ratio_over": {
+            base: {k: round(v / medians[base], 3) for k, v in medians.items() if k not in BASELINES}
+            for base in BASELINES
+        },
+        "us_per_step": us,
+        "us_over": {
+            base: {k: round(v - us[base], 1) for k, v in us.items() if k not in BASELINES}
+            for base in BASELINES
+        },
+    }
+
+
+def machine() -> dict:
+    """What ran the bench: CPU model, core count, software, backend."""
+    cpu = platform.processor()
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as f:
+            first = f.read().split("\n\n")[0]
+        info = dict(
+            (k.strip(), v.strip()) for k, _, v in (ln.partition(":") for ln in first.splitlines())
+        )
+        if "model name" in info:
+            cpu = (
+                f"{info['model name']} (family {info.get('cpu family')}, model {info.get('model')})"
+            )
+    return {
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "devices": len(jax.devices()),
+        "estimax_onednn": os.environ.get("ESTIMAX_ONEDNN", "default"),
+    }
+
+
+def write_markdown(path: str, args: argparse.Namespace, result: dict, runners: dict) -> None:
+    wall, cpu, m = result["wall"], result["cpu"], result["machine"]
+    flags = " ".join(sys.argv[1:])
+    with open(path, "w") as f:
+        f.write(f"# Estimator.train overhead (bench/overhead.py {flags})\n\n")
+        f.write(
+            f"{result['what']}; {args.rounds} rounds. {m['cpu']}, {m['cpus']} CPUs shared with "
+            f"other jobs: load average (1, 5, 15 min) {result['loadavg_start']} at the start, "
+            f"{result['loadavg_end']} at the end; jax {m['jax']} on {m['backend']} "
+            f"({m['devices']} devices, 1 used); {result['date_utc']} UTC. Baselines: "
+            "plain_jit_loop (a jitted step called with the numpy batches), prefetch_jit_loop "
+            "(device_put 2 batches ahead; `bare_jit_loop` in earlier results).\n\n"
+        )
+        f.write(
+            "| loop | median img/s | rounds | median img/CPU-s | rounds | us/step | CPU us/step "
+            "| over plain: us / CPU us | over prefetch: us / CPU us |\n"
+            "|---|---|---|---|---|---|---|---|---|\n"
+        )
+        for k in runners:
+            over = [
+                f"{wall['us_over'][b].get(k, 0.0)} / {cpu['us_over'][b].get(k, 0.0)}"
+                for b in BASELINES
+            ]
+            f.write(
+                f"| {k} | {wall['median'][k]:.2f} | "
+                f"{', '.join(f'{r:.1f}' for r in result['images_per_sec'][k])} | "
+                f"{cpu['median'][k]:.2f} | "
+                f"{', '.join(f'{r:.1f}' for r in result['images_per_cpu_sec'][k])} | "
+                f"{wall['us_per_step'][k]} | {cpu['us_per_step'][k]} | {over[0]} | {over[1]} |\n"
+            )
+        f.write(
+            "\nCheckpoint at the end of a train() call (not in the window), seconds, "
+            f"median of {args.checkpoint_repeats}: {result['checkpoint_secs_median']}\n"
+        )
+
+
+def main() -> None:
+    args = parse_args()
     _, batch, shape, classes = MODELS[args.model]
     batch = args.batch_size or batch
     rng = np.random.default_rng(0)
@@ -242,53 +378,14 @@ def main() -> None:
         for _ in range(4)
     ]
     load_start = os.getloadavg()
-    runners = {"bare_jit_loop": Bare(args.model, batches)}
-    for ipl in args.iterations_per_loop:
-        runners[f"estimax_train_ipl{ipl}"] = Estimated(args.model, batches, ipl)
-    steps = args.skip + args.window + 1
-    rates: dict[str, list[float]] = {k: [] for k in runners}
-    cpu_rates: dict[str, list[float]] = {k: [] for k in runners}
-    for _ in range(args.rounds):
-        for name, runner in runners.items():
-            source = TimedInput(batches)
-            runner.run(source, steps)
-            rates[name].append(window_rate(source.times, args.skip, args.window, batch))
-            cpu_rates[name].append(window_rate(source.cpu_times, args.skip, args.window, batch))
+    runners = make_runners(args, batches)
+    rates, cpu_rates = measure(args, runners, batches, batch)
     checkpoint = {
         name: round(
             statistics.median(r.time_checkpoint() for _ in range(args.checkpoint_repeats)), 3
         )
         for name, r in runners.items()
         if isinstance(r, Estimated)
-    }
-    load_end = os.getloadavg()
-    medians = {k: statistics.median(v) for k, v in rates.items()}
-    ratios = {
-        k: round(v / medians["bare_jit_loop"], 3)
-        for k, v in medians.items()
-        if k != "bare_jit_loop"
-    }
-    # Images per CPU-second of the whole process: what the loop costs, whatever else shares the
-    # machine (wall-clock rates drift with other jobs' load).
-    cpu_medians = {k: statistics.median(v) for k, v in cpu_rates.items()}
-    cpu_ratios = {
-        k: round(v / cpu_medians["bare_jit_loop"], 3)
-        for k, v in cpu_medians.items()
-        if k != "bare_jit_loop"
-    }
-    # Time per step (the zero model: all of it is host time) and the loop's excess over bare,
-    # in wall-clock and in this process's CPU time (steadier when other jobs load the machine).
-    us_per_step = {k: round(batch * 1e6 / v, 1) for k, v in medians.items()}
-    overhead_us = {
-        k: round(v - us_per_step["bare_jit_loop"], 1)
-        for k, v in us_per_step.items()
-        if k != "bare_jit_loop"
-    }
-    cpu_us_per_step = {k: round(batch * 1e6 / v, 1) for k, v in cpu_medians.items()}
-    cpu_overhead_us = {
-        k: round(v - cpu_us_per_step["bare_jit_loop"], 1)
-        for k, v in cpu_us_per_step.items()
-        if k != "bare_jit_loop"
     }
     what = {
         "zero": "near-zero-cost model (one 1x2 dense layer)",
@@ -304,27 +401,16 @@ def main() -> None:
         "skip": args.skip,
         "window": args.window,
         "images_per_sec": {k: [round(r, 2) for r in v] for k, v in rates.items()},
-        "median_images_per_sec": {k: round(v, 2) for k, v in medians.items()},
-        "ratio_estimax_over_bare": ratios,
         "images_per_cpu_sec": {k: [round(r, 2) for r in v] for k, v in cpu_rates.items()},
-        "median_images_per_cpu_sec": {k: round(v, 2) for k, v in cpu_medians.items()},
-        "cpu_ratio_estimax_over_bare": cpu_ratios,
-        "median_us_per_step": us_per_step,
-        "overhead_us_per_step_over_bare": overhead_us,
-        "median_cpu_us_per_step": cpu_us_per_step,
-        "cpu_overhead_us_per_step_over_bare": cpu_overhead_us,
+        # Per step, median: wall-clock and this process's CPU time (steadier when other jobs
+        # load the machine); the zero model's step time is all host time.
+        "wall": per_step(rates, batch),
+        "cpu": per_step(cpu_rates, batch),
         "checkpoint_secs_median": checkpoint,
         "checkpoint_repeats": args.checkpoint_repeats,
         "loadavg_start": [round(x, 2) for x in load_start],
-        "loadavg_end": [round(x, 2) for x in load_end],
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "jax": jax.__version__,
-            "backend": jax.default_backend(),
-            "devices": len(jax.devices()),
-            "estimax_onednn": os.environ.get("ESTIMAX_ONEDNN", "default"),
-        },
+        "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+        "machine": machine(),
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
     }
     out = os.path.join(os.path.dirname(__file__), "results")
@@ -333,36 +419,7 @@ def main() -> None:
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"overhead_{name}.json"), "w") as f:
         json.dump(result, f, indent=2)
-    with open(os.path.join(out, f"overhead_{name}.md"), "w") as f:
-        flags = f"--model {args.model}" + (
-            f" --batch_size {args.batch_size}" if args.batch_size else ""
-        )
-        f.write(f"# Estimator.train overhead (bench/overhead.py {flags})\n\n")
-        f.write(
-            f"{result['what']}; {args.rounds} rounds. Load average (1, 5, 15 min) "
-            f"{result['loadavg_start']} at the start, {result['loadavg_end']} at the end "
-            f"({os.cpu_count()} CPUs, shared with other jobs); {result['date_utc']} UTC.\n\n"
-        )
-        f.write(
-            "| loop | median img/s | ratio to bare | rounds | median img/CPU-s | "
-            "ratio to bare | rounds |\n|---|---|---|---|---|---|---|\n"
-        )
-        for k in runners:
-            f.write(
-                f"| {k} | {medians[k]:.2f} | {ratios.get(k, 1.0):.3f} | "
-                f"{', '.join(f'{r:.1f}' for r in rates[k])} | {cpu_medians[k]:.2f} | "
-                f"{cpu_ratios.get(k, 1.0):.3f} | "
-                f"{', '.join(f'{r:.1f}' for r in cpu_rates[k])} |\n"
-            )
-        f.write(
-            f"\nMicroseconds per step (median): {us_per_step}; over the bare loop: {overhead_us}. "
-            f"CPU microseconds per step: {cpu_us_per_step}; over the bare loop: "
-            f"{cpu_overhead_us}\n"
-        )
-        f.write(
-            "\nCheckpoint at the end of a train() call (not in the window), seconds, "
-            f"median of {args.checkpoint_repeats}: {checkpoint}\n"
-        )
+    write_markdown(os.path.join(out, f"overhead_{name}.md"), args, result, runners)
     print(json.dumps(result, indent=2))
 
 

@@ -3,10 +3,11 @@
 The tests start it once per process (``python tests/multihost_worker.py --flags...``). The fault
 is the test's, not the program's: ``ESTIMAX_TEST_FAULT=KIND:N`` makes this process's training
 iterator, when it reads its N-th batch, send itself SIGTERM (``sigterm``: the preemption
-notice), SIGKILL (``kill``: a host dying) or block forever (``hang``: a host that stops
-stepping). ``kill:N:S`` first waits until the checkpoint of step S is complete (saves are
-asynchronous: without it the kill could come before any checkpoint exists). Without a fault
-this is ``python -m estimax.programs.mnist``.
+notice), SIGKILL (``kill``: a host dying), block forever (``hang``: a host that stops
+stepping) or hand over to the test (``wait``: print ``FAULT_READY`` and read a line from stdin,
+while the test sends signals). ``kill:N:S`` first waits until the checkpoint of step S is
+complete (saves are asynchronous: without it the kill could come before any checkpoint exists).
+Without a fault this is ``python -m estimax.programs.mnist``.
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ class FaultyIterator:
                 os.kill(os.getpid(), signal.SIGKILL)
             elif self._kind == "hang":
                 blocked_reading_input()
+            elif self._kind == "wait":
+                print("FAULT_READY", flush=True)
+                sys.stdin.readline()
         return next(self._iterator)
 
 

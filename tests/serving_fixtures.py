@@ -116,12 +116,13 @@ def running_server(
     log_path: str | None = None,
     env: dict[str, str] | None = None,
     port: int | None = None,
+    open_files: int | None = None,
 ):
     """Starts ``estimax serve ARGS --port=P`` and yields its base URL once it is ready.
 
     ``log_path``: its output goes there (appended: the test may read it meanwhile); ``env``:
     more environment variables; ``port``: the port it listens on without a ``--port`` flag
-    (one the environment gives it).
+    (one the environment gives it); ``open_files``: its open-file limit (``ulimit -n``).
     """
     import tempfile
 
@@ -131,8 +132,11 @@ def running_server(
     # its buffer is full (the server would hang, not the test fail).
     log = open(log_path, "a") if log_path else tempfile.TemporaryFile("w+")
     flags = [] if port is not None else [f"--port={(port := free_port())}"]
+    command = [sys.executable, "-m", "estimax.serving.cli", "serve", *flags, *args]
+    if open_files is not None:  # set in the child before it becomes the server (no fork here)
+        command = [sys.executable, "-c", _LIMIT_FILES, str(open_files), *command]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "estimax.serving.cli", "serve", *flags, *args],
+        command,
         env={**server_env(), **(env or {})},
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -166,6 +170,13 @@ def running_server(
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+# python -c _LIMIT_FILES N COMMAND...: runs COMMAND with an open-file limit of N.
+_LIMIT_FILES = (
+    "import os, resource, sys; n = int(sys.argv[1]); "
+    "resource.setrlimit(resource.RLIMIT_NOFILE, (n, n)); os.execv(sys.argv[2], sys.argv[2:])"
+)
 
 
 def export_dense(root: str, class_names: list[str] | None = None) -> str:
@@ -214,3 +225,44 @@ def dense_estimator(root: str) -> tuple[ex.Estimator, list[bytes]]:
     )
     est.train(ex.numpy_input_fn(preprocess_all(images), labels), max_steps=1)
     return est, images
+
+
+def serve_flags(base, name: str, grpc_port: int, *more: str) -> list[str]:
+    """``estimax serve``'s flags for the model at ``base``, with gRPC on ``grpc_port``."""
+    return [f"--model_base_path={base}", f"--model_name={name}", f"--grpc_port={grpc_port}", *more]
+
+
+def wait_until(condition, what: str, timeout: float = 120.0) -> None:
+    """Waits for a condition of a server process (with a deadline; not a timed assertion)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def tf_predict_request(name: str, images: list[bytes], dims=None, outputs=()):
+    """A TF Serving ``PredictRequest`` of encoded images (``dims``: the shape it claims)."""
+    from estimax.serving.protos.tensorflow.core.framework import tensor_pb2, tensor_shape_pb2
+    from estimax.serving.protos.tensorflow_serving.apis import predict_pb2
+
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = name
+    shape = tensor_shape_pb2.TensorShapeProto(
+        dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=d) for d in (dims or [len(images)])]
+    )
+    request.inputs["image_bytes"].CopyFrom(
+        tensor_pb2.TensorProto(dtype=7, tensor_shape=shape, string_val=images)  # DT_STRING
+    )
+    request.output_filter.extend(outputs)
+    return request
+
+
+def grpc_predict(target: str, request):
+    """TF Serving's gRPC ``Predict`` (the ``PredictionServiceStub`` its clients use)."""
+    import grpc
+
+    from estimax.serving.protos.tensorflow_serving.apis import prediction_service_pb2_grpc
+
+    with grpc.insecure_channel(target) as channel:
+        stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+        return stub.Predict(request, timeout=60)

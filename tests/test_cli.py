@@ -179,8 +179,12 @@ def test_missing_split_is_found_at_start(tmp_path):
             ["--resnet_depth=19"],
             "FATAL: --resnet_depth=19: must be one of [18, 34, 50, 101, 152, 200]",
         ),
+        (
+            ["--iterations_per_loop=4", "--steps_per_device_call=8"],
+            "FATAL: --steps_per_device_call=8 is more than --iterations_per_loop=4",
+        ),
     ],
-    ids=["flag_parser", "program_check"],
+    ids=["flag_parser", "program_check", "device_loop_longer_than_the_loop"],
 )
 def test_user_mistakes_end_in_one_line(tmp_path, args, expected):
     last = fatal_line(
@@ -348,6 +352,18 @@ def test_skip_bad_records_and_export_dir_reach_the_inception_run(tmp_path, monke
         monkeypatch, "resnet", ["--data_dir=fake", f"--model_dir={tmp_path}", "--skip_bad_records"]
     )
     assert job.input_fn.keywords["skip_bad_records"] is True
+
+
+def test_steps_per_device_call_reaches_every_programs_run_config(tmp_path, monkeypatch):
+    for program, argv in (
+        ("resnet", ["--data_dir=fake", "--iterations_per_loop=8"]),
+        ("inception_v3", ["--use_data=fake", "--iterations=8", "--width=107", "--height=107"]),
+    ):
+        job = _captured_job(
+            monkeypatch, program, [*argv, f"--model_dir={tmp_path}", "--steps_per_device_call=4"]
+        )
+        assert job.config.steps_per_device_call == 4, program
+        assert job.config.iterations_per_loop == 8, program
 
 
 def test_mnist_skip_bad_records(tmp_path):

@@ -183,8 +183,8 @@ def test_slurm_batch_script_parses_and_starts_one_job_under_a_stand_in_srun(tmp_
 
 @pytest.mark.skipif(
     shutil.which("mpirun") is None,
-    reason="mpirun (Open MPI 4) is not installed: apt-get install openmpi-bin (make test does, "
-    "as root)",
+    reason="mpirun (Open MPI 4) is not installed: apt-get install openmpi-bin (a system package, "
+    "which make never installs)",
 )
 def test_mpirun_command_parses_and_starts_one_job_on_loopback(tmp_path):
     script = _text("mpirun.sh")

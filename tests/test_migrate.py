@@ -352,50 +352,17 @@ def test_maps_cover_every_variable_once(model, cls, kwargs):
         assert by_path[("block_group2", "block0", "proj_conv", "kernel")] == "conv2d_11/kernel"
 
 
-def _varint(n):
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def _block(entries):
-    """A LevelDB table block (no key sharing, one restart) + its trailer (type 0, masked CRC)."""
-    import struct
-
-    import crc32c
-
-    body = b"".join(
-        _varint(0) + _varint(len(k)) + _varint(len(v)) + k + v for k, v in entries
-    ) + struct.pack("<II", 0, 1)
-    crc = crc32c.crc32c(body + b"\x00")
-    masked = (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
-    return body + b"\x00" + struct.pack("<I", masked)
-
-
 def test_a_big_endian_bundle_is_refused(tmp_path):
-    import struct
+    from reliability.fuzz_targets import table_block, table_file
 
     # BundleHeaderProto{num_shards: 1, endianness: BIG, version {producer: 1}}
     header = b"\x08\x01\x10\x01\x1a\x02\x08\x01"
-    data = _block([(b"", header)])
-    handle = _varint(0) + _varint(len(data) - 5)
-    index = _block([(b"\x00", handle)])
-    footer = _varint(len(data)) + _varint(0) + _varint(len(data)) + _varint(len(index) - 5)
-    footer = footer.ljust(40, b"\x00") + struct.pack("<Q", 0xDB4775248B80FB57)
-    (tmp_path / "model.ckpt-1.index").write_bytes(data + index + footer)
+    (tmp_path / "model.ckpt-1.index").write_bytes(table_file([table_block([(b"", header)])]))
     with pytest.raises(migrate.TFCheckpointError, match=r"model.ckpt-1.index: a big-endian"):
         migrate.CheckpointReader(str(tmp_path / "model.ckpt-1"))
     # The same bundle little-endian reads (an empty checkpoint): the table itself was right.
     header = b"\x08\x01\x1a\x02\x08\x01"
-    data = _block([(b"", header)])
-    handle = _varint(0) + _varint(len(data) - 5)
-    index = _block([(b"\x00", handle)])
-    footer = _varint(len(data)) + _varint(0) + _varint(len(data)) + _varint(len(index) - 5)
-    footer = footer.ljust(40, b"\x00") + struct.pack("<Q", 0xDB4775248B80FB57)
-    (tmp_path / "model.ckpt-1.index").write_bytes(data + index + footer)
+    (tmp_path / "model.ckpt-1.index").write_bytes(table_file([table_block([(b"", header)])]))
     assert migrate.CheckpointReader(str(tmp_path / "model.ckpt-1")).variables() == {}
 
 

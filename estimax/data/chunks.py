@@ -117,7 +117,7 @@ class ChunkWorker:
                 out.append(
                     BadElement(rid, f"{e.path}: record at byte offset {e.offset}", e.problem)
                 )
-            except SourceError:
+            except (SourceError, tfrecord.ShardChangedError):  # not a record: the input stops
                 raise
             except BadRecordError as e:
                 out.append(BadElement(rid, e.where, e.problem))

@@ -24,8 +24,9 @@ from __future__ import annotations
 import contextlib
 import os
 import struct
+import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any
 
 import crc32c
@@ -38,6 +39,7 @@ __all__ = [
     "CorruptRecordError",
     "INDEX_SUFFIX",
     "RecordFile",
+    "ShardChangedError",
     "TFRecordWriter",
     "default_index_path",
     "list_files",
@@ -71,13 +73,30 @@ class CorruptRecordError(ValueError):
     Attributes:
       path: the file.
       offset: byte offset of the start of the damaged record in the file.
+      next_offset: where the next record starts when this one's framing is intact (only its
+        data CRC is wrong): reading can go on there. None when the framing itself is damaged.
     """
 
-    def __init__(self, path: str, offset: int, problem: str):
+    def __init__(self, path: str, offset: int, problem: str, next_offset: int | None = None):
         super().__init__(f"{path}: record at byte offset {offset}: {problem}")
         self.path = path
         self.offset = offset
         self.problem = problem
+        self.next_offset = next_offset
+
+
+class ShardChangedError(RuntimeError):
+    """A TFRecord file changed (size, modification time, inode or object generation) after its
+    records were located: the offsets no longer apply. Not a bad record: skipping records does
+    not skip it."""
+
+    def __init__(self, path: str, change: str):
+        super().__init__(
+            f"{path} changed while it was being read ({change}): the record offsets found when "
+            "the input started no longer apply. Put the file back as it was (or let its writer "
+            "finish) and run again: training resumes from its last checkpoint."
+        )
+        self.path = path
 
 
 def masked_crc32c(data: bytes | memoryview) -> int:
@@ -321,6 +340,7 @@ def _check_footer(
                 path,
                 offset,
                 f"data CRC mismatch (stored {data_crc:#010x}, computed {computed:#010x})",
+                next_offset=offset + _HEADER_SIZE + length + _FOOTER_SIZE,
             )
 
 
@@ -380,24 +400,35 @@ def _parse_frame(blob: bytes, path: str, offset: int, verify_crc: bool) -> bytes
     return blob[_HEADER_SIZE:end]
 
 
-def read_records(path: str, verify_crc: bool = True) -> Iterator[bytes]:
+def read_records(
+    path: str,
+    verify_crc: bool = True,
+    on_bad_record: Callable[[CorruptRecordError], Any] | None = None,
+) -> Iterator[bytes]:
     """Yields the records of one TFRecord file in order.
 
     Args:
       path: any fsspec path.
       verify_crc: check the data CRC of every record (cheap: CRC-32C runs at GB/s). The length
         CRC is always checked.
+      on_bad_record: called with the error of each record whose data CRC is wrong while its
+        framing is intact; that one record is skipped and reading goes on. None: it raises.
 
     Raises:
       CorruptRecordError: bad CRC or truncated record; names the file and the record's offset.
+        Damaged framing (a length CRC, a truncation) always raises: nothing after it can be
+        found.
       FileNotFoundError: the file does not exist.
     """
-    for _, record in read_records_with_offsets(path, verify_crc=verify_crc):
+    for _, record in read_records_with_offsets(path, verify_crc, on_bad_record=on_bad_record):
         yield record
 
 
 def read_records_with_offsets(
-    path: str, verify_crc: bool = True, start_offset: int = 0
+    path: str,
+    verify_crc: bool = True,
+    start_offset: int = 0,
+    on_bad_record: Callable[[CorruptRecordError], Any] | None = None,
 ) -> Iterator[tuple[int, bytes]]:
     """Like :func:`read_records`, also yielding each record's byte offset; can start mid-file.
 
@@ -405,6 +436,7 @@ def read_records_with_offsets(
       path: any fsspec path.
       verify_crc: check both CRCs.
       start_offset: byte offset of a record boundary to start at (e.g. a saved position).
+      on_bad_record: as in :func:`read_records`.
 
     Yields:
       ``(offset, record)``.
@@ -414,7 +446,14 @@ def read_records_with_offsets(
             f.seek(start_offset)
         offset = start_offset
         while True:
-            record = _read_one(f, path, offset, verify_crc)
+            try:
+                record = _read_one(f, path, offset, verify_crc)
+            except CorruptRecordError as e:
+                if on_bad_record is None or e.next_offset is None:
+                    raise
+                on_bad_record(e)  # the whole frame was read: f is at the next record
+                offset = e.next_offset
+                continue
             if record is None:
                 return
             yield offset, record
@@ -567,12 +606,51 @@ def read_index(index_path: str) -> np.ndarray:
     return np.asarray(offsets, dtype=np.int64)
 
 
+# How often a file on an object store is asked whether it is still the one being read (one
+# request per file; a local file is checked at every read, for free).
+RECHECK_SECS = 30.0
+
+
+def _local_identity(st: os.stat_result) -> dict[str, Any]:
+    return {"size": st.st_size, "modified": st.st_mtime_ns, "file": (st.st_dev, st.st_ino)}
+
+
+def _identity(fs: fsspec.AbstractFileSystem, fs_path: str) -> dict[str, Any]:
+    """What tells this version of a file from another: size, mtime and inode on local disk;
+    size and generation (GCS) or ETag (S3) on an object store."""
+    if _is_local(fs):
+        return _local_identity(os.stat(fs_path))
+    info = fs.info(fs_path)
+    version = next(
+        (info[k] for k in ("generation", "ETag", "VersionId", "mtime", "created") if k in info),
+        None,
+    )
+    return {"size": info.get("size"), "version": str(version)}
+
+
+def _change(was: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """How a file's identity changed, in words (None if it did not)."""
+    if was["size"] != now["size"]:
+        return f"{was['size']} bytes then, {now['size']} now"
+    if was.get("file") != now.get("file"):
+        return "replaced by another file of the same size"
+    if was.get("modified") != now.get("modified"):
+        return "rewritten: same size, another modification time"
+    if was.get("version") != now.get("version"):
+        return f"replaced: object version {was['version']} then, {now['version']} now"
+    return None
+
+
 class RecordFile(Sequence[bytes]):
     """Random access to the records of one TFRecord file: ``len(f)``, ``f[i]``.
 
     Uses the index file (``path + '.idx'`` or ``index_path``) if present, else scans the file's
     headers once. Reads are thread-safe and hold no open file, so a ``RecordFile`` can be shared
-    by threads and pickled to worker processes.
+    by threads and pickled to worker processes. A file that changes afterwards (its offsets then
+    point anywhere) raises ``ShardChangedError`` naming it: checked at every read of a local
+    file (its size, mtime and inode, from the ``fstat`` the read does anyway), and on an object
+    store (its size and generation or ETag: one request) when a read finds damage and at most
+    every ``RECHECK_SECS`` otherwise.
 
     Args:
       path: the TFRecord file (any fsspec path).
@@ -592,6 +670,8 @@ class RecordFile(Sequence[bytes]):
         self.verify_crc = verify_crc
         self._fs, self._fs_path = _fs_and_path(path)
         self._is_local = _is_local(self._fs)
+        self._identity = _identity(self._fs, self._fs_path)  # before the offsets are found
+        self._checked = time.monotonic()
         if offsets is not None:
             self.index_path = index_path
             self.offsets = np.asarray(offsets, dtype=np.int64)
@@ -624,16 +704,40 @@ class RecordFile(Sequence[bytes]):
         if self._is_local:
             fd = os.open(self._fs_path, os.O_RDONLY)
             try:
+                st = os.fstat(fd)
+                change = _change(self._identity, _local_identity(st))
+                if change:
+                    raise ShardChangedError(self.path, change)
                 # pread allocates its size up front: a wrong index must not make it ask for
                 # terabytes. Past the file's end there is nothing to read; _parse_frame then
                 # reports the truncation.
-                size = os.fstat(fd).st_size
-                blob = os.pread(fd, max(0, min(end, size) - start), start)
+                blob = os.pread(fd, max(0, min(end, st.st_size) - start), start)
             finally:
                 os.close(fd)
-        else:
-            blob = self._fs.cat_file(self._fs_path, start=start, end=end)
-        return _parse_frame(blob, self.path, start, self.verify_crc)
+            return _parse_frame(blob, self.path, start, self.verify_crc)
+        self.check_due()
+        blob = self._fs.cat_file(self._fs_path, start=start, end=end)
+        try:
+            return _parse_frame(blob, self.path, start, self.verify_crc)
+        except CorruptRecordError:
+            self.check_unchanged()
+            raise
+
+    def check_unchanged(self) -> None:
+        """Raises ``ShardChangedError`` if the file is no longer the one whose records were
+        located (on an object store: one request, past any cached listing)."""
+        if not self._is_local:
+            self._fs.invalidate_cache(self._fs_path)
+        self._checked = time.monotonic()
+        change = _change(self._identity, _identity(self._fs, self._fs_path))
+        if change:
+            raise ShardChangedError(self.path, change)
+
+    def check_due(self) -> None:
+        """``check_unchanged`` if ``RECHECK_SECS`` have passed since the last check (object
+        stores; local files are checked at every read)."""
+        if not self._is_local and time.monotonic() - self._checked >= RECHECK_SECS:
+            self.check_unchanged()
 
     @property
     def is_remote(self) -> bool:
@@ -661,6 +765,9 @@ def read_many(items: Sequence[tuple[RecordFile, int]]) -> list[bytes | Exception
     Returns:
       per item its data, or the exception reading it raised (a damaged record's
       :class:`CorruptRecordError`, a request's error after the client's retries).
+
+    Raises:
+      ShardChangedError: a file was replaced since its records were located.
     """
     out: list[bytes | Exception] = [b""] * len(items)
     remote: list[tuple[RecordFile, int, int]] = []  # (file, start, item)
@@ -674,18 +781,10 @@ def read_many(items: Sequence[tuple[RecordFile, int]]) -> list[bytes | Exception
             out[k] = e
     if not remote:
         return out
-    # Coalesce: sort by (file, offset) and join runs where each record starts at the last's end.
-    remote.sort(key=lambda r: (r[0].path, r[1]))
-    ranges: list[tuple[RecordFile, int, int, list[int]]] = []  # (file, start, end, items)
-    for rf, start, k in remote:
-        j = items[k][1]
-        end = int(rf.offsets[j + 1])
-        if ranges:
-            last_rf, last_start, last_end, last_items = ranges[-1]
-            if last_rf is rf and last_end == start and end - last_start <= _MAX_RANGE:
-                ranges[-1] = (rf, last_start, end, [*last_items, k])
-                continue
-        ranges.append((rf, start, end, [k]))
+    ranges = _coalesce(items, remote)
+    for rf in {id(r[0]): r[0] for r in ranges}.values():
+        rf.check_due()  # a replaced file raises here, for the whole call
+    checked: dict[RecordFile, ShardChangedError | None] = {}
     by_fs: dict[int, list[int]] = {}
     for r, (rf, _, _, _) in enumerate(ranges):
         by_fs.setdefault(id(rf._fs), []).append(r)  # noqa: SLF001 - same module
@@ -703,15 +802,49 @@ def read_many(items: Sequence[tuple[RecordFile, int]]) -> list[bytes | Exception
                 out[k] = (
                     blob
                     if isinstance(blob, Exception)
-                    else _record_in(blob, start, rf, items[k][1])
+                    else _record_in(blob, start, rf, items[k][1], checked)
                 )
     return out
 
 
-def _record_in(blob: bytes, start: int, rf: RecordFile, j: int) -> bytes | Exception:
-    """Record ``j`` of ``rf`` from ``blob``, the file's bytes from ``start``; or its damage."""
+def _coalesce(
+    items: Sequence[tuple[RecordFile, int]], remote: list[tuple[RecordFile, int, int]]
+) -> list[tuple[RecordFile, int, int, list[int]]]:
+    """``(file, start, end, items)`` ranges of the ``remote`` reads ``(file, start, item)``:
+    sorted by (file, offset), runs where each record starts at the last's end joined, each at
+    most ``_MAX_RANGE`` bytes."""
+    remote.sort(key=lambda r: (r[0].path, r[1]))
+    ranges: list[tuple[RecordFile, int, int, list[int]]] = []
+    for rf, start, k in remote:
+        j = items[k][1]
+        end = int(rf.offsets[j + 1])
+        if ranges:
+            last_rf, last_start, last_end, last_items = ranges[-1]
+            if last_rf is rf and last_end == start and end - last_start <= _MAX_RANGE:
+                ranges[-1] = (rf, last_start, end, [*last_items, k])
+                continue
+        ranges.append((rf, start, end, [k]))
+    return ranges
+
+
+def _record_in(
+    blob: bytes,
+    start: int,
+    rf: RecordFile,
+    j: int,
+    checked: dict[RecordFile, ShardChangedError | None],
+) -> bytes | Exception:
+    """Record ``j`` of ``rf`` from ``blob``, the file's bytes from ``start``; or its damage.
+
+    Damage makes it ask once per call whether the file was replaced (``checked``)."""
     lo, hi = int(rf.offsets[j]), int(rf.offsets[j + 1])
     try:
         return _parse_frame(blob[lo - start : hi - start], rf.path, lo, rf.verify_crc)
     except CorruptRecordError as e:
-        return e
+        if rf not in checked:
+            try:
+                rf.check_unchanged()
+                checked[rf] = None
+            except ShardChangedError as changed:
+                checked[rf] = changed
+        return checked[rf] or e

@@ -5,8 +5,8 @@ reports).
 Every kind has ``submit(task) -> pending`` (``pending.result()`` gives the task's result or
 raises its error) and ``shutdown(wait)``. Worker processes speak a small protocol over one pipe
 each: the loader sends a task (``chunks.TransformChunk`` or ``chunks.FillChunk``), the worker
-answers :class:`Done` or :class:`Failed`, in order. A worker that dies is reported here
-(:meth:`ProcessWorkers.receive`).
+answers :class:`Done` or :class:`Failed`, in order. A worker that dies is one ``SourceError``,
+whether sending it a task or waiting for its reply finds it gone.
 """
 
 from __future__ import annotations
@@ -18,11 +18,13 @@ import multiprocessing
 import os
 import pickle
 import queue
+import signal
 import threading
 from typing import Any, Protocol
 
 from estimax.data.chunks import ChunkTask, ChunkWorker
 from estimax.data.read_ahead import ReadAhead, read_ahead_for
+from estimax.data.sources import SourceError
 from estimax.data.worker_exit import exit_with_parent
 
 __all__ = [
@@ -215,7 +217,10 @@ class ProcessWorkers:
     def submit(self, task: ChunkTask) -> Pending:
         """Sends ``task`` to the least busy worker."""
         index = min(range(len(self._conns)), key=self._outstanding.__getitem__)
-        self._conns[index].send(task)
+        try:
+            self._conns[index].send(task)
+        except OSError:  # BrokenPipeError, ConnectionResetError: it is gone
+            raise self._died(index) from None
         self._outstanding[index] += 1
         return _Ticket(self, index)
 
@@ -224,15 +229,22 @@ class ProcessWorkers:
         try:
             reply: Done | Failed = self._conns[index].recv()
         except (EOFError, OSError):
-            proc = self._procs[index]
-            proc.join(timeout=1)
-            raise RuntimeError(
-                f"a loader worker process died (exit code {proc.exitcode}); the input cannot go on"
-            ) from None
+            raise self._died(index) from None
         self._outstanding[index] -= 1
         if isinstance(reply, Failed):
             raise reply.error
         return reply.result
+
+    def _died(self, index: int) -> SourceError:
+        """The one error for worker ``index``'s death, whichever pipe operation found it."""
+        proc = self._procs[index]
+        proc.join(timeout=1)
+        how = f"exit code {proc.exitcode}"
+        if proc.exitcode is not None and proc.exitcode < 0:
+            how = f"killed by {signal.Signals(-proc.exitcode).name}"
+            if proc.exitcode == -signal.SIGKILL:
+                how += ": out of memory? Fewer or lighter workers need less"
+        return SourceError(f"a loader worker process died ({how}); the input cannot go on")
 
     def shutdown(self, wait: bool = True) -> None:
         """Stops the workers: closing their pipes ends them (after a task under way)."""

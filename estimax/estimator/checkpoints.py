@@ -289,6 +289,46 @@ def verify_manifest(step_dir: str) -> str | None:
     return None
 
 
+def step_problem(step_dir: str, step: int) -> str | None:
+    """What makes ``step_dir`` not the checkpoint of ``step``, or None when nothing does.
+
+    Checked beside the manifest (which only says that the files are the ones written): an empty
+    or incomplete directory (a copy that was interrupted, a directory made by hand), and one
+    whose ``meta`` item records another step (a checkpoint copied or renamed under another
+    step's name). A ``meta`` that cannot be parsed is left to Orbax's read (it fails, and the
+    step is set aside then).
+    """
+    files = _step_files(step_dir)
+    if not files:
+        return "it is empty (a copy that was interrupted, or a directory made by hand)"
+    meta_file = f"{META_ITEM}/metadata"  # what Orbax's JsonSave writes
+    if meta_file not in files:
+        return f"it is incomplete: {meta_file} is missing (a copy that was interrupted?)"
+    fs, _ = storage.filesystem(step_dir)
+    try:
+        with fs.open(files[meta_file], "rb") as f:
+            meta = json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict):
+        return None
+    items = (
+        [MODEL_ITEM]
+        + [OPTIMIZER_ITEM] * bool(meta.get("has_optimizer"))
+        + [EMA_ITEM] * bool(meta.get("has_ema"))
+    )
+    for item in items:
+        if not any(rel.startswith(item + "/") for rel in files):
+            return f"it is incomplete: its {item} item is missing (a copy that was interrupted?)"
+    recorded = meta.get("step")
+    if isinstance(recorded, int) and recorded != step:
+        return (
+            f"it holds the checkpoint of step {recorded}, not of step {step} (a checkpoint "
+            "copied or renamed under another step's name)"
+        )
+    return None
+
+
 class Checkpointer:
     """Saves and restores training checkpoints by step in ``model_dir``.
 
@@ -386,6 +426,9 @@ class Checkpointer:
         if problem == "no manifest":
             logging.info("Checkpoint %s has no %s: not checked.", path, MANIFEST_NAME)
             problem = None
+        if problem is None:
+            with storage.errors_named(path, "check the checkpoint's files"):
+                problem = step_problem(path, step)
         if problem is None:
             self._verified.add(step)
             return True

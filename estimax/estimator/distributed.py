@@ -23,6 +23,7 @@ import numpy as np
 from absl import logging
 
 from estimax.estimator import launch
+from estimax.ops import signals
 
 AUTO = launch.AUTO
 
@@ -140,7 +141,9 @@ class PreemptionNotice:
     process there is no such service (it returns False), so a SIGTERM handler sets a flag that
     the next step's check sees; the handler is installed while the context is open, from the
     main thread only (Python's rule for signal handlers; from another thread SIGTERM keeps its
-    default action).
+    default action). Native code may replace whatever handles SIGTERM behind Python's back
+    (oneDNN's runtime did; ``estimax.ops.signals``): ``keep_handlers``, at each host loop, puts
+    it back.
     """
 
     def __init__(self) -> None:
@@ -148,6 +151,7 @@ class PreemptionNotice:
         self._received = False
         self._previous: dict[int, Any] = {}
         self.signal_name: str | None = None  # the signal that asked to stop: SIGTERM or SIGINT
+        self._keeper: signals.Keeper | None = None
 
     def __enter__(self) -> PreemptionNotice:
         import signal
@@ -159,11 +163,24 @@ class PreemptionNotice:
             # where Python's own KeyboardInterrupt handler is in place (not a user's handler).
             if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
                 self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_signal)
+        # Whatever handles SIGTERM now (ours, or JAX's preemption service with many processes)
+        # is what native code must not take away (see keep_handlers).
+        self._keeper = signals.Keeper([signal.SIGTERM, signal.SIGINT])
         return self
+
+    def keep_handlers(self) -> None:
+        """Call at each host loop: puts back a SIGTERM/SIGINT handler that native code replaced.
+
+        estimax undoes what oneDNN's runtime installs (``estimax.ops.signals``); this catches
+        any other native library (a user's custom call) doing the same.
+        """
+        if self._keeper is not None:
+            self._keeper.check()
 
     def __exit__(self, *exc: object) -> None:
         import signal
 
+        self._keeper = None
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
         self._previous = {}

@@ -34,11 +34,12 @@ between one device and many.
 The training loop streams: each step is dispatched (asynchronously) as soon as its batch is on
 the devices, with ``RunConfig.device_prefetch`` batches transferred ahead and at most one more
 step queued behind the running one, so input memory is O(prefetch x batch) whatever
-``iterations_per_loop`` is. Once per loop the host fetches that loop's per-step metrics (one
-small scalar per step and metric), checks them for NaN, writes them at their true step numbers,
-and may checkpoint. After every step the loop asks whether a preemption notice (SIGTERM) has
-come; if so it stops after that step, saves it with the input position and raises ``Preempted``
-(exit status 0).
+``iterations_per_loop`` is (``RunConfig.steps_per_device_call``: blocks of steps per device
+call, a ``lax.scan``, where the host's cost per step matters). Once per loop the host fetches
+that loop's per-step metrics (one small scalar per step and metric), checks them for NaN,
+writes them at their true step numbers, and may checkpoint. After every step (or device call)
+the loop asks whether a preemption notice (SIGTERM) has come; if so it stops after that step,
+saves it with the input position and raises ``Preempted`` (exit status 0).
 
 With many processes (``jax.distributed``) each reads its own shard of the input; every process
 takes part in each step, save and evaluation batch, and each host's input position is saved.
@@ -530,22 +531,36 @@ class Estimator:
                 sample.append(_leading_rows((features, labels), rows))
             return host, info
 
-        feeder = feeding.DevicePrefetcher(
-            iterator,
-            prepare,
-            lambda b: replication.to_device(b, self.mesh, P(REPLICA_AXIS)),
-            size=self.config.device_prefetch,
-            limit=limit,
-        )
+        block = self.config.steps_per_device_call if mode == ModeKeys.TRAIN else 1
+        feeder: feeding.DevicePrefetcher
+        if block > 1:
+            feeder = feeding.BlockPrefetcher(
+                iterator,
+                prepare,
+                lambda b: replication.to_device(b, self.mesh, P(None, REPLICA_AXIS)),
+                block,
+                limit=limit,
+            )
+        else:
+            feeder = feeding.DevicePrefetcher(
+                iterator,
+                prepare,
+                lambda b: replication.to_device(b, self.mesh, P(REPLICA_AXIS)),
+                size=self.config.device_prefetch,
+                limit=limit,
+            )
         with contextlib.suppress(TypeError):  # an infinite input has no len()
             feeder.expected_batches = len(iterable)  # type: ignore[arg-type]
         return feeder, sample
 
     # ------------------------------------------------------------------ training
 
-    def _train_step_fn(self) -> Callable:
-        """``(state, rng, features, labels) -> (state, metrics)``: one step on the mesh."""
-        key = ("train_step",)
+    def _train_step_fn(self, per_call: int | None = None) -> Callable:
+        """``(state, rng, features, labels) -> (state, StepOutput)`` on the mesh: one step, or
+        with ``per_call`` (default ``steps_per_device_call``) > 1 a device loop over batches
+        stacked ``[n, B, ...]`` (outputs ``[n]``)."""
+        block = (per_call or self.config.steps_per_device_call) > 1
+        key = ("train_step", block)
         if key not in self._compiled:
             step = functools.partial(
                 steps_lib.train_step,
@@ -557,10 +572,16 @@ class Estimator:
             def per_replica(state, rng, features, labels):
                 return step(state, (features, labels), rng)
 
+            def per_replica_loop(state, rng, features, labels):
+                return jax.lax.scan(
+                    lambda state, batch: step(state, batch, rng), state, (features, labels)
+                )
+
+            batch = P(None, REPLICA_AXIS) if block else P(REPLICA_AXIS)
             sharded = jax.shard_map(
-                per_replica,
+                per_replica_loop if block else per_replica,
                 mesh=self.mesh,
-                in_specs=(P(), P(), P(REPLICA_AXIS), P(REPLICA_AXIS)),
+                in_specs=(P(), P(), batch, batch),
                 out_specs=(P(), P()),
             )
             self._compiled[key] = jax.jit(sharded, donate_argnums=(0,))
@@ -642,8 +663,7 @@ class Estimator:
         feeder, sample = self._feeder(ModeKeys.TRAIN, input_fn, limit=target - start)
         if start:
             _restore_input_position(feeder, source, start)
-        fed = feeder.next()
-        if fed is None:
+        if not feeder.has_next():
             raise ValueError(
                 "input_fn produced no training batch: its input ended before a whole batch of "
                 f"{replication.per_host_batch(self._batch_size(ModeKeys.TRAIN))} examples (this "
@@ -663,7 +683,6 @@ class Estimator:
             rng=jax.device_put(self._base_rng, replication.replicated(self.mesh)),
             state=state,
             feeder=feeder,
-            fed=fed,
             start=start,
             target=target,
             global_batch=self._batch_size(ModeKeys.TRAIN),
@@ -671,7 +690,7 @@ class Estimator:
             listeners=listeners,
             last_segment=last_segment,
         )
-        del state, fed  # the run owns them (the state's buffers are donated to its steps)
+        del state  # the run owns it (its buffers are donated to the steps)
         with contextlib.ExitStack() as stack:
             # Every part's cleanup runs whatever raises (a failed final save included).
             return loop_lib.TrainingRun(setup, stack).run()
@@ -1048,8 +1067,9 @@ class Estimator:
         self._batch_sizes = {**self._batch_sizes, mode: batch}
         init_eval = self._init_variables_fn(ModeKeys.EVAL)
         _, eval_fn = self._eval_batch_fn()
+        # One step, whatever steps_per_device_call: a device loop runs the same step body.
         return compile_lib.Steps(
-            self._init_fn, self._train_step_fn(), init_eval, eval_fn, self._base_rng
+            self._init_fn, self._train_step_fn(per_call=1), init_eval, eval_fn, self._base_rng
         )
 
     # ------------------------------------------------------------------ summaries

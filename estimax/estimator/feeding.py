@@ -5,6 +5,8 @@ flax's ImageNet example's ``prefetch_to_device``), so host-to-device copies over
 runs; host and device memory for input stay O(prefetch x batch) whatever the loop length. It
 records, with each batch, the input iterator's position right after that batch was read, so a
 checkpoint saves the position of the last batch *trained on*, not of the last one prefetched.
+``BlockPrefetcher`` hands out blocks of batches stacked for a device loop over them
+(``RunConfig.steps_per_device_call``), one transfer per block.
 
 ``DeviceIdle`` estimates how long the devices sat idle while the host was still reading input
 (a step already finished when the read after it returned): the fraction of a loop lost to the
@@ -19,6 +21,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import jax
+import numpy as np
 from absl import logging
 
 
@@ -32,12 +36,14 @@ class Fed:
       input_state: the input iterator's ``get_state()`` right after this batch was read, or None
         when the iterator has no ``get_state``.
       num_skipped: the iterator's ``num_skipped`` (bad records skipped) then, or None.
+      count: how many batches ``value`` holds (``BlockPrefetcher``: stacked on a leading axis).
     """
 
     value: Any
     info: Any
     input_state: Any
     num_skipped: int | None
+    count: int = 1
 
 
 class DevicePrefetcher:
@@ -108,10 +114,57 @@ class DevicePrefetcher:
             host, info = self._prepare(element)
             self._queue.append(Fed(self._put(host), info, state, skipped))
 
-    def next(self) -> Fed | None:
-        """The next batch on the devices, or None when the input (or the limit) is exhausted."""
+    def next(self, count: int | None = None) -> Fed | None:
+        """The next batch on the devices, or None when the input (or the limit) is exhausted.
+
+        ``count``: the most batches wanted (a ``BlockPrefetcher`` hands out up to that many at
+        once; this one, one).
+        """
         self.fill()
         return self._queue.popleft() if self._queue else None
+
+    def has_next(self) -> bool:
+        """Whether another batch comes (reads ahead, as ``fill``, to know)."""
+        self.fill()
+        return bool(self._queue)
+
+
+class BlockPrefetcher(DevicePrefetcher):
+    """Hands out blocks of up to ``block`` batches stacked on a new leading axis, one transfer
+    per block (for a device loop over them, ``lax.scan``).
+
+    It reads up to ``block`` batches ahead on the host and transfers a block when it is asked
+    for (while the device call before it runs); host and device memory stay O(block x batch).
+
+    Args:
+      put_block: ``stacked host tree -> device tree`` (leading axis: the block's batches).
+      block: the most batches in a block.
+      The others: as ``DevicePrefetcher``'s (``put`` is not used: blocks go by ``put_block``).
+    """
+
+    def __init__(
+        self,
+        iterator: Iterator,
+        prepare: Callable[[Any], tuple[Any, Any]],
+        put_block: Callable[[Any], Any],
+        block: int,
+        limit: int | None = None,
+        timer: Callable[[], float] = time.perf_counter,
+    ):
+        super().__init__(iterator, prepare, lambda host: host, block, limit, timer)
+        self._put_block = put_block
+
+    def next(self, count: int | None = None) -> Fed | None:
+        """The next ``count`` (default ``block``) batches, fewer where the input ends, stacked
+        on the devices; None when the input (or the limit) is exhausted."""
+        self.fill()
+        count = min(count or self._size, len(self._queue))
+        if not count:
+            return None
+        taken = [self._queue.popleft() for _ in range(count)]
+        stacked = jax.tree.map(lambda *leaves: np.stack(leaves), *(f.value for f in taken))
+        last = taken[-1]
+        return Fed(self._put_block(stacked), last.info, last.input_state, last.num_skipped, count)
 
 
 class EndlessEvalInput:

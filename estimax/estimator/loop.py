@@ -1,15 +1,16 @@
 """The training loop as components: each owns its cadence and its cleanup; the loop asks them.
 
 Steps are dispatched one by one as their batches reach the devices (at most one queued behind
-the running one); once per loop of ``iterations_per_loop`` steps the host fetches the loop's
-per-step metrics (its one sync with the devices) and asks each component in turn, as CLU's
+the running one), or with ``RunConfig.steps_per_device_call`` a block of them per device call,
+never across a loop's end; once per loop of ``iterations_per_loop`` steps the host fetches the
+loop's per-step outputs (its one sync with the devices) and asks each component in turn, as CLU's
 periodic actions, torchtitan's and kauldron's trainers do. Every component is constructed and
 entered under one ``contextlib.ExitStack``, so every cleanup runs whatever raises (a failed
 checkpoint write, a NaN, a hook's error, ``Preempted``).
 
 | component            | asked                  | does                             | cleanup      |
 |----------------------|------------------------|----------------------------------|--------------|
-| ``PreemptionNotice`` | after every step       | stop, save at an agreed step     | SIGTERM      |
+| ``PreemptionNotice`` | after every step/call  | stop, save at an agreed step     | SIGTERM      |
 | ``Watchdog``         | heartbeat every step   | no step in time: stacks, exit 75 | its thread   |
 |                      |                        | (paused around listeners)        |              |
 | ``DeviceIdle``       | after every input read | device idle time per loop        |              |
@@ -105,8 +106,11 @@ def to_host(tree: Any) -> Any:
 
 @jax.jit
 def _stack(outputs: list[StepOutput]) -> StepOutput:
-    """``[StepOutput of scalars] * n -> StepOutput of [n]`` (compiled once per loop length)."""
-    return jax.tree.map(lambda *steps: jnp.stack(steps), *outputs)
+    """A loop's device calls' outputs (scalars of one step, or ``[m]`` of m steps) as one
+    ``StepOutput`` of ``[n]`` (compiled once per loop shape)."""
+    return jax.tree.map(
+        lambda *calls: jnp.concatenate([jnp.reshape(c, (-1,)) for c in calls]), *outputs
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -415,7 +419,8 @@ class Setup:
       step_fn: ``(state, rng, features, labels) -> (state, StepOutput)`` on the mesh.
       rng: the replicated base key.
       state: the restored or initial train state.
-      feeder: the bounded device prefetch of the input; ``fed``: its first batch.
+      feeder: the bounded device prefetch of the input (``BlockPrefetcher`` with
+        ``steps_per_device_call`` > 1: then ``step_fn`` runs a block of steps per call).
       start, target: the global step training starts at and must reach.
       global_batch: examples per step (for examples/sec).
       hooks, listeners: the user's.
@@ -431,7 +436,6 @@ class Setup:
     rng: Any
     state: Any
     feeder: feeding.DevicePrefetcher
-    fed: feeding.Fed | None
     start: int
     target: int
     global_batch: int
@@ -440,12 +444,19 @@ class Setup:
     last_segment: bool = True
 
 
+def _reached(notice: distributed.PreemptionNotice, first: int, last: int) -> bool:
+    """After a block of steps: whether a preemption notice asks to stop (asked at each step, as
+    processes agree on the step through these calls); the block's last step is saved."""
+    return any([notice.reached(step) for step in range(first, last + 1)])
+
+
 class TrainingRun:
     """Runs the loops of one ``Estimator.train`` call; every part is entered on ``stack``."""
 
     def __init__(self, setup: Setup, stack: contextlib.ExitStack):
         s = self.setup = setup
-        self.state, self.fed, self.step = s.state, s.fed, s.start
+        self.state, self.step = s.state, s.start
+        self._blocks = isinstance(s.feeder, feeding.BlockPrefetcher)
         stack.callback(s.hooks.close)
         self.logger = StepLogger(s.config, s.global_batch, s.clock, s.start, s.target, s.summaries)
         stack.callback(self.logger.close)
@@ -472,7 +483,9 @@ class TrainingRun:
         """Trains until the target step, the input's end, a stop or a preemption; the last step."""
         hooks, target = self.setup.hooks, self.setup.target
         hooks.started()
-        while self.fed is not None and not (self.preempted or self.stopped):
+        more = True  # the Estimator saw a first batch
+        while more and not (self.preempted or self.stopped):  # a saving listener may stop it
+            self.notice.keep_handlers()
             begin = self.step
             length = hooks.loop_end(
                 begin, min(begin + self.setup.config.iterations_per_loop, target)
@@ -484,9 +497,9 @@ class TrainingRun:
             for report in self.reports:
                 report.after_loop(loop)
             self.stopped = hooks.after_run(begin, self.step, loop.metrics)
-            if not (self.preempted or self.stopped):
-                self.fed = self.setup.feeder.next()  # None: the steps are done, or input ended
-            final = self.fed is None or self.preempted or self.stopped
+            # No more: the steps are done, or the input ended.
+            more = not (self.preempted or self.stopped) and self.setup.feeder.has_next()
+            final = not more
             self.stopped = self.saver.after_loop(loop, self.state, final) or self.stopped
         if self.step < target and not (self.preempted or self.stopped):
             feeder = self.setup.feeder
@@ -513,32 +526,35 @@ class TrainingRun:
             raise stop
         return self.step
 
-    def _steps(self, count: int, traced: bool) -> list[Any]:
-        """Dispatches up to ``count`` steps, one queued behind the running one; their outputs
-        (summaries left out: ``_keep_summaries`` keeps the summary steps' ones)."""
+    def _steps(self, count: int, traced: bool) -> list[StepOutput]:
+        """Dispatches up to ``count`` steps, one device call queued behind the running one;
+        their outputs (summaries left out: ``_keep_summaries`` keeps the summary steps')."""
         s, feeder, idle = self.setup, self.setup.feeder, self.idle
         step_fn, rng, watchdog, notice = s.step_fn, s.rng, self.watchdog, self.notice
         outputs: list[StepOutput] = []
         previous = fed = None
-        state, step = self.state, self.step
-        for _ in range(count):
-            fed, self.fed = self.fed or feeder.next(), None
+        state, step, end = self.state, self.step, self.step + count
+        while step < end:
+            # A block never crosses the loop's end (a host sync: checkpoints, hooks, the last step).
+            fed = feeder.next(end - step)
             if fed is None:
                 break
-            step += 1
-            with jax.profiler.StepTraceAnnotation("train", step_num=step) if traced else _NO_SCOPE:
+            first, step = step + 1, step + fed.count
+            with jax.profiler.StepTraceAnnotation("train", step_num=first) if traced else _NO_SCOPE:
                 state, out = step_fn(state, rng, *fed.value)
-            self._keep_summaries(step, out.summaries)
-            outputs.append(out.replace(summaries=None))
+            if out.summaries is not None:
+                self._keep_summaries(first, step, out.summaries)
+                out = out.replace(summaries=None)
+            outputs.append(out)
             self._input_state, self._skipped = fed.input_state, fed.num_skipped
             fed = None  # its device buffers go once the step is done with them
             if previous is not None:
-                # At most one step queued behind the running one: the host never runs ahead
+                # At most one call queued behind the running one: the host never runs ahead
                 # (holding batches) by more than that, whatever the loop length.
                 previous.block_until_ready()
-                watchdog.heartbeat(step - 1)
+                watchdog.heartbeat(first - 1)
             previous = out.loss
-            if notice.reached(step):
+            if notice.reached(step) if first == step else _reached(notice, first, step):
                 # Every process stops after this same step and saves it (see PreemptionNotice);
                 # the batches read ahead are not trained on.
                 self.preempted = True
@@ -549,12 +565,18 @@ class TrainingRun:
         self.state, self.step = state, step
         return outputs
 
-    def _keep_summaries(self, step: int, summaries: Any) -> None:
-        """Keeps a step's image/histogram/text summaries if it is a summary step; others' are
-        dropped at once (device memory does not grow with the loop's length)."""
-        every = self.setup.config.save_summary_steps
-        if summaries and self.setup.summaries is not None:
-            if periodic.steps_due(step - 1, step, every, self.setup.start + 1):
+    def _keep_summaries(self, first: int, last: int, summaries: Any) -> None:
+        """Keeps the image/histogram/text summaries of the summary steps in ``first..last``
+        (stacked ``[last - first + 1]`` for a block); others' are dropped at once (device
+        memory does not grow with the loop's length)."""
+        if self.setup.summaries is None:
+            return
+        every, run_first = self.setup.config.save_summary_steps, self.setup.start + 1
+        for step in periodic.steps_due(first - 1, last, every, run_first):
+            if self._blocks:
+                i = step - first
+                self._summaries.append((step, jax.tree.map(lambda x, i=i: x[i], summaries)))
+            else:
                 self._summaries.append((step, summaries))
 
     def _sync(self, begin: int, outputs: list[StepOutput]) -> LoopEnd:
@@ -565,8 +587,8 @@ class TrainingRun:
             self._summaries = []
         # Stacked on the devices: one transfer per metric, not one per step and metric (that
         # cost 6 us per step of host time, bench/overhead.py).
-        if len(outputs) == 1:  # nothing to stack: spare the dispatch (iterations_per_loop=1)
-            host = jax.tree.map(lambda v: np.reshape(v, (1,)), to_host(outputs[0]))
+        if len(outputs) == 1:  # nothing to stack: spare the dispatch (one call in the loop)
+            host = jax.tree.map(lambda v: np.reshape(v, (-1,)), to_host(outputs[0]))
         else:
             host = to_host(_stack(outputs))
         self.watchdog.heartbeat(self.step)

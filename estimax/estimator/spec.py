@@ -252,6 +252,21 @@ class RunConfig:
       profile_steps: ``(START, STOP)``: capture a ``jax.profiler`` trace of training steps
         START..STOP (inclusive, with step markers) under ``model_dir/plugins/profile/``, where
         TensorBoard's profile plugin finds it (``estimax.ProfilerHook``); None: no trace.
+      steps_per_device_call: run up to this many training steps in one device call, a
+        ``lax.scan`` over that many batches stacked and transferred at once, instead of one
+        call per step (the default, 1). It pays where the host's cost per step (a dispatch, a
+        transfer, the loop's bookkeeping: tens of microseconds) is a large part of a step: small
+        models, small batches, fast accelerators (a near-zero-cost model on a CPU: ~50 us of
+        host CPU time per step over a plain jitted loop one call per step, none at k = 10,
+        ``bench/results/overhead_zero.md``). Opt-in because it costs elsewhere: input memory
+        becomes about 4 x k batches (a block read ahead, one being stacked, one running and one
+        queued on the devices; ``device_prefetch`` is not used), XLA:CPU runs convolution
+        gradients inside a device loop many times slower (an MNIST step: 12.7 s against
+        0.33 s), and each new block length compiles the step again. Calls never cross a
+        loop's end (checkpoints, hooks, the last step): a loop of n steps runs ``n // k`` calls
+        of k steps and one of the rest, so choose a k that divides ``iterations_per_loop``.
+        Per-step metrics, summaries, the NaN check and the input position are kept per step as
+        without it; a preemption notice stops training after the call that follows it.
 
     Mutable collections such as ``batch_stats`` are computed per replica, as on TPU, and
     averaged over replicas after each step (one consistent copy to checkpoint); pass
@@ -274,11 +289,18 @@ class RunConfig:
     skip_nonfinite_steps: bool = False
     profile_steps: tuple[int, int] | None = None
     allow_invalid_labels: bool = False
+    steps_per_device_call: int = 1
 
     def __post_init__(self) -> None:
         if self.iterations_per_loop < 1:
             raise ValueError(
                 f"RunConfig.iterations_per_loop must be >= 1, got {self.iterations_per_loop}."
+            )
+        if not 1 <= self.steps_per_device_call <= self.iterations_per_loop:
+            raise ValueError(
+                "RunConfig.steps_per_device_call must be from 1 to iterations_per_loop "
+                f"({self.iterations_per_loop}): a device call never crosses a host sync; got "
+                f"{self.steps_per_device_call}."
             )
         if self.save_checkpoints_steps is not None and self.save_checkpoints_secs is not None:
             raise ValueError(

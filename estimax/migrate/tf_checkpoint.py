@@ -14,12 +14,19 @@ table of ~100 lines' worth of format. The two messages are declared to protobuf 
 What it does not read, each refused with one error naming the file: snappy-compressed table
 blocks (written only by TF 1.0/1.1), partitioned variables (``slices``), string tensors,
 big-endian bundles and dtypes other than the numeric ones.
+
+A hostile or damaged file costs work and memory in proportion to its size, never more: keys
+may expand (prefix compression) to at most ``_KEY_EXPANSION`` times the file's bytes, each table
+block is read once, and a tensor's shape, size, offset and shard are checked against each other
+and the data file's size before a byte of it is read. Every malformed field is a
+``TFCheckpointError`` naming it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import posixpath
 import re
 import struct
@@ -83,13 +90,20 @@ _TABLE_MAGIC = 0xDB4775248B80FB57
 _FOOTER_SIZE = 48
 _BLOCK_TRAILER_SIZE = 5  # 1 byte compression type + fixed32 masked CRC32C
 _MASK_DELTA = 0xA282EAD8
+# TensorFlow's table writer restarts prefix compression every 16 keys (block_restart_interval),
+# so the keys of a real index, written out in full, come to at most 16 times its size. A
+# "prefix-compression bomb" (thousands of keys sharing one long prefix) goes far past that:
+# a 4 MB one took 20 s to list, 10 MB about an hour, before this bound.
+_KEY_EXPANSION = 32
+_MAX_RANK = 254  # TensorFlow's TensorShape::MaxDimensions()
+_MAX_BYTES = (1 << 63) - 1  # numpy's bound on an array's bytes (zero-sized ones included)
 
 
 class TFCheckpointError(ValueError):
     """A TensorFlow checkpoint that cannot be found, is damaged, or holds what we do not read."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class TensorInfo:
     """One tensor of a checkpoint, as its ``BundleEntryProto`` describes it."""
 
@@ -213,7 +227,26 @@ def _read_block(data: bytes, offset: int, size: int, path: str) -> memoryview:
     return memoryview(data)[offset:end]
 
 
-def _block_entries(block: memoryview, path: str) -> Iterator[tuple[bytes, memoryview]]:
+class _KeyBudget:
+    """The key bytes an index may expand to (``_KEY_EXPANSION`` times its size)."""
+
+    def __init__(self, path: str, file_size: int):
+        self.path, self.file_size = path, file_size
+        self.left = _KEY_EXPANSION * file_size + (1 << 16)
+
+    def spend(self, key_bytes: int) -> None:
+        self.left -= key_bytes
+        if self.left < 0:
+            raise TFCheckpointError(
+                f"{self.path}: damaged table (its prefix-compressed keys expand to more than "
+                f"{_KEY_EXPANSION} times the file's {self.file_size} bytes; TensorFlow's "
+                "never do)"
+            )
+
+
+def _block_entries(
+    block: memoryview, path: str, budget: _KeyBudget | None = None
+) -> Iterator[tuple[bytes, memoryview]]:
     """``(key, value)`` of a table block, in order (restart points not needed sequentially)."""
     if len(block) < 4:
         raise TFCheckpointError(f"{path}: damaged table (a block of {len(block)} bytes)")
@@ -228,6 +261,8 @@ def _block_entries(block: memoryview, path: str) -> Iterator[tuple[bytes, memory
         value_len, pos = _varint(block, pos, path)
         if shared > len(key) or pos + non_shared + value_len > limit:
             raise TFCheckpointError(f"{path}: damaged table (an entry runs off its block)")
+        if budget is not None:
+            budget.spend(shared + non_shared)
         key = key[:shared] + bytes(block[pos : pos + non_shared])
         pos += non_shared
         yield key, block[pos : pos + value_len]
@@ -235,7 +270,7 @@ def _block_entries(block: memoryview, path: str) -> Iterator[tuple[bytes, memory
 
 
 def _table_entries(data: bytes, path: str) -> Iterator[tuple[bytes, memoryview]]:
-    """Every ``(key, value)`` of a LevelDB-format table file, in key order."""
+    """Every ``(key, value)`` of a LevelDB-format table file, in key order (checked)."""
     if len(data) < _FOOTER_SIZE:
         raise TFCheckpointError(f"{path}: not a TensorFlow checkpoint index ({len(data)} bytes)")
     footer = data[-_FOOTER_SIZE:]
@@ -248,10 +283,25 @@ def _table_entries(data: bytes, path: str) -> Iterator[tuple[bytes, memoryview]]
     _, pos = _varint(footer, pos, path)  # ... size (the metaindex block is empty)
     index_offset, pos = _varint(footer, pos, path)
     index_size, pos = _varint(footer, pos, path)
-    for _, handle in _block_entries(_read_block(data, index_offset, index_size, path), path):
+    budget = _KeyBudget(path, len(data))
+    index = _read_block(data, index_offset, index_size, path)
+    block_end, last = 0, None
+    for _, handle in _block_entries(index, path, budget):
         offset, p = _varint(handle, 0, path)
         size, _ = _varint(handle, p, path)
-        yield from _block_entries(_read_block(data, offset, size, path), path)
+        if offset < block_end:  # TensorFlow writes its blocks one after the other, once each
+            raise TFCheckpointError(
+                f"{path}: damaged table (its index names a block at byte {offset}, which "
+                "overlaps the one before)"
+            )
+        block_end = offset + size + _BLOCK_TRAILER_SIZE
+        for key, value in _block_entries(_read_block(data, offset, size, path), path, budget):
+            if last is not None and key <= last:
+                raise TFCheckpointError(
+                    f"{path}: damaged table (key {key[:80]!r} is out of order: keys are sorted)"
+                )
+            last = key
+            yield key, value
 
 
 def _read_text(path: str) -> str:
@@ -336,11 +386,16 @@ class CheckpointReader:
             storage.open_file(self.index_path, "rb") as f,
         ):
             data = f.read()
-        header_cls, entry_cls = _bundle_messages()
         self.num_shards = 1
         self._entries: dict[str, TensorInfo] = {}
+        self._read_index(data)
+        self._files: dict[int, IO[bytes]] = {}
+
+    def _read_index(self, data: bytes) -> None:
+        """Fills ``num_shards`` and ``_entries`` from the ``.index`` file's bytes."""
         from google.protobuf.message import DecodeError
 
+        header_cls, entry_cls = _bundle_messages()
         for key, value in _table_entries(data, self.index_path):
             try:
                 if key == b"":
@@ -350,6 +405,10 @@ class CheckpointReader:
                             f"{self.index_path}: a big-endian checkpoint; estimax reads "
                             "little-endian ones only (re-save it on a little-endian machine)"
                         )
+                    if header.num_shards < 0:
+                        raise TFCheckpointError(
+                            f"{self.index_path}: damaged header ({header.num_shards} shards)"
+                        )
                     self.num_shards = header.num_shards or 1
                     continue
                 if key.startswith(b"\x00"):
@@ -358,17 +417,32 @@ class CheckpointReader:
             except DecodeError as e:
                 raise TFCheckpointError(f"{self.index_path}: damaged entry {key!r} ({e})") from None
             name = key.decode("utf-8", errors="replace")
-            self._entries[name] = TensorInfo(
-                name=name,
-                dtype=entry.dtype,
-                shape=tuple(int(d.size) for d in entry.shape.dim),
-                shard_id=entry.shard_id,
-                offset=entry.offset,
-                size=entry.size,
-                crc32c=entry.crc32c,
-                sliced=len(entry.slices) > 0,
-            )
-        self._files: dict[int, IO[bytes]] = {}
+            self._entries[name] = self._entry_info(name, entry)
+
+    def _entry_info(self, name: str, entry: Any) -> TensorInfo:
+        """A ``BundleEntryProto`` as ``TensorInfo``; a field no tensor can have is an error."""
+
+        def damaged(what: str) -> TFCheckpointError:
+            return TFCheckpointError(f"{self.index_path}: damaged entry {name}: {what}")
+
+        if entry.shape.unknown_rank:
+            raise damaged("its shape has no rank (a saved tensor always has one)")
+        if len(entry.shape.dim) > _MAX_RANK:
+            raise damaged(f"a shape of {len(entry.shape.dim)} dimensions (at most {_MAX_RANK})")
+        shape = tuple(int(d.size) for d in entry.shape.dim)
+        if any(d < 0 for d in shape):
+            raise damaged(f"a negative dimension in its shape {list(shape)}")
+        itemsize = DTYPES[entry.dtype].itemsize if entry.dtype in DTYPES else 1
+        if math.prod(d or 1 for d in shape) * itemsize > _MAX_BYTES:  # numpy refuses those
+            raise damaged(f"its shape {list(shape)} is larger than any array")
+        if entry.offset < 0 or entry.size < 0:
+            raise damaged(f"offset {entry.offset}, size {entry.size} (negative)")
+        if not 0 <= entry.shard_id < self.num_shards:
+            raise damaged(f"shard {entry.shard_id}, of a checkpoint of {self.num_shards} shards")
+        sliced = len(entry.slices) > 0
+        return TensorInfo(
+            name, entry.dtype, shape, entry.shard_id, entry.offset, entry.size, entry.crc32c, sliced
+        )
 
     def variables(self) -> dict[str, TensorInfo]:
         """``{name: TensorInfo}`` of every tensor, in name order (as the index stores them)."""
@@ -406,26 +480,47 @@ class CheckpointReader:
                 f"numeric tensors only ({', '.join(DTYPE_NAMES[d] for d in DTYPES)})"
             )
         dtype = DTYPES[info.dtype]
-        count = int(np.prod(info.shape, dtype=np.int64))
+        count = math.prod(info.shape)  # Python's integers: an absurd shape cannot wrap around
         if info.size != count * dtype.itemsize:
             raise TFCheckpointError(
                 f"{self.index_path}: {name} has {info.size} bytes for "
                 f"{info.shape} {info.dtype_name}"
             )
+        raw = self._read(info)
+        if unmask_crc(info.crc32c) != crc32c.crc32c(raw):
+            raise TFCheckpointError(
+                f"{self.data_path(info.shard_id)}: CRC32C mismatch in tensor {name}"
+            )
+        return np.frombuffer(raw, dtype=dtype).reshape(info.shape).copy()
+
+    def _read(self, info: TensorInfo) -> bytes:
+        """The bytes of ``info`` in its data file, after checking that the file holds them."""
         path = self.data_path(info.shard_id)
         f = self._files.get(info.shard_id)
+        try:
+            with storage.errors_named(path, "read it"):
+                if f is None:
+                    f = self._files[info.shard_id] = storage.open_file(path, "rb")
+                file_size = f.seek(0, 2)
+        except FileNotFoundError:
+            raise TFCheckpointError(
+                f"{path}: missing ({info.name} is in shard {info.shard_id} of {self.num_shards})"
+            ) from None
+        end = info.offset + info.size
+        # Checked before reading: a size the file cannot hold is never allocated.
+        if end > file_size:
+            raise TFCheckpointError(
+                f"{path}: truncated ({info.name} needs bytes {info.offset}..{end}, the file "
+                f"has {file_size})"
+            )
         with storage.errors_named(path, "read it"):
-            if f is None:
-                f = self._files[info.shard_id] = storage.open_file(path, "rb")
             f.seek(info.offset)
             raw = f.read(info.size)
         if len(raw) != info.size:
             raise TFCheckpointError(
-                f"{path}: truncated ({name} needs bytes {info.offset}..{info.offset + info.size})"
+                f"{path}: truncated ({info.name} needs bytes {info.offset}..{end})"
             )
-        if unmask_crc(info.crc32c) != crc32c.crc32c(raw):
-            raise TFCheckpointError(f"{path}: CRC32C mismatch in tensor {name}")
-        return np.frombuffer(raw, dtype=dtype).reshape(info.shape).copy()
+        return raw
 
     def global_step(self) -> int | None:
         """The ``global_step`` variable's value, or None if the checkpoint has none."""

@@ -104,6 +104,16 @@ def define_cluster_flags(fv: flags.FlagValues) -> None:
         "markers) under --model_dir/plugins/profile/, where TensorBoard's profile plugin finds it.",
         flag_values=fv,
     )
+    flags.DEFINE_integer(
+        "steps_per_device_call",
+        1,
+        "Training steps per device call: k > 1 runs k steps in one call on k stacked batches (a "
+        "loop on the device, as TPUEstimator's iterations_per_loop did), for small models whose "
+        "steps cost less than the host's dispatch; at most the steps per loop. 1: one call per "
+        "step (XLA:CPU runs convolution gradients inside a device loop much slower).",
+        lower_bound=1,
+        flag_values=fv,
+    )
 
 
 def profile_steps(fv: flags.FlagValues) -> tuple[int, int] | None:
@@ -164,7 +174,7 @@ def _run(
     argv: list[str],
 ) -> None:
     from estimax import storage
-    from estimax.data import bigtable
+    from estimax.data import bigtable, loader, tfrecord
     from estimax.estimator import checkpoints, preflight
     from estimax.estimator.estimator import Preempted
     from estimax.estimator.label_check import InvalidLabelError
@@ -190,6 +200,10 @@ def _run(
     except bigtable.BigtableError as e:
         # A table that cannot be read is a setup problem: its message, without a traceback.
         _fatal(f"Cloud Bigtable input: {e}")
+    except (loader.SourceError, tfrecord.ShardChangedError) as e:
+        # The input cannot go on (a worker process died, a shard changed while read): it says
+        # why and what to do; its traceback is not the user's to read.
+        _fatal(f"input: {e}")
     except storage.StorageError as e:
         # The clients' retries ran out; the message names the path (no traceback: not a bug).
         _fatal(str(e))

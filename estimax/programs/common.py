@@ -121,23 +121,27 @@ def log_unused_tpu_flags(fv: flags.FlagValues) -> None:
         )
 
 
-def resolve_num_shards(requested: int | None, flag_name: str) -> int | None:
+def resolve_num_shards(
+    requested: int | None, flag_name: str, *, compile_only: bool = False
+) -> int | None:
     """Maps ``--num_cores``/``--num_shards`` to ``RunConfig.num_shards``.
 
     Args:
       requested: the flag's value (the original's default 8 is the cores of one Cloud TPU).
       flag_name: for the message.
+      compile_only: ``--compile_for``: the slice's devices, not this host's, are what
+        ``requested`` is checked against (when the steps are compiled).
 
     Returns:
-      ``requested`` if this job has that many devices; else None (every device), after a warning
-      that names the flag, the value and the devices found.
+      ``requested`` if this job has that many devices (or with ``compile_only``); else None
+      (every device), after a warning that names the flag, the value and the devices found.
     """
     available = jax.device_count()
     if requested is None:
         return None
     if requested < 1:
         raise UsageError(f"--{flag_name}={requested}: must be >= 1.")
-    if requested > available:
+    if requested > available and not compile_only:
         logging.warning(
             "--%s=%d but this job has %d %s device(s); using all %d. (The original's default "
             "8 was the cores of one Cloud TPU; set --%s to at most %d to silence this.)",
@@ -427,6 +431,34 @@ class LoopConfig:
         )
 
 
+def run_config(fv: flags.FlagValues, iterations_flag: str, **fields: Any) -> ex.RunConfig:
+    """The ``RunConfig`` of the flags every program has, with the program's ``fields``.
+
+    Args:
+      fv: the parsed flags (``--model_dir``, ``--watchdog_timeout``, ``--profile_steps``,
+        ``--steps_per_device_call`` and the program's ``iterations_flag``).
+      iterations_flag: the name of the program's iterations-per-loop flag.
+      **fields: the program's other ``RunConfig`` fields.
+
+    Raises:
+      UsageError: ``--steps_per_device_call`` above the steps per loop.
+    """
+    iterations = int(fv[iterations_flag].value or 1)  # never None: the flag has a default
+    if fv.steps_per_device_call > iterations:
+        raise UsageError(
+            f"--steps_per_device_call={fv.steps_per_device_call} is more than "
+            f"--{iterations_flag}={iterations}: a device call never crosses a loop's end."
+        )
+    return ex.RunConfig(
+        model_dir=fv.model_dir,
+        iterations_per_loop=iterations,
+        watchdog_timeout_secs=fv.watchdog_timeout,
+        profile_steps=cli.profile_steps(fv),
+        steps_per_device_call=fv.steps_per_device_call,
+        **fields,
+    )
+
+
 def resnet_style_configs(
     fv: flags.FlagValues, num_shards: int | None
 ) -> tuple[ex.RunConfig, LoopConfig]:
@@ -436,15 +468,13 @@ def resnet_style_configs(
     iterations_per_loop), as both originals), ``--log_step_count_steps``, ``--steps_per_eval``,
     ``--num_eval_images``, ``--num_train_images`` and ``run_flags``' flags.
     """
-    config = ex.RunConfig(
-        model_dir=fv.model_dir,
-        iterations_per_loop=fv.iterations_per_loop,
+    config = run_config(
+        fv,
+        "iterations_per_loop",
         num_shards=num_shards,
         save_checkpoints_steps=fv.save_checkpoints_steps or max(100, fv.iterations_per_loop),
         keep_checkpoint_max=fv.keep_checkpoint_max,
         log_step_count_steps=fv.log_step_count_steps,
-        watchdog_timeout_secs=fv.watchdog_timeout,
-        profile_steps=cli.profile_steps(fv),
         skip_nonfinite_steps=fv.skip_nonfinite_steps,
     )
     loop = LoopConfig.from_flags(

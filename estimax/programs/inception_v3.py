@@ -425,15 +425,15 @@ def eval_size(fv: flags.FlagValues) -> int:
 
 def run_config(fv: flags.FlagValues) -> ex.RunConfig:
     """The ``RunConfig`` of the original's flags."""
-    return ex.RunConfig(
-        model_dir=fv.model_dir,
-        iterations_per_loop=fv.iterations,
-        num_shards=common.resolve_num_shards(fv.num_shards, "num_shards"),
+    return common.run_config(
+        fv,
+        "iterations",
+        num_shards=common.resolve_num_shards(
+            fv.num_shards, "num_shards", compile_only=bool(fv.compile_for)
+        ),
         save_checkpoints_secs=fv.save_checkpoints_secs,
         save_summary_steps=fv.save_summary_steps,
         keep_checkpoint_max=fv.keep_checkpoint_max,
-        watchdog_timeout_secs=fv.watchdog_timeout,
-        profile_steps=cli.profile_steps(fv),
         skip_nonfinite_steps=fv.skip_nonfinite_steps,
     )
 

@@ -156,8 +156,12 @@ def load_tfrecords(path: str, skip_bad_records: bool = False) -> tuple[np.ndarra
     images: list[np.ndarray] = []
     labels: list[int] = []
     skipped = 0
+    # A record whose data CRC is wrong (its framing intact) is skipped alone, as the loader does.
+    damaged: list[tfrecord.CorruptRecordError] = []
     try:
-        for record in tfrecord.read_records(path):
+        for record in tfrecord.read_records(
+            path, on_bad_record=damaged.append if skip_bad_records else None
+        ):
             try:
                 parsed = example.parse_example(record, schema)
                 image = np.frombuffer(parsed["image_raw"], np.uint8)
@@ -168,7 +172,7 @@ def load_tfrecords(path: str, skip_bad_records: bool = False) -> tuple[np.ndarra
             except ValueError as e:
                 if not skip_bad_records:
                     raise cli.UsageError(
-                        f"{path}: record {len(images) + skipped}: {e} (skip "
+                        f"{path}: record {len(images) + skipped + len(damaged)}: {e} (skip "
                         "such records with --skip_bad_records)."
                     ) from None
                 skipped += 1
@@ -177,8 +181,12 @@ def load_tfrecords(path: str, skip_bad_records: bool = False) -> tuple[np.ndarra
             labels.append(int(parsed["label"]))
     except tfrecord.CorruptRecordError as e:
         if not skip_bad_records:
-            raise cli.UsageError(f"{e} (skip the damaged rest with --skip_bad_records).") from None
+            what = "such records" if e.next_offset is not None else "the damaged rest"
+            raise cli.UsageError(f"{e} (skip {what} with --skip_bad_records).") from None
         logging.warning("Skipping the damaged rest of %s (--skip_bad_records): %s", path, e)
+    for error in damaged:
+        logging.warning("Skipped a damaged record (--skip_bad_records): %s", error)
+    skipped += len(damaged)
     if skipped:
         logging.warning("Skipped %d bad records of %s (--skip_bad_records).", skipped, path)
     if not images:
@@ -237,13 +245,11 @@ def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
     common.check_locations(fv)
     files = data_files(fv)
     cfg = config_from_flags(fv)
-    config = ex.RunConfig(
-        model_dir=fv.model_dir,
-        iterations_per_loop=fv.iterations,
+    config = common.run_config(
+        fv,
+        "iterations",
         num_shards=fv.num_shards,
         save_checkpoints_steps=fv.save_checkpoints_steps,
-        watchdog_timeout_secs=fv.watchdog_timeout,
-        profile_steps=cli.profile_steps(fv),
     )
     # Train to --train_steps, then one evaluation of --eval_steps batches (0: none).
     loop = common.LoopConfig(

@@ -348,7 +348,10 @@ def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
     check_flags(fv)
     inputs, data_dir, notes = make_inputs(fv)
     config, loop = common.resnet_style_configs(
-        fv, num_shards=common.resolve_num_shards(fv.num_cores, "num_cores")
+        fv,
+        num_shards=common.resolve_num_shards(
+            fv.num_cores, "num_cores", compile_only=bool(fv.compile_for)
+        ),
     )
     return common.run(
         common.Job.for_family(

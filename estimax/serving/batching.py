@@ -144,12 +144,12 @@ class Batcher:
         assert self._wakeup is not None and self._slots is not None
         timeout = self.options.batch_timeout_micros / 1e6
         while True:
-            while not self._tasks:
+            while not self._drop_given_up():
                 self._wakeup.clear()
                 await self._wakeup.wait()
             await self._slots.acquire()  # while busy, the next batch keeps filling
             # Wait for the batch to fill, at most `timeout` after its first request arrived.
-            while self._fill() < self.options.max_batch_size:
+            while self._drop_given_up() and self._fill() < self.options.max_batch_size:
                 left = self._tasks[0].arrived + timeout - self._clock()
                 if left <= 0:
                     break
@@ -158,6 +158,9 @@ class Batcher:
                     await asyncio.wait_for(self._wakeup.wait(), left)
                 except TimeoutError:
                     break
+            if not self._drop_given_up():
+                self._slots.release()
+                continue
             batch = [self._tasks.popleft()]
             total = batch[0].size
             while (
@@ -169,6 +172,14 @@ class Batcher:
                 batch.append(self._tasks.popleft())
             self._queued -= total
             asyncio.get_running_loop().create_task(self._run(batch))
+
+    def _drop_given_up(self) -> bool:
+        """Drops the requests given up while they waited (timed out: nobody reads their rows,
+        so they are not run); whether any request is left."""
+        if any(t.future.done() for t in self._tasks):
+            self._queued -= sum(t.size for t in self._tasks if t.future.done())
+            self._tasks = collections.deque(t for t in self._tasks if not t.future.done())
+        return bool(self._tasks)
 
     def _fill(self) -> int:
         first = self._tasks[0]

@@ -176,6 +176,7 @@ def _serve_parser(sub: Any, env: Mapping[str, str]) -> None:
     )
     _batching_flags(serve)
     _limit_flags(serve)
+    _connection_flags(serve)
     _ops_flags(serve)
     _vertex_defaults(serve, env)
 
@@ -229,6 +230,44 @@ def _limit_flags(serve: argparse.ArgumentParser) -> None:
         type=int,
         default=1 << 26,
         help="larger images (by their header) answer 400 before they are decoded",
+    )
+
+
+def _connection_flags(serve: argparse.ArgumentParser) -> None:
+    # TF Serving's naming (--rest_api_timeout_in_ms); uvicorn's --timeout-keep-alive and
+    # --limit-concurrency, nginx's client_header_timeout/client_body_timeout are the same ideas.
+    serve.add_argument(
+        "--rest_api_header_timeout_in_ms",
+        type=int,
+        default=10_000,
+        help="a connection's request line and headers must arrive within this; else 408 and "
+        "closed (a silent connection: closed). Also gRPC's handshake timeout",
+    )
+    serve.add_argument(
+        "--rest_api_body_timeout_in_ms",
+        type=int,
+        default=30_000,
+        help="a request's whole body must arrive within this of its headers; else 408 and closed",
+    )
+    serve.add_argument(
+        "--rest_api_keep_alive_timeout_in_ms",
+        type=int,
+        default=5_000,
+        help="an idle HTTP connection is closed after this (uvicorn's --timeout-keep-alive; "
+        "behind a load balancer, set it above the balancer's idle timeout)",
+    )
+    serve.add_argument(
+        "--max_connections",
+        type=int,
+        default=1000,
+        help="open connections per port; past it the longest-waiting idle or stalled HTTP "
+        "connection is closed (gRPC: refused). Lowered to fit the open-file limit (ulimit -n)",
+    )
+    serve.add_argument(
+        "--max_header_bytes",
+        type=int,
+        default=64 << 10,
+        help="a request line and headers larger than this answer 431",
     )
 
 
@@ -330,6 +369,7 @@ def _server_options(args: argparse.Namespace) -> Any:
     from estimax.serving.batching import BatchingOptions
     from estimax.serving.metrics import parse_monitoring_config
     from estimax.serving.rest import ServerOptions
+    from estimax.serving.transport import ConnectionLimits
 
     batching = BatchingOptions(
         args.max_batch_size,
@@ -348,7 +388,7 @@ def _server_options(args: argparse.Namespace) -> Any:
     )
     if metrics_path is not None and not metrics_path.startswith("/"):
         raise ValueError(f"--metrics_path={metrics_path} must start with /")
-    return ServerOptions(
+    options = ServerOptions(
         enable_batching=args.enable_batching,
         batching=batching,
         rest_api_timeout_in_ms=args.rest_api_timeout_in_ms,
@@ -362,7 +402,16 @@ def _server_options(args: argparse.Namespace) -> Any:
         access_log_format=args.access_log_format,
         vertex_predict_route=args.vertex_predict_route,
         vertex_health_route=args.vertex_health_route,
+        limits=ConnectionLimits(
+            header_timeout_s=args.rest_api_header_timeout_in_ms / 1000,
+            body_timeout_s=args.rest_api_body_timeout_in_ms / 1000,
+            keep_alive_timeout_s=args.rest_api_keep_alive_timeout_in_ms / 1000,
+            max_connections=args.max_connections,
+            max_header_bytes=args.max_header_bytes,
+        ),
     )
+    options.limits.validate()
+    return options
 
 
 def _check_vertex(args: argparse.Namespace) -> None:
@@ -421,6 +470,7 @@ def serve(args: argparse.Namespace) -> int:
     """Runs the server until interrupted."""
     import uvicorn
 
+    from estimax.serving import transport
     from estimax.serving.manager import ModelManager
     from estimax.serving.rest import Server
     from estimax.serving.servable import default_batch_sizes
@@ -439,6 +489,7 @@ def serve(args: argparse.Namespace) -> int:
     if not list_versions(args.model_base_path):  # fails early, with the flag's name, if absent
         _refuse_one_version(args.model_base_path)
     _configure_logging(args)
+    options = _fit_connections(options, ports=2 if args.grpc_port else 1)
     batching = options.batching
     sizes = list(batching.allowed_batch_sizes) or default_batch_sizes(batching.max_batch_size)
     manager = ModelManager(
@@ -459,13 +510,35 @@ def serve(args: argparse.Namespace) -> int:
         + (f"; Vertex AI: {args.vertex_predict_route}" if args.vertex_predict_route else ""),
         flush=True,
     )
+    http = transport.protocol_class(
+        options.limits, on_close=server.core.metrics.connection_closed, refuse_app=server.refuse_app
+    )
     try:
         uvicorn.run(
-            server.app, host=args.host, port=args.port, log_level=args.log_level, access_log=False
+            server.app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            access_log=False,
+            http=http,
+            timeout_keep_alive=options.limits.keep_alive_timeout_s,
         )
     finally:
         manager.stop()
     return 0
+
+
+def _fit_connections(options: Any, ports: int) -> Any:
+    """``options`` with ``--max_connections`` lowered to fit the open-file limit (logged)."""
+    import dataclasses
+
+    from estimax.serving import transport
+
+    fitted, why = transport.fitted_max_connections(options.limits.max_connections, ports)
+    if why:
+        std_logging.getLogger("estimax.serving.transport").warning(why)
+    limits = dataclasses.replace(options.limits, max_connections=fitted)
+    return dataclasses.replace(options, limits=limits)
 
 
 def predict(args: argparse.Namespace) -> int:

@@ -18,13 +18,16 @@ at WARNING (ERROR for an internal error, 500) on ``estimax.serving.core``.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import functools
 import logging
 import os
+import re
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -34,8 +37,10 @@ from estimax.serving import tracking
 from estimax.serving.batching import Batcher, BatchingOptions, QueueFullError
 from estimax.serving.manager import ModelManager, VersionState
 from estimax.serving.metrics import ServingMetrics
-from estimax.serving.servable import InvalidInput, Servable
+from estimax.serving.servable import InvalidInput, RequestCancelled, Servable
 from estimax.serving.tracking import RequestRecord
+from estimax.serving.transport import ConnectionLimits
+from estimax.serving.versions import MAX_VERSION, version_number
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("estimax.serving.access")
@@ -64,6 +69,8 @@ class ServerOptions:
       access_log_format: ``text`` or ``json`` (JSON lines).
       vertex_predict_route, vertex_health_route: Vertex AI's ``AIP_PREDICT_ROUTE`` and
         ``AIP_HEALTH_ROUTE`` (empty: not served).
+      limits: the connections' timeouts and caps (``estimax.serving.transport``; gRPC: its
+        handshake timeout and connection cap).
     """
 
     enable_batching: bool = False
@@ -79,6 +86,7 @@ class ServerOptions:
     access_log_format: str = "text"
     vertex_predict_route: str = ""
     vertex_health_route: str = ""
+    limits: ConnectionLimits = dataclasses.field(default_factory=ConnectionLimits)
 
 
 # A 429's Retry-After (HTTP) and grpc-retry-pushback-ms (gRPC): a full queue drains in about a
@@ -101,7 +109,43 @@ _GRPC_CODES = {
     501: "UNIMPLEMENTED",
     503: "UNAVAILABLE",
     504: "DEADLINE_EXCEEDED",
+    # Last: DEADLINE_EXCEEDED stands for 504 (HTTP_STATUS takes each code's first status).
+    408: "DEADLINE_EXCEEDED",
 }
+
+
+_ASCII_DIGITS = re.compile(r"[0-9]+")
+
+
+def clip(text: str, limit: int = 40) -> str:
+    """``repr(text)``, cut to about ``limit`` characters (error messages echo what was sent)."""
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} chars)"
+
+
+def ascii_int(text: str, what: str, limit: int) -> int:
+    """``text`` as a decimal integer from 0 to ``limit`` in ASCII digits; 400 otherwise.
+
+    ``int()`` and ``str.isdigit`` also take other scripts' digits and superscripts, and ``int()``
+    refuses numbers of over 4,300 digits with a ValueError: a request's numbers go through here.
+    """
+    if not _ASCII_DIGITS.fullmatch(text) or len(text) > len(str(limit)) or int(text) > limit:
+        raise ApiError(400, f"{what} must be an integer from 0 to {limit}, got {clip(text)}")
+    return int(text)
+
+
+def refuse_repeated(names: Iterable[Any]) -> None:
+    """400 if an output is asked for more than once.
+
+    Each output is answered once: a request repeating one 200,000 times would make the server
+    write it 200,000 times (measured: the event loop blocked for 18 s). Counted as ``names``
+    come, so a repeated field is checked before anything holds it whole.
+    """
+    counts = collections.Counter(n for n in names if isinstance(n, str))
+    repeated = sorted(n for n, k in counts.items() if k > 1)
+    if repeated:
+        raise ApiError(
+            400, f"outputs {repeated[:10]} are asked for more than once; ask for each once"
+        )
 
 
 def grpc_code_of(status: int) -> str:
@@ -120,6 +164,10 @@ class ApiError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Raised in the JSON workers too (estimax.serving.bodies): it crosses a process.
+        return (ApiError, (self.status, self.message))
 
     @property
     def grpc_code(self) -> str:
@@ -275,12 +323,20 @@ class ServingCore:
 
     @staticmethod
     def parse_version(version: str | int | None) -> int | None:
-        """A request's version (None: the latest); 400 unless an integer."""
+        """A request's version (None: the latest); 400 unless an integer of ASCII digits."""
         if version is None or isinstance(version, int):
             return version
-        if not version.isdigit():
-            raise ApiError(400, f"Invalid version {version!r}: versions are integers")
-        return int(version)
+        # Leading zeros are fine in a request ("01" asks for version 1).
+        number = (
+            version_number(version.lstrip("0") or "0") if version.isascii() and version else None
+        )
+        if number is None:
+            raise ApiError(
+                400,
+                f"Invalid version {clip(version)}: versions are integers from 0 to "
+                f"{MAX_VERSION} in ASCII digits",
+            )
+        return number
 
     def count(self, n: int) -> None:
         """Refuses more than ``max_instances`` instances in one request (400)."""
@@ -329,13 +385,19 @@ class ServingCore:
         return [str(s.version) for s in self.manager.states() if s.state == "AVAILABLE"]
 
     def check_outputs(self, servable: Servable, wanted: list[str]) -> None:
-        """400 naming the outputs the model does not have."""
+        """400 naming the outputs the model does not have, or that are asked for twice.
+
+        Each output is answered once: a request repeating one 200,000 times would otherwise
+        make the server write it 200,000 times.
+        """
         unknown = sorted(set(wanted) - set(servable.outputs))
         if unknown:
             raise ApiError(
                 400,
-                f"unknown outputs {unknown}; the model's outputs are {sorted(servable.outputs)}",
+                f"unknown outputs {unknown[:10]}; the model's outputs are "
+                f"{sorted(servable.outputs)}",
             )
+        refuse_repeated(wanted)
 
     def statistics(self, name: str | None, version: str | None) -> dict[str, Any]:
         """Triton's statistics extension: ``{"model_stats": [...]}`` per version.
@@ -374,28 +436,47 @@ class ServingCore:
     async def infer(self, servable: Servable, columns: dict[str, Any]) -> dict[str, np.ndarray]:
         """Prepares (decodes images) in a thread, runs (batched or not); bounded in time.
 
-        The request's record gets the time each step took (Triton's statistics).
+        A request past its time stops its work too: its images stop decoding at the next one,
+        and a run that has not started yet never starts. The request's record gets the time
+        each step took (Triton's statistics).
         """
+        cancelled = threading.Event()  # set: the threads working for the request stop
         try:
             return await asyncio.wait_for(
-                self._infer(servable, columns, tracking.current()),
+                self._prepare_and_run(servable, columns, tracking.current(), cancelled),
                 self.options.rest_api_timeout_in_ms / 1000,
             )
         except TimeoutError:
+            cancelled.set()
             raise ApiError(
                 504,
                 "Request timed out after "
                 f"{self.options.rest_api_timeout_in_ms} ms (--rest_api_timeout_in_ms)",
             ) from None
+        except asyncio.CancelledError:  # the server stops, or the client went away
+            cancelled.set()
+            raise
 
-    async def _infer(
-        self, servable: Servable, columns: dict[str, Any], record: RequestRecord
+    async def _prepare_and_run(
+        self,
+        servable: Servable,
+        columns: dict[str, Any],
+        record: RequestRecord,
+        cancelled: threading.Event,
     ) -> dict[str, np.ndarray]:
         loop = asyncio.get_running_loop()
         start = time.perf_counter()
         try:
             features = await loop.run_in_executor(
-                self._decode_pool, servable.prepare, columns, self.options.max_image_pixels
+                self._decode_pool,
+                functools.partial(
+                    _stoppable,
+                    servable.prepare,
+                    record,
+                    columns,
+                    self.options.max_image_pixels,
+                    cancelled,
+                ),
             )
         except InvalidInput as e:
             raise ApiError(400, str(e)) from None
@@ -417,6 +498,8 @@ class ServingCore:
 
             def direct() -> dict[str, np.ndarray]:
                 record.queue_s = time.perf_counter() - submitted  # waiting for a run thread
+                if cancelled.is_set():  # timed out while waiting: nobody reads the answer
+                    return _stoppable(_never_run, record)
                 return run(features)
 
             outputs = await loop.run_in_executor(self._run_pool, direct)
@@ -436,6 +519,19 @@ class ServingCore:
             batched=self.batcher is not None,
         )
         return outputs
+
+
+def _stoppable(work: Any, record: RequestRecord, *args: Any) -> Any:
+    """``work(*args)`` in a worker thread; when it stops for a timed-out request, says so."""
+    try:
+        return work(*args)
+    except RequestCancelled as e:
+        log.info("%s %s: %s", record.method or record.transport.upper(), record.route, e)
+        raise
+
+
+def _never_run() -> dict[str, np.ndarray]:
+    raise RequestCancelled("not run: the request timed out while it waited for a run thread")
 
 
 def _config_tensor(name: str, spec: dict[str, Any]) -> dict[str, Any]:

@@ -2,10 +2,14 @@
 
 Policy ``latest{num_versions}`` as TensorFlow Serving's default: the newest published versions
 are served. A new version is loaded and compiled for every batch size before any old one is
-unloaded (availability-preserving, as TF Serving's default). A version that fails to load is
-reported (state ``END`` with its error) and is not retried until its directory changes; it never
-replaces a working one. An unloaded version refuses new requests, finishes those in flight, then
-frees its device memory.
+unloaded (availability-preserving, as TF Serving's default). Before a version is served its
+stored check runs (``export_check.json``: the export's own examples and predictions,
+``versions.rerun_check``): a version whose files were damaged after the export answers other
+predictions and is refused. A version that fails to load or to check is reported (state ``END``
+with its error) and is retried when its files change (``versions.fingerprint``: a copy that
+was still under way, files copied in any order), never on every poll; it never replaces a
+working one. An unloaded version refuses new requests, finishes those in flight, then frees its
+device memory.
 
 Each load and unload logs one INFO line (``estimax.serving.manager``) with the version's path and
 how long it took; a failed load one ERROR line with the path and the cause (which names the file
@@ -20,11 +24,10 @@ import posixpath
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
-import fsspec
-
-from estimax.serving.servable import SERVING_FILE, Servable
-from estimax.serving.versions import list_versions
+from estimax.serving.servable import Servable
+from estimax.serving.versions import fingerprint, list_versions, rerun_check
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +40,7 @@ class VersionState:
     state: str
     error: str = ""
     servable: Servable | None = None
-    stamp: float | None = None  # the marker's mtime when loading failed
+    stamp: Any = None  # the folder's fingerprint when loading failed
     path: str = ""
 
 
@@ -92,16 +95,8 @@ class ModelManager:
         return self.get() is not None
 
     # ---------------------------------------------------------------- polling
-    def _stamp(self, version: int) -> float | None:
-        fs, root = fsspec.core.url_to_fs(self.base_path)
-        try:
-            info = fs.info(posixpath.join(root, str(version), SERVING_FILE))
-        except FileNotFoundError:
-            try:
-                info = fs.info(posixpath.join(root, str(version)))
-            except FileNotFoundError:
-                return None
-        return info.get("mtime") or info.get("LastModified") or info.get("updated")
+    def _path(self, version: int) -> str:
+        return posixpath.join(self.base_path.rstrip("/"), str(version))
 
     def poll(self) -> None:
         """One poll: load what the policy wants, then unload what it no longer wants."""
@@ -119,7 +114,7 @@ class ModelManager:
                 state = self._versions.get(version)
             if state is not None and state.state == "AVAILABLE":
                 continue
-            stamp = self._stamp(version)
+            stamp = fingerprint(self._path(version))
             if state is not None and state.state == "END" and state.stamp == stamp:
                 continue  # failed before and unchanged since
             self._load_version(version, stamp)
@@ -146,31 +141,21 @@ class ModelManager:
                 time.perf_counter() - start,
             )
 
-    def _load_version(self, version: int, stamp: float | None) -> None:
-        path = posixpath.join(self.base_path.rstrip("/"), str(version))
+    def _load_version(self, version: int, stamp: Any) -> None:
+        path = self._path(version)
         with self._lock:
             self._versions[version] = VersionState(version, "LOADING", path=path)
         log.debug("Model %s: loading version %d from %s", self.name, version, path)
         start = time.perf_counter()
+        servable = None
         try:
             servable = self._load(path, version, self.batch_sizes)
             servable.warm()
+            checked = rerun_check(servable, path, "at load")
         except Exception as e:  # noqa: BLE001 - any failure is reported, the old one stays
-            seconds = time.perf_counter() - start
-            log.error(
-                "Model %s: version %d failed to load from %s: %s: %s",
-                self.name,
-                version,
-                path,
-                type(e).__name__,
-                e,
-            )
-            with self._lock:
-                self._versions[version] = VersionState(
-                    version, "END", error=f"{type(e).__name__}: {e}", stamp=stamp, path=path
-                )
-            if self.on_load is not None:
-                self.on_load(path, seconds, False)
+            if servable is not None:
+                servable.model.close()  # its device memory, at once
+            self._failed(version, path, stamp, e, time.perf_counter() - start)
             return
         seconds = time.perf_counter() - start
         with self._lock:
@@ -178,15 +163,34 @@ class ModelManager:
                 version, "AVAILABLE", servable=servable, path=path
             )
         log.info(
-            "Model %s: loaded version %d from %s in %.2f s (compiled for batch sizes %s)",
+            "Model %s: loaded version %d from %s in %.2f s (compiled for batch sizes %s; %s)",
             self.name,
             version,
             path,
             seconds,
             self.batch_sizes,
+            f"its stored check passed on {checked[0]} examples"
+            if checked
+            else "no stored check: exported without check_inputs",
         )
         if self.on_load is not None:
             self.on_load(path, seconds, True)
+
+    def _failed(self, version: int, path: str, stamp: Any, e: Exception, seconds: float) -> None:
+        log.error(
+            "Model %s: version %d failed to load from %s: %s: %s (retried when its files change)",
+            self.name,
+            version,
+            path,
+            type(e).__name__,
+            e,
+        )
+        with self._lock:
+            self._versions[version] = VersionState(
+                version, "END", error=f"{type(e).__name__}: {e}", stamp=stamp, path=path
+            )
+        if self.on_load is not None:
+            self.on_load(path, seconds, False)
 
     def start(self) -> None:
         """Polls once now, then every ``poll_wait_seconds`` in a thread (never if 0)."""

@@ -24,7 +24,12 @@ does; latencies in microseconds with TF Serving's buckets):
   version.
 * ``estimax_serving_request_failures_total{model_name, version, reason}``: failed requests by
   reason: ``rejected`` (429, the batching queue is full), ``timeout`` (504), ``bad_request``
-  (400, 413), ``not_found`` (404), ``unavailable`` (503), ``internal`` (500), ``other``.
+  (400, 413), ``not_found`` (404), ``unavailable`` (503), ``internal`` (500),
+  ``client_timeout`` (408: the body did not all arrive in time), ``cancelled`` (499: the
+  client left), ``other``.
+* ``estimax_serving_connections_closed_total{reason}``: HTTP connections the server closed on a
+  limit (``estimax.serving.transport``): ``header_timeout``, ``body_timeout``,
+  ``keep_alive_timeout``, ``header_too_large``, ``max_connections``.
 * ``estimax_serving_model_version_state{model_name, version, state}``: 1 for each version's
   current state (``LOADING``, ``AVAILABLE``, ``UNLOADING``, ``END``).
 * ``estimax_serving_batch_queue_instances{model_name}``: instances waiting to be batched.
@@ -83,9 +88,11 @@ _BATCHING = _TF + "batching_session:"
 FAILURE_REASONS = {
     400: "bad_request",
     404: "not_found",
+    408: "client_timeout",
     413: "bad_request",
     429: "rejected",
     500: "internal",
+    499: "cancelled",
     503: "unavailable",
     504: "timeout",
 }
@@ -310,6 +317,12 @@ class ServingMetrics:
             ["model_name", "version", "reason"],
             registry=r,
         )
+        self.connections_closed = Counter(
+            "estimax_serving_connections_closed",
+            "HTTP connections closed by a limit (a timeout, the header size, the cap).",
+            ["reason"],
+            registry=r,
+        )
 
     # ------------------------------------------------------------------ counting
     def request(self, record: RequestRecord) -> None:
@@ -377,6 +390,10 @@ class ServingMetrics:
         """A request left the batching queue after ``wait_s`` seconds."""
         self.queuing_latency.labels("batch_threads").observe(wait_s * 1e6)
         self.input_batch_size.observe(instances)
+
+    def connection_closed(self, reason: str) -> None:
+        """The HTTP port closed a connection on a limit (``estimax.serving.transport``)."""
+        self.connections_closed.labels(reason).inc()
 
     def loaded(self, path: str, seconds: float, ok: bool) -> None:
         """A version was loaded and compiled (or failed to) in ``seconds``."""

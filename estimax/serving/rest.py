@@ -27,11 +27,16 @@ with this app (one asyncio loop, so one batching queue for both ports).
 
 Bodies are parsed by hand rather than by pydantic models because both protocols define their
 own error bodies and messages (FastAPI's 422 format would break TF Serving clients); the
-OpenAPI description still documents them (``openapi_extra``).
+OpenAPI description still documents them (``openapi_extra``). Large bodies (over
+``bodies.INLINE_BYTES``) are parsed in ``estimax.serving.bodies``'s worker processes and walked
+in a thread, and large answers written there, so that the event loop keeps answering health
+checks and other requests meanwhile. The connections' timeouts, header size limit and cap are
+the transport's (``estimax.serving.transport``); a body cut off by its timeout is answered 408.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import json
@@ -43,9 +48,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from estimax.serving import classes, metrics, tracking, v2
+from estimax.serving import bodies, classes, metrics, tracking, transport, v2
 from estimax.serving.core import (
     BY_V2,
     PREDICT_METHOD,
@@ -54,6 +60,7 @@ from estimax.serving.core import (
     ApiError,
     ServerOptions,
     ServingCore,
+    ascii_int,
     dtype_of,
     grpc_code_of,
 )
@@ -136,19 +143,17 @@ def _on_exception(
     app.add_exception_handler(cls, handler)  # type: ignore[arg-type]
 
 
-def _dumps(body: Any) -> bytes:
-    # NaN/Infinity tokens as TF Serving writes them; separators keep big arrays small.
-    return json.dumps(body, separators=(",", ":")).encode()
-
-
 def _json(body: Any, status: int = 200) -> Response:
-    return Response(_dumps(body), status_code=status, media_type="application/json")
+    # NaN/Infinity tokens as TF Serving writes them; compact, numpy arrays as lists.
+    return Response(bodies.encode(body), status_code=status, media_type="application/json")
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int) -> bytearray:
     """The whole body, refused with 413 past ``limit`` bytes (declared or streamed)."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    # Any length past the limit is too large, however many digits it has.
+    length = None if declared is None else ascii_int(declared.strip(), "Content-Length", 2**63 - 1)
+    if length is not None and length > limit:
         raise ApiError(
             413,
             f"Request body of {declared} bytes is larger than this server "
@@ -159,27 +164,31 @@ async def read_body(request: Request, limit: int) -> bytes:
         raise ApiError(
             400, f"Content-Encoding {encoding!r} is not supported; send the body uncompressed"
         )
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(
-                413,
-                f"Request body is larger than this server accepts ({limit} "
-                "bytes; see --max_body_bytes)",
-            )
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def parse_json(raw: bytes) -> Any:
-    """JSON (NaN/Infinity allowed, as TF Serving) or 400."""
+    # One buffer of the declared size: a large body is one allocation, returned to the system
+    # when freed (thousands of 64 KiB chunks held the server's memory after large bodies).
+    body, size = bytearray(length or 0), 0
     try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"JSON Parse error: {e}") from None
-    except RecursionError:
-        raise ApiError(400, "JSON Parse error: nested too deeply") from None
+        async for chunk in request.stream():
+            if size + len(chunk) > limit:
+                raise ApiError(
+                    413,
+                    f"Request body is larger than this server accepts ({limit} "
+                    "bytes; see --max_body_bytes)",
+                )
+            body[size : size + len(chunk)] = chunk
+            size += len(chunk)
+    except ClientDisconnect:
+        # The connection closed before the body ended: the body timeout (transport), or the
+        # client left (499, TF Serving's Cancelled). Nobody reads this answer; the record does.
+        if request.scope.get(transport.TIMED_OUT):
+            raise ApiError(
+                408, "The request's body did not all arrive in time (--rest_api_body_timeout_in_ms)"
+            ) from None
+        raise ApiError(
+            499, "The client closed the connection before sending the whole body"
+        ) from None
+    del body[size:]
+    return body
 
 
 def _decode_value(value: Any, where: str) -> Any:
@@ -194,18 +203,57 @@ def _decode_value(value: Any, where: str) -> Any:
         )
     if isinstance(value, list):
         return [_decode_value(v, where) for v in value]
-    return value
+    return value  # a number, a string, or numbers packed into an array (bodies.pack)
 
 
 def _short(value: Any) -> str:
-    text = json.dumps(value)
+    text = json.dumps(value, default=lambda a: f"<{np.shape(a)} array>")
     return text if len(text) < 80 else text[:77] + "..."
 
 
-def _tolist(array: np.ndarray, name: str) -> Any:
+def _batch(value: Any) -> bool:
+    """Whether ``value`` can be a column: a list, or an array packed from one (bodies.pack)."""
+    return isinstance(value, list) or (isinstance(value, np.ndarray) and value.ndim >= 1)
+
+
+def _answer_value(array: np.ndarray, name: str) -> Any:
+    """An output in a TF Serving answer: ``{"b64": ...}`` for ``*_bytes``, else the array."""
     if name.endswith("_bytes") and array.dtype.kind in "SO":
         return [{"b64": base64.b64encode(bytes(x)).decode()} for x in array.ravel()]
-    return array.tolist()
+    return array  # written as lists by bodies.encode
+
+
+def _predict_answer(outputs: dict[str, np.ndarray], row: bool) -> dict[str, Any]:
+    """TF Serving's answer: ``predictions`` (row request) or ``outputs`` (columnar); the name
+    dropped when there is one output."""
+    names = list(outputs)
+    if row:
+        if len(names) == 1:
+            return {"predictions": _answer_value(outputs[names[0]], names[0])}
+        values = {n: _answer_value(outputs[n], n) for n in names}
+        count = len(values[names[0]])
+        return {"predictions": [{n: values[n][i] for n in names} for i in range(count)]}
+    if len(names) == 1:
+        return {"outputs": _answer_value(outputs[names[0]], names[0])}
+    return {"outputs": {n: _answer_value(outputs[n], n) for n in names}}
+
+
+def _examples(examples: list, context: dict) -> list[dict[str, list]]:
+    """TF Serving's classify ``examples`` with ``context`` merged in: ``{feature: [values]}``."""
+    out = []
+    for i, example in enumerate(examples):
+        if not isinstance(example, dict):
+            raise ApiError(400, f"example {i} must be an object of features")
+        shared = sorted(set(example) & set(context))
+        if shared:
+            raise ApiError(400, f"example {i}: features {shared} are also in 'context'")
+        merged = {**context, **example}
+        out.append({k: _feature_values(v, f"example {i}") for k, v in merged.items()})
+    return out
+
+
+def _json_text(text: bytes) -> Response:
+    return Response(text, media_type="application/json")
 
 
 def signature_json(specs: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -226,9 +274,10 @@ def signature_json(specs: dict[str, dict[str, Any]]) -> dict[str, Any]:
 class TFServingRest:
     """TensorFlow Serving's REST API (``/v1``) over a ``ServingCore``."""
 
-    def __init__(self, core: ServingCore):
-        """Routes answer from ``core``."""
+    def __init__(self, core: ServingCore, json_workers: bodies.JsonWorkers):
+        """Routes answer from ``core``; ``json_workers`` parse bodies and write answers."""
         self.core = core
+        self.bodies = json_workers
 
     def status(self, name: str, version: str | None) -> dict:
         """``GET /v1/models/NAME[/versions/N]``: ``model_version_status``."""
@@ -274,10 +323,12 @@ class TFServingRest:
             }
 
     def _row_columns(self, servable: Servable, instances: Any) -> dict[str, Any]:
-        if not isinstance(instances, list) or not instances:
+        if not _batch(instances) or not len(instances):
             raise ApiError(400, "'instances' must be a non-empty list")
         self.core.count(len(instances))
         names = list(servable.inputs)
+        if len(names) == 1 and isinstance(instances, np.ndarray):  # numbers (bodies.pack)
+            return {names[0]: instances}
         if len(names) == 1:
             name = names[0]
             values = []
@@ -313,16 +364,17 @@ class TFServingRest:
         else:
             raise ApiError(400, f"'inputs' must be an object with the keys {names}")
         for n, v in columns.items():
-            if not isinstance(v, list):
+            if not _batch(v):
                 raise ApiError(
                     400, f"input {n!r} must be a list (its first dimension is the batch)"
                 )
             self.core.count(len(v))
         return columns
 
-    async def predict(self, name: str, version: str | None, request: Request) -> dict:
+    async def predict(self, name: str, version: str | None, request: Request) -> Response:
         """``POST ...:predict``."""
-        body = parse_json(await read_body(request, self.core.options.max_body_bytes))
+        raw = await read_body(request, self.core.options.max_body_bytes)
+        body = await self.bodies.loads(raw)
         if not isinstance(body, dict):
             raise ApiError(400, "The request body must be a JSON object")
         self.core.check_signature(body.get("signature_name", SIGNATURE_NAME))
@@ -335,45 +387,33 @@ class TFServingRest:
             )
         row = "instances" in body
         with self.core.servable(name, version) as servable:
-            columns = (
-                self._row_columns(servable, body["instances"])
-                if row
-                else self._columnar(servable, body["inputs"])
+            columns = await self.bodies.walk(
+                len(raw) > bodies.INLINE_BYTES,
+                self._row_columns if row else self._columnar,
+                servable,
+                body["instances" if row else "inputs"],
             )
             outputs = await self.core.infer(servable, columns)
-        names = list(outputs)
-        if row:
-            if len(names) == 1:
-                return {"predictions": _tolist(outputs[names[0]], names[0])}
-            lists = {n: _tolist(outputs[n], n) for n in names}
-            count = len(lists[names[0]])
-            return {"predictions": [{n: lists[n][i] for n in names} for i in range(count)]}
-        if len(names) == 1:
-            return {"outputs": _tolist(outputs[names[0]], names[0])}
-        return {"outputs": {n: _tolist(outputs[n], n) for n in names}}
+        numbers = sum(int(a.size) for a in outputs.values())
+        large = numbers > bodies.INLINE_ELEMENTS
+        answer = await self.bodies.walk(large, _predict_answer, outputs, row)
+        return _json_text(await self.bodies.dumps(answer, numbers))
 
     async def classify(self, name: str, version: str | None, request: Request) -> dict:
         """``POST ...:classify``: ``examples`` (+ ``context``) -> ``result`` label/score pairs."""
-        body = parse_json(await read_body(request, self.core.options.max_body_bytes))
+        raw = await read_body(request, self.core.options.max_body_bytes)
+        body, large = await self.bodies.loads(raw), len(raw) > bodies.INLINE_BYTES
         if not isinstance(body, dict) or not isinstance(body.get("examples"), list):
             raise ApiError(400, "The request body must be an object with an 'examples' list")
         self.core.check_signature(body.get("signature_name", SIGNATURE_NAME))
         context = body.get("context", {})
         if not isinstance(context, dict):
             raise ApiError(400, "'context' must be an object of features")
-        examples = []
-        for i, example in enumerate(body["examples"]):
-            if not isinstance(example, dict):
-                raise ApiError(400, f"example {i} must be an object of features")
-            shared = sorted(set(example) & set(context))
-            if shared:
-                raise ApiError(400, f"example {i}: features {shared} are also in 'context'")
-            merged = {**context, **example}
-            examples.append({k: _feature_values(v, f"example {i}") for k, v in merged.items()})
-        self.core.count(len(examples))
+        self.core.count(len(body["examples"]))
+        examples = await self.bodies.walk(large, _examples, body["examples"], context)
         with self.core.servable(name, version) as servable:
             classes.check_classify(servable)
-            columns = classes.example_columns(servable, examples)
+            columns = await self.bodies.walk(large, classes.example_columns, servable, examples)
             outputs = await self.core.infer(servable, columns)
             return {"result": classes.classify_results(servable, outputs)}
 
@@ -401,11 +441,11 @@ class TFServingRest:
 
         @app.post("/v1/models/{name}/versions/{version}:predict", **predict)
         async def v1_predict_version(name: str, version: str, request: Request) -> Response:
-            return _json(await self.predict(name, version, request))
+            return await self.predict(name, version, request)
 
         @app.post("/v1/models/{name}:predict", **predict)
         async def v1_predict(name: str, request: Request) -> Response:
-            return _json(await self.predict(name, None, request))
+            return await self.predict(name, None, request)
 
         classify = {**kw, "name": "classify", "openapi_extra": _CLASSIFY_SCHEMA}
 
@@ -429,9 +469,10 @@ class TFServingRest:
 class V2Rest:
     """The Open Inference Protocol v2 over HTTP, with the binary tensor data extension."""
 
-    def __init__(self, core: ServingCore):
-        """Routes answer from ``core``."""
+    def __init__(self, core: ServingCore, json_workers: bodies.JsonWorkers):
+        """Routes answer from ``core``; ``json_workers`` parse bodies and write answers."""
         self.core = core
+        self.bodies = json_workers
 
     def server_metadata(self) -> dict:
         """``GET /v2``."""
@@ -462,98 +503,49 @@ class V2Rest:
     async def infer(self, name: str, version: str | None, request: Request) -> Response:
         """``POST /v2/models/NAME[/versions/V]/infer``: JSON, or JSON + binary tensors."""
         raw = await read_body(request, self.core.options.max_body_bytes)
+        large = len(raw) > bodies.INLINE_BYTES
         header = request.headers.get(v2.HEADER_LENGTH)
-        binary: bytes | None = None
+        binary: bytearray | None = None
         if header is not None:
-            if not header.strip().isdigit() or int(header) > len(raw):
-                raise ApiError(
-                    400,
-                    f"{v2.HEADER_LENGTH}: {header[:40]!r} must be the byte length of the JSON "
-                    f"header, at most the body's {len(raw)} bytes",
-                )
-            raw, binary = raw[: int(header)], raw[int(header) :]
-        body = parse_json(raw)
+            what = f"{v2.HEADER_LENGTH} (the byte length of the JSON header)"
+            length = ascii_int(header.strip(), what, len(raw))
+            raw, binary = raw[:length], raw[length:]
+        body = await self.bodies.loads(raw, v2.check_infer_body)
         if not isinstance(body, dict) or not isinstance(body.get("inputs"), list):
             raise ApiError(400, "The request body must be an object with an 'inputs' list")
         parameters = _parameters(body, "request")
         binary_default = _flag(parameters, "binary_data_output", "request parameters")
         with self.core.servable(name, version) as servable:
-            columns = self._columns(servable, body["inputs"], binary)
+            columns = await self.bodies.walk(large, self._columns, servable, body["inputs"], binary)
             wanted, as_binary, counts = self._wanted(servable, body.get("outputs"), binary_default)
             outputs = await self.core.infer(servable, columns)
         head: dict[str, Any] = {"model_name": name, "model_version": str(servable.version)}
         if "id" in body:
             head["id"] = body["id"]
-        tensors, blobs = [], []
-        for n in wanted:
-            array = outputs[n]
-            if n in counts:
-                array = classes.classification(array, counts[n], servable, n)
-            tensor: dict[str, Any] = {
-                "name": n,
-                "datatype": v2.output_type(array).v2,
-                "shape": list(array.shape),
-            }
-            if as_binary[n]:
-                blobs.append(v2.encode_raw(array))
-                tensor["parameters"] = {"binary_data_size": len(blobs[-1])}
-            else:
-                tensor["data"] = v2.encode_json(array)
-            tensors.append(tensor)
-        head["outputs"] = tensors
+        numbers = sum(int(outputs[n].size) for n in wanted if not as_binary[n])
+        head["outputs"], blobs = await self.bodies.walk(
+            numbers > bodies.INLINE_ELEMENTS,
+            _v2_outputs,
+            servable,
+            outputs,
+            wanted,
+            as_binary,
+            counts,
+        )
+        text = await self.bodies.dumps(head, numbers)
         if not blobs:
-            return _json(head)
-        text = _dumps(head)
+            return _json_text(text)
         return Response(
             b"".join([text, *blobs]),
             media_type="application/octet-stream",
             headers={v2.HEADER_LENGTH: str(len(text))},
         )
 
-    def _columns(self, servable: Servable, inputs: list, binary: bytes | None) -> dict[str, Any]:
+    def _columns(
+        self, servable: Servable, inputs: list, binary: bytearray | None
+    ) -> dict[str, Any]:
         # First the binary data's layout (every input's slice, all bytes claimed), then decoding.
-        raws: list[bytes | None] = []
-        offset = 0
-        for i, tensor in enumerate(inputs):
-            where = f"inputs[{i}]"
-            if not isinstance(tensor, dict) or not {"name", "shape", "datatype"} <= set(tensor):
-                raise ApiError(
-                    400,
-                    f"{where} must have 'name', 'shape', 'datatype' and 'data' "
-                    "(or parameters.binary_data_size)",
-                )
-            size = _parameters(tensor, where).get("binary_data_size")
-            if size is None:
-                if "data" not in tensor:
-                    raise ApiError(
-                        400,
-                        f"{where} must have 'name', 'shape', 'datatype' and 'data' "
-                        "(or parameters.binary_data_size)",
-                    )
-                raws.append(None)
-                continue
-            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-                raise ApiError(400, f"{where}: binary_data_size must be a non-negative integer")
-            if binary is None:
-                raise ApiError(
-                    400,
-                    f"{where}: binary_data_size is given but the request has no "
-                    f"{v2.HEADER_LENGTH} header (binary tensor data extension)",
-                )
-            if offset + size > len(binary):
-                raise ApiError(
-                    400,
-                    f"{where}: binary_data_size {size} runs past the {len(binary)} bytes of "
-                    "binary data after the JSON header",
-                )
-            raws.append(binary[offset : offset + size])
-            offset += size
-        if binary is not None and offset != len(binary):
-            raise ApiError(
-                400,
-                f"{len(binary) - offset} bytes of binary data after the JSON header belong to "
-                "no input (their binary_data_size values add up to less)",
-            )
+        raws = _binary_slices(inputs, binary)
         columns: dict[str, Any] = {}
         for i, (tensor, raw) in enumerate(zip(inputs, raws, strict=True)):
             name, column = v2.decode_input(
@@ -673,8 +665,84 @@ class V2Rest:
             return _json(self.core.model_config(name, version))
 
 
+def _binary_slices(inputs: list, binary: bytearray | None) -> list[bytearray | None]:
+    """Each input's raw bytes (binary tensor data extension), None for one given as ``data``."""
+    raws: list[bytearray | None] = []
+    offset = 0
+    for i, tensor in enumerate(inputs):
+        where = f"inputs[{i}]"
+        if not isinstance(tensor, dict) or not {"name", "shape", "datatype"} <= set(tensor):
+            raise ApiError(
+                400,
+                f"{where} must have 'name', 'shape', 'datatype' and 'data' "
+                "(or parameters.binary_data_size)",
+            )
+        size = _parameters(tensor, where).get("binary_data_size")
+        if size is None:
+            if "data" not in tensor:
+                raise ApiError(
+                    400,
+                    f"{where} must have 'name', 'shape', 'datatype' and 'data' "
+                    "(or parameters.binary_data_size)",
+                )
+            raws.append(None)
+            continue
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ApiError(400, f"{where}: binary_data_size must be a non-negative integer")
+        if binary is None:
+            raise ApiError(
+                400,
+                f"{where}: binary_data_size is given but the request has no "
+                f"{v2.HEADER_LENGTH} header (binary tensor data extension)",
+            )
+        if offset + size > len(binary):
+            raise ApiError(
+                400,
+                f"{where}: binary_data_size {size} runs past the {len(binary)} bytes of "
+                "binary data after the JSON header",
+            )
+        raws.append(binary[offset : offset + size])
+        offset += size
+    if binary is not None and offset != len(binary):
+        raise ApiError(
+            400,
+            f"{len(binary) - offset} bytes of binary data after the JSON header belong to "
+            "no input (their binary_data_size values add up to less)",
+        )
+    return raws
+
+
+def _v2_outputs(
+    servable: Servable,
+    outputs: dict[str, np.ndarray],
+    wanted: list[str],
+    as_binary: dict[str, bool],
+    counts: dict[str, int],
+) -> tuple[list[dict[str, Any]], list[bytes]]:
+    """The ``outputs`` of a v2 answer, and the raw bytes of those answered in binary."""
+    tensors, blobs = [], []
+    for n in wanted:
+        array = outputs[n]
+        if n in counts:
+            array = classes.classification(array, counts[n], servable, n)
+        tensor: dict[str, Any] = {
+            "name": n,
+            "datatype": v2.output_type(array).v2,
+            "shape": list(array.shape),
+        }
+        if as_binary[n]:
+            blobs.append(v2.encode_raw(array))
+            tensor["parameters"] = {"binary_data_size": len(blobs[-1])}
+        else:
+            tensor["data"] = v2.encode_json(array)
+        tensors.append(tensor)
+    return tensors, blobs
+
+
 def _feature_values(value: Any, where: str) -> list:
     """A classify feature (a value or a list of them) -> its values (bytes for strings)."""
+    if isinstance(value, np.ndarray):  # numbers packed by bodies.pack
+        value = value.tolist()
     values = value if isinstance(value, list) else [value]
     decoded = [_decode_value(v, where) for v in values]
     return [v.encode() if isinstance(v, str) else v for v in decoded]
@@ -706,9 +774,12 @@ class Server:
         self.manager = manager
         self.options = options
         self.batcher = self.core.batcher
-        self.tf_serving = TFServingRest(self.core)
-        self.v2 = V2Rest(self.core)
+        self.bodies = bodies.JsonWorkers()
+        self.tf_serving = TFServingRest(self.core, self.bodies)
+        self.v2 = V2Rest(self.core, self.bodies)
         self.app = self._build_app()
+        # What a connection past --max_connections is answered when none could make room.
+        self.refuse_app = _Tracking(_refused, core=self.core, untracked=frozenset())
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
@@ -719,9 +790,12 @@ class Server:
             grpc = await grpc_server.start(
                 self.core, self.options.grpc_host, self.options.grpc_port
             )
+        # The JSON workers start in the background: the first large body need not wait for them.
+        asyncio.get_running_loop().run_in_executor(None, self.bodies.start)
         try:
             yield
         finally:
+            self.bodies.close()
             if grpc is not None:
                 await grpc.stop(grace=5)
 
@@ -746,8 +820,10 @@ class Server:
             for c, d in (
                 (400, "bad request"),
                 (404, "unknown model or version"),
+                (408, "the request did not all arrive in time"),
                 (413, "body too large"),
                 (429, "batching queue full"),
+                (503, "reloading, or too many connections"),
                 (504, "timed out"),
             )
         }
@@ -785,14 +861,35 @@ class Server:
             async def vertex_predict(request: Request) -> Response:
                 # Vertex's body is TF Serving's row format: {"instances": [...]} ->
                 # {"predictions": [...]}, on the latest version of the served model.
-                return _json(await self.tf_serving.predict(self.core.name, None, request))
+                return await self.tf_serving.predict(self.core.name, None, request)
+
+
+async def _refused(scope: Scope, receive: Receive, send: Send) -> None:
+    """503 for a request on a connection past --max_connections (every other one is busy)."""
+    message = (
+        "Too many connections: every one of this server's --max_connections is answering a "
+        "request; retry"
+    )
+    tracking.current().error = message
+    await Response(
+        bodies.encode({"error": message}),
+        status_code=503,
+        media_type="application/json",
+        headers={"Retry-After": str(RETRY_AFTER_SECONDS), "Connection": "close"},
+    )(scope, receive, send)
+
+
+# Answers after which the connection is closed: the rest of the request was not read.
+_CLOSING = (408, 413, 431, 499)
 
 
 def _failed(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
     """An ``{"error": message}`` answer; the request's record keeps the message."""
     tracking.current().error = message
+    if status in _CLOSING:
+        headers = {**(headers or {}), "Connection": "close"}
     return Response(
-        _dumps({"error": message}),
+        bodies.encode({"error": message}),
         status_code=status,
         media_type="application/json",
         headers=headers,

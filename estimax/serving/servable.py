@@ -27,6 +27,10 @@ class InvalidInput(ValueError):
     """A request value the model cannot take (wrong shape, dtype, or not an image)."""
 
 
+class RequestCancelled(Exception):
+    """The request was given up (timed out) while its work was under way: the work stops."""
+
+
 def default_batch_sizes(max_batch_size: int) -> list[int]:
     """Powers of two up to ``max_batch_size`` (inclusive): the shapes compiled ahead."""
     sizes, s = [], 1
@@ -129,19 +133,26 @@ class Servable:
         return self.model.global_step
 
     # --------------------------------------------------------------------- inputs
-    def prepare(self, columns: dict[str, Any], max_pixels: int = 1 << 26) -> dict[str, np.ndarray]:
+    def prepare(
+        self,
+        columns: dict[str, Any],
+        max_pixels: int = 1 << 26,
+        cancelled: threading.Event | None = None,
+    ) -> dict[str, np.ndarray]:
         """Request values -> the model's features, validated.
 
         Args:
           columns: ``{input name: batch}``; for a raw-image export ``{"image_bytes": [bytes]}``,
             otherwise arrays (or nested lists) of shape [N, *signature shape].
           max_pixels: images with more pixels are refused before decoding.
+          cancelled: once set, decoding stops before the next image (``RequestCancelled``).
 
         Returns:
           ``{name: [N, ...] array}`` of the export's input dtypes.
 
         Raises:
           InvalidInput: a missing/unknown input, a wrong shape or dtype, an undecodable image.
+          RequestCancelled: ``cancelled`` was set.
         """
         unknown = sorted(set(columns) - set(self.inputs))
         missing = sorted(set(self.inputs) - set(columns))
@@ -151,23 +162,8 @@ class Servable:
                 + (f"unknown: {unknown}" if unknown else f"missing: {missing}")
             )
         if self.preprocessing is not None:
-            images = []
-            for i, data in enumerate(columns[IMAGE_INPUT]):
-                if not isinstance(data, (bytes, bytearray)):
-                    raise InvalidInput(
-                        f"instance {i}: {IMAGE_INPUT} must be encoded image bytes "
-                        '(in JSON: {"b64": "<base64 of the JPEG/PNG>"})'
-                    )
-                data = bytes(data)
-                try:
-                    preprocess_lib.check_image_size(data, max_pixels)
-                    images.append(self.preprocessing(data))
-                except ValueError as e:  # ImageDecodeError is a ValueError
-                    raise InvalidInput(f"instance {i}: {e}") from None
-            if not images:
-                raise InvalidInput("the request has no instances")
             (name,) = self._model_inputs
-            return {name: np.stack(images)}
+            return {name: self._images(columns[IMAGE_INPUT], max_pixels, cancelled)}
         features = {}
         sizes = set()
         for name, spec in self._model_inputs.items():
@@ -178,6 +174,32 @@ class Servable:
         if sizes == {0}:
             raise InvalidInput("the request has no instances")
         return features
+
+    def _images(
+        self, column: Any, max_pixels: int, cancelled: threading.Event | None
+    ) -> np.ndarray:
+        """Encoded images -> the preprocessed batch (``prepare``'s image path)."""
+        assert self.preprocessing is not None
+        images = []
+        for i, data in enumerate(column):
+            if cancelled is not None and cancelled.is_set():
+                raise RequestCancelled(
+                    f"stopped decoding before image {i} of {len(column)}: the request timed out"
+                )
+            if not isinstance(data, (bytes, bytearray)):
+                raise InvalidInput(
+                    f"instance {i}: {IMAGE_INPUT} must be encoded image bytes "
+                    '(in JSON: {"b64": "<base64 of the JPEG/PNG>"})'
+                )
+            data = bytes(data)
+            try:
+                preprocess_lib.check_image_size(data, max_pixels)
+                images.append(self.preprocessing(data))
+            except ValueError as e:  # ImageDecodeError is a ValueError
+                raise InvalidInput(f"instance {i}: {e}") from None
+        if not images:
+            raise InvalidInput("the request has no instances")
+        return np.stack(images)
 
     # --------------------------------------------------------------------- running
     def run(self, features: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

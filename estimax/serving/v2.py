@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from estimax.serving.core import BY_V2, ApiError, DType, dtype_of, numpy_dtype
+from estimax.serving.core import BY_V2, ApiError, DType, dtype_of, numpy_dtype, refuse_repeated
 from estimax.serving.servable import IMAGE_INPUT, Servable
 
 BINARY_EXTENSION = "binary_tensor_data"
@@ -44,8 +44,14 @@ def b64decode(text: Any, where: str) -> bytes:
         raise ApiError(400, f"{where}: Unable to base64 decode") from None
 
 
-def flatten_list(data: Any) -> list:
-    """Nested lists -> one flat list, iteratively (a deep body must not overflow the stack)."""
+def flatten_list(data: Any) -> list | np.ndarray:
+    """Nested lists -> one flat list, iteratively (a deep body must not overflow the stack).
+
+    Numbers packed into an array (``estimax.serving.bodies.pack``) are flattened too: a packed
+    body gives a flat array.
+    """
+    if isinstance(data, np.ndarray):
+        return data.ravel()
     if not isinstance(data, list):
         return [data]
     out: list = []
@@ -55,13 +61,16 @@ def flatten_list(data: Any) -> list:
             if isinstance(item, list):
                 stack.append(iter(item))
                 break
-            out.append(item)
+            if isinstance(item, np.ndarray):
+                out.extend(item.ravel().tolist())
+            else:
+                out.append(item)
         else:
             stack.pop()
     return out
 
 
-def split_bytes(raw: bytes, where: str) -> list[bytes]:
+def split_bytes(raw: bytes | bytearray, where: str) -> list[bytes]:
     """BYTES elements framed as 4-byte little-endian lengths + bytes -> the elements."""
     out, offset, view = [], 0, memoryview(raw)
     while offset < len(raw):
@@ -88,14 +97,37 @@ def join_bytes(elements: Any) -> bytes:
     return b"".join(parts)
 
 
+# Dimensions a request's tensor may have (numpy's own limit is 64; a model's inputs have few).
+MAX_RANK = 32
+INT64_MAX = 2**63 - 1
+
+
+def check_infer_body(body: Any) -> None:
+    """The checks of an infer body that need no model: run where the body is parsed (in the
+    JSON workers for large ones), so a body repeating an output 200,000 times is refused
+    before the server holds 200,000 objects for it."""
+    outputs = body.get("outputs") if isinstance(body, dict) else None
+    if isinstance(outputs, list):
+        refuse_repeated(o.get("name") for o in outputs if isinstance(o, dict))
+
+
 def check_shape(shape: Any, where: str) -> list[int]:
-    """A v2 shape: a non-empty list of non-negative integers (400 otherwise)."""
+    """A v2 shape: 1 to ``MAX_RANK`` integers from 0 to int64's largest (400 otherwise)."""
     if (
         not isinstance(shape, list)
         or not shape
-        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        or not all(
+            isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= INT64_MAX for d in shape
+        )
     ):
-        raise ApiError(400, f"{where}: 'shape' must be a non-empty list of non-negative integers")
+        raise ApiError(
+            400,
+            f"{where}: 'shape' must be a non-empty list of integers from 0 to {INT64_MAX}",
+        )
+    if len(shape) > MAX_RANK:
+        raise ApiError(
+            400, f"{where}: 'shape' has {len(shape)} dimensions; at most {MAX_RANK} are accepted"
+        )
     return shape
 
 
@@ -108,7 +140,7 @@ def decode_input(
     count: Callable[[int], None],
     *,
     data: Any = None,
-    raw: bytes | None = None,
+    raw: bytes | bytearray | None = None,
 ) -> tuple[str, Any]:
     """One input tensor -> ``(input name, column)`` for ``Servable.prepare``.
 
@@ -150,21 +182,33 @@ def decode_input(
                 + (" (BYTES inputs have shape [batch])" if name == IMAGE_INPUT else ""),
             )
         return name, values
+    return name, _numbers(where, shape, spec_type, data, raw)
+
+
+def _numbers(
+    where: str, shape: list[int], spec_type: DType, data: Any, raw: bytes | bytearray | None
+) -> np.ndarray:
+    """A numeric input tensor from its raw bytes or its JSON/typed elements."""
+    elements = math.prod(shape)
     dtype = numpy_dtype(spec_type)
     if raw is not None:
         if len(raw) != elements * dtype.itemsize:
             raise ApiError(
                 400,
-                f"{where}: shape {shape} of {datatype} needs {elements * dtype.itemsize} bytes, "
-                f"got {len(raw)}",
+                f"{where}: shape {shape} of {spec_type.v2} needs {elements * dtype.itemsize} "
+                f"bytes, got {len(raw)}",
             )
-        return name, np.frombuffer(raw, dtype).reshape(shape)
+        return np.frombuffer(raw, dtype).reshape(shape)
     flat = flatten_list(data)
     if len(flat) != elements:
         raise ApiError(400, f"{where}: shape {shape} needs {elements} elements, got {len(flat)}")
-    if not all(isinstance(x, (int, float)) for x in flat):
-        raise ApiError(400, f"{where}: data must be numbers for {datatype}")
-    return name, np.asarray(flat).reshape(shape)
+    if isinstance(flat, np.ndarray):
+        numbers = flat.dtype.kind in "biuf"
+    else:
+        numbers = all(isinstance(x, (int, float)) for x in flat)
+    if not numbers:
+        raise ApiError(400, f"{where}: data must be numbers for {spec_type.v2}")
+    return np.asarray(flat).reshape(shape)
 
 
 def _bytes_element(x: Any, where: str) -> bytes:
@@ -185,13 +229,16 @@ def encode_raw(array: np.ndarray) -> bytes:
     return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
 
 
-def encode_json(array: np.ndarray) -> list:
-    """An output's JSON ``data`` (flat, row-major; text as strings, other BYTES as base64)."""
+def encode_json(array: np.ndarray) -> list | np.ndarray:
+    """An output's JSON ``data`` (flat, row-major; text as strings, other BYTES as base64).
+
+    Numbers stay an array (flat): ``estimax.serving.bodies.encode`` writes it as a list.
+    """
     if array.dtype.kind == "U":  # class names, classification strings
         return array.ravel().tolist()
     if dtype_of(array).v2 == "BYTES":
         return [base64.b64encode(bytes(x)).decode() for x in array.ravel()]
-    return array.ravel().tolist()
+    return array.ravel()
 
 
 def known_datatype(datatype: Any) -> bool:

@@ -16,6 +16,7 @@ import errno
 import json
 import os
 import posixpath
+import re
 import shutil
 import tempfile
 import uuid
@@ -37,6 +38,11 @@ if TYPE_CHECKING:
     from estimax.estimator.estimator import Estimator
 
 CHECK_FILE = "export_check.json"
+# Versions are int64, as TF Serving's (``ModelSpec.version`` is an ``Int64Value``): a folder named
+# beyond it is not a version (answering it would break every gRPC reply that names the version).
+MAX_VERSION = 2**63 - 1
+# Written as str(version) writes it: "01" is not version 1 (the folder "1" may also exist).
+_VERSION_NAME = re.compile(r"0|[1-9][0-9]{0,18}")
 
 
 class ExportCheckError(AssertionError):
@@ -45,6 +51,19 @@ class ExportCheckError(AssertionError):
 
 def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
     return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+
+
+def version_number(name: str) -> int | None:
+    """The version a folder name stands for: ASCII digits up to ``MAX_VERSION`` without
+    leading zeros, else None.
+
+    ``str.isdigit`` and ``int`` also take other scripts' digits (``"١"`` is 1 to ``int``) and
+    ``"²"``: such a folder is not a version.
+    """
+    if not _VERSION_NAME.fullmatch(name):
+        return None
+    number = int(name)
+    return number if number <= MAX_VERSION else None
 
 
 def list_versions(model_base_path: str) -> list[int]:
@@ -61,27 +80,44 @@ def list_versions(model_base_path: str) -> list[int]:
     local = _is_local(fs)
     versions = []
     for entry in fs.ls(root, detail=False):
-        name = posixpath.basename(entry.rstrip("/"))
-        if not name.isdigit():
+        number = version_number(posixpath.basename(entry.rstrip("/")))
+        if number is None:
             continue  # temporary and foreign entries
         if fs.exists(posixpath.join(entry, SERVING_FILE)) or (
             local and fs.exists(posixpath.join(entry, artifact.SIGNATURE_FILE))
         ):
-            versions.append(int(name))
+            versions.append(number)
     return sorted(versions)
 
 
-def _next_version(fs: fsspec.AbstractFileSystem, root: str) -> int:
-    taken = (
-        [
-            int(posixpath.basename(e.rstrip("/")))
-            for e in fs.ls(root, detail=False)
-            if posixpath.basename(e.rstrip("/")).isdigit()
-        ]
-        if fs.isdir(root)
-        else []
+def fingerprint(version_dir: str) -> tuple[tuple[str, Any, Any], ...] | None:
+    """What a version folder holds: each file's name, size and change stamp (None: no folder).
+
+    It changes whenever a file is added, removed, grown or rewritten: a version that failed to
+    load is retried when it does (a copy still under way, a file fixed by hand).
+    """
+    fs, root = fsspec.core.url_to_fs(version_dir)
+    try:
+        entries = fs.ls(root, detail=True)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    stamp_keys = ("mtime", "LastModified", "updated", "generation", "ETag", "etag")
+    return tuple(
+        sorted(
+            (
+                posixpath.basename(e["name"].rstrip("/")),
+                e.get("size"),
+                str(next((e[k] for k in stamp_keys if e.get(k) is not None), "")),
+            )
+            for e in entries
+        )
     )
-    return max(taken, default=0) + 1
+
+
+def _next_version(fs: fsspec.AbstractFileSystem, root: str) -> int:
+    entries = fs.ls(root, detail=False) if fs.isdir(root) else []
+    taken = [version_number(posixpath.basename(e.rstrip("/"))) for e in entries]
+    return max((n for n in taken if n is not None), default=0) + 1
 
 
 def export_version(
@@ -360,21 +396,54 @@ def check_version(version_dir: str) -> tuple[int, dict[str, float]]:
       ExportCheckError: the served outputs differ from the expected ones.
     """
     fs, root = fsspec.core.url_to_fs(version_dir)
-    path = posixpath.join(root, CHECK_FILE)
-    if not fs.exists(path):
+    if not fs.exists(posixpath.join(root, CHECK_FILE)):
         raise FileNotFoundError(
             f"{version_dir} has no {CHECK_FILE}: export it with "
             "export_version(..., check_inputs=...)"
         )
-    with fs.open(path, "r") as f:
-        record = json.load(f)
-    servable = Servable(version_dir)
-    if servable.preprocessing is not None:
-        images = [base64.b64decode(x["b64"]) for x in record["inputs"]]
-        got = servable.predict_images(images)
-    else:
-        got = servable.run(servable.prepare({n: record["inputs"] for n in servable.inputs}))
-    expected = {k: np.asarray(v) for k, v in record["expected"].items()}
-    compare(got, expected, record["rtol"], record["atol"], what=f"{version_dir} on this machine")
+    result = rerun_check(Servable(version_dir), version_dir, "on this machine")
+    assert result is not None  # the file exists
+    return result
+
+
+def rerun_check(
+    servable: Servable, version_dir: str, where: str
+) -> tuple[int, dict[str, float]] | None:
+    """Runs the stored check examples of ``version_dir`` through the loaded ``servable``.
+
+    The server runs it before a version is served: a version whose files were damaged after
+    the export (a flipped bit in ``variables.msgpack``) answers other classes and is refused.
+
+    Args:
+      where: how the error names the run (``"on this machine"``, ``"at load"``).
+
+    Returns:
+      (number of examples, {output: max abs difference}); None when the version has no
+      ``export_check.json`` (exported without ``check_inputs``: nothing to check).
+
+    Raises:
+      ExportCheckError: the outputs differ from the stored ones, or the stored check cannot
+        be read (a damaged file cannot vouch for the version).
+    """
+    fs, root = fsspec.core.url_to_fs(version_dir)
+    path = posixpath.join(root, CHECK_FILE)
+    if not fs.exists(path):
+        return None
+    try:
+        with fs.open(path, "r") as f:
+            record = json.load(f)
+        if servable.preprocessing is not None:
+            images = [base64.b64decode(x["b64"], validate=True) for x in record["inputs"]]
+            got = servable.predict_images(images)
+        else:
+            got = servable.run(servable.prepare({n: record["inputs"] for n in servable.inputs}))
+        expected = {k: np.asarray(v) for k, v in record["expected"].items()}
+        rtol, atol = float(record["rtol"]), float(record["atol"])
+        compare(got, expected, rtol, atol, what=f"{version_dir} {where}")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # binascii.Error: ValueError
+        raise ExportCheckError(
+            f"{version_dir}/{CHECK_FILE} cannot be read ({type(e).__name__}: {e}); export the "
+            "version again"
+        ) from None
     diffs = {k: float(np.abs(np.asarray(got[k], np.float64) - expected[k]).max()) for k in expected}
     return len(next(iter(expected.values()))), diffs

@@ -12,7 +12,8 @@ thing it counted to ``<dir>/results.jsonl``::
 
 ``kind`` is one of ``fuzz`` (count = inputs tried), ``kill`` (count = kills survived; detail
 ``where`` = {place: kills landed there}), ``server`` (count = requests sent), ``fault`` (count =
-faults injected); ``ok`` says whether nothing was lost. ``tests/reliability/report.py`` reads the
+faults injected), ``attack`` (count = hostile requests, connections or versions the server
+refused); ``ok`` says whether nothing was lost. ``tests/reliability/report.py`` reads the
 file and prints the table. Use the ``reliability_record`` fixture rather than writing lines by
 hand, so the report can rely on the format.
 """
@@ -28,7 +29,7 @@ import pytest
 
 RESULTS_ENV = "ESTIMAX_RELIABILITY_RESULTS"
 MODE_ENV = "ESTIMAX_RELIABILITY"
-KINDS = ("fuzz", "kill", "server", "fault")
+KINDS = ("fuzz", "kill", "server", "fault", "attack")
 
 
 def long_mode() -> bool:
@@ -87,7 +88,10 @@ _FAULT_TARGETS = {
     "test_checkpoints.py": "checkpoint damaged or torn",
     "test_disk_full.py": "disk full while writing",
     "test_evaluations.py": "kill around an evaluation",
+    "test_input_faults.py": "input: record, shard, worker",
     "test_nonfinite.py": "non-finite loss",
+    "test_signals.py": "signals, oneDNN loaded",
+    "test_writer_lock.py": "lock: restart, read-only, full",
 }
 
 

@@ -166,6 +166,26 @@ def _target_jpeg(data: bytes) -> None:
             pass
 
 
+def _target_tf_checkpoint(data: bytes) -> None:
+    """``data`` is a TensorFlow checkpoint's ``.index``; its data file is ``_TF_DATA``."""
+    from estimax.migrate import tf_checkpoint
+
+    prefix = os.path.join(_SCRATCH, "model.ckpt")
+    _scratch_file(data, "model.ckpt.index")
+    _scratch_file(_TF_DATA, "model.ckpt.data-00000-of-00001")
+    try:
+        reader = tf_checkpoint.CheckpointReader(prefix)
+    except tf_checkpoint.TFCheckpointError:
+        return
+    with reader:
+        for name, info in reader.variables().items():
+            assert info.name == name and all(d >= 0 for d in info.shape), info
+            try:
+                reader.get_tensor(name)
+            except tf_checkpoint.TFCheckpointError:
+                pass
+
+
 def _target_alloc_probe(data: bytes) -> None:
     """Not a parser: tries to allocate 8 GiB, to show that RLIMIT_AS holds (MemoryError)."""
     try:
@@ -182,6 +202,7 @@ TARGETS: dict[str, Callable[[bytes], None]] = {
     "tfrecord_index": _target_tfrecord_index,
     "example": _target_example,
     "jpeg": _target_jpeg,
+    "tf_checkpoint": _target_tf_checkpoint,
     "alloc_probe": _target_alloc_probe,
 }
 
@@ -320,12 +341,166 @@ def _claim_dims(image: bytes, height: int, width: int) -> bytes:
     return bytes(data)
 
 
+# ------------------------------------------------------------- TensorFlow checkpoint index
+# A LevelDB-format table (tensorflow/core/lib/io/table_format.txt) written here: the reader's
+# checks sit behind each block's CRC32C, so damage is made to the fields before the table is
+# built (and then, a little, to the bytes after).
+
+_TF_DATA = bytes(range(256)) * 2  # the data file every generated index points into
+
+
+def _uvarint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _masked(data: bytes) -> bytes:
+    import crc32c
+
+    crc = crc32c.crc32c(data)
+    return struct.pack("<I", (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF)
+
+
+def table_block(entries: list[tuple[bytes, bytes]], restart_interval: int = 16) -> bytes:
+    """One block: prefix-compressed entries, then the restart offsets and their count."""
+    out, restarts, previous = bytearray(), [], b""
+    for i, (key, value) in enumerate(entries):
+        shared = 0
+        if i % restart_interval == 0:
+            restarts.append(len(out))
+        else:
+            while shared < min(len(key), len(previous)) and key[shared] == previous[shared]:
+                shared += 1
+        out += _uvarint(shared) + _uvarint(len(key) - shared) + _uvarint(len(value))
+        out += key[shared:] + value
+        previous = key
+    restarts = restarts or [0]
+    return (
+        bytes(out)
+        + b"".join(struct.pack("<I", r) for r in restarts)
+        + struct.pack("<I", len(restarts))
+    )
+
+
+def _with_trailer(block: bytes) -> bytes:
+    return block + b"\x00" + _masked(block + b"\x00")  # type 0: not compressed
+
+
+def table_file(
+    blocks: list[bytes], index_keys: list[bytes] | None = None, listings: int = 1
+) -> bytes:
+    """A table of data ``blocks`` (already built), its index block and footer; the index
+    lists each block ``listings`` times."""
+    out, handles = bytearray(), []
+    for block in blocks:
+        handles += [_uvarint(len(out)) + _uvarint(len(block))] * listings
+        out += _with_trailer(block)
+    keys = index_keys or [i.to_bytes(4, "big") + b"\xff" for i in range(len(handles))]
+    meta_handle = _uvarint(len(out)) + _uvarint(len(table_block([])))
+    out += _with_trailer(table_block([]))
+    index = table_block(list(zip(keys, handles, strict=True)), restart_interval=1)
+    index_handle = _uvarint(len(out)) + _uvarint(len(index))
+    out += _with_trailer(index)
+    footer = (meta_handle + index_handle).ljust(40, b"\x00")
+    return bytes(out + footer + struct.pack("<Q", 0xDB4775248B80FB57))
+
+
+def _pick(rng: random.Random, valid: tuple, absurd: tuple) -> object:
+    """A valid value mostly; an absurd one in one case of ten."""
+    return rng.choice(absurd if rng.random() < 0.1 else valid)
+
+
+def _tf_entry(rng: random.Random) -> bytes:
+    """A BundleEntryProto, its fields valid or (each one in ten) absurd."""
+    from estimax.migrate import tf_checkpoint
+
+    entry = tf_checkpoint._bundle_messages()[1]()
+    entry.dtype = _pick(rng, (1, 1, 3, 9, 14, 19), (0, 7, 20, 99, -1))
+    rank = _pick(rng, (0, 1, 2, 3), (4, 255, 300))
+    for _ in range(rank):
+        entry.shape.dim.add(size=_pick(rng, (0, 1, 2, 3, 8), (-1, 2**31, 2**62, -(2**63))))
+    entry.shape.unknown_rank = rng.random() < 0.03
+    entry.shard_id = _pick(rng, (0,), (1, -1, 2**31 - 1))
+    entry.offset = _pick(rng, (0, rng.randint(0, len(_TF_DATA))), (-1, len(_TF_DATA), 2**62))
+    itemsize = {1: 4, 3: 4, 9: 8, 14: 2, 19: 2}.get(entry.dtype, 4)
+    count = 1
+    for d in entry.shape.dim:
+        count *= d.size
+    size = _pick(rng, (count * itemsize,), (rng.randint(0, 600), 2**62, -5))
+    entry.size = max(-(2**63), min(size, 2**63 - 1))  # int64 on the wire
+    if rng.random() < 0.8 and 0 <= entry.offset and 0 <= entry.size <= len(_TF_DATA):
+        raw = _TF_DATA[entry.offset : entry.offset + entry.size]
+        entry.crc32c = struct.unpack("<I", _masked(raw))[0]
+    if rng.random() < 0.05:
+        entry.slices.add()
+    return entry.SerializeToString()
+
+
+def _tf_header(rng: random.Random) -> bytes:
+    from estimax.migrate import tf_checkpoint
+
+    header = tf_checkpoint._bundle_messages()[0]()
+    header.num_shards = _pick(rng, (1, 0), (2, -1, 2**31 - 1))
+    header.endianness = _pick(rng, (0,), (1, 2))
+    return header.SerializeToString()
+
+
+def _gen_tf_index(rng: random.Random) -> bytes:
+    kind = rng.random()
+    if kind < 0.05:
+        return rng.randbytes(rng.randint(0, 96))
+    if kind < 0.1:  # the index listing a block again and again
+        return block_reuse_bomb(rng.randint(64, 1024), block_bytes=rng.randint(16, 256))
+    if kind < 0.15:  # keys that expand past the bound
+        return prefix_compression_bomb(rng.randint(1000, 8000), prefix=rng.randint(64, 4096))
+    stems = (b"a", b"b/c", b"conv/kernel", b"x" * 40)
+    names = {rng.choice(stems) + rng.randbytes(rng.randint(0, 3)) for _ in range(rng.randint(0, 8))}
+    entries = [(b"", _tf_header(rng))] * (rng.random() < 0.9)
+    entries += [(name, _tf_entry(rng)) for name in sorted(names)]
+    if rng.random() < 0.1 and len(entries) > 1:  # out of order, or a key twice
+        i, j = rng.randrange(len(entries)), rng.randrange(len(entries))
+        entries[i], entries[j] = entries[j], entries[i]
+    per_block = rng.choice((1, 2, 16))
+    blocks = [
+        table_block(entries[i : i + per_block], rng.choice((1, 2, 16)))
+        for i in range(0, len(entries), per_block)
+    ]
+    data = table_file(blocks)
+    return _damage(rng, data) if rng.random() < 0.3 else data
+
+
+def prefix_compression_bomb(size: int, prefix: int = 1 << 16) -> bytes:
+    """A sorted index of about ``size`` bytes whose keys share one ``prefix``-byte start, each
+    one byte longer than the last: written out, its keys come to ~size/6 * (prefix + ...)."""
+    entries = [(b"a" * prefix, b"")]
+    body = bytearray(table_block(entries))[:-8]  # its entries, without restarts and count
+    key_len = prefix
+    while len(body) < size:
+        body += _uvarint(key_len) + _uvarint(1) + _uvarint(0) + b"\x01"
+        key_len += 1
+    block = bytes(body) + struct.pack("<I", 0) + struct.pack("<I", 1)
+    return table_file([block], [b"b"])
+
+
+def block_reuse_bomb(size: int, block_bytes: int = 1 << 20) -> bytes:
+    """An index of about ``size`` bytes that lists one ``block_bytes`` data block again and
+    again (a reader would check and decode it once per listing)."""
+    # Its one entry is a valid BundleEntryProto: an unknown field (15) of block_bytes zeros.
+    block = table_block([(b"k", b"\x7a" + _uvarint(block_bytes) + b"\x00" * block_bytes)])
+    return table_file([block], listings=max(2, (size - block_bytes) // 12))
+
+
 GENERATORS: dict[str, Callable[[random.Random], bytes]] = {
     "tfrecord_stream": _gen_tfrecord,
     "tfrecord_offsets": _gen_tfrecord,
     "tfrecord_index": _gen_index,
     "example": _gen_example,
     "jpeg": _gen_jpeg,
+    "tf_checkpoint": _gen_tf_index,
 }
 
 
@@ -362,8 +537,22 @@ def run(target: str, num_inputs: int, seed: int, out_dir: str) -> dict:
             raise
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return {"target": target, "inputs": count, "max_rss_mib": round(usage.ru_maxrss / 1024, 1)}
+    return {"target": target, "inputs": count, "max_rss_mib": _peak_rss_mib()}
+
+
+def _peak_rss_mib() -> float:
+    """This process's own peak resident memory, in MiB."""
+    # Not getrusage's ru_maxrss: Linux carries it over exec, so a child started with vfork
+    # (subprocess does where it can) reports its parent's peak, a pytest worker's hundreds of MiB.
+    # VmHWM belongs to the process's own address space, which exec replaced.
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
 def main(argv: list[str]) -> int:

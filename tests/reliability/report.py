@@ -18,6 +18,7 @@ _HEADINGS = {
     "fuzz": "fuzz inputs tried",
     "server": "server requests fuzzed",
     "fault": "faults injected",
+    "attack": "server attacks refused",
 }
 
 

@@ -155,3 +155,50 @@ def test_checkpoints_iterator_skips_a_damaged_checkpoint_and_leaves_it(runs, tmp
     (warning,) = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
     assert "has CRC32C" in warning and "does not own model_dir" in warning
     assert os.path.isdir(step_dir)  # a reader never renames the trainer's files
+
+
+def _empty_step_dir(checkpoints_dir):
+    os.mkdir(os.path.join(checkpoints_dir, "6"))  # a copy interrupted before its first file
+    return "it is empty (a copy that was interrupted"
+
+
+def _copy_without_its_model(checkpoints_dir):
+    # A copy that stopped after Orbax's metadata and the meta item: no manifest, no model.
+    target = os.path.join(checkpoints_dir, "6")
+    os.makedirs(os.path.join(target, "meta"))
+    for name in ("_CHECKPOINT_METADATA", os.path.join("meta", "metadata")):
+        shutil.copy(os.path.join(checkpoints_dir, "4", name), os.path.join(target, name))
+    return "it is incomplete: its model item is missing"
+
+
+def _step_2_renamed_6(checkpoints_dir):
+    # Whole and intact (its manifest matches), but step 2's: named 6, it would rewind training.
+    shutil.copytree(os.path.join(checkpoints_dir, "2"), os.path.join(checkpoints_dir, "6"))
+    return "it holds the checkpoint of step 2, not of step 6 (a checkpoint copied or renamed"
+
+
+@pytest.mark.parametrize("fault", [_empty_step_dir, _copy_without_its_model, _step_2_renamed_6])
+def test_a_step_directory_that_is_not_that_step_is_set_aside(runs, tmp_path, caplog, fault):
+    trained, reference = runs
+    model_dir = tmp_path / "run"
+    shutil.copytree(trained, model_dir)
+    checkpoints_dir = str(model_dir / "checkpoints")
+    expected_problem = fault(checkpoints_dir)
+    step_dir = os.path.join(checkpoints_dir, "6")
+
+    caplog.set_level(logging.WARNING)
+    est = fx.estimator(str(model_dir))
+    assert est.get_global_step() == 4  # the newest real checkpoint, not the "6" beside it
+    est.close()
+    (warning,) = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
+    assert f"Checkpoint {step_dir} is damaged: {expected_problem}" in warning
+    (aside,) = glob.glob(step_dir + ".corrupt-*")
+    assert f"moved aside to {aside}" in warning and "Using the previous checkpoint" in warning
+
+    # The restart resumes from step 4 and ends where an uninterrupted run ends, bit for bit;
+    # no warning again (no loop of the same fault on every restart).
+    caplog.clear()
+    resumed = fx.train(str(model_dir), 6)
+    assert fx.leaves_equal(resumed, reference)
+    assert not [r for r in caplog.records if "is damaged" in r.getMessage()]
+    assert checkpoints.Checkpointer(str(model_dir), None, read_only=True).latest_step() == 6

@@ -1,5 +1,6 @@
 """Fuzzing the parsers of data users did not write: TFRecord framing, index files, tf.Example,
-JPEG/PNG decoding. Only the documented errors, no hang, no crash in a C extension, bounded memory.
+JPEG/PNG decoding, TensorFlow checkpoint indexes. Only the documented errors, no hang, no crash in
+a C extension, bounded memory.
 
 Each target runs in a child process (tests/reliability/fuzz_targets.py) under ``RLIMIT_AS``, so
 a segfault is a signal exit the test names, a hang is a timeout, and a memory bomb is a
@@ -12,12 +13,14 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 
 import pytest
 
+from . import fuzz_targets
 from .conftest import scale
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -31,6 +34,7 @@ CORPUS = {
     "tfrecord_index": "tfrecord_index-",
     "example": "example-",
     "jpeg": "jpeg-",
+    "tf_checkpoint": "tf_checkpoint-",
 }
 
 
@@ -130,3 +134,52 @@ def test_decompression_bomb_rejected_from_its_header():
     with open(os.path.join(HERE, "corpus", "jpeg-png-ihdr-claims-65535x65535.bin"), "rb") as f:
         with pytest.raises(jpeg.ImageDecodeError, match="65535x65535 pixels"):
             jpeg.decode(f.read())
+
+
+@pytest.mark.parametrize(
+    ("bomb", "refusal"),
+    [
+        (
+            fuzz_targets.prefix_compression_bomb,
+            "its prefix-compressed keys expand to more than 32 times the file's",
+        ),
+        (fuzz_targets.block_reuse_bomb, "its index names a block at byte 0, which overlaps"),
+    ],
+)
+def test_tf_index_bombs_are_refused_in_proportion_to_their_size(
+    bomb, refusal, tmp_path, reliability_record
+):
+    """4 MB .index files whose table expands (keys sharing a 64 KiB prefix, each one byte longer;
+    one 1 MiB block listed 300,000 times): listing took 20 s to hours and gigabytes. The reader
+    stops once the work passes its bound (32 times the file's size), with its own error."""
+    from estimax.migrate import tf_checkpoint
+
+    (tmp_path / "model.ckpt.index").write_bytes(bomb(4 << 20))
+    refused = False
+    try:
+        with pytest.raises(tf_checkpoint.TFCheckpointError, match=f"damaged table \\({refusal}"):
+            tf_checkpoint.CheckpointReader(str(tmp_path / "model.ckpt"))
+        refused = True
+    finally:
+        reliability_record("fault", "TF index bombs", 1, refused)
+
+
+def test_every_absurd_tf_entry_field_is_named(tmp_path):
+    """Each corpus index holds one tensor with one absurd field (they gave MemoryError,
+    ValueError, OSError, FileNotFoundError before): one TFCheckpointError naming the field."""
+    from estimax.migrate import tf_checkpoint
+
+    expected = {
+        "negative-dim": "damaged entry w: a negative dimension in its shape [-1, -1]",
+        "size-2e62": "needs bytes 0..4611686018427387904, the file has 512",
+        "zero-by-2e62": "damaged entry w: its shape [0, 4611686018427387904] is larger than any",
+        "offset-negative": "damaged entry w: offset -8, size 8 (negative)",
+        "shard-2e31": "damaged entry w: shard 2147483647, of a checkpoint of 1 shards",
+    }
+    (tmp_path / "model.ckpt.data-00000-of-00001").write_bytes(fuzz_targets._TF_DATA)
+    for name, message in expected.items():
+        with open(os.path.join(HERE, "corpus", f"tf_checkpoint-{name}.bin"), "rb") as f:
+            (tmp_path / "model.ckpt.index").write_bytes(f.read())
+        with pytest.raises(tf_checkpoint.TFCheckpointError, match=re.escape(message)):
+            with tf_checkpoint.CheckpointReader(str(tmp_path / "model.ckpt")) as reader:
+                reader.get_tensor("w")

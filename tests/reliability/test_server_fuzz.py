@@ -3,7 +3,10 @@
 The entry points OpenAPI cannot describe are fuzzed with hypothesis: v2's binary tensor data
 extension (a JSON header of ``Inference-Header-Content-Length`` bytes, then framed tensors) and
 every gRPC method (TF Serving's ``PredictionService``/``ModelService``, v2's
-``GRPCInferenceService``), with structured messages and with raw garbage bytes.
+``GRPCInferenceService``), with structured messages and with raw garbage bytes. Their numbers
+include what ``int()`` and ``str.isdigit`` take but no tensor can: other scripts' digits and
+superscripts in versions and headers, numbers past int64 and past 4,300 digits, shapes of 100
+dimensions.
 
 Asserted: no 5xx answer (schemathesis' ``not_a_server_error`` check), the server process still
 running and serving afterwards, and its memory flat: the RSS after a second full fuzzing pass
@@ -22,6 +25,7 @@ import re
 import struct
 import subprocess
 import sys
+import urllib.parse
 
 import numpy as np
 import pytest
@@ -167,7 +171,9 @@ def _strategies(images: list[bytes]):
 
     names = st.sampled_from(["image_bytes", "image_bytes", "input", "", "x" * 300])
     v2_types = st.sampled_from(["BYTES", "BYTES", "FP32", "INT32", "BF16", "BOOL", "NOPE", ""])
-    dims = st.lists(st.integers(-2, 12) | st.just(2**40), min_size=0, max_size=3)
+    # Sizes past int64 (JSON only: protobuf refuses them) and past numpy's 64 dimensions.
+    size = st.integers(-2, 12) | st.sampled_from([2**40, 2**63 - 1, 2**64, 10**30])
+    dims = st.lists(size, min_size=0, max_size=3) | st.just([1] * 100)
     element = st.sampled_from(images) | st.binary(max_size=64) | st.just(b"")
     elements = st.lists(element, max_size=4)
 
@@ -176,6 +182,49 @@ def _strategies(images: list[bytes]):
 
     payload = elements.map(framed) | st.binary(max_size=200) | st.just(b"\xff\xff\xff\x7f")
     return st, names, v2_types, dims, elements, payload
+
+
+# Versions as clients may write them: other scripts' digits and superscripts (str.isdigit and
+# int() take them), numbers past int64 and past Python's 4,300-digit int() limit.
+VERSIONS = ["", "1", "2", "x", "\u0661", "\u00b2", "9" * 5000, str(2**64), "0" * 25 + "1"]
+HUGE = "9" * 5000  # a JSON number no int() converts
+
+
+def _post_binary(url: str, b: dict, version: str) -> tuple:
+    """One v2 request over HTTP with the binary tensor data extension, as ``b`` describes it."""
+    tensor: dict = {"name": b["name"], "datatype": b["datatype"], "shape": b["shape"]}
+    if b["size"] is not None:
+        tensor["parameters"] = {"binary_data_size": b["size"]}
+    head: dict = {"inputs": [tensor]}
+    if b["binary_output"] is not None:
+        head["parameters"] = {"binary_data_output": b["binary_output"]}
+    text = json.dumps(head).encode()
+    if b["huge_number"]:  # json.dumps cannot write it: spliced into the text
+        text = text.replace(b'"shape": [', f'"shape": [{HUGE}, '.encode(), 1)
+    headers = {
+        "exact": {"Inference-Header-Content-Length": str(len(text))},
+        "none": {},
+        "long": {"Inference-Header-Content-Length": str(len(text) + 10**6)},
+        "junk": {"Inference-Header-Content-Length": "-3"},
+        "superscript": {"Inference-Header-Content-Length": "\u00b2"},
+        "huge": {"Inference-Header-Content-Length": HUGE},
+    }[b["header"]]
+    path = f"/versions/{urllib.parse.quote(version, safe='')}" if version else ""
+    r = requests.post(
+        f"{url}/v2/models/{NAME}{path}/infer",
+        data=text + b["payload"],
+        headers=headers,
+        timeout=60,
+    )
+    return r, head
+
+
+def _int64(version: str) -> int | None:
+    """The version as a ModelSpec's Int64Value can carry it, or None."""
+    if version.isascii() and version.isdigit() and len(version) <= 19:
+        number = int(version)
+        return number if number < 2**63 else None
+    return None
 
 
 def test_fuzzed_binary_extension_and_grpc_answer_no_server_error(
@@ -250,7 +299,10 @@ def test_fuzzed_binary_extension_and_grpc_answer_no_server_error(
             "shape": dims,
             "size": st.integers(-1, 400) | st.none() | st.just("9"),
             "payload": payload,
-            "header": st.sampled_from(["exact", "exact", "none", "long", "junk"]),
+            "header": st.sampled_from(
+                ["exact", "exact", "none", "long", "junk", "superscript", "huge"]
+            ),
+            "huge_number": st.sampled_from([False, False, False, True]),
             "binary_output": st.sampled_from([True, False, None, "yes"]),
         }
     )
@@ -272,41 +324,26 @@ def test_fuzzed_binary_extension_and_grpc_answer_no_server_error(
         st.sampled_from(["tensor_content", "float_val", "string_val", "none"]),
         st.binary(max_size=120),
         st.sampled_from([NAME, NAME, "other", ""]),
-        st.sampled_from(["", "1", "2", "x"]),
+        st.sampled_from(VERSIONS),
     )
     def fuzz(b, name, datatype, shape, items, tf_dtype, tf_field, garbage, model, version):
         # 1. v2 over HTTP with the binary tensor data extension.
-        tensor: dict = {"name": b["name"], "datatype": b["datatype"], "shape": b["shape"]}
-        if b["size"] is not None:
-            tensor["parameters"] = {"binary_data_size": b["size"]}
-        head: dict = {"inputs": [tensor]}
-        if b["binary_output"] is not None:
-            head["parameters"] = {"binary_data_output": b["binary_output"]}
-        text = json.dumps(head).encode()
-        headers = {
-            "exact": {"Inference-Header-Content-Length": str(len(text))},
-            "none": {},
-            "long": {"Inference-Header-Content-Length": str(len(text) + 10**6)},
-            "junk": {"Inference-Header-Content-Length": "-3"},
-        }[b["header"]]
         sent[0] += 1
-        r = requests.post(
-            f"{url}/v2/models/{NAME}/infer", data=text + b["payload"], headers=headers, timeout=60
-        )
+        r, head = _post_binary(url, b, version)
         if r.status_code >= 500 or (r.status_code >= 400 and "error" not in r.json()):
             bad.append(("http binary", r.status_code, r.text[:300], head))
 
         # 2. TF Serving Predict with a TensorProto.
         request = predict_pb2.PredictRequest()
         request.model_spec.name = model
-        if version.isdigit():
-            request.model_spec.version.value = int(version)
+        if _int64(version) is not None:
+            request.model_spec.version.value = _int64(version)
         elif version:
             request.model_spec.version_label = version
         proto = tensor_pb2.TensorProto(
             dtype=tf_dtype if tf_dtype >= 0 else 0,
             tensor_shape=tensor_shape_pb2.TensorShapeProto(
-                dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=min(d, 2**40)) for d in shape]
+                dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=min(d, 2**63 - 1)) for d in shape]
             ),
         )
         if tf_field == "tensor_content":
@@ -334,7 +371,7 @@ def test_fuzzed_binary_extension_and_grpc_answer_no_server_error(
         # 3. v2 over gRPC: typed contents or raw contents.
         infer = v2pb.ModelInferRequest(model_name=model, model_version=version)
         tensor_msg = infer.inputs.add(
-            name=name, datatype=datatype, shape=[max(d, 0) for d in shape]
+            name=name, datatype=datatype, shape=[min(max(d, 0), 2**63 - 1) for d in shape]
         )
         if tf_field == "string_val":
             tensor_msg.contents.bytes_contents.extend(items)

@@ -48,6 +48,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
+from estimax.ops import signals
+
 __all__ = [
     "CONV_KINDS",
     "ONEDNN_REQUIREMENTS",
@@ -329,7 +331,9 @@ def _probe(lib: ctypes.CDLL, kind: str, dtype: str, dims: tuple[int, ...]) -> tu
         raise ValueError(f"probe: kind={kind!r} dims={dims!r}")
     msg = ctypes.create_string_buffer(512)
     c_dims = (ctypes.c_int64 * 15)(*dims)
-    with _lock:  # primitive creation mutates the library's cache
+    # Primitive creation mutates the library's cache. The first one creates oneDNN's engine,
+    # whose CPU runtime installs signal handlers of its own: undone (estimax.ops.signals).
+    with _lock, signals.kept("oneDNN's CPU runtime"):
         ok = lib.EstimaxConvProbe(CONV_KINDS.index(kind), _DTYPE_CODES[dtype], c_dims, msg, 512)
     return bool(ok), msg.value.decode(errors="replace")
 
