@@ -157,16 +157,32 @@ def test_declared_serving_preprocessing_is_the_eval_input_bit_for_bit():
             np.testing.assert_array_equal(got, want)
 
 
+CLASSES = ("ant", "bee", "cat", "dog")
+
+
 def _write_data(root: str) -> str:
-    """Digit-like JPEG TFRecords in the ImageNet layout: 16 train, 8 validation, 10 classes."""
-    from estimax.tools import digits_imagenet
+    """Digit-like JPEGs in class folders (4 classes: 16 train, 8 validation), converted by
+    ``estimax-convert folder`` into the ImageNet layout with its manifest."""
+    from estimax.tools import convert, digits_imagenet
 
     rng = np.random.default_rng(0)
     pixels = rng.integers(0, 256, (24, 784)).astype(np.uint8)
-    labels = np.arange(24) % 10
+    for i, image in enumerate(pixels):
+        split = "train" if i < 16 else "validation"
+        folder = os.path.join(root, "photos", split, CLASSES[i % len(CLASSES)])
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"{i}.jpg"), "wb") as f:
+            f.write(digits_imagenet.digit_jpeg(image, 44))
     data = os.path.join(root, "data")
-    digits_imagenet.write_split(data, "train", pixels[:16], labels[:16], 2)
-    digits_imagenet.write_split(data, "validation", pixels[16:], labels[16:], 1)
+    photos = os.path.join(root, "photos")
+    command = ["folder", f"--train_dir={photos}/train", f"--validation_dir={photos}/validation"]
+    command += [
+        "--train_shards=2",
+        "--validation_shards=1",
+        f"--output_dir={data}",
+        "--no_progress",
+    ]
+    assert convert.main(command) == 0
     return data
 
 
@@ -219,6 +235,10 @@ def test_command_line_trains_exports_and_the_export_serves(tmp_path):
     # Served over REST == the trained Estimator's predict on the eval-preprocessed images.
     expected = check["expected"]
     assert [p["classes"] for p in predictions] == expected["classes"]
+    # The converter's class names travel with the export: the model's 10 ids, the 4 classes the
+    # folders named (label - 1, as the input hands them to the model), the rest unnamed.
+    names = [*CLASSES, *[""] * 6]
+    assert [p["class_names"] for p in predictions] == [names[c] for c in expected["classes"]]
     np.testing.assert_allclose(
         [p["probabilities"] for p in predictions],
         expected["probabilities"],

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import os
 import subprocess
@@ -590,3 +591,19 @@ def test_resnet_digits_train_and_a_second_eval_process(tmp_path):
     # Each evaluation counts all 40 held-out digits once (3 batches of 16, the last padded).
     assert "Eval results at step 4:" in evaluator.stdout
     assert "on 40 images" in evaluator.stdout
+
+
+def test_manifest_class_names_follow_the_label_offset_and_the_models_classes(tmp_path, caplog):
+    from estimax.tools.convert_shards import MANIFEST_FORMAT, MANIFEST_NAME
+
+    manifest = {"format": MANIFEST_FORMAT, "label_map": {"ant": 1, "bee": 2, "cat": 3}}
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps(manifest))
+    # ResNet/EfficientNet: the model sees label - 1; unnamed ids are "".
+    assert common.manifest_class_names(str(tmp_path), 1, 5) == ["ant", "bee", "cat", "", ""]
+    # Inception: id = label, id 0 the background logit.
+    assert common.manifest_class_names(str(tmp_path), 0, 4) == ["", "ant", "bee", "cat"]
+    # Names that cannot be this model's: exported without them, and the log says why.
+    assert common.manifest_class_names(str(tmp_path), 1, 2) is None
+    assert "names 3 classes, the model has 2" in caplog.text
+    assert common.manifest_class_names(str(tmp_path / "other"), 1, 5) is None  # no manifest
+    assert common.manifest_class_names(None, 1, 5) is None  # fake data

@@ -506,6 +506,8 @@ class Job:
       check_inputs: returns a few examples (encoded images with ``preprocessing``, else an
         array of features) that the export is checked with against ``Estimator.predict``
         before it is published; None, or returning None: no check (fake data has no images).
+      class_names: returns the export's class names by served id (``manifest_class_names``);
+        None, or returning None: the export names no class.
       export_tolerance: ``(rtol, atol)`` for that check.
       metrics: the metrics printed for the last evaluation, and what its examples are called.
       notes: warnings to keep in TensorBoard's run description (fake data).
@@ -525,6 +527,7 @@ class Job:
     preprocessing: Any = None
     eval_preprocess: Callable[[bytes], Any] | None = None
     check_inputs: Callable[[], Any] | None = None
+    class_names: Callable[[], list[str] | None] | None = None
     export_tolerance: tuple[float, float] = (1e-3, 1e-4)
     # --warm_start_from: used only while model_dir has no checkpoint.
     warm_start_from: str | None = None
@@ -679,6 +682,7 @@ def export(est: Any, job: Job) -> str:
         rtol=rtol,
         atol=atol,
         eval_preprocess=job.eval_preprocess,
+        class_names=job.class_names() if job.class_names else None,
     )
     logging.info("Exported the model to %s", path)
     return path
@@ -701,6 +705,38 @@ def sample_images(data_dir: str | None, count: int = 8) -> list[bytes] | None:
     from estimax import serving
 
     return serving.check_images(data_dir, count) or None
+
+
+def manifest_class_names(
+    data_dir: str | None, label_offset: int, num_classes: int
+) -> list[str] | None:
+    """The class names of ``data_dir``'s ``estimax-convert`` manifest, by the model's class id.
+
+    ``label_offset``: class id = the file's label - ``label_offset``. Ids no class folder maps to
+    (ImageNet's 1000 classes trained on a 10-class folder, Inception's background logit) are
+    named ``""``. None, with a warning where there is a manifest, when the names cannot be this
+    model's: the export is then published without them rather than lose the trained model.
+    """
+    if data_dir is None:
+        return None
+    from estimax import serving
+
+    try:
+        names = serving.class_names_from_manifest(data_dir, label_offset)
+    except FileNotFoundError:
+        return None  # TFRecords of another converter: nothing names the classes
+    except (OSError, ValueError) as e:
+        logging.warning("Exporting without class names: %s", e)
+        return None
+    if len(names) > num_classes:
+        logging.warning(
+            "Exporting without class names: %s names %d classes, the model has %d",
+            posixpath.join(data_dir, "manifest.json"),
+            len(names),
+            num_classes,
+        )
+        return None
+    return names + [""] * (num_classes - len(names))
 
 
 def write_run_description(model_dir: str, notes: list[str] | tuple[str, ...]) -> None:
