@@ -179,18 +179,11 @@ def export_version(
         preprocessing with ``eval_preprocess`` (the message names the first difference: shape,
         dtype, or the largest value difference and its pixel); nothing is published.
     """
-    from estimax.estimator.export import TensorSpec  # only the exporter needs the estimator
-    from estimax.estimator.inputs import numpy_input_fn
+    from estimax.estimator.inputs import numpy_input_fn  # only the exporter needs the estimator
 
     if eval_preprocess is not None and preprocessing is not None and check_inputs is not None:
         _check_input_skew(preprocessing, eval_preprocess, check_inputs, pixel_tolerance)
-    if serving_input is None:
-        if preprocessing is None:
-            raise ValueError(
-                "export_version needs serving_input (a TensorSpec) or "
-                "preprocessing (e.g. estimax.serving.resnet_eval(224))"
-            )
-        serving_input = TensorSpec((None, *preprocessing.output_shape), preprocessing.output_dtype)
+    serving_input = _serving_input(serving_input, preprocessing)
     fs, root = fsspec.core.url_to_fs(model_base_path)
     fs.makedirs(root, exist_ok=True)
     local = _is_local(fs)
@@ -238,6 +231,20 @@ def export_version(
     url = final if local else fs.unstrip_protocol(final)
     logging.info("Published version %d of the model under %s", version, model_base_path)
     return url
+
+
+def _serving_input(serving_input: Any, preprocessing: Preprocessing | None) -> Any:
+    """The export's input spec: ``serving_input``, else the preprocessing's output."""
+    from estimax.estimator.export import TensorSpec
+
+    if serving_input is not None:
+        return serving_input
+    if preprocessing is None:
+        raise ValueError(
+            "export_version needs serving_input (a TensorSpec) or "
+            "preprocessing (e.g. estimax.serving.resnet_eval(224))"
+        )
+    return TensorSpec((None, *preprocessing.output_shape), preprocessing.output_dtype)
 
 
 def _publish(
