@@ -707,6 +707,18 @@ def sample_images(data_dir: str | None, count: int = 8) -> list[bytes] | None:
     return serving.check_images(data_dir, count) or None
 
 
+def image_export(
+    data_dir: str | None, label_offset: int, num_classes: int, precision: str
+) -> dict[str, Any]:
+    """The ``Job`` fields of an ImageNet-style program's export: check images across classes
+    from ``data_dir``, the manifest's class names (``manifest_class_names``), the tolerance."""
+    return {
+        "check_inputs": lambda: sample_images(data_dir),
+        "class_names": lambda: manifest_class_names(data_dir, label_offset, num_classes),
+        "export_tolerance": export_tolerance(precision),
+    }
+
+
 def manifest_class_names(
     data_dir: str | None, label_offset: int, num_classes: int
 ) -> list[str] | None:

@@ -393,10 +393,8 @@ def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
             eval_preprocess=functools.partial(
                 preprocessing.resnet_preprocess, is_training=False, image_size=image_size(fv)
             ),
-            check_inputs=lambda: common.sample_images(data_dir),
             # The input hands the model the file's label - 1.
-            class_names=lambda: common.manifest_class_names(data_dir, 1, cfg.num_label_classes),
-            export_tolerance=common.export_tolerance(cfg.precision),
+            **common.image_export(data_dir, 1, cfg.num_label_classes, cfg.precision),
         )
     )
 

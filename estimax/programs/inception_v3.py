@@ -461,10 +461,8 @@ def run_from_flags(fv: flags.FlagValues, variant: Variant = V3) -> dict[str, Any
             notes=tuple(notes),
             input_fn=inputs,
             batch_sizes=(fv.train_batch_size, fv.eval_batch_size),
-            check_inputs=lambda: common.sample_images(data_dir),
             # Class id = the file's label (id 0 is the background logit).
-            class_names=lambda: common.manifest_class_names(data_dir, 0, fv.num_classes),
-            export_tolerance=common.export_tolerance(fv.precision),
+            **common.image_export(data_dir, 0, fv.num_classes, fv.precision),
         )
     )
 

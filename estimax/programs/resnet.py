@@ -363,10 +363,8 @@ def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
             notes=tuple(notes),
             input_fn=inputs,
             batch_sizes=(fv.train_batch_size, fv.eval_batch_size),
-            check_inputs=lambda: common.sample_images(data_dir),
             # The input hands the model the file's label - 1.
-            class_names=lambda: common.manifest_class_names(data_dir, 1, fv.num_label_classes),
-            export_tolerance=common.export_tolerance(fv.precision),
+            **common.image_export(data_dir, 1, fv.num_label_classes, fv.precision),
         )
     )
 
