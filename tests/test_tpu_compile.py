@@ -198,9 +198,10 @@ def test_a_step_that_does_not_fit_names_the_largest_batch_that_does(tmp_path):
     assert len(raised.value.reports) == 2 and not raised.value.reports[0].fits
 
 
-def test_unknown_topology_is_one_line_listing_the_known_ones():
+def _fatal_lines(program: str, *args: str) -> list[str]:
+    """The FATAL lines of ``python -m estimax.programs.PROGRAM ARGS``, which must exit 2."""
     proc = subprocess.run(
-        [sys.executable, "-m", "estimax.programs.resnet", "--compile_for=v9:2x2"],
+        [sys.executable, "-m", f"estimax.programs.{program}", *args],
         capture_output=True,
         text=True,
         timeout=300,
@@ -208,8 +209,12 @@ def test_unknown_topology_is_one_line_listing_the_known_ones():
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
-    assert proc.returncode == 2
-    fatal = [line for line in proc.stderr.splitlines() if line.startswith("FATAL")]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    return [line for line in proc.stderr.splitlines() if line.startswith("FATAL")]
+
+
+def test_unknown_topology_is_one_line_listing_the_known_ones():
+    fatal = _fatal_lines("resnet", "--compile_for=v9:2x2")
     assert fatal == [
         "FATAL: --compile_for=v9:2x2: unknown TPU topology 'v9:2x2': known are "
         + compile_lib.known_topologies()
@@ -221,17 +226,7 @@ def test_unknown_topology_is_one_line_listing_the_known_ones():
 
 @pytest.mark.skipif(HAS_LIBTPU, reason="shows what a user without libtpu sees")
 def test_without_libtpu_one_line_says_how_to_install_it():
-    proc = subprocess.run(
-        [sys.executable, "-m", "estimax.programs.mnist", "--compile_for=v5e:2x4"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
-    assert proc.returncode == 2
-    fatal = [line for line in proc.stderr.splitlines() if line.startswith("FATAL")]
+    fatal = _fatal_lines("mnist", "--compile_for=v5e:2x4")
     assert fatal == [
         "FATAL: --compile_for=v5e:2x4: compiling for v5e:2x4 needs XLA's TPU compiler "
         f"(libtpu): {compile_lib.INSTALL_HINT}."
