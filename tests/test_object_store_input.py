@@ -63,6 +63,7 @@ def test_read_many_reads_each_record_once_coalescing_neighbours(object_store, mo
 
 
 CHILD = """
+import faulthandler
 import json, struct, sys
 
 import numpy as np
@@ -279,6 +280,22 @@ def test_read_ahead_reads_a_window_of_chunks_ahead_of_their_decoding():
         takes[3]()
     read = {c[0] for c in source.calls}
     assert {0, 5} <= read <= {0, 1, 2, 5}
+
+
+def test_reads_queued_when_the_pool_shuts_down_fail_instead_of_hanging():
+    # At interpreter exit concurrent.futures shuts every thread pool down while the loader's
+    # threads may still decode: a read begun then must fail, or its chunk's decoding (and the
+    # exit, which joins that thread) waits forever. Seen in CI: a child hung at exit for 240 s.
+    from estimax.data.read_ahead import ReadAhead
+
+    ahead = ReadAhead(_CountingSource(), depth=1)
+    first, second = ahead.start([0]), ahead.start([1])
+    assert first.args[0].future.result(timeout=60) == [b"r0"]  # begun and read
+    ahead._pool.shutdown(wait=True)  # noqa: SLF001 - as interpreter exit does to every pool
+    assert first() == [b"r0"]  # taking it begins the next read, which cannot be scheduled
+    assert second.args[0].future.done()  # failed at once: nothing waits on it forever
+    with pytest.raises(RuntimeError, match="cannot schedule new futures"):
+        second()
 
 
 @pytest.mark.parametrize("worker_type", ["thread", "process"])

@@ -100,7 +100,13 @@ class ReadAhead:
         if self._closed:
             read.future.set_exception(RuntimeError("the read-ahead is closed"))
             return
-        self._pool.submit(self._run, read)
+        try:
+            self._pool.submit(self._run, read)
+        except RuntimeError as e:
+            # The pool is shut down: at interpreter exit concurrent.futures shuts every pool down
+            # while the loader's threads still decode. The read fails, as a closed one does;
+            # left unset, its chunk's decoding would wait for it forever and hang the exit.
+            read.future.set_exception(e)
 
     def _run(self, read: _Read) -> None:
         try:
