@@ -241,8 +241,11 @@ def test_help_lists_the_known_topologies(module):
         assert name in fv["compile_for"].help
 
 
-def fake_step(batch: int, per_example: float, fixed: float, hbm: float) -> compile_lib.StepReport:
-    """What compiling a step whose memory is ``fixed + per_example * batch`` reports."""
+def fake_step(
+    batch: int, per_example: float, fixed: float, hbm: float, overstated: float = 1.0
+) -> compile_lib.StepReport:
+    """What compiling a step whose memory is ``fixed + per_example * batch`` reports; an
+    out-of-memory error states ``overstated`` times that (XLA's need before rematerialising)."""
     need = fixed + per_example * batch
     report = compile_lib.StepReport(
         "train", "v5e:2x4", "TPU v5 lite", 8, 1, batch, "bf16", need <= hbm, 1.0, hbm
@@ -253,7 +256,7 @@ def fake_step(batch: int, per_example: float, fixed: float, hbm: float) -> compi
         # XLA:TPU's words (libtpu 0.0.42.1).
         report.error = (
             f"Ran out of memory on HBM, the total memory required for HLO temporaries "
-            f"({need / 2**30:.2f}G) exceeds available HBM ({hbm / 2**30:.2f}G)."
+            f"({need * overstated / 2**30:.2f}G) exceeds available HBM ({hbm / 2**30:.2f}G)."
         )
     return report
 
@@ -278,6 +281,24 @@ def test_the_batch_search_finds_the_largest_fitting_batch_in_few_compiles(fixed_
         f"batch that fits is {largest:,} ({largest + 8:,} does not; found in "
         f"{search.compiles} compiles)."
     )
+
+
+@pytest.mark.parametrize("largest", [1_024, 7_192, 9_000, 20_000])
+def test_the_batch_search_brackets_the_limit_when_out_of_memory_errors_overstate(largest):
+    # ResNet-50 on v5e at 65,536: the error said 205.84G needed, 13x what linear memory from a
+    # fitting batch predicts; the plain secant crept up 8 compiles and never bracketed the limit.
+    hbm = 15.75 * 2**30
+    fixed = 0.3 * 2**30
+    per_example = (hbm - fixed) / (largest + 4)  # batches up to `largest` fit
+    tried: list[int] = []
+
+    def probe(batch: int) -> compile_lib.StepReport:
+        tried.append(batch)
+        return fake_step(batch, per_example, fixed, hbm, overstated=13.0)
+
+    search = compile_lib.largest_batch(probe, probe(65536), multiple=8)
+    assert search.exact and (search.fits, search.fails) == (largest, largest + 8), tried
+    assert search.compiles <= 8
 
 
 def test_the_report_line_says_fit_memory_work_and_roofline():

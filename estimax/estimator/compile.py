@@ -36,6 +36,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -513,32 +514,56 @@ def largest_batch(
     sizes = oom_sizes(failed.error or "")
     if sizes:
         points[failed.global_batch], available = sizes
-    lo, hi, compiles, halve = 0, failed.global_batch, 0, False
+    lo, hi, compiles, halve, kept = 0, failed.global_batch, 0, False, 0
     while compiles < max_compiles and hi - lo > multiple:
         target = available if lo else 0.98 * available
-        guess = _next_guess(points, target, lo, hi, multiple)
+        guess = _next_guess(points, target, lo, hi, multiple, hi_weight=0.5**kept)
         if halve or not lo < guess < hi:
             guess = max(lo + multiple, (lo + hi) // 2 // multiple * multiple)
         report = probe(guess)
         compiles += 1
+        logging.info(
+            "batch search: global batch %d %s (%s)",
+            guess,
+            "fits" if report.fits else "does not fit",
+            _size(report.memory_bytes) if report.fits else (report.error or "")[:120],
+        )
         halve = not report.fits and hi - guess <= multiple
         if report.fits:
             lo, points[guess] = guess, float(report.memory_bytes)
+            kept += 1
         else:
-            hi = guess
+            hi, kept = guess, 0
             sizes = oom_sizes(report.error or "")
             if sizes:
                 points[guess] = sizes[0]
     return BatchSearch(fits=lo or None, fails=hi, multiple=multiple, compiles=compiles)
 
 
-def _next_guess(points: dict[int, float], available: float, lo: int, hi: int, k: int) -> int:
+def _next_guess(
+    points: dict[int, float], available: float, lo: int, hi: int, k: int, hi_weight: float = 1.0
+) -> int:
     """The next batch to try in (lo, hi), a multiple of ``k``.
 
-    Where the line through two measurements reaches ``available``: those at ``lo`` and ``hi``,
-    else (no fit yet) ``hi``'s and the next larger failed one's, else ``hi``'s and zero. Kept
-    inside the bracket; the middle when nothing is measured.
+    Where the line through two measurements reaches ``available``: the two largest batches that
+    fit, else those at ``lo`` and ``hi``, else (no fit yet) ``hi``'s and the next larger failed
+    one's, else ``hi``'s and zero. Kept inside the bracket; the middle when nothing is measured.
+
+    Fits are preferred, and ``hi_weight`` scales ``hi``'s excess over ``available`` (the
+    Illinois method), because an out-of-memory error states what the step needs before XLA
+    rematerialises to fit, which can be many times what a fitting batch uses: the line from it
+    then creeps up from ``lo`` a small step per compile (measured: ResNet-50 on v5e from 65,536,
+    8 compiles up to 7,192 without ever bracketing the limit).
     """
+    fits = sorted(b for b in points if b <= lo)
+    if len(fits) >= 2:
+        (b1, m1), (b2, m2) = ((b, points[b]) for b in fits[-2:])
+        if m2 > m1:
+            guess = int(b2 + (available - m2) * (b2 - b1) / (m2 - m1)) // k * k
+            if guess < hi:
+                return max(lo + k, guess)
+            # At or past a batch known not to fit, the line is wrong there: halve the bracket.
+            return max(lo + k, (lo + hi) // 2 // k * k)
     if hi not in points:
         return max(k, (lo + hi) // 2 // k * k)
     if lo in points:
@@ -546,7 +571,7 @@ def _next_guess(points: dict[int, float], available: float, lo: int, hi: int, k:
     else:
         above = [b for b in points if b > hi]
         b1, m1 = (min(above), points[min(above)]) if above else (0, 0.0)
-    b2, m2 = hi, points[hi]
+    b2, m2 = hi, available + (points[hi] - available) * hi_weight
     guess = hi - k
     if b1 != b2 and (m2 - m1) / (b2 - b1) > 0:
         guess = int(b2 + (available - m2) * (b2 - b1) / (m2 - m1)) // k * k
