@@ -155,14 +155,16 @@ class FaultProxy:
             def _handle(self):
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
+                # Each request is logged before its answer goes out: the client may act on the
+                # answer (and the test read the log) before this thread runs again.
                 if proxy._should_fail(self.command, self.path):
+                    proxy._record(self.command, self.path, 503)
                     payload = b'{"error": {"code": 503, "message": "injected"}}'
                     self.send_response(503)
                     self.send_header("Content-Type", "application/json")
                     self.send_header("Content-Length", str(len(payload)))
                     self.end_headers()
                     self.wfile.write(payload)
-                    proxy._record(self.command, self.path, 503)
                     return
                 conn = http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=30)
                 headers = {
@@ -171,6 +173,7 @@ class FaultProxy:
                 conn.request(self.command, self.path, body=body, headers=headers)
                 resp = conn.getresponse()
                 data = resp.read()
+                proxy._record(self.command, self.path, resp.status)
                 self.send_response(resp.status)
                 for k, v in resp.getheaders():
                     if k.lower() not in ("transfer-encoding", "connection", "content-length"):
@@ -180,7 +183,6 @@ class FaultProxy:
                 if self.command != "HEAD":
                     self.wfile.write(data)
                 conn.close()
-                proxy._record(self.command, self.path, resp.status)
 
             def _handle_quietly(self):
                 try:
