@@ -23,6 +23,9 @@ SCRIPT = textwrap.dedent("""
     import optax
     import estimax as ex
 
+    # Ctrl-C from a terminal reaches Python's handler. A runner started as a background job
+    # (`cmd &` in a script) passes SIGINT on ignored, and Python then keeps ignoring it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     model_dir, presses = sys.argv[1], int(sys.argv[2])
 
     def model_fn(features, labels, mode, params):
