@@ -63,6 +63,31 @@ _UNRAISABLE_HOOKED = False
 _ORBAX_DIR = f"{os.sep}orbax{os.sep}"
 
 
+# Orbax splits each replicated array's save across its replicas. Each distinct slice shape is
+# a compiled slice program and a dispatch per replica: for the many small arrays of an image
+# model (biases, norms, small kernels) that costs more than the transfer it splits (ResNet-18
+# at 8 devices: first save 5.1 s -> 0.6 s, later ones 0.59 s -> 0.35 s on this project's CPU).
+# Arrays whose per-replica slice is at least this big are still split.
+_MIN_REPLICA_SLICE_BYTES = 1 << 20
+_ARRAY_HANDLER_SET = False
+
+
+def _split_only_large_arrays() -> None:
+    """Has Orbax split only arrays of at least ``_MIN_REPLICA_SLICE_BYTES`` per replica across
+    replicas when saving (the on-disk format is unchanged)."""
+    global _ARRAY_HANDLER_SET
+    if _ARRAY_HANDLER_SET:
+        return
+    _ARRAY_HANDLER_SET = True
+    ocp.type_handlers.register_type_handler(
+        jax.Array,
+        ocp.type_handlers.ArrayHandler(
+            min_slice_bytes_for_replica_parallel=_MIN_REPLICA_SLICE_BYTES
+        ),
+        override=True,
+    )
+
+
 def _quiet_late_tensorstore_callbacks() -> None:
     """Sends the unraisable noise of a failed save or restore to the debug log.
 
@@ -359,6 +384,7 @@ class Checkpointer:
         self.model_dir = model_dir
         self._read_only = read_only
         _quiet_late_tensorstore_callbacks()
+        _split_only_large_arrays()
         self._unsealed: list[int] = []  # saved by us, manifest not yet written
         self._verified: set[int] = set()
         self._bad: dict[int, str] = {}
