@@ -678,6 +678,9 @@ def test_array_export_and_the_demo_answer_a_held_out_digit(tmp_path):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
+    # The server's JSON worker processes are shut down, not left for the interpreter's exit
+    # (which ended the quick start with multiprocessing's "leaked semaphore objects" warning).
+    assert "leaked" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert f"curl -d @{tmp_path / 'request.json'} http://127.0.0.1:" in proc.stdout
     assert (
         f"held-out digit #0: class {int(expected['classes'])} (probability "

@@ -173,8 +173,10 @@ class JsonWorkers:
             ) from None
 
     def close(self) -> None:
-        """Stops the workers."""
+        """Stops the workers and waits for them to end (queued work is dropped)."""
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+            # Waiting costs nothing at exit (the interpreter joins the workers anyway) and
+            # frees the pool's semaphores; without it multiprocessing warned of leaked ones.
+            pool.shutdown(wait=True, cancel_futures=True)
