@@ -521,7 +521,7 @@ def largest_batch(
         target = available if lo else 0.98 * available
         guess = _next_guess(points, target, lo, hi, multiple, hi_weight=0.5**kept)
         if halve or not lo < guess < hi:
-            guess = max(lo + multiple, (lo + hi) // 2 // multiple * multiple)
+            guess = _middle(lo, hi, multiple)
         report = probe(guess)
         compiles += 1
         logging.info(
@@ -561,13 +561,10 @@ def _next_guess(
     if len(fits) >= 2:
         (b1, m1), (b2, m2) = ((b, points[b]) for b in fits[-2:])
         if m2 > m1:
-            guess = int(b2 + (available - m2) * (b2 - b1) / (m2 - m1)) // k * k
-            if guess < hi:
-                return max(lo + k, guess)
-            # At or past a batch known not to fit, the line is wrong there: halve the bracket.
-            return max(lo + k, (lo + hi) // 2 // k * k)
+            # At or past ``hi`` (known not to fit) the line is wrong: the caller halves.
+            return max(lo + k, _line_reaches(b1, m1, b2, m2, available, k))
     if hi not in points:
-        return max(k, (lo + hi) // 2 // k * k)
+        return _middle(lo, hi, k)
     if lo in points:
         b1, m1 = lo, points[lo]
     else:
@@ -576,8 +573,19 @@ def _next_guess(
     b2, m2 = hi, available + (points[hi] - available) * hi_weight
     guess = hi - k
     if b1 != b2 and (m2 - m1) / (b2 - b1) > 0:
-        guess = int(b2 + (available - m2) * (b2 - b1) / (m2 - m1)) // k * k
+        guess = _line_reaches(b1, m1, b2, m2, available, k)
     return min(hi - k, max(lo + k, guess))
+
+
+def _line_reaches(b1: int, m1: float, b2: int, m2: float, target: float, k: int) -> int:
+    """The batch (rounded down to a multiple of ``k``) where the line through (b1, m1) and
+    (b2, m2) reaches ``target`` bytes."""
+    return int(b2 + (target - m2) * (b2 - b1) / (m2 - m1)) // k * k
+
+
+def _middle(lo: int, hi: int, k: int) -> int:
+    """The middle of the bracket (lo, hi), a multiple of ``k`` above ``lo``."""
+    return max(lo + k, (lo + hi) // 2 // k * k)
 
 
 def describe_failure(report: StepReport) -> str:
