@@ -8,7 +8,8 @@ each by name and shape.
 
 Optimizer slots go into Optax state by what each state field is:
 ``TraceState.trace`` <- ``<var>/Momentum`` (SGD with momentum) or ``<var>/RMSProp_1`` (the
-RMSProp momentum), ``ScaleByRmsState.nu`` <- ``<var>/RMSProp`` (the mean square), and every
+RMSProp momentum), ``ScaleByRmsState.nu`` <- ``<var>/RMSProp`` (the mean square), Adam's ``mu``
+and ``nu`` <- ``<var>/Adam`` and ``<var>/Adam_1`` (or BERT's ``adam_m``, ``adam_v``), and every
 ``count`` <- ``global_step`` (so a schedule continues where TensorFlow's was).
 ``<var>/ExponentialMovingAverage`` shadows of the weights become estimax's EMA; shadows of the
 batch-norm statistics replace the statistics (the original evaluated with them: its
@@ -31,9 +32,23 @@ __all__ = ["ImportReport", "MappingError", "load_tf_state", "model_scope"]
 
 # Prefixes the original's runs put before every name (TF <= 1.8 with --precision=bfloat16).
 STRIPPED_PREFIXES = ("bfloat16/",)
-SLOT_SUFFIXES = ("Momentum", "RMSProp", "RMSProp_1", "ExponentialMovingAverage")
-# Not model state: the step is read separately; TPUEstimator's own bookkeeping.
-BOOKKEEPING = ("global_step",)
+# Optimizer slots and shadows, ``<var>/<suffix>``: the originals' (Momentum, RMSProp), and those
+# a user's model_fn wrote (tf.train's Adam, Adagrad, Ftrl; BERT's AdamWeightDecayOptimizer).
+SLOT_SUFFIXES = (
+    "Momentum",
+    "RMSProp",
+    "RMSProp_1",
+    "ExponentialMovingAverage",
+    "Adam",
+    "Adam_1",
+    "adam_m",
+    "adam_v",
+    "Adagrad",
+    "Ftrl",
+    "Ftrl_1",
+)
+# Not model state: the step is read separately; Adam's beta powers; mixed precision's loss scale.
+BOOKKEEPING = ("global_step", "beta1_power", "beta2_power", "loss_scale", "good_steps")
 
 
 class MappingError(TFCheckpointError):
@@ -321,7 +336,10 @@ def _load_slots(
     leaves, treedef = jax.tree_util.tree_flatten_with_path(opt_state)
     fields = {k.name for path, _ in leaves for k in path if isinstance(k, jax.tree_util.GetAttrKey)}
     momentum_slot = "RMSProp_1" if "nu" in fields else "Momentum"
-    slot_of = {"trace": momentum_slot, "nu": "RMSProp"}
+    slot_of: dict[str, tuple[str, ...]] = {"trace": (momentum_slot,), "nu": ("RMSProp",)}
+    if "mu" in fields:
+        # Adam: tf.train's slots, or BERT's AdamWeightDecayOptimizer's (the same moments).
+        slot_of = {"mu": ("Adam", "adam_m"), "nu": ("Adam_1", "adam_v")}
     new_leaves = []
     for path, leaf in leaves:
         attrs = [i for i, k in enumerate(path) if isinstance(k, jax.tree_util.GetAttrKey)]
@@ -337,7 +355,8 @@ def _load_slots(
                 )
             elif field in slot_of and rest in taken:
                 entry = taken[rest]
-                name = f"{entry.tf_name}/{slot_of[field]}"
+                names = [f"{entry.tf_name}/{slot}" for slot in slot_of[field]]
+                name = next((n for n in names if tensors.shape(n) is not None), names[0])
                 if tensors.shape(name) is None:
                     report.missing.append(("optimizer/" + "/".join(rest), name, np.shape(leaf)))
                     report.fresh.append("optimizer/" + "/".join(rest))

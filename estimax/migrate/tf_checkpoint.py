@@ -1,6 +1,6 @@
 """Reads TensorFlow checkpoints (``model.ckpt-N.index`` + ``.data-*``) without TensorFlow.
 
-The format (tensorflow/core/util/tensor_bundle, lib/io/table_format.txt; ``MIGRATION.md`` §1):
+The format (tensorflow/core/util/tensor_bundle, lib/io/table_format.txt; ``docs/migration.md`` §1):
 ``.index`` is a LevelDB-format table whose key ``""`` holds a ``BundleHeaderProto`` and whose
 other keys, in bytewise order, are tensor names with a ``BundleEntryProto`` each (dtype, shape,
 shard, offset, size, masked CRC32C); ``.data-SSSSS-of-NNNNN`` shards hold the raw little-endian

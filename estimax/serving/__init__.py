@@ -1,13 +1,8 @@
-"""Serving exported models: versions on disk, an HTTP server, and the command line.
+"""The server: published versions (``estimax.export``) served over HTTP and gRPC.
 
 | who owns what | where |
 |---|---|
-| loading one export (``jax.export`` artifact + weights), any fsspec path | ``artifact`` |
-| image preprocessing recorded with an export, applied by the server | ``preprocess`` |
-| request values -> features, padding to compiled batch sizes | ``servable`` |
-| ``serving.json``, the export record (preprocessing, top-k, class names) | ``record`` |
-| ``export_version``: atomic ``<base>/<version>/``, parity check | ``versions`` |
-| the skew check's model inputs, check images drawn across classes | ``skew`` |
+| one server's lifetime: the REST app, gRPC services and JSON workers, together | ``server`` |
 | polling, load + warm before unload, failed loads reported | ``manager`` |
 | dynamic batching (TF Serving's knobs), 429 on a full queue | ``batching`` |
 | one model manager, limits, batching, errors, dtype table for every protocol | ``core`` |
@@ -15,44 +10,46 @@
 | Prometheus metrics (TF Serving's names), Triton's statistics | ``metrics`` |
 | class names in answers: TF Serving's classify, v2's classification extension | ``classes`` |
 | v2 tensors: JSON, binary extension, gRPC raw contents (decode/encode) | ``v2`` |
+| large JSON bodies parsed in worker processes | ``bodies`` |
+| connections: timeouts, header limits, the connection cap (uvicorn's protocol) | ``transport`` |
 | TF Serving REST API + Open Inference Protocol v2 over HTTP (FastAPI) | ``rest`` |
 | TF Serving gRPC (Predict, Classify, metadata, status), v2 + Triton's | ``grpc_server`` |
 | messages generated from the published .proto files | ``protos`` |
-| the ``estimax`` subcommands (serve, predict, export-*), Vertex AI's ``AIP_*`` | ``cli`` |
-| a version as a TF SavedModel, preprocessing in TF ops | ``savedmodel``, ``tf_preprocess`` |
-| a version as an ONNX model: StableHLO -> ONNX op by op | ``onnx_export``, ``stablehlo_onnx`` |
-| what both read: the export, names, check inputs, comparison | ``export_formats`` |
+| ``estimax serve``'s flags, Vertex AI's ``AIP_*`` | ``cli`` |
+| the quick start's client: one image sent over REST and gRPC | ``demo`` |
 
-Serving needs JAX and the export directory only: nothing here imports the model's code
-(``estimax.models``, ``estimax.programs``); only ``export_version`` imports the estimator.
+The server needs JAX and the export directory only: it imports none of ``estimax.estimator``,
+``estimax.models``, ``estimax.programs``, optax or orbax (a ``forbidden`` contract of ``make
+lint`` checks it), so a serving image can leave training out. Public names are imported on
+first use, so that ``import estimax.serving`` loads no FastAPI.
 """
 
-from estimax.serving.artifact import ExportedModel, load
-from estimax.serving.preprocess import (
-    Preprocessing,
-    image_preprocessing,
-    inception_eval,
-    resnet_eval,
-)
-from estimax.serving.record import ExportRecord, class_names_from_manifest
-from estimax.serving.servable import InvalidInput, Servable
-from estimax.serving.skew import check_images
-from estimax.serving.versions import ExportCheckError, check_version, export_version, list_versions
+from __future__ import annotations
 
-__all__ = [
-    "ExportCheckError",
-    "ExportRecord",
-    "ExportedModel",
-    "InvalidInput",
-    "Preprocessing",
-    "Servable",
-    "check_images",
-    "check_version",
-    "class_names_from_manifest",
-    "export_version",
-    "image_preprocessing",
-    "inception_eval",
-    "list_versions",
-    "load",
-    "resnet_eval",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from estimax.serving.core import ApiError, ServerOptions
+    from estimax.serving.server import Server
+
+_EXPORTS = {
+    "ApiError": "estimax.serving.core",
+    "ServerOptions": "estimax.serving.core",
+    "Server": "estimax.serving.server",
+}
+
+__all__ = ["ApiError", "Server", "ServerOptions"]
+
+# Hidden from type checkers, which would otherwise take any `estimax.serving.<name>` as valid.
+if not TYPE_CHECKING:
+
+    def __getattr__(name: str) -> Any:
+        """Imports a public name's module on first use (PEP 562)."""
+        if name in _EXPORTS:
+            return getattr(importlib.import_module(_EXPORTS[name]), name)
+        raise AttributeError(f"module 'estimax.serving' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -217,6 +217,12 @@ class Batcher:
         finally:
             self._slots.release()
 
+    def close_soon(self) -> None:
+        """Stops the batching loop from any thread (a model no longer served: nothing queued)."""
+        task = self._loop_task
+        if task is not None:
+            task.get_loop().call_soon_threadsafe(task.cancel)
+
     async def close(self) -> None:
         """Stops the batching loop (pending requests are cancelled)."""
         if self._loop_task is not None:

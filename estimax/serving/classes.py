@@ -1,6 +1,6 @@
 """Class names in answers: TF Serving's classify API and the v2 classification extension.
 
-An export that records class names (``estimax.serving.record``) answers them three ways, on
+An export that records class names (``estimax.export.record``) answers them three ways, on
 every protocol:
 
 * its outputs gain ``class_names`` (and ``top_k_class_names``), strings beside the ids
@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from estimax.serving.core import ApiError
-from estimax.serving.servable import IMAGE_INPUT, Servable
+from estimax.export.servable import IMAGE_INPUT, Servable
+from estimax.serving.core import ApiError, echo_names
 
 SCORES = "probabilities"  # the output classify answers from ([batch, classes])
 
@@ -61,7 +61,7 @@ def example_columns(servable: Servable, examples: Sequence[dict[str, list]]) -> 
     for i, example in enumerate(examples):
         if sorted(example) != names:
             raise ApiError(
-                400, f"example {i}: features {sorted(example)}; the model's inputs are {names}"
+                400, f"example {i}: features {echo_names(example)}; the model's inputs are {names}"
             )
         for name in names:
             columns[name].append(_feature(servable, name, example[name], f"example {i}"))

@@ -1,12 +1,12 @@
-"""The estimax command: serve exports, classify images with one, check and convert them.
+"""``estimax serve``: its flags, checked, and the server they start.
 
     estimax serve --model_base_path=DIR --model_name=resnet [--port=8501 --grpc_port=8500]
-    estimax predict --model_base_path=DIR image1.jpg image2.png
-    estimax export-check --model_base_path=DIR [--model_version=N]
 
 Flags keep TensorFlow Serving's names, but for the ports: TF Serving's ``--port`` is its gRPC
 port and ``--rest_api_port`` its HTTP port; here ``--port`` (alias ``--rest_api_port``) is the HTTP
-port and ``--grpc_port`` the gRPC port. Bad flags or paths print one line and exit non-zero.
+port and ``--grpc_port`` the gRPC port (``tensorflow_model_server``, ``serving/tf_serving.py``,
+takes TF Serving's flags with TF Serving's meanings). Bad flags or paths print one line and exit
+non-zero.
 
 **Vertex AI.** With ``AIP_MODE=PREDICTION`` in the environment (a Vertex AI custom serving
 container), ``serve``'s defaults come from Vertex's variables: ``--port`` from
@@ -19,16 +19,17 @@ also answers health checks at ``AIP_HEALTH_ROUTE`` and predictions at ``AIP_PRED
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import logging as std_logging
 import os
+import signal
 import sys
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Mapping
+from logging.handlers import WatchedFileHandler
 from typing import Any
 
-import numpy as np
-
-EXIT_USAGE = 2
+from estimax.export.cli import Defaults
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -40,93 +41,12 @@ def _sizes(text: str) -> tuple[int, ...]:
         ) from None
 
 
-class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
-    """Appends ``(default: X)`` to a flag's help unless it says its default itself."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if "default" in text or action.default in (None, "", argparse.SUPPRESS):
-            return text
-        return super()._get_help_string(action) or text
-
-
-def _parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
-    # Each subcommand's help fits its line of an 80-column terminal (56 characters).
-    parser = argparse.ArgumentParser(
-        prog="estimax", description=__doc__.split("\n")[0], formatter_class=_Defaults
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    # Listed for --help; the `estimax` command (estimax.command) hands `estimax doctor ...` to
-    # estimax.doctor before this parser sees it.
-    sub.add_parser("doctor", help="devices, kernels, storage; --launch: a launch dry-run")
-    _serve_parser(sub, os.environ if env is None else env)
-
-    predict = sub.add_parser(
-        "predict",
-        help="classify image files with a version (and name them)",
-        formatter_class=_Defaults,
-    )
-    predict.add_argument(
-        "--model_base_path", required=True, help="folder (or URL) of numeric versions"
-    )
-    predict.add_argument(
-        "--model_version", type=int, default=None, help="the version (default: the newest)"
-    )
-    predict.add_argument("--top_k", type=int, default=5, help="classes printed per image")
-    predict.add_argument("images", nargs="+", help="JPEG or PNG files")
-
-    check = sub.add_parser(
-        "export-check",
-        help="rerun a version's parity examples on this machine",
-        formatter_class=_Defaults,
-    )
-    check.add_argument("--model_base_path", required=True, help="folder of numeric versions")
-    check.add_argument(
-        "--model_version", type=int, default=None, help="the version (default: the newest)"
-    )
-
-    _add_export_commands(sub)
-    return parser
-
-
-def _add_export_commands(sub: argparse._SubParsersAction) -> None:
-    """``export-savedmodel`` and ``export-onnx``: a version in another serving format."""
-    # estimax.serving.savedmodel / onnx_export: need the estimax[tf] / estimax[onnx] extras.
-    for name, what, output, module in (
-        (
-            "export-savedmodel",
-            "a TF SavedModel (estimax[tf])",
-            ("--output_dir", "the SavedModel to write"),
-            "savedmodel",
-        ),
-        (
-            # Image preprocessing stays the client's job (onnx_export's docstring).
-            "export-onnx",
-            "an ONNX model (estimax[onnx])",
-            ("--output", "the .onnx file to write"),
-            "onnx_export",
-        ),
-    ):
-        export = sub.add_parser(name, help=f"a version -> {what}", formatter_class=_Defaults)
-        export.add_argument(
-            "--model_base_path", required=True, help="folder (or URL) of numeric versions"
-        )
-        export.add_argument(
-            "--model_version", type=int, default=None, help="the version (default: the newest)"
-        )
-        export.add_argument(
-            output[0], required=True, help=f"{output[1]} (new; parents are created)"
-        )
-        export.add_argument(
-            "--atol", default=None, help=f"see python -m estimax.serving.{module} -h"
-        )
-
-
-def _serve_parser(sub: Any, env: Mapping[str, str]) -> None:
+def add_parser(sub: Any, env: Mapping[str, str]) -> None:
+    """Adds ``serve`` (its flags' defaults from ``env`` under Vertex AI) to ``sub``."""
     serve = sub.add_parser(
         "serve",
         help="serve versions over HTTP (TF Serving, v2) and gRPC",
-        formatter_class=_Defaults,
+        formatter_class=Defaults,
     )
     serve.add_argument(
         "--model_base_path",
@@ -135,6 +55,26 @@ def _serve_parser(sub: Any, env: Mapping[str, str]) -> None:
         "default under Vertex AI: AIP_STORAGE_URI)",
     )
     serve.add_argument("--model_name", default="default", help="the NAME in /v1/models/NAME")
+    serve.add_argument(
+        "--model_config_file",
+        default="",
+        help="serve several models: TF Serving's text ModelServerConfig (model_config_list { "
+        "config { name, base_path, model_version_policy, version_labels } ... }); replaces "
+        "--model_base_path and --model_name (default: none)",
+    )
+    serve.add_argument(
+        "--model_config_file_poll_wait_seconds",
+        type=float,
+        default=0.0,
+        help="re-read --model_config_file this often (models added, removed, relabelled; a bad "
+        "file is logged and the old config kept); 0: read once",
+    )
+    serve.add_argument(
+        "--allow_version_labels_for_unavailable_models",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="let a new version label name a version that is not loaded yet (TF Serving's flag)",
+    )
     serve.add_argument(
         "--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)"
     )
@@ -169,10 +109,31 @@ def _serve_parser(sub: Any, env: Mapping[str, str]) -> None:
         help="poll for new versions this often (0: load once)",
     )
     serve.add_argument(
+        "--version_load_timeout_seconds",
+        type=float,
+        default=600.0,
+        help="a version still loading (reading, compiling, warming, checking) after this is "
+        "logged and set aside, and the others load meanwhile; it is tried again once that "
+        "load ends (a file on a hung mount)",
+    )
+    serve.add_argument(
         "--num_versions",
         type=int,
         default=1,
         help="serve the newest N versions (TF Serving's latest{N} policy)",
+    )
+    serve.add_argument(
+        "--enable_model_warmup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="replay a version's assets.extra/tf_serving_warmup_requests (TF Serving's "
+        "PredictionLog records, up to 1000) before it is served",
+    )
+    serve.add_argument(
+        "--num_request_iterations_for_warmup",
+        type=int,
+        default=1,
+        help="replay each warm-up record this many times",
     )
     _batching_flags(serve)
     _limit_flags(serve)
@@ -223,6 +184,13 @@ def _limit_flags(serve: argparse.ArgumentParser) -> None:
         help="larger bodies answer 413 (gRPC messages: RESOURCE_EXHAUSTED)",
     )
     serve.add_argument(
+        "--max_body_bytes_in_flight",
+        type=int,
+        default=1 << 30,
+        help="HTTP request bodies held at once (counted as their bytes arrive, not as "
+        "declared); a body that would pass it answers 503 with Retry-After",
+    )
+    serve.add_argument(
         "--max_instances", type=int, default=1024, help="more in one request answer 400"
     )
     serve.add_argument(
@@ -269,6 +237,28 @@ def _connection_flags(serve: argparse.ArgumentParser) -> None:
         default=64 << 10,
         help="a request line and headers larger than this answer 431",
     )
+    # TF Serving's names and meanings, where estimax has the same resource.
+    serve.add_argument(
+        "--grpc_max_threads",
+        type=int,
+        default=0,
+        help="gRPC calls in progress at once, at most (TF Serving's gRPC threads); past it a "
+        "call answers RESOURCE_EXHAUSTED at once (0: no bound)",
+    )
+    serve.add_argument(
+        "--grpc_channel_arguments",
+        default="",
+        help="comma-separated gRPC server arguments, e.g. grpc.max_connection_age_ms=2000 "
+        "(integers as integers, as TF Serving); they replace estimax's own of the same name "
+        "(default: none)",
+    )
+    serve.add_argument(
+        "--rest_api_num_threads",
+        type=int,
+        default=0,
+        help="processes that parse large HTTP bodies and write large answers, at most one per "
+        "core (TF Serving's REST threads; 0: 2)",
+    )
 
 
 def _ops_flags(serve: argparse.ArgumentParser) -> None:
@@ -294,7 +284,15 @@ def _ops_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--access_log_file",
         default="",
-        help="where the access log goes (default: standard error)",
+        help="where the access log goes (default: standard error); reopened when it is moved "
+        "or removed (logrotate), and on SIGHUP",
+    )
+    serve.add_argument(
+        "--api_docs",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="serve /docs (Swagger UI) and /redoc (ReDoc); their pages load scripts from a "
+        "public CDN (/openapi.json is always served)",
     )
     serve.add_argument(
         "--access_log_format",
@@ -326,24 +324,6 @@ def _vertex_defaults(serve: argparse.ArgumentParser, env: Mapping[str, str]) -> 
         vertex_health_route=env.get("AIP_HEALTH_ROUTE", ""),
         vertex=True,
     )
-
-
-def _version_dir(base: str, version: int | None) -> tuple[str, int]:
-    from estimax.serving.versions import list_versions
-
-    versions = list_versions(base)
-    if not versions:
-        raise FileNotFoundError(
-            f"--model_base_path={base} has no published version "
-            "(numeric folders with serving.json or signature.json)"
-        )
-    if version is None:
-        version = versions[-1]
-    elif version not in versions:
-        raise FileNotFoundError(
-            f"--model_version={version} is not under {base} (versions: {versions})"
-        )
-    return f"{base.rstrip('/')}/{version}", version
 
 
 def _check_port(flag: str, host: str, port: int) -> None:
@@ -393,6 +373,7 @@ def _server_options(args: argparse.Namespace) -> Any:
         batching=batching,
         rest_api_timeout_in_ms=args.rest_api_timeout_in_ms,
         max_body_bytes=args.max_body_bytes,
+        max_body_bytes_in_flight=args.max_body_bytes_in_flight,
         max_instances=args.max_instances,
         max_image_pixels=args.max_image_pixels,
         grpc_port=args.grpc_port,
@@ -402,6 +383,16 @@ def _server_options(args: argparse.Namespace) -> Any:
         access_log_format=args.access_log_format,
         vertex_predict_route=args.vertex_predict_route,
         vertex_health_route=args.vertex_health_route,
+        api_docs=args.api_docs,
+        enable_model_warmup=args.enable_model_warmup,
+        warmup_iterations=args.num_request_iterations_for_warmup,
+        rest=args.port != 0,
+        grpc_max_concurrent_rpcs=_at_least_0("--grpc_max_threads", args.grpc_max_threads),
+        grpc_arguments=grpc_arguments(args.grpc_channel_arguments),
+        json_workers=min(
+            _at_least_0("--rest_api_num_threads", args.rest_api_num_threads),
+            os.cpu_count() or 1,
+        ),
         limits=ConnectionLimits(
             header_timeout_s=args.rest_api_header_timeout_in_ms / 1000,
             body_timeout_s=args.rest_api_body_timeout_in_ms / 1000,
@@ -411,7 +402,35 @@ def _server_options(args: argparse.Namespace) -> Any:
         ),
     )
     options.limits.validate()
+    options.validate()
+    if options.warmup_iterations < 1:
+        raise ValueError("--num_request_iterations_for_warmup must be >= 1")
     return options
+
+
+def _at_least_0(flag: str, value: int) -> int:
+    if value < 0:
+        raise ValueError(f"{flag}={value} must be >= 0")
+    return value
+
+
+def grpc_arguments(text: str) -> tuple[tuple[str, int | str], ...]:
+    """``--grpc_channel_arguments``: ``name=value,...`` -> ``((name, value), ...)``, a value
+    that is an integer as an int (TF Serving's rule); ValueError naming the flag if malformed."""
+    pairs: list[tuple[str, int | str]] = []
+    for item in text.split(","):
+        if not item.strip():
+            continue
+        name, eq, value = item.strip().partition("=")
+        if not eq or not name.strip():
+            raise ValueError(
+                f"--grpc_channel_arguments: {item.strip()!r} is not name=value "
+                "(e.g. grpc.max_connection_age_ms=2000)"
+            )
+        value = value.strip()
+        number = value[1:] if value[:1] in "+-" else value
+        pairs.append((name.strip(), int(value) if number.isascii() and number.isdigit() else value))
+    return tuple(pairs)
 
 
 def _check_vertex(args: argparse.Namespace) -> None:
@@ -435,7 +454,7 @@ def _refuse_one_version(base: str) -> None:
     """One line when the path given is a single version's folder, not the model's."""
     import fsspec
 
-    from estimax.serving.artifact import SIGNATURE_FILE
+    from estimax.export.artifact import SIGNATURE_FILE
 
     fs, root = fsspec.core.url_to_fs(base)
     if fs.exists(f"{root.rstrip('/')}/{SIGNATURE_FILE}"):
@@ -445,8 +464,13 @@ def _refuse_one_version(base: str) -> None:
         )
 
 
-def _configure_logging(args: argparse.Namespace) -> None:
-    """The server's log (``--log_level``) and the access log (its own stream, bare lines)."""
+def _configure_logging(args: argparse.Namespace) -> std_logging.Handler:
+    """The server's log (``--log_level``) and the access log (its own stream, bare lines).
+
+    Returns the access log's handler. A file is written through a ``WatchedFileHandler``:
+    moved or removed (``logrotate``'s default ``create``), it is reopened at the next line
+    rather than written on unseen (``copytruncate`` needs nothing).
+    """
     std_logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -454,8 +478,8 @@ def _configure_logging(args: argparse.Namespace) -> None:
     )
     access = std_logging.getLogger("estimax.serving.access")
     access.propagate = False
-    handler = (
-        std_logging.FileHandler(args.access_log_file)  # OSError names the file
+    handler: std_logging.Handler = (
+        WatchedFileHandler(args.access_log_file)  # OSError names the file
         if args.access_log_file
         else std_logging.StreamHandler(sys.stderr)
     )
@@ -464,68 +488,135 @@ def _configure_logging(args: argparse.Namespace) -> None:
     access.setLevel(std_logging.INFO)
     if args.log_level != "debug":  # JAX's start-up notes (no TPU found...) are not the server's
         std_logging.getLogger("jax").setLevel(std_logging.WARNING)
+    return handler
+
+
+def _reopen_on_hangup(handler: std_logging.Handler) -> None:
+    """SIGHUP reopens the access log (as nginx's USR1, logrotate's ``postrotate``) and never
+    ends the server (Python's default for it: ended at once)."""
+
+    def reopen() -> None:
+        if isinstance(handler, WatchedFileHandler):
+            # Under the handler's lock: a request's line may be being written.
+            with handler.lock or contextlib.nullcontext():
+                handler.reopenIfNeeded()
+        std_logging.getLogger("estimax.serving").info(
+            "SIGHUP: the access log is reopened%s; serving on",
+            f" ({handler.baseFilename})" if isinstance(handler, WatchedFileHandler) else "",
+        )
+
+    def hangup(signum: int, frame: Any) -> None:
+        # Not in the handler itself: the signal may land while this thread holds the log's
+        # lock in the middle of a line.
+        threading.Thread(target=reopen, name="sighup", daemon=True).start()
+
+    signal.signal(signal.SIGHUP, hangup)
 
 
 def serve(args: argparse.Namespace) -> int:
     """Runs the server until interrupted."""
-    import uvicorn
-
-    from estimax.serving import transport
+    from estimax.export.servable import default_batch_sizes
+    from estimax.export.versions import list_versions
+    from estimax.serving import memory, registry
     from estimax.serving.manager import ModelManager
-    from estimax.serving.rest import Server
-    from estimax.serving.servable import default_batch_sizes
-    from estimax.serving.versions import list_versions
+    from estimax.serving.server import Server
 
+    memory.fix_mmap_threshold()  # before any body: large ones go back when freed (memory.py)
     _check_vertex(args)
-    if not args.model_base_path:
-        raise ValueError(
-            "--model_base_path is required (or AIP_STORAGE_URI with AIP_MODE=PREDICTION)"
-        )
+    configs = _model_configs(args)
     options = _server_options(args)
-    for flag, port in (("--port", args.port), ("--grpc_port", args.grpc_port)):
-        _check_port(flag, args.host, port)
+    if not args.version_load_timeout_seconds > 0:
+        raise ValueError("--version_load_timeout_seconds must be > 0")
+    # The flags' names in messages: tensorflow_model_server names the ports as TF Serving does.
+    http_flag, grpc_flag = getattr(args, "port_flags", ("--port", "--grpc_port"))
+    if not args.port and not args.grpc_port:
+        raise ValueError(f"{http_flag}=0 and {grpc_flag}=0: nothing would be served")
+    for flag, port in ((http_flag, args.port), (grpc_flag, args.grpc_port)):
+        if port:  # 0: that port is off
+            _check_port(flag, args.host, port)
     if args.grpc_port and args.grpc_port == args.port:
-        raise ValueError(f"--grpc_port={args.grpc_port} is also --port; give two ports")
-    if not list_versions(args.model_base_path):  # fails early, with the flag's name, if absent
-        _refuse_one_version(args.model_base_path)
-    _configure_logging(args)
+        raise ValueError(f"{grpc_flag}={args.grpc_port} is also {http_flag}; give two ports")
+    for config in configs:
+        if not list_versions(config.base_path):  # fails early, naming the path, if absent
+            _refuse_one_version(config.base_path)
+    access_handler = _configure_logging(args)
     options = _fit_connections(options, ports=2 if args.grpc_port else 1)
     batching = options.batching
     sizes = list(batching.allowed_batch_sizes) or default_batch_sizes(batching.max_batch_size)
-    manager = ModelManager(
-        args.model_name,
-        args.model_base_path,
-        sizes,
-        num_versions=args.num_versions,
-        poll_wait_seconds=args.file_system_poll_wait_seconds,
+
+    def make_manager(config: registry.ModelConfig) -> ModelManager:
+        return ModelManager(
+            config.name,
+            config.base_path,
+            sizes,
+            poll_wait_seconds=args.file_system_poll_wait_seconds,
+            load_timeout_s=args.version_load_timeout_seconds,
+            policy=config.policy,
+        )
+
+    server = Server([], options)
+    models = registry.ModelRegistry(
+        server.core, make_manager, args.allow_version_labels_for_unavailable_models
     )
-    server = Server(manager, options)
-    manager.start()  # loads and warms the newest version before the port opens
+    # Loads and warms every model's versions before the ports open; a label refused here is
+    # one line and no server (as TF Serving).
+    models.apply(configs)
+    server.core.reload_config = models.reload
+    if args.model_config_file and args.model_config_file_poll_wait_seconds > 0:
+        poller = registry.ConfigPoller(
+            args.model_config_file, models, args.model_config_file_poll_wait_seconds
+        )
+        poller.start()
+        server.on_stop.append(poller.stop)
+    names = ", ".join(repr(c.name) for c in configs)
+    where = args.model_config_file or args.model_base_path
     print(
-        f"Serving model {args.model_name!r} from {args.model_base_path} on "
-        f"http://{args.host}:{args.port} (REST: /v1/models/{args.model_name}, v2: "
-        f"/v2/models/{args.model_name})"
+        f"Serving model{'s' if len(configs) > 1 else ''} {names} from {where} on "
+        + (
+            f"http://{args.host}:{args.port} (REST: /v1/models/NAME, v2: /v2/models/NAME)"
+            if args.port
+            else "no HTTP port"
+        )
         + (f"; gRPC on {args.host}:{args.grpc_port}" if args.grpc_port else "")
         + (f"; metrics on {', '.join(options.metrics_paths)}" if options.metrics_paths else "")
         + (f"; Vertex AI: {args.vertex_predict_route}" if args.vertex_predict_route else ""),
         flush=True,
     )
-    http = transport.protocol_class(
-        options.limits, on_close=server.core.metrics.connection_closed, refuse_app=server.refuse_app
-    )
-    try:
-        uvicorn.run(
-            server.app,
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-            access_log=False,
-            http=http,
-            timeout_keep_alive=options.limits.keep_alive_timeout_s,
-        )
-    finally:
-        manager.stop()
+    _reopen_on_hangup(access_handler)
+    if args.port:
+        server.run(args.host, args.port, args.log_level)
+    else:
+        server.run_grpc_only()
     return 0
+
+
+def _model_configs(args: argparse.Namespace) -> list[Any]:
+    """The models to serve: ``--model_config_file``'s, or ``--model_base_path``'s one."""
+    from estimax.serving import registry
+    from estimax.serving.manager import VersionPolicy
+
+    if args.model_config_file:
+        configs = registry.read_config(args.model_config_file)
+        if not configs:
+            raise ValueError(
+                f"--model_config_file={args.model_config_file}: no model (give "
+                "model_config_list { config { name: ... base_path: ... } })"
+            )
+        return configs
+    if args.model_config_file_poll_wait_seconds:
+        raise ValueError("--model_config_file_poll_wait_seconds needs --model_config_file")
+    if not args.model_base_path:
+        raise ValueError(
+            "--model_base_path is required (or AIP_STORAGE_URI with AIP_MODE=PREDICTION; or "
+            "--model_config_file for several models)"
+        )
+    if args.num_versions < 1:
+        raise ValueError("--num_versions must be >= 1")
+    return [
+        registry.ModelConfig(
+            args.model_name, args.model_base_path, VersionPolicy("latest", args.num_versions)
+        )
+    ]
 
 
 def _fit_connections(options: Any, ports: int) -> Any:
@@ -541,98 +632,5 @@ def _fit_connections(options: Any, ports: int) -> Any:
     return dataclasses.replace(options, limits=limits)
 
 
-def predict(args: argparse.Namespace) -> int:
-    """Prints one JSON line per image: its class and the top-k probabilities."""
-    from estimax.serving.servable import Servable
-
-    path, version = _version_dir(args.model_base_path, args.model_version)
-    servable = Servable(path, version)
-    if servable.preprocessing is None:
-        raise ValueError(
-            f"{path} takes arrays, not images (it was exported without "
-            "preprocessing); send arrays to the server instead"
-        )
-    images = []
-    for name in args.images:
-        with open(name, "rb") as f:  # FileNotFoundError names the file
-            images.append(f.read())
-    outputs = servable.predict_images(images)
-    probabilities = outputs.get("probabilities")
-    for i, name in enumerate(args.images):
-        line: dict = {"image": name, "model_version": version}
-        for key, value in outputs.items():
-            if key != "probabilities":
-                line[key] = np.asarray(value[i]).tolist()
-        if probabilities is not None:
-            # [class id, probability] (and the class's name when the export has them).
-            top = np.argsort(-probabilities[i], kind="stable")[: args.top_k]
-            line["top_k"] = [
-                [int(c), float(probabilities[i][c])]
-                + ([str(servable.class_names[c])] if servable.class_names is not None else [])
-                for c in top
-            ]
-        print(json.dumps(line))
-    return 0
-
-
-def export_check(args: argparse.Namespace) -> int:
-    """Reruns a version's stored examples; exit 1 beyond the tolerance."""
-    from estimax.serving.versions import check_version
-
-    path, _ = _version_dir(args.model_base_path, args.model_version)
-    count, diffs = check_version(path)
-    print(
-        f"export-check: {path}: {count} examples match "
-        + ", ".join(f"{k} (max |diff| {v:.3g})" for k, v in diffs.items())
-    )
-    return 0
-
-
-def export_savedmodel(args: argparse.Namespace) -> int:
-    """A version as a TensorFlow SavedModel (``estimax.serving.savedmodel``)."""
-    from estimax.serving import savedmodel
-
-    path, _ = _version_dir(args.model_base_path, args.model_version)
-    argv = [f"--export_dir={path}", f"--output_dir={args.output_dir}"]
-    return savedmodel.main(argv + ([f"--atol={args.atol}"] if args.atol else []))
-
-
-def export_onnx(args: argparse.Namespace) -> int:
-    """A version as an ONNX model (``estimax.serving.onnx_export``)."""
-    from estimax.serving import onnx_export
-
-    path, _ = _version_dir(args.model_base_path, args.model_version)
-    argv = [f"--export_dir={path}", f"--output={args.output}"]
-    return onnx_export.main(argv + ([f"--atol={args.atol}"] if args.atol else []))
-
-
-def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
-    """Entry point of the ``estimax`` console script (``env``: the environment to read)."""
-    args = _parser(env).parse_args(argv)
-    std_logging.basicConfig(level=std_logging.WARNING)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
-    from estimax.serving.versions import ExportCheckError
-
-    try:
-        return {
-            "serve": serve,
-            "predict": predict,
-            "export-check": export_check,
-            "export-savedmodel": export_savedmodel,
-            "export-onnx": export_onnx,
-        }[args.command](args)
-    except ExportCheckError as e:
-        print(f"estimax {args.command}: FAILED: {e}", file=sys.stderr)
-        return 1
-    except (OSError, ValueError) as e:
-        print(f"estimax {args.command}: {e}", file=sys.stderr)
-        return EXIT_USAGE
-
-
-def run() -> None:
-    """Console-script wrapper."""
-    sys.exit(main())
-
-
-if __name__ == "__main__":
-    run()
+# What ``estimax.command`` runs for each subcommand added here.
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {"serve": serve}

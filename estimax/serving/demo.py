@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         [
             sys.executable,
             "-m",
-            "estimax.serving.cli",
+            "estimax",
             "serve",
             f"--model_base_path={args.model_base_path}",
             f"--model_name={args.model_name}",

@@ -6,7 +6,11 @@
   ``tensorflow-serving-api`` clients call them on its port 8500; ``Classify`` (``tf.Example``
   inputs, a label and score per class: ``estimax.serving.classes``). ``Regress`` and
   ``MultiInference`` answer UNIMPLEMENTED.
-* ``tensorflow.serving.ModelService``: ``GetModelStatus``.
+* ``tensorflow.serving.ModelService``: ``GetModelStatus``, ``HandleReloadConfigRequest``
+  (``estimax.serving.registry``: models added, removed, relabelled).
+
+A ``ModelSpec`` names a model of the server and a version, a version label
+(``version_label``: the model's ``version_labels``) or neither (the newest).
 * ``inference.GRPCInferenceService`` (Triton's ``grpc_service.proto``, a superset of KServe's
   ``grpc_predict_v2.proto``; what ``tritonclient.grpc`` calls): ``ServerLive``, ``ServerReady``,
   ``ModelReady``, ``ServerMetadata``, ``ModelMetadata``, ``ModelInfer`` (typed ``contents`` or
@@ -25,6 +29,7 @@ Messages come from the published .proto files (``estimax.serving.protos``); no T
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -33,7 +38,9 @@ import grpc
 import numpy as np
 from google.protobuf import any_pb2, json_format
 from google.protobuf.message import DecodeError
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from estimax.export.servable import IMAGE_INPUT, Servable
 from estimax.serving import classes, tracking, v2
 from estimax.serving.core import (
     HTTP_STATUS,
@@ -43,6 +50,8 @@ from estimax.serving.core import (
     ApiError,
     ServingCore,
     dtype_of,
+    echo,
+    echo_names,
     numpy_dtype,
     refuse_repeated,
 )
@@ -52,6 +61,7 @@ from estimax.serving.protos.tensorflow_serving.apis import (
     classification_pb2,
     get_model_metadata_pb2,
     get_model_status_pb2,
+    model_management_pb2,
     model_pb2,
     model_service_pb2_grpc,
     predict_pb2,
@@ -59,7 +69,6 @@ from estimax.serving.protos.tensorflow_serving.apis import (
 )
 from estimax.serving.protos.triton import grpc_service_pb2 as pb_v2
 from estimax.serving.protos.triton import grpc_service_pb2_grpc as grpc_v2
-from estimax.serving.servable import IMAGE_INPUT, Servable
 from estimax.serving.tracking import RequestRecord
 
 _T = TypeVar("_T")
@@ -109,7 +118,11 @@ async def _answer(context: grpc.aio.ServicerContext, call: Awaitable[_T]) -> _T 
     except ApiError as e:
         status, code, message = e.status, e.grpc_code, e.message
     except Exception as e:  # noqa: BLE001 - the server keeps serving; the client learns why
-        status, code, message = 500, "INTERNAL", f"Internal: {type(e).__name__}: {e}"
+        status, code, message = (
+            500,
+            "INTERNAL",
+            ApiError(500, f"Internal: {type(e).__name__}: {e}").message,
+        )
     # Out of the except block: nothing refers to the exception and its frames any more.
     tracking.current().fail(status, code, message)
     pushback = (("grpc-retry-pushback-ms", str(RETRY_AFTER_SECONDS * 1000)),)
@@ -120,7 +133,7 @@ async def _answer(context: grpc.aio.ServicerContext, call: Awaitable[_T]) -> _T 
 # ----------------------------------------------------------------------------- TensorProto
 def tensor_to_column(proto: Any, name: str, servable: Servable, core: ServingCore) -> Any:
     """A request ``TensorProto`` -> the column ``Servable.prepare`` takes (400 if unfit)."""
-    where = f"input {name!r}"
+    where = f"input {echo(name)}"
     if name not in servable.inputs:
         raise ApiError(
             400, f"{where} is not an input of the model; its inputs are {sorted(servable.inputs)}"
@@ -224,12 +237,11 @@ def _tensor_info(name: str, spec: dict[str, Any]) -> Any:
     )
 
 
-def _spec_version(spec: Any) -> int | None:
+def _spec(spec: Any) -> tuple[int | None, str | None]:
+    """A ``ModelSpec``'s version choice: ``(version, None)``, ``(None, label)`` or neither."""
     if spec.WhichOneof("version_choice") == "version_label":
-        raise ApiError(
-            400, f"version labels are not supported (got {spec.version_label!r}); give a version"
-        )
-    return spec.version.value if spec.HasField("version") else None
+        return None, spec.version_label
+    return (spec.version.value if spec.HasField("version") else None), None
 
 
 def _model_spec(name: str, servable: Servable) -> Any:
@@ -253,11 +265,11 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
     async def _predict(self, request: Any) -> Any:
         spec = request.model_spec
         self.core.check_signature(spec.signature_name)
-        with self.core.servable(spec.name, _spec_version(spec)) as servable:
+        with self.core.servable(spec.name, *_spec(spec)) as servable:
             if set(request.inputs) != set(servable.inputs):
                 raise ApiError(
                     400,
-                    f"inputs {sorted(request.inputs)} given; the model's inputs are "
+                    f"inputs {echo_names(request.inputs)} given; the model's inputs are "
                     f"{sorted(servable.inputs)}",
                 )
             columns = {
@@ -283,10 +295,10 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
         if fields != ["signature_def"]:
             raise ApiError(
                 400,
-                f"Metadata field(s) {fields} not supported; ask for ['signature_def']",
+                f"Metadata field(s) {echo_names(fields)} not supported; ask for ['signature_def']",
             )
         spec = request.model_spec
-        with self.core.servable(spec.name, _spec_version(spec)) as servable:
+        with self.core.servable(spec.name, *_spec(spec)) as servable:
             signature = meta_graph_pb2.SignatureDef(method_name=PREDICT_METHOD)
             for n, s in servable.inputs.items():
                 signature.inputs[n].CopyFrom(_tensor_info(n, s))
@@ -312,7 +324,7 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
         self.core.check_signature(spec.signature_name)
         examples = _examples(request.input)
         self.core.count(len(examples))
-        with self.core.servable(spec.name, _spec_version(spec)) as servable:
+        with self.core.servable(spec.name, *_spec(spec)) as servable:
             classes.check_classify(servable)
             columns = classes.example_columns(servable, examples)
             outputs = await self.core.infer(servable, columns)
@@ -361,7 +373,9 @@ def _examples(proto: Any) -> list[dict[str, list]]:
         features = _features(example)
         overlap = sorted(set(features) & set(shared))
         if overlap:
-            raise ApiError(400, f"example {i}: features {overlap} are also in the context")
+            raise ApiError(
+                400, f"example {i}: features {echo_names(overlap)} are also in the context"
+            )
         out.append({**shared, **features})
     return out
 
@@ -376,7 +390,7 @@ def _features(example: Any) -> dict[str, list]:
 
 
 class ModelService(model_service_pb2_grpc.ModelServiceServicer):
-    """TF Serving's ``ModelService``: ``GetModelStatus`` (reloading config: UNIMPLEMENTED)."""
+    """TF Serving's ``ModelService``: ``GetModelStatus`` and ``HandleReloadConfigRequest``."""
 
     def __init__(self, core: ServingCore):
         """Answers from ``core``."""
@@ -391,17 +405,29 @@ class ModelService(model_service_pb2_grpc.ModelServiceServicer):
     async def HandleReloadConfigRequest(  # noqa: N802
         self, request: Any, context: grpc.aio.ServicerContext
     ) -> Any:
-        """UNIMPLEMENTED: versions come from --model_base_path, polled."""
-        _fail(
-            context,
-            grpc.StatusCode.UNIMPLEMENTED,
-            "HandleReloadConfigRequest is not supported: estimax serve loads the versions under "
-            "--model_base_path (polled every --file_system_poll_wait_seconds)",
-        )
+        """Serves ``request.config`` (a ``ModelServerConfig``), as a new model config file is.
+
+        Answers once the new models are loaded; a config refused answers INVALID_ARGUMENT with
+        its reason (the old one is kept). A ``--model_config_file`` polled later wins.
+        """
+        return await _answer(context, self._reload(request))
+
+    async def _reload(self, request: Any) -> Any:
+        reload = self.core.reload_config
+        if reload is None:
+            raise ApiError(501, "HandleReloadConfigRequest is not offered by this server")
+        try:
+            # Loading new models blocks: in a thread, not on the loop that answers requests.
+            await asyncio.get_running_loop().run_in_executor(None, reload, request.config)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        response = model_management_pb2.ReloadConfigResponse()
+        response.status.SetInParent()  # error_code 0: tensorflow.error.Code OK
+        return response
 
     async def _status(self, request: Any) -> Any:
         spec = request.model_spec
-        states = self.core.states(spec.name, _spec_version(spec))
+        states = self.core.states(spec.name, *_spec(spec))
         state_enum = get_model_status_pb2.ModelVersionStatus.State
         response = get_model_status_pb2.GetModelStatusResponse()
         for s in states:
@@ -427,7 +453,7 @@ class InferenceService(grpc_v2.GRPCInferenceServiceServicer):
 
     async def ServerReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
         """Ready once some version is available."""
-        return pb_v2.ServerReadyResponse(ready=self.core.manager.ready())
+        return pb_v2.ServerReadyResponse(ready=self.core.ready_all())
 
     async def ModelReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
         """Whether the model (or that version) is available; NOT_FOUND for an unknown one."""
@@ -467,7 +493,7 @@ class InferenceService(grpc_v2.GRPCInferenceServiceServicer):
 
                 return pb_v2.ModelMetadataResponse(
                     name=request.name,
-                    versions=self.core.available_versions(),
+                    versions=self.core.available_versions(request.name),
                     platform="estimax_jax_export",
                     inputs=tensors(servable.inputs),
                     outputs=tensors(servable.outputs),
@@ -502,7 +528,7 @@ class InferenceService(grpc_v2.GRPCInferenceServiceServicer):
                     raw=raw[i] if raw else None,
                 )
                 if name in columns:
-                    raise ApiError(400, f"{where}: input {name!r} is given twice")
+                    raise ApiError(400, f"{where}: input {echo(name)} is given twice")
                 columns[name] = column
             refuse_repeated(o.name for o in request.outputs)  # before the field is copied
             wanted = [o.name for o in request.outputs] or list(servable.outputs)
@@ -577,7 +603,7 @@ def _contents(tensor: Any, where: str) -> list:
     field = _CONTENTS_FIELD.get(tensor.datatype)
     if field is None:
         # FP16/BF16 have no typed field: the protocol sends them in raw_input_contents only.
-        raise ApiError(400, f"{where}: datatype {tensor.datatype!r} needs raw_input_contents")
+        raise ApiError(400, f"{where}: datatype {echo(tensor.datatype)} needs raw_input_contents")
     return list(getattr(tensor.contents, field))
 
 
@@ -680,24 +706,98 @@ def _handler(core: ServingCore, service: str, method: str, generated: Any) -> An
     )
 
 
+async def _refuse_malformed(request: Any, context: grpc.aio.ServicerContext) -> None:
+    """Ends a call whose request is no message (``_lenient``) with INVALID_ARGUMENT."""
+    if isinstance(request, _Malformed):
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"The request is not a valid message: {request.error}",
+        )
+
+
+class HealthService(health_pb2_grpc.HealthServicer):
+    """``grpc.health.v1.Health`` (Kubernetes' gRPC probes, load balancers).
+
+    The service ``""`` (the server) and the names of the services served here are SERVING once
+    every model served has a version available: loaded, compiled, its stored check passed and
+    its warm-up records replayed (``manager``). A model's name is SERVING once that model has
+    one. Any other name: ``Check`` answers NOT_FOUND, ``Watch`` SERVICE_UNKNOWN (the
+    protocol's answers for a service the server does not know; a model removed from the
+    configuration is one).
+    """
+
+    SERVICES = (
+        "",
+        "tensorflow.serving.PredictionService",
+        "tensorflow.serving.ModelService",
+        "inference.GRPCInferenceService",
+        "grpc.health.v1.Health",
+    )
+    # How often ``Watch`` looks for a change.
+    WATCH_INTERVAL_S = 1.0
+
+    def __init__(self, core: ServingCore):
+        """Answers from ``core``'s models."""
+        self.core = core
+
+    def _status(self, service: str) -> int | None:
+        status = health_pb2.HealthCheckResponse
+        model = self.core.models.get(service)
+        if model is not None:
+            ready = model.manager.ready()
+        elif service in self.SERVICES:
+            ready = self.core.ready_all()
+        else:
+            return None
+        return status.SERVING if ready else status.NOT_SERVING
+
+    async def Check(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        """The service's status now; NOT_FOUND for an unknown service."""
+        await _refuse_malformed(request, context)
+        status = self._status(request.service)
+        if status is None:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"unknown service {echo(request.service)}"
+            )
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def Watch(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        """The status now, then each change, until the client goes away."""
+        await _refuse_malformed(request, context)
+        last = -1
+        while True:
+            status = self._status(request.service)
+            if status is None:
+                status = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+            if status != last:
+                await context.write(health_pb2.HealthCheckResponse(status=status))
+                last = status
+            await asyncio.sleep(self.WATCH_INTERVAL_S)
+
+
 async def start(core: ServingCore, host: str, port: int) -> grpc.aio.Server:
-    """Starts the three services on ``host:port`` in the running loop; returns the server."""
+    """Starts the services on ``host:port`` in the running loop; returns the server."""
     limit = core.options.max_body_bytes
     limits = core.options.limits
+    own: list[tuple[str, int | str]] = [
+        # The HTTP body limit bounds a gRPC message too (RESOURCE_EXHAUSTED past it).
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_send_message_length", -1),
+        # The HTTP port's header timeout and connection cap, in gRPC's terms: a connection
+        # that has not finished its HTTP/2 handshake by then is closed (gRPC's default
+        # waits 120 s), and connections past the cap are refused.
+        ("grpc.server_handshake_timeout_ms", max(1, round(limits.header_timeout_s * 1000))),
+        ("grpc.max_allowed_incoming_connections", limits.max_connections),
+        # grpcio shares a port with another process by default (SO_REUSEPORT): a second
+        # server on the same --grpc_port would silently get half the calls.
+        ("grpc.so_reuseport", 0),
+    ]
+    given = dict(core.options.grpc_arguments)  # --grpc_channel_arguments: the operator's word
     server = grpc.aio.server(
-        options=[
-            # The HTTP body limit bounds a gRPC message too (RESOURCE_EXHAUSTED past it).
-            ("grpc.max_receive_message_length", limit),
-            ("grpc.max_send_message_length", -1),
-            # The HTTP port's header timeout and connection cap, in gRPC's terms: a connection
-            # that has not finished its HTTP/2 handshake by then is closed (gRPC's default
-            # waits 120 s), and connections past the cap are refused.
-            ("grpc.server_handshake_timeout_ms", max(1, round(limits.header_timeout_s * 1000))),
-            ("grpc.max_allowed_incoming_connections", limits.max_connections),
-            # grpcio shares a port with another process by default (SO_REUSEPORT): a second
-            # server on the same --grpc_port would silently get half the calls.
-            ("grpc.so_reuseport", 0),
-        ]
+        options=[(k, v) for k, v in own if k not in given] + list(given.items()),
+        # --grpc_max_threads: TF Serving's gRPC thread quota answers RESOURCE_EXHAUSTED past
+        # it ("Server Threadpool Exhausted"); grpc.aio's bound does the same.
+        maximum_concurrent_rpcs=core.options.grpc_max_concurrent_rpcs or None,
     )
     collect = _Collect()
     prediction_service_pb2_grpc.add_PredictionServiceServicer_to_server(
@@ -709,12 +809,24 @@ async def start(core: ServingCore, host: str, port: int) -> grpc.aio.Server:
         handlers = {method: _handler(core, service, method, h) for method, h in handlers.items()}
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
         server.add_registered_method_handlers(service, handlers)
+    # Probes are not requests: not counted, not in the access log. A probe that is no message
+    # (a service name that is no UTF-8) is INVALID_ARGUMENT, as for every other service.
+    health = _Collect()
+    health_pb2_grpc.add_HealthServicer_to_server(HealthService(core), health)
+    for service, handlers in health.services.items():
+        handlers = {
+            method: h._replace(request_deserializer=_lenient(h.request_deserializer))
+            for method, h in handlers.items()
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+        server.add_registered_method_handlers(service, handlers)
     server.add_insecure_port(f"{host}:{port}")
     await server.start()
     return server
 
 
 __all__ = [
+    "HealthService",
     "InferenceService",
     "ModelService",
     "PredictionService",

@@ -211,15 +211,16 @@ class _Collector:
             "1 for the current state of each version seen (TF Serving's ModelVersionStatus).",
             labels=["model_name", "version", "state"],
         )
-        for version, state in m.version_states():
-            states.add_metric([m.model_name, version, state], 1)
+        for model, version, state in m.version_states():
+            states.add_metric([model, version, state], 1)
         yield states
         queue = GaugeMetricFamily(
             "estimax_serving_batch_queue_instances",
             "Instances waiting in the batching queue.",
             labels=["model_name"],
         )
-        queue.add_metric([m.model_name], m.queued())
+        for model, waiting in m.queued():
+            queue.add_metric([model], waiting)
         yield queue
 
 
@@ -228,14 +229,17 @@ class ServingMetrics:
 
     def __init__(
         self,
-        model_name: str,
-        version_states: Callable[[], Sequence[tuple[str, str]]] = tuple,
-        queued: Callable[[], int] = int,
+        served: Callable[[str, str], tuple[bool, bool]],
+        version_states: Callable[[], Sequence[tuple[str, str, str]]] = tuple,
+        queued: Callable[[], Sequence[tuple[str, int]]] = tuple,
         clock: Callable[[], float] = time.time,
     ):
-        """``version_states()``: ``[(version, state)]``; ``queued()``: instances waiting."""
+        """``served(model, version)``: whether the model is served and whether that version of
+        it was seen (called on every request: it must not scale with the number of models);
+        ``version_states()``: ``[(model, version, state)]``; ``queued()``: ``[(model,
+        instances waiting)]``."""
         disable_created_metrics()  # the *_created series TF Serving does not have
-        self.model_name = model_name
+        self.served = served
         self.version_states = version_states
         self.queued = queued
         self._clock = clock
@@ -244,7 +248,7 @@ class ServingMetrics:
             collections.Counter()
         )
         self.wrapped_runs = 0
-        self._stats: dict[str, _VersionStats] = collections.defaultdict(_VersionStats)
+        self._stats: dict[tuple[str, str], _VersionStats] = collections.defaultdict(_VersionStats)
         self.registry = CollectorRegistry(auto_describe=True)
         self._define(self.registry)
         self._define_counters(self.registry)
@@ -330,9 +334,9 @@ class ServingMetrics:
         entrypoint = "GRPC" if record.transport == "grpc" else "REST"
         # Names and versions that are not served are one label value: a client asking for
         # random ones must not grow the server's memory (one series per label set).
-        known = {v for v, _ in self.version_states()}
-        model = record.model if record.model in ("", self.model_name) else UNKNOWN
-        version = record.version if record.version in known or not record.version else UNKNOWN
+        model_known, version_known = self.served(record.model, record.version)
+        model = record.model if model_known or not record.model else UNKNOWN
+        version = record.version if version_known or not record.version else UNKNOWN
         labels = (
             ("model_name", model),
             ("version", version),
@@ -354,12 +358,12 @@ class ServingMetrics:
         if record.inference and ok:
             self.example_counts.labels(model).observe(record.instances)
             self.example_total.labels(model).inc(record.instances)
-        if record.inference and version in known and model == self.model_name:
+        if record.inference and version_known and model_known:
             self._count_stats(record, ok)
 
     def _count_stats(self, record: RequestRecord, ok: bool) -> None:
         with self.lock:
-            stats = self._stats[record.version]
+            stats = self._stats[record.model, record.version]
             stats.durations["success" if ok else "fail"].add(record.latency_s)
             if record.ran:
                 stats.durations["compute_input"].add(record.prepare_s)
@@ -371,12 +375,17 @@ class ServingMetrics:
                 stats.last_inference = int(self._clock() * 1000)
 
     def execution(
-        self, version: Any, executions: Sequence[tuple[int, int]], seconds: float, batched: bool
+        self,
+        model: str,
+        version: Any,
+        executions: Sequence[tuple[int, int]],
+        seconds: float,
+        batched: bool,
     ) -> None:
         """One model run of ``executions`` (``(compiled size, instances)`` per call)."""
         instances = sum(m for _, m in executions)
         with self.lock:
-            stats = self._stats[str(version)]
+            stats = self._stats[model, str(version)]
             stats.execution_count += 1
             stats.batches[instances].add(seconds)
             if batched:
@@ -404,7 +413,14 @@ class ServingMetrics:
         """The Prometheus text of every metric."""
         return generate_latest(self.registry)
 
-    def statistics(self, versions: Iterable[str]) -> list[dict[str, Any]]:
-        """Triton's ``model_stats`` entries of ``versions`` (zeros for one never asked)."""
+    def statistics(self, versions: Iterable[tuple[str, str]]) -> list[dict[str, Any]]:
+        """Triton's ``model_stats`` entries of ``(model, version)`` pairs (zeros for one never
+        asked)."""
         with self.lock:
-            return [self._stats.get(v, _VersionStats()).json(self.model_name, v) for v in versions]
+            return [self._stats.get(mv, _VersionStats()).json(*mv) for mv in versions]
+
+    def forget(self, model: str) -> None:
+        """Drops the statistics of a model no longer served."""
+        with self.lock:
+            for key in [k for k in self._stats if k[0] == model]:
+                del self._stats[key]

@@ -1,9 +1,9 @@
 """The HTTP server: TensorFlow Serving's REST API and the Open Inference Protocol v2, one port.
 
-Two protocols over one ``ServingCore`` (``core``: the model manager, limits, batching):
+Two protocols over one ``ServingCore`` (``core``: the served models, limits, batching):
 
 * TF Serving (its ``http_rest_api_handler.cc`` / ``json_tensor.cc`` and REST documentation),
-  ``TFServingRest``: ``GET /v1/models/NAME[/versions/N]`` (status), ``.../metadata``,
+  ``TFServingRest``: ``GET /v1/models/NAME[/versions/N|/labels/L]`` (status), ``.../metadata``,
   ``POST ...:predict`` with row (``instances``) or columnar (``inputs``) bodies, ``{"b64": ...}``
   binary values (URL-safe base64 accepted too), ``predictions``/``outputs`` responses,
   ``{"error": ...}`` with its status codes.
@@ -22,25 +22,25 @@ requested with ``parameters: {"classification": k}``); and TF Serving's ``:class
 in, ``{"predictions": [...]}`` out). Every request is tracked by one middleware (``_Tracking``:
 access log, metrics, statistics); each route names its protocol (its tag) and API (its name).
 
-The gRPC services (``grpc_server``) join the same core on ``--grpc_port``, started and stopped
-with this app (one asyncio loop, so one batching queue for both ports).
+The gRPC services (``grpc_server``) join the same core on ``--grpc_port``; ``server`` starts and
+stops them with this app (one asyncio loop, so one batching queue per model for both ports).
 
 Bodies are parsed by hand rather than by pydantic models because both protocols define their
 own error bodies and messages (FastAPI's 422 format would break TF Serving clients); the
 OpenAPI description still documents them (``openapi_extra``). Large bodies (over
-``bodies.INLINE_BYTES``) are parsed in ``estimax.serving.bodies``'s worker processes and walked
-in a thread, and large answers written there, so that the event loop keeps answering health
-checks and other requests meanwhile. The connections' timeouts, header size limit and cap are
-the transport's (``estimax.serving.transport``); a body cut off by its timeout is answered 408.
+``bodies.INLINE_BYTES``, unless they hold few values: ``bodies.light``) are parsed in
+``estimax.serving.bodies``'s worker processes and walked in a thread, and large answers written
+there, so that the event loop keeps answering health checks and other requests meanwhile. The
+connections' timeouts, header size limit and cap are the transport's
+(``estimax.serving.transport``); a body cut off by its timeout is answered 408.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import numpy as np
@@ -51,21 +51,24 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from estimax.export.servable import Servable
 from estimax.serving import bodies, classes, metrics, tracking, transport, v2
 from estimax.serving.core import (
     BY_V2,
+    ECHO_CHARS,
     PREDICT_METHOD,
     RETRY_AFTER_SECONDS,
     SIGNATURE_NAME,
     ApiError,
+    BodyBudget,
     ServerOptions,
     ServingCore,
     ascii_int,
     dtype_of,
+    echo,
+    echo_names,
     grpc_code_of,
 )
-from estimax.serving.manager import ModelManager
-from estimax.serving.servable import Servable
 from estimax.serving.tracking import RequestRecord
 
 # The protocols, as the routes' tags (the access log's ``protocol``).
@@ -73,8 +76,7 @@ TF = "tf_serving"
 V2 = "v2"
 VERTEX = "vertex"
 
-# Public (README "Public API"); not re-exported by estimax.serving, which loads no FastAPI.
-__all__ = ["ApiError", "Server", "ServerOptions"]
+__all__ = ["ApiError", "ServerOptions", "build_app"]
 
 
 def _json_body(schema: dict[str, Any]) -> dict[str, Any]:
@@ -148,8 +150,19 @@ def _json(body: Any, status: int = 200) -> Response:
     return Response(bodies.encode(body), status_code=status, media_type="application/json")
 
 
-async def read_body(request: Request, limit: int) -> bytearray:
-    """The whole body, refused with 413 past ``limit`` bytes (declared or streamed)."""
+# The scope key read_body sets when it refuses a body before its end: the answer closes the
+# connection (the rest of the body was not read).
+BODY_UNREAD = "estimax.body_unread"
+
+
+async def read_body(request: Request, limit: int, budget: BodyBudget | None = None) -> bytearray:
+    """The whole body, refused with 413 past ``limit`` bytes (declared or streamed).
+
+    Memory grows with the bytes received, never with the length a client declares; each
+    chunk is charged to ``budget`` (the bytes of all bodies in flight, released when the
+    request is answered: ``ServingCore.track``), and a body that would pass it answers 503
+    with Retry-After, as a full queue does.
+    """
     declared = request.headers.get("content-length")
     # Any length past the limit is too large, however many digits it has.
     length = None if declared is None else ascii_int(declared.strip(), "Content-Length", 2**63 - 1)
@@ -162,21 +175,33 @@ async def read_body(request: Request, limit: int) -> bytearray:
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
     if encoding not in ("", "identity"):
         raise ApiError(
-            400, f"Content-Encoding {encoding!r} is not supported; send the body uncompressed"
+            400, f"Content-Encoding {echo(encoding)} is not supported; send the body uncompressed"
         )
-    # One buffer of the declared size: a large body is one allocation, returned to the system
-    # when freed (thousands of 64 KiB chunks held the server's memory after large bodies).
-    body, size = bytearray(length or 0), 0
+    # One buffer grown as the bytes come (not made at the declared size: a client declaring
+    # 64 MiB and sending one byte cost the server 64 MiB): a large body is still one
+    # allocation, returned to the system when freed (thousands of 64 KiB chunks held the
+    # server's memory after large bodies), and growing it moves pages rather than copies.
+    body = bytearray()
+    record = tracking.current()
     try:
         async for chunk in request.stream():
-            if size + len(chunk) > limit:
+            if len(body) + len(chunk) > limit:
+                request.scope[BODY_UNREAD] = True
                 raise ApiError(
                     413,
                     f"Request body is larger than this server accepts ({limit} "
                     "bytes; see --max_body_bytes)",
                 )
-            body[size : size + len(chunk)] = chunk
-            size += len(chunk)
+            if budget is not None:
+                if not budget.take(len(chunk)):
+                    request.scope[BODY_UNREAD] = True
+                    raise ApiError(
+                        503,
+                        f"The server holds {budget.held} bytes of request bodies, its limit "
+                        f"(--max_body_bytes_in_flight={budget.limit}); retry",
+                    )
+                record.body_bytes += len(chunk)
+            body += chunk
     except ClientDisconnect:
         # The connection closed before the body ended: the body timeout (transport), or the
         # client left (499, TF Serving's Cancelled). Nobody reads this answer; the record does.
@@ -187,7 +212,6 @@ async def read_body(request: Request, limit: int) -> bytearray:
         raise ApiError(
             499, "The client closed the connection before sending the whole body"
         ) from None
-    del body[size:]
     return body
 
 
@@ -246,7 +270,7 @@ def _examples(examples: list, context: dict) -> list[dict[str, list]]:
             raise ApiError(400, f"example {i} must be an object of features")
         shared = sorted(set(example) & set(context))
         if shared:
-            raise ApiError(400, f"example {i}: features {shared} are also in 'context'")
+            raise ApiError(400, f"example {i}: features {echo_names(shared)} are also in 'context'")
         merged = {**context, **example}
         out.append({k: _feature_values(v, f"example {i}") for k, v in merged.items()})
     return out
@@ -279,8 +303,8 @@ class TFServingRest:
         self.core = core
         self.bodies = json_workers
 
-    def status(self, name: str, version: str | None) -> dict:
-        """``GET /v1/models/NAME[/versions/N]``: ``model_version_status``."""
+    def status(self, name: str, version: str | None, label: str | None = None) -> dict:
+        """``GET /v1/models/NAME[/versions/N|/labels/L]``: ``model_version_status``."""
         return {
             "model_version_status": [
                 {
@@ -291,13 +315,13 @@ class TFServingRest:
                         "error_message": s.error,
                     },
                 }
-                for s in self.core.states(name, version)
+                for s in self.core.states(name, version, label)
             ]
         }
 
-    def metadata(self, name: str, version: str | None) -> dict:
+    def metadata(self, name: str, version: str | None, label: str | None = None) -> dict:
         """``GET .../metadata``: the signature in TF Serving's ``SignatureDef`` JSON."""
-        with self.core.servable(name, version) as servable:
+        with self.core.servable(name, version, label) as servable:
             return {
                 "model_spec": {
                     "name": name,
@@ -337,7 +361,7 @@ class TFServingRest:
                     if set(item) != {name}:
                         raise ApiError(
                             400,
-                            f"instance {i}: keys {sorted(item)} do not match the "
+                            f"instance {i}: keys {echo_names(item)} do not match the "
                             f"model's input {name!r}",
                         )
                     item = item[name]
@@ -356,7 +380,7 @@ class TFServingRest:
         if isinstance(inputs, dict) and set(inputs) != {"b64"}:
             if set(inputs) != set(names):
                 raise ApiError(
-                    400, f"'inputs' has keys {sorted(inputs)}; the model's inputs are {names}"
+                    400, f"'inputs' has keys {echo_names(inputs)}; the model's inputs are {names}"
                 )
             columns = {n: _decode_value(inputs[n], f"input {n!r}") for n in names}
         elif len(names) == 1:
@@ -371,10 +395,13 @@ class TFServingRest:
             self.core.count(len(v))
         return columns
 
-    async def predict(self, name: str, version: str | None, request: Request) -> Response:
+    async def predict(
+        self, name: str, version: str | None, request: Request, label: str | None = None
+    ) -> Response:
         """``POST ...:predict``."""
-        raw = await read_body(request, self.core.options.max_body_bytes)
-        body = await self.bodies.loads(raw)
+        raw = await read_body(request, self.core.options.max_body_bytes, self.core.bodies_in_flight)
+        large = not bodies.light(raw)
+        body = await self.bodies.loads(raw, large=large)
         if not isinstance(body, dict):
             raise ApiError(400, "The request body must be a JSON object")
         self.core.check_signature(body.get("signature_name", SIGNATURE_NAME))
@@ -386,23 +413,27 @@ class TFServingRest:
                 else "Missing 'inputs' or 'instances' key",
             )
         row = "instances" in body
-        with self.core.servable(name, version) as servable:
+        with self.core.servable(name, version, label) as servable:
             columns = await self.bodies.walk(
-                len(raw) > bodies.INLINE_BYTES,
+                large,
                 self._row_columns if row else self._columnar,
                 servable,
                 body["instances" if row else "inputs"],
             )
             outputs = await self.core.infer(servable, columns)
         numbers = sum(int(a.size) for a in outputs.values())
-        large = numbers > bodies.INLINE_ELEMENTS
-        answer = await self.bodies.walk(large, _predict_answer, outputs, row)
+        answer = await self.bodies.walk(
+            numbers > bodies.INLINE_ELEMENTS, _predict_answer, outputs, row
+        )
         return _json_text(await self.bodies.dumps(answer, numbers))
 
-    async def classify(self, name: str, version: str | None, request: Request) -> dict:
+    async def classify(
+        self, name: str, version: str | None, request: Request, label: str | None = None
+    ) -> dict:
         """``POST ...:classify``: ``examples`` (+ ``context``) -> ``result`` label/score pairs."""
-        raw = await read_body(request, self.core.options.max_body_bytes)
-        body, large = await self.bodies.loads(raw), len(raw) > bodies.INLINE_BYTES
+        raw = await read_body(request, self.core.options.max_body_bytes, self.core.bodies_in_flight)
+        large = not bodies.light(raw)
+        body = await self.bodies.loads(raw, large=large)
         if not isinstance(body, dict) or not isinstance(body.get("examples"), list):
             raise ApiError(400, "The request body must be an object with an 'examples' list")
         self.core.check_signature(body.get("signature_name", SIGNATURE_NAME))
@@ -411,7 +442,7 @@ class TFServingRest:
             raise ApiError(400, "'context' must be an object of features")
         self.core.count(len(body["examples"]))
         examples = await self.bodies.walk(large, _examples, body["examples"], context)
-        with self.core.servable(name, version) as servable:
+        with self.core.servable(name, version, label) as servable:
             classes.check_classify(servable)
             columns = await self.bodies.walk(large, classes.example_columns, servable, examples)
             outputs = await self.core.infer(servable, columns)
@@ -429,6 +460,10 @@ class TFServingRest:
         async def v1_status_version(name: str, version: str) -> Response:
             return _json(self.status(name, version))
 
+        @app.get("/v1/models/{name}/labels/{label}", name="status", **kw)
+        async def v1_status_label(name: str, label: str) -> Response:
+            return _json(self.status(name, None, label))
+
         @app.get("/v1/models/{name}/metadata", name="metadata", **kw)
         async def v1_metadata(name: str) -> Response:
             return _json(self.metadata(name, None))
@@ -436,6 +471,10 @@ class TFServingRest:
         @app.get("/v1/models/{name}/versions/{version}/metadata", name="metadata", **kw)
         async def v1_metadata_version(name: str, version: str) -> Response:
             return _json(self.metadata(name, version))
+
+        @app.get("/v1/models/{name}/labels/{label}/metadata", name="metadata", **kw)
+        async def v1_metadata_label(name: str, label: str) -> Response:
+            return _json(self.metadata(name, None, label))
 
         predict = {**kw, "name": "predict", "openapi_extra": _PREDICT_SCHEMA}
 
@@ -447,6 +486,10 @@ class TFServingRest:
         async def v1_predict(name: str, request: Request) -> Response:
             return await self.predict(name, None, request)
 
+        @app.post("/v1/models/{name}/labels/{label}:predict", **predict)
+        async def v1_predict_label(name: str, label: str, request: Request) -> Response:
+            return await self.predict(name, None, request, label)
+
         classify = {**kw, "name": "classify", "openapi_extra": _CLASSIFY_SCHEMA}
 
         @app.post("/v1/models/{name}/versions/{version}:classify", **classify)
@@ -456,6 +499,10 @@ class TFServingRest:
         @app.post("/v1/models/{name}:classify", **classify)
         async def v1_classify(name: str, request: Request) -> Response:
             return _json(await self.classify(name, None, request))
+
+        @app.post("/v1/models/{name}/labels/{label}:classify", **classify)
+        async def v1_classify_label(name: str, label: str, request: Request) -> Response:
+            return _json(await self.classify(name, None, request, label))
 
         @app.post("/v1/models/{name}:{method}", name="other", **kw)
         async def v1_other(name: str, method: str) -> Response:
@@ -494,7 +541,7 @@ class V2Rest:
 
             return {
                 "name": name,
-                "versions": self.core.available_versions(),
+                "versions": self.core.available_versions(name),
                 "platform": "estimax_jax_export",
                 "inputs": tensors(servable.inputs),
                 "outputs": tensors(servable.outputs),
@@ -502,15 +549,17 @@ class V2Rest:
 
     async def infer(self, name: str, version: str | None, request: Request) -> Response:
         """``POST /v2/models/NAME[/versions/V]/infer``: JSON, or JSON + binary tensors."""
-        raw = await read_body(request, self.core.options.max_body_bytes)
-        large = len(raw) > bodies.INLINE_BYTES
+        raw = await read_body(request, self.core.options.max_body_bytes, self.core.bodies_in_flight)
         header = request.headers.get(v2.HEADER_LENGTH)
         binary: bytearray | None = None
         if header is not None:
             what = f"{v2.HEADER_LENGTH} (the byte length of the JSON header)"
             length = ascii_int(header.strip(), what, len(raw))
             raw, binary = raw[:length], raw[length:]
-        body = await self.bodies.loads(raw, v2.check_infer_body)
+        heavy_json = not bodies.light(raw)
+        # Binary tensors are walked (split into elements) in a thread past INLINE_BYTES.
+        large = heavy_json or len(binary or b"") > bodies.INLINE_BYTES
+        body = await self.bodies.loads(raw, v2.check_infer_body, large=heavy_json)
         if not isinstance(body, dict) or not isinstance(body.get("inputs"), list):
             raise ApiError(400, "The request body must be an object with an 'inputs' list")
         parameters = _parameters(body, "request")
@@ -559,7 +608,7 @@ class V2Rest:
                 raw=raw,
             )
             if name in columns:
-                raise ApiError(400, f"inputs[{i}]: input {name!r} is given twice")
+                raise ApiError(400, f"inputs[{i}]: input {echo(name)} is given twice")
             columns[name] = column
         return columns
 
@@ -605,7 +654,7 @@ class V2Rest:
 
         @app.get("/v2/health/ready", name="ready", tags=[V2])
         async def v2_ready() -> Response:
-            ready = self.core.manager.ready()
+            ready = self.core.ready_all()
             return _json({"ready": ready}, 200 if ready else 503)
 
         # Before /v2/models/{name}, which would take "stats" for a model's name.
@@ -762,106 +811,93 @@ def _flag(parameters: dict, key: str, where: str) -> bool:
     return value
 
 
-class Server:
-    """One model's HTTP front end (see module docstring); ``app`` is the ASGI application."""
+def build_app(
+    core: ServingCore,
+    json_workers: bodies.JsonWorkers,
+    lifespan: Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]],
+) -> FastAPI:
+    """The REST application of both protocols over ``core`` (see module docstring).
 
-    def __init__(self, manager: ModelManager, options: ServerOptions):
-        """Builds the FastAPI app; ``manager`` loads and swaps versions (started by the caller).
-
-        With ``options.grpc_port`` the app also starts the gRPC services when it starts.
-        """
-        self.core = ServingCore(manager, options)
-        self.manager = manager
-        self.options = options
-        self.batcher = self.core.batcher
-        self.bodies = bodies.JsonWorkers()
-        self.tf_serving = TFServingRest(self.core, self.bodies)
-        self.v2 = V2Rest(self.core, self.bodies)
-        self.app = self._build_app()
-        # What a connection past --max_connections is answered when none could make room.
-        self.refuse_app = _Tracking(_refused, core=self.core, untracked=frozenset())
-
-    @contextlib.asynccontextmanager
-    async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
-        grpc = None
-        if self.options.grpc_port:
-            from estimax.serving import grpc_server  # grpcio only when gRPC is asked for
-
-            grpc = await grpc_server.start(
-                self.core, self.options.grpc_host, self.options.grpc_port
-            )
-        # The JSON workers start in the background: the first large body need not wait for them.
-        asyncio.get_running_loop().run_in_executor(None, self.bodies.start)
-        try:
-            yield
-        finally:
-            self.bodies.close()
-            if grpc is not None:
-                await grpc.stop(grace=5)
-
-    def _build_app(self) -> FastAPI:
-        app = FastAPI(
-            title="estimax serving",
-            description="TensorFlow Serving REST API and Open Inference Protocol v2 "
-            "for an estimax export.",
-            version="1",
-            lifespan=self._lifespan,
-        )
-        _add_error_handlers(app)
-        errors: dict[int | str, dict[str, Any]] = {
-            c: {
-                "description": d,
-                "content": {
-                    "application/json": {
-                        "schema": {"type": "object", "properties": {"error": {"type": "string"}}}
-                    }
-                },
-            }
-            for c, d in (
-                (400, "bad request"),
-                (404, "unknown model or version"),
-                (408, "the request did not all arrive in time"),
-                (413, "body too large"),
-                (429, "batching queue full"),
-                (503, "reloading, or too many connections"),
-                (504, "timed out"),
-            )
+    ``lifespan`` starts and stops what runs beside the app (``estimax.serving.server``).
+    """
+    app = FastAPI(
+        title="estimax serving",
+        description="TensorFlow Serving REST API and Open Inference Protocol v2 "
+        "for an estimax export.",
+        version="1",
+        lifespan=lifespan,
+        # Swagger UI and ReDoc load their scripts from a public CDN: off unless asked for
+        # (--api_docs); /openapi.json, the description itself, stays.
+        docs_url="/docs" if core.options.api_docs else None,
+        redoc_url="/redoc" if core.options.api_docs else None,
+        # No redirect to the path with(out) its trailing slash: Starlette builds it from the
+        # client's Host header (Host: evil.example got a 307 to http://evil.example/...).
+        # Such a path answers 404, as TF Serving's.
+        redirect_slashes=False,
+    )
+    _add_error_handlers(app)
+    errors: dict[int | str, dict[str, Any]] = {
+        c: {
+            "description": d,
+            "content": {
+                "application/json": {
+                    "schema": {"type": "object", "properties": {"error": {"type": "string"}}}
+                }
+            },
         }
-        self._add_vertex_routes(app, errors)  # first: they may shadow the others' paths
-        self.tf_serving.add_routes(app, errors)
-        self.v2.add_routes(app, errors)
-        for path in self.options.metrics_paths:
-            app.add_api_route(path, self._metrics, methods=["GET"], include_in_schema=False)
-        app.add_middleware(
-            _Tracking, core=self.core, untracked=frozenset(self.options.metrics_paths)
+        for c, d in (
+            (400, "bad request"),
+            (404, "unknown model or version"),
+            (408, "the request did not all arrive in time"),
+            (413, "body too large"),
+            (429, "batching queue full"),
+            (503, "reloading, or too many connections"),
+            (504, "timed out"),
         )
-        return app
+    }
+    tf_serving = TFServingRest(core, json_workers)
+    _add_vertex_routes(app, errors, core, tf_serving)  # first: they may shadow the others' paths
+    tf_serving.add_routes(app, errors)
+    V2Rest(core, json_workers).add_routes(app, errors)
 
-    async def _metrics(self) -> Response:
-        return Response(self.core.metrics.exposition(), media_type=metrics.CONTENT_TYPE)
+    async def prometheus() -> Response:
+        return Response(core.metrics.exposition(), media_type=metrics.CONTENT_TYPE)
 
-    def _add_vertex_routes(self, app: FastAPI, errors: dict[int | str, dict[str, Any]]) -> None:
-        """Vertex AI's ``AIP_HEALTH_ROUTE`` and ``AIP_PREDICT_ROUTE`` (when given)."""
-        kw: dict[str, Any] = {"responses": errors, "tags": [VERTEX]}
-        if self.options.vertex_health_route:
+    for path in core.options.metrics_paths:
+        app.add_api_route(path, prometheus, methods=["GET"], include_in_schema=False)
+    app.add_middleware(_Tracking, core=core, untracked=frozenset(core.options.metrics_paths))
+    return app
 
-            @app.get(self.options.vertex_health_route, name="health", **kw)
-            async def vertex_health() -> Response:
-                ready = self.core.manager.ready()
-                return _json({"ready": ready}, 200 if ready else 503)
 
-        if self.options.vertex_predict_route:
+def refused_app(core: ServingCore) -> ASGIApp:
+    """What a connection past --max_connections is answered when none could make room."""
+    return _Tracking(_refused, core=core, untracked=frozenset())
 
-            @app.post(
-                self.options.vertex_predict_route,
-                name="predict",
-                openapi_extra=_PREDICT_SCHEMA,
-                **kw,
-            )
-            async def vertex_predict(request: Request) -> Response:
-                # Vertex's body is TF Serving's row format: {"instances": [...]} ->
-                # {"predictions": [...]}, on the latest version of the served model.
-                return await self.tf_serving.predict(self.core.name, None, request)
+
+def _add_vertex_routes(
+    app: FastAPI, errors: dict[int | str, dict[str, Any]], core: ServingCore, tf: TFServingRest
+) -> None:
+    """Vertex AI's ``AIP_HEALTH_ROUTE`` and ``AIP_PREDICT_ROUTE`` (when given)."""
+    kw: dict[str, Any] = {"responses": errors, "tags": [VERTEX]}
+    if core.options.vertex_health_route:
+
+        @app.get(core.options.vertex_health_route, name="health", **kw)
+        async def vertex_health() -> Response:
+            ready = core.ready_all()
+            return _json({"ready": ready}, 200 if ready else 503)
+
+    if core.options.vertex_predict_route:
+
+        @app.post(
+            core.options.vertex_predict_route,
+            name="predict",
+            openapi_extra=_PREDICT_SCHEMA,
+            **kw,
+        )
+        async def vertex_predict(request: Request) -> Response:
+            # Vertex's body is TF Serving's row format: {"instances": [...]} ->
+            # {"predictions": [...]}, on the latest version of the served model.
+            return await tf.predict(core.name, None, request)
 
 
 async def _refused(scope: Scope, receive: Receive, send: Send) -> None:
@@ -898,12 +934,19 @@ def _failed(status: int, message: str, headers: dict[str, str] | None = None) ->
 
 def _add_error_handlers(app: FastAPI) -> None:
     async def api_error(request: Request, exc: ApiError) -> Response:
-        retry = {"Retry-After": str(RETRY_AFTER_SECONDS)} if exc.status == 429 else None
-        return _failed(exc.status, exc.message, retry)
+        headers = {}
+        if exc.status in (429, 503):  # a full queue, a reload, the body budget: passing
+            headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
+        if request.scope.get(BODY_UNREAD):  # the rest of the body was not read
+            headers["Connection"] = "close"
+        return _failed(exc.status, exc.message, headers or None)
 
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        path = request.url.path
+        if len(path) > ECHO_CHARS:  # a path is echoed cut, as every client string
+            path = f"{path[:ECHO_CHARS]}... ({len(path)} chars)"
         message = (
-            f"Malformed request: {request.method} {request.url.path}"
+            f"Malformed request: {request.method} {path}"
             if exc.status_code in (404, 405)
             else str(exc.detail)
         )
@@ -917,7 +960,9 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     async def internal_error(request: Request, exc: Exception) -> Response:
         # TF Serving's Internal -> 500, still as {"error": ...}; the server keeps serving.
-        return _json({"error": f"Internal: {type(exc).__name__}: {exc}"}, 500)
+        return _json(
+            {"error": ApiError(500, f"Internal: {type(exc).__name__}: {exc}").message}, 500
+        )
 
     _on_exception(app, Exception, internal_error)
     _on_exception(app, ApiError, api_error)

@@ -182,6 +182,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self.phase = "new"  # new, headers, body, app, idle (module docstring)
         self.since = self.loop.time()
         self._header_bytes = 0
+        self._header_tail = b""  # the last bytes of the headers read so far (at most 3)
 
     # ------------------------------------------------------------------ timers
     def _arm(self, seconds: float, reason: str) -> None:
@@ -253,22 +254,39 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         """Times the next request's headers from its first byte; refuses oversized headers."""
+        if self.transport.is_closing():  # refused (431) or closed: what follows is not read
+            return
         if self.phase == "idle":
             self.phase, self.since = "headers", self.loop.time()
             self._arm(self.limits.header_timeout_s, "header_timeout")
-        if self.phase in ("new", "idle", "headers"):
-            # Checked before parsing more: at most one read past the limit is ever buffered.
-            if self._header_bytes > self.limits.max_header_bytes:
-                self._reply(
-                    431,
-                    "Request Header Fields Too Large",
-                    f"The request line and headers are larger than this server accepts "
-                    f"({self.limits.max_header_bytes} bytes; see --max_header_bytes)",
-                )
-                self.close_for("header_too_large")
-                return
-            self._header_bytes += len(data)
+        if self.phase in ("new", "idle", "headers") and self._headers_too_large(data):
+            self._reply(
+                431,
+                "Request Header Fields Too Large",
+                f"The request line and headers are larger than this server accepts "
+                f"({self.limits.max_header_bytes} bytes; see --max_header_bytes)",
+            )
+            self.close_for("header_too_large")
+            return
         super().data_received(data)
+
+    def _headers_too_large(self, data: bytes) -> bool:
+        """Whether this read takes the request line and headers past the limit, to the byte.
+
+        Counted before the parser sees the read (a read of 100 KB was once parsed, and
+        answered, under a 64 KiB limit): up to the blank line that ends the headers when this
+        read holds it (what follows is body, or the next request), else the whole read.
+        """
+        # The blank line may straddle two reads: the end of the last one is searched too.
+        seen = self._header_tail + data
+        ends = [i + len(m) for m in (b"\r\n\r\n", b"\n\n") if (i := seen.find(m)) >= 0]
+        counted = min(ends) - len(self._header_tail) if ends else len(data)
+        if self._header_bytes + counted > self.limits.max_header_bytes:
+            return True
+        # Past the blank line the parser resets the count (on_headers_complete).
+        self._header_bytes += counted
+        self._header_tail = (self._header_tail + data)[-3:]
+        return False
 
     # ------------------------------------------------------------------ parser callbacks
     def on_message_begin(self) -> None:
@@ -280,7 +298,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         """Headers in: the body is timed from now (unless pipelined behind another request)."""
         super().on_headers_complete()
-        self._header_bytes = 0
+        self._header_bytes, self._header_tail = 0, b""
         self.phase, self.since = "body", self.loop.time()
         if self.pipeline:  # queued behind a request being answered: reading is paused
             self._cancel()

@@ -20,8 +20,16 @@ from typing import Any
 
 import numpy as np
 
-from estimax.serving.core import BY_V2, ApiError, DType, dtype_of, numpy_dtype, refuse_repeated
-from estimax.serving.servable import IMAGE_INPUT, Servable
+from estimax.export.servable import IMAGE_INPUT, Servable
+from estimax.serving.core import (
+    BY_V2,
+    ApiError,
+    DType,
+    dtype_of,
+    echo,
+    numpy_dtype,
+    refuse_repeated,
+)
 
 BINARY_EXTENSION = "binary_tensor_data"
 # The extensions served (Triton's names), listed by server metadata; gRPC has no binary one.
@@ -157,12 +165,13 @@ def decode_input(
     if not isinstance(name, str) or name not in servable.inputs:
         raise ApiError(
             400,
-            f"{where}: unknown input {name!r}; the model's inputs are {sorted(servable.inputs)}",
+            f"{where}: unknown input {echo(name)}; the model's inputs are "
+            f"{sorted(servable.inputs)}",
         )
     shape = check_shape(shape, where)
     spec_type = dtype_of(servable.inputs[name]["dtype"])
     if datatype != spec_type.v2:
-        raise ApiError(400, f"{where}: datatype {datatype!r}; input {name!r} is {spec_type.v2}")
+        raise ApiError(400, f"{where}: datatype {echo(datatype)}; input {name!r} is {spec_type.v2}")
     count(shape[0])
     elements = math.prod(shape)
     if spec_type.v2 == "BYTES":

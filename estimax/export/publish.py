@@ -1,12 +1,10 @@
-"""Model versions on disk as TensorFlow Serving lays them out, published atomically.
+"""Publishing a trained model as the next version, checked against ``Estimator.predict``.
 
-``<model_base_path>/<version>/`` with numeric versions. A version is *published* (visible to
-the server) when its ``serving.json`` exists: on local disk the whole directory is renamed into
-place in one step; on an object store (no rename) the files are uploaded under the final prefix
-and ``serving.json`` is uploaded last, so a half-copied version is never served. (TF Serving's
-users report versions loaded while still being copied; the marker is the fix.)
-Plain ``export_saved_model`` directories (no ``serving.json``) are served from local disk too,
-since that function also renames a complete directory into place.
+A version is *published* (visible to the server) when its ``serving.json`` exists: on local disk
+the whole directory is renamed into place in one step; on an object store (no rename) the files
+are uploaded under the final prefix and ``serving.json`` is uploaded last, so a half-copied
+version is never served. (TF Serving's users report versions loaded while still being copied;
+the marker is the fix.)
 """
 
 from __future__ import annotations
@@ -16,102 +14,32 @@ import errno
 import json
 import os
 import posixpath
-import re
 import shutil
 import tempfile
 import uuid
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import fsspec
 import numpy as np
 from absl import logging
 
-from estimax.serving import artifact, skew
-from estimax.serving import record as record_lib
-from estimax.serving.preprocess import Preprocessing
-from estimax.serving.record import SERVING_FILE
-from estimax.serving.servable import IMAGE_INPUT, Servable
+from estimax.estimator.estimator import Estimator
+from estimax.estimator.export import TensorSpec
+from estimax.estimator.inputs import numpy_input_fn
+from estimax.export import artifact, skew, warmup
+from estimax.export import record as record_lib
+from estimax.export.preprocess import Preprocessing
+from estimax.export.record import SERVING_FILE
+from estimax.export.servable import DEFAULT_INPUT, IMAGE_INPUT, InvalidInput, Servable
+from estimax.export.versions import (
+    CHECK_FILE,
+    ExportCheckError,
+    compare,
+    is_local,
+    version_number,
+)
 from estimax.storage import StorageError
-
-if TYPE_CHECKING:
-    from estimax.estimator.estimator import Estimator
-
-CHECK_FILE = "export_check.json"
-# Versions are int64, as TF Serving's (``ModelSpec.version`` is an ``Int64Value``): a folder named
-# beyond it is not a version (answering it would break every gRPC reply that names the version).
-MAX_VERSION = 2**63 - 1
-# Written as str(version) writes it: "01" is not version 1 (the folder "1" may also exist).
-_VERSION_NAME = re.compile(r"0|[1-9][0-9]{0,18}")
-
-
-class ExportCheckError(AssertionError):
-    """The export's predictions differ from ``Estimator.predict`` beyond the tolerance."""
-
-
-def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
-    return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
-
-
-def version_number(name: str) -> int | None:
-    """The version a folder name stands for: ASCII digits up to ``MAX_VERSION`` without
-    leading zeros, else None.
-
-    ``str.isdigit`` and ``int`` also take other scripts' digits (``"١"`` is 1 to ``int``) and
-    ``"²"``: such a folder is not a version.
-    """
-    if not _VERSION_NAME.fullmatch(name):
-        return None
-    number = int(name)
-    return number if number <= MAX_VERSION else None
-
-
-def list_versions(model_base_path: str) -> list[int]:
-    """The published versions under ``model_base_path``, ascending.
-
-    Raises:
-      FileNotFoundError: ``model_base_path`` does not exist.
-    """
-    fs, root = fsspec.core.url_to_fs(model_base_path)
-    if not fs.isdir(root):
-        raise FileNotFoundError(
-            f"--model_base_path={model_base_path} does not exist or is not a directory"
-        )
-    local = _is_local(fs)
-    versions = []
-    for entry in fs.ls(root, detail=False):
-        number = version_number(posixpath.basename(entry.rstrip("/")))
-        if number is None:
-            continue  # temporary and foreign entries
-        if fs.exists(posixpath.join(entry, SERVING_FILE)) or (
-            local and fs.exists(posixpath.join(entry, artifact.SIGNATURE_FILE))
-        ):
-            versions.append(number)
-    return sorted(versions)
-
-
-def fingerprint(version_dir: str) -> tuple[tuple[str, Any, Any], ...] | None:
-    """What a version folder holds: each file's name, size and change stamp (None: no folder).
-
-    It changes whenever a file is added, removed, grown or rewritten: a version that failed to
-    load is retried when it does (a copy still under way, a file fixed by hand).
-    """
-    fs, root = fsspec.core.url_to_fs(version_dir)
-    try:
-        entries = fs.ls(root, detail=True)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    stamp_keys = ("mtime", "LastModified", "updated", "generation", "ETag", "etag")
-    return tuple(
-        sorted(
-            (
-                posixpath.basename(e["name"].rstrip("/")),
-                e.get("size"),
-                str(next((e[k] for k in stamp_keys if e.get(k) is not None), "")),
-            )
-            for e in entries
-        )
-    )
 
 
 def _next_version(fs: fsspec.AbstractFileSystem, root: str) -> int:
@@ -125,7 +53,7 @@ def export_version(
     model_base_path: str,
     serving_input: Any = None,
     preprocessing: Preprocessing | None = None,
-    check_inputs: Sequence[Any] | np.ndarray | None = None,
+    check_inputs: Sequence[Any] | np.ndarray | dict[str, Any] | None = None,
     rtol: float = 1e-3,
     atol: float = 1e-4,
     top_k: int | None = None,
@@ -134,6 +62,7 @@ def export_version(
     eval_preprocess: Callable[[bytes], np.ndarray] | None = None,
     class_names: Sequence[str] | None = None,
     pixel_tolerance: float = skew.DEFAULT_PIXEL_TOLERANCE,
+    warmup_requests: Sequence[Any] | None = None,
 ) -> str:
     """Exports ``estimator``'s model as the next version under ``model_base_path``.
 
@@ -146,11 +75,15 @@ def export_version(
       model_base_path: local path or fsspec URL (``gs://``, ``s3://``, ``memory://``...).
       serving_input: ``TensorSpec`` (or dict of them) the export takes; default for images:
         ``TensorSpec((None, *preprocessing.output_shape), preprocessing.output_dtype)``.
-      preprocessing: for raw-image serving (``estimax.serving.resnet_eval(image_size)``...):
+      preprocessing: for raw-image serving (``estimax.export.resnet_eval(image_size)``...):
         clients then send encoded JPEG/PNG bytes as ``image_bytes``.
       check_inputs: a few examples to check the export with: encoded images when
-        ``preprocessing`` is set, else an array [N, ...] of features. They and the expected
-        outputs are stored in the version (``export_check.json``) for ``estimax export-check``.
+        ``preprocessing`` is set, else the features, of any dtype: an array [N, ...] for a model
+        with one input, or per input name (``serving_input``'s keys) a dict of arrays
+        ``{"input_ids": [N, 128], "input_mask": ...}`` or a list of per-example dicts. They and
+        the expected outputs are stored in the version (``export_check.json``), rerun by
+        ``estimax export-check``, by the server before it serves the version, and by
+        ``export-savedmodel``/``export-onnx``.
       rtol, atol: the parity tolerance for float outputs (integer outputs must be equal).
       top_k: also answer ``top_k_classes`` and ``top_k_probabilities`` [batch, k] (computed
         by the server from ``probabilities``).
@@ -162,14 +95,21 @@ def export_version(
         refused: first the two model inputs of each check image are compared (shape, dtype, and
         values within ``pixel_tolerance``), before anything is exported; then ``check_inputs``
         go through it and ``Estimator.predict``, and the predictions are compared. Draw the
-        check images across classes (``estimax.serving.check_images(data_dir)``): predictions
+        check images across classes (``estimax.export.check_images(data_dir)``): predictions
         on images of one class can agree whatever the preprocessing.
       class_names: ``class_names[i]`` names class id ``i`` (as many as ``probabilities`` has
         columns); the server answers them beside the ids. From a folder conversion:
-        ``estimax.serving.class_names_from_manifest(data_dir)`` (``estimax.serving.record``).
+        ``estimax.export.class_names_from_manifest(data_dir)`` (``estimax.export.record``).
       pixel_tolerance: the largest difference of one input value accepted, as a fraction of
         the range of ``eval_preprocess``'s values (default 0.02: 5.1 levels of 0..255, 0.02
         of [0, 1]); float64 from ``eval_preprocess`` counts as float32 (what JAX feeds).
+      warmup_requests: requests a server replays before it serves the version (TF Serving's
+        warm-up records, ``assets.extra/tf_serving_warmup_requests``; ``estimax serve``
+        replays them too): a list of 1 to 1,000 requests, each in ``check_inputs``' form (a
+        list of encoded images with ``preprocessing``, else an array [N, ...] or a dict by
+        input name). Each is run through the export first (one the export refuses is a
+        ValueError naming it, and nothing is published); the file is published with the
+        version, never after it.
 
     Returns:
       The published version directory.
@@ -179,14 +119,18 @@ def export_version(
         preprocessing with ``eval_preprocess`` (the message names the first difference: shape,
         dtype, or the largest value difference and its pixel); nothing is published.
     """
-    from estimax.estimator.inputs import numpy_input_fn  # only the exporter needs the estimator
-
+    if isinstance(check_inputs, dict) and preprocessing is not None:
+        raise ValueError(
+            "check_inputs: with preprocessing, a list of encoded images (the export takes "
+            "image_bytes), not a dict"
+        )
     if eval_preprocess is not None and preprocessing is not None and check_inputs is not None:
+        assert not isinstance(check_inputs, dict)
         _check_input_skew(preprocessing, eval_preprocess, check_inputs, pixel_tolerance)
     serving_input = _serving_input(serving_input, preprocessing)
     fs, root = fsspec.core.url_to_fs(model_base_path)
     fs.makedirs(root, exist_ok=True)
-    local = _is_local(fs)
+    local = is_local(fs)
     staging_parent = (
         os.path.join(root, f".tmp-export-{uuid.uuid4().hex}")
         if local
@@ -208,15 +152,14 @@ def export_version(
         # name, so never listed) it is harmless; uploads to object stores send it last.
         record_lib.write(export_dir, record)
         if check_inputs is not None:
-            checked = _check(
-                estimator, export_dir, preprocessing, check_inputs, rtol, atol, numpy_input_fn
-            )
+            checked = _check(estimator, export_dir, preprocessing, check_inputs, rtol, atol)
             if eval_preprocess is not None and preprocessing is not None:
-                _check_skew(
-                    estimator, checked, check_inputs, eval_preprocess, rtol, atol, numpy_input_fn
-                )
+                assert not isinstance(check_inputs, dict)
+                _check_skew(estimator, checked, check_inputs, eval_preprocess, rtol, atol)
             with open(os.path.join(export_dir, CHECK_FILE), "w") as f:
                 json.dump(checked, f)
+        if warmup_requests is not None:
+            _write_warmup(export_dir, preprocessing is not None, warmup_requests)
         version, final = _publish(fs, root, export_dir, local)
     except OSError as e:
         if isinstance(e, StorageError):
@@ -235,14 +178,12 @@ def export_version(
 
 def _serving_input(serving_input: Any, preprocessing: Preprocessing | None) -> Any:
     """The export's input spec: ``serving_input``, else the preprocessing's output."""
-    from estimax.estimator.export import TensorSpec
-
     if serving_input is not None:
         return serving_input
     if preprocessing is None:
         raise ValueError(
             "export_version needs serving_input (a TensorSpec) or "
-            "preprocessing (e.g. estimax.serving.resnet_eval(224))"
+            "preprocessing (e.g. estimax.export.resnet_eval(224))"
         )
     return TensorSpec((None, *preprocessing.output_shape), preprocessing.output_dtype)
 
@@ -262,10 +203,50 @@ def _publish(
                     continue
                 raise  # any other failure would retry forever
             return version, final
-        files = sorted(os.listdir(export_dir), key=lambda n: n == SERVING_FILE)
-        for name in files:  # serving.json last
-            fs.put_file(os.path.join(export_dir, name), posixpath.join(final, name))
+        files = sorted(
+            (
+                os.path.relpath(os.path.join(folder, name), export_dir)
+                for folder, _, names in os.walk(export_dir)
+                for name in names
+            ),
+            key=lambda n: n == SERVING_FILE,
+        )
+        for name in files:  # serving.json last; assets.extra/ and its kin by their paths
+            fs.put_file(
+                os.path.join(export_dir, name),
+                posixpath.join(final, *name.split(os.sep)),
+            )
         return version, final
+
+
+def _write_warmup(export_dir: str, images: bool, requests: Sequence[Any]) -> None:
+    """Runs each of ``requests`` through the staged export, then writes them as its warm-up
+    records (``estimax.export.warmup``); ValueError naming the request the export refuses."""
+    if isinstance(requests, (dict, np.ndarray, str, bytes)) or not isinstance(requests, Sequence):
+        raise ValueError(
+            "warmup_requests: a list of requests, each as check_inputs takes (with "
+            "preprocessing: a list of encoded images)"
+        )
+    servable = Servable(export_dir)
+    try:
+        written: list[dict[str, Any]] = []
+        for i, request in enumerate(requests):
+            try:
+                if images:
+                    if isinstance(request, (bytes, bytearray)) or not isinstance(request, Sequence):
+                        raise ValueError("a list of encoded images (one request), not one image")
+                    columns: dict[str, Any] = {IMAGE_INPUT: [bytes(b) for b in request]}
+                    servable.run(servable.prepare(columns))
+                else:
+                    # The features: of the inputs' own dtypes, as a server checks them.
+                    columns = servable.prepare(check_columns(request, list(servable.inputs)))
+                    servable.run(columns)
+            except (InvalidInput, ValueError, TypeError) as e:
+                raise ValueError(f"warmup_requests[{i}]: {e}") from None
+            written.append(columns)
+        warmup.write(export_dir, written)
+    finally:
+        servable.model.close()
 
 
 def _checked_names(export_dir: str, names: Sequence[str] | None) -> tuple[str, ...] | None:
@@ -290,19 +271,25 @@ def _check(
     check_inputs: Any,
     rtol: float,
     atol: float,
-    numpy_input_fn: Any,
 ) -> dict:
     """Runs ``check_inputs`` through the served path and through ``estimator.predict``."""
     servable = Servable(export_dir)
     if preprocessing is not None:
         features = servable.prepare({IMAGE_INPUT: list(check_inputs)})
-        raw = [_encode(b) for b in check_inputs]
+        raw: Any = [_encode(b) for b in check_inputs]
     else:
-        features = servable.prepare({n: check_inputs for n in servable.inputs})
-        raw = _encode(check_inputs)
+        columns = check_columns(check_inputs, list(servable.inputs))
+        features = servable.prepare(columns)
+        # One array for a single unnamed input (as earlier versions stored it), else by name.
+        raw = (
+            _encode(columns[DEFAULT_INPUT])
+            if list(columns) == [DEFAULT_INPUT]
+            else {k: _encode(v) for k, v in features.items()}
+        )
     served = servable.run(features)
-    (array,) = features.values() if len(features) == 1 else (features,)
-    predicted = list(estimator.predict(numpy_input_fn(array, None, shuffle=False, num_epochs=1)))
+    inputs = servable.model.signature["inputs"]
+    fed = next(iter(features.values())) if artifact.is_leaf_spec(inputs) else _nest(features)
+    predicted = list(estimator.predict(numpy_input_fn(fed, None, shuffle=False, num_epochs=1)))
     expected = {
         k: np.stack([np.asarray(p[k]) for p in predicted]) for k in served if k in predicted[0]
     }
@@ -316,6 +303,66 @@ def _check(
     }
 
 
+def check_columns(check_inputs: Any, names: Sequence[str]) -> dict[str, np.ndarray]:
+    """``check_inputs`` as ``{input name: [N, ...] array}`` for an export taking arrays.
+
+    Takes one array [N, ...] (a model with one input), a dict of arrays by input name (nested
+    dicts as the serving input nests them, or names joined with ``/``), or a list of
+    per-example dicts. Raises ValueError naming what does not fit the export's inputs.
+    """
+    if isinstance(check_inputs, dict):
+        columns = {k: np.asarray(v) for k, v in _flatten(check_inputs).items()}
+    elif (
+        isinstance(check_inputs, Sequence)
+        and not isinstance(check_inputs, str | bytes)
+        and len(check_inputs)
+        and all(isinstance(x, dict) for x in check_inputs)
+    ):
+        examples = [_flatten(x) for x in check_inputs]
+        keys = set(examples[0])
+        odd = next((i for i, x in enumerate(examples) if set(x) != keys), None)
+        if odd is not None:
+            raise ValueError(
+                f"check_inputs: example #{odd} has the inputs {sorted(examples[odd])}, "
+                f"example #0 {sorted(keys)}"
+            )
+        columns = {k: np.stack([np.asarray(x[k]) for x in examples]) for k in examples[0]}
+    elif len(names) == 1:
+        return {names[0]: np.asarray(check_inputs)}
+    else:
+        raise ValueError(
+            f"check_inputs: the model takes the inputs {sorted(names)}: give check_inputs as "
+            "{name: array [N, ...]} or a list of {name: value} (one per example)"
+        )
+    if set(columns) != set(names):
+        raise ValueError(
+            f"check_inputs: the model takes the inputs {sorted(names)}, check_inputs has "
+            f"{sorted(columns)}"
+        )
+    return columns
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """A dict of inputs by ``/``-joined name (as ``Servable`` names nested inputs)."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        name = f"{prefix}/{k}" if prefix else str(k)
+        out.update(_flatten(v, name) if isinstance(v, dict) else {name: v})
+    return out
+
+
+def _nest(features: dict[str, np.ndarray]) -> dict[str, Any]:
+    """``/``-joined names back to the serving input's nested dicts (what ``model_fn`` gets)."""
+    out: dict[str, Any] = {}
+    for name, value in features.items():
+        *parents, leaf = name.split("/")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
 def _check_input_skew(
     preprocessing: Preprocessing,
     eval_preprocess: Callable[[bytes], np.ndarray],
@@ -324,13 +371,20 @@ def _check_input_skew(
 ) -> None:
     """Refuses an export whose served preprocessing feeds the model other inputs than
     training's eval preprocessing (``skew.input_difference``)."""
-    found = skew.input_difference(preprocessing, eval_preprocess, list(check_inputs), tolerance)
+    images = list(check_inputs)
+    found = skew.input_difference(preprocessing, eval_preprocess, images, tolerance)
     if found:
+        closest = skew.closest_declaration(preprocessing, eval_preprocess, images, tolerance)
+        hint = (
+            f"the closest declaration that agrees: {skew.declaration(closest)}"
+            if closest is not None
+            else "no declaration that differs only in resize/antialias agrees"
+        )
         raise ExportCheckError(
             f"train/serve skew: the export's declared preprocessing {preprocessing.to_json()} "
             f"and eval_preprocess (the training side's) give the model different inputs (served "
             f"vs eval_preprocess): {found}. Declare the preprocessing your eval input uses "
-            "(estimax.serving.image_preprocessing(...)); nothing was published."
+            f"({hint}); nothing was published."
         )
 
 
@@ -341,7 +395,6 @@ def _check_skew(
     eval_preprocess: Callable[[bytes], np.ndarray],
     rtol: float,
     atol: float,
-    numpy_input_fn: Any,
 ) -> None:
     """Refuses an export whose served preprocessing gives other predictions than training's."""
     features = np.stack([np.asarray(eval_preprocess(bytes(b))) for b in check_inputs])
@@ -360,97 +413,3 @@ def _check_skew(
             "training side's) on check_inputs; declare the preprocessing your eval input uses"
         ),
     )
-
-
-def compare(
-    got: dict[str, np.ndarray], want: dict[str, np.ndarray], rtol: float, atol: float, what: str
-) -> None:
-    """Raises ``ExportCheckError`` naming the output and the worst example if they differ."""
-    for name in want:
-        a, b = np.asarray(got[name]), np.asarray(want[name])
-        if a.shape != b.shape:
-            raise ExportCheckError(
-                f"{what}: output {name!r} has shape {a.shape}, expected {b.shape}"
-            )
-        if a.dtype.kind in "iub":
-            bad = np.flatnonzero((a != b).reshape(len(a), -1).any(axis=1))
-            if bad.size:
-                raise ExportCheckError(
-                    f"{what}: output {name!r} differs for {bad.size} of "
-                    f"{len(a)} examples (first: #{bad[0]}: {a[bad[0]]} vs "
-                    f"{b[bad[0]]})"
-                )
-        else:
-            err = np.abs(a.astype(np.float64) - b) - rtol * np.abs(b)
-            if (err > atol).any():
-                worst = int(np.argmax(err.reshape(len(a), -1).max(axis=1)))
-                raise ExportCheckError(
-                    f"{what}: output {name!r} differs beyond rtol={rtol}, atol={atol} (worst: "
-                    f"example #{worst}, max |diff| "
-                    f"{np.abs(a[worst].astype(np.float64) - b[worst]).max():.3g})"
-                )
-
-
-def check_version(version_dir: str) -> tuple[int, dict[str, float]]:
-    """``estimax export-check``: reruns a version's stored check examples on this machine.
-
-    Returns:
-      (number of examples, {output: max abs difference}).
-
-    Raises:
-      FileNotFoundError: the version has no ``export_check.json`` (exported without
-        ``check_inputs``).
-      ExportCheckError: the served outputs differ from the expected ones.
-    """
-    fs, root = fsspec.core.url_to_fs(version_dir)
-    if not fs.exists(posixpath.join(root, CHECK_FILE)):
-        raise FileNotFoundError(
-            f"{version_dir} has no {CHECK_FILE}: export it with "
-            "export_version(..., check_inputs=...)"
-        )
-    result = rerun_check(Servable(version_dir), version_dir, "on this machine")
-    assert result is not None  # the file exists
-    return result
-
-
-def rerun_check(
-    servable: Servable, version_dir: str, where: str
-) -> tuple[int, dict[str, float]] | None:
-    """Runs the stored check examples of ``version_dir`` through the loaded ``servable``.
-
-    The server runs it before a version is served: a version whose files were damaged after
-    the export (a flipped bit in ``variables.msgpack``) answers other classes and is refused.
-
-    Args:
-      where: how the error names the run (``"on this machine"``, ``"at load"``).
-
-    Returns:
-      (number of examples, {output: max abs difference}); None when the version has no
-      ``export_check.json`` (exported without ``check_inputs``: nothing to check).
-
-    Raises:
-      ExportCheckError: the outputs differ from the stored ones, or the stored check cannot
-        be read (a damaged file cannot vouch for the version).
-    """
-    fs, root = fsspec.core.url_to_fs(version_dir)
-    path = posixpath.join(root, CHECK_FILE)
-    if not fs.exists(path):
-        return None
-    try:
-        with fs.open(path, "r") as f:
-            record = json.load(f)
-        if servable.preprocessing is not None:
-            images = [base64.b64decode(x["b64"], validate=True) for x in record["inputs"]]
-            got = servable.predict_images(images)
-        else:
-            got = servable.run(servable.prepare({n: record["inputs"] for n in servable.inputs}))
-        expected = {k: np.asarray(v) for k, v in record["expected"].items()}
-        rtol, atol = float(record["rtol"]), float(record["atol"])
-        compare(got, expected, rtol, atol, what=f"{version_dir} {where}")
-    except (ValueError, KeyError, TypeError, AttributeError) as e:  # binascii.Error: ValueError
-        raise ExportCheckError(
-            f"{version_dir}/{CHECK_FILE} cannot be read ({type(e).__name__}: {e}); export the "
-            "version again"
-        ) from None
-    diffs = {k: float(np.abs(np.asarray(got[k], np.float64) - expected[k]).max()) for k in expected}
-    return len(next(iter(expected.values()))), diffs

@@ -15,6 +15,7 @@ validation split are usually all one class.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import json
 import posixpath
@@ -24,8 +25,9 @@ import fsspec
 import numpy as np
 
 from estimax.data import example, tfrecord
+from estimax.export import preprocess
 
-__all__ = ["DEFAULT_PIXEL_TOLERANCE", "check_images", "input_difference"]
+__all__ = ["DEFAULT_PIXEL_TOLERANCE", "check_images", "closest_declaration", "input_difference"]
 
 # Of the training side's value range: 5.1 for 0..255 pixels, 0.02 for [0, 1], 0.04 for
 # [-1, 1]. Decoders and resize implementations that agree round differently by a level or two
@@ -77,6 +79,78 @@ def input_difference(
         f"check image #{bad[0]} of {len(images)}: {problems[bad[0]]} "
         f"({len(bad)} of {len(images)} check images differ)"
     )
+
+
+# What image_preprocessing declares when not told (a declaration is written without them).
+_DEFAULTS = {
+    "crop": "none",
+    "resize": "bilinear",
+    "antialias": False,
+    "grid": "half_pixel",
+    "channels": "rgb",
+    "dtype": "float32",
+    "scale": 1.0,
+    "offset": 0.0,
+}
+
+
+def declaration(pre: preprocess.Preprocessing) -> str:
+    """``pre`` as the call that declares it: ``image_preprocessing(32, antialias=True, ...)``."""
+    params = dict(pre.params)
+    size = params.pop("size")
+    said = [repr(tuple(size) if isinstance(size, list) else size)]
+    order = list(inspect.signature(preprocess.image_preprocessing).parameters)
+    said += [
+        f"{k}={params[k]!r}"
+        for k in sorted(params, key=lambda k: order.index(k) if k in order else len(order))
+        if _DEFAULTS.get(k, None) != params[k]
+    ]
+    return f"estimax.export.image_preprocessing({', '.join(said)})"
+
+
+def closest_declaration(
+    served: preprocess.Preprocessing,
+    trained: Callable[[bytes], np.ndarray],
+    images: Sequence[bytes],
+    tolerance: float = DEFAULT_PIXEL_TOLERANCE,
+) -> preprocess.Preprocessing | None:
+    """The declared preprocessing nearest ``served`` (fewest changes of the resize method,
+    ``antialias`` and, for a centre crop of ``crop_fraction``, torchvision's resize-then-crop
+    ``resize_shorter``: the parameters that differ between OpenCV, TF, Pillow and torchvision)
+    whose inputs agree with ``trained``'s on ``images``; None if none does (or ``served`` is one
+    of estimax's own recipes)."""
+    if served.name != "image":
+        return None
+    base = dict(served.params)
+    crops = [base]
+    if base.get("crop") == "center" and base.get("crop_fraction") is not None:
+        # torchvision's Resize(S) + CenterCrop(size) for a centre crop of size / S: 224 / 256.
+        side = max(served.output_shape[:2])
+        torchvision = {k: v for k, v in base.items() if k not in ("crop", "crop_fraction")}
+        torchvision["resize_shorter"] = int(round(side / float(base["crop_fraction"])))
+        crops.append(torchvision)
+    candidates = []
+    for crop in crops:
+        for resize in preprocess.RESIZE_METHODS:
+            for antialias in (False, True):
+                if antialias and resize == "nearest":
+                    continue
+                params = {**crop, "resize": resize, "grid": "half_pixel"}
+                params.pop("antialias", None)
+                if antialias:
+                    params["antialias"] = True
+                changes = sum(
+                    params.get(k, _DEFAULTS.get(k)) != base.get(k, _DEFAULTS.get(k))
+                    for k in set(params) | set(base)
+                )
+                if changes:
+                    candidates.append(
+                        (changes, preprocess.Preprocessing("image", served.version, params))
+                    )
+    for _, candidate in sorted(candidates, key=lambda c: c[0]):
+        if input_difference(candidate, trained, images, tolerance) is None:
+            return candidate
+    return None
 
 
 def _value_range(arrays: list[np.ndarray]) -> tuple[float, float]:

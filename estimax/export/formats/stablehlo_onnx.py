@@ -132,6 +132,8 @@ class Graph:
 
     def int64(self, x: Any) -> Any:
         """``x`` (a shape or index tensor) as int64, as ONNX's shape inputs want."""
+        if isinstance(x, Broadcast):
+            x = self.tensor(x)
         if isinstance(x, str):
             return self.op("Cast", [x], to=onnx.TensorProto.INT64)
         return np.asarray(x, np.int64)
@@ -145,6 +147,7 @@ class Converter:
         self.graph = Graph()
         self.scope: Any = {}
         self.platform_index = platform_index
+        self.callers: list[Any] = []  # locations of the calls being run (innermost last)
         self.functions = {
             str(ir.StringAttr(f.attributes["sym_name"]).value): f
             for f in module.body.operations
@@ -168,12 +171,53 @@ class Converter:
             if op.name in ("func.return", "stablehlo.return"):
                 return operands
             handler = _HANDLERS.get(op.name)
-            if handler is None:
-                raise UnsupportedOpError(f"the op {op.name} has no ONNX translation here")
-            results = handler(self, op, operands)
+            try:
+                if handler is None:
+                    raise UnsupportedOpError(f"the op {op.name} has no ONNX translation here")
+                if op.name in ("func.call", "stablehlo.case"):
+                    self.callers.append(op.location)
+                    try:
+                        results = handler(self, op, operands)
+                    finally:
+                        self.callers.pop()
+                else:
+                    results = handler(self, op, operands)
+            except UnsupportedOpError as e:
+                if getattr(e, "located", False):
+                    raise
+                where = _where([op.location, *reversed(self.callers)])
+                located = UnsupportedOpError(f"{e} ({where})" if where else str(e))
+                located.located = True  # type: ignore[attr-defined]
+                raise located from None
             for value, result in zip(op.results, results, strict=True):
                 env[value] = result
         raise UnsupportedOpError("a block without a return")
+
+
+_LOC_NAME = re.compile(r'loc\("([^"]*)"')
+_LOC_FRAME = re.compile(r'callsite\("([^"]+)"\("([^"]+)":(\d+)')
+
+
+def _where(locations: Sequence[Any]) -> str:
+    """Which layer an op came from, from its MLIR location (JAX's name stack: ``jit(serve)/
+    ModelFnModule/TinyBert_0/layer0_q/dot_general``, Flax modules by name) and the first
+    source frame (``TinyBert.__call__ at model.py:143``); the nearest enclosing call's when
+    the op's own location has none (ops of a private function)."""
+    for location in locations:
+        text = str(location)
+        name = _LOC_NAME.search(text)
+        frame = _LOC_FRAME.search(text)
+        if not name or "/" not in name.group(1):
+            continue
+        parts = name.group(1).split("/")[:-1]  # the last part is the primitive
+        parts = [p for p in parts if not p.startswith("jit(") and p != "ModelFnModule"]
+        layer = "/".join(parts) or "the top level"
+        said = f"layer {layer}"
+        if frame:
+            func, path, line = frame.groups()
+            said += f", from {func} at {path.rsplit('/', 1)[-1]}:{line}"
+        return said
+    return ""
 
 
 def _known(*xs: Any) -> bool:
@@ -620,6 +664,8 @@ _REDUCERS = {
     "stablehlo.maximum": ("ReduceMax", -np.inf),
     "stablehlo.minimum": ("ReduceMin", np.inf),
     "stablehlo.multiply": ("ReduceProd", 1),
+    "stablehlo.and": ("ReduceMin", True),
+    "stablehlo.or": ("ReduceMax", False),
 }
 
 
@@ -649,13 +695,14 @@ def _reduce(c: Converter, op: Any, xs: list[Any]) -> list[Any]:
     name, identity = _REDUCERS[body[0]]
     x, init = xs
     boolean = _dtype(op.results[0]) == np.bool_
-    if boolean:  # and/or of booleans do not reach here; max/min of them do
+    if boolean:  # all/any (and/or) of booleans as min/max of 0/1
         x = g.op("Cast", [x], to=onnx.TensorProto.INT32)
     out = g.op(name, [x, axes], keepdims=0)
     if boolean:
         out = g.op("Cast", [out], to=onnx.TensorProto.BOOL)
     if not (_known(init) and np.asarray(init) == np.asarray(identity).astype(init.dtype)):
-        out = g.op(_BINARY[body[0]][0], [out, init])
+        combine = _BINARY[body[0]][0] if body[0] in _BINARY else body[0].split(".")[1].title()
+        out = g.op(combine, [out, init])
     return [out]
 
 
@@ -707,34 +754,230 @@ def _reduce_window(c: Converter, op: Any, xs: list[Any]) -> list[Any]:
 @_register("stablehlo.gather")
 @_register("stablehlo.dynamic_gather")
 def _gather(c: Converter, op: Any, xs: list[Any]) -> list[Any]:
-    """Only the gathers that are slices (constant start, every operand axis kept)."""
+    """A slice when the start is a constant and every operand axis is kept; else a gather of
+    points (what embedding lookups and ``x[:, 0]`` lower to) as ONNX GatherND."""
     dn = stablehlo.GatherDimensionNumbers(op.attributes["dimension_numbers"])
-    operand_shape, out_shape = _shape(op.operands[0]), _shape(op.results[0])
-    if (
-        not _known(xs[1])
-        or list(dn.collapsed_slice_dims)
-        or list(dn.offset_dims) != list(range(len(operand_shape)))
-        or np.size(xs[1]) != len(dn.start_index_map)
-    ):
-        raise UnsupportedOpError("a stablehlo.gather that is not a slice")
+    if list(dn.operand_batching_dims) or list(dn.start_indices_batching_dims):
+        raise UnsupportedOpError(f"a {op.name} with batching dimensions")
+    sliced = _gather_as_slice(c, op, dn, xs)
+    if sliced is not None:
+        return [sliced]
+    return [_gather_points(c, op, dn, xs)]
+
+
+def _slice_sizes(op: Any, dn: Any, xs: list[Any]) -> list[int | None]:
+    """The gather's slice sizes; for ``dynamic_gather``'s run-time sizes, the result's static
+    sizes, 1 on collapsed axes, else None (a whole dynamic axis: the batch)."""
+    if op.name == "stablehlo.gather":
+        return list[int | None](_ints(op.attributes["slice_sizes"]))
+    if _known(xs[2]):
+        return [int(v) for v in np.ravel(xs[2])]
+    rank = len(_shape(op.operands[0]))
+    collapsed = [int(d) for d in dn.collapsed_slice_dims]
+    kept = [d for d in range(rank) if d not in collapsed]
+    offset_dims, out_shape = [int(d) for d in dn.offset_dims], _shape(op.results[0])
+    return [out_shape[offset_dims[kept.index(d)]] if d in kept else 1 for d in range(rank)]
+
+
+def _gather_as_slice(c: Converter, op: Any, dn: Any, xs: list[Any]) -> Any:
+    """The gather as an ONNX Slice (and Squeeze), or None when it is not one: one start,
+    known when converting (``x[:, -1, 1:3]``)."""
+    operand_shape = _shape(op.operands[0])
+    start_map = [int(d) for d in dn.start_index_map]
+    if not _known(xs[1]) or np.size(xs[1]) != len(start_map):
+        return None
+    sizes = _slice_sizes(op, dn, xs)
     starts = [0] * len(operand_shape)
-    for axis, start in zip(dn.start_index_map, np.ravel(xs[1]), strict=True):
+    for axis, start in zip(start_map, np.ravel(xs[1]), strict=True):
         starts[axis] = int(start)
-    for axis, size in enumerate(out_shape):
-        if axis not in dn.start_index_map and size != operand_shape[axis]:
-            raise UnsupportedOpError("a stablehlo.gather that is not a slice")
-        if size is None:
-            continue
+    ends = []
+    for axis, size in enumerate(sizes):
         limit = operand_shape[axis]
-        starts[axis] = (
-            min(max(starts[axis], 0), limit - size) if limit is not None else starts[axis]
-        )
-    ends = [
-        np.iinfo(np.int64).max if size is None else starts[a] + size
-        for a, size in enumerate(out_shape)
-    ]
+        if size is None:  # a whole dynamic axis
+            if axis in start_map:
+                return None
+            ends.append(np.iinfo(np.int64).max)
+            continue
+        if limit is not None:
+            starts[axis] = min(max(starts[axis], 0), limit - size)
+        ends.append(starts[axis] + size)
+    g = c.graph
     axes = np.arange(len(starts), dtype=np.int64)
-    return [c.graph.op("Slice", [xs[0], np.asarray(starts, np.int64), np.asarray(ends), axes])]
+    out = g.op("Slice", [xs[0], np.asarray(starts, np.int64), np.asarray(ends, np.int64), axes])
+    collapsed = [int(d) for d in dn.collapsed_slice_dims]
+    return g.op("Squeeze", [out, np.asarray(collapsed, np.int64)]) if collapsed else out
+
+
+def _gather_points(c: Converter, op: Any, dn: Any, xs: list[Any]) -> Any:
+    """A gather whose slices are one element along each indexed axis and whole along the others:
+    GatherND on the operand with its indexed axes first; indices clamped into the operand as
+    StableHLO clamps them (ONNX Runtime refuses indices out of range)."""
+    g = c.graph
+    operand, indices = xs[0], xs[1]
+    operand_shape = _shape(op.operands[0])
+    index_shape = _shape(op.operands[1])
+    rank = len(operand_shape)
+    starts = [int(d) for d in dn.start_index_map]
+    collapsed = [int(d) for d in dn.collapsed_slice_dims]
+    offset_dims = [int(d) for d in dn.offset_dims]
+    sizes = _slice_sizes(op, dn, xs)
+    for d in range(rank):
+        whole = sizes[d] is None or sizes[d] == operand_shape[d]
+        if (d in starts and sizes[d] != 1) or (d not in starts and not whole):
+            raise UnsupportedOpError(
+                f"a {op.name} of windows (slice sizes {sizes} of {operand_shape}, indexed axes "
+                f"{starts}) that ONNX's Gather does not express"
+            )
+    rest = [d for d in range(rank) if d not in starts]
+    perm = starts + rest
+    if perm != list(range(rank)):
+        operand = (
+            np.transpose(operand, perm)
+            if _known(operand)
+            else g.op("Transpose", [operand], perm=perm)
+        )
+    # Indices: [batch..., K] int64, K = len(starts), clamped into [0, dim - 1].
+    ivd = int(dn.index_vector_dim)
+    if _known(indices):
+        idx: Any = np.asarray(indices, np.int64)
+        idx = idx[..., None] if ivd == len(index_shape) else np.moveaxis(idx, ivd, -1)
+    else:
+        idx = g.int64(indices)
+        if ivd == len(index_shape):
+            idx = g.op("Unsqueeze", [idx, np.asarray([-1], np.int64)])
+        elif ivd != len(index_shape) - 1:
+            order = [a for a in range(len(index_shape)) if a != ivd] + [ivd]
+            idx = g.op("Transpose", [idx], perm=order)
+    dims = [operand_shape[d] for d in starts]
+    if None in dims:
+        shape = g.op("Shape", [xs[0]])
+        high: Any = g.op(
+            "Sub", [g.op("Gather", [shape, np.asarray(starts, np.int64)]), np.int64(1)]
+        )
+    else:
+        high = np.asarray(dims, np.int64) - 1
+    if _known(idx, high):
+        idx = np.clip(idx, 0, high)
+    else:
+        idx = g.op("Min", [g.op("Max", [idx, np.zeros([1], np.int64)]), high])
+    if _known(operand, idx):
+        out: Any = np.asarray(operand)[tuple(np.moveaxis(idx, -1, 0))]
+    else:
+        out = g.op("GatherND", [operand, idx])
+    # out: [batch..., operand axes of `rest`]; the indexed axes not collapsed come back as 1s.
+    batch_rank = (len(index_shape) - 1) if ivd < len(index_shape) else len(index_shape)
+    trailing = [d for d in range(rank) if d not in collapsed]
+    ones = [batch_rank + i for i, d in enumerate(trailing) if d in starts]
+    if ones:
+        out = (
+            np.expand_dims(out, ones)
+            if _known(out)
+            else g.op("Unsqueeze", [out, np.asarray(ones, np.int64)])
+        )
+    # The result's axes: the offset dims at offset_dims, the batch dims in the others.
+    out_rank = batch_rank + len(trailing)
+    batch_positions = [p for p in range(out_rank) if p not in offset_dims]
+    order = [
+        batch_rank + offset_dims.index(p) if p in offset_dims else batch_positions.index(p)
+        for p in range(out_rank)
+    ]
+    if order != list(range(out_rank)):
+        out = np.transpose(out, order) if _known(out) else g.op("Transpose", [out], perm=order)
+    return out
+
+
+@_register("stablehlo.dynamic_slice")
+def _dynamic_slice(c: Converter, op: Any, xs: list[Any]) -> list[Any]:
+    """``lax.dynamic_slice``: the starts clamped into the operand as StableHLO clamps them."""
+    x, starts = xs[0], xs[1:]
+    sizes = _ints(op.attributes["slice_sizes"])
+    dims = _shape(op.operands[0])
+    if _known(*xs):
+        clamped = [min(max(int(s), 0), d - n) for s, d, n in zip(starts, dims, sizes, strict=True)]
+        return [x[tuple(slice(s, s + n) for s, n in zip(clamped, sizes, strict=True))]]
+    g = c.graph
+    if None in dims:
+        limits: Any = g.op("Sub", [g.op("Shape", [x]), np.asarray(sizes, np.int64)])
+    else:
+        limits = np.asarray(dims, np.int64) - np.asarray(sizes, np.int64)
+    if _known(*starts):
+        begin: Any = np.asarray([int(s) for s in starts], np.int64)
+    else:
+        begin = g.op(
+            "Concat",
+            [g.op("Reshape", [g.int64(s), np.asarray([1], np.int64)]) for s in starts],
+            axis=0,
+        )
+    if _known(begin, limits):
+        begin = np.clip(begin, 0, limits)
+    else:
+        begin = g.op("Min", [g.op("Max", [begin, np.zeros([1], np.int64)]), limits])
+    end = (
+        g.op("Add", [begin, np.asarray(sizes, np.int64)])
+        if isinstance(begin, str)
+        else (begin + np.asarray(sizes, np.int64))
+    )
+    axes = np.arange(len(sizes), dtype=np.int64)
+    return [g.op("Slice", [x, begin, end, axes])]
+
+
+@_register("stablehlo.reduce_precision")
+def _reduce_precision(c: Converter, op: Any, xs: list[Any]) -> list[Any]:
+    """Rounding to fewer bits: nothing for float32's own (8, 23), else through the ONNX type
+    of that precision (bfloat16's (8, 7), float16's (5, 10)) and back."""
+    bits = (
+        ir.IntegerAttr(op.attributes["exponent_bits"]).value,
+        ir.IntegerAttr(op.attributes["mantissa_bits"]).value,
+    )
+    dtype = _dtype(op.results[0])
+    own = {np.dtype(np.float32): (8, 23), np.dtype(np.float64): (11, 52)}
+    if own.get(dtype) is not None and bits[0] >= own[dtype][0] and bits[1] >= own[dtype][1]:
+        return [xs[0]]
+    through = {(8, 7): onnx.TensorProto.BFLOAT16, (5, 10): onnx.TensorProto.FLOAT16}.get(bits)
+    if through is None:
+        raise UnsupportedOpError(f"stablehlo.reduce_precision to {bits} exponent/mantissa bits")
+    g = c.graph
+    narrow = g.op("Cast", [g.tensor(xs[0])], to=through)
+    return [g.op("Cast", [narrow], to=helper.np_dtype_to_tensor_dtype(dtype))]
+
+
+@_register("stablehlo.remainder")
+def _remainder(c: Converter, op: Any, xs: list[Any]) -> list[Any]:
+    """C's fmod (the sign of the dividend), as StableHLO's remainder."""
+    if _known(*xs):
+        return [np.fmod(xs[0], xs[1]).astype(_dtype(op.results[0]))]
+    return [_elementwise(c, op, xs, lambda ys: c.graph.op("Mod", ys, fmod=1))]
+
+
+@_register("stablehlo.exponential_minus_one")
+def _expm1(c: Converter, op: Any, xs: list[Any]) -> list[Any]:
+    if _known(*xs):
+        return [np.expm1(xs[0]).astype(_dtype(op.results[0]))]
+    one = np.asarray(1, _dtype(op.results[0]))
+    return [_elementwise(c, op, xs, lambda ys: c.graph.op("Sub", [c.graph.op("Exp", ys), one]))]
+
+
+@_register("stablehlo.log_plus_one")
+def _log1p(c: Converter, op: Any, xs: list[Any]) -> list[Any]:
+    if _known(*xs):
+        return [np.log1p(xs[0]).astype(_dtype(op.results[0]))]
+    one = np.asarray(1, _dtype(op.results[0]))
+    return [
+        _elementwise(c, op, xs, lambda ys: c.graph.op("Log", [c.graph.op("Add", [ys[0], one])]))
+    ]
+
+
+@_register("stablehlo.is_finite")
+def _is_finite(c: Converter, op: Any, xs: list[Any]) -> list[Any]:
+    if _known(*xs):
+        return [np.isfinite(xs[0])]
+    g = c.graph
+
+    def emit(ys: list[Any]) -> Any:
+        bad = g.op("Or", [g.op("IsInf", ys), g.op("IsNaN", ys)])
+        return g.op("Not", [bad])
+
+    return [_elementwise(c, op, xs, emit)]
 
 
 def to_onnx(
@@ -750,7 +993,8 @@ def to_onnx(
       mlir_text: ``Exported.mlir_module()``.
       platforms: ``Exported.platforms``: the CPU branch of a platform switch is kept.
       weights: the weight arguments' values, in the module's argument order.
-      inputs: ``(name, dtype, shape)`` of the remaining arguments (None: the batch).
+      inputs: ``(name, dtype, shape)`` of the remaining arguments (None: the batch); a dtype
+        other than the argument's (int64 for an int32 argument) is cast to it in the graph.
       outputs: ``(name, dtype)`` of each result.
 
     Raises:
@@ -765,9 +1009,23 @@ def to_onnx(
         args: list[Any] = [np.asarray(converter.platform_index, np.int32)] * (
             n_args - len(weights) - len(inputs)
         )
-        args += [np.asarray(w) for w in weights] + [name for name, _, _ in inputs]
+        args += [np.asarray(w) for w in weights]
+        g = converter.graph
+        params = main.regions[0].blocks[0].arguments
+        for (name, dtype, _), param in zip(
+            inputs, list(params)[n_args - len(inputs) :], strict=True
+        ):
+            computed = _dtype(param)
+            if np.dtype(dtype) == computed:
+                args.append(name)
+                continue
+            # Declared int64 (or float64), computed in int32 (float32) as JAX does without its
+            # 64-bit mode: the graph takes what clients send and casts it, as estimax serve.
+            cast = f"{name}/as_{computed.name}"
+            to = helper.np_dtype_to_tensor_dtype(computed)
+            g.nodes.append(helper.make_node("Cast", [name], [cast], to=to))
+            args.append(cast)
         results = converter.call("main", args)
-    g = converter.graph
     infos = []
     for (name, dtype), result in zip(outputs, results, strict=True):
         g.nodes.append(helper.make_node("Identity", [g.tensor(result)], [name]))

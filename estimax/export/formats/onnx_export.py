@@ -3,19 +3,21 @@
 Needs the ``estimax[onnx]`` extra (``onnx`` and ``onnxruntime``). ::
 
     estimax export-onnx --model_base_path=models/resnet --output=onnx/resnet.onnx
-    python -m estimax.serving.onnx_export --export_dir=models/resnet/3 --output=resnet.onnx
+    python -m estimax.export.formats.onnx_export --export_dir=models/resnet/3 --output=resnet.onnx
 
 The input is one version of an estimax export published with check inputs
 (``export_check.json``); no model code is needed. The network is the export's own StableHLO
-translated op by op (``estimax.serving.stablehlo_onnx``: why no converter library does it), with
-the weights as initializers and a dynamic batch dimension. Inputs and outputs keep the export's
-names and dtypes (``input`` for a single unnamed tensor; nested names joined with ``/``); a
-bfloat16 computation runs in float32 (ONNX Runtime's CPU has no bfloat16 convolutions).
+translated op by op (``estimax.export.formats.stablehlo_onnx``: why no converter library does
+it), with the weights as initializers and a dynamic batch dimension. Inputs and outputs keep the
+export's names and declared dtypes (``input`` for a single unnamed tensor; nested names joined
+with ``/``; an int64 input the model computes in int32, as JAX does without its 64-bit mode, is
+cast in the graph); a bfloat16 computation runs in float32 (ONNX Runtime's CPU has no bfloat16
+convolutions).
 
 **Image preprocessing is the client's job**: ONNX has no JPEG decoder, so the model takes the
 preprocessed tensor (e.g. uint8 ``[batch, 224, 224, 3]`` for ``resnet_eval``), and the recipe
 the export records is written into the model's metadata (``estimax.preprocessing``, the
-``serving.json`` record) and printed by the command. ``estimax.serving.preprocess.from_spec``
+``serving.json`` record) and printed by the command. ``estimax.export.preprocess.from_spec``
 of that record is estimax's own implementation of it.
 
 The model is written aside, loaded by ``onnxruntime`` and run on the export's check inputs (the
@@ -36,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from estimax.serving import export_formats
+from estimax.export.formats import common as export_formats
 
 __all__ = ["OnnxCheckError", "export_onnx", "main"]
 
@@ -83,7 +85,7 @@ def _with_top_k(model: Any, k: int, dtype: Any) -> None:
 
 def convert(export: dict[str, Any]) -> Any:
     """The ONNX model of a loaded export (see the module docstring)."""
-    from estimax.serving import stablehlo_onnx
+    from estimax.export.formats import stablehlo_onnx
 
     exported = export["exported"]
     weights, inputs, outputs = _graph_io(export)
@@ -172,14 +174,14 @@ def describe(result: dict[str, Any]) -> str:
         lines.append(
             f"image preprocessing is the client's job (not in the graph): {pre['name']} "
             f"v{pre['version']} {json.dumps(pre['params'])}; the model's metadata "
-            "'estimax.preprocessing' records it (estimax.serving.preprocess.from_spec runs it)"
+            "'estimax.preprocessing' records it (estimax.export.preprocess.from_spec runs it)"
         )
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m estimax.serving.onnx_export``: the command line; returns the exit code."""
-    from estimax.serving.stablehlo_onnx import UnsupportedOpError
+    """``python -m estimax.export.formats.onnx_export``: the command line; returns the exit code."""
+    from estimax.export.formats.stablehlo_onnx import UnsupportedOpError
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--export_dir", required=True, help="an estimax export version directory")

@@ -1,7 +1,7 @@
 """An export's recorded image preprocessing in TensorFlow ops, pixel for pixel as estimax's.
 
-Used by ``estimax.serving.savedmodel`` (the ``estimax[tf]`` extra; nothing else imports this
-module, which imports TensorFlow). Every recipe of ``estimax.serving.preprocess`` is a declared
+Used by ``estimax.export.formats.savedmodel`` (the ``estimax[tf]`` extra; nothing else imports this
+module, which imports TensorFlow). Every recipe of ``estimax.export.preprocess`` is a declared
 ``image`` recipe here (``resnet_eval``: centre crop ``size / (size + 32)``, bicubic, uint8;
 ``inception_eval``: ``central_crop(0.875)``, bilinear, ``x * 2/255 - 1``), run as estimax runs it:
 decode (libjpeg-turbo with the fast integer DCT and fancy upsampling, as estimax's decoder),
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from estimax.serving.preprocess import Preprocessing
+from estimax.export.preprocess import Preprocessing
 
 __all__ = ["as_image_params", "preprocess_fn", "unsupported"]
 
@@ -62,6 +62,17 @@ def unsupported(pre: Preprocessing) -> str | None:
     """None if TensorFlow ops reproduce ``pre``'s pixels exactly, else what they cannot."""
     p = as_image_params(pre)
     resize, grid = p.get("resize", "bilinear"), p.get("grid", "half_pixel")
+    if p.get("resize_shorter") is not None:
+        return (
+            "resize_shorter (the resize of the whole image before the centre crop, as "
+            "torchvision's Resize + CenterCrop, has no TensorFlow version here)"
+        )
+    if p.get("antialias"):
+        return (
+            "antialias=True (Pillow's fixed-point resampling, rounded to 8 bits between its two "
+            "passes, is not reproduced exactly in TensorFlow ops; tf.image.resize(antialias=True) "
+            "computes in float)"
+        )
     if resize == "area":
         return (
             "resize='area' (OpenCV's area resize is not reproduced exactly in TensorFlow ops: "

@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from estimax.serving import artifact
-from estimax.serving import preprocess as preprocess_lib
-from estimax.serving import record as record_lib
-from estimax.serving.record import SERVING_FILE
+from estimax.export import artifact
+from estimax.export import preprocess as preprocess_lib
+from estimax.export import record as record_lib
+from estimax.export.record import SERVING_FILE
 
 IMAGE_INPUT = "image_bytes"  # the original's image_serving_input_fn key
 DEFAULT_INPUT = "input"  # the name of a single unnamed tensor input
@@ -49,7 +49,7 @@ class Servable:
         (``image_bytes`` of dtype ``string`` for raw-image exports).
       outputs: ``{name: {"shape": [None, ...], "dtype": str}}``.
       preprocessing: the recorded ``Preprocessing``, or None (the export takes arrays).
-      record: the version's ``serving.json`` (``estimax.serving.record``).
+      record: the version's ``serving.json`` (``estimax.export.record``).
       class_names: ``class_names[i]`` names class id ``i``, or None; with them the outputs
         gain ``class_names`` [batch] (the name of ``classes``) and, with ``top_k``,
         ``top_k_class_names`` [batch, k].
@@ -68,6 +68,7 @@ class Servable:
         self.model = artifact.load(path)
         signature = self.model.signature
         self._model_inputs = artifact.named_specs(signature["inputs"], DEFAULT_INPUT)
+        self._computed = self.model.computed_dtypes()
         self._single_input = artifact.is_leaf_spec(signature["inputs"])
         self.outputs = artifact.named_specs(signature["outputs"], "output")
         self._single_output = artifact.is_leaf_spec(signature["outputs"])
@@ -167,7 +168,7 @@ class Servable:
         features = {}
         sizes = set()
         for name, spec in self._model_inputs.items():
-            features[name] = _as_array(name, columns[name], spec)
+            features[name] = _as_array(name, columns[name], spec, self._computed.get(name))
             sizes.add(features[name].shape[0])
         if len(sizes) != 1:
             raise InvalidInput(f"all inputs must have the same batch size, got {sorted(sizes)}")
@@ -295,7 +296,9 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _as_array(name: str, value: Any, spec: dict) -> np.ndarray:
+def _as_array(name: str, value: Any, spec: dict, computed: np.dtype | None = None) -> np.ndarray:
+    """``value`` as the input ``name`` of dtype ``spec["dtype"]``; ``computed``: the (narrower)
+    integer dtype the model computes it in, whose range the values must fit too."""
     dtype = np.dtype(spec["dtype"])
     try:
         array = np.asarray(value)
@@ -321,6 +324,15 @@ def _as_array(name: str, value: Any, spec: dict) -> np.ndarray:
         if array.min() < info.min or array.max() > info.max:
             raise InvalidInput(
                 f"input {name!r} has values outside {dtype.name}'s range [{info.min}, {info.max}]"
+            )
+    if computed is not None and computed.kind in "iu" and computed != dtype and array.size:
+        # JAX without its 64-bit mode computes an int64 input in int32: a larger value would
+        # wrap to another id without a word.
+        info = np.iinfo(computed)
+        if array.min() < info.min or array.max() > info.max:
+            raise InvalidInput(
+                f"input {name!r} has values outside [{info.min}, {info.max}]: the model computes "
+                f"this {dtype.name} input in {computed.name} (JAX without its 64-bit mode)"
             )
     if dtype.kind == "b" and array.dtype.kind != "b":
         raise InvalidInput(f"input {name!r} must be booleans")

@@ -2,9 +2,9 @@
 outputs by name, its check inputs as features, and the comparison with estimax's answers.
 
 Reads the export's files only (no model code), with JAX, flax's msgpack and fsspec; the check
-record is ``export_check.json`` (``estimax.serving.versions``): the check inputs (encoded images
-or an array) and what ``Estimator.predict`` answered for them, with the tolerance it was checked
-at.
+record is ``export_check.json`` (``estimax.export.versions``): the check inputs (encoded images,
+one array, or arrays by input name) and what ``Estimator.predict`` answered for them, with the
+tolerance it was checked at.
 """
 
 from __future__ import annotations
@@ -19,7 +19,13 @@ import numpy as np
 
 __all__ = ["check_features", "compare", "feature_tree", "io_specs", "load_export"]
 
-_FILES = ("serving.json", "model.jaxexport", "variables.msgpack", "export_check.json")
+_FILES = (
+    "serving.json",
+    "model.jaxexport",
+    "variables.msgpack",
+    "export_check.json",
+    "signature.json",
+)
 
 
 def _read(path: str, mode: str = "rb") -> Any:
@@ -37,7 +43,7 @@ def _exists(path: str) -> bool:
 
 
 def load_export(export_dir: str) -> dict[str, Any]:
-    """``{"spec", "exported", "variables", "check"}`` of one export version.
+    """``{"spec", "exported", "variables", "check", "signature"}`` of one export version.
 
     Raises:
       FileNotFoundError: not a version of an estimax export published with check inputs.
@@ -60,6 +66,7 @@ def load_export(export_dir: str) -> dict[str, Any]:
             _read(posixpath.join(export_dir, "variables.msgpack"))
         ),
         "check": json.loads(_read(posixpath.join(export_dir, "export_check.json"), "r")),
+        "signature": json.loads(_read(posixpath.join(export_dir, "signature.json"), "r")),
     }
 
 
@@ -86,16 +93,24 @@ def feature_tree(exported: Any, leaf: Callable[[int], Any]) -> Any:
 
 def io_specs(export: dict[str, Any]) -> tuple[list[tuple[str, np.dtype, list]], list[tuple]]:
     """``([(name, dtype, shape)] of the inputs, [(name, dtype)] of the outputs)``; shapes have
-    None for the batch. Names as ``estimax serve`` gives them (``input``/``output`` when single)."""
+    None for the batch. Names as ``estimax serve`` gives them (``input``/``output`` when single).
+
+    An input's dtype is the one the export declares (``signature.json``, what clients send and
+    ``estimax serve`` takes), which may be wider than the one the model computes in: an int64
+    input is int32 in the module without JAX's 64-bit mode (``computed_dtypes``)."""
     import jax
+
+    from estimax.export import artifact
 
     exported = export["exported"]
     n_weights = len(jax.tree.leaves(export["variables"]))
     names = _flat_names(feature_tree(exported, lambda i: i), "input")
+    declared = artifact.named_specs(export["signature"]["inputs"], "input")
     inputs = []
     for i, aval in enumerate(exported.in_avals[n_weights:]):
         shape = [d if isinstance(d, int) else None for d in aval.shape]
-        inputs.append((names[i], np.dtype(aval.dtype), shape))
+        dtype = declared[names[i]]["dtype"] if names[i] in declared else aval.dtype
+        inputs.append((names[i], np.dtype(dtype), shape))
     out_names = _flat_names(
         jax.tree.unflatten(exported.out_tree, list(range(len(exported.out_avals)))), "output"
     )
@@ -105,7 +120,7 @@ def io_specs(export: dict[str, Any]) -> tuple[list[tuple[str, np.dtype, list]], 
 
 def check_features(export: dict[str, Any]) -> dict[str, np.ndarray]:
     """The check inputs as the model's features: images preprocessed by estimax's recipe."""
-    from estimax.serving.preprocess import from_spec
+    from estimax.export.preprocess import from_spec
 
     check = export["check"]
     inputs, _ = io_specs(export)
@@ -115,7 +130,11 @@ def check_features(export: dict[str, Any]) -> dict[str, np.ndarray]:
         images = [base64.b64decode(x["b64"]) for x in check["inputs"]]
         ((name, dtype, _),) = inputs
         return {name: np.stack([recipe(b) for b in images]).astype(dtype)}
-    return {name: np.asarray(check["inputs"], dtype) for name, dtype, _ in inputs}
+    stored = check["inputs"]
+    if isinstance(stored, dict):  # several inputs, by name
+        return {name: np.asarray(stored[name], dtype) for name, dtype, _ in inputs}
+    ((name, dtype, _),) = inputs
+    return {name: np.asarray(stored, dtype)}
 
 
 def check_images(export: dict[str, Any]) -> list[bytes]:

@@ -49,7 +49,7 @@ class Preprocessing:
         if self.name not in _RECIPES:
             raise ValueError(
                 f"unknown preprocessing {self.name!r} (known: {sorted(_RECIPES)}); declare a "
-                "custom one with estimax.serving.image_preprocessing(size=..., crop=..., ...)"
+                "custom one with estimax.export.image_preprocessing(size=..., crop=..., ...)"
             )
         if self.name == "image":
             _check_image_params(self.params)
@@ -111,7 +111,9 @@ _IMAGE_KEYS = {
     "crop",
     "crop_fraction",
     "crop_padding",
+    "resize_shorter",
     "resize",
+    "antialias",
     "grid",
     "channels",
     "dtype",
@@ -164,12 +166,35 @@ def _check_image_params(p: dict[str, Any]) -> None:
         raise ValueError(f"image preprocessing: crop_padding must be >= 0, got {padding!r}")
     if padding is not None and height != width:
         raise ValueError("image preprocessing: crop_padding needs a square size")
+    shorter = p.get("resize_shorter")
+    if shorter is not None:
+        if isinstance(shorter, bool) or not isinstance(shorter, int | np.integer):
+            raise ValueError(f"image preprocessing: resize_shorter must be an int, got {shorter!r}")
+        if shorter < max(height, width):
+            raise ValueError(
+                f"image preprocessing: resize_shorter={shorter} must be at least the size's "
+                f"larger side, {max(height, width)} (the centre crop is taken after the resize)"
+            )
+        if crop != "none":
+            raise ValueError(
+                "image preprocessing: resize_shorter resizes the whole image and then crops "
+                "its centre (torchvision's Resize + CenterCrop): it takes crop='none'"
+            )
     if p.get("resize", "bilinear") not in RESIZE_METHODS:
         raise ValueError(
             f"image preprocessing: resize must be one of {sorted(RESIZE_METHODS)}, "
             f"got {p.get('resize')!r}"
         )
     grid = p.get("grid", "half_pixel")
+    if p.get("antialias", False) not in (True, False):
+        raise ValueError(
+            f"image preprocessing: antialias must be True or False, got {p['antialias']!r}"
+        )
+    if p.get("antialias") and (p.get("resize", "bilinear") == "nearest" or grid != "half_pixel"):
+        raise ValueError(
+            "image preprocessing: antialias=True (Pillow's and torchvision's resampling) takes "
+            "resize='bilinear', 'bicubic' or 'area' (Pillow's BOX) on grid='half_pixel'"
+        )
     if grid not in GRIDS:
         raise ValueError(f"image preprocessing: grid must be one of {GRIDS}, got {grid!r}")
     if grid != "half_pixel" and p.get("resize", "bilinear") == "area":
@@ -247,17 +272,43 @@ def _resize_grid(image: np.ndarray, height: int, width: int, method: int, grid: 
     )
 
 
-def _image(image_bytes: bytes, **p: Any) -> np.ndarray:
-    window = _crop_window(image_shape(image_bytes), p)
-    image = jpeg.decode_crop(image_bytes, window)
-    height, width = _size_hw(p["size"])
-    image = _resize_grid(
+def _shorter_side(shape: tuple[int, int], shorter: int) -> tuple[int, int]:
+    """The (height, width) of torchvision's ``Resize(shorter)``: the short side to ``shorter``,
+    the long one to ``int(shorter * long / short)`` (torchvision's
+    ``_compute_resized_output_size``)."""
+    height, width = shape
+    short, long = (width, height) if width <= height else (height, width)
+    new_long = int(shorter * long / short)
+    return (new_long, shorter) if width <= height else (shorter, new_long)
+
+
+def _resize(image: np.ndarray, height: int, width: int, p: dict[str, Any]) -> np.ndarray:
+    if p.get("antialias"):
+        return preprocessing.resize_antialias(image, height, width, p.get("resize", "bilinear"))
+    return _resize_grid(
         image,
         height,
         width,
         RESIZE_METHODS[p.get("resize", "bilinear")],
         p.get("grid", "half_pixel"),
     )
+
+
+def _image(image_bytes: bytes, **p: Any) -> np.ndarray:
+    shape = image_shape(image_bytes)
+    height, width = _size_hw(p["size"])
+    if p.get("resize_shorter") is not None:
+        # torchvision's eval pipeline: Resize(shorter) on the whole image, then CenterCrop(size)
+        # with its offsets, int(round((resized - size) / 2)) (Python's round, half to even).
+        image = jpeg.decode_crop(image_bytes, (0, 0, *shape))
+        new_h, new_w = _shorter_side(shape, int(p["resize_shorter"]))
+        if (new_h, new_w) != shape:
+            image = _resize(image, new_h, new_w, p)
+        top, left = int(round((new_h - height) / 2.0)), int(round((new_w - width) / 2.0))
+        image = np.ascontiguousarray(image[top : top + height, left : left + width])
+    else:
+        image = jpeg.decode_crop(image_bytes, _crop_window(shape, p))
+        image = _resize(image, height, width, p)
     channels = p.get("channels", "rgb")
     if channels == "bgr":
         image = image[..., ::-1]
@@ -304,7 +355,9 @@ def image_preprocessing(
     crop: str = "none",
     crop_fraction: float | None = None,
     crop_padding: int | None = None,
+    resize_shorter: int | None = None,
     resize: str = "bilinear",
+    antialias: bool = False,
     grid: str = "half_pixel",
     channels: str = "rgb",
     dtype: str = "float32",
@@ -315,8 +368,9 @@ def image_preprocessing(
 ) -> Preprocessing:
     """A model's own serving preprocessing, declared as data (no code is exported).
 
-    The server decodes the image (JPEG or PNG, to RGB), crops, resizes, orders the channels and
-    scales the values, in that order, with the functions estimax's input pipeline uses:
+    The server decodes the image (JPEG or PNG, to RGB), crops, resizes (with
+    ``resize_shorter``: resizes, then crops), orders the channels and scales the values, in that
+    order, with the functions estimax's input pipeline uses:
     ``out = ((pixels * scale + offset) - mean) / stddev``.
 
     Args:
@@ -326,7 +380,17 @@ def image_preprocessing(
         (``tf.image.central_crop(crop_fraction)``: that fraction of each side, as Inception).
       crop_fraction: see ``crop``.
       crop_padding: see ``crop`` (ResNet: 32).
+      resize_shorter: resize the whole image first, its short side to this (the long side to
+        ``int(resize_shorter * long / short)``), then take the centred ``size`` from it:
+        torchvision's ``Resize(resize_shorter)`` then ``CenterCrop(size)`` (its usual eval
+        pipeline: 256 then 224, with ``antialias=True``). Takes ``crop="none"``.
       resize: ``"bilinear"``, ``"bicubic"``, ``"nearest"`` or ``"area"``.
+      antialias: resize as Pillow's ``Image.resize`` (and torchvision's ``Resize``, which
+        antialiases by default): the filter widens with the downscale factor, so a shrinking
+        resize averages every input pixel (``area`` is Pillow's ``BOX``; bicubic is Pillow's,
+        a = -0.5). False: OpenCV's ``cv2.resize`` (TF's ``tf.image.resize`` without antialias),
+        which samples a fixed 2x2/4x4 neighbourhood. Pillow's own defaults: ``Image.resize``
+        is bicubic, torchvision's ``Resize`` bilinear.
       grid: where output pixels sample the input: ``"half_pixel"`` (TF2, OpenCV, PIL; TF1 with
         ``half_pixel_centers=True``), ``"align_corners"`` (TF1 ``align_corners=True``) or
         ``"asymmetric"`` (TF1's default, ``align_corners=False``).
@@ -350,10 +414,14 @@ def image_preprocessing(
         "scale": float(scale),
         "offset": float(offset),
     }
+    if antialias:  # absent when False: records written before it keep their meaning
+        params["antialias"] = True
     if crop_fraction is not None:
         params["crop_fraction"] = float(crop_fraction)
     if crop_padding is not None:
         params["crop_padding"] = int(crop_padding)
+    if resize_shorter is not None:  # absent when not asked: older records keep their meaning
+        params["resize_shorter"] = resize_shorter
     for key, value in (("mean", mean), ("stddev", stddev)):
         if value is not None:
             params[key] = [float(v) for v in np.atleast_1d(np.asarray(value, dtype=np.float64))]

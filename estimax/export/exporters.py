@@ -26,7 +26,6 @@ running a finished job again publishes nothing new.
 from __future__ import annotations
 
 import inspect
-import json
 import posixpath
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -38,12 +37,12 @@ from estimax import storage
 from estimax.estimator import best as best_lib
 from estimax.estimator import checkpoints as ckpt_lib
 from estimax.estimator import summaries
-from estimax.serving import artifact, versions
+from estimax.export import artifact, publish, versions
 
 if TYPE_CHECKING:
     from estimax.estimator.estimator import Estimator
 
-_EXPORT_ARGS = frozenset(inspect.signature(versions.export_version).parameters) - {
+_EXPORT_ARGS = frozenset(inspect.signature(publish.export_version).parameters) - {
     "estimator",
     "model_base_path",
     "serving_input",
@@ -89,7 +88,7 @@ class Exporter:
         if serving_input_receiver_fn is None and export_args.get("preprocessing") is None:
             raise ValueError(
                 f"{type(self).__name__}({name!r}) needs serving_input_receiver_fn (returning a "
-                "TensorSpec) or preprocessing= (e.g. estimax.serving.resnet_eval(224))."
+                "TensorSpec) or preprocessing= (e.g. estimax.export.resnet_eval(224))."
             )
         self.name = name
         self._serving_input_receiver_fn = serving_input_receiver_fn
@@ -137,7 +136,7 @@ class Exporter:
         serving_input = (
             self._serving_input_receiver_fn() if self._serving_input_receiver_fn else None
         )
-        path = versions.export_version(
+        path = publish.export_version(
             estimator, export_path, serving_input, checkpoint_path=source, **self._export_args
         )
         _keep_newest(export_path, self.exports_to_keep)
@@ -166,8 +165,8 @@ def exported_steps(export_path: str) -> dict[int, int]:
     for version in versions.list_versions(export_path):
         path = posixpath.join(root, str(version), artifact.SIGNATURE_FILE)
         try:
-            with fs.open(path, "r") as f:
-                found[version] = int(json.load(f)["global_step"])
+            with fs.open(path, "rb") as f:
+                found[version] = int(storage.load_json(f.read())["global_step"])
         except (OSError, ValueError, KeyError, TypeError) as e:
             logging.warning("Export %s/%d has no readable step (%s).", export_path, version, e)
     return found
@@ -241,7 +240,23 @@ class BestExporter(Exporter):
     def choose(
         self, step: int, eval_result: dict[str, Any], final: bool, published: dict[int, int]
     ) -> int | None:
-        recorded = summaries.recorded_evaluations(self.eval_dir) if self.eval_dir else {}
+        found = summaries.read_evaluations(self.eval_dir) if self.eval_dir else None
+        recorded = dict(found.evaluations) if found else {}
+        if found and found.damage and published and published[max(published)] not in recorded:
+            # What the published version scored is known only from the damaged record: a
+            # version is not replaced on the word of a record that cannot be verified.
+            logging.warning(
+                "%s: not exporting step %d: the evaluations in %s are damaged (%s) and the "
+                "event files there do not hold step %d's, which version %d serves; delete "
+                "that version to publish the best of the evaluations that can be verified.",
+                type(self).__name__,
+                step,
+                self.eval_dir,
+                found.damage,
+                published[max(published)],
+                max(published),
+            )
+            return None
         recorded.setdefault(step, eval_result)
         best = best_lib.best_of(recorded, self._compare)
         assert best is not None  # this evaluation is among them

@@ -55,6 +55,14 @@ def _read(
     fs: fsspec.AbstractFileSystem, root: str, export_dir: str, name: str, parse: Callable
 ) -> Any:
     """``parse(bytes)`` of one file of the export; an error names the file."""
+    # A FIFO blocks its reader for ever (it once stopped every later version from loading):
+    # refused unopened, as record.check_regular does (the layers keep this module from it).
+    kind = fs.info(posixpath.join(root, name)).get("type", "file")
+    if kind != "file":
+        raise ValueError(
+            f"{export_dir}/{name} is not a regular file (a FIFO, device or socket: {kind}); "
+            "export the version again"
+        )
     with fs.open(posixpath.join(root, name), "rb") as f:
         data = f.read()
     try:
@@ -95,6 +103,19 @@ class ExportedModel:
         # None once close()d.
         self._call: Callable[..., Any] | None = jax.jit(self._exported.call)
         self.export_dir = export_dir
+
+    def computed_dtypes(self) -> dict[str, np.dtype]:
+        """``{input name: dtype}`` as the model computes each input (names as ``named_specs``):
+        the declared dtype, or a narrower one where JAX runs without its 64-bit mode (an int64
+        input is computed in int32, a float64 one in float32)."""
+        (_, features), _ = jax.tree.unflatten(self._exported.in_tree, self._exported.in_avals)
+        flat = jax.tree_util.tree_flatten_with_path(features)[0]
+        return {
+            "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path) or "input": (
+                np.dtype(aval.dtype)
+            )
+            for path, aval in flat
+        }
 
     @property
     def global_step(self) -> int:

@@ -3,18 +3,20 @@
 Needs TensorFlow: install the ``estimax[tf]`` extra (``make .venv-tf/.installed-stamp``); no
 other part of estimax imports this module. ::
 
-    python -m estimax.serving.savedmodel --export_dir=serving/3 --output_dir=savedmodel/3
+    python -m estimax.export.formats.savedmodel --export_dir=serving/3 --output_dir=savedmodel/3
 
 The input is one version of any estimax export published with check inputs
 (``export_check.json``); missing parent folders of ``--output_dir`` are created. The output's
 ``serving_default`` signature:
 
-- an export that takes arrays takes the same arrays (its input names, dtypes and shapes, with a
-  dynamic batch: ``input`` for a single tensor);
+- an export that takes arrays takes the same arrays (its input names, declared dtypes and
+  shapes, with a dynamic batch: ``input`` for a single tensor; an int64 input the model computes
+  in int32, as JAX does without its 64-bit mode, is cast inside);
 - an image export takes a ``[None]`` string tensor of encoded JPEG/PNG images: under the
   original's key for estimax's recipes (ResNet ``input``, Inception ``image_bytes``), under
   ``image_bytes`` (as ``estimax serve``) for a declared ``image_preprocessing``. The recorded
-  preprocessing runs in TensorFlow ops inside the SavedModel (``estimax.serving.tf_preprocess``:
+  preprocessing runs in TensorFlow ops inside the SavedModel
+  (``estimax.export.formats.tf_preprocess``:
   decode, crop, resize method and grid, channels, scaling, mean/std), pixel for pixel as
   estimax's; a recipe TensorFlow cannot reproduce exactly is refused in one line naming it.
 
@@ -47,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from estimax.serving import export_formats
+from estimax.export.formats import common as export_formats
 
 __all__ = ["SavedModelCheckError", "export_savedmodel", "main"]
 
@@ -116,8 +118,8 @@ def _serving_function(export: dict[str, Any], module: Any, network: Any) -> tupl
     """(the ``serving_default`` tf.function, the key its image input has or None)."""
     import tensorflow as tf
 
-    from estimax.serving import tf_preprocess
-    from estimax.serving.preprocess import from_spec
+    from estimax.export.formats import tf_preprocess
+    from estimax.export.preprocess import from_spec
 
     inputs, _ = export_formats.io_specs(export)
     record = export["spec"].get("preprocessing")
@@ -143,11 +145,20 @@ def _serving_function(export: dict[str, Any], module: Any, network: Any) -> tupl
     }
     n_weights = len(tf.nest.flatten(export["variables"]))
 
+    avals = export["exported"].in_avals
+
+    def computed(feature: Any, i: int) -> Any:
+        # Declared int64 (float64), computed in int32 (float32) as JAX does without its 64-bit
+        # mode: the signature takes what clients send and casts it, as estimax serve does.
+        dtype = tf.as_dtype(avals[i].dtype)
+        return feature if feature.dtype == dtype else tf.cast(feature, dtype)
+
     @tf.function(input_signature=[specs])
     def serve_arrays(features: dict[str, Any]) -> dict[str, Any]:
         names = [name for name, _, _ in inputs]
         tree = export_formats.feature_tree(
-            export["exported"], lambda i: features[names[i - n_weights]] if i >= n_weights else None
+            export["exported"],
+            lambda i: computed(features[names[i - n_weights]], i) if i >= n_weights else None,
         )
         return _answers(export, network(tree))
 
@@ -200,7 +211,7 @@ def _check_pixels(loaded: Any, export: dict[str, Any]) -> None:
     multiplication: 2e-7 apart measured; one pixel level is 1/stddev, far above that)."""
     import tensorflow as tf
 
-    from estimax.serving.preprocess import from_spec
+    from estimax.export.preprocess import from_spec
 
     pre = from_spec(export["spec"]["preprocessing"])
     for i, image in enumerate(export_formats.check_images(export)):
@@ -236,7 +247,7 @@ def _check(saved: str, export: dict[str, Any], key: str | None, atol: float | No
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m estimax.serving.savedmodel``: the command line; returns the exit code."""
+    """``python -m estimax.export.formats.savedmodel``: the command line; returns the exit code."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--export_dir", required=True, help="an estimax export version directory")
     parser.add_argument(
