@@ -118,7 +118,10 @@ class KeepBest:
     """An Orbax preservation policy: the best evaluated checkpoint is never rotated away.
 
     Orbax asks it at each save which of the existing checkpoints to preserve (with its
-    ``LatestN(keep_checkpoint_max)``); the evaluations are read then, once per save.
+    ``LatestN(keep_checkpoint_max)``); the evaluations are read then, once per save. A damaged
+    ``evaluations.json`` is rebuilt from the event files (``summaries.read_evaluations``);
+    where nothing can be rebuilt, every checkpoint is kept: none is deleted on the word of a
+    record that cannot be verified.
     """
 
     model_dir: str
@@ -128,12 +131,24 @@ class KeepBest:
         """``[whether to keep]`` for each of Orbax's checkpoint infos (their ``.step``)."""
         del context
         steps = [int(c.step) for c in checkpoints]
+        found = summaries.read_evaluations(eval_dir(self.model_dir, self.best.eval_name))
+        if found.damage is not None and not found.evaluations:
+            _warn_once(
+                f"Keeping every checkpoint of {self.model_dir}: its evaluations record is "
+                f"damaged ({found.damage}) and no event file says which checkpoint is the best."
+            )
+            return [True] * len(steps)
+        who = f"RunConfig(keep_best_checkpoint=BestCheckpoint({self.best.metric!r}, "
+        who += f"{self.best.mode!r}))"
         try:
-            keep = best_checkpoint_step(self.model_dir, self.best, steps)
+            chosen = best_of(
+                found.evaluations, compare_by(self.best.metric, self.best.mode, who), steps
+            )
         except (KeyError, ValueError) as e:
             # A wrong metric name must not stop a save: say so, and keep the newest only.
             logging.warning("Not keeping a best checkpoint: %s", e)
-            keep = None
+            chosen = None
+        keep = None if chosen is None else chosen[0]
         return [s == keep for s in steps]
 
 
@@ -141,23 +156,43 @@ class KeepBest:
 
 
 def read_early_stop(model_dir: str) -> dict[str, Any] | None:
-    """The recorded early-stopping decision of ``model_dir`` (``early_stopping.json``), or None."""
-    import json
+    """The recorded early-stopping decision of ``model_dir`` (``early_stopping.json``), or None.
 
+    A record that is not a decision (not JSON, nested absurdly deep, steps that are not
+    non-negative integers) is one warning and None: training is not held back on its word.
+    """
     path = storage.join(model_dir, EARLY_STOP_FILE)
     if not storage.exists(path):
         return None
     try:
         with storage.open_file(path, "rb") as f:
-            record = json.loads(f.read())
-        return {
-            "stopped_at": int(record["stopped_at"]),
-            "best_step": int(record["best_step"]),
-            **{k: v for k, v in record.items() if k not in ("stopped_at", "best_step")},
-        }
-    except (ValueError, KeyError, TypeError) as e:
-        logging.warning("%s is unreadable (%s): training is not held back by it.", path, e)
+            record = storage.load_json(f.read())
+        if not isinstance(record, dict):
+            raise TypeError(f"a JSON {type(record).__name__}, not an object")
+        steps = {k: record.get(k) for k in ("stopped_at", "best_step")}
+        for key, value in steps.items():
+            if type(value) is not int or value < 0:
+                raise ValueError(f"{key} = {_short(value)} is not a step")
+        return {**steps, **{k: v for k, v in record.items() if k not in steps}}
+    except (ValueError, TypeError) as e:
+        _warn_once(f"{path} is unreadable ({e}): training is not held back by it.")
         return None
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """Logs ``message`` as a warning once per process: the file is read at every check."""
+    if message not in _warned:
+        _warned.add(message)
+        logging.warning("%s", message)
+
+
+def _short(value: Any) -> str:
+    """``repr(value)``, cut to a length a log line can hold."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def record_early_stop(model_dir: str, record: Mapping[str, Any]) -> None:

@@ -1,4 +1,4 @@
-"""Compiling an Estimator's steps for a Cloud TPU slice on a machine that has none.
+"""Compiling an Estimator's steps for a Cloud TPU slice or NVIDIA GPUs on a machine with neither.
 
 XLA's TPU compiler ships in ``libtpu`` (the ``tpu`` extra) and runs on any Linux x86-64 host:
 ``jax.experimental.topologies.get_topology_desc`` gives the devices of a slice by name
@@ -11,22 +11,37 @@ Who owns what:
 
 | piece                                        | owner                  | where              |
 |----------------------------------------------|------------------------|--------------------|
-| the steps (model_fn, mesh, EMA, donation)    | ``Estimator``          | ``compile_for``    |
+| the steps (model_fn, mesh, EMA, donation)    | ``StepBuilder``        | ``step_builder``   |
 | the slice's devices, by name                 | libtpu                 | ``slice_devices``  |
+| GPU targets: devices, fit verdict, costs     | JAX's CUDA plugin      | ``gpu_compile``    |
 | abstract inputs, lowering, compiling         | this module            | ``compile_steps``  |
-| per-chip HBM, bandwidth, peak bf16 FLOP/s    | ``TPU_CHIPS``          | below (cited)      |
-| the largest batch that fits                  | ``largest_batch``      | compiles, secant   |
+| per-chip HBM, bandwidth, peak bf16 FLOP/s    | ``TPU_CHIPS``          | ``chips`` (cited)  |
+| the largest batch that fits, to 2%           | ``largest_batch``      | compiles, secant   |
+| the batch as k micro-batches that fit        | ``accumulated_fit``    | compiles           |
 
 The roofline (``max(flops / peak, bytes / bandwidth)``) is a lower bound on a step's time: it
 ignores the overlap XLA cannot get, collectives between chips, the host's input, and the
 layout padding of small channel counts. It says which resource bounds a step and how far from
 it a measured step is; it is not a prediction of the measured speed.
+
+GPU targets (``h100:8``: ``gpu_compile``) go the same way, with XLA's GPU compiler from JAX's
+CUDA plugin, except that a step too big for the card still compiles: it fits if its total is
+within the memory JAX may use less a margin for cuDNN's workspace (``gpu_compile.fit_error``),
+and its flops and bytes come from XLA's cost analysis through the CPU client.
+
+With gradient accumulation (``RunConfig.gradient_accumulation_steps = k``) the train step
+compiled is the one that runs: the whole global batch is its input and its activations are one
+micro-batch's (a k-th of it), so the memory reported is that of micro-batch ``b`` (plus the
+input batch and a gradient accumulator). When a train step does not fit, the batch search
+finds the largest that does and then asks whether the batch asked for fits as k micro-batches
+(``accumulated_fit``: it compiles that step to be sure), e.g. "fits as 8 x 512".
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import re
 import time
@@ -40,42 +55,16 @@ from absl import logging
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from estimax.estimator import chips as chips_lib
+from estimax.estimator import gpu_compile
+from estimax.estimator.chips import TPU_CHIPS, ChipSpec  # noqa: F401 (ChipSpec: re-exported)
 from estimax.estimator.export import TensorSpec, check_input_specs
 from estimax.estimator.replication import REPLICA_AXIS, per_replica_batch
+from estimax.estimator.step_builder import Steps, micro_batch
 
 GiB = 1 << 30
 
 
-@dataclasses.dataclass(frozen=True)
-class ChipSpec:
-    """One TPU generation's published per-chip figures.
-
-    Attributes:
-      hbm_gib: HBM per chip (GiB).
-      hbm_gbps: HBM bandwidth per chip (GB/s, 1e9 bytes).
-      bf16_tflops: peak bfloat16 compute per chip (1e12 FLOP/s).
-      source: the public page the figures come from.
-    """
-
-    hbm_gib: float
-    hbm_gbps: float
-    bf16_tflops: float
-    source: str
-
-
-# Per chip, as Google publishes them. A "device" of a topology is a TensorCore on v2/v3/v4
-# (two per chip: libtpu's v4:2x2x1 has 8 devices) and a chip on v5e/v5p/v6e; per-device figures
-# divide by the devices per chip, counted from the topology itself.
-TPU_CHIPS: dict[str, ChipSpec] = {
-    # The v2 page links its figures to Jouppi et al., "A Domain-Specific Supercomputer for
-    # Training Deep Neural Networks", CACM 63(7), 2020, Table 3: 46 TFLOPS, 16 GiB, 700 GB/s.
-    "v2": ChipSpec(16, 700, 46, "https://cloud.google.com/tpu/docs/v2"),
-    "v3": ChipSpec(32, 900, 123, "https://cloud.google.com/tpu/docs/v3"),
-    "v4": ChipSpec(32, 1200, 275, "https://cloud.google.com/tpu/docs/v4"),
-    "v5e": ChipSpec(16, 819, 197, "https://cloud.google.com/tpu/docs/v5e"),
-    "v5p": ChipSpec(95, 2765, 459, "https://cloud.google.com/tpu/docs/v5p"),
-    "v6e": ChipSpec(32, 1638, 918, "https://cloud.google.com/tpu/docs/v6e"),
-}
 # One single-host slice of each generation (libtpu takes any GEN:AxB[xC] it knows).
 KNOWN_TOPOLOGIES = ("v2:2x2", "v3:2x2", "v4:2x2x1", "v5e:2x4", "v5p:2x2x1", "v6e:2x4")
 INSTALL_HINT = (
@@ -93,12 +82,18 @@ def known_topologies() -> str:
     """The topology names to offer a user, as one phrase."""
     return (
         f"{', '.join(KNOWN_TOPOLOGIES)} (or any GEN:AxB[xC] slice of "
-        f"{', '.join(TPU_CHIPS)} that libtpu knows)"
+        f"{', '.join(TPU_CHIPS)} that libtpu knows), or GPUs: {gpu_compile.known_gpus()}"
     )
 
 
 def check_topology(name: str) -> str:
-    """Returns the generation of ``name`` (``v5e`` for ``v5e:2x4``), or raises CompileForError."""
+    """Returns the chip of ``name`` (``v5e`` for ``v5e:2x4``, ``h100`` for ``h100:8``), or
+    raises CompileForError."""
+    if gpu_compile.is_gpu_target(name):
+        try:
+            return gpu_compile.check_gpu_target(name)[0]
+        except gpu_compile.GpuTargetError as e:
+            raise CompileForError(str(e)) from None
     match = _TOPOLOGY.match(name.strip())
     if not match or match.group(1) not in TPU_CHIPS:
         raise CompileForError(f"unknown TPU topology {name!r}: known are {known_topologies()}.")
@@ -112,6 +107,11 @@ def slice_devices(name: str) -> list[Any]:
       CompileForError: an unknown name, one libtpu refuses, or no libtpu installed.
     """
     check_topology(name)
+    if gpu_compile.is_gpu_target(name):
+        try:
+            return gpu_compile.gpu_devices(name)
+        except gpu_compile.GpuTargetError as e:
+            raise CompileForError(str(e)) from None
     from jax.experimental import topologies
 
     # libtpu takes a lock file so that one process at a time drives a host's TPU chips; a
@@ -135,31 +135,15 @@ def slice_devices(name: str) -> list[Any]:
         ) from None
 
 
-@dataclasses.dataclass(frozen=True)
-class Steps:
-    """What an Estimator runs, built on a given mesh (``Estimator.compile_for`` makes it).
-
-    Attributes:
-      init: ``(rng, features, labels) -> TrainState`` on one replica's rows (for shapes only).
-      train: the jitted train step ``(state, rng, features, labels) -> (state, metrics)``.
-      init_eval: ``(rng, features, labels) -> variables`` in EVAL mode (shapes only).
-      eval: the jitted eval step ``(totals, variables, step, features, labels, mask)``.
-      rng: the run's base key.
-    """
-
-    init: Callable[..., Any]
-    train: Any
-    init_eval: Callable[..., Any]
-    eval: Any
-    rng: jax.Array
-
-
 @dataclasses.dataclass
 class StepReport:
     """One step compiled for a slice: whether it fits, its memory and work per device.
 
-    Memory and costs are per device (a TensorCore on v2-v4, a chip on v5e/v5p/v6e); bytes are
-    bytes. ``error`` holds the compiler's message when it did not fit (then the sizes are 0).
+    Memory and costs are per device (a TensorCore on v2-v4, a chip on v5e/v5p/v6e, a GPU); bytes
+    are bytes. ``error`` holds the compiler's message when it did not fit (then the sizes are 0
+    on a TPU; a GPU step too big still compiles, and its sizes say by how much).
+    ``usable_bytes``: on a GPU, what a step may use of ``hbm_bytes`` (JAX's share less a
+    margin for cuDNN's workspace; ``gpu_compile``); None on a TPU, where XLA itself refuses.
     """
 
     step: str
@@ -187,6 +171,13 @@ class StepReport:
     serialize_s: float | None = None
     error: str | None = None
     search: BatchSearch | None = None  # when it does not fit and a search was asked for
+    accumulation_steps: int = 1  # micro-batches per step (RunConfig.gradient_accumulation_steps)
+    usable_bytes: float | None = None
+
+    @property
+    def micro_batch(self) -> int:
+        """The global micro-batch: the rows one pass of the model holds activations for."""
+        return self.global_batch // self.accumulation_steps
 
     @property
     def memory_bytes(self) -> int:
@@ -204,11 +195,31 @@ class StepReport:
         """Global examples per second at the roofline (an upper bound)."""
         return self.global_batch / self.roofline_s if self.roofline_s else 0.0
 
+    @property
+    def peak_source(self) -> str:
+        """Where ``peak_flops`` comes from: the chip (by ``device_kind``), its cited page, and
+        the per-chip peak it divides when a chip has several devices."""
+        found = chips_lib.for_device(self.device_kind)
+        if found is None:
+            return f"no cited peak for {self.device_kind}"
+        name, chip = found
+        shared = (
+            f": {chip.bf16_tflops:g} per chip / {self.devices_per_chip} devices"
+            if self.devices_per_chip > 1
+            else ""
+        )
+        return f"{name}{shared}, {chip.source}"
+
     def as_dict(self) -> dict[str, Any]:
         """The report with its derived figures, for JSON."""
         out = dataclasses.asdict(self)
+        out["micro_batch"] = self.micro_batch
+        # The peak the roofline (and a run's MFU) divides by, and where it is cited.
+        out["peak_tflops_per_device"] = self.peak_flops / 1e12
+        out["peak_source"] = self.peak_source
         if self.search is not None:
             out["search"]["exact"] = self.search.exact
+            out["search"]["converged"] = self.search.converged
         if self.fits:
             out.update(
                 memory_bytes=self.memory_bytes,
@@ -225,20 +236,32 @@ class StepReport:
         """One line a person reads at a glance."""
         head = (
             f"{self.step} step on {self.device_kind} x{self.num_devices} ({self.topology}; "
-            f"global batch {self.global_batch:,}, {self.dtypes})"
+            f"global batch {self.global_batch:,}{_as_micro_batches(self)}, {self.dtypes})"
         )
         if not self.fits:
             return f"{head}: does not fit: {self.error} (compiled in {self.compile_s:.0f} s)"
         t = self.roofline_s
+        of = _size(self.hbm_bytes)
+        if self.usable_bytes is not None:
+            of = (
+                f"{_size(self.usable_bytes)} usable ({gpu_compile.mem_fraction():.0%} of {of} "
+                f"less {_size(gpu_compile.CUDNN_WORKSPACE_MARGIN)} for cuDNN)"
+            )
         return (
-            f"{head}: fits: {_size(self.memory_bytes)} of {_size(self.hbm_bytes)} per device "
+            f"{head}: fits: {_size(self.memory_bytes)} of {of} per device "
             f"(args {_size(self.argument_bytes)}, temp {_size(self.temp_bytes)}, code "
             f"{_size(self.code_bytes)}); {self.flops / 1e12:.3g} TFLOP, "
             f"{self.bytes_accessed / 1e9:.3g} GB per device per step; roofline >= "
             f"{_duration(t)}/step = {self.examples_per_s:,.0f} examples/s "
-            f"({self.examples_per_s / self.num_devices:,.0f} per device); compiled in "
+            f"({self.examples_per_s / self.num_devices:,.0f} per device) at a dense bf16 peak of "
+            f"{self.peak_flops / 1e12:g} TFLOP/s per device ({self.peak_source}); compiled in "
             f"{self.compile_s:.0f} s"
         )
+
+
+def _as_micro_batches(report: StepReport) -> str:
+    k = report.accumulation_steps
+    return f" = {k} x {report.micro_batch:,} accumulated" if k > 1 else ""
 
 
 def _size(n: float) -> str:
@@ -325,7 +348,8 @@ def devices_per_chip(devices: list[Any]) -> int:
     return max(1, len(devices) // len(chips))
 
 
-Build = Callable[[Mesh, str, int], Steps]
+# ``build(mesh, step, global_batch, accumulation_steps)``: the Estimator's steps on ``mesh``.
+Build = Callable[[Mesh, str, int, int], Steps]
 
 
 def compile_for(
@@ -335,20 +359,25 @@ def compile_for(
     batch_sizes: dict[str, int],
     num_shards: int | None = None,
     search: bool = False,
+    accumulation_steps: int = 1,
 ) -> list[StepReport]:
     """Compiles each step of ``batch_sizes`` (``{"train": 1024, "eval": 1024}``) for a slice.
 
     Args:
-      build: ``build(mesh, step, global_batch) -> Steps``: the Estimator's steps on that mesh.
+      build: ``build(mesh, step, global_batch, accumulation_steps) -> Steps``: the
+        Estimator's steps on that mesh.
       topology: the slice, e.g. ``v5e:2x4``.
       io: ``(features, labels)``, ``TensorSpec`` pytrees of a batch (batch dimension None).
       batch_sizes: the global batch of each step to compile.
       num_shards: replicas: the first ``num_shards`` devices (default: all of the slice's).
-      search: for a step that does not fit, look for the largest batch that does (compiles).
+      search: for a step that does not fit, look for the largest batch that does (compiles),
+        and for a train step whether its batch fits as more micro-batches
+        (``accumulated_fit``).
+      accumulation_steps: the train step's micro-batches (``gradient_accumulation_steps``).
 
     Raises:
       CompileForError: the topology cannot be used here, or a batch does not divide over the
-        replicas (the message suggests one that does).
+        replicas or into the micro-batches (the message suggests one that does).
     """
     features, labels = io
     check_inputs(features, labels)
@@ -357,41 +386,94 @@ def compile_for(
         devices = devices[:num_shards]
     reports = []
     for step, batch in batch_sizes.items():
+        k = accumulation_steps if step == "train" else 1
         try:
             per_replica_batch(batch, len(devices), f"{step}_batch_size")
+            micro_batch(batch, len(devices), k)
         except ValueError as e:
             raise CompileForError(f"on {topology}: {e}") from None
         compile_one = functools.partial(
             compile_step, step, build, devices, topology, features=features, labels=labels
         )
-        report = compile_one(batch=batch)
+        report = compile_one(batch=batch, accumulation_steps=k)
         if search and not report.fits:
-            probe = functools.partial(_at_batch, compile_one)
-            report.search = largest_batch(probe, report, len(devices))
+            probe = functools.partial(_at_batch, compile_one, k)
+            report.search = largest_batch(probe, report, len(devices) * k)
+            if step == "train" and report.search.fits:
+                report.search = accumulated_fit(compile_one, report, report.search)
         reports.append(report)
     return reports
 
 
-def _at_batch(compile_one: Callable[..., StepReport], batch: int) -> StepReport:
-    return compile_one(batch=batch)
+def _at_batch(compile_one: Callable[..., StepReport], k: int, batch: int) -> StepReport:
+    return compile_one(batch=batch, accumulation_steps=k)
+
+
+def accumulated_fit(
+    compile_one: Callable[..., StepReport], failed: StepReport, found: BatchSearch, tries: int = 2
+) -> BatchSearch:
+    """``found`` with the micro-batch count at which ``failed``'s global batch fits, if any.
+
+    A candidate k splits each replica's batch evenly and makes the global micro-batch at most
+    the largest batch found to fit (``found.fits`` at ``failed``'s k). The input batch and a
+    gradient accumulator still take memory at the whole batch, so each candidate (the smallest
+    first, at most ``tries``) is compiled to be sure.
+    """
+    assert found.fits is not None
+    batch, k = failed.global_batch, failed.accumulation_steps
+    per_replica = batch // failed.num_devices
+    fitting_micro = found.fits // k
+    candidates = [
+        d
+        for d in range(k + 1, per_replica + 1)
+        if per_replica % d == 0 and batch // d <= fitting_micro
+    ]
+    compiles = found.compiles
+    for candidate in candidates[:tries]:
+        report = compile_one(batch=batch, accumulation_steps=candidate)
+        compiles += 1
+        logging.info(
+            "batch search: global batch %d as %d x %d %s",
+            batch,
+            candidate,
+            batch // candidate,
+            "fits" if report.fits else "does not fit",
+        )
+        if report.fits:
+            return dataclasses.replace(
+                found,
+                compiles=compiles,
+                accumulated=candidate,
+                accumulated_bytes=report.memory_bytes,
+            )
+    return dataclasses.replace(found, compiles=compiles)
 
 
 def compile_step(
-    step: str, build: Build, devices: list[Any], topology: str, **io: Any
+    step: str,
+    build: Build,
+    devices: list[Any],
+    topology: str,
+    accumulation_steps: int = 1,
+    **io: Any,
 ) -> StepReport:
     """Compiles the ``step`` ('train' or 'eval') at ``io['batch']`` for ``devices``.
 
     Args:
       step: which step.
-      build: ``build(mesh, step, global_batch) -> Steps``: the Estimator's steps on that mesh.
+      build: ``build(mesh, step, global_batch, accumulation_steps) -> Steps``: the Estimator's
+        steps on that mesh.
       devices: the mesh's devices (a slice's, or the first ``num_shards`` of them).
       topology: the slice's name, for the report.
+      accumulation_steps: the train step's micro-batches per step.
       io: ``features``, ``labels`` (``TensorSpec`` pytrees, batch dim None) and ``batch``.
     """
     mesh = Mesh(np.array(devices), (REPLICA_AXIS,))
     batch = io["batch"]
-    chip = TPU_CHIPS[check_topology(topology)]
-    per_chip = devices_per_chip(devices)
+    gpu = gpu_compile.is_gpu_target(topology)
+    name = check_topology(topology)
+    chip = gpu_compile.chip(name) if gpu else TPU_CHIPS[name]
+    per_chip = 1 if gpu else devices_per_chip(devices)
     report = StepReport(
         step=step,
         topology=topology,
@@ -402,17 +484,25 @@ def compile_step(
         dtypes="",
         fits=False,
         compile_s=0.0,
-        hbm_bytes=chip.hbm_gib * GiB / per_chip,
+        accumulation_steps=accumulation_steps,
+        # A GPU's memory as its description gives it to the compiler (chips.py agrees to 1%).
+        hbm_bytes=gpu_compile.device_memory_bytes(name) if gpu else chip.hbm_gib * GiB / per_chip,
         peak_flops=chip.bf16_tflops * 1e12 / per_chip,
         hbm_bandwidth=chip.hbm_gbps * 1e9 / per_chip,
     )
+    if gpu:
+        report.usable_bytes = gpu_compile.usable_bytes(report.hbm_bytes)
     start = time.perf_counter()
-    lowered = lower(step, build(mesh, step, batch), mesh, (io["features"], io["labels"]), batch)
+    steps = build(mesh, step, batch, accumulation_steps)
+    lowered = lower(step, steps, mesh, (io["features"], io["labels"]), batch)
     stablehlo = lowered.as_text()
     report.dtypes = compute_dtypes(stablehlo)
     try:
         compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as e:
+        missing = gpu_compile.compile_error(topology, e) if gpu else None
+        if missing:
+            raise CompileForError(str(missing)) from None
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
         report.compile_s = time.perf_counter() - start
@@ -420,6 +510,8 @@ def compile_step(
         return report
     report.compile_s = time.perf_counter() - start
     _fill(report, compiled)
+    if gpu:
+        _judge_gpu_fit(report, lowered, compiled)
     report.custom_calls = custom_call_targets(stablehlo + compiled.as_text())
     _measure_serialized(report, compiled)
     return report
@@ -450,17 +542,32 @@ def _fill(report: StepReport, compiled: Any) -> None:
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost  # older jaxlibs: one dict per program
+    cost = cost or {}  # None on XLA:GPU (UNIMPLEMENTED): _judge_gpu_fit counts instead
     report.fits = True
     report.argument_bytes = int(memory.argument_size_in_bytes)
     report.output_bytes = int(memory.output_size_in_bytes)
     report.alias_bytes = int(memory.alias_size_in_bytes)
     report.temp_bytes = int(memory.temp_size_in_bytes)
     report.code_bytes = int(memory.generated_code_size_in_bytes)
-    report.flops = float(cost.get("flops", 0.0))
-    report.bytes_accessed = float(cost.get("bytes accessed", 0.0))
+    # XLA's cost analysis counts a loop's body once; an accumulated step runs its micro-batch
+    # body k times (the update after the loop, counted k times too, is small beside it).
+    k = report.accumulation_steps
+    report.flops = k * float(cost.get("flops", 0.0))
+    report.bytes_accessed = k * float(cost.get("bytes accessed", 0.0))
     # XLA:TPU's own estimate of the step's time, where its cost model gives one.
     estimate = cost.get("optimal_seconds")
     report.xla_estimate_s = float(estimate) if estimate and estimate > 0 else None
+
+
+def _judge_gpu_fit(report: StepReport, lowered: Any, compiled: Any) -> None:
+    """A GPU step's costs (its executable has no cost analysis) and whether it fits: XLA:GPU
+    compiles a step too big for the card (measured: 304 GiB per device on an 80 GB H100)."""
+    flops, bytes_accessed = gpu_compile.step_costs(lowered, compiled)
+    # As in _fill: the cost analysis counts an accumulation loop's body once.
+    report.flops = report.accumulation_steps * flops
+    report.bytes_accessed = report.accumulation_steps * bytes_accessed
+    report.error = gpu_compile.fit_error(report.memory_bytes, report.hbm_bytes)
+    report.fits = report.error is None
 
 
 def check_inputs(features: Any, labels: Any) -> None:
@@ -470,20 +577,40 @@ def check_inputs(features: Any, labels: Any) -> None:
         check_input_specs(labels)
 
 
+# The batch search stops once a batch fits and one at most 2% larger does not: 2% of the batch
+# is within a step's run-to-run spread, and each try near the limit is a full compile (2 to
+# 3 min for ResNet-50 on v5e, 5 min for ResNet-18 at 305,832 examples, on 2 busy CPU cores).
+TOLERANCE = 0.02
+
+
 @dataclasses.dataclass(frozen=True)
 class BatchSearch:
     """What ``largest_batch`` found: ``fits`` fits (None: no batch tried did), ``fails`` (the
-    smallest tried that does not) does not; ``multiple``: the step between batches."""
+    smallest tried that does not) does not, so the largest batch that fits is in
+    ``[fits, fails)``; ``multiple``: the step between batches; ``tolerance``: the relative
+    width of that bracket at which the search stops. ``accumulated``: a micro-batch count at
+    which the batch asked for fits (``accumulated_fit``; None: none found or not tried), using
+    ``accumulated_bytes`` per device."""
 
     fits: int | None
     fails: int
     multiple: int
     compiles: int
+    tolerance: float = TOLERANCE
+    accumulated: int | None = None
+    accumulated_bytes: int = 0
 
     @property
     def exact(self) -> bool:
         """Whether ``fits`` is the largest (the next multiple does not fit)."""
         return self.fits is not None and self.fails - self.fits <= self.multiple
+
+    @property
+    def converged(self) -> bool:
+        """Whether ``fits`` is within ``tolerance`` of the largest batch that fits (or exact)."""
+        return self.fits is not None and _narrow(
+            self.fits, self.fails, self.multiple, self.tolerance
+        )
 
 
 _SIZE = re.compile(r"([\d.]+)\s*([KMGT])i?B?\b")
@@ -499,57 +626,121 @@ def oom_sizes(message: str) -> tuple[float, float] | None:
 
 
 def largest_batch(
-    probe: Callable[[int], StepReport], failed: StepReport, multiple: int, max_compiles: int = 12
+    probe: Callable[[int], StepReport],
+    failed: StepReport,
+    multiple: int,
+    tolerance: float = TOLERANCE,
+    max_compiles: int = 16,
 ) -> BatchSearch:
-    """The largest global batch (a multiple of ``multiple``) below ``failed``'s that fits.
+    """The largest global batch (a multiple of ``multiple``) below ``failed``'s that fits, to
+    within ``tolerance``: a batch that fits and one that does not, at most ``tolerance`` (or
+    one multiple) larger.
 
-    Memory grows about linearly with the batch: each try is where the line through two
-    measurements (a fit's memory, an out-of-memory's required bytes) meets the memory available
-    (aiming 2% low until something fits), halving the bracket instead after a try that moved it
-    by one step only. At most ``max_compiles`` compiles; exact once a fitting batch and the next
-    multiple, which does not fit, are both known. (12: a batch that does not fit fails in
-    seconds, at memory assignment, and most late tries are those; ResNet-50 on v5e: 8 s a
-    failure, 2 to 3 min a fit, on 2 CPU cores.)
+    Each try is where the line through two measurements meets the memory available
+    (``_next_guess``), but at least ``tolerance`` of the fitting batch inside the bracket
+    ``(fits, fails)``, so no try creeps; where the line proves wrong, the bracket's middle.
+
+    Compiles: never more than ``max_compiles``. Once ``b`` fits and ``B`` does not, every four
+    compiles at least halve ``log(fails / fits)`` (every two where the line proves wrong), so
+    at most ``4 * ceil(log2(log(B / b) / log(1 + tolerance)))`` more follow (28 from 266,408
+    and 1,048,576 at 2%: the cap comes first). On the tests' memory curves: 4 or 5 where
+    memory is linear, at most 11 on issue 40's (fits measured above the memory the errors call
+    available), 9.8 on average over random linear ones. A failure costs seconds (at memory
+    assignment), a fit minutes: most of a search's time is its fits.
     """
     points: dict[int, float] = {}  # batch -> bytes (needed, or used)
     available = failed.hbm_bytes
     sizes = oom_sizes(failed.error or "")
     if sizes:
         points[failed.global_batch], available = sizes
-    lo, hi, compiles, halve, kept = 0, failed.global_batch, 0, False, 0
-    while compiles < max_compiles and hi - lo > multiple:
-        target = available if lo else 0.98 * available
-        guess = _next_guess(points, target, lo, hi, multiple, hi_weight=0.5**kept)
-        if halve or not lo < guess < hi:
-            guess = _middle(lo, hi, multiple)
+    lo, hi, compiles, fits_in_row, bisect = 0, failed.global_batch, 0, 0, False
+    # Line tries in a row that the least step moved and that landed where the line said they
+    # would not (a fit above it, a failure below it): the line is wrong on that side, as when
+    # fits measure more than the memory the errors call available (issue 40), and that side's
+    # least step doubles with each ("grow geometrically").
+    undershot = overshot = 0
+    slow = 0  # tries in a row that did not halve the bracket
+    while compiles < max_compiles and not _narrow(lo, hi, multiple, tolerance):
+        line = guess = _middle(lo, hi, multiple)
+        if not bisect:
+            # Aim 2% low until something fits: a fit is worth minutes of compiling.
+            target = available if lo else 0.98 * available
+            line = _next_guess(points, target, lo, hi, multiple, hi_weight=0.5**fits_in_row)
+            guess = _inside(line, lo, hi, multiple, tolerance, 2**undershot, 2**overshot)
         report = probe(guess)
         compiles += 1
-        logging.info(
-            "batch search: global batch %d %s (%s)",
-            guess,
-            "fits" if report.fits else "does not fit",
-            _size(report.memory_bytes) if report.fits else (report.error or "")[:120],
-        )
-        halve = not report.fits and hi - guess <= multiple
+        before = (lo, hi)
         if report.fits:
             lo, points[guess] = guess, float(report.memory_bytes)
-            kept += 1
+            fits_in_row += 1
         else:
-            hi, kept = guess, 0
+            hi, fits_in_row = guess, 0
             sizes = oom_sizes(report.error or "")
             if sizes:
                 points[guess] = sizes[0]
-    return BatchSearch(fits=lo or None, fails=hi, multiple=multiple, compiles=compiles)
+        if not bisect:
+            undershot = undershot + 1 if report.fits and guess > line else 0
+            overshot = overshot + 1 if not report.fits and guess < line else 0
+        logging.info(
+            "batch search: global batch %d %s (%s); the largest that fits is in [%d, %d)",
+            guess,
+            "fits" if report.fits else "does not fit",
+            _size(report.memory_bytes) if report.fits else (report.error or "")[:120],
+            lo,
+            hi,
+        )
+        # A bisection halves the bracket. It follows a line try that did not, if the line
+        # was wrong (moved by the least step, or it failed where it aimed at the limit); a
+        # fit where the line aimed is not wrong, only far from a distant failure (the batch
+        # asked for), and the next try tests it. Three slow tries in a row: bisect anyway.
+        slow = 0 if bisect or _halved(before, (lo, hi)) else slow + 1
+        bisect = slow >= 3 or (slow >= 1 and (guess != line or not report.fits))
+    return BatchSearch(
+        fits=lo or None, fails=hi, multiple=multiple, compiles=compiles, tolerance=tolerance
+    )
+
+
+def _narrow(lo: int, hi: int, k: int, tolerance: float) -> bool:
+    """Whether the bracket [lo, hi) is one multiple of ``k`` wide, or ``tolerance`` of ``lo``."""
+    return hi - lo <= max(k, tolerance * lo)
+
+
+def _halved(before: tuple[int, int], after: tuple[int, int]) -> bool:
+    """Whether a try halved the bracket: ``log(hi / lo)``, or ``hi`` while nothing fits."""
+    (lo0, hi0), (lo1, hi1) = before, after
+    if not lo1:
+        return hi1 <= hi0 / 2
+    if not lo0:
+        return True  # the first fit: the bracket is finite now
+    return math.log(hi1 / lo1) <= math.log(hi0 / lo0) / 2
+
+
+def _inside(guess: int, lo: int, hi: int, k: int, tolerance: float, up: int, down: int) -> int:
+    """``guess`` kept a least step from both ends of (lo, hi), so that a fit moves ``lo`` and a
+    failure moves ``hi`` by that much at least (two fits near the limit whose line points just
+    past the last one crept up 8 examples a compile, ~5 min each, from 305,832: issue 40).
+
+    The step is ``tolerance`` of ``lo`` (rounded down to a multiple of ``k``, at least ``k``):
+    ``up`` of them above ``lo`` and ``down`` below ``hi``, each cut back to leave one step at
+    the other end. Where two steps do not fit in the bracket, its middle.
+    """
+    step = max(k, int(tolerance * lo) // k * k)
+    if lo + step > hi - step:
+        return _middle(lo, hi, k)
+    low = min(lo + step * up, hi - step)
+    high = max(hi - step * down, lo + step)
+    return min(high, max(low, guess)) if low <= high else _middle(lo, hi, k)
 
 
 def _next_guess(
     points: dict[int, float], available: float, lo: int, hi: int, k: int, hi_weight: float = 1.0
 ) -> int:
-    """The next batch to try in (lo, hi), a multiple of ``k``.
+    """The batch, a multiple of ``k``, where memory is predicted to reach ``available``.
 
     Where the line through two measurements reaches ``available``: the two largest batches that
     fit, else those at ``lo`` and ``hi``, else (no fit yet) ``hi``'s and the next larger failed
-    one's, else ``hi``'s and zero. Kept inside the bracket; the middle when nothing is measured.
+    one's, else ``hi``'s and zero. The middle of (lo, hi) when nothing is measured. May lie
+    outside (lo, hi): the caller keeps it inside (``_inside``).
 
     Fits are preferred, and ``hi_weight`` scales ``hi``'s excess over ``available`` (the
     Illinois method), because an out-of-memory error states what the step needs before XLA
@@ -561,8 +752,7 @@ def _next_guess(
     if len(fits) >= 2:
         (b1, m1), (b2, m2) = ((b, points[b]) for b in fits[-2:])
         if m2 > m1:
-            # At or past ``hi`` (known not to fit) the line is wrong: the caller halves.
-            return max(lo + k, _line_reaches(b1, m1, b2, m2, available, k))
+            return _positive(_line_reaches(b1, m1, b2, m2, available, k), lo, hi, k)
     if hi not in points:
         return _middle(lo, hi, k)
     if lo in points:
@@ -571,10 +761,16 @@ def _next_guess(
         above = [b for b in points if b > hi]
         b1, m1 = (min(above), points[min(above)]) if above else (0, 0.0)
     b2, m2 = hi, available + (points[hi] - available) * hi_weight
-    guess = hi - k
     if b1 != b2 and (m2 - m1) / (b2 - b1) > 0:
-        guess = _line_reaches(b1, m1, b2, m2, available, k)
-    return min(hi - k, max(lo + k, guess))
+        return _positive(_line_reaches(b1, m1, b2, m2, available, k), lo, hi, k)
+    return hi - k
+
+
+def _positive(guess: int, lo: int, hi: int, k: int) -> int:
+    """``guess``, or the middle of (lo, hi) where the line reaches the memory available at no
+    batch at all: two errors that overstate the need (weights included) make such a line,
+    and a try at one multiple from it is a wasted compile."""
+    return guess if guess > 0 else _middle(lo, hi, k)
 
 
 def _line_reaches(b1: int, m1: float, b2: int, m2: float, target: float, k: int) -> int:
@@ -584,15 +780,17 @@ def _line_reaches(b1: int, m1: float, b2: int, m2: float, target: float, k: int)
 
 
 def _middle(lo: int, hi: int, k: int) -> int:
-    """The middle of the bracket (lo, hi), a multiple of ``k`` above ``lo``."""
-    return max(lo + k, (lo + hi) // 2 // k * k)
+    """The middle of the bracket (lo, hi), a multiple of ``k`` inside it: geometric (the
+    bracket's ratio is what the search narrows), or ``hi / 2`` while nothing fits."""
+    middle = math.isqrt(lo * hi) if lo else hi // 2
+    return min(hi - k, max(lo + k, middle // k * k))
 
 
 def describe_failure(report: StepReport) -> str:
     """One line: a step that does not fit, and what the batch search found (if it ran)."""
     head = (
         f"the {report.step} step does not fit on {report.topology} at global batch "
-        f"{report.global_batch:,}"
+        f"{report.global_batch:,}{_as_micro_batches(report)}"
     )
     search = report.search
     if search is None:
@@ -600,15 +798,36 @@ def describe_failure(report: StepReport) -> str:
     tries = f"{search.compiles} compile{'s' if search.compiles != 1 else ''}"
     if search.fits is None:
         return (
-            f"{head}, nor at {search.fails:,} ({tries}): the model's weights and state alone "
-            "may not fit there."
+            f"{head}, nor at {search.fails:,} ({tries}): the model's weights and "
+            "state alone may not fit there."
         )
+    gap = _percent_up((search.fails - search.fits) / search.fits)
     if search.exact:
-        return (
+        found = (
             f"{head}: the largest global batch that fits is {search.fits:,} ({search.fails:,} "
-            f"does not; found in {tries})."
+            f"does not; found in {tries})"
         )
+    elif search.converged:
+        found = (
+            f"{head}: a global batch of {search.fits:,} fits and {search.fails:,} does not "
+            f"(within {gap} of the largest that fits; found in {tries})"
+        )
+    else:
+        found = (
+            f"{head}: a global batch of {search.fits:,} fits and {search.fails:,} does not (the "
+            f"largest is between them, {gap} apart: not narrowed to "
+            f"{search.tolerance * 100:g}% in {tries})"
+        )
+    k = search.accumulated
+    if k is None:
+        return f"{found}."
+    micro = report.global_batch // k
     return (
-        f"{head}: a global batch of {search.fits:,} fits and {search.fails:,} does not (the "
-        f"largest is between them; {tries})."
+        f"{found}; {report.global_batch:,} fits as {k} x {micro:,} "
+        f"(--gradient_accumulation_steps={k}: {_size(search.accumulated_bytes)} per device)."
     )
+
+
+def _percent_up(fraction: float) -> str:
+    """``fraction`` as a percentage rounded up to 0.1% (a bound stays true when printed)."""
+    return f"{math.ceil(fraction * 1000 - 1e-9) / 10:.1f}%"

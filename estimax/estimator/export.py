@@ -3,7 +3,7 @@
 An export directory holds ``model.jaxexport`` (the serialized computation, batch dimension
 symbolic, lowered for several platforms), ``variables.msgpack`` (the weights it takes) and
 ``signature.json`` (input and output names, shapes, dtypes, the global step). Serving it needs
-JAX, not the model's Python code (``estimax.serving.load``).
+JAX, not the model's Python code (``estimax.export.load``).
 
 This module is a leaf: it receives the function to serve, its variables and its input specs
 (``Estimator.export_saved_model`` gathers them) and knows nothing of the Estimator.

@@ -10,7 +10,9 @@ order looked at (an explicit ``--coordinator_address=HOST:PORT`` skips the detec
 3. ``tf_config``: ``$TF_CONFIG`` (Cloud ML Engine, Vertex AI, TensorFlow's own jobs). Process 0
    is ``chief[0]`` (ML Engine's older ``master[0]``; without either, ``worker[0]``), then
    ``worker[0]``, ``worker[1]``...
-4. ``env``: ``$JAX_COORDINATOR_ADDRESS``, the numbers from the flags or JAX's detection.
+4. ``jax_env``: ``$JAX_COORDINATOR_ADDRESS``, ``$JAX_NUM_PROCESSES`` and ``$JAX_PROCESS_ID``
+   (JAX's own names; Kubeflow Trainer's JAX runtime sets the three in every pod). ``env``:
+   ``$JAX_COORDINATOR_ADDRESS`` alone, the numbers from the flags or JAX's detection.
 5. Only with ``auto``, JAX's own plugins, named as JAX names them: ``ompi`` (Open MPI 4 or older:
    ``$OMPI_MCA_orte_hnp_uri``, set by ORTE, which Open MPI 5 replaced with PRRTE), ``slurm``
    (``$SLURM_JOB_ID``, ``$SLURM_STEP_NODELIST``, ``$SLURM_NTASKS``, ``$SLURM_PROCID``,
@@ -59,12 +61,15 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from estimax import storage
+
 __all__ = [
     "AUTO",
     "Launch",
     "LaunchError",
     "detect",
     "evaluator_task",
+    "jax_env_launch",
     "parse_cluster_spec",
     "parse_tf_config",
     "rendezvous",
@@ -77,7 +82,12 @@ _MAGIC = "estimax-launch/1 "
 _MAX_LINE = 1 << 20
 _TF_TYPES = ("chief", "master", "worker", "evaluator", "ps")
 _VERTEX_POOLS = ("workerpool0", "workerpool1", "workerpool2", "workerpool3")
-_HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[^\s:\[\]]+):(\d{1,5})$")
+# ASCII digits only: ``\d`` alone also matches other scripts' digits, which int() reads.
+_HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[^\s:\[\]]+):([0-9]{1,5})$", re.ASCII)
+_MAX_PORT = 65535
+# A task index as a string ("1"): ASCII digits, as many as an index can have ("²" is a digit to
+# str.isdigit() but not to int()).
+_INDEX = re.compile(r"[0-9]{1,9}", re.ASCII)
 
 
 class LaunchError(ValueError):
@@ -129,9 +139,17 @@ class Launch:
 # ----------------------------------------------------------------------------- cluster specs
 
 
+def _short(value: Any) -> str:
+    """``repr(value)`` cut to what one line can hold (a spec is any size the job sets)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _json_object(text: str, var: str) -> dict[str, Any]:
     try:
-        value = json.loads(text)
+        value = storage.load_json(text)
+    except storage.JSONNestingError as e:
+        raise LaunchError(f"${var} is not a cluster spec: it is {e}") from None
     except ValueError as e:
         raise LaunchError(f"${var} is not JSON ({e}): {text[:80]!r}") from None
     if not isinstance(value, dict):
@@ -142,15 +160,20 @@ def _json_object(text: str, var: str) -> dict[str, Any]:
 def _addresses(cluster: Any, var: str, known: tuple[str, ...]) -> dict[str, list[str]]:
     """``cluster`` checked: ``{type: ["host:port", ...]}`` with known types only."""
     if not isinstance(cluster, dict):
-        raise LaunchError(f"${var}: cluster must be an object of task lists, got {cluster!r}")
+        raise LaunchError(f"${var}: cluster must be an object of task lists, got {_short(cluster)}")
     for name, hosts in cluster.items():
         if name not in known:
-            raise LaunchError(f"${var}: cluster.{name} is not one of {', '.join(known)}")
+            raise LaunchError(f"${var}: cluster.{name[:40]} is not one of {', '.join(known)}")
         if not isinstance(hosts, list):
             raise LaunchError(f"${var}: cluster.{name} must be a list of HOST:PORT strings")
         for i, host in enumerate(hosts):
             if not isinstance(host, str) or not _HOST_PORT.match(host):
-                raise LaunchError(f"${var}: cluster.{name}[{i}] = {host!r} is not HOST:PORT")
+                raise LaunchError(f"${var}: cluster.{name}[{i}] = {_short(host)} is not HOST:PORT")
+            port = int(host.rsplit(":", 1)[1])
+            if not 1 <= port <= _MAX_PORT:
+                raise LaunchError(
+                    f"${var}: cluster.{name}[{i}] = {host!r}: port {port} is not in 1..{_MAX_PORT}"
+                )
     return cluster
 
 
@@ -160,18 +183,18 @@ def _task(spec: dict[str, Any], var: str, known: tuple[str, ...]) -> tuple[str, 
         raise LaunchError(f"${var}: task must be an object {{'type': ..., 'index': ...}}")
     kind, index = task.get("type"), task.get("index", 0)
     if kind not in known:
-        raise LaunchError(f"${var}: task.type = {kind!r} is not one of {', '.join(known)}")
-    if isinstance(index, str) and index.isdigit():
+        raise LaunchError(f"${var}: task.type = {_short(kind)} is not one of {', '.join(known)}")
+    if isinstance(index, str) and _INDEX.fullmatch(index):
         index = int(index)
     if not isinstance(index, int) or isinstance(index, bool) or index < 0:
-        raise LaunchError(f"${var}: task.index = {index!r} is not an index (0, 1, ...)")
+        raise LaunchError(f"${var}: task.index = {_short(index)} is not an index (0, 1, ...)")
     return kind, index
 
 
 def _in_range(cluster: dict[str, list[str]], kind: str, index: int, var: str) -> None:
     if index >= len(cluster.get(kind, [])):
         raise LaunchError(
-            f"${var}: task.index = {index} but cluster.{kind} lists "
+            f"${var}: task.index = {_short(index)} but cluster.{kind} lists "
             f"{len(cluster.get(kind, []))} task(s)"
         )
 
@@ -296,7 +319,7 @@ def has_evaluator(environ: Mapping[str, str] | None = None) -> bool:
 
 def _spec_or_none(text: str) -> dict[str, Any] | None:
     try:
-        spec = json.loads(text)
+        spec = storage.load_json(text)
     except ValueError:
         return None
     return spec if isinstance(spec, dict) and isinstance(spec.get("cluster"), dict) else None
@@ -361,8 +384,8 @@ def detect(
         found = Launch("flags", "--coordinator_address", coordinator_address)
     elif spec is not None:
         found = spec
-    elif environ.get("JAX_COORDINATOR_ADDRESS"):
-        found = Launch("env", "$JAX_COORDINATOR_ADDRESS", environ["JAX_COORDINATOR_ADDRESS"])
+    elif any(environ.get(var) for var in _JAX_ENV):
+        found = jax_env_launch(environ)
     elif coordinator_address == AUTO:
         found = _jax_cluster(timeout) or _nothing_found()
     elif (num_processes is not None and num_processes > 1) or process_id is not None:
@@ -381,6 +404,8 @@ def _with_numbers(
 ) -> Launch:
     """``found`` with the numbers given by hand (they win); for an address given without them,
     JAX's detection's, as ``jax.distributed.initialize`` does."""
+    if found.kind in ("flags", "env"):
+        _port(found)  # said now, in one line, not by the socket (OverflowError) at the join
     if found.kind in ("flags", "env") and (num_processes is None or process_id is None):
         jax_found = _jax_cluster(timeout)
         if jax_found is None and num_processes != 1:
@@ -398,6 +423,48 @@ def _with_numbers(
     if not 0 <= index < count:
         raise LaunchError(f"--process_id={index} is not in 0 .. {count - 1} (--num_processes)")
     return dataclasses.replace(found, num_processes=count, process_id=index)
+
+
+_JAX_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+
+
+def jax_env_launch(environ: Mapping[str, str]) -> Launch:
+    """This process from JAX's own variables: ``$JAX_COORDINATOR_ADDRESS``, and with it
+    ``$JAX_NUM_PROCESSES`` and ``$JAX_PROCESS_ID`` -- the three Kubeflow Trainer's JAX runtime
+    sets in every pod of a TrainJob (kind ``jax_env``). The address alone is kind ``env``: its
+    numbers come from the flags or JAX's detection. A missing or malformed one is one line naming
+    the variable."""
+    address, count, index = (environ.get(var, "").strip() for var in _JAX_ENV)
+    where = "Kubeflow Trainer's JAX runtime sets all three"
+    if not address:
+        given = ", ".join(f"${v}" for v in _JAX_ENV[1:] if environ.get(v))
+        raise LaunchError(
+            f"{given} set without $JAX_COORDINATOR_ADDRESS (HOST:PORT of process 0): set it too "
+            f"({where}), or unset {given}"
+        )
+    match = _HOST_PORT.match(address)
+    if match is None or not 0 < int(match.group(2)) < 65536:
+        raise LaunchError(
+            f"$JAX_COORDINATOR_ADDRESS={address!r} is not HOST:PORT (process 0's host and a free "
+            "port, the same in every process)"
+        )
+    if not count and not index:
+        return Launch("env", "$JAX_COORDINATOR_ADDRESS", address)
+    if not count or not index:
+        have, lack = ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID")[:: 1 if count else -1]
+        raise LaunchError(f"${have} is set but ${lack} is not: set both ({where}), or neither")
+    if not count.isdigit() or int(count) < 1:
+        raise LaunchError(
+            f"$JAX_NUM_PROCESSES={count!r} is not a whole number of 1 or more (the job's "
+            "processes, the same in every process)"
+        )
+    if not index.isdigit() or int(index) >= int(count):
+        raise LaunchError(
+            f"$JAX_PROCESS_ID={index!r} is not in 0 .. {int(count) - 1} "
+            f"($JAX_NUM_PROCESSES={count}; a different one in every process)"
+        )
+    source = "$JAX_COORDINATOR_ADDRESS, $JAX_NUM_PROCESSES, $JAX_PROCESS_ID"
+    return Launch("jax_env", source, address, int(count), int(index))
 
 
 def _nothing_found() -> Launch:
@@ -440,17 +507,25 @@ def _receive(sock: socket.socket, deadline: float) -> dict[str, Any] | None:
     if not line.startswith(_MAGIC):
         return None
     try:
-        message = json.loads(line[len(_MAGIC) :])
+        message = storage.load_json(line[len(_MAGIC) :])
     except ValueError:
         return None
     return message if isinstance(message, dict) else None
 
 
-def _port(coordinator: str) -> int:
-    try:
-        return int(coordinator.rsplit(":", 1)[1])
-    except (IndexError, ValueError):
-        raise LaunchError(f"coordinator address {coordinator!r} is not HOST:PORT") from None
+def _port(launch: Launch) -> int:
+    """The coordinator's port; LaunchError naming where the address came from (its flag or
+    variable) if it is not HOST:PORT with a port a socket can bind (``socket`` raises
+    OverflowError for 99999)."""
+    coordinator = launch.coordinator or ""
+    match = _HOST_PORT.match(coordinator)
+    port = int(match.group(2)) if match else 0
+    if not 1 <= port <= _MAX_PORT:
+        raise LaunchError(
+            f"{launch.source}: coordinator address {_short(coordinator)} is not HOST:PORT with "
+            f"a port in 1..{_MAX_PORT}"
+        )
+    return port
 
 
 def rendezvous(launch: Launch, timeout: float = 30.0) -> list[dict[str, Any]]:
@@ -494,7 +569,7 @@ def _listen(port: int) -> socket.socket:
 
 def _serve(launch: Launch, deadline: float, timeout: float) -> list[dict[str, Any]]:
     """Process 0: gathers the others' views until all came or the deadline, answers each."""
-    server = _listen(_port(launch.coordinator or ""))
+    server = _listen(_port(launch))
     conns: list[socket.socket] = []
     views: list[dict[str, Any]] = [_view(launch)]
     problems: list[str] = []
@@ -589,7 +664,7 @@ def _missing(launch: Launch, views: list[dict[str, Any]], timeout: float) -> str
 def _ask(launch: Launch, deadline: float, timeout: float) -> list[dict[str, Any]]:
     """A process other than 0: connects to the coordinator (retrying), sends its view, waits."""
     coordinator = launch.coordinator or ""
-    host, port = coordinator.rsplit(":", 1)[0].strip("[]"), _port(coordinator)
+    host, port = coordinator.rsplit(":", 1)[0].strip("[]"), _port(launch)
     last_error = "no answer"
     retry = threading.Event()  # waits between attempts without sleeping the whole timeout
     while time.monotonic() < deadline:

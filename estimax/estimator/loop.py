@@ -17,7 +17,7 @@ checkpoint write, a NaN, a hook's error, ``Preempted``).
 | ``ProfilerHook``     | around steps it traces | a trace with step markers        | stops it     |
 | ``NonfiniteCheck``   | every loop             | NaN/Inf loss -> ``NanLossError`` |              |
 | ``SkippedStepsReport`` | every loop           | counts non-finite skipped steps  |              |
-| ``StepLogger``       | every loop             | scalars, log lines, speed        | bar, flush   |
+| ``StepLogger``       | every loop             | scalars, log lines, speed, MFU   | bar, flush   |
 | ``InputReports``     | every loop             | input wait, skipped records      |              |
 | ``Hooks`` (the user's) | before/after a loop  | may request a stop               | trace        |
 | ``Saver``            | every loop             | saves when due, last, on a stop; | waits for    |
@@ -41,6 +41,7 @@ from estimax.estimator import checkpoints as ckpt_lib
 from estimax.estimator import distributed, feeding, periodic, progress
 from estimax.estimator import hooks as hooks_lib
 from estimax.estimator import summaries as summaries_lib
+from estimax.estimator import utilization as utilization_lib
 from estimax.estimator.label_check import InvalidLabelCheck
 from estimax.estimator.spec import ModeKeys, RunConfig
 from estimax.estimator.steps import Signals, StepOutput
@@ -191,7 +192,8 @@ class SkippedStepsReport:
 
 class StepLogger:
     """Writes training scalars and the original's log lines at their true step numbers, and
-    shows the progress (``progress.py``: a line with the ETA on a terminal)."""
+    shows the progress (``progress.py``: a line with the ETA on a terminal). With each speed it
+    logs and writes the achieved TFLOP/s and MFU per device (``utilization.py``)."""
 
     def __init__(
         self,
@@ -201,10 +203,13 @@ class StepLogger:
         start: int,
         target: int,
         summaries: summaries_lib.Summaries | None,
+        utilization: utilization_lib.StepUtilization | None = None,
     ):
         self._config = config
         self._global_batch = global_batch
         self._summaries = summaries
+        self._utilization = utilization
+        self._cost: utilization_lib.StepCost | None = None  # known after the first dispatch
         # Speed is measured over whole loops: the host sees steps finish once per loop.
         self._speed = periodic.PeriodicAction(
             every_steps=config.log_step_count_steps, clock=clock, start_step=start
@@ -218,6 +223,11 @@ class StepLogger:
             if progress.is_terminal(sys.stderr)
             else None
         )
+
+    def measure(self, step_fn: Callable[..., Any], *args: Any) -> None:
+        """Reads the cost of ``step_fn(*args)``, the run's first dispatch (once per run)."""
+        if self._utilization is not None:
+            self._cost = self._utilization.cost(step_fn, *args)
 
     def after_loop(self, loop: LoopEnd) -> None:
         """Writes the per-step metrics of steps ``begin + 1 .. end``."""
@@ -242,6 +252,8 @@ class StepLogger:
             steps_per_sec = (end - self._speed.last_step) / elapsed
             examples_per_sec = steps_per_sec * self._global_batch
             summaries_lib.log_speed(steps_per_sec, examples_per_sec)
+            rates = {} if self._cost is None else self._cost.rates(steps_per_sec)
+            utilization_lib.log_rates(rates)
             if self._bar is None and end < self._target:  # the bar shows it on a terminal
                 logging.info(
                     "Progress: step %d / %d (%d%%), ETA %s",
@@ -252,7 +264,8 @@ class StepLogger:
                 )
             if self._summaries is not None:
                 self._summaries.scalars(
-                    end, {"global_step/sec": steps_per_sec, "examples/sec": examples_per_sec}
+                    end,
+                    {"global_step/sec": steps_per_sec, "examples/sec": examples_per_sec, **rates},
                 )
         self._speed.fired(end)
 
@@ -425,6 +438,7 @@ class Setup:
       global_batch: examples per step (for examples/sec).
       hooks, listeners: the user's.
       last_segment: False when more training follows this run in the same job.
+      utilization: the Estimator's step costs and peak (for TFLOP/s and MFU; None: neither).
     """
 
     config: RunConfig
@@ -442,6 +456,7 @@ class Setup:
     hooks: Hooks
     listeners: list[Callable[[int], Any]]
     last_segment: bool = True
+    utilization: utilization_lib.StepUtilization | None = None
 
 
 def _reached(notice: distributed.PreemptionNotice, first: int, last: int) -> bool:
@@ -458,7 +473,9 @@ class TrainingRun:
         self.state, self.step = s.state, s.start
         self._blocks = isinstance(s.feeder, feeding.BlockPrefetcher)
         stack.callback(s.hooks.close)
-        self.logger = StepLogger(s.config, s.global_batch, s.clock, s.start, s.target, s.summaries)
+        self.logger = StepLogger(
+            s.config, s.global_batch, s.clock, s.start, s.target, s.summaries, s.utilization
+        )
         stack.callback(self.logger.close)
         self.watchdog = stack.enter_context(Watchdog(s.config.watchdog_timeout_secs))
         self.watchdog.start(s.start)
@@ -478,6 +495,7 @@ class TrainingRun:
         self._skipped: int | None = None
         # (step, reduced EstimatorSpec.summaries) of this loop's summary steps only.
         self._summaries: list[tuple[int, Any]] = []
+        self._measured = False  # whether the logger has the compiled step's cost
 
     def run(self) -> int:
         """Trains until the target step, the input's end, a stop or a preemption; the last step."""
@@ -540,6 +558,11 @@ class TrainingRun:
             if fed is None:
                 break
             first, step = step + 1, step + fed.count
+            if not self._measured:
+                # Once per run, before the first call: it compiles the step for the call (or
+                # finds it compiled), so its flops cost no second compile and no step any time.
+                self.logger.measure(step_fn, state, rng, *fed.value)
+                self._measured = True
             with jax.profiler.StepTraceAnnotation("train", step_num=first) if traced else _NO_SCOPE:
                 state, out = step_fn(state, rng, *fed.value)
             if out.summaries is not None:

@@ -10,13 +10,18 @@ with one line naming the field and each process's value.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import os
 from collections.abc import Mapping
 from typing import Any
 
+import jax
+import numpy as np
+
 from estimax.estimator import distributed
+from estimax.estimator.spec import RunConfig
 
 
 class PreflightError(RuntimeError):
@@ -83,3 +88,23 @@ def check(facts: Mapping[str, Any]) -> None:
     """
     gathered = distributed.allgather_json({"code_version": code_version(), **facts})
     compare(gathered)
+
+
+def check_training(
+    config: RunConfig, batch_sizes: Mapping[str, int | None], params: Any, start: int
+) -> None:
+    """With many processes, before training: all must train the same ``RunConfig``, batch
+    sizes and parameter shapes from the same step (``check``); with one it returns at once."""
+    if jax.process_count() == 1:
+        return
+    check(
+        {
+            "config": {k: repr(v) for k, v in dataclasses.asdict(config).items()},
+            "batch_sizes": dict(batch_sizes),
+            "params": {
+                jax.tree_util.keystr(path): list(np.shape(leaf))
+                for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+            },
+            "start_step": start,
+        }
+    )

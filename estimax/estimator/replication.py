@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -16,17 +17,36 @@ from jax.sharding import PartitionSpec as P
 REPLICA_AXIS = "data"
 
 
-def make_mesh(num_shards: int | None = None) -> Mesh:
-    """Returns a 1-D mesh over ``num_shards`` devices (all devices when None)."""
+def make_mesh(
+    num_shards: int | None = None, cores: tuple[int, ...] = (), axes: tuple[str, ...] = ()
+) -> Mesh:
+    """Returns the mesh of ``num_shards`` replicas (None: as many as the devices make).
+
+    Without ``cores``: 1-D, one device per replica. With ``cores`` (a replica's devices as the
+    sizes of the model ``axes``, ``layouts.Layout``): ``(replicas, *cores)``, each replica's
+    cores neighbours in device order.
+    """
     devices = jax.devices()
+    per_replica = math.prod(cores)
     if num_shards is None:
-        num_shards = len(devices)
-    if not 1 <= num_shards <= len(devices):
+        if len(devices) % per_replica:
+            raise ValueError(
+                f"--num_cores_per_replica={per_replica} (RunConfig.num_cores_per_replica) does "
+                f"not divide this job's {len(devices)} {devices[0].platform} devices: use a "
+                f"divisor of {len(devices)}."
+            )
+        num_shards = len(devices) // per_replica
+    if not 1 <= num_shards * per_replica <= len(devices):
+        cores_note = f" x {per_replica} cores per replica" if cores else ""
         raise ValueError(
-            f"num_shards={num_shards} but this job sees {len(devices)} device(s) "
-            f"({devices[0].platform}). Use a value from 1 to {len(devices)}, or None for all."
+            f"num_shards={num_shards}{cores_note} but this job sees {len(devices)} device(s) "
+            f"({devices[0].platform}). Use {len(devices) // per_replica} replicas or fewer, or "
+            "None for all."
         )
-    return Mesh(np.array(devices[:num_shards]), (REPLICA_AXIS,))
+    if not cores:
+        return Mesh(np.array(devices[:num_shards]), (REPLICA_AXIS,))
+    grid = np.array(devices[: num_shards * per_replica]).reshape(num_shards, *cores)
+    return Mesh(grid, (REPLICA_AXIS, *axes))
 
 
 def per_replica_batch(global_batch: int, num_replicas: int, what: str) -> int:
@@ -56,16 +76,29 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def to_device(tree: Any, mesh: Mesh, spec: P) -> Any:
-    """Assembles global arrays from this host's numpy pieces, sharded by ``spec`` on ``mesh``."""
+def to_device(tree: Any, mesh: Mesh, spec: Any) -> Any:
+    """Assembles global arrays from this host's numpy pieces, sharded by ``spec`` on ``mesh``
+    (one ``PartitionSpec`` for every leaf, or a pytree of them: a prefix of ``tree``)."""
     if mesh.size == 1 and jax.process_count() == 1:
         return _to_one_device(mesh.devices.flat[0])(tree)
-    sharding = NamedSharding(mesh, spec)
+    if isinstance(spec, P):
+        sharding: Any = NamedSharding(mesh, spec)
+    else:
+        sharding = jax.tree.map(
+            lambda s: NamedSharding(mesh, s), spec, is_leaf=lambda x: isinstance(x, P)
+        )
     if jax.process_count() == 1:
         # This host's pieces are the whole arrays: one batched transfer of every leaf (per leaf,
         # make_array_from_process_local_data cost ~40 us more per step, bench/overhead.py).
         return jax.device_put(tree, sharding)
-    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), tree)
+    if isinstance(sharding, NamedSharding):
+        return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), tree)
+    return jax.tree.map(
+        lambda s, sub: jax.tree.map(lambda x: jax.make_array_from_process_local_data(s, x), sub),
+        sharding,
+        tree,
+        is_leaf=lambda x: isinstance(x, NamedSharding),
+    )
 
 
 @functools.cache
@@ -135,13 +168,15 @@ def pad_batch(tree: Any, size: int) -> tuple[Any, np.ndarray, int]:
 _CPU_INIT_COMPILER_OPTIONS: dict[str, str | bool] = {"xla_backend_optimization_level": "0"}
 
 
-def run_init(fn: Callable[..., Any], mesh: Mesh, *args: Any) -> Any:
-    """Compiles and runs ``fn(*args)`` once with outputs replicated over ``mesh``.
+def run_init(fn: Callable[..., Any], mesh: Mesh, *args: Any, out_shardings: Any = None) -> Any:
+    """Compiles and runs ``fn(*args)`` once with outputs replicated over ``mesh`` (or placed
+    by ``out_shardings``: FSDP's slices are initialised where they live).
 
     For initialisers: on CPU it compiles at a low optimisation level. The random bits are the
     same; float rounding of the initialisers' transforms may differ in the last bit from a
     default-level compile, and is the same on every run.
     """
-    lowered = jax.jit(fn, out_shardings=replicated(mesh)).lower(*args)
+    placed = replicated(mesh) if out_shardings is None else out_shardings
+    lowered = jax.jit(fn, out_shardings=placed).lower(*args)
     options = _CPU_INIT_COMPILER_OPTIONS if mesh.devices.flat[0].platform == "cpu" else None
     return lowered.compile(compiler_options=options)(*args)

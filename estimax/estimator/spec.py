@@ -16,7 +16,7 @@ _HOOKS = "SessionRunHooks go to Estimator.train/evaluate/predict(hooks=[...])"
 _DEVICES = "not needed: the same code runs on CPU, GPU and TPU (JAX finds the devices)"
 _HOSTS = (
     "many hosts join through jax.distributed: --coordinator_address, --num_processes, "
-    "--process_id (README: 'Many hosts')"
+    "--process_id (docs/many-hosts.md)"
 )
 
 # The original's keyword arguments that estimax does not take, with what replaces each. A user
@@ -267,6 +267,37 @@ class RunConfig:
         of k steps and one of the rest, so choose a k that divides ``iterations_per_loop``.
         Per-step metrics, summaries, the NaN check and the input position are kept per step as
         without it; a preemption notice stops training after the call that follows it.
+      gradient_accumulation_steps: k > 1 splits each replica's share of the train batch into k
+        micro-batches, run one after the other inside the jitted step (a ``lax.scan``), and
+        makes one optimizer update with their mean gradient: activation memory is that of a
+        batch k times smaller, the update that of the whole batch. ``train_batch_size`` stays
+        the optimizer's (global) batch, so a step still reads one batch from the input and the
+        input position, ``global_step``, schedules, summaries, checkpoints, early stopping and
+        ``iterations_per_loop`` all count optimizer steps; ``gradient_clip_norm`` clips the
+        accumulated gradient and the EMA is updated once per step. ``params["batch_size"]`` in
+        TRAIN is the per-replica micro-batch. Batch-norm statistics are per micro-batch (its
+        moving averages are updated k times a step). k must divide the per-replica batch
+        (``train_batch_size / replicas``). On CPU the loop is unrolled (XLA:CPU runs
+        convolution gradients inside a loop many times slower), so compiling takes longer
+        with k there.
+      num_cores_per_replica: TPUEstimator's ``TPUConfig.num_cores_per_replica``: the devices
+        (cores) one model replica runs on, 1, 2, 4, ..., 128 (default 1: a replica per device).
+        The devices used are ``num_cores_per_replica x replicas`` (``num_shards`` replicas, or
+        every device / N). Each replica's devices hold the same parameters; how its activations
+        are split over them is ``input_partition_dims`` (``estimax.estimator.layouts``).
+      input_partition_dims: ``[features_dims, labels_dims]`` as TPUEstimator's: how each input
+        is split over a replica's cores (spatial partitioning), e.g. ``[[1, 2, 2, 1], None]``
+        splits NHWC images in 2 x 2 tiles over 4 cores and gives every core the whole labels.
+        Each list's entries multiply to ``num_cores_per_replica`` (dict features: a dict of
+        lists, None for an input every core gets whole); each split dimension of the input
+        must divide by its entry. The host feeds whole images; the transfer to the devices and
+        XLA do the split (halo exchanges for convolutions, batch-norm statistics over the
+        replica's cores), with no change to the model.
+      shard_parameters: FSDP, as big_vision's ``fsdp(axis="data", min_size_to_shard_mb=...)``:
+        every parameter of at least this many MiB is split over the replicas on its largest
+        dimension that divides by their number (its gradient, optimizer state and EMA with
+        it), and gathered whole for the forward and backward passes; smaller ones stay
+        replicated. None (default): every replica holds everything.
 
     Mutable collections such as ``batch_stats`` are computed per replica, as on TPU, and
     averaged over replicas after each step (one consistent copy to checkpoint); pass
@@ -290,8 +321,13 @@ class RunConfig:
     profile_steps: tuple[int, int] | None = None
     allow_invalid_labels: bool = False
     steps_per_device_call: int = 1
+    gradient_accumulation_steps: int = 1
+    num_cores_per_replica: int = 1
+    input_partition_dims: Sequence[Any] | None = None
+    shard_parameters: float | None = None
 
     def __post_init__(self) -> None:
+        check_layout(self.num_cores_per_replica, self.input_partition_dims, self.shard_parameters)
         if self.iterations_per_loop < 1:
             raise ValueError(
                 f"RunConfig.iterations_per_loop must be >= 1, got {self.iterations_per_loop}."
@@ -301,6 +337,12 @@ class RunConfig:
                 "RunConfig.steps_per_device_call must be from 1 to iterations_per_loop "
                 f"({self.iterations_per_loop}): a device call never crosses a host sync; got "
                 f"{self.steps_per_device_call}."
+            )
+        if self.gradient_accumulation_steps < 1:
+            raise ValueError(
+                "RunConfig.gradient_accumulation_steps (--gradient_accumulation_steps) must be "
+                f">= 1 (1: no accumulation), got {self.gradient_accumulation_steps}; e.g. 2 "
+                "halves the activation memory of a train step."
             )
         if self.save_checkpoints_steps is not None and self.save_checkpoints_secs is not None:
             raise ValueError(
@@ -399,3 +441,72 @@ class EvalSpec:
         self.exporters = tuple(exporters)
         if self.every_steps is not None and self.every_steps < 1:
             raise ValueError(f"EvalSpec.every_steps must be >= 1 or None, got {self.every_steps}.")
+
+
+# TPUConfig's values (tensorflow/estimator tpu_config.py): a replica spans a power of two cores.
+CORES_PER_REPLICA = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def format_dims(dims: Any) -> str:
+    """``[1, 2, 2, 1]`` as the flag writes it (``1,2,2,1``); other structures as Python's."""
+    if isinstance(dims, list | tuple) and all(isinstance(d, int) for d in dims):
+        return ",".join(map(str, dims))
+    return repr(dims)
+
+
+def partition_lists(dims: Any) -> list[tuple[str, Sequence[int]]]:
+    """The int lists of one input's partition dims, each with where it is (``""`` for a
+    single array, ``"[key]"`` in a dict); None entries (inputs every core gets whole) left out."""
+    if dims is None:
+        return []
+    if isinstance(dims, Mapping):
+        return [(f"[{k!r}]", d) for k, d in dims.items() if d is not None]
+    return [("", dims)]
+
+
+def check_layout(cores: int, input_partition_dims: Any, shard_parameters: float | None) -> None:
+    """Raises ValueError (one line naming the flag and the field) for a layout TPUEstimator
+    would refuse: cores per replica not a power of two up to 128, partition dims that are not
+    ``[features_dims, labels_dims]`` of positive ints multiplying to the cores, or a
+    non-positive FSDP size."""
+    if cores not in CORES_PER_REPLICA:
+        raise ValueError(
+            f"--num_cores_per_replica={cores} (RunConfig.num_cores_per_replica) must be one of "
+            f"{', '.join(map(str, CORES_PER_REPLICA))}, as TPUConfig's."
+        )
+    if shard_parameters is not None and not shard_parameters > 0:
+        raise ValueError(
+            f"--fsdp_min_size_mb={shard_parameters} (RunConfig.shard_parameters) must be a "
+            "size in MiB > 0 (big_vision's default is 4), or unset for no FSDP."
+        )
+    if input_partition_dims is None:
+        return
+    if not isinstance(input_partition_dims, list | tuple) or len(input_partition_dims) not in (
+        1,
+        2,
+    ):
+        raise ValueError(
+            "RunConfig.input_partition_dims must be [features_dims] or [features_dims, "
+            f"labels_dims] (e.g. [[1, 2, 2, 1], None]), got {input_partition_dims!r}."
+        )
+    for what, dims in zip(("features", "labels"), input_partition_dims, strict=False):
+        for where, entry in partition_lists(dims):
+            flag = f"--input_partition_dims={format_dims(entry)} (RunConfig.input_partition_dims)"
+            if not (
+                isinstance(entry, list | tuple)
+                and entry
+                and all(isinstance(d, int) and d >= 1 for d in entry)
+            ):
+                raise ValueError(
+                    f"{flag}: the {what}{where} dims must be a list of positive integers, one "
+                    "per dimension (NHWC images: 1,2,2,1)."
+                )
+            product = 1
+            for d in entry:
+                product *= d
+            if product != cores:
+                raise ValueError(
+                    f"{flag}: the {what}{where} dims multiply to {product}, not to "
+                    f"--num_cores_per_replica={cores}: each input is split over exactly the "
+                    "cores of one replica."
+                )

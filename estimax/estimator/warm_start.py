@@ -4,13 +4,16 @@
 programs) calls ``warm_start`` once, on the freshly initialised state, and only when its
 model_dir has no checkpoint of its own (a resumed run continues from its own).
 
-The source is a TensorFlow checkpoint of the original models (a model_dir with a ``checkpoint``
-file, a ``model.ckpt-N`` prefix or its ``.index``; the names are mapped by
-``estimax.models.TF_NAMES``) or an estimax model_dir or ``<model_dir>/checkpoints/<step>``
-(variables matched by path). Weights and batch-norm statistics are loaded; the optimizer state
-and the step start fresh (as tf.estimator's warm start); an EMA starts from the loaded weights.
-A variable of another shape (a new head: another ``--num_label_classes``), or one the source
-lacks, keeps its initial value; everything loaded and not loaded is logged.
+The source is a TensorFlow checkpoint (a model_dir with a ``checkpoint`` file, a
+``model.ckpt-N`` prefix or its ``.index``) of any model, or an estimax model_dir or
+``<model_dir>/checkpoints/<step>``. Variables are matched by name (``estimax.migrate.assignment``:
+a variable's Flax path written as TensorFlow wrote names, ``bert/encoder/layer_0/.../kernel``),
+by ``var_name_to_prev_var_name`` and ``assignment_map`` (``init_from_checkpoint``'s), and for the
+original ResNet and Inceptions by their registered TensorFlow names (``estimax.models.TF_NAMES``).
+The optimizer state and the step start fresh (as tf.estimator's warm start); an EMA starts from
+the loaded weights. A variable of another shape or dtype (a new head), or one the checkpoint
+lacks, keeps its initial value, unless it was named one by one or under a mapped scope (then it
+is an error, as ``init_from_checkpoint``'s). What was loaded, and what not and why, is logged.
 """
 
 from __future__ import annotations
@@ -24,61 +27,151 @@ import jax
 import numpy as np
 from absl import logging
 
-from estimax import models, storage
-from estimax.migrate.load import MappingError, copy_tree, load_tf_state, model_scope, set_path
-from estimax.migrate.names import Entry, TFNames
-from estimax.migrate.tf_checkpoint import TFCheckpointError, resolve_checkpoint
+from estimax import storage
+from estimax.migrate.assignment import (
+    ArraySource,
+    AssignmentMap,
+    Planned,
+    Rename,
+    Source,
+    TFSource,
+    Variable,
+    WarmStartError,
+    exact_cast,
+    is_model_tensor,
+    model_variables,
+    plan,
+    registered_names,
+)
+from estimax.migrate.load import copy_tree, set_path
+from estimax.migrate.tf_checkpoint import CheckpointReader, TFCheckpointError, resolve_checkpoint
 
-__all__ = ["WarmStartReport", "WarmStartSettings", "warm_start"]
+__all__ = ["WarmStartError", "WarmStartReport", "WarmStartSettings", "warm_start"]
+
+ALL = ".*"
 
 
 @dataclasses.dataclass(frozen=True)
 class WarmStartSettings:
-    """What to warm-start from (``tf.estimator.WarmStartSettings``' first two arguments).
+    """What to warm-start from and how (``tf.estimator.WarmStartSettings``, plus
+    ``init_from_checkpoint``'s ``assignment_map`` and a ``rename``).
 
     Attributes:
       ckpt_to_initialize_from: a TensorFlow checkpoint (model_dir, prefix or ``.index``) or
         an estimax model_dir or ``<model_dir>/checkpoints/<step>``; local, gs:// or s3://.
-      vars_to_warm_start: a regular expression, or a list of them, matched (``re.match``)
-        against each variable's estimax name (``params/ResNet_0/final_dense/kernel``) and,
-        for a TensorFlow source, its TensorFlow name (``dense/kernel``); ``".*"``: all.
+      vars_to_warm_start: as tf.estimator's. A regular expression (``re.match``ed against each
+        variable's name, ``bert/encoder/layer_0/attention/self/query/kernel``): the trainable
+        variables (``params``) it matches; the default ``".*"``: all of them, not batch
+        statistics. A list of expressions: every variable any matches, batch statistics too
+        (``[".*"]``: all). None: only what ``assignment_map`` or ``var_name_to_prev_var_name``
+        names. For the original ResNet/Inception an expression may match the TensorFlow name
+        (``dense/.*``) too.
+      var_name_to_vocab_info: tf.estimator's vocabulary remapping: not supported (must be None).
+      var_name_to_prev_var_name: ``{variable name: name in the checkpoint}``, as tf.estimator's.
+      assignment_map: ``init_from_checkpoint``'s, checkpoint name -> variable name:
+        ``{"bert/": "bert/"}`` (a scope, every variable under it), ``{"old/var": "new/var"}``,
+        ``{"/": "scope/"}`` (the checkpoint's root into a scope), a dict or a list of pairs.
+        Given a map, only what it (or ``var_name_to_prev_var_name``) covers is warm-started.
+      rename: the checkpoint's names in the model's convention, applied before names derived
+        from a scope or a variable's own name are looked up: ``{"LayerNorm/gamma":
+        "LayerNorm/scale", "LayerNorm/beta": "LayerNorm/bias"}`` (whole ``/``-separated parts)
+        or a function of the checkpoint name.
     """
 
     ckpt_to_initialize_from: str
-    vars_to_warm_start: str | Sequence[str] = ".*"
+    vars_to_warm_start: str | Sequence[str] | None = ALL
+    var_name_to_vocab_info: Mapping[str, Any] | None = None
+    var_name_to_prev_var_name: Mapping[str, str] | None = None
+    assignment_map: AssignmentMap | None = None
+    rename: Rename | None = None
 
-    def wants(self, *names: str) -> bool:
-        """True if any of ``names`` matches one of ``vars_to_warm_start``."""
-        patterns = (
-            [self.vars_to_warm_start]
-            if isinstance(self.vars_to_warm_start, str)
-            else list(self.vars_to_warm_start)
+    def selects(self, variable: Variable, *other_names: str) -> bool:
+        """True if ``vars_to_warm_start`` takes ``variable`` (by its name or ``other_names``)."""
+        return bool(self.matching(variable, (variable.name, *other_names)))
+
+    def expressions(self) -> tuple[list[str], bool]:
+        """``vars_to_warm_start``'s expressions, and whether they take trainable variables only
+        (one string: tf.estimator's TRAINABLE_VARIABLES; a list: its GLOBAL_VARIABLES)."""
+        chosen = self.vars_to_warm_start
+        if chosen is None:
+            return [], True
+        if isinstance(chosen, str):
+            return [chosen], True
+        return list(chosen), False
+
+    def matching(self, variable: Variable, names: Sequence[str]) -> list[str]:
+        """The expressions of ``vars_to_warm_start`` that take ``variable``, matched against
+        ``names`` (its name, and the TensorFlow name a registered network gives it)."""
+        patterns, trainable_only = self.expressions()
+        if trainable_only and not variable.trainable:
+            return []
+        return [p for p in patterns if any(re.match(p, n) for n in names)]
+
+    def asks_for_all(self) -> bool:
+        """Every variable wanted, none mapped: then a checkpoint variable left over is news."""
+        return (
+            self.vars_to_warm_start in (ALL, [ALL], (ALL,))
+            and self.assignment_map is None
+            and not self.var_name_to_prev_var_name
         )
-        return any(re.match(p, n) for p in patterns for n in names)
 
 
 @dataclasses.dataclass
 class WarmStartReport:
-    """What a warm start loaded (``loaded``) and kept as initialised (``fresh``), by name."""
+    """What a warm start loaded and kept as initialised, by variable name.
+
+    Attributes:
+      source: the checkpoint read.
+      loaded: the variables loaded.
+      fresh: the variables kept as initialised (each for one of the reasons below).
+      mismatched: of ``fresh``, those of another shape or dtype (``lines`` say which).
+      missing: of ``fresh``, those the checkpoint lacks.
+      sources: ``{variable: checkpoint name}`` of those loaded under another name.
+      unused: the checkpoint's model variables nothing took.
+      asked_for_all: every variable was wanted (so ``unused`` is worth a warning).
+      lines: the mismatches, one per variable (``name [2, 3] float32 <- ckpt [2, 10] float32``).
+    """
 
     source: str
     loaded: list[str] = dataclasses.field(default_factory=list)
     fresh: list[str] = dataclasses.field(default_factory=list)
     mismatched: list[str] = dataclasses.field(default_factory=list)
+    missing: list[str] = dataclasses.field(default_factory=list)
+    sources: dict[str, str] = dataclasses.field(default_factory=dict)
+    unused: list[str] = dataclasses.field(default_factory=list)
+    asked_for_all: bool = False
+    lines: list[str] = dataclasses.field(default_factory=list)
 
     def summary(self) -> str:
-        """The log lines: counts, then each variable not loaded and why."""
+        """The log lines: counts, then one line per kind listing the names."""
+
+        def named(names: Sequence[str]) -> str:
+            return ", ".join(f"{n} <- {self.sources[n]}" if n in self.sources else n for n in names)
+
         lines = [
             f"Warm-started from {self.source}: {len(self.loaded)} variables loaded, "
             f"{len(self.fresh)} initialised fresh."
         ]
-        lines += [f"  initialised fresh (other shape): {m}" for m in self.mismatched]
-        lines += [f"  initialised fresh: {f}" for f in self.fresh if f not in self.mismatched]
+        not_wanted = [f for f in self.fresh if f not in self.mismatched and f not in self.missing]
+        if self.loaded:
+            lines.append(f"  loaded: {named(self.loaded)}")
+        if self.mismatched:
+            lines.append(f"  initialised fresh (other shape or dtype): {', '.join(self.lines)}")
+        if self.missing:
+            lines.append(f"  initialised fresh (not in the checkpoint): {named(self.missing)}")
+        if not_wanted:
+            lines.append(f"  initialised fresh (not warm-started): {', '.join(not_wanted)}")
+        if self.unused and self.asked_for_all:
+            lines.append(f"  checkpoint variables not used: {', '.join(self.unused)}")
         return "\n".join(lines)
 
 
 def _as_settings(source: str | WarmStartSettings) -> WarmStartSettings:
-    return source if isinstance(source, WarmStartSettings) else WarmStartSettings(str(source))
+    # A path alone warms every variable, batch statistics too (tf.estimator's Estimator
+    # documents ``warm_start_from=PATH`` so; estimax's programs have always loaded them).
+    if isinstance(source, WarmStartSettings):
+        return source
+    return WarmStartSettings(str(source), vars_to_warm_start=[ALL])
 
 
 def _host(tree: Any) -> Any:
@@ -137,98 +230,142 @@ def _estimax_variables(path: str) -> tuple[dict[str, Any], str]:
     return checkpoints.variables_of(model), checkpointer.step_dir(step)
 
 
-def _flat(tree: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
-    out: dict[tuple[str, ...], Any] = {}
-    for k, v in tree.items():
-        if isinstance(v, Mapping):
-            out.update(_flat(v, (*prefix, str(k))))
-        else:
-            out[(*prefix, str(k))] = v
-    return out
+def _inside(tree: Any, path: Sequence[str]) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
 
 
-def _tf_model(params: Mapping[str, Any]) -> TFNames | None:
-    """The TensorFlow names of the one mapped network found in ``params`` (None: none is)."""
-    for names in models.TF_NAMES:
-        try:
-            model_scope(params, names)
-        except MappingError:
-            continue
-        return names
-    return None
+def _open(path: str) -> tuple[Source, bool]:
+    """The checkpoint at ``path`` and whether it is TensorFlow's."""
+    if _is_tf_checkpoint(path):
+        return TFSource(CheckpointReader(path)), True
+    saved, location = _estimax_variables(path)
+    return ArraySource(saved, location), False
 
 
-def _from_tf(
-    settings: WarmStartSettings, variables: dict[str, Any], report: WarmStartReport
-) -> dict[str, Any]:
-    """``variables`` with a TensorFlow checkpoint's tensors in, by the network's name map."""
+def _select(
+    settings: WarmStartSettings,
+    ours: Mapping[str, Variable],
+    registered: Mapping[str, tuple[str, bool]],
+) -> tuple[dict[str, Variable], list[str]]:
+    """The variables ``vars_to_warm_start`` takes, and a problem line for each expression
+    matching none."""
+    patterns, trainable_only = settings.expressions()
+    if settings.vars_to_warm_start is None:
+        return dict(ours), []
+    used: set[str] = set()
+    chosen = {}
+    for name, var in ours.items():
+        tf_name = registered.get(name, (name, False))[0]
+        hits = settings.matching(var, (name, tf_name))
+        used.update(hits)
+        if hits:
+            chosen[name] = var
+    kind = "trainable variable" if trainable_only else "variable"
+    idle = [repr(p) for p in patterns if p not in used]
+    problems = [f"vars_to_warm_start matches no {kind}: {', '.join(idle)}"] if idle else []
+    return chosen, problems
+
+
+def _fits(p: Planned, ours: np.ndarray, theirs: tuple[tuple[int, ...], np.dtype]) -> str | None:
+    """None if the checkpoint's ``theirs`` (shape, dtype) loads exactly into ``ours``, else the
+    mismatch as one item (``name [8] float32 <- ckpt [10] float32``)."""
+    shape, dtype = theirs
+    same_size = int(np.prod(shape)) == int(np.prod(ours.shape))
+    if (tuple(shape) == ours.shape or (p.reshape and same_size)) and exact_cast(dtype, ours.dtype):
+        return None
+    return f"{p.variable.name} {list(ours.shape)} {ours.dtype} <- {p.source} {list(shape)} {dtype}"
+
+
+def warm_start_variables(
+    settings: WarmStartSettings, variables: Mapping[str, Any]
+) -> tuple[dict[str, Any], WarmStartReport]:
+    """``variables`` (host numpy ``{"params": ..., <collection>: ...}``) with the checkpoint's
+    values in, and the report.
+
+    Raises:
+      WarmStartError: the settings do not fit (one line per kind of problem, listing names).
+      TFCheckpointError: no readable checkpoint at ``ckpt_to_initialize_from``.
+    """
     path = settings.ckpt_to_initialize_from
-    model = _tf_model(variables["params"])
-    if model is None:
-        raise TFCheckpointError(
-            f"--warm_start_from={path} is a TensorFlow checkpoint, but the model is none of "
-            f"those whose TensorFlow names estimax maps "
-            f"({', '.join(n.name for n in models.TF_NAMES)})"
+    if settings.var_name_to_vocab_info:
+        raise WarmStartError(
+            f"--warm_start_from={path}: var_name_to_vocab_info (vocabulary remapping) is not "
+            "supported; map names with var_name_to_prev_var_name or assignment_map"
         )
-
-    def excluded(entry: Entry) -> bool:
-        return not settings.wants(entry.flax_name, entry.tf_name)
-
-    loaded, _, _, tf_report = load_tf_state(
-        path,
-        model,
-        variables,
-        optimizer_state=False,
-        ema=False,
-        allow_missing=True,
-        allow_mismatch=True,
-        allow_unmapped=True,
-        fresh=excluded,
+    source, is_tf = _open(path)
+    ours = model_variables(variables)
+    registered = registered_names(variables) if is_tf else {}
+    tensors = source.tensors()
+    chosen, problems = _select(settings, ours, registered)
+    only_mapped = settings.assignment_map is not None or settings.vars_to_warm_start is None
+    planned, plan_problems = plan(
+        chosen,
+        [n for n in tensors if is_model_tensor(n)],
+        assignment_map=settings.assignment_map,
+        prev_names=settings.var_name_to_prev_var_name,
+        rename=settings.rename,
+        registered=registered,
+        only_mapped=only_mapped,
     )
-    report.source = tf_report.checkpoint
-    report.loaded = list(tf_report.loaded)
-    report.fresh = list(tf_report.fresh)
-    report.mismatched = [f for f, _, _, _ in tf_report.mismatched]
-    return loaded
-
-
-def _from_estimax(
-    settings: WarmStartSettings, variables: dict[str, Any], report: WarmStartReport
-) -> dict[str, Any]:
-    """``variables`` with an estimax checkpoint's variables in, matched by path and shape."""
-    saved, report.source = _estimax_variables(settings.ckpt_to_initialize_from)
-    source_vars = _flat(saved)
-    loaded = copy_tree(variables)
-    for key, ours in _flat(variables).items():
-        name = "/".join(key)
-        theirs = source_vars.get(key)
-        if not settings.wants(name) or theirs is None:
-            report.fresh.append(name)
-        elif np.shape(theirs) != np.shape(ours):
-            report.fresh.append(name)
-            report.mismatched.append(name)
+    problems += plan_problems
+    report = WarmStartReport(source=source.location, asked_for_all=settings.asks_for_all())
+    loaded = copy_tree(dict(variables))
+    absent, unfit, taken = [], [], set()
+    for p in planned:
+        var = p.variable
+        like = np.asarray(_inside(variables[var.collection], var.path))
+        mismatch = None if p.source is None else _fits(p, like, tensors[p.source])
+        if p.source is not None:
+            taken.add(p.source)
+        if p.wanted is None:
+            report.fresh.append(var.name)
+        elif p.source is None:
+            if p.explicit:
+                absent.append(f"{var.name} <- {p.wanted}")
+            report.fresh.append(var.name)
+            report.missing.append(var.name)
+            if p.wanted != var.name:
+                report.sources[var.name] = p.wanted
+        elif mismatch is not None:
+            if p.explicit:
+                unfit.append(mismatch)
+            report.fresh.append(var.name)
+            report.mismatched.append(var.name)
+            report.lines.append(mismatch)
         else:
-            set_path(loaded, key, np.asarray(theirs, dtype=np.asarray(ours).dtype))
-            report.loaded.append(name)
-    return loaded
+            value = np.asarray(source.get(p.source)).reshape(like.shape).astype(like.dtype)
+            set_path(loaded[var.collection], var.path, value)
+            report.loaded.append(var.name)
+            if p.source != var.name:
+                report.sources[var.name] = p.source
+    report.fresh += sorted(set(ours) - set(chosen))
+    report.fresh.sort()
+    report.unused = sorted(n for n in tensors if is_model_tensor(n) and n not in taken)
+    if absent:
+        problems.append(f"not in the checkpoint: {', '.join(absent)}")
+    if unfit:
+        problems.append(f"other shape or dtype: {', '.join(unfit)}")
+    if problems:
+        raise WarmStartError(
+            f"--warm_start_from={path} does not fit the model:\n  " + "\n  ".join(problems)
+        )
+    return loaded, report
 
 
 def warm_start(source: str | WarmStartSettings, state: Any) -> tuple[Any, WarmStartReport]:
-    """Returns ``state`` (a fresh ``TrainState``) with the source's variables in, and a report.
+    """Returns ``state`` (a fresh ``TrainState``) with the source's variables in, and a report
+    (also logged: what was loaded, what was not and why).
 
     Raises:
-      TFCheckpointError: the source is neither a TensorFlow nor an estimax checkpoint, or its
-        network is not one estimax maps (for a TensorFlow source).
+      WarmStartError: the settings do not fit the model or the checkpoint.
+      TFCheckpointError: the source is neither a TensorFlow nor an estimax checkpoint.
     """
     settings = _as_settings(source)
-    path = settings.ckpt_to_initialize_from
     storage.configure()
     variables = _host({"params": state.params, **state.model_state})
-    report = WarmStartReport(source=path)
-    if _is_tf_checkpoint(path):
-        loaded = _from_tf(settings, variables, report)
-    else:
-        loaded = _from_estimax(settings, variables, report)
+    loaded, report = warm_start_variables(settings, variables)
     params = loaded.pop("params")
     new_state = state.replace(
         params=_like(params, state.params),
@@ -236,5 +373,6 @@ def warm_start(source: str | WarmStartSettings, state: Any) -> tuple[Any, WarmSt
         ema_params=_like(params, state.ema_params) if state.ema_params else state.ema_params,
     )
     for line in report.summary().splitlines():
-        logging.info("%s", line)
+        warn = line.startswith(("  initialised fresh (other", "  checkpoint variables not used"))
+        (logging.warning if warn else logging.info)("%s", line)
     return new_state, report

@@ -4,20 +4,22 @@ Every image model is called as ``model.apply(variables, x, train=..., mutable=[.
 ``x: [B, H, W, 3]`` float and returns float32 logits ``[B, num_classes]`` -- the Inceptions return
 ``(logits, aux_logits)`` while ``aux_logits=True`` (their default, as the original).
 
-``MODELS`` is an explicit registry (name -> constructor); ``get_model(name, **kw)`` looks a name up
-with a helpful error. The ``*_tiny`` entries are thin variants that exercise the same code for
-tests. ``TF_NAMES`` lists the models whose TensorFlow original's checkpoints estimax reads, each
-map written beside its model (``estimax.models.tf_names``).
+``MODELS`` is the registry (name -> constructor), made of each model file's own ``MODELS``;
+``get_model(name, **kw)`` looks a name up with a helpful error. The ``*_tiny`` entries are thin
+variants that exercise the same code for tests. ``TF_NAMES`` lists the models whose TensorFlow
+original's checkpoints estimax reads, each map written beside its model as that file's
+``TF_NAMES`` (``estimax.models.tf_names``); ``register_tf_names`` adds a map of one's own.
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
 
-from estimax.models import inception_v3, inception_v4, resnet
 from estimax.models.efficientnet import EFFICIENTNETS, EfficientNet, EfficientNetTiny
 from estimax.models.inception_v3 import InceptionV3, InceptionV3Tiny
 from estimax.models.inception_v4 import InceptionV4, InceptionV4Tiny
@@ -35,29 +37,31 @@ from estimax.models.resnet import (
     ResNetTinyBottleneck,
     resnet_v1,
 )
-from estimax.models.tf_names import TFNames
-
-MODELS: dict[str, Callable[..., nn.Module]] = {
-    "resnet18": ResNet18,
-    "resnet34": ResNet34,
-    "resnet50": ResNet50,
-    "resnet101": ResNet101,
-    "resnet152": ResNet152,
-    "resnet200": ResNet200,
-    "resnet_tiny": ResNetTiny,
-    "resnet_tiny_bottleneck": ResNetTinyBottleneck,
-    "inception_v3": InceptionV3,
-    "inception_v3_tiny": InceptionV3Tiny,
-    "inception_v4": InceptionV4,
-    "inception_v4_tiny": InceptionV4Tiny,
-    # efficientnet_b0 .. efficientnet_b7
-    **{name.replace("-", "_"): variant for name, (variant, _) in EFFICIENTNETS.items()},
-    "efficientnet_tiny": EfficientNetTiny,
-}
+from estimax.models.tf_names import TFNames, register_tf_names
 
 
-# The networks whose TensorFlow original's checkpoints estimax reads (warm starts, conversion).
-TF_NAMES: tuple[TFNames, ...] = (resnet.TF_NAMES, inception_v3.TF_NAMES, inception_v4.TF_NAMES)
+def _registry() -> tuple[dict[str, Callable[..., nn.Module]], tuple[TFNames, ...]]:
+    """Every model file's ``MODELS`` and ``TF_NAMES``, so that a new model file registers itself.
+
+    A family is its model file, its program file and one line in ``estimax.programs.families``:
+    no list here to keep in step (the files are read in name order).
+    """
+    found: dict[str, Callable[..., nn.Module]] = {}
+    names: list[TFNames] = []
+    for info in pkgutil.iter_modules(__path__):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        for name, constructor in getattr(module, "MODELS", {}).items():
+            if name in found:
+                raise ImportError(f"estimax.models.{info.name} registers {name!r} a second time")
+            found[name] = constructor
+        if isinstance(getattr(module, "TF_NAMES", None), TFNames):
+            names.append(module.TF_NAMES)
+    return found, tuple(names)
+
+
+# Name -> constructor of every registered network; and the networks whose TensorFlow
+# original's checkpoints estimax reads (warm starts, conversion), each map beside its model.
+MODELS, TF_NAMES = _registry()
 
 
 def tf_names(name: str) -> TFNames:
@@ -97,6 +101,7 @@ __all__ = [
     "TF_NAMES",
     "TFNames",
     "get_model",
+    "register_tf_names",
     "tf_names",
     "resnet_v1",
     "ResNet",

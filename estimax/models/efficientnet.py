@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 
 from estimax import ops
-from estimax.models.layers import ModuleDef, conv_and_norm
+from estimax.models.layers import ModuleDef, conv_and_norm, remat_block
 
 # efficientnet_builder.efficientnet(): GlobalParams.
 BATCH_NORM_MOMENTUM = 0.99
@@ -292,6 +292,9 @@ class EfficientNet(nn.Module):
       norm: batch norm (``nn.BatchNorm`` signature).
       act: the activation (``nn.swish``, the original's ``relu_fn``).
       bn_momentum: batch-norm moving-average decay (0.99). bn_epsilon: batch-norm epsilon (1e-3).
+      remat: recompute each MBConv block's activations in the backward pass instead of keeping
+        them (``--remat``): ``"none"``, ``"full"`` or a ``jax.checkpoint_policies`` name
+        (``layers.REMAT_CHOICES``); the parameters are the same under every choice.
     """
 
     width_coefficient: float = 1.0
@@ -308,6 +311,7 @@ class EfficientNet(nn.Module):
     act: Callable[[jnp.ndarray], jnp.ndarray] = nn.swish
     bn_momentum: float = BATCH_NORM_MOMENTUM
     bn_epsilon: float = BATCH_NORM_EPSILON
+    remat: str = "none"
 
     def _filters(self, filters: int) -> int:
         return round_filters(filters, self.width_coefficient, self.depth_divisor, self.min_depth)
@@ -335,8 +339,10 @@ class EfficientNet(nn.Module):
             self.depth_divisor,
             self.min_depth,
         )
+        # train (argument 2, after self and x) is a Python bool: static under remat.
+        block_cls = remat_block(MBConvBlock, self.remat, static_argnums=(2,))
         for idx, args in enumerate(blocks):
-            x = MBConvBlock(
+            x = block_cls(
                 args,
                 conv=conv,
                 norm=norm,
@@ -386,6 +392,12 @@ EFFICIENTNETS: dict[str, tuple[Callable[..., EfficientNet], int]] = {
 EfficientNetTiny = functools.partial(
     EfficientNet, width_coefficient=0.25, depth_coefficient=1.0, blocks_args=BLOCKS_ARGS[:3]
 )
+
+# The variants ``estimax.models.MODELS`` registers from this file: efficientnet_b0 .. _b7.
+MODELS = {
+    **{name.replace("-", "_"): variant for name, (variant, _) in EFFICIENTNETS.items()},
+    "efficientnet_tiny": EfficientNetTiny,
+}
 
 # The tiny variant's name and resolution, for tests and smoke runs of the program.
 TINY_NAME = "efficientnet-tiny"

@@ -213,6 +213,10 @@ class InceptionV3(nn.Module):
       max_pool: max pool (``nn.max_pool`` signature; default ``estimax.ops.max_pool``).
       bn_momentum: BN moving-average decay. bn_epsilon: BN epsilon.
       bn_scale: learn a BN scale (slim: False; torchvision: True).
+      remat: recompute each Inception block's activations (the ``Mixed_*`` blocks) in the
+        backward pass instead of keeping them (``--remat``): ``"none"``, ``"full"`` or a
+        ``jax.checkpoint_policies`` name (``layers.REMAT_CHOICES``); the parameters are the same
+        under every choice.
     """
 
     num_classes: int = 1001
@@ -227,6 +231,7 @@ class InceptionV3(nn.Module):
     bn_momentum: float = BATCH_NORM_DECAY
     bn_epsilon: float = BATCH_NORM_EPSILON
     bn_scale: bool = False
+    remat: str = "none"
 
     @nn.compact
     def __call__(
@@ -247,22 +252,27 @@ class InceptionV3(nn.Module):
         layers.check_image_size(x, "InceptionV3", MIN_IMAGE_SIZE, "Mixed_6e")
         kw = layers.inception_block_args(self, train, conv_kernel_init)
         x = _v3_stem(kw, x)  # 35 x 35 x 192
-        x = InceptionA(**kw, pool_features=32, name="Mixed_5b")(x)  # 35 x 35 x 256
-        x = InceptionA(**kw, pool_features=64, name="Mixed_5c")(x)  # 35 x 35 x 288
-        x = InceptionA(**kw, pool_features=64, name="Mixed_5d")(x)  # 35 x 35 x 288
-        x = InceptionB(**kw, name="Mixed_6a")(x)  # 17 x 17 x 768
-        x = InceptionC(**kw, channels_7x7=128, name="Mixed_6b")(x)
-        x = InceptionC(**kw, channels_7x7=160, name="Mixed_6c")(x)
-        x = InceptionC(**kw, channels_7x7=160, name="Mixed_6d")(x)
-        x = InceptionC(**kw, channels_7x7=192, name="Mixed_6e")(x)  # 17 x 17 x 768
+        # The Mixed blocks under --remat (the same class, and so the same names, with "none").
+        block_a, block_b, block_c, block_d, block_e = (
+            layers.remat_block(cls, self.remat)
+            for cls in (InceptionA, InceptionB, InceptionC, InceptionD, InceptionE)
+        )
+        x = block_a(**kw, pool_features=32, name="Mixed_5b")(x)  # 35 x 35 x 256
+        x = block_a(**kw, pool_features=64, name="Mixed_5c")(x)  # 35 x 35 x 288
+        x = block_a(**kw, pool_features=64, name="Mixed_5d")(x)  # 35 x 35 x 288
+        x = block_b(**kw, name="Mixed_6a")(x)  # 17 x 17 x 768
+        x = block_c(**kw, channels_7x7=128, name="Mixed_6b")(x)
+        x = block_c(**kw, channels_7x7=160, name="Mixed_6c")(x)
+        x = block_c(**kw, channels_7x7=160, name="Mixed_6d")(x)
+        x = block_c(**kw, channels_7x7=192, name="Mixed_6e")(x)  # 17 x 17 x 768
         aux = None
         if self.aux_logits:
             aux = InceptionAux(
                 **kw, num_classes=self.num_classes, dtype=self.dtype, name="AuxLogits"
             )(x)
-        x = InceptionD(**kw, name="Mixed_7a")(x)  # 8 x 8 x 1280
-        x = InceptionE(**kw, name="Mixed_7b")(x)  # 8 x 8 x 2048
-        x = InceptionE(**kw, name="Mixed_7c")(x)  # 8 x 8 x 2048
+        x = block_d(**kw, name="Mixed_7a")(x)  # 8 x 8 x 1280
+        x = block_e(**kw, name="Mixed_7b")(x)  # 8 x 8 x 2048
+        x = block_e(**kw, name="Mixed_7c")(x)  # 8 x 8 x 2048
         x = jnp.mean(x, axis=(1, 2))
         x = nn.Dropout(self.dropout_rate, deterministic=not train, name="Dropout_1b")(x)
         # slim's Conv2d_1c_1x1 on the 1x1 map: a dense layer with the conv initializer.
@@ -277,6 +287,9 @@ class InceptionV3(nn.Module):
 # For tests: slim's depth_multiplier at its smallest useful value (every layer min_depth=16
 # channels, or fewer with a smaller min_depth); same code paths as the full model.
 InceptionV3Tiny = functools.partial(InceptionV3, depth_multiplier=0.05, min_depth=8)
+
+# The variants ``estimax.models.MODELS`` registers from this file (``get_model(name)``).
+MODELS = {"inception_v3": InceptionV3, "inception_v3_tiny": InceptionV3Tiny}
 
 
 # --- The original's TensorFlow names -----------------------------------------------------------

@@ -200,6 +200,10 @@ class InceptionV4(nn.Module):
       max_pool: max pool (``nn.max_pool`` signature; default ``estimax.ops.max_pool``).
       bn_momentum: BN moving-average decay. bn_epsilon: BN epsilon.
       bn_scale: learn a BN scale (the original: False; timm's port: True).
+      remat: recompute each Inception block's activations (the stem and the ``Mixed_*``
+        blocks) in the backward pass instead of keeping them (``--remat``): ``"none"``,
+        ``"full"`` or a ``jax.checkpoint_policies`` name (``layers.REMAT_CHOICES``); the
+        parameters are the same under every choice.
       block_repeats: how many Inception-A, -B, -C blocks (4, 7, 3 as the paper); fewer only for
         thin test models.
     """
@@ -217,6 +221,7 @@ class InceptionV4(nn.Module):
     bn_epsilon: float = BATCH_NORM_EPSILON
     bn_scale: bool = False
     block_repeats: tuple[int, int, int] = (4, 7, 3)
+    remat: str = "none"
 
     @nn.compact
     def __call__(
@@ -235,21 +240,26 @@ class InceptionV4(nn.Module):
         """
         layers.check_image_size(x, "InceptionV4", MIN_IMAGE_SIZE, "Mixed_6h")
         kw = layers.inception_block_args(self, train, conv_kernel_init)
-        x = Stem(**kw, name="stem")(x)  # 35 x 35 x 384
+        # The blocks under --remat (the same class, and so the same names, with "none").
+        stem, block_a, reduction_a, block_b, reduction_b, block_c = (
+            layers.remat_block(cls, self.remat)
+            for cls in (Stem, InceptionA, ReductionA, InceptionB, ReductionB, InceptionC)
+        )
+        x = stem(**kw, name="stem")(x)  # 35 x 35 x 384
         num_a, num_b, num_c = self.block_repeats
         for i in range(num_a):
-            x = InceptionA(**kw, name=f"Mixed_5{'bcde'[i]}")(x)  # 35 x 35 x 384
-        x = ReductionA(**kw, name="Mixed_6a")(x)  # 17 x 17 x 1024
+            x = block_a(**kw, name=f"Mixed_5{'bcde'[i]}")(x)  # 35 x 35 x 384
+        x = reduction_a(**kw, name="Mixed_6a")(x)  # 17 x 17 x 1024
         for i in range(num_b):
-            x = InceptionB(**kw, name=f"Mixed_6{'bcdefgh'[i]}")(x)  # 17 x 17 x 1024
+            x = block_b(**kw, name=f"Mixed_6{'bcdefgh'[i]}")(x)  # 17 x 17 x 1024
         aux = None
         if self.aux_logits:
             aux = InceptionV4Aux(
                 **kw, num_classes=self.num_classes, dtype=self.dtype, name="AuxLogits"
             )(x)
-        x = ReductionB(**kw, name="Mixed_7a")(x)  # 8 x 8 x 1536
+        x = reduction_b(**kw, name="Mixed_7a")(x)  # 8 x 8 x 1536
         for i in range(num_c):
-            x = InceptionC(**kw, name=f"Mixed_7{'bcd'[i]}")(x)  # 8 x 8 x 1536
+            x = block_c(**kw, name=f"Mixed_7{'bcd'[i]}")(x)  # 8 x 8 x 1536
         x = jnp.mean(x, axis=(1, 2))  # AvgPool_1a over 8x8
         x = nn.Dropout(self.dropout_rate, deterministic=not train, name="Dropout_1b")(x)
         logits = nn.Dense(
@@ -266,10 +276,13 @@ InceptionV4Tiny = functools.partial(
     InceptionV4, depth_multiplier=0.05, min_depth=8, block_repeats=(1, 1, 1)
 )
 
+# The variants ``estimax.models.MODELS`` registers from this file (``get_model(name)``).
+MODELS = {"inception_v4": InceptionV4, "inception_v4_tiny": InceptionV4Tiny}
+
 
 # --- The original's TensorFlow names -----------------------------------------------------------
 # TF-slim's InceptionV4/...: the stem, Mixed_3a..7d with a table per block kind, AuxLogits and
-# Logits/Logits (MIGRATION.md §2).
+# Logits/Logits (docs/migration.md §2).
 
 _V4_STEM = {
     "Conv2d_1a_3x3": "Conv2d_1a_3x3",

@@ -1,4 +1,4 @@
-"""Small building blocks shared by the image models (ResNet, Inception).
+"""Small building blocks shared by the image models (ResNet, Inception), and ``remat_block``.
 
 Every model takes its convolution, normalisation and max-pool as module fields so a faster
 implementation (e.g. ``estimax.ops``' CPU convolution, or cross-replica batch norm) is plugged in
@@ -23,11 +23,55 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypedDict
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 # A module class or a functools.partial of one (flax examples/imagenet uses the same alias).
 ModuleDef = Any
 PoolFn = Callable[..., jnp.ndarray]
+
+# --remat's policies by name: which of a block's intermediate values the backward pass keeps
+# (the rest it recomputes from the block's input). "full" is jax.checkpoint without a policy
+# (keep nothing but the input); the others are jax.checkpoint_policies' own names, written out
+# rather than looked up with getattr so that the flag's choices are this table. The policies
+# that take arguments (save_only_these_names...) need names the models do not give.
+REMAT_POLICIES: dict[str, Callable[..., Any] | None] = {
+    "full": None,
+    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "checkpoint_dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "checkpoint_dots_with_no_batch_dims": (
+        jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims
+    ),
+    "everything_saveable": jax.checkpoint_policies.everything_saveable,
+}
+# The values of --remat (and of every image model's ``remat`` field): "none" keeps every
+# activation, as a model without remat.
+REMAT_CHOICES: tuple[str, ...] = ("none", *REMAT_POLICIES)
+
+
+def remat_block(block: ModuleDef, policy: str, static_argnums: tuple[int, ...] = ()) -> ModuleDef:
+    """``block`` (a module class) rematerialised under ``policy``, or ``block`` itself for "none".
+
+    ``nn.remat`` returns a subclass whose instances keep the name they are given, so a model's
+    parameter tree (and the checkpoints and TensorFlow name maps that follow its paths) is the
+    same under every policy; values and gradients are too, up to the recomputation's rounding.
+
+    Args:
+      block: the block's module class (``ResidualBlock``, ``MBConvBlock``, ``Encoder1DBlock``...).
+      policy: one of ``REMAT_CHOICES`` (``--remat``).
+      static_argnums: the block's ``__call__`` arguments that are Python values (``train``,
+        ``deterministic``), counting ``self`` as 0, as ``nn.remat`` does.
+
+    Raises:
+      ValueError: an unknown ``policy`` (one line naming ``--remat`` and the valid names).
+    """
+    if policy == "none":
+        return block
+    if policy not in REMAT_POLICIES:
+        raise ValueError(f"--remat={policy!r}: must be one of {', '.join(REMAT_CHOICES)}.")
+    return nn.remat(block, policy=REMAT_POLICIES[policy], static_argnums=static_argnums)
 
 
 def fixed_padding(x: jnp.ndarray, kernel_size: int) -> jnp.ndarray:

@@ -1,6 +1,6 @@
 """ResNet v1 (post-activation) as the original ``tensorflow/tpu`` ``resnet_model.py``.
 
-What the original does, and so do we (ORIGINAL_SYSTEM.md §3):
+What the original does, and so do we (docs/original.md §3):
   * post-activation units (conv -> BN -> ReLU), He et al. 1512.03385;
   * basic (two 3x3) blocks for depth 18/34, bottleneck blocks for >= 50 with the stride on the
     3x3 conv (the "v1.5" placement);
@@ -26,7 +26,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from estimax import ops
-from estimax.models.layers import ModuleDef, PoolFn, conv_and_norm, fixed_padding
+from estimax.models.layers import ModuleDef, PoolFn, conv_and_norm, fixed_padding, remat_block
 from estimax.models.tf_names import Entry, TFNames, has_path, numbered
 
 # The original's constants (resnet_model.py BATCH_NORM_DECAY / BATCH_NORM_EPSILON).
@@ -171,6 +171,9 @@ class ResNet(nn.Module):
       bn_momentum: batch-norm moving-average decay. bn_epsilon: batch-norm epsilon.
       always_project: projection shortcut in the first block of *every* group, as the original.
         ``False`` skips it where the shapes already match (torchvision's ResNet-18/34 layout).
+      remat: recompute each residual block's activations in the backward pass instead of
+        keeping them (``--remat``): ``"none"``, ``"full"`` or a ``jax.checkpoint_policies``
+        name (``layers.REMAT_CHOICES``); the parameters are the same under every choice.
     """
 
     stage_sizes: Sequence[int]
@@ -184,6 +187,7 @@ class ResNet(nn.Module):
     bn_momentum: float = BATCH_NORM_DECAY
     bn_epsilon: float = BATCH_NORM_EPSILON
     always_project: bool = True
+    remat: str = "none"
 
     @nn.compact
     def __call__(self, x: jnp.ndarray, train: bool) -> jnp.ndarray:
@@ -202,13 +206,14 @@ class ResNet(nn.Module):
         x = _conv_fixed_padding(conv, x, self.num_filters, 7, 2, "initial_conv")
         x = nn.relu(norm(name="initial_bn")(x))
         x = self.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
+        block_cls = remat_block(self.block_cls, self.remat)
         for g, num_blocks in enumerate(self.stage_sizes):
             filters = self.num_filters * 2**g
             # Group 1 of a basic-block ResNet keeps the stem's width at stride 1, so its shortcut
             # needs no projection; the original adds one anyway (always_project).
             needs_projection = g > 0 or self.block_cls is not ResidualBlock
             x = BlockGroup(
-                block_cls=self.block_cls,
+                block_cls=block_cls,
                 num_blocks=num_blocks,
                 filters=filters,
                 strides=1 if g == 0 else 2,
@@ -237,6 +242,18 @@ ResNetTiny = functools.partial(ResNet, stage_sizes=(1, 1), block_cls=ResidualBlo
 ResNetTinyBottleneck = functools.partial(
     ResNet, stage_sizes=(1, 1), block_cls=BottleneckBlock, num_filters=8
 )
+
+# The variants ``estimax.models.MODELS`` registers from this file (``get_model(name)``).
+MODELS = {
+    "resnet18": ResNet18,
+    "resnet34": ResNet34,
+    "resnet50": ResNet50,
+    "resnet101": ResNet101,
+    "resnet152": ResNet152,
+    "resnet200": ResNet200,
+    "resnet_tiny": ResNetTiny,
+    "resnet_tiny_bottleneck": ResNetTinyBottleneck,
+}
 
 RESNET_DEPTHS: dict[int, Callable[..., ResNet]] = {
     18: ResNet18,

@@ -4,6 +4,11 @@ Use them in Flax models (GPU/TPU lower to the standard ops unchanged)::
 
     conv = functools.partial(nn.Conv, conv_general_dilated=ops.conv_general_dilated)
     y = ops.max_pool(x, (2, 2), strides=(2, 2))
+
+They (and estimax's models) also serve in programs of your own: inside ``jax.shard_map`` (with
+its default ``check_vma=True``: a replicated weight's gradient is summed over the batch's axes, as
+JAX's own ops do), under ``jax.jit`` with ``NamedSharding``s and ``jax.grad``
+(``tests/test_ops_in_user_programs.py``).
 """
 
 import functools

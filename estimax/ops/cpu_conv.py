@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from estimax.ops import native
+from estimax.ops import manual_axes, native
 
 Array = jax.Array
 
@@ -588,10 +588,7 @@ def _onednn_call(
     )
     # Inside shard_map the result varies over the mesh axes its operands vary over; ffi_call
     # types it as invariant, so say so (the other branch of platform_dependent must match).
-    varying = jax.typeof(a).manual_axis_type.varying | jax.typeof(b).manual_axis_type.varying
-    if varying:
-        out = lax.pcast(out, tuple(sorted(varying)), to="varying")
-    return out
+    return manual_axes.vary(out, manual_axes.varying(a, b))
 
 
 def _onednn_fwd(spec: _ConvSpec, x: Array, w: Array) -> Array:
@@ -635,11 +632,14 @@ def _cpu_bwd_any(spec: _ConvSpec, x: Array, w: Array, g: Array) -> tuple[Array, 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _conv(x: Array, w: Array, spec: _ConvSpec) -> Array:
+    # Inside shard_map: both branches see (and return) values varying over the same axes.
+    axes = manual_axes.varying(x, w)
+    x, w = manual_axes.vary((x, w), axes)
     return lax.platform_dependent(
         x,
         w,
-        cpu=functools.partial(_cpu_fwd_any, spec),
-        default=functools.partial(_ref_conv, spec=spec),
+        cpu=_typed(functools.partial(_cpu_fwd_any, spec), axes),
+        default=_typed(functools.partial(_ref_conv, spec=spec), axes),
     )
 
 
@@ -649,13 +649,20 @@ def _conv_fwd(x: Array, w: Array, spec: _ConvSpec) -> tuple[Array, tuple[Array, 
 
 def _conv_bwd(spec: _ConvSpec, res: tuple[Array, Array], g: Array) -> tuple[Array, Array]:
     x, w = res
-    return lax.platform_dependent(
-        x,
-        w,
-        g,
-        cpu=functools.partial(_cpu_bwd_any, spec),
-        default=functools.partial(_ref_bwd, spec),
+    # Inside shard_map, a replicated filter's gradient is summed over the batch's axes, as
+    # JAX's own transpose does (estimax.ops.manual_axes); one psum after either branch.
+    axes = manual_axes.varying(x, w, g)
+    dx, dw = lax.platform_dependent(
+        *manual_axes.vary((x, w, g), axes),
+        cpu=_typed(functools.partial(_cpu_bwd_any, spec), axes),
+        default=_typed(functools.partial(_ref_bwd, spec), axes),
     )
+    return manual_axes.reduce_to(dx, x), manual_axes.reduce_to(dw, w)
+
+
+def _typed(fn: Callable[..., Any], axes: frozenset[str]) -> Callable[..., Any]:
+    """``fn`` with its outputs cast to vary over ``axes`` (every branch the same type)."""
+    return lambda *args: manual_axes.vary(fn(*args), axes)
 
 
 _conv.defvjp(_conv_fwd, _conv_bwd)

@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from estimax.ops import manual_axes
+
 Array = jax.Array
 
 # Above this many window elements the unrolled compares stop paying off and the
@@ -152,11 +154,14 @@ def _pool_fwd(x: Array, spec: _PoolSpec) -> tuple[Array, Array]:
 
 
 def _pool_bwd(spec: _PoolSpec, x: Array, g: Array) -> tuple[Array]:
-    return (
-        lax.platform_dependent(
-            x, g, cpu=functools.partial(_cpu_bwd, spec), default=functools.partial(_ref_bwd, spec)
-        ),
+    # Inside shard_map both branches see and return the same varying axes (manual_axes).
+    axes = manual_axes.varying(x, g)
+    dx = lax.platform_dependent(
+        *manual_axes.vary((x, g), axes),
+        cpu=lambda x, g: manual_axes.vary(_cpu_bwd(spec, x, g), axes),
+        default=lambda x, g: manual_axes.vary(_ref_bwd(spec, x, g), axes),
     )
+    return (manual_axes.reduce_to(dx, x),)
 
 
 _pool.defvjp(_pool_fwd, _pool_bwd)

@@ -114,6 +114,18 @@ def define_cluster_flags(fv: flags.FlagValues) -> None:
         lower_bound=1,
         flag_values=fv,
     )
+    flags.DEFINE_integer(
+        "gradient_accumulation_steps",
+        1,
+        "Split each replica's share of the train batch into this many micro-batches, run one "
+        "after the other inside the step, and make one optimizer update with their mean "
+        "gradient: the activation memory of a batch this many times smaller. The train batch "
+        "size stays the optimizer's batch, and steps, schedules and checkpoints count optimizer "
+        "steps; it must divide the per-replica train batch. Batch-norm statistics are per "
+        "micro-batch. 1: no accumulation.",
+        lower_bound=1,
+        flag_values=fv,
+    )
 
 
 def profile_steps(fv: flags.FlagValues) -> tuple[int, int] | None:

@@ -47,6 +47,9 @@ from absl import flags, logging
 
 import estimax as ex
 from estimax.estimator import compile as compile_lib
+from estimax.estimator import gpu_compile, layouts, step_builder
+from estimax.estimator import spec as spec_lib
+from estimax.models.layers import REMAT_CHOICES
 from estimax.programs import cli, flagspec, lock
 from estimax.programs.cli import UsageError
 from estimax.programs.family import Family
@@ -83,11 +86,41 @@ TPU_FLAGS = (
 COMPILE_FOR_FLAG = flagspec.Str(
     "compile_for",
     None,
-    "Compile this run's train and eval steps for a Cloud TPU slice instead of running them "
-    "(no TPU, network or data needed; needs libtpu: pip install -e '.[tpu]') and print per "
-    "step whether it fits, its memory, work and roofline speed per device; if a step does not "
-    "fit, exit 2 naming the largest global batch that does. Topologies: "
+    "Compile this run's train and eval steps for a Cloud TPU slice or NVIDIA GPUs instead of "
+    "running them (no TPU, GPU, network or data needed; needs libtpu: pip install -e '.[tpu]', "
+    "or for GPUs JAX's CUDA plugin: pip install -e '.[gpu-compile]') and print per step "
+    "whether it fits, its memory, work and roofline speed per device; if a step does not fit, "
+    f"exit 2 naming the largest global batch that does. Topologies: "
     f"{compile_lib.known_topologies()}.",
+)
+# TPUConfig's model parallelism and FSDP (estimax.estimator.layouts; docs/layouts.md).
+LAYOUT_FLAGS = (
+    flagspec.Int(
+        "num_cores_per_replica",
+        1,
+        "TPUConfig's num_cores_per_replica: the devices one model replica runs on (1, 2, 4, ..., "
+        "128); the replicas are the devices (--num_cores/--num_shards, the total) divided by "
+        "it. Each replica's cores hold the same weights; --input_partition_dims says how its "
+        "images are split over them.",
+        lower=1,
+    ),
+    flagspec.Str(
+        "input_partition_dims",
+        None,
+        "TPUConfig's input_partition_dims for the images (NHWC; labels are not split): e.g. "
+        "1,2,2,1 splits each image in 2 x 2 tiles over 4 cores per replica (spatial "
+        "partitioning, for images too large for one device's memory). The entries multiply to "
+        "--num_cores_per_replica and each split side must divide by its entry.",
+    ),
+    flagspec.Float(
+        "fsdp_min_size_mb",
+        None,
+        "FSDP (big_vision's fsdp(min_size_to_shard_mb=...)): split every parameter of at least "
+        "this many MiB, with its gradient, optimizer state and moving average, over the "
+        "replicas (on its largest dimension that divides by their number); gathered whole "
+        "for each step. Checkpoints restore under any layout. Default: off.",
+        lower=0.0,
+    ),
 )
 # The older programs' way to name the TPU.
 MASTER_FLAG = flagspec.Str(
@@ -102,7 +135,9 @@ def define_tpu_flags(fv: flags.FlagValues, *, master: bool = True) -> None:
       fv: the flag registry (``flags.FLAGS`` for a program, a fresh one in tests).
       master: also define ``--master`` (the older programs' way to name the TPU).
     """
-    flagspec.define(fv, (*TPU_FLAGS, COMPILE_FOR_FLAG), (MASTER_FLAG,) if master else ())
+    flagspec.define(
+        fv, (*TPU_FLAGS, COMPILE_FOR_FLAG, *LAYOUT_FLAGS), (MASTER_FLAG,) if master else ()
+    )
     cli.define_cluster_flags(fv)
 
 
@@ -251,6 +286,18 @@ COMMON_RUN_FLAGS = (
         "Use estimax.ops' convolution and max-pool, whose "
         "gradients XLA:CPU runs several times faster; identical ops on GPU/TPU.",
     ),
+    # Rematerialisation per block (estimax.models.layers.remat_block): not a model-shaping flag
+    # (the parameters are the same), so a run may resume under another policy.
+    flagspec.Enum(
+        "remat",
+        "none",
+        REMAT_CHOICES,
+        "Recompute each block's activations (residual, MBConv, Inception or encoder block) in "
+        "the backward pass instead of keeping them: less memory, about one more forward pass "
+        "of compute. none: keep all; full: keep only each block's input; or a "
+        "jax.checkpoint_policies name (dots_saveable: keep convolution and matmul outputs). "
+        "--compile_for reports the memory under the policy given.",
+    ),
 )
 
 
@@ -279,6 +326,14 @@ def check_locations(fv: flags.FlagValues) -> None:
     work (see cli)."""
     cli.check_location("model_dir", fv.model_dir, required=not fv.compile_for)
     cli.check_location("export_dir", fv.export_dir)
+
+
+def shard_index_dir(model_dir: str | None) -> str | None:
+    """Where a job keeps the indexes of bucket shards that have none and may not get one beside
+    them (a read-only bucket of TensorFlow-written shards): ``<model_dir>/shard_indexes``, which
+    every host of the job reads and writes, so the hosts share the indexing and later starts
+    pull nothing to index (``estimax.data.shard_index``). None without a model_dir."""
+    return f"{model_dir.rstrip('/')}/shard_indexes" if model_dir else None
 
 
 def resolve_data_dir(data_dir: str | None, *, use_fake: bool = False) -> tuple[str | None, str]:
@@ -436,7 +491,8 @@ def run_config(fv: flags.FlagValues, iterations_flag: str, **fields: Any) -> ex.
 
     Args:
       fv: the parsed flags (``--model_dir``, ``--watchdog_timeout``, ``--profile_steps``,
-        ``--steps_per_device_call`` and the program's ``iterations_flag``).
+        ``--steps_per_device_call``, ``--gradient_accumulation_steps`` and the program's
+        ``iterations_flag``).
       iterations_flag: the name of the program's iterations-per-loop flag.
       **fields: the program's other ``RunConfig`` fields.
 
@@ -449,14 +505,76 @@ def run_config(fv: flags.FlagValues, iterations_flag: str, **fields: Any) -> ex.
             f"--steps_per_device_call={fv.steps_per_device_call} is more than "
             f"--{iterations_flag}={iterations}: a device call never crosses a loop's end."
         )
+    fields.update(layout_fields(fv, fields.get("num_shards")))
     return ex.RunConfig(
         model_dir=fv.model_dir,
         iterations_per_loop=iterations,
         watchdog_timeout_secs=fv.watchdog_timeout,
         profile_steps=cli.profile_steps(fv),
         steps_per_device_call=fv.steps_per_device_call,
+        gradient_accumulation_steps=fv.gradient_accumulation_steps,
         **fields,
     )
+
+
+def layout_fields(fv: flags.FlagValues, num_cores: int | None) -> dict[str, Any]:
+    """``RunConfig``'s layout fields from ``--num_cores_per_replica``, ``--input_partition_dims``
+    and ``--fsdp_min_size_mb``, with ``num_shards`` as replicas: the original's ``--num_cores``
+    (``num_cores``, resolved) counts every core, so it is divided by the cores per replica.
+
+    Raises:
+      UsageError: one line naming the flag (TPUConfig's checks, ``spec.check_layout``).
+    """
+    cores = fv.num_cores_per_replica
+    dims: list[Any] | None = None
+    if fv.input_partition_dims:
+        try:
+            dims = [[int(d) for d in fv.input_partition_dims.split(",")], None]
+        except ValueError:
+            raise UsageError(
+                f"--input_partition_dims={fv.input_partition_dims}: give integers separated by "
+                "commas, one per image dimension (NHWC), e.g. 1,2,2,1."
+            ) from None
+    try:
+        spec_lib.check_layout(cores, dims, fv.fsdp_min_size_mb)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if num_cores is not None and num_cores % cores:
+        raise UsageError(
+            f"--num_cores_per_replica={cores} does not divide the {num_cores} cores asked for "
+            f"(--num_cores/--num_shards): use a multiple of {cores}."
+        )
+    return {
+        "num_shards": None if num_cores is None else num_cores // cores,
+        "num_cores_per_replica": cores,
+        "input_partition_dims": dims,
+        "shard_parameters": fv.fsdp_min_size_mb,
+    }
+
+
+def check_layout(job: Job) -> None:
+    """The layout's checks that need the devices and the image size, before anything runs:
+    ``--num_cores_per_replica`` dividing the devices, each split image side dividing by its
+    entry (the served image; training batches are checked again when the first arrives).
+
+    Raises:
+      UsageError: one line naming the flag.
+    """
+    config = job.config
+    if config.num_cores_per_replica == 1 and config.input_partition_dims is None:
+        return
+    try:
+        layout = layouts.Layout.from_config(config)
+        layout.make_mesh(config.num_shards)
+        features, _ = compile_inputs(job)
+        shaped = jax.tree.map(
+            lambda t: jax.ShapeDtypeStruct((1, *t.shape[1:]), t.dtype),
+            features,
+            is_leaf=lambda x: isinstance(x, ex.TensorSpec),
+        )
+        layout.input_specs(shaped, None)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def resnet_style_configs(
@@ -500,7 +618,7 @@ class Job:
       loop: mode, steps, export settings.
       serving: the features' spec for ``--export_dir``.
       preprocessing: for image programs, what the server applies to the JPEG/PNG bytes clients
-        send (``estimax.serving.resnet_eval(size)``...); None: clients send ``serving`` arrays.
+        send (``estimax.export.resnet_eval(size)``...); None: clients send ``serving`` arrays.
       eval_preprocess: the input pipeline's eval preprocessing of one encoded image; with
         ``preprocessing`` declared as data, the export is checked to match it (no skew).
       check_inputs: returns a few examples (encoded images with ``preprocessing``, else an
@@ -667,13 +785,13 @@ def export(est: Any, job: Job) -> str:
     (``export_dir/1``, ``export_dir/2``...), checked against ``Estimator.predict`` first.
     Returns the version's path.
     """
-    from estimax import serving  # a leaf: serving never imports programs or models
+    from estimax import export
 
     logging.info("Starting to export model.")
     if job.loop.export_dir is None:
         raise ValueError("export() needs --export_dir.")
     rtol, atol = job.export_tolerance
-    path = serving.export_version(
+    path = export.export_version(
         est,
         job.loop.export_dir,
         serving_input=job.serving,
@@ -699,28 +817,36 @@ def export_tolerance(precision: str) -> tuple[float, float]:
 
 def sample_images(data_dir: str | None, count: int = 8) -> list[bytes] | None:
     """``count`` encoded images of ``validation-*`` in ``data_dir``, drawn across classes
-    (``estimax.serving.check_images``); None: fake data."""
+    (``estimax.export.check_images``); None: fake data."""
     if data_dir is None:
         return None
-    from estimax import serving
+    from estimax import export
 
-    return serving.check_images(data_dir, count) or None
+    return export.check_images(data_dir, count) or None
 
 
 def image_export(
     data_dir: str | None, label_offset: int, num_classes: int, precision: str
 ) -> dict[str, Any]:
     """The ``Job`` fields of an ImageNet-style program's export: check images across classes
-    from ``data_dir``, the manifest's class names (``manifest_class_names``), the tolerance."""
+    from ``data_dir``, the manifest's class names (``manifest_class_names``), the tolerance.
+
+    The manifest is read now, when the program builds its job: a label outside the model's
+    classes stops the program here, in one line, not at the export after training.
+
+    Raises:
+      UsageError: the manifest gives a class a label the model has no class for.
+    """
+    names = manifest_class_names(data_dir, label_offset, num_classes, strict=True)
     return {
         "check_inputs": lambda: sample_images(data_dir),
-        "class_names": lambda: manifest_class_names(data_dir, label_offset, num_classes),
+        "class_names": lambda: names,
         "export_tolerance": export_tolerance(precision),
     }
 
 
 def manifest_class_names(
-    data_dir: str | None, label_offset: int, num_classes: int
+    data_dir: str | None, label_offset: int, num_classes: int, strict: bool = False
 ) -> list[str] | None:
     """The class names of ``data_dir``'s ``estimax-convert`` manifest, by the model's class id.
 
@@ -728,27 +854,85 @@ def manifest_class_names(
     (ImageNet's 1000 classes trained on a 10-class folder, Inception's background logit) are
     named ``""``. None, with a warning where there is a manifest, when the names cannot be this
     model's: the export is then published without them rather than lose the trained model.
+
+    Args:
+      data_dir: the converter's output (local or fsspec URL); None: fake data, no names.
+      label_offset: see above.
+      num_classes: the model's classes (logits).
+      strict: before training: a label outside the model's classes is a UsageError (the data
+        holds labels the model cannot learn) rather than a warning.
+
+    Raises:
+      UsageError: with ``strict``, a label outside ``label_offset .. label_offset +
+        num_classes - 1``.
     """
     if data_dir is None:
         return None
-    from estimax import serving
-
+    path = posixpath.join(data_dir, "manifest.json")
     try:
-        names = serving.class_names_from_manifest(data_dir, label_offset)
+        label_map = _manifest_labels(path)
     except FileNotFoundError:
         return None  # TFRecords of another converter: nothing names the classes
     except (OSError, ValueError) as e:
         logging.warning("Exporting without class names: %s", e)
         return None
-    if len(names) > num_classes:
-        logging.warning(
-            "Exporting without class names: %s names %d classes, the model has %d",
-            posixpath.join(data_dir, "manifest.json"),
-            len(names),
-            num_classes,
+    # Checked before any list is sized by a label: a damaged label (10**12) is a MemoryError.
+    outside = {n: v for n, v in label_map.items() if not 0 <= v - label_offset < num_classes}
+    if outside:
+        name, label = min(outside.items(), key=lambda item: abs(item[1]))
+        why = (
+            f"{path} gives class {name[:60]!r} the label {_short_int(label)}, outside the "
+            "model's "
+            f"{num_classes} classes (labels {label_offset}..{label_offset + num_classes - 1})"
+            + (f" and {len(outside) - 1} more" if len(outside) > 1 else "")
         )
+        if strict:
+            raise UsageError(
+                f"--data_dir={data_dir}: {why}: give the model as many classes as the "
+                "converter wrote, or convert the classes this model has"
+            )
+        logging.warning("Exporting without class names: %s", why)
         return None
-    return names + [""] * (num_classes - len(names))
+    names = [""] * num_classes
+    for name, label in label_map.items():
+        names[label - label_offset] = name
+    return names
+
+
+def _short_int(value: int) -> str:
+    """``value`` for a log line: a damaged label can have hundreds of digits."""
+    text = str(value)
+    return text if len(text) <= 24 else f"{text[:12]}...({len(text)} digits)"
+
+
+def _manifest_labels(path: str) -> dict[str, int]:
+    """``label_map`` of an ``estimax-convert`` manifest: class name -> label (an integer).
+
+    Raises:
+      FileNotFoundError: there is none. ValueError: it is not one (or damaged).
+    """
+    from estimax import storage
+    from estimax.export.record import MANIFEST_FORMAT
+
+    fs, root = fsspec.core.url_to_fs(path)
+    if not fs.exists(root):
+        raise FileNotFoundError(path)
+    with fs.open(root, "rb") as f:
+        try:
+            data = storage.load_json(f.read())
+        except ValueError as e:
+            raise ValueError(f"{path} is not JSON ({e})") from None
+    label_map = data.get("label_map") if isinstance(data, dict) else None
+    if not isinstance(label_map, dict) or not label_map or data.get("format") != MANIFEST_FORMAT:
+        raise ValueError(f"{path}: not an estimax-convert manifest with a label_map")
+    for name, label in label_map.items():
+        if type(label) is not int:
+            raise ValueError(
+                f"{path}: the label of {name[:60]!r} is {str(label)[:40]}, not a number"
+            )
+    if len(set(label_map.values())) < len(label_map):
+        raise ValueError(f"{path}: two classes have one label")
+    return label_map
 
 
 def write_run_description(model_dir: str, notes: list[str] | tuple[str, ...]) -> None:
@@ -781,6 +965,15 @@ def for_cluster_role(loop: LoopConfig) -> LoopConfig:
     return loop
 
 
+def check_accumulation(config: ex.RunConfig, train_batch: int, replicas: int) -> None:
+    """A ``UsageError`` line when ``--gradient_accumulation_steps`` does not divide each
+    replica's train batch (naming the flag and the values that do)."""
+    try:
+        step_builder.micro_batch(train_batch, replicas, config.gradient_accumulation_steps)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
 def run(job: Job) -> dict[str, Any] | None:
     """The tail every program shares: model_dir checks and lock, the mode, export, print, close.
 
@@ -789,6 +982,12 @@ def run(job: Job) -> dict[str, Any] | None:
     """
     if job.compile_for:
         return {"compile_for": [r.as_dict() for r in compile_job(job)]}
+    check_layout(job)
+    check_accumulation(
+        job.config,
+        job.batch_sizes[0],
+        job.config.num_shards or jax.device_count() // job.config.num_cores_per_replica,
+    )
     job = dataclasses.replace(job, loop=for_cluster_role(job.loop))
     model_dir = job.config.model_dir
     training = job.loop.mode != "eval"
@@ -828,9 +1027,11 @@ def run(job: Job) -> dict[str, Any] | None:
     if results is not None:
         names, examples = job.metrics
         values = ", ".join(f"{name} = {results[name]:.4f}" for name in names)
+        # An evaluation rebuilt from the event files (a damaged evaluations.json) has no count.
+        counted = results.get("num_examples")
         print(
-            f"Eval results at step {results['global_step']}: {values} on "
-            f"{results['num_examples']} {examples}"
+            f"Eval results at step {results['global_step']}: {values}"
+            + (f" on {counted} {examples}" if counted is not None else "")
         )
     print(f"TensorBoard logs: tensorboard --logdir={est.model_dir}", flush=True)
     return results
@@ -853,7 +1054,8 @@ class DoesNotFit(UsageError):
 
 
 def compile_job(job: Job) -> list[Any]:
-    """``--compile_for``: compiles the job's train and eval steps for a TPU slice, one line each.
+    """``--compile_for``: compiles the job's train and eval steps for a TPU slice or GPUs, one
+    line each.
 
     Nothing is read or written: no data, no ``model_dir`` (a temporary one if none is given).
 
@@ -866,6 +1068,16 @@ def compile_job(job: Job) -> list[Any]:
     """
     config, topology = job.config, job.compile_for
     assert topology is not None  # run() calls this for --compile_for only
+    if config.num_cores_per_replica > 1 or config.shard_parameters is not None:
+        # compile.py lays the slice out as one data axis and its state replicated: its report
+        # would not be the layout's.
+        raise UsageError(
+            f"--compile_for={topology} with --num_cores_per_replica or --fsdp_min_size_mb: not "
+            "supported yet (the compiled steps would not be those layouts'); compile without "
+            "them."
+        )
+    if gpu_compile.is_gpu_target(topology):
+        gpu_compile.use_cpu_backend()  # nothing runs here: no CUDA start, no traceback
     local = dataclasses.replace(config, num_shards=1)  # the slice's devices replace this one
     with contextlib.ExitStack() as stack:
         if config.model_dir is None:
@@ -891,3 +1103,40 @@ def compile_job(job: Job) -> list[Any]:
     if failed:
         raise DoesNotFit(" ".join(compile_lib.describe_failure(r) for r in failed), reports)
     return reports
+
+
+def run_resnet_style_family(
+    fv: flags.FlagValues,
+    family: Family,
+    make_inputs: Callable[[flags.FlagValues], tuple[Any, str | None, list[str]]],
+    image_size: Callable[[flags.FlagValues], int],
+) -> dict[str, Any] | None:
+    """Flags -> config -> Estimator -> the mode loop, for a program whose input, eval crop and
+    export are ResNet's (``efficientnet``, ``vit``). Returns the last eval results, if any."""
+    from estimax.data import preprocessing
+    from estimax.programs import logs
+
+    logs.setup()
+    cfg = family.config_from_flags(fv)
+    log_unused_tpu_flags(fv)
+    check_locations(fv)
+    inputs, data_dir, notes = make_inputs(fv)
+    config, loop = resnet_style_configs(fv, num_shards=None)
+    return run(
+        Job.for_family(
+            family,
+            fv,
+            cfg,
+            input_fn=inputs,
+            notes=tuple(notes),
+            batch_sizes=(fv.train_batch_size, fv.eval_batch_size),
+            config=config,
+            loop=loop,
+            # The export is refused if its declared preprocessing differs from the input's.
+            eval_preprocess=functools.partial(
+                preprocessing.resnet_preprocess, is_training=False, image_size=image_size(fv)
+            ),
+            # The input hands the model the file's label - 1.
+            **image_export(data_dir, 1, cfg.num_label_classes, cfg.precision),
+        )
+    )

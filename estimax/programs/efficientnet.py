@@ -54,10 +54,10 @@ import optax
 from absl import flags
 
 import estimax as ex
-from estimax import ops, serving
+from estimax import export, ops
 from estimax.data import imagenet, preprocessing
 from estimax.models import efficientnet
-from estimax.programs import classifier, cli, common, flagspec, logs, resnet, schedules
+from estimax.programs import classifier, cli, common, flagspec, resnet, schedules
 from estimax.programs.family import Family
 
 # What the result line shows: "Eval results at step N: top_1_accuracy = ... on N images".
@@ -97,6 +97,7 @@ class EfficientNetConfig:
     depth_coefficient: float | None = None
     width_coefficient: float | None = None
     cpu_fast_ops: bool = True
+    remat: str = "none"  # --remat: the blocks' rematerialisation policy
 
 
 _C = EfficientNetConfig
@@ -257,6 +258,7 @@ def build_model(cfg: EfficientNetConfig) -> nn.Module:
         num_classes=cfg.num_label_classes,
         dtype=jnp.bfloat16 if cfg.precision == "bfloat16" else jnp.float32,
         conv=ops.FastConv if cfg.cpu_fast_ops else nn.Conv,
+        remat=cfg.remat,
         **overrides,
     )
 
@@ -331,6 +333,7 @@ def config_from_flags(fv: flags.FlagValues) -> EfficientNetConfig:
         depth_coefficient=fv.depth_coefficient,
         width_coefficient=fv.width_coefficient,
         cpu_fast_ops=fv.cpu_fast_ops,
+        remat=fv.remat,
     )
 
 
@@ -339,10 +342,10 @@ def image_size(fv: flags.FlagValues) -> int:
     return fv.input_image_size or MODEL_NAMES[fv.model_name][1]
 
 
-def serving_preprocessing(fv: flags.FlagValues) -> serving.Preprocessing:
+def serving_preprocessing(fv: flags.FlagValues) -> export.Preprocessing:
     """The eval preprocessing an export declares: a centre crop of ``size / (size + 32)`` of the
     short side, bicubic resize, uint8 (normalised on the device), as ``preprocessing.py``."""
-    return serving.image_preprocessing(
+    return export.image_preprocessing(
         image_size(fv),
         crop="center",
         crop_padding=preprocessing.CROP_PADDING,
@@ -367,36 +370,14 @@ def make_inputs(fv: flags.FlagValues) -> tuple[Any, str | None, list[str]]:
         fake_eval_examples=fv.num_eval_images,
         num_classes=fv.num_label_classes,
         skip_bad_records=fv.skip_bad_records,
+        index_dir=common.shard_index_dir(fv.model_dir),
     )
     return inputs, data_dir, notes
 
 
 def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
     """Flags -> config -> Estimator -> the mode loop. Returns the last eval results, if any."""
-    logs.setup()
-    cfg = config_from_flags(fv)
-    common.log_unused_tpu_flags(fv)
-    common.check_locations(fv)
-    inputs, data_dir, notes = make_inputs(fv)
-    config, loop = common.resnet_style_configs(fv, num_shards=None)
-    return common.run(
-        common.Job.for_family(
-            FAMILY,
-            fv,
-            cfg,
-            input_fn=inputs,
-            notes=tuple(notes),
-            batch_sizes=(fv.train_batch_size, fv.eval_batch_size),
-            config=config,
-            loop=loop,
-            # The export is refused if its declared preprocessing differs from the input's.
-            eval_preprocess=functools.partial(
-                preprocessing.resnet_preprocess, is_training=False, image_size=image_size(fv)
-            ),
-            # The input hands the model the file's label - 1.
-            **common.image_export(data_dir, 1, cfg.num_label_classes, cfg.precision),
-        )
-    )
+    return common.run_resnet_style_family(fv, FAMILY, make_inputs, image_size)
 
 
 FAMILY = Family(

@@ -7,7 +7,7 @@ program file (ending with its ``FAMILY``), and one line below.
 
 from __future__ import annotations
 
-from estimax.programs import efficientnet, inception_v3, inception_v4, mnist, resnet
+from estimax.programs import efficientnet, inception_v3, inception_v4, mnist, resnet, vit
 from estimax.programs.cli import UsageError
 from estimax.programs.family import Family
 
@@ -21,6 +21,7 @@ FAMILIES: dict[str, Family] = {
         inception_v3.FAMILY,
         inception_v4.FAMILY,
         efficientnet.FAMILY,
+        vit.FAMILY,
     )
 }
 

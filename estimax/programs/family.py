@@ -43,7 +43,7 @@ class Family:
       input_spec: parsed flags -> the spec of one batch of features (``TensorSpec((None, ...),
         dtype)``): what the input feeds the model_fn and what an export takes.
       serving_preprocessing: parsed flags -> what the server applies to the encoded images
-        clients send (``estimax.serving.resnet_eval(size)``...); None: clients send arrays.
+        clients send (``estimax.export.resnet_eval(size)``...); None: clients send arrays.
       run_from_flags: parsed flags -> runs the program; returns the last eval results.
       metrics: the metrics of the result line and what its examples are called.
       tf_names: the TensorFlow original's names (``estimax.models.TF_NAMES``); None without one.

@@ -44,7 +44,7 @@ import optax
 from absl import flags
 
 import estimax as ex
-from estimax import ops, serving
+from estimax import export, ops
 from estimax.data import imagenet
 from estimax.models import inception_v3 as inception_v3_model
 from estimax.models.inception_v3 import InceptionV3
@@ -305,12 +305,15 @@ class InceptionConfig:
     moving_average: bool = True
     precision: str = "float32"
     cpu_fast_ops: bool = True
+    remat: str = "none"  # --remat: the blocks' rematerialisation policy
 
 
 def build_model(cfg: InceptionConfig) -> nn.Module:
     """The network of ``cfg`` (with its auxiliary head) in the compute dtype of ``precision``."""
     kwargs: dict[str, Any] = {"dtype": jnp.bfloat16 if cfg.precision == "bfloat16" else jnp.float32}
     kwargs.update(ops.fast_layers() if cfg.cpu_fast_ops else ops.standard_layers())
+    if cfg.remat != "none":  # only then: a stand-in ``cfg.model`` need not know the field
+        kwargs["remat"] = cfg.remat
     return cfg.model(num_classes=cfg.num_classes, **kwargs)
 
 
@@ -374,6 +377,7 @@ def config_from_flags(fv: flags.FlagValues, variant: Variant) -> InceptionConfig
         moving_average=fv.moving_average,
         precision=fv.precision,
         cpu_fast_ops=fv.cpu_fast_ops,
+        remat=fv.remat,
     )
 
 
@@ -414,6 +418,7 @@ def make_inputs(fv: flags.FlagValues) -> tuple[Any, str | None, list[str]]:
         # Files hold labels 1..num_classes-1 (class 0 is the background logit).
         num_classes=fv.num_classes - 1,
         use_annotated_bbox=fv.use_annotated_bbox,
+        index_dir=common.shard_index_dir(fv.model_dir),
     )
     return inputs, data_dir, notes
 
@@ -480,7 +485,7 @@ def family(variant: Variant) -> Family:
         # Clients send JPEG/PNG bytes; the server applies the eval preprocessing, the model (and
         # export) take images in [-1, 1]; the export holds the moving-average weights.
         input_spec=lambda fv: ex.TensorSpec((None, fv.width, fv.width, 3), np.float32),
-        serving_preprocessing=lambda fv: serving.inception_eval(fv.width),
+        serving_preprocessing=lambda fv: export.inception_eval(fv.width),
         run_from_flags=functools.partial(run_from_flags, variant=variant),
         metrics=METRICS,
         tf_names=variant.tf_names,

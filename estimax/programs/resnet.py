@@ -28,7 +28,7 @@ import optax
 from absl import flags, logging
 
 import estimax as ex
-from estimax import ops, serving
+from estimax import export, ops
 from estimax.data import bigtable, imagenet
 from estimax.models import resnet as resnet_model
 from estimax.models.resnet import RESNET_DEPTHS, resnet_v1
@@ -57,6 +57,7 @@ class ResNetConfig:
     num_train_images: int = imagenet.NUM_TRAIN_IMAGES
     write_scalars: bool = True
     cpu_fast_ops: bool = True
+    remat: str = "none"  # --remat: the blocks' rematerialisation policy
 
 
 _C = ResNetConfig
@@ -248,7 +249,7 @@ def build_model(cfg: ResNetConfig) -> nn.Module:
     """The network of ``cfg``: ResNet v1 of ``resnet_depth``, computing in ``precision``."""
     kwargs: dict[str, Any] = {"dtype": jnp.bfloat16 if cfg.precision == "bfloat16" else jnp.float32}
     kwargs.update(ops.fast_layers() if cfg.cpu_fast_ops else ops.standard_layers())
-    return resnet_v1(cfg.resnet_depth, cfg.num_label_classes, **kwargs)
+    return resnet_v1(cfg.resnet_depth, cfg.num_label_classes, remat=cfg.remat, **kwargs)
 
 
 def make_model_fn(cfg: ResNetConfig):
@@ -299,6 +300,7 @@ def config_from_flags(fv: flags.FlagValues) -> ResNetConfig:
         num_train_images=fv.num_train_images,
         write_scalars=not fv.skip_host_call,
         cpu_fast_ops=fv.cpu_fast_ops,
+        remat=fv.remat,
     )
 
 
@@ -326,6 +328,7 @@ def make_inputs(fv: flags.FlagValues) -> tuple[Any, str | None, list[str]]:
         fake_eval_examples=fv.num_eval_images,
         num_classes=fv.num_label_classes,
         skip_bad_records=fv.skip_bad_records,
+        index_dir=common.shard_index_dir(fv.model_dir),
     )
     cli.check_given(fv, tuple(name for name, _, _ in BIGTABLE_FLAGS))
     if fv.bigtable_instance:
@@ -379,7 +382,7 @@ FAMILY = Family(
     # As the original's image_serving_input_fn, clients send JPEG/PNG bytes; the server applies
     # estimax's eval preprocessing, and the model (and export) take uint8 [0, 255] images.
     input_spec=lambda fv: ex.TensorSpec((None, fv.image_size, fv.image_size, 3), np.uint8),
-    serving_preprocessing=lambda fv: serving.resnet_eval(fv.image_size),
+    serving_preprocessing=lambda fv: export.resnet_eval(fv.image_size),
     run_from_flags=run_from_flags,
     metrics=METRICS,
     tf_names=resnet_model.TF_NAMES,
