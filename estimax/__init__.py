@@ -1,6 +1,6 @@
 """estimax: the TPUEstimator contract, reference models and ImageNet pipeline, on JAX.
 
-The whole user contract (the README's runnable version: ``examples/contract.py``)::
+The whole user contract (docs/contract.md; runnable: ``examples/contract.py``)::
 
     import estimax as ex
 
@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     )
     from estimax.estimator.training import train_and_evaluate
     from estimax.estimator.warm_start import WarmStartSettings
-    from estimax.serving.exporters import BestExporter, Exporter, FinalExporter, LatestExporter
+    from estimax.export.exporters import BestExporter, Exporter, FinalExporter, LatestExporter
 
 # Public name -> module that defines it. Imported on first use, so that `import estimax.data`
 # in input worker processes does not pay for importing JAX (1.8 s and ~150 MB each).
@@ -90,10 +90,10 @@ _EXPORTS = {
     "checkpoints_iterator": "estimax.estimator.checkpoints",
     "train_and_evaluate": "estimax.estimator.training",
     "WarmStartSettings": "estimax.estimator.warm_start",
-    "BestExporter": "estimax.serving.exporters",
-    "Exporter": "estimax.serving.exporters",
-    "FinalExporter": "estimax.serving.exporters",
-    "LatestExporter": "estimax.serving.exporters",
+    "BestExporter": "estimax.export.exporters",
+    "Exporter": "estimax.export.exporters",
+    "FinalExporter": "estimax.export.exporters",
+    "LatestExporter": "estimax.export.exporters",
 }
 _SUBMODULES = {
     "losses": "estimax.estimator.losses",

@@ -1,10 +1,92 @@
-"""The ``estimax`` command: ``estimax doctor ...`` (``estimax.doctor``), else the serving
-commands (``estimax serve``, ``predict``, ``export-check``, ``export-savedmodel``:
-``estimax.serving.cli``)."""
+"""The estimax command: train a family, serve exports, classify images, check and convert them.
+
+The parser is here; each subcommand is its package's:
+
+    estimax doctor [--launch]        devices, kernels, storage (estimax.doctor)
+    estimax train --family=NAME ...  a reference program (estimax.programs.families)
+    estimax serve ...                the server (estimax.serving.cli)
+    estimax predict | export-check | export-savedmodel | export-onnx ...  (estimax.export.cli)
+
+Bad flags or paths print one line and exit 2; a failed parity check exits 1.
+"""
 
 from __future__ import annotations
 
+import argparse
+import logging as std_logging
+import os
 import sys
+from collections.abc import Mapping, Sequence
+
+from estimax.export import cli as export_cli
+from estimax.export.versions import ExportCheckError
+from estimax.serving import cli as serving_cli
+
+EXIT_USAGE = 2
+
+
+def _parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    # Each subcommand's help fits its line of an 80-column terminal (56 characters).
+    parser = argparse.ArgumentParser(
+        prog="estimax", description=__doc__.split("\n")[0], formatter_class=export_cli.Defaults
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    # Listed for --help; `run` hands `estimax doctor ...` to estimax.doctor before this parser
+    # sees it.
+    sub.add_parser("doctor", help="devices, kernels, storage; --launch: a launch dry-run")
+    # Likewise `estimax train --family=NAME ...` (its flags are the program's: absl's, not these).
+    sub.add_parser("train", help="a program by family: --family=NAME, then its flags")
+    serving_cli.add_parser(sub, os.environ if env is None else env)
+    export_cli.add_parsers(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+    """Entry point of the ``estimax`` console script (``env``: the environment to read)."""
+    args = _parser(env).parse_args(argv)
+    std_logging.basicConfig(level=std_logging.WARNING)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    commands = {**serving_cli.COMMANDS, **export_cli.COMMANDS}
+    try:
+        return commands[args.command](args)
+    except ExportCheckError as e:
+        print(f"estimax {args.command}: FAILED: {e}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as e:
+        print(f"estimax {args.command}: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def train(argv: Sequence[str]) -> None:
+    """``estimax train --family=NAME [flags]``: runs the program of family NAME on its flags.
+
+    The same as the family's own script (``resnet ...``, ``inception_v3 ...``): every family of
+    ``estimax.programs.families`` has this entry, so a new family needs no script of its own.
+    """
+    from estimax.programs import families
+    from estimax.programs.cli import UsageError
+
+    rest, name = [], None
+    args = iter(argv)
+    for arg in args:
+        if arg.startswith("--family="):
+            name = arg.split("=", 1)[1]
+        elif arg == "--family":
+            name = next(args, "")
+        else:
+            rest.append(arg)
+    try:
+        if not name:
+            raise UsageError(
+                f"--family=NAME is required: one of {', '.join(sorted(families.FAMILIES))}"
+            )
+        family = families.get(name)
+    except UsageError as e:
+        print(f"estimax train: {e}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+    # absl reads sys.argv: the program sees its own name and flags, as from its own script.
+    sys.argv = [family.name, *rest]
+    family.main()
 
 
 def run() -> None:
@@ -13,6 +95,7 @@ def run() -> None:
         from estimax import doctor
 
         sys.exit(doctor.main(sys.argv[2:]))
-    from estimax.serving import cli
-
-    cli.run()
+    if sys.argv[1:2] == ["train"]:
+        train(sys.argv[2:])
+        return
+    sys.exit(main())

@@ -212,6 +212,7 @@ def _parser() -> argparse.ArgumentParser:
         "--launch",
         action="store_true",
         help="a launch dry-run: the cluster this process finds ($CLUSTER_SPEC, $TF_CONFIG, "
+        "$JAX_COORDINATOR_ADDRESS with $JAX_NUM_PROCESSES and $JAX_PROCESS_ID (Kubeflow), "
         "JAX's detection, or the flags below), a check with every other process of the job "
         "within --timeout, then its devices and the global mesh",
     )

@@ -426,3 +426,46 @@ def register_summary_writers() -> None:
     for prefix in REMOTE_SCHEMES:
         if not isinstance(record_writer.REGISTERED_FACTORIES.get(prefix), _SpooledWriterFactory):
             record_writer.register_writer_factory(prefix, _SpooledWriterFactory())
+
+
+# --- JSON state files ---------------------------------------------------------------------------
+
+# Deeper than any file estimax writes (evaluations.json: 4 levels with a confusion matrix;
+# manifest.json: 4; a cluster spec: 3), far below Python's recursion limit: a file nested
+# deeper is damaged (or hostile), and is refused before anything walks it recursively.
+MAX_JSON_DEPTH = 32
+
+
+class JSONNestingError(ValueError):
+    """JSON nested deeper than ``load_json``'s ``max_depth``."""
+
+
+def load_json(data: bytes | str, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """``data`` parsed as JSON, nested at most ``max_depth`` levels deep.
+
+    ``json.loads`` raises ``RecursionError`` on input nested deeper than Python's recursion
+    limit (about 1,000 levels), and a structure just under it makes every later recursive walk
+    (``repr``, ``json.dumps``, ``copy.deepcopy``) fail the same way. Both become a ValueError,
+    which every reader of a state file already turns into its warning or its one-line error.
+
+    Raises:
+      ValueError: not UTF-8 JSON (``json.JSONDecodeError``, ``UnicodeDecodeError``), or nested
+        deeper than ``max_depth`` (``JSONNestingError``).
+    """
+    import json
+
+    try:
+        value = json.loads(data)
+    except RecursionError:
+        raise JSONNestingError(f"nested deeper than {max_depth} levels") from None
+    # Iterative, so that the check itself cannot run out of stack.
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if not isinstance(item, dict | list):
+            continue
+        if depth > max_depth:
+            raise JSONNestingError(f"nested deeper than {max_depth} levels")
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((child, depth + 1) for child in children)
+    return value

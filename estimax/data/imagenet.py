@@ -1,6 +1,6 @@
 """The ImageNet input: ``input_fn(data_dir, is_training, ...)(params)`` -> batches of images.
 
-The files are the original's (ORIGINAL_SYSTEM.md §5, §8): ``train-00000-of-01024`` ...
+The files are the original's (docs/original.md §5, §8): ``train-00000-of-01024`` ...
 ``validation-00127-of-00128`` in ``data_dir`` (any fsspec path), TFRecords of tf.Example with the
 fields below. Labels in the files are **1-based** (1..1000, the converter's
 ``{synset: k + 1}``); :func:`label_from_example` subtracts 1, the only place that does, so the
@@ -158,6 +158,8 @@ class ImageNetTransform:
       num_classes: labels must be in ``1..num_classes`` in the files.
       use_annotated_bbox: pass the record's ``image/object/bbox/*`` to the crop sampler (the
         original's ``--use_annotated_bbox``, Inception v4); else the whole image is the box.
+      augment: training only: ``augment(image, rng) -> image`` after the preprocessing, with the
+        example's generator (``estimax.data.augment.RandAugment``); None: none.
     """
 
     preprocess: Callable[..., np.ndarray]
@@ -165,6 +167,7 @@ class ImageNetTransform:
     image_size: int
     num_classes: int = NUM_CLASSES
     use_annotated_bbox: bool = False
+    augment: Callable[[np.ndarray, np.random.Generator], np.ndarray] | None = None
 
     def __call__(self, record: bytes, rng: np.random.Generator) -> tuple[np.ndarray, np.int32]:
         schema = dict(_INPUT_SCHEMA, **_BBOX_SCHEMA) if self.use_annotated_bbox else _INPUT_SCHEMA
@@ -175,6 +178,8 @@ class ImageNetTransform:
             raise ValueError("the record has no image/encoded bytes")
         bbox = bbox_from_example(parsed) if self.use_annotated_bbox else None
         image = self.preprocess(image_bytes, self.is_training, self.image_size, rng, bbox=bbox)
+        if self.augment is not None and self.is_training:
+            image = self.augment(image, rng)
         return image, label
 
 
@@ -186,19 +191,22 @@ def _tfrecord_source(
     num_hosts: int,
     verify_crc: bool,
     skip_bad_records: bool,
+    index_dir: str | None = None,
 ) -> tuple[loader.TFRecordSource, np.ndarray | None]:
     """This host's TFRecord source and record ids (None: all of the source's records)."""
     files = tfrecord.list_files(file_pattern(data_dir, is_training))
     if shard_by == "file" and len(files) >= num_hosts:
         files = loader.host_shard(files, host_index, num_hosts)
         return loader.TFRecordSource(
-            files, verify_crc=verify_crc, skip_bad_records=skip_bad_records
+            files, verify_crc=verify_crc, skip_bad_records=skip_bad_records, index_dir=index_dir
         ), None
     if shard_by == "file":
         log.warning(
             "%d files for %d hosts: sharding by record instead of by file", len(files), num_hosts
         )
-    source = loader.TFRecordSource(files, verify_crc=verify_crc, skip_bad_records=skip_bad_records)
+    source = loader.TFRecordSource(
+        files, verify_crc=verify_crc, skip_bad_records=skip_bad_records, index_dir=index_dir
+    )
     return source, loader.host_shard(np.arange(len(source)), host_index, num_hosts)
 
 
@@ -227,7 +235,10 @@ def input_fn(
     shard_by: str = "global",
     verify_crc: bool = True,
     bigtable: bigtable_lib.BigtableTable | None = None,
-) -> Callable[[dict[str, Any]], loader.Loader | fake.FakeImages]:
+    augment: Callable[[np.ndarray, np.random.Generator], np.ndarray] | None = None,
+    mixup_alpha: float = 0.0,
+    index_dir: str | None = None,
+) -> Callable[[dict[str, Any]], Any]:
     """The ImageNet ``input_fn`` of the original, for the Estimator.
 
     Args:
@@ -256,7 +267,9 @@ def input_fn(
         (``estimax.data.order``): global batch ``b`` is a fixed slice of the epoch's
         permutation and host ``h`` reads its block of it, so the batches, and the saved input
         position, do not depend on the number of hosts (a job resumes on any number). Every host
-        indexes all files: give them ``.idx`` index files on object stores. The legacy per-host
+        needs every file's index: shards without ``.idx`` files are indexed at start, each by
+        one host, which writes the index beside it (``estimax-convert index`` writes them once
+        beforehand; see ``loader.TFRecordSource``). The legacy per-host
         orders: ``'file'``: each host reads ``files[host_index::num_hosts]`` (the original's
         ``list_files().shard()``); ``'record'``: each host reads every num_hosts-th record of all
         files. ``'file'`` falls back to ``'record'`` when there are fewer files than hosts. With
@@ -265,6 +278,15 @@ def input_fn(
       bigtable: read the tf.Examples from the rows of a Cloud Bigtable table instead of
         ``data_dir`` (the original's ``--bigtable_*`` flags): ``train_prefix`` rows for training,
         ``eval_prefix`` rows for eval, in row-key order. Hosts shard by record.
+      augment: training only: applied to each preprocessed image with its own generator
+        (``estimax.data.augment.RandAugment``: the image must be uint8, as ``'resnet'``'s).
+        Not applied to fake data.
+      mixup_alpha: training only, when > 0: mix each batch (``estimax.data.augment.
+        MixupBatches``): the labels become float32 ``[B, num_classes]`` targets and the images
+        float32.
+      index_dir: where the indexes of bucket shards that have none and cannot get one beside
+        them (a read-only bucket) are written and found again (``loader.TFRecordSource``); the
+        programs give ``<model_dir>/shard_indexes``.
 
     Returns:
       ``input_fn(params)``: ``params["batch_size"]`` is the per-host batch, ``params["context"]``
@@ -281,7 +303,17 @@ def input_fn(
             f"preprocessing must be 'resnet', 'inception' or a callable, got {preprocessing!r}"
         )
 
-    def fn(params: dict[str, Any]) -> loader.Loader | fake.FakeImages:
+    def fn(params: dict[str, Any]) -> Any:
+        batches = batches_of(params)
+        if not (is_training and mixup_alpha > 0):
+            return batches
+        from estimax.data import augment as augment_lib
+
+        return augment_lib.MixupBatches(
+            batches, mixup_alpha, num_classes, seed=seed, host_index=_host(params)[0]
+        )
+
+    def batches_of(params: dict[str, Any]) -> loader.Loader | fake.FakeImages:
         batch_size = int(params["batch_size"])
         host_index, num_hosts = _host(params)
         if bigtable is None and (use_fake_data or is_fake_data_dir(data_dir)):
@@ -305,13 +337,26 @@ def input_fn(
         elif global_order:
             assert data_dir is not None
             files = tfrecord.list_files(file_pattern(data_dir, is_training))
+            # Shards without index files are indexed once across the hosts, not by each.
             source = loader.TFRecordSource(
-                files, verify_crc=verify_crc, skip_bad_records=skip_bad_records
+                files,
+                verify_crc=verify_crc,
+                skip_bad_records=skip_bad_records,
+                host_index=host_index,
+                num_hosts=num_hosts,
+                index_dir=index_dir,
             )
         else:
             assert data_dir is not None
             source, record_ids = _tfrecord_source(
-                data_dir, is_training, shard_by, host_index, num_hosts, verify_crc, skip_bad_records
+                data_dir,
+                is_training,
+                shard_by,
+                host_index,
+                num_hosts,
+                verify_crc,
+                skip_bad_records,
+                index_dir,
             )
         transform = ImageNetTransform(
             preprocess=preprocess or _preprocess_fn(str(preprocessing)),
@@ -319,6 +364,7 @@ def input_fn(
             image_size=image_size,
             num_classes=num_classes,
             use_annotated_bbox=use_annotated_bbox,
+            augment=augment,
         )
         return loader.Loader(
             source,

@@ -1,10 +1,13 @@
 """The loader's saved position: what ``LoaderIterator.get_state`` writes and ``set_state`` checks.
 
-The state is JSON: ``{"version", "order", "epoch", "position", "num_skipped", "seed", "shuffle",
-"num_records"}``. ``epoch``/``position`` are the global stream's position after the last batch
-the caller received, the same on every host (``"order": "global"``), so it resumes on any number
-of hosts. ``seed``, ``shuffle`` and ``num_records`` are there to refuse a position that belongs
-to other data or settings. Version 1 (older estimax) counted each host's own records.
+The state is JSON: ``{"version", "order", "num_hosts", "epoch", "position", "num_skipped",
+"seed", "shuffle", "num_records"}``. ``epoch``/``position`` are the global stream's position after
+the last batch the caller received, the same on every host (``"order": "global"``), so it resumes
+on any number of hosts. ``num_hosts`` is the loader's: a job of more processes whose loaders say
+1 gave each its own share (``record_ids=host_shard(...)``), so the Estimator does not carry that
+position to another host count (its input restarts, with a warning). ``seed``, ``shuffle`` and
+``num_records`` are there to refuse a position that belongs to other data or settings. Version 1
+(older estimax) counted each host's own records.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ def state_of(ld: Loader, at: Position) -> dict[str, Any]:
     return {
         "version": STATE_VERSION,
         **({"order": "global"} if ld.order_is_global else {}),
+        "num_hosts": ld.num_hosts,
         "epoch": at.epoch,
         "position": at.position,
         "num_skipped": at.num_skipped,
@@ -72,8 +76,15 @@ def restore(ld: Loader, state: dict[str, Any]) -> Position:
     ):
         if state[key] != mine:
             raise ValueError(
-                f"loader state has {key}={state[key]!r} but this loader has {key}={mine!r}; "
+                f"loader state has {key}={state[key]!r} but this loader has {key}={mine!r}: "
                 "the saved input position belongs to other data or settings"
+                + (
+                    " (a Loader given one host's share, record_ids=host_shard(...), cannot "
+                    "resume on another number of hosts: give every host all the record_ids with "
+                    "num_hosts= and host_index=, the global order, which resumes on any)"
+                    if key == "num_records"
+                    else ""
+                )
             )
     position = int(state["position"])
     if not 0 <= position <= ld.num_records:

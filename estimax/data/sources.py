@@ -9,14 +9,19 @@ at all (never skipped).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
+import os
+import shutil
+import weakref
 from collections.abc import Sequence
 from typing import Any, Protocol, TypeVar, overload
 
 import numpy as np
 
-from estimax.data import tfrecord
+from estimax import storage
+from estimax.data import shard_index, tfrecord
 
 __all__ = [
     "BadRecordError",
@@ -80,32 +85,51 @@ def host_shard(
     return share if isinstance(share, np.ndarray) else list(share)
 
 
-def _say_what_was_scanned(record_files: list[tfrecord.RecordFile]) -> None:
-    """One line when files had no index file and were read to find their records."""
-    scanned = [rf for rf in record_files if rf.index_path is None]
-    if not scanned:
-        return
-    remote = any(rf.is_remote for rf in scanned)
+def _common_pattern(paths: Sequence[str]) -> str:
+    """A glob matching ``paths`` for the command line the log suggests: their common prefix."""
+    prefix = os.path.commonprefix(list(paths))
+    return prefix if len(paths) == 1 else prefix + "*"
+
+
+def _say_what_is_indexed(
+    missing: Sequence[str], stale: int, total: int, nbytes: int, num_hosts: int
+) -> None:
+    """The one line at start: shards without a usable index, what reading them costs, and the
+    command that writes their indexes once."""
+    remote = any(storage.is_remote(p) for p in missing)
+    share = f", split across {num_hosts} hosts" if num_hosts > 1 and remote else ""
     log.log(
         logging.WARNING if remote else logging.INFO,
-        "indexed %d of %d files by reading them (no %s index file beside them, e.g. %s)%s; "
-        "estimax-convert writes index files with its shards, estimax.data.write_index(path) "
-        "for others",
-        len(scanned),
-        len(record_files),
+        "%d of %d shards have no usable %s index file%s: reading them once to index them "
+        "(%.1f MB%s%s); `estimax-convert index '%s'` writes their indexes once for every "
+        "later start",
+        len(missing),
+        total,
         tfrecord.INDEX_SUFFIX,
-        tfrecord.default_index_path(scanned[0].path),
-        ": every host reads each such file whole before its first batch" if remote else "",
+        f" ({stale} stale, named above)" if stale else "",
+        nbytes / 1e6,
+        share,
+        ", kept on local disk for this run's reads, indexes written beside them where allowed"
+        if remote
+        else "",
+        _common_pattern(missing),
     )
 
 
 class TFRecordSource:
     """The records of several TFRecord files, addressed by one index ``0..len-1`` in file order.
 
-    Record offsets come from each file's index (``<file>.idx``: the converters write them, see
-    ``tfrecord.write_index``) or, without one, from a scan of the file's headers at construction
-    (cheap for local files; on ``gs://`` each file is read whole), which is logged once, naming
-    how many files had no index.
+    Record offsets come from each file's index (``<file>.idx``: the converters write them,
+    ``estimax-convert index`` writes them for existing shards), checked against the file (a
+    stale or cut index is named in one line and rebuilt, never trusted: no record is dropped).
+    Files without a usable index are indexed at construction, which is logged in one line
+    naming how many, the bytes it reads and the command that writes their indexes once: local
+    files by a scan of their headers; object-store files (``gs://``, ``s3://``) by reading each
+    once, several at a time (``estimax.data.shard_index``), writing its index beside it
+    (``write_indexes``) and keeping its bytes on local disk (``keep_copies``) so that this
+    run's reads of its records pull nothing again. With ``num_hosts`` > 1 each host reads its
+    share of them and takes the others' indexes as they appear: N hosts read the shards once
+    in all.
 
     Args:
       files: TFRecord paths, in the order they are addressed.
@@ -113,32 +137,119 @@ class TFRecordSource:
       skip_bad_records: a file whose scan hits damage (truncated, bad length CRC) keeps the
         records before the damage and counts one skipped record (``num_skipped_at_open``),
         instead of raising ``CorruptRecordError``.
+      write_indexes: write the index of an object-store shard that had none beside it.
+      keep_copies: keep the bytes of object-store shards read to index them on local disk for
+        this source's reads (while the disk keeps a tenth, at least 2 GiB, free); removed when
+        the source is garbage-collected or the process exits.
+      cache_dir: where those copies go (default: the system's temporary directory).
+      host_index, num_hosts: this host and how many share the indexing.
+      index_dir: a folder every host of the job reads and writes (local or a bucket) where the
+        indexes of object-store shards that cannot be written beside them go, and are found
+        again at the next start (``shard_index.index_path_in``); None: beside them only.
     """
 
     def __init__(
-        self, files: Sequence[str], verify_crc: bool = True, skip_bad_records: bool = False
+        self,
+        files: Sequence[str],
+        verify_crc: bool = True,
+        skip_bad_records: bool = False,
+        *,
+        write_indexes: bool = True,
+        keep_copies: bool = True,
+        cache_dir: str | None = None,
+        host_index: int = 0,
+        num_hosts: int = 1,
+        index_dir: str | None = None,
     ):
         if not files:
             raise ValueError("TFRecordSource needs at least one file")
         self.files = list(files)
         self.num_skipped_at_open = 0
-        self._record_files: list[tfrecord.RecordFile] = []
-        for path in self.files:
-            try:
-                rf = tfrecord.RecordFile(path, verify_crc=verify_crc)
-            except tfrecord.CorruptRecordError as e:
-                if not skip_bad_records:
-                    raise
-                rf = _partial_record_file(path, e, verify_crc)
-                self.num_skipped_at_open += 1
-                log.warning("skipping the damaged rest of %s (skip_bad_records): %s", path, e)
-            self._record_files.append(rf)
-        _say_what_was_scanned(self._record_files)
+        opened = _open_all(self.files, verify_crc, index_dir)
+        missing = [p for p, (rf, _, _) in zip(self.files, opened, strict=True) if rf is None]
+        stale = [why for rf, _, why in opened if rf is None and why != "missing"]
+        for why in stale:
+            log.warning("%s", why)
+        by_path: dict[str, tfrecord.RecordFile] = {
+            p: rf for p, (rf, _, _) in zip(self.files, opened, strict=True) if rf is not None
+        }
+        if missing:
+            sizes = dict(zip(self.files, (size for _, size, _ in opened), strict=True))
+            _say_what_is_indexed(
+                missing, len(stale), len(self.files), sum(sizes[p] for p in missing), num_hosts
+            )
+            by_path.update(
+                self._index(
+                    missing,
+                    verify_crc,
+                    skip_bad_records,
+                    write_indexes,
+                    keep_copies,
+                    cache_dir,
+                    host_index,
+                    num_hosts,
+                    index_dir,
+                )
+            )
+        self._record_files = [by_path[p] for p in self.files]
         counts = np.asarray([len(rf) for rf in self._record_files], dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum(counts)])
         # On object stores a worker reads the records of the chunks it was given ahead of
         # decoding them, each chunk in one concurrent call (read_many).
         self.read_ahead = any(rf.is_remote for rf in self._record_files)
+
+    def _index(
+        self,
+        missing: list[str],
+        verify_crc: bool,
+        skip_bad_records: bool,
+        write_indexes: bool,
+        keep_copies: bool,
+        cache_dir: str | None,
+        host_index: int,
+        num_hosts: int,
+        index_dir: str | None = None,
+    ) -> dict[str, tfrecord.RecordFile]:
+        """RecordFiles of the shards without a usable index (see the class docstring)."""
+        out: dict[str, tfrecord.RecordFile] = {}
+        remote = [p for p in missing if storage.is_remote(p)]
+        for path in missing:
+            if path in remote:
+                continue
+            try:  # a local file: its headers, one pread each
+                out[path] = tfrecord.RecordFile(path, index_path="", verify_crc=verify_crc)
+            except tfrecord.CorruptRecordError as e:
+                if not skip_bad_records:
+                    raise
+                out[path] = _partial_record_file(path, e, verify_crc)
+                self.num_skipped_at_open += 1
+                log.warning("skipping the damaged rest of %s (skip_bad_records): %s", path, e)
+        if not remote:
+            return out
+        files, results, copy_dir = shard_index.index_for_job(
+            remote,
+            verify_crc=verify_crc,
+            write=write_indexes,
+            keep_copies=keep_copies,
+            cache_dir=cache_dir,
+            host_index=host_index,
+            num_hosts=num_hosts,
+            keep_partial=True,
+            index_dir=index_dir,
+        )
+        if copy_dir is not None:
+            # The copies live as long as this source (worker processes get pickled copies of
+            # it, which have no finalizer: the loader stops them before the source goes).
+            weakref.finalize(self, shutil.rmtree, copy_dir, True)
+        for r in results:
+            if r.error is None:
+                continue
+            if not skip_bad_records:
+                raise r.error
+            self.num_skipped_at_open += 1
+            log.warning("skipping the damaged rest of %s (skip_bad_records): %s", r.path, r.error)
+        out.update(files)
+        return out
 
     def __len__(self) -> int:
         return int(self._starts[-1])
@@ -186,3 +297,14 @@ def _partial_record_file(
     return tfrecord.RecordFile(
         path, verify_crc=verify_crc, offsets=np.asarray(offsets + [error.offset], dtype=np.int64)
     )
+
+
+def _open_all(
+    files: Sequence[str], verify_crc: bool, index_dir: str | None = None
+) -> list[tuple[tfrecord.RecordFile | None, int, str]]:
+    """``shard_index.open_indexed`` of every file, several at once (on an object store each is
+    a few requests: one after another, 1,024 shards at 20 ms would take a minute)."""
+    if len(files) == 1 or not any(storage.is_remote(f) for f in files):
+        return [shard_index.open_indexed(f, verify_crc, index_dir) for f in files]
+    with concurrent.futures.ThreadPoolExecutor(min(16, len(files)), "estimax-open-index") as pool:
+        return list(pool.map(lambda f: shard_index.open_indexed(f, verify_crc, index_dir), files))

@@ -13,8 +13,8 @@ are reported as corrupt on their first record).
 
 Why hand-written: the format is four fields, and no maintained non-TensorFlow package offers a
 CRC-checked reader + atomic writer + index over fsspec paths; CRC-32C itself comes from the
-``crc32c`` package (hardware-accelerated). Measured in MEASUREMENTS.md: plain Python framing reads
-at ~2 GB/s, faster than tf.data.
+``crc32c`` package (hardware-accelerated). Measured (docs/performance.md): plain Python framing
+reads at ~2 GB/s, faster than tf.data.
 
 Paths are anything fsspec opens: local paths, ``gs://`` (gcsfs), ``s3://`` (s3fs), ``memory://``.
 """
@@ -22,9 +22,11 @@ Paths are anything fsspec opens: local paths, ``gs://`` (gcsfs), ``s3://`` (s3fs
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import struct
 import time
+import urllib.parse
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any
@@ -38,11 +40,15 @@ from estimax import storage
 __all__ = [
     "CorruptRecordError",
     "INDEX_SUFFIX",
+    "IndexInfo",
     "RecordFile",
     "ShardChangedError",
+    "StaleIndexError",
     "TFRecordWriter",
     "default_index_path",
+    "index_problem",
     "list_files",
+    "load_index",
     "masked_crc32c",
     "read_index",
     "read_many",
@@ -97,6 +103,20 @@ class ShardChangedError(RuntimeError):
             "finish) and run again: training resumes from its last checkpoint."
         )
         self.path = path
+
+
+class StaleIndexError(ValueError):
+    """An index file does not describe its shard (cut short, or the shard was rewritten): its
+    offsets would drop or garble records. The message is one line naming both files."""
+
+    def __init__(self, path: str, index_path: str, problem: str):
+        super().__init__(
+            f"{index_path} does not index {path}: {problem}; rebuild it with "
+            f"`estimax-convert index {path}`"
+        )
+        self.path = path
+        self.index_path = index_path
+        self.problem = problem
 
 
 def masked_crc32c(data: bytes | memoryview) -> int:
@@ -523,7 +543,11 @@ def write_index(path: str, index_path: str | None = None, verify_crc: bool = Fal
     """Writes the index file of a TFRecord file: one ``"<offset> <length>"`` line per record.
 
     This is the text format of NVIDIA DALI's ``tfrecord2idx`` (offset of the record and its total
-    framed size), so the same index files serve DALI readers too.
+    framed size), so the same index files serve DALI readers too, followed by one comment line
+    ``# estimax-index size=<bytes> version=<generation, ETag or mtime>`` naming the version of the
+    shard it indexes, so that a reader can tell a stale index (:func:`index_problem`). The shard
+    is read once, front to back (``estimax.data.shard_index``: large ranged requests on object
+    stores).
 
     Args:
       path: the TFRecord file.
@@ -533,16 +557,41 @@ def write_index(path: str, index_path: str | None = None, verify_crc: bool = Fal
     Returns:
       The index path written.
     """
-    index_path = index_path or default_index_path(path)
-    _put_text(index_path, _index_text(record_offsets(path, verify_crc=verify_crc)))
-    return index_path
+    from estimax.data import shard_index  # the streaming scan; imports this module
+
+    done = shard_index.index_shard(path, index_path, verify_crc=verify_crc)
+    assert done.index_path is not None  # written, or index_shard raised
+    return done.index_path
 
 
-def _index_text(offsets: Sequence[int] | np.ndarray) -> str:
-    """The index file's lines for record ``offsets`` ([N + 1], the last the file's size)."""
-    return "".join(
+def index_trailer(identity: dict[str, Any]) -> str:
+    """The comment line an index ends with: what it indexes (size and version of the shard).
+
+    DALI-style readers read pairs of integers and stop at it; :func:`load_index` reads it."""
+    line = f"# estimax-index size={int(identity['size'])}"
+    version = version_of(identity)
+    if version is not None:
+        line += f" version={urllib.parse.quote(version, safe='')}"
+    return line + "\n"
+
+
+def version_of(identity: dict[str, Any]) -> str | None:
+    """The version part of an identity (``_identity``): object generation/ETag, local mtime."""
+    if identity.get("version") not in (None, "None"):
+        return str(identity["version"])
+    if identity.get("modified") is not None:
+        return f"mtime_ns:{identity['modified']}"
+    return None
+
+
+def _index_text(offsets: Sequence[int] | np.ndarray, identity: dict[str, Any] | None = None) -> str:
+    """The index file's lines for record ``offsets`` ([N + 1], the last the file's size), and
+    the trailer naming what it indexes (``identity``; its size alone when the version is not
+    known yet, as for a file still being written)."""
+    text = "".join(
         f"{int(a)} {int(b - a)}\n" for a, b in zip(offsets[:-1], offsets[1:], strict=False)
     )
+    return text + index_trailer(identity or {"size": int(offsets[-1])})
 
 
 def _put_text(path: str, text: str) -> None:
@@ -561,11 +610,28 @@ def _put_text(path: str, text: str) -> None:
             f.write(text)
 
 
+@dataclasses.dataclass(frozen=True)
+class IndexInfo:
+    """What an index file says it indexes (its trailer); None for old indexes without one."""
+
+    size: int | None = None
+    version: str | None = None
+
+
 def read_index(index_path: str) -> np.ndarray:
-    """Reads an index file written by :func:`write_index`.
+    """Reads an index file written by :func:`write_index` (or DALI's ``tfrecord2idx``).
 
     Returns:
       offsets: [N + 1] int64 as :func:`record_offsets` returns.
+
+    Raises:
+      ValueError: a malformed line or non-contiguous records; names the file and line.
+    """
+    return load_index(index_path)[0]
+
+
+def load_index(index_path: str) -> tuple[np.ndarray, IndexInfo]:
+    """Reads an index file: its offsets ([N + 1] int64) and what it says it indexes.
 
     Raises:
       ValueError: a malformed line or non-contiguous records; names the file and line.
@@ -581,9 +647,14 @@ def read_index(index_path: str) -> np.ndarray:
             "rewrite it with write_index"
         ) from None
     offsets = [0]
+    info = IndexInfo()
     for lineno, line in enumerate(text.splitlines(), 1):
         parts = line.split()
         if not parts:
+            continue
+        if parts[0] == "#":
+            if parts[1:2] == ["estimax-index"]:
+                info = _parse_trailer(parts[2:])
             continue
         try:
             start, length = int(parts[0]), int(parts[1])
@@ -603,7 +674,60 @@ def read_index(index_path: str) -> np.ndarray:
                 f"frame's; the index does not match its file"
             )
         offsets.append(start + length)
-    return np.asarray(offsets, dtype=np.int64)
+    return np.asarray(offsets, dtype=np.int64), info
+
+
+def _parse_trailer(fields: list[str]) -> IndexInfo:
+    values = dict(f.split("=", 1) for f in fields if "=" in f)
+    size = values.get("size")
+    version = values.get("version")
+    return IndexInfo(
+        size=int(size) if size and size.isdigit() else None,
+        version=urllib.parse.unquote(version) if version else None,
+    )
+
+
+def index_problem(
+    path: str, offsets: np.ndarray, info: IndexInfo, identity: dict[str, Any]
+) -> str | None:
+    """Why an index (``offsets``, ``info``) does not describe the shard ``path`` as it is now
+    (``identity``: ``_identity``), in words; None when it does.
+
+    The records must end at the shard's size (an index cut short, or one of a shard since
+    rewritten with another size, fails here: that is how old indexes without a trailer are
+    checked). A recorded version that differs (a copied data set has new generations and
+    mtimes) is accepted when the first, middle and last records' headers are where the index
+    says: one small read of each.
+    """
+    size = int(identity["size"])
+    end = int(offsets[-1])
+    if info.size is not None and info.size != size:
+        return f"it indexes a shard of {info.size} bytes, the shard has {size}"
+    if end != size:
+        return f"its {len(offsets) - 1} records end at byte {end}, the shard has {size} bytes"
+    version = version_of(identity)
+    if info.version is None or version is None or info.version == version:
+        return None
+    fs, fs_path = _fs_and_path(path)
+    n = len(offsets) - 1
+    picks = sorted({0, n // 2, n - 1}) if n else []
+    starts = [int(offsets[j]) for j in picks]
+    if _is_local(fs):
+        with open(fs_path, "rb") as f:
+            heads = [os.pread(f.fileno(), _HEADER_SIZE, a) for a in starts]
+    else:
+        heads = fs.cat_ranges([fs_path] * len(starts), starts, [a + _HEADER_SIZE for a in starts])
+    for j, head in zip(picks, heads, strict=True):
+        try:
+            length = _check_header(head, path, int(offsets[j]))
+        except CorruptRecordError:
+            length = -1
+        if int(offsets[j]) + _HEADER_SIZE + length + _FOOTER_SIZE != int(offsets[j + 1]):
+            return (
+                f"it indexes version {info.version} of the shard, which is now version "
+                f"{version}, and record {j} is not where it says"
+            )
+    return None
 
 
 # How often a file on an object store is asked whether it is still the one being read (one
@@ -644,7 +768,8 @@ def _change(was: dict[str, Any], now: dict[str, Any]) -> str | None:
 class RecordFile(Sequence[bytes]):
     """Random access to the records of one TFRecord file: ``len(f)``, ``f[i]``.
 
-    Uses the index file (``path + '.idx'`` or ``index_path``) if present, else scans the file's
+    Uses the index file (``path + '.idx'`` or ``index_path``) if present, checked against the file
+    (:func:`index_problem`: a stale index raises :class:`StaleIndexError`), else scans the file's
     headers once. Reads are thread-safe and hold no open file, so a ``RecordFile`` can be shared
     by threads and pickled to worker processes. A file that changes afterwards (its offsets then
     point anywhere) raises ``ShardChangedError`` naming it: checked at every read of a local
@@ -657,6 +782,7 @@ class RecordFile(Sequence[bytes]):
       index_path: an index written by :func:`write_index`; default ``path + '.idx'`` if it exists.
       verify_crc: check both CRCs on every read.
       offsets: [N + 1] record offsets, if already known (then no index is read, no scan done).
+      local_copy: a local file with the same bytes as ``path``, read instead of it.
     """
 
     def __init__(
@@ -665,10 +791,14 @@ class RecordFile(Sequence[bytes]):
         index_path: str | None = None,
         verify_crc: bool = True,
         offsets: np.ndarray | None = None,
+        local_copy: str | None = None,
     ):
         self.path = path
         self.verify_crc = verify_crc
-        self._fs, self._fs_path = _fs_and_path(path)
+        self.local_copy = local_copy
+        # A local copy of the whole shard (made while indexing it, estimax.data.shard_index)
+        # serves every read: messages still name ``path``.
+        self._fs, self._fs_path = _fs_and_path(local_copy or path)
         self._is_local = _is_local(self._fs)
         self._identity = _identity(self._fs, self._fs_path)  # before the offsets are found
         self._checked = time.monotonic()
@@ -681,7 +811,13 @@ class RecordFile(Sequence[bytes]):
             if fs.exists(fs_path):
                 index_path = default_index_path(path)
         self.index_path = index_path
-        self.offsets = read_index(index_path) if index_path else record_offsets(path, False)
+        if not index_path:
+            self.offsets = record_offsets(path, False)
+            return
+        self.offsets, info = load_index(index_path)
+        problem = index_problem(path, self.offsets, info, self._identity)
+        if problem:
+            raise StaleIndexError(path, index_path, problem)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1

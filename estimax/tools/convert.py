@@ -8,6 +8,7 @@ Subcommands::
         --output_dir=...
     estimax-convert fake-imagenet --train_examples=10240 --output_dir=/tmp/fake_imagenet
     estimax-convert verify --output_dir=gs://bucket/imagenet [--decode]
+    estimax-convert index 'gs://bucket/imagenet/train-*' 'gs://bucket/imagenet/validation-*'
     estimax-convert to-bigtable --data_dir=gs://bucket/imagenet --bigtable_project=P \\
         --bigtable_instance=I --bigtable_table=imagenet
     estimax-convert tf-checkpoint --checkpoint=gs://bucket/resnet --model_dir=DIR \\
@@ -20,10 +21,13 @@ to Beam, e.g. ``--project --region --temp_location``). They resume an interrupte
 ``--output_dir`` and write ``manifest.json``, which ``verify`` checks. The library behind it:
 ``convert_sources`` (inputs -> labelled lists), ``convert_images`` (image -> tf.Example),
 ``convert_shards`` (shards, manifest, resume, verify), ``convert_beam``, ``fake_imagenet``.
-``to-bigtable`` copies finished shards into Cloud Bigtable rows (``tfrecords_to_bigtable``), the
-layout ``resnet --bigtable_instance=...`` reads. ``tf-checkpoint`` turns a checkpoint of the
-original TensorFlow ResNet/Inception into an estimax model_dir (``estimax.migrate``), or lists
-its tensors (``--list``, as ``tf.train.list_variables``).
+``index`` writes the ``.idx`` index files of existing shards (TensorFlow's tools write none),
+so that a job reading them from a bucket starts without reading them whole
+(``convert_index``). ``to-bigtable`` copies finished shards into Cloud Bigtable rows
+(``tfrecords_to_bigtable``), the layout ``resnet --bigtable_instance=...`` reads.
+``tf-checkpoint`` turns a checkpoint of the original TensorFlow ResNet/Inception into an
+estimax model_dir (``estimax.migrate``), or lists its tensors (``--list``, as
+``tf.train.list_variables``).
 
 Flags keep the original tools' names where they had one (``--raw_data_dir``,
 ``--gcs_output_path`` as an alias of ``--output_dir``, ``--train_csv``, ``--labels_file``).
@@ -123,6 +127,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_conversions(sub)
     _add_verify(sub)
+    _add_index(sub)
     _add_to_bigtable(sub)
     _add_tf_checkpoint(sub)
     return parser
@@ -198,6 +203,75 @@ def _add_verify(sub: Any) -> None:
         help="also decode every image and compare its size with the record's",
     )
     p.add_argument("--num_workers", type=int, default=None)
+
+
+def _add_index(sub: Any) -> None:
+    """The index subcommand."""
+    p = sub.add_parser(
+        "index",
+        help="write the .idx index file of each TFRecord shard that has none (read once each)",
+    )
+    p.add_argument(
+        "shards", nargs="+", metavar="PATH_OR_GLOB", help="shards (local, gs://, s3://) or globs"
+    )
+    p.add_argument("--verify", action="store_true", help="check every record's CRC on the way")
+    p.add_argument("--force", action="store_true", help="rewrite indexes that fit their shards too")
+    p.add_argument(
+        "--connections",
+        type=int,
+        default=8,
+        help="shards read at once, in all (default %(default)s)",
+    )
+    p.add_argument(
+        "--num_workers",
+        type=int,
+        default=1,
+        help="processes sharing the shards (default %(default)s: reading waits on the network; "
+        "more help --verify, which checks CRCs on the CPU)",
+    )
+    p.add_argument(
+        "--runner",
+        choices=RUNNERS,
+        default="local",
+        help="'local': here; else an Apache Beam runner (one shard per element)",
+    )
+    p.add_argument(
+        "--index_dir",
+        help="where the indexes of shards whose folder cannot be written go (a read-only "
+        "bucket); a job finds them there when given the same folder (the programs use "
+        "<model_dir>/shard_indexes). Default: beside the shards only",
+    )
+    p.add_argument("--no_progress", dest="progress", action="store_false", help="no progress bar")
+
+
+def _index(args: argparse.Namespace, extra: list[str]) -> int:
+    from estimax.tools import convert_index
+
+    if args.connections < 1 or args.num_workers < 1:
+        print(
+            "estimax-convert index: error: --connections and --num_workers must be at least 1",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        report = convert_index.index_command(
+            args.shards,
+            verify=args.verify,
+            force=args.force,
+            connections=args.connections,
+            num_workers=args.num_workers,
+            progress=args.progress,
+            runner=args.runner,
+            pipeline_args=extra,
+            index_dir=args.index_dir,
+        )
+    except (FileNotFoundError, ImportError, OSError, storage.StorageError) as e:
+        print(f"estimax-convert index: error: {e}", file=sys.stderr)
+        return 2
+    for problem in report.problems:
+        print(f"PROBLEM: {problem}", file=sys.stderr)
+    print(convert_index.summary(report, args.shards))
+    return 1 if report.problems else 0
 
 
 def _add_to_bigtable(sub: Any) -> None:
@@ -300,6 +374,29 @@ def _add_tf_checkpoint(sub: Any) -> None:
         "(resnet, inception_v3, inception_v4; another name lists the registered ones)",
     )
     p.add_argument(
+        "--model_fn",
+        help="a model_fn of your own instead of --model: FILE.py:NAME or MODULE:NAME; its "
+        "variables are found in the checkpoint by name, as a warm start finds them",
+    )
+    p.add_argument(
+        "--input_fn",
+        help="with --model_fn: the input_fn whose first batch initialises the model "
+        "(FILE.py:NAME or MODULE:NAME; default: input_fn beside the model_fn)",
+    )
+    p.add_argument(
+        "--params", help='with --model_fn: its params, as JSON or a JSON file ({"num_labels": 2})'
+    )
+    p.add_argument(
+        "--assignment_map",
+        help="init_from_checkpoint's assignment_map, checkpoint name -> variable name, as JSON "
+        'or a JSON file: {"bert/": "bert/"}, {"old/var": "new/var"}, {"/": "scope/"}',
+    )
+    p.add_argument(
+        "--rename",
+        help="checkpoint name parts -> the model's, as JSON or a JSON file: "
+        '{"LayerNorm/gamma": "LayerNorm/scale", "LayerNorm/beta": "LayerNorm/bias"}',
+    )
+    p.add_argument(
         "--optimizer_state",
         choices=("load", "fresh"),
         default="load",
@@ -345,28 +442,65 @@ def _tf_checkpoint(args: argparse.Namespace, extra: list[str]) -> int:
             for name, dtype, shape in migrate.list_variables(args.checkpoint):
                 print(f"{name}\t{dtype}\t{list(shape)}")
             return 0
-        if not args.model_dir or not args.model:
-            raise migrate.TFCheckpointError("give --model_dir and --model (or --list)")
+        if not args.model_dir or bool(args.model) == bool(args.model_fn):
+            raise migrate.TFCheckpointError(
+                "give --model_dir and one of --model or --model_fn (or --list)"
+            )
+        if not args.model_fn and (args.input_fn or args.params):
+            raise migrate.TFCheckpointError("--input_fn and --params go with --model_fn")
+        program: Any = args.model
+        if args.model_fn:
+            params = _json_flag("--params", args.params)
+            if params is not None and not isinstance(params, dict):
+                raise migrate.TFCheckpointError("--params: expected a JSON object")
+            program = convert_tf.user_model(args.model_fn, args.input_fn, params)
         report = convert_tf.convert_tf_checkpoint(
             args.checkpoint,
             args.model_dir,
-            args.model,
+            program,
             extra,
             optimizer_state=args.optimizer_state == "load",
             ema=args.ema == "load",
             allow_missing=args.allow_missing,
             allow_mismatch=args.allow_mismatch,
             allow_unmapped=args.allow_unmapped,
+            assignment_map=_json_flag("--assignment_map", args.assignment_map),
+            rename=_json_flag("--rename", args.rename),
         )
     except (migrate.TFCheckpointError, flags.Error, storage.StorageError, OSError) as e:
         print(f"estimax-convert tf-checkpoint: error: {e}", file=sys.stderr)
         return 2
     print(report.summary())
-    print(
-        f"wrote the estimax checkpoint at step {report.step or 0} to {args.model_dir}: "
+    then = (
         f"`{args.model} --model_dir={args.model_dir} --mode=eval` evaluates it"
+        if args.model
+        else f"an Estimator of that model_fn with model_dir={args.model_dir} starts from it"
     )
+    print(f"wrote the estimax checkpoint at step {report.step or 0} to {args.model_dir}: {then}")
     return 0
+
+
+def _json_flag(flag: str, value: str | None) -> Any:
+    """A flag's JSON, given inline (``{...}``, ``[...]``) or as a file's path."""
+    import json
+
+    from estimax import migrate
+
+    if value is None:
+        return None
+    text = value
+    if not value.lstrip().startswith(("{", "[")):
+        try:
+            with storage.open_file(value, "r") as f:
+                text = f.read()
+        except (OSError, storage.StorageError) as e:
+            raise migrate.TFCheckpointError(
+                f"{flag}={value}: neither JSON nor a file ({e})"
+            ) from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise migrate.TFCheckpointError(f"{flag}: not JSON ({e})") from None
 
 
 def _to_bigtable(args: argparse.Namespace) -> int:
@@ -456,6 +590,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("apache_beam").setLevel(logging.WARNING)
     if args.command == "to-bigtable":
         return _to_bigtable(args)
+    if args.command == "index":
+        return _index(args, extra)
     try:
         if args.command == "verify":
             return _verify(args)

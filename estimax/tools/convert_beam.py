@@ -40,7 +40,7 @@ from estimax.tools.convert_shards import (
 )
 from estimax.tools.convert_sources import Dataset
 
-__all__ = ["RUNNERS", "convert_beam"]
+__all__ = ["RUNNERS", "convert_beam", "index_beam"]
 
 RUNNERS = ("DirectRunner", "DataflowRunner", "FlinkRunner", "SparkRunner")
 
@@ -115,6 +115,67 @@ def convert_beam(
     assert final is not None
     log.info("Beam: %s wrote %d shards", described.split(" (")[0], len(todo))
     return final
+
+
+def _index_one(path: str, verify: bool, index_dir: str | None = None) -> tuple[str, int, int, str]:
+    """One shard's index (``estimax-convert index``): ``(path, records, bytes, problem)``."""
+    from estimax.data import shard_index
+
+    r = shard_index.index_shard(path, verify_crc=verify, keep_partial=True, index_dir=index_dir)
+    return path, len(r.offsets) - 1, r.bytes_read, str(r.error or r.write_error or "")
+
+
+def index_beam(
+    paths: list[str],
+    runner: str,
+    pipeline_args: list[str],
+    *,
+    num_workers: int | None = None,
+    verify: bool = False,
+    index_dir: str | None = None,
+) -> list[tuple[str, int, int, str]]:
+    """``estimax-convert index --runner=...``: each shard's index written by a Beam worker
+    (``Create(shards) | Reshuffle | Map(index one shard)``), for many thousands of shards.
+
+    The workers write the indexes beside the shards (or in ``index_dir`` where they cannot);
+    the driver then reads back which shards have an index that fits them (a runner such as
+    Dataflow returns nothing else to it).
+
+    Returns:
+      Per shard ``(path, records, bytes_read, problem or "")``; bytes read are not known to the
+      driver and given as the shard's size for the shards indexed.
+    """
+    beam = _beam()
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    from estimax.data import shard_index
+
+    if runner not in RUNNERS:
+        raise ValueError(f"--runner must be one of local, {', '.join(RUNNERS)}; got {runner!r}")
+    workers = num_workers or len(os.sched_getaffinity(0))
+    pipeline_runner, described = _runner(runner, workers)
+    local = {"direct_num_workers": workers, "direct_running_mode": "multi_processing"}
+    extra: dict[str, Any] = local if runner == "DirectRunner" else {"runner": runner}
+    log.info("Beam: indexing %d shards on %s", len(paths), described)
+    with beam.Pipeline(
+        runner=pipeline_runner, options=PipelineOptions(pipeline_args, **extra)
+    ) as p:
+        _ = (
+            p
+            | "Shards" >> beam.Create(paths)
+            | "Spread" >> beam.Reshuffle()
+            | "Index" >> beam.Map(_index_one, verify, index_dir)
+        )
+    rows = []
+    for path in paths:
+        rf, size, why = shard_index.open_indexed(path, False, index_dir)
+        if rf is None:
+            rows.append(
+                (path, 0, 0, f"{path}: no index written ({why}); index it locally to see why")
+            )
+        else:
+            rows.append((path, len(rf), size, ""))
+    return rows
 
 
 def _beam() -> Any:

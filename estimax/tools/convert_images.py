@@ -1,4 +1,4 @@
-"""One input image -> one tf.Example of the original converter (ORIGINAL_SYSTEM.md §8.1).
+"""One input image -> one tf.Example of the original converter (docs/original.md §8.1).
 
 What the original did per image, and what we do:
 

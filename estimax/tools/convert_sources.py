@@ -2,7 +2,7 @@
 
 Three inputs, one result (:class:`Dataset`):
 
-* ``imagenet``: the raw ImageNet layout of ``imagenet_to_gcs.py`` (ORIGINAL_SYSTEM.md §8.1)::
+* ``imagenet``: the raw ImageNet layout of ``imagenet_to_gcs.py`` (docs/original.md §8.1)::
 
       <raw_data_dir>/train/n01440764/n01440764_10026.JPEG
       <raw_data_dir>/validation/ILSVRC2012_val_00000001.JPEG
@@ -91,8 +91,32 @@ def _full(fs: fsspec.AbstractFileSystem, p: str, like: str) -> str:
     return p if "://" not in like else fs.unstrip_protocol(p)
 
 
+def _shown(name: str) -> str:
+    """``name`` printable: bytes that are not UTF-8 (which Python's os functions hand over as
+    surrogate escapes) as ``\\xNN``."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def _check_text(path: str, what: str) -> None:
+    """Refuses a name that is not UTF-8 text (Latin-1 bytes, from an old archive or a Windows
+    share): class names and file names are written as text into the manifest, the Examples
+    (``image/synset``, ``image/filename``), exports and served answers, and bytes that are no
+    text cannot be; guessing their encoding would name the class wrongly."""
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InputError(
+            f"{_shown(path)}: the name of this {what} is not UTF-8 (escaped here as \\xNN); "
+            "rename it to UTF-8, e.g. convmv -f latin1 -t utf8 -r --notest <dir>"
+        ) from None
+
+
 def _list_dir(path: str) -> tuple[list[str], list[str]]:
-    """(sorted subdirectory names, sorted file paths) of ``path``; hidden entries ignored."""
+    """(sorted subdirectory names, sorted file paths) of ``path``; hidden entries ignored.
+
+    Raises:
+      InputError: an entry's name is not UTF-8.
+    """
     fs, fs_path = _fs(path)
     dirs, files = [], []
     for entry in fs.ls(fs_path, detail=True):
@@ -100,9 +124,11 @@ def _list_dir(path: str) -> tuple[list[str], list[str]]:
         if name.startswith("."):
             continue
         if entry["type"] == "directory":
+            _check_text(posixpath.join(path, name), "folder")
             dirs.append(name)
         else:
             files.append(_full(fs, entry["name"], path))
+            _check_text(files[-1], "file")
     return sorted(dirs), sorted(files)
 
 
@@ -115,6 +141,7 @@ def _class_files(path: str) -> list[str]:
         relative = posixpath.relpath(found, fs_path.rstrip("/") or "/")
         if not any(part.startswith(".") for part in relative.split("/")):
             files.append(_full(fs, found, path))
+            _check_text(files[-1], "file")
     return sorted(files)
 
 

@@ -2,7 +2,7 @@
 
 The seeds' ``gs://cloud-tpu-test-datasets/fake_imagenet`` is ImageNet-shaped TFRecords of random
 images (``train-00000-of-01024`` ..., ``validation-00000-of-00128``) for trying the programs
-without the real data. This writes the same file names and the converter's fields (ORIGINAL_SYSTEM
+without the real data. This writes the same file names and the converter's fields (docs/original.md
 §8.1) with labels uniform in ``1..num_classes`` and synthetic synsets ``n%08d % label`` (so the
 sorted-synset rule maps them back to the same labels), through the same shard writer, manifest
 and ``verify`` as real conversions.
