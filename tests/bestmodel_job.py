@@ -20,10 +20,10 @@ import numpy as np
 import optax
 
 import estimax as ex
-from estimax.serving import (
+from estimax.export import (
     exporters,
-    versions,
-)  # exporters first: it reads export_version's signature
+    publish,  # exporters first: it reads export_version's signature
+)
 
 KEEP = 2  # keep_checkpoint_max
 
@@ -63,16 +63,16 @@ def estimator(model_dir: str, **config) -> ex.Estimator:
 
 
 def _kill_at_export(n: int) -> None:
-    publish = versions.export_version
+    publish_version = publish.export_version
     calls = []
 
     def publish_or_die(*args, **kwargs):
         calls.append(1)
         if len(calls) == n:
             os.kill(os.getpid(), signal.SIGKILL)
-        return publish(*args, **kwargs)
+        return publish_version(*args, **kwargs)
 
-    versions.export_version = publish_or_die
+    publish.export_version = publish_or_die
 
 
 def main(model_dir: str) -> None:

@@ -193,6 +193,15 @@ def point_clients_at(monkeypatch, kind: str, url: str) -> None:
     clear_storage_clients()
 
 
+@pytest.fixture
+def disk_with_room(monkeypatch):
+    """Shard copies fit whatever this machine's disk has free: tests of what the copies save
+    must not depend on it (estimax keeps a tenth of the disk free, at least 2 GiB)."""
+    from estimax.data import shard_index
+
+    monkeypatch.setattr(shard_index, "_room_kept", lambda total: 0)
+
+
 @pytest.fixture(params=["gs", "s3"])
 def object_store(request, monkeypatch):
     """``(scheme, server)`` with a fresh bucket and the clients pointed at the server."""

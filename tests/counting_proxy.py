@@ -3,7 +3,8 @@
 Tests point the storage clients at it (``STORAGE_EMULATOR_HOST``) to count the bytes of every
 object downloaded through it: ``read[name]`` for the object ``name`` (a GCS media download,
 ``.../o/<name>?alt=media``), whatever client or process asked, and ``requests[name]`` those
-downloads.
+downloads. ``read_only_buckets``: buckets it answers every write to (upload, delete, compose)
+with GCS's 403, as a bucket of someone else's data set the job may only read.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ _HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "up
 class CountingProxy:
     """Forwards every request to ``upstream`` (``http://host:port``); counts media downloads."""
 
-    def __init__(self, upstream: str, delay: float = 0.0):
+    def __init__(self, upstream: str, delay: float = 0.0, read_only_buckets: tuple[str, ...] = ()):
         parts = urllib.parse.urlsplit(upstream)
+        self._read_only = tuple(f"/b/{b}/" for b in read_only_buckets)
+        self.refused: list[str] = []  # the writes refused (method and path)
         self._delay = delay  # seconds each request is held: an object store's latency
         self._upstream = (parts.hostname or "127.0.0.1", parts.port or 80)
         self.read: collections.Counter[str] = collections.Counter()
@@ -46,6 +49,18 @@ class CountingProxy:
 
             def _forward(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if self.command not in ("GET", "HEAD") and any(
+                    b in urllib.parse.urlsplit(self.path).path + "/" for b in proxy._read_only
+                ):
+                    with proxy._lock:
+                        proxy.refused.append(f"{self.command} {self.path}")
+                    denied = b'{"error": {"code": 403, "message": "Forbidden: read-only bucket"}}'
+                    self.send_response(403)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(denied)))
+                    self.end_headers()
+                    self.wfile.write(denied)
+                    return
                 if proxy._delay:
                     threading.Event().wait(proxy._delay)  # the latency this proxy adds
                 conn = http.client.HTTPConnection(*proxy._upstream, timeout=60)

@@ -132,7 +132,7 @@ def running_server(
     # its buffer is full (the server would hang, not the test fail).
     log = open(log_path, "a") if log_path else tempfile.TemporaryFile("w+")
     flags = [] if port is not None else [f"--port={(port := free_port())}"]
-    command = [sys.executable, "-m", "estimax.serving.cli", "serve", *flags, *args]
+    command = [sys.executable, "-m", "estimax", "serve", *flags, *args]
     if open_files is not None:  # set in the child before it becomes the server (no fork here)
         command = [sys.executable, "-c", _LIMIT_FILES, str(open_files), *command]
     proc = subprocess.Popen(
@@ -179,22 +179,26 @@ _LIMIT_FILES = (
 )
 
 
-def export_dense(root: str, class_names: list[str] | None = None) -> str:
+def export_dense(
+    root: str, class_names: list[str] | None = None, warmup_requests: list | None = None
+) -> str:
     """A small, fast-to-build export (a dense layer over 32x32 RGB) taking raw JPEG bytes.
 
     It goes through the real raw-image path (JPEG decoded and preprocessed in the server);
-    returns the model base path holding version 1 (with ``class_names``, if given).
+    returns the model base path holding version 1 (with ``class_names`` and
+    ``warmup_requests``, if given).
     """
-    from estimax import serving
+    from estimax import export
 
     est, images = dense_estimator(root)
     base = os.path.join(root, "serving")
-    serving.export_version(
+    export.export_version(
         est,
         base,
-        preprocessing=serving.resnet_eval(IMAGE_SIZE),
+        preprocessing=export.resnet_eval(IMAGE_SIZE),
         check_inputs=images[:2],
         class_names=class_names,
+        warmup_requests=warmup_requests,
     )
     return base
 
@@ -230,6 +234,20 @@ def dense_estimator(root: str) -> tuple[ex.Estimator, list[bytes]]:
 def serve_flags(base, name: str, grpc_port: int, *more: str) -> list[str]:
     """``estimax serve``'s flags for the model at ``base``, with gRPC on ``grpc_port``."""
     return [f"--model_base_path={base}", f"--model_name={name}", f"--grpc_port={grpc_port}", *more]
+
+
+def anonymous_rss(pid: int) -> int:
+    """The bytes of a process's resident anonymous memory (its heap, arenas and mappings).
+
+    What a leak or a held request grows. The whole RSS also counts the pages of code the
+    process has run (jaxlib's XLA alone is ~100 MiB of them), which grow when a new shape is
+    compiled and are the kernel's to drop, so it read as "memory not given back".
+    """
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) << 10
+    raise AssertionError(f"no RssAnon in /proc/{pid}/status")
 
 
 def wait_until(condition, what: str, timeout: float = 120.0) -> None:

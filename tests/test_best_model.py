@@ -21,7 +21,7 @@ from flax import serialization
 
 import estimax as ex
 from estimax.estimator import best, checkpoints, summaries
-from estimax.serving import exporters
+from estimax.export import exporters
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

@@ -21,7 +21,16 @@ import pytest
 from absl import flags
 
 from estimax.data import tfrecord
-from estimax.programs import cli, common, inception_v3, lock, mnist, resnet
+from estimax.programs import (
+    cli,
+    common,
+    efficientnet,
+    inception_v3,
+    inception_v4,
+    lock,
+    mnist,
+    resnet,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
@@ -183,8 +192,24 @@ def test_missing_split_is_found_at_start(tmp_path):
             ["--iterations_per_loop=4", "--steps_per_device_call=8"],
             "FATAL: --steps_per_device_call=8 is more than --iterations_per_loop=4",
         ),
+        (
+            ["--gradient_accumulation_steps=0"],
+            "FATAL: flag --gradient_accumulation_steps=0: 0 is not",
+        ),
+        (
+            ["--train_batch_size=64", "--gradient_accumulation_steps=3"],
+            "FATAL: --gradient_accumulation_steps=3 (RunConfig.gradient_accumulation_steps) must "
+            "divide each replica's train batch, 8 (train_batch_size=64 over 8 replicas), into "
+            "equal micro-batches: use 2 or 4",
+        ),
     ],
-    ids=["flag_parser", "program_check", "device_loop_longer_than_the_loop"],
+    ids=[
+        "flag_parser",
+        "program_check",
+        "device_loop_longer_than_the_loop",
+        "accumulation_below_one",
+        "accumulation_not_dividing_the_batch",
+    ],
 )
 def test_user_mistakes_end_in_one_line(tmp_path, args, expected):
     last = fatal_line(
@@ -364,6 +389,33 @@ def test_steps_per_device_call_reaches_every_programs_run_config(tmp_path, monke
         )
         assert job.config.steps_per_device_call == 4, program
         assert job.config.iterations_per_loop == 8, program
+
+
+@pytest.mark.parametrize(
+    "module,argv",
+    [
+        (resnet, ["--train_batch_size=64"]),
+        (efficientnet, ["--train_batch_size=64"]),
+        (inception_v3, ["--train_batch_size=64"]),
+        (inception_v4, ["--train_batch_size=64"]),
+        (mnist, ["--batch_size=64"]),
+    ],
+    ids=lambda v: getattr(v, "__name__", "").rsplit(".", 1)[-1] or None,
+)
+def test_gradient_accumulation_steps_reaches_every_programs_run_config(
+    tmp_path, monkeypatch, module, argv
+):
+    jobs: list[common.Job] = []
+    monkeypatch.setattr(common, "run", jobs.append)
+    fv = flags.FlagValues()
+    module.define_flags(fv)
+    # --compile_for: no data is read (run, which would compile, is replaced).
+    fv(
+        ["program", *argv, f"--model_dir={tmp_path}", "--compile_for=v5e:2x2"]
+        + ["--gradient_accumulation_steps=4"]
+    )
+    module.run_from_flags(fv)
+    assert jobs[0].config.gradient_accumulation_steps == 4
 
 
 def test_mnist_skip_bad_records(tmp_path):

@@ -358,7 +358,7 @@ def test_export_runs_without_model_code(tmp_path):
     np.save(tmp_path / "x.npy", x[:7])
     # A fresh process that never imports this test's model code.
     code = (
-        "import numpy as np, sys; from estimax import serving; m = serving.load(sys.argv[1]);"
+        "import numpy as np, sys; from estimax import export; m = export.load(sys.argv[1]);"
         "out = m(np.load(sys.argv[2])); np.save(sys.argv[3], out['logits']);"
         "print(m.global_step)"
     )
@@ -373,9 +373,9 @@ def test_export_runs_without_model_code(tmp_path):
     assert proc.stdout.strip().splitlines()[-1] == "4"
     np.testing.assert_allclose(np.load(tmp_path / "out.npy"), expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(FileNotFoundError, match="not an estimax export"):
-        from estimax import serving
+        from estimax import export
 
-        serving.load(str(tmp_path))
+        export.load(str(tmp_path))
 
 
 def test_train_and_evaluate_every_steps(tmp_path):

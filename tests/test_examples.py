@@ -1,6 +1,7 @@
-"""The examples under examples/ run as a user runs them, and do what the README says.
+"""The examples under examples/ run as a user runs them, and do what the manual says.
 
-- ``contract.py``: the README's contract (train, evaluate, predict, export, train_and_evaluate).
+- ``contract.py``: docs/contract.md's contract (train, evaluate, predict, export,
+  train_and_evaluate); the page's own blocks run in tests/test_docs.py.
 - ``custom_job.py``: seed 003's custom job end to end, through ``estimax-convert folder``, a
   TFRecord ``input_fn``, a custom ``model_fn``, an export with declared preprocessing, and
   ``estimax serve`` answering an HTTP request.
@@ -103,20 +104,20 @@ def test_seed003_custom_job_serves_its_validation_jpegs_as_evaluate_scores_them(
 def test_a_skewed_serving_preprocessing_is_refused_at_export(
     custom_job, tmp_path, declared, difference
 ):
-    from estimax import serving
+    from estimax import export
 
     job, out, _ = custom_job
     skewed = {
-        "resnet": serving.resnet_eval(32),
-        "crop": serving.image_preprocessing(32, crop="center", crop_fraction=0.7, scale=1 / 255),
+        "resnet": export.resnet_eval(32),
+        "crop": export.image_preprocessing(32, crop="center", crop_fraction=0.7, scale=1 / 255),
     }[declared]
     base = tmp_path / "skewed"
-    with pytest.raises(serving.ExportCheckError) as raised:
-        serving.export_version(
+    with pytest.raises(export.ExportCheckError) as raised:
+        export.export_version(
             out["estimator"],
             str(base),
             preprocessing=skewed,
-            check_inputs=serving.check_images(out["data_dir"]),
+            check_inputs=export.check_images(out["data_dir"]),
             eval_preprocess=job.eval_preprocess,
         )
     message = str(raised.value)
@@ -128,39 +129,10 @@ def test_a_skewed_serving_preprocessing_is_refused_at_export(
 
 @pytest.mark.slow
 def test_the_check_images_cover_every_class_where_the_first_files_are_one(custom_job):
-    from estimax import serving
+    from estimax import export
 
     job, out, _ = custom_job
     by_image = dict(zip(out["images"], out["labels"], strict=True))
     assert len(set(out["labels"][:8])) == 1  # the first 8 files: one class
-    drawn = serving.check_images(out["data_dir"])
+    drawn = export.check_images(out["data_dir"])
     assert sorted(by_image[image] for image in drawn) == [0, 0, 0, 1, 1, 1, 2, 2]
-
-
-def _readme_contract_block() -> str:
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    section = readme[readme.index("## The contract") :]
-    start = section.index("```python\n") + len("```python\n")
-    return section[start : section.index("\n```", start)]
-
-
-@pytest.mark.slow
-def test_the_readme_contract_block_runs_as_written(tmp_path):
-    code = _readme_contract_block()
-    assert "..." not in code  # nothing left for the reader to fill in
-    script = tmp_path / "contract_block.py"
-    script.write_text(
-        code
-        + "\nr = est.evaluate(eval_input_fn)\n"
-        + "print('RESULT', r['global_step'], r['num_examples'], r['accuracy'])\n"
-        + "print('PREDICTED', len(list(est.predict(predict_input_fn))))\n"
-    )
-    out = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, env=_env(), capture_output=True, text=True,
-        timeout=900,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    step, examples, accuracy = re.search(r"RESULT (\d+) (\d+) ([0-9.]+)", out.stdout).groups()
-    assert (int(step), int(examples)) == (600, 1000) and float(accuracy) > 0.5
-    assert "PREDICTED 10" in out.stdout
-    assert os.listdir(tmp_path / "exports")  # the export was written

@@ -140,7 +140,7 @@ def test_two_processes_and_one_train_bitwise_equal_and_resume_across_host_counts
 
 
 def test_a_checkpoints_global_position_restores_on_another_process_count(caplog):
-    from estimax.estimator.estimator import _input_state_of_this_process
+    from estimax.estimator.batches import _input_state_of_this_process
 
     state = {"order": "global", "epoch": 2, "position": 24}
     # Saved by 2 processes, restored by this one process: the same stream position.

@@ -27,6 +27,9 @@ EXPECTED = {
     "cuda13": {"jax": "0.10.2", "jaxlib": "0.10.2", "jax-cuda13-plugin": "0.10.2",
                "jax-cuda13-pjrt": "0.10.2", "nvidia-cudnn-cu13": None},
     "tpu": {"jax": "0.10.2", "jaxlib": "0.10.2", "libtpu": "0.0.42.1"},
+    # --compile_for=h100:8 without a GPU: the plugin and ptxas, none of the runtime libraries.
+    "gpu-compile": {"jax-cuda12-plugin": "0.10.2", "jax-cuda12-pjrt": "0.10.2",
+                    "nvidia-cuda-nvcc-cu12": "12.9.86"},
     # make's oneDNN for the CPU kernels: its runtimes' tree is pinned in constraints.txt too.
     "onednn": {"onednn-devel": "2026.1.0", "onednn": "2026.1.0", "tbb": None},
 }  # fmt: skip
@@ -37,6 +40,7 @@ PLATFORM = {
     "cuda12": "x86_64-manylinux_2_28",
     "cuda13": "x86_64-manylinux_2_28",
     "tpu": "x86_64-manylinux_2_31",
+    "gpu-compile": "x86_64-manylinux_2_28",
     "onednn": "x86_64-manylinux_2_28",
 }
 
@@ -102,6 +106,8 @@ def test_extra_resolves_against_the_pinned_tree(extra, tmp_path):
         assert name in pins, f"estimax[{extra}] does not bring {name}: {sorted(pins)}"
         if version is not None:
             assert pins[name] == version, (name, pins[name])
+    if extra == "gpu-compile":  # compiling needs none of the 3 GB the CUDA runtime brings
+        assert not [p for p in pins if p.startswith("nvidia-") and "nvcc" not in p], pins
     # The rest of estimax's tree keeps its pins (constraints.txt) with the extra installed.
     for line in (REPO / "constraints.txt").read_text().splitlines():
         if "==" in line and not line.startswith("#"):

@@ -123,12 +123,65 @@ def test_vertex_cluster_spec_primary_pool_first_workerpool3_evaluates():
             '{"cluster": {"workerpool0": ["a:1"]}, "task": {"type": "workerpool2"}}',
             r"^\$CLUSTER_SPEC: task.type = 'workerpool2' \(parameter or reduction servers\)",
         ),
+        # Issue #42 item 15: tracebacks (RecursionError, OverflowError at the join, ValueError).
+        (
+            "TF_CONFIG",
+            '{"cluster": ' * 5000 + "{}" + "}" * 5000,
+            r"^\$TF_CONFIG is not a cluster spec: it is nested deeper than 32 levels$",
+        ),
+        (
+            "CLUSTER_SPEC",
+            "[" * 5000 + "]" * 5000,
+            r"^\$CLUSTER_SPEC is not a cluster spec: it is nested deeper than 32 levels$",
+        ),
+        (
+            "TF_CONFIG",
+            '{"cluster": {"chief": ["c:99999"]}, "task": {"type": "chief"}}',
+            r"^\$TF_CONFIG: cluster.chief\[0\] = 'c:99999': port 99999 is not in 1..65535$",
+        ),
+        (
+            "CLUSTER_SPEC",
+            '{"cluster": {"workerpool0": ["a:0"]}, "task": {"type": "workerpool0"}}',
+            r"^\$CLUSTER_SPEC: cluster.workerpool0\[0\] = 'a:0': port 0 is not in 1..65535$",
+        ),
+        (
+            "TF_CONFIG",
+            '{"cluster": {"worker": ["a:\u0661\u0662"]}, "task": {"type": "worker"}}',
+            r"^\$TF_CONFIG: cluster.worker\[0\] = 'a:\u0661\u0662' is not HOST:PORT$",
+        ),
+        (
+            "TF_CONFIG",
+            '{"cluster": {"worker": ["a:1", "b:1"]}, '
+            '"task": {"type": "worker", "index": "\u00b2"}}',
+            r"^\$TF_CONFIG: task.index = '\u00b2' is not an index \(0, 1, ...\)$",
+        ),
+        (
+            "CLUSTER_SPEC",
+            '{"cluster": {"workerpool0": ["a:1"]}, "task": {"type": "workerpool0", '
+            '"index": "' + "9" * 5000 + '"}}',
+            r"^\$CLUSTER_SPEC: task.index = '9999.*\.\.\. is not an index \(0, 1, ...\)$",
+        ),
     ],
 )
 def test_a_malformed_spec_is_one_line_naming_the_field(var, text, message):
     with pytest.raises(LaunchError, match=message) as e:
         launch.detect(None, environ={var: text})
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "flag, environ, source",
+    [
+        ("h:99999", {}, "--coordinator_address"),
+        (None, {"JAX_COORDINATOR_ADDRESS": "h:99999"}, r"\$JAX_COORDINATOR_ADDRESS"),
+        ("h:0", {}, "--coordinator_address"),
+    ],
+)
+def test_a_coordinator_port_out_of_range_is_one_line_naming_its_source(flag, environ, source):
+    # Was an OverflowError traceback from socket at the launch check.
+    # The Kubeflow variables' reader names the variable as `$VAR='value'`, the rest as `$VAR: ...`.
+    with pytest.raises(LaunchError, match=f"^{source}(: coordinator address |=)'h:[0-9]+' is not "):
+        launch.detect(flag, num_processes=2, process_id=0, environ=environ)
 
 
 def test_detection_order_flags_then_vertex_then_tf_config_then_jax_address():
@@ -180,6 +233,82 @@ def test_auto_without_a_cluster_and_numbers_without_an_address_are_one_line(monk
         launch.detect(None, 2, 1, environ={})
     with pytest.raises(LaunchError, match=r"--process_id=2 is not in 0 .. 1"):
         launch.detect("h:1", 2, 2, environ={})
+
+
+def test_kubeflow_jax_variables_are_one_job_and_flags_still_win():
+    # What Kubeflow Trainer's JAX runtime sets in every pod of a TrainJob.
+    kubeflow = {
+        "JAX_COORDINATOR_ADDRESS": "trainjob-node-0-0.trainjob:8080",
+        "JAX_NUM_PROCESSES": "4",
+        "JAX_PROCESS_ID": "2",
+    }
+    source = "$JAX_COORDINATOR_ADDRESS, $JAX_NUM_PROCESSES, $JAX_PROCESS_ID"
+    expected = Launch("jax_env", source, "trainjob-node-0-0.trainjob:8080", 4, 2)
+    assert launch.detect("auto", environ=kubeflow) == expected
+    assert launch.detect(None, environ=kubeflow) == expected  # no flag at all, as TF_CONFIG
+    assert expected.describe() == (
+        f"jax_env ({source}): process 2 of 4, coordinator trainjob-node-0-0.trainjob:8080"
+    )
+    assert launch.detect("auto", 8, 7, environ=kubeflow).process_id == 7  # by hand wins
+    # A cluster spec comes first (as before); the address alone is still kind "env".
+    tf = _tf_config({"chief": ["c:1"], "worker": ["w:1"]}, "worker")
+    assert launch.detect("auto", environ={**kubeflow, "TF_CONFIG": tf}).kind == "tf_config"
+    alone = launch.detect(None, 2, 1, environ={"JAX_COORDINATOR_ADDRESS": "j:1"})
+    assert (alone.kind, alone.num_processes, alone.process_id) == ("env", 2, 1)
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        (
+            {"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"},
+            "$JAX_NUM_PROCESSES, $JAX_PROCESS_ID set without $JAX_COORDINATOR_ADDRESS (HOST:PORT "
+            "of process 0): set it too (Kubeflow Trainer's JAX runtime sets all three), or unset "
+            "$JAX_NUM_PROCESSES, $JAX_PROCESS_ID",
+        ),
+        (
+            {"JAX_COORDINATOR_ADDRESS": "node-0", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"},
+            "$JAX_COORDINATOR_ADDRESS='node-0' is not HOST:PORT (process 0's host and a free "
+            "port, the same in every process)",
+        ),
+        (
+            {"JAX_COORDINATOR_ADDRESS": "n:99999", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"},
+            "$JAX_COORDINATOR_ADDRESS='n:99999' is not HOST:PORT",
+        ),
+        (
+            {"JAX_COORDINATOR_ADDRESS": "n:1", "JAX_NUM_PROCESSES": "2"},
+            "$JAX_NUM_PROCESSES is set but $JAX_PROCESS_ID is not: set both (Kubeflow Trainer's "
+            "JAX runtime sets all three), or neither",
+        ),
+        (
+            {"JAX_COORDINATOR_ADDRESS": "n:1", "JAX_PROCESS_ID": "1"},
+            "$JAX_PROCESS_ID is set but $JAX_NUM_PROCESSES is not",
+        ),
+        (
+            {"JAX_COORDINATOR_ADDRESS": "n:1", "JAX_NUM_PROCESSES": "two", "JAX_PROCESS_ID": "0"},
+            "$JAX_NUM_PROCESSES='two' is not a whole number of 1 or more (the job's processes, "
+            "the same in every process)",
+        ),
+        (
+            {"JAX_COORDINATOR_ADDRESS": "n:1", "JAX_NUM_PROCESSES": "0", "JAX_PROCESS_ID": "0"},
+            "$JAX_NUM_PROCESSES='0' is not a whole number of 1 or more",
+        ),
+        (
+            {"JAX_COORDINATOR_ADDRESS": "n:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "2"},
+            "$JAX_PROCESS_ID='2' is not in 0 .. 1 ($JAX_NUM_PROCESSES=2; a different one in "
+            "every process)",
+        ),
+        (
+            {"JAX_COORDINATOR_ADDRESS": "n:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "-1"},
+            "$JAX_PROCESS_ID='-1' is not in 0 .. 1",
+        ),
+    ],
+)
+def test_a_bad_kubeflow_jax_variable_is_one_line_naming_it(env, message):
+    for address in ("auto", None):
+        with pytest.raises(LaunchError) as e:
+            launch.detect(address, environ=env)
+        assert str(e.value).startswith(message) and "\n" not in str(e.value)
 
 
 # ----------------------------------------------------------------------------- rendezvous
@@ -342,14 +471,44 @@ def test_doctor_launch_from_a_tf_config_prints_the_job_and_the_global_mesh():
         ]
 
 
-def test_a_program_given_a_malformed_tf_config_stops_in_one_line(tmp_path):
-    bad = '{"cluster": {"chief": ["c:1"], "worker": ["w"]}, "task": {"type": "chief"}}'
+def test_doctor_launch_from_kubeflow_jax_variables_joins_and_a_bad_one_is_one_line():
+    port = _free_port()
+    env = {
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+        "JAX_COORDINATOR_ADDRESS": f"localhost:{port}",
+        "JAX_NUM_PROCESSES": "2",
+    }
+    procs = mh.finish([_doctor([], {**env, "JAX_PROCESS_ID": str(i)}) for i in (0, 1)])
+    for i, p in enumerate(procs):
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert p.stdout.splitlines()[0] == (
+            f"launch: jax_env ($JAX_COORDINATOR_ADDRESS, $JAX_NUM_PROCESSES, $JAX_PROCESS_ID): "
+            f"process {i} of 2, coordinator localhost:{port}"
+        )
+        assert p.stdout.splitlines()[-1].startswith("launch: global mesh: 2 devices over 2 ")
+    [bad] = mh.finish([_doctor([], {**env, "JAX_PROCESS_ID": "x"})])
+    assert bad.returncode == 1 and bad.stdout == ""
+    assert bad.stderr.strip().splitlines() == [
+        "FATAL: $JAX_PROCESS_ID='x' is not in 0 .. 1 ($JAX_NUM_PROCESSES=2; a different one in "
+        "every process)"
+    ]
+
+
+@pytest.mark.parametrize(
+    "bad, line",
+    [
+        (
+            '{"cluster": {"chief": ["c:1"], "worker": ["w"]}, "task": {"type": "chief"}}',
+            "$TF_CONFIG: cluster.worker[0] = 'w' is not HOST:PORT",
+        ),
+        # Issue #42 item 15: a RecursionError traceback (has_evaluator read it first).
+        ('{"task": ' * 5000 + "1" + "}" * 5000, "$TF_CONFIG is not a cluster spec: it is nested"),
+    ],
+)
+def test_a_program_given_a_malformed_tf_config_stops_in_one_line(tmp_path, bad, line):
     proc = mh.run_mnist(str(tmp_path), env={**CLEAN, "TF_CONFIG": bad, "JAX_PLATFORMS": "cpu"})
     assert proc.returncode == 2
-    assert (
-        "FATAL: could not join the multi-process job: $TF_CONFIG: cluster.worker[0] = 'w' is "
-        "not HOST:PORT" in proc.stderr
-    )
+    assert f"FATAL: could not join the multi-process job: {line}" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

@@ -264,7 +264,7 @@ def test_empty_inputs_rejected(tmp_path):
 
 
 def test_data_layer_imports_no_jax_or_upper_layers():
-    """estimax/data imports no JAX, Flax, Optax, estimator or models (DESIGN.md §2)."""
+    """estimax/data imports no JAX, Flax, Optax, estimator or models (docs/design.md §2)."""
     import ast
     import pathlib
 
@@ -386,3 +386,76 @@ def test_an_old_per_host_position_restarts_a_many_host_input(files, caplog):
     one = iter(_loader(files))  # one host: its count was the stream's
     one.set_state(dict(old, num_records=16))
     assert (one.get_state()["epoch"], one.get_state()["position"]) == (2, 3)
+
+
+def _trained_positions(files, num_hosts, pattern):
+    """Each host's input position after 2 batches of a job of ``num_hosts`` whose input_fn
+    builds its Loader by ``pattern``: ``"host_shard"`` (each host its own share, the
+    pattern docs/contract.md showed before) or ``"global"`` (num_hosts=, host_index=)."""
+    states = []
+    for h in range(num_hosts):
+        ld = _host_loader(files, num_hosts, h, pattern)
+        it = iter(ld)
+        _take(it, 2)
+        states.append(it.get_state())
+    return states
+
+
+def _host_loader(files, num_hosts, h, pattern):
+    source = L.TFRecordSource(files)
+    if pattern == "host_shard":
+        ids = L.host_shard(np.arange(len(source)), h, num_hosts)
+        return _loader(files, batch_size=2, source=source, record_ids=ids)
+    return _loader(files, batch_size=2, source=source, num_hosts=num_hosts, host_index=h)
+
+
+@pytest.mark.parametrize(("saved", "resumed"), [(2, 1), (1, 2)])
+def test_a_host_shard_input_resumed_on_another_host_count_restarts_with_a_warning(
+    files, saved, resumed, monkeypatch, caplog
+):
+    import jax
+
+    from estimax.estimator import batches
+
+    states = _trained_positions(files, saved, "host_shard")
+    meta = {"input_states": states} if saved > 1 else {"input_state": states[0]}
+    monkeypatch.setattr(jax, "process_count", lambda: resumed)
+    monkeypatch.setattr(jax, "process_index", lambda: 0)
+    current = iter(_host_loader(files, resumed, 0, "host_shard")).get_state()
+    # Not the loader's "num_records=8 but this loader has num_records=16" error: a restart.
+    assert batches._input_state_of_this_process(meta, current) is None
+    assert "The input restarts from its beginning" in caplog.text
+    assert "Loader(num_hosts=, host_index=)" in caplog.text
+
+
+@pytest.mark.parametrize(("saved", "resumed"), [(2, 1), (1, 2)])
+def test_the_documented_input_resumes_exactly_on_another_host_count(
+    files, saved, resumed, monkeypatch
+):
+    import jax
+
+    from estimax.estimator import batches
+
+    states = _trained_positions(files, saved, "global")
+    meta = {"input_states": states} if saved > 1 else {"input_state": states[0]}
+    monkeypatch.setattr(jax, "process_count", lambda: resumed)
+    monkeypatch.setattr(jax, "process_index", lambda: 0)
+    ids_after = []
+    for h in range(resumed):
+        it = iter(_host_loader(files, resumed, h, "global"))
+        it.set_state(batches._input_state_of_this_process(meta, it.get_state()))
+        ids_after.append(_ids(_take(it, 2)))
+    # The stream after 2 global batches of 2 x saved rows, as one uninterrupted host reads it.
+    one = iter(_loader(files, batch_size=2 * resumed))
+    _take(one, 2 * saved // resumed)
+    expected = _ids(_take(one, 2))
+    joined = [sum((ids_after[h][k] for h in range(resumed)), []) for k in range(2)]
+    assert joined == expected
+
+
+def test_a_host_share_given_a_whole_position_says_what_to_do(files):
+    whole = iter(_loader(files, batch_size=2))
+    _take(whole, 1)
+    share = iter(_host_loader(files, 2, 0, "host_shard"))
+    with pytest.raises(ValueError, match=r"give every host all the record_ids with num_hosts="):
+        share.set_state(whole.get_state())

@@ -409,7 +409,7 @@ def test_export_savedmodel_without_tensorflow_says_what_to_install(tmp_path, cap
             "checks the message shown where TensorFlow is missing, and it is installed here "
             "(tests/test_migrate_tf.py tests the export itself)"
         )
-    from estimax.migrate import savedmodel
+    from estimax.export.formats import savedmodel
 
     export = tmp_path / "1"
     export.mkdir()

@@ -3,12 +3,14 @@
 import logging
 import os
 
+import jax
 import numpy as np
 import optax
 import pytest
 
 import estimax as ex
 from estimax import migrate
+from estimax.estimator import warm_start
 from estimax.models import ResNetTiny
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "tf_checkpoints")
@@ -50,7 +52,8 @@ def _estimator(model_dir, num_classes, warm_start_from):
 
 def test_warm_start_from_tensorflow_with_a_new_head(tmp_path, caplog):
     reader = migrate.CheckpointReader(TF_RESNET)
-    est = _estimator(tmp_path / "a", 3, ex.WarmStartSettings(TF_RESNET))
+    # A path alone warms every variable, the batch statistics too (tf.estimator's Estimator).
+    est = _estimator(tmp_path / "a", 3, TF_RESNET)
     with caplog.at_level(logging.INFO):
         est.train(_input_fn, max_steps=1)
     params = est.get_variables()["params"]["ResNet_0"]
@@ -65,7 +68,11 @@ def test_warm_start_from_tensorflow_with_a_new_head(tmp_path, caplog):
     assert est.get_global_step() == 1  # the step starts at 0, not TF's 3
     text = caplog.text
     assert "35 variables loaded, 2 initialised fresh" in text
-    assert "initialised fresh (other shape): params/ResNet_0/final_dense/kernel" in text
+    assert (
+        "initialised fresh (other shape or dtype): ResNet_0/final_dense/bias [3] float32 <- "
+        "dense/bias [10] float32, ResNet_0/final_dense/kernel [16, 3] float32 <- dense/kernel "
+        "[16, 10] float32"
+    ) in text
     est.close()
 
     # A model_dir with a checkpoint of its own resumes from it: the warm start is not used
@@ -74,6 +81,40 @@ def test_warm_start_from_tensorflow_with_a_new_head(tmp_path, caplog):
     again.train(_input_fn, max_steps=2)
     assert again.get_global_step() == 2
     again.close()
+
+
+def _resnet_variables(num_classes=10):
+    model = ResNetTiny(num_classes=num_classes)
+    variables = model.init(jax.random.PRNGKey(0), np.zeros((1, 32, 32, 3), np.float32), train=False)
+    return jax.tree.map(np.asarray, dict(variables))
+
+
+def test_warm_start_settings_take_the_trainable_variables_unless_given_a_list():
+    reader = migrate.CheckpointReader(TF_RESNET)
+    variables = _resnet_variables()
+    loaded, report = warm_start.warm_start_variables(ex.WarmStartSettings(TF_RESNET), variables)
+    np.testing.assert_array_equal(
+        loaded["params"]["initial_conv"]["kernel"], reader.get_tensor("conv2d/kernel")
+    )
+    # A string: tf.estimator's TRAINABLE_VARIABLES; the statistics stay as initialised.
+    np.testing.assert_array_equal(
+        loaded["batch_stats"]["initial_bn"]["mean"], variables["batch_stats"]["initial_bn"]["mean"]
+    )
+    assert "initial_bn/mean" in report.fresh and "initial_bn/scale" in report.loaded
+    # A list: tf.estimator's GLOBAL_VARIABLES, statistics included.
+    settings = ex.WarmStartSettings(TF_RESNET, [".*initial_bn.*"])
+    loaded, report = warm_start.warm_start_variables(settings, variables)
+    np.testing.assert_array_equal(
+        loaded["batch_stats"]["initial_bn"]["mean"],
+        reader.get_tensor("batch_normalization/moving_mean"),
+    )
+    assert report.loaded == [f"initial_bn/{n}" for n in ("bias", "mean", "scale", "var")]
+    assert report.sources["initial_bn/mean"] == "batch_normalization/moving_mean"
+    # An expression may name the original's TensorFlow names too.
+    _, report = warm_start.warm_start_variables(
+        ex.WarmStartSettings(TF_RESNET, "dense/.*"), variables
+    )
+    assert report.loaded == ["final_dense/bias", "final_dense/kernel"]
 
 
 def test_warm_start_from_an_estimax_model_dir_and_only_some_variables(tmp_path):

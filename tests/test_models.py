@@ -1,4 +1,4 @@
-"""Tests of the Flax reference models (estimax.models): ResNet, Inception v3/v4, EfficientNet.
+"""Tests of the Flax reference models (estimax.models): ResNet, Inception v3/v4, EfficientNet, ViT.
 
 Compute is kept cheap: parameter counts use ``jax.eval_shape`` at the real input sizes (no
 FLOPs, no compile); the numeric checks (NaN, gradients, train/eval behaviour) run at batch 2 on
@@ -19,7 +19,7 @@ import numpy as np
 import optax
 import pytest
 
-from estimax.models import MODELS, efficientnet, get_model, resnet, resnet_v1
+from estimax.models import MODELS, efficientnet, get_model, resnet, resnet_v1, vit
 from estimax.models import inception_v3 as v3
 from estimax.models import inception_v4 as v4
 
@@ -50,6 +50,8 @@ def _shapes(model: nn.Module, size: int):
 def _image_size(name: str) -> int:
     if name.startswith("efficientnet_b"):  # the variant's resolution (224 for B0 .. 600 for B7)
         return efficientnet.EFFICIENTNETS[name.replace("_", "-")][1]
+    if name == "vit_tiny":
+        return vit.TINY_RESOLUTION
     return 299 if name.startswith("inception") else 224
 
 
@@ -73,6 +75,13 @@ def _image_size(name: str) -> int:
 # EfficientNet B0-B7: torchvision's documented ``num_params`` (efficientnet_b0 .. b7, weights
 #   "ported from the original paper"), the original's layout: B0 5,288,548 (Keras's
 #   EfficientNetB0 trainable params are the same number).
+# ViT-S/16, B/16, L/16: timm's vit_small_patch16_224 22,050,664, vit_base_patch16_224
+#   86,567,656 and vit_large_patch16_224 304,326,632 (timm's model cards: 22.1 M, 86.6 M, 304.3 M;
+#   the ViT paper's Table 1: 86 M and 307 M), in the paper's layout: class token, learned
+#   position embeddings, no pre-logits layer (``vit.PAPER_LAYOUT``). big_vision, whose model
+#   estimax follows, adds the position embeddings before the class token is prepended, so it has
+#   one position embedding (``width`` parameters) fewer than timm's 197: published - width.
+#   The registry's defaults are big_vision's ImageNet heads; tests/test_vit.py checks those.
 # --------------------------------------------------------------------------------------------
 TORCHVISION_LAYOUT_PROJECTION = 64 * 64 + 2 * 64
 
@@ -94,7 +103,12 @@ PUBLISHED = {
     "efficientnet_b5": ({}, 30_389_784),
     "efficientnet_b6": ({}, 43_040_704),
     "efficientnet_b7": ({}, 66_347_960),
+    "vit_s16": (vit.PAPER_LAYOUT, 22_050_664 - 384),
+    "vit_b16": (vit.PAPER_LAYOUT, 86_567_656 - 768),
+    "vit_l16": (vit.PAPER_LAYOUT, 304_326_632 - 1024),
 }
+# Registered models checked numerically in their own family's tests.
+CHECKED_ELSEWHERE = {"vit_tiny": "tests/test_vit.py"}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
@@ -127,13 +141,29 @@ def test_every_registered_model_output_shapes_at_its_real_size(name):
 
 def test_every_registered_model_is_checked():
     # A model added to the registry must get a published count or a numeric run here.
-    assert set(MODELS) <= set(PUBLISHED) | set(NUMERIC)
+    assert set(MODELS) <= set(PUBLISHED) | set(NUMERIC) | set(CHECKED_ELSEWHERE)
 
 
 def test_resnet18_34_original_layout_adds_group1_projection():
     for depth, published in ((18, 11_689_512), (34, 21_797_672)):
         count = _num(_shapes(resnet_v1(depth), 224)["params"])
         assert count == published + TORCHVISION_LAYOUT_PROJECTION
+
+
+def test_vit_recipe_heads_derived_from_published():
+    # The registry's ViTs carry big_vision's ImageNet heads. From the paper layout (published -
+    # width, above): ViT-S/16 (vit_s16_i1k.py) drops the 196 learned position embeddings
+    # (sincos2d) and the class token (gap) and adds pre_logits (width x width + width); B/16 and
+    # L/16 (vit_i1k.py) keep both and add pre_logits.
+    for name, width, published, s16 in (
+        ("vit_s16", 384, 22_050_664, True),
+        ("vit_b16", 768, 86_567_656, False),
+        ("vit_l16", 1024, 304_326_632, False),
+    ):
+        expected = published - width + width * width + width
+        if s16:
+            expected -= 196 * width + width
+        assert _num(_shapes(get_model(name), 224)["params"]) == expected, name
 
 
 def test_inception_v3_keras_counts():

@@ -187,7 +187,7 @@ def test_peak_memory_does_not_grow_with_the_epochs(object_store, tmp_path, worke
 
 
 def test_a_bucket_backed_training_reads_no_shard_in_full_before_its_first_batch(
-    gcs_emulator, monkeypatch, caplog
+    gcs_emulator, monkeypatch, caplog, disk_with_room
 ):
     import uuid
 
@@ -234,18 +234,28 @@ def test_a_bucket_backed_training_reads_no_shard_in_full_before_its_first_batch(
         assert read.get(name, 0) < sizes[name] / 2, (name, read.get(name), sizes[name])
         assert requests.get(name, 0) < 32, requests
         assert read[f"{name}.idx"] == sizes[f"{name}.idx"]  # its index, read once
-    # Without the index files the same input reads every shard whole to find its records
-    # (in 8 MiB blocks, not a request per record): what the index saves every host.
+    # Without the index files the same input reads each shard once, whole, to index it; keeps
+    # what it read for its own reads (nothing pulled twice); and writes the indexes back.
     point_clients_at(monkeypatch, "gs", gcs_emulator.url)
     fs, _ = storage.filesystem(data_dir)
     for name in shards:
         fs.rm(f"{bucket}/{name}.idx")
     read, requests = first_batch_reads()
-    assert all(read[name] >= sizes[name] for name in shards), (read, sizes)
+    assert all(read[name] == sizes[name] for name in shards), (read, sizes)
     said = [r for r in caplog.records if r.name == "estimax.data.sources"]
-    assert [r.getMessage().split(" (")[0] for r in said] == ["indexed 4 of 4 files by reading them"]
-    assert said[0].levelname == "WARNING" and "reads each such file whole" in said[0].getMessage()
+    assert [r.getMessage().split(":")[0] for r in said] == [
+        "4 of 4 shards have no usable .idx index file"
+    ]
+    line = said[0].getMessage()
+    assert said[0].levelname == "WARNING"
+    assert f"({sum(sizes[n] for n in shards) / 1e6:.1f} MB" in line
+    assert f"`estimax-convert index '{data_dir}/train-0000*'`" in line
     assert all(requests[name] < 32 for name in shards), requests
+    # The next start finds the indexes written back, and reads only what it needs.
+    caplog.clear()
+    read, _ = first_batch_reads()
+    assert not [r for r in caplog.records if r.name == "estimax.data.sources"]
+    assert all(read.get(name, 0) < sizes[name] / 2 for name in shards), (read, sizes)
 
 
 class _CountingSource:

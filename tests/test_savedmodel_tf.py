@@ -22,9 +22,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 import export_formats_fixtures as fx  # noqa: E402
 import serving_fixtures  # noqa: E402
 
-from estimax import serving  # noqa: E402
-from estimax.serving import cli, tf_preprocess  # noqa: E402
-from estimax.serving.servable import Servable  # noqa: E402
+from estimax import command, export  # noqa: E402
+from estimax.export.formats import tf_preprocess  # noqa: E402
+from estimax.export.servable import Servable  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,9 @@ def jpegs():
 def _export(tmp_path, version):
     base = os.path.dirname(version)
     out = str(tmp_path / "not" / "yet" / "savedmodel")  # missing parents are created
-    assert cli.main(["export-savedmodel", f"--model_base_path={base}", f"--output_dir={out}"]) == 0
+    assert (
+        command.main(["export-savedmodel", f"--model_base_path={base}", f"--output_dir={out}"]) == 0
+    )
     return tf.saved_model.load(out).signatures["serving_default"]
 
 
@@ -114,9 +116,7 @@ BICUBIC = [
 
 def _compare_pixels(params):
     pre = (
-        params
-        if isinstance(params, serving.Preprocessing)
-        else serving.image_preprocessing(**params)
+        params if isinstance(params, export.Preprocessing) else export.image_preprocessing(**params)
     )
     fn = tf.function(tf_preprocess.preprocess_fn(pre))
     worst, differ, total = 0.0, 0, 0
@@ -132,7 +132,7 @@ def _compare_pixels(params):
 
 
 def _id(params):
-    if isinstance(params, serving.Preprocessing):
+    if isinstance(params, export.Preprocessing):
         return f"{params.name}-{params.params}"
     return "-".join(map(str, params.values()))
 
@@ -143,10 +143,10 @@ def test_tf_preprocessing_gives_estimaxs_pixels(params):
 
 
 def test_estimaxs_inception_recipe_gives_estimaxs_pixels_in_tf():
-    assert _compare_pixels(serving.inception_eval(29))[:2] == (0, 0)
+    assert _compare_pixels(export.inception_eval(29))[:2] == (0, 0)
 
 
-@pytest.mark.parametrize("params", [*BICUBIC, serving.resnet_eval(32)], ids=_id)
+@pytest.mark.parametrize("params", [*BICUBIC, export.resnet_eval(32)], ids=_id)
 def test_tf_bicubic_is_at_most_one_level_apart_on_rare_values(params):
     worst, differ, total = _compare_pixels(params)
     print(f"bicubic {params}: {differ} of {total} values one level apart")
@@ -159,15 +159,17 @@ def test_tf_bicubic_is_at_most_one_level_apart_on_rare_values(params):
         (dict(resize="area"), "resize='area'"),
         (dict(resize="bilinear", grid="align_corners"), "grid='align_corners'"),
         (dict(resize="bicubic", grid="asymmetric"), "grid='asymmetric'"),
+        (dict(resize="bilinear", antialias=True), "antialias=True"),
+        (dict(resize_shorter=36), "resize_shorter"),
     ],
 )
 def test_what_tf_cannot_reproduce_is_named(params, named):
-    assert named in tf_preprocess.unsupported(serving.image_preprocessing(size=8, **params))
+    assert named in tf_preprocess.unsupported(export.image_preprocessing(size=8, **params))
 
 
 def test_an_export_tf_cannot_reproduce_is_refused_in_one_line(tmp_path, capsys, jpegs):
     images, labels = jpegs
-    pre = serving.image_preprocessing(size=24, resize="area")
+    pre = export.image_preprocessing(size=24, resize="area")
     version = fx._publish(
         str(tmp_path),
         fx._model_fn(fx.SmallCnn, lambda f: f),
@@ -178,7 +180,9 @@ def test_an_export_tf_cannot_reproduce_is_refused_in_one_line(tmp_path, capsys, 
     )
     out = str(tmp_path / "out")
     base = os.path.dirname(version)
-    assert cli.main(["export-savedmodel", f"--model_base_path={base}", f"--output_dir={out}"]) == 2
+    assert (
+        command.main(["export-savedmodel", f"--model_base_path={base}", f"--output_dir={out}"]) == 2
+    )
     err = capsys.readouterr().err
     assert "resize='area'" in err and "serve this export with estimax" in err
     assert len(err.strip().splitlines()) == 1 and not os.path.exists(out)
@@ -186,14 +190,14 @@ def test_an_export_tf_cannot_reproduce_is_refused_in_one_line(tmp_path, capsys, 
 
 def test_a_disagreement_publishes_nothing(tmp_path, capsys):
     version = fx.float_export(str(tmp_path))
-    # The former command path still works: python -m estimax.migrate.savedmodel.
+    # The former command path still works: python -m estimax.export.formats.savedmodel.
     import subprocess
 
     done = subprocess.run(
         [
             sys.executable,
             "-m",
-            "estimax.migrate.savedmodel",
+            "estimax.export.formats.savedmodel",
             f"--export_dir={version}",
             f"--output_dir={tmp_path / 'alias'}",
         ],
@@ -204,7 +208,7 @@ def test_a_disagreement_publishes_nothing(tmp_path, capsys):
     assert done.returncode == 0, done.stderr[-2000:]
     assert tf.saved_model.load(str(tmp_path / "alias")).signatures["serving_default"] is not None
 
-    from estimax.migrate import savedmodel
+    from estimax.export.formats import savedmodel
 
     fx.disagree(version)
     refused = str(tmp_path / "refused")
@@ -213,3 +217,79 @@ def test_a_disagreement_publishes_nothing(tmp_path, capsys):
     assert "classes differ from estimax's for 1 of 16" in err and "Traceback" not in err
     assert not os.path.exists(refused)
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".savedmodel-")]
+
+
+def _assert_answers_the_stored_check(fn, version, dtypes):
+    # The number: within 1e-5 (fp32) of estimax's recorded answers on the check inputs.
+    check, expected = fx.stored_check(version, dtypes)
+    out = fn(**{k: tf.constant(v) for k, v in check.items()})
+    np.testing.assert_array_equal(out["classes"].numpy(), expected["classes"])
+    assert np.abs(out["probabilities"].numpy() - expected["probabilities"]).max() <= 1e-5
+
+
+def test_text_model_with_three_int32_inputs_to_savedmodel(tmp_path):
+    version = fx.text_export(str(tmp_path))
+    fn = _export(tmp_path, version)
+    specs = fn.structured_input_signature[1]
+    assert sorted(specs) == sorted(fx.TEXT_INPUTS)
+    assert all(s.dtype == tf.int32 and s.shape.as_list() == [None, fx.SEQ] for s in specs.values())
+    _assert_answers_the_stored_check(fn, version, {k: np.int32 for k in fx.TEXT_INPUTS})
+    features = fx.text_features(5, seed=4)  # new examples, another batch size
+    out = fn(**{k: tf.constant(v) for k, v in features.items()})
+    want = Servable(version).run(features)
+    np.testing.assert_array_equal(out["classes"].numpy(), want["classes"])
+    diff = np.abs(out["probabilities"].numpy() - want["probabilities"]).max()
+    print(f"SavedModel vs estimax, tiny BERT: max dprob {diff:.2e}")
+    assert diff <= 1e-5
+
+
+def test_mixed_dtype_inputs_to_savedmodel(tmp_path):
+    # float32 pixels, int64 ids (computed in int32: cast inside) and a bool mask.
+    version = fx.mixed_export(str(tmp_path))
+    fn = _export(tmp_path, version)
+    specs = fn.structured_input_signature[1]
+    assert {k: (s.dtype, s.shape.as_list()) for k, s in specs.items()} == {
+        "image": (tf.float32, [None, 6, 6, 3]),
+        "ids": (tf.int64, [None, 5]),
+        "mask": (tf.bool, [None, 5]),
+    }
+    _assert_answers_the_stored_check(fn, version, {k: d for k, (_, d) in fx.MIXED_INPUTS.items()})
+    features = fx.mixed_features(5, seed=7)
+    out = fn(**{k: tf.constant(v) for k, v in features.items()})
+    want = Servable(version).run(features)
+    np.testing.assert_array_equal(out["classes"].numpy(), want["classes"])
+    assert np.abs(out["probabilities"].numpy() - want["probabilities"]).max() <= 1e-5
+
+
+def test_the_bert_example_export_to_savedmodel(tmp_path):
+    # examples/bert_classifier.py's flow (warm start from TF's bert_tiny, train, export with
+    # three int32 inputs), then its version as a SavedModel that TensorFlow runs.
+    import contextlib
+    import io
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(repo, "examples"))
+    import bert_classifier as bert
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        code = bert.main(
+            [
+                f"--init_checkpoint={repo}/tests/data/tf_checkpoints/bert_tiny",
+                f"--output_dir={tmp_path}/model",
+                "--do_train",
+                "--num_train_steps=1",
+                f"--export_dir={tmp_path}/serving",
+            ]
+        )
+    assert code == 0
+    version = str(tmp_path / "serving" / "1")
+    fn = _export(tmp_path, version)
+    specs = fn.structured_input_signature[1]
+    assert sorted(specs) == sorted(bert.FEATURE_NAMES)
+    made = bert.synthetic_features(6, 8, bert.BertConfig().vocab_size, seed=5)
+    features = {k: np.asarray([f[k] for f in made], np.int32) for k in bert.FEATURE_NAMES}
+    out = fn(**{k: tf.constant(v) for k, v in features.items()})
+    want = Servable(version).run(features)
+    diff = np.abs(out["probabilities"].numpy() - want["probabilities"]).max()
+    print(f"SavedModel vs estimax, the BERT example: max dprob {diff:.2e}")
+    assert diff <= 1e-5

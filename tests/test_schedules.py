@@ -1,7 +1,7 @@
 """Tests of estimax.programs.schedules against the original programs' formulas.
 
 Each reference below is the original's TF code transcribed to plain Python/numpy (float64) from
-ORIGINAL_SYSTEM.md §2.4 (resnet_main.py), §6 (inception_v3.py / inception_v4.py) and §7
+docs/original.md §2.4 (resnet_main.py), §6 (inception_v3.py / inception_v4.py) and §7
 (mnist_tpu.py), and EfficientNet's main.py + utils.build_learning_rate (tensorflow/tpu 2019-06);
 the schedules under test compute in float32 with jnp, so values are compared with
 a float32 tolerance, and steps are chosen on both sides of every boundary.

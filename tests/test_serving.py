@@ -25,7 +25,7 @@ pytest.importorskip("uvicorn")
 
 import serving_fixtures as fx  # noqa: E402
 
-from estimax import serving  # noqa: E402
+from estimax import export  # noqa: E402
 from estimax.serving.batching import Batcher, BatchingOptions, QueueFullError  # noqa: E402
 from estimax.serving.manager import ModelManager  # noqa: E402
 
@@ -46,8 +46,8 @@ def trained(tmp_path_factory):
     held_out = images[16:]
     expected = fx.predict(est, held_out)
     base = root / "models"
-    path = serving.export_version(
-        est, str(base), preprocessing=serving.resnet_eval(fx.IMAGE_SIZE), check_inputs=held_out[:3]
+    path = export.export_version(
+        est, str(base), preprocessing=export.resnet_eval(fx.IMAGE_SIZE), check_inputs=held_out[:3]
     )
     assert path == str(base / "1")
     return {"est": est, "images": held_out, "expected": expected, "base": base, "root": root}
@@ -390,8 +390,8 @@ def test_new_version_is_picked_up_with_no_failed_request(trained, server):
     for t in threads:
         t.start()
     try:
-        path = serving.export_version(
-            trained["est"], str(base), preprocessing=serving.resnet_eval(fx.IMAGE_SIZE)
+        path = export.export_version(
+            trained["est"], str(base), preprocessing=export.resnet_eval(fx.IMAGE_SIZE)
         )
         assert path == str(base / "2")
         wait_for(lambda: states(url) == {"2": "AVAILABLE", "1": "END"})
@@ -455,7 +455,7 @@ def test_predict_and_export_check_run_without_the_model_code(trained, tmp_path, 
         "import sys\n"
         "for m in ('estimax.models', 'estimax.programs', 'estimax.estimator',"
         " 'optax', 'orbax'):\n    sys.modules[m] = None\n"
-        "from estimax.serving import cli\nsys.exit(cli.main(sys.argv[1:]))\n"
+        "from estimax import command\nsys.exit(command.main(sys.argv[1:]))\n"
     )
     run = lambda *a: subprocess.run(
         [sys.executable, "-c", guard, *a],
@@ -476,14 +476,14 @@ def test_predict_and_export_check_run_without_the_model_code(trained, tmp_path, 
     proc = run("export-check", f"--model_base_path={base}")
     assert proc.returncode == 0 and "3 examples match" in proc.stdout, proc.stderr[-2000:]
     # A wrong expectation (as if the export had changed) fails loudly.
-    check = base / "1" / serving.versions.CHECK_FILE
+    check = base / "1" / export.versions.CHECK_FILE
     record = json.loads(check.read_text())
     record["expected"]["probabilities"][1][0] += 0.01
     check.write_text(json.dumps(record))
     proc = run("export-check", f"--model_base_path={base}")
     assert proc.returncode == 1 and "FAILED" in proc.stderr and "example #1" in proc.stderr
     # Bad command lines: one line, non-zero exit, no traceback (in this process: cheaper).
-    from estimax.serving import cli
+    from estimax import command
 
     for args, message in (
         (["predict", f"--model_base_path={tmp_path}/none", "x.jpg"], "does not exist"),
@@ -500,13 +500,13 @@ def test_predict_and_export_check_run_without_the_model_code(trained, tmp_path, 
         ),
     ):
         capsys.readouterr()
-        assert cli.main(args) == 2
+        assert command.main(args) == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_export_check_refuses_an_export_that_differs(trained, tmp_path):
-    from estimax.serving.versions import ExportCheckError, compare
+    from estimax.export.versions import ExportCheckError, compare
 
     expected = trained["expected"]
     compare(expected, expected, 1e-3, 1e-4, "same")
@@ -520,15 +520,15 @@ def test_versions_on_an_object_store_appear_only_when_complete(trained):
 
     base = "memory://serving-test/models"
     fs = fsspec.filesystem("memory")
-    path = serving.export_version(
-        trained["est"], base, top_k=2, preprocessing=serving.resnet_eval(fx.IMAGE_SIZE)
+    path = export.export_version(
+        trained["est"], base, top_k=2, preprocessing=export.resnet_eval(fx.IMAGE_SIZE)
     )
     assert path.rstrip("/").endswith("serving-test/models/1") and path.startswith("memory://")
     # A version still being uploaded (no serving.json yet) is not listed.
     for name in ("model.jaxexport", "variables.msgpack", "signature.json"):
         fs.pipe(f"/serving-test/models/2/{name}", fs.cat(f"/serving-test/models/1/{name}"))
-    assert serving.list_versions(base) == [1]
-    got = serving.Servable(path).predict_images(trained["images"])
+    assert export.list_versions(base) == [1]
+    got = export.Servable(path).predict_images(trained["images"])
     np.testing.assert_array_equal(got["classes"], trained["expected"]["classes"])
     # top_k (an export option): the two most likely classes and their probabilities.
     order = np.argsort(-trained["expected"]["probabilities"], axis=1, kind="stable")[:, :2]
@@ -648,12 +648,12 @@ def test_array_export_and_the_demo_answer_a_held_out_digit(tmp_path):
     )
     est.train(ex.numpy_input_fn(x, labels), max_steps=2)
     base = tmp_path / "serving"
-    serving.export_version(
+    export.export_version(
         est, str(base), serving_input=ex.TensorSpec((None, 784), np.float32), check_inputs=x[:4]
     )
     expected = next(iter(est.predict(ex.numpy_input_fn(x[:1], None, shuffle=False, num_epochs=1))))
 
-    servable = serving.Servable(str(base / "1"))
+    servable = export.Servable(str(base / "1"))
     assert servable.inputs == {"input": {"shape": [None, 784], "dtype": "float32"}}
     for bad, message in (
         ({"input": [[0.0] * 783]}, r"shape \[1, 783\].*\[batch, 784\]"),
@@ -661,7 +661,7 @@ def test_array_export_and_the_demo_answer_a_held_out_digit(tmp_path):
         ({"input": [[0.0] * 784, [0.0]]}, "ragged|shape"),
         ({"pixels": [[0.0] * 784]}, "unknown"),
     ):
-        with pytest.raises(serving.InvalidInput, match=message):
+        with pytest.raises(export.InvalidInput, match=message):
             servable.prepare(bad)
 
     proc = subprocess.run(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import json
 
 import pytest
@@ -205,6 +206,32 @@ def test_headers_larger_than_the_limit_get_431(server):
     assert server.closed == ["header_too_large"]
 
 
+@pytest.mark.parametrize("reads", [1, 3])
+def test_the_header_limit_holds_to_the_byte_in_any_number_of_reads(server, reads):
+    """Headers of exactly the limit are answered; one byte more gets 431, even when it all
+    arrives in one read (it was once parsed and answered 200: the check ran one read late),
+    and a body in the same read is not counted as headers."""
+    limit = LIMITS.max_header_bytes
+    start = b"GET /x HTTP/1.1\r\nHost: x\r\nX-Pad: "
+    end = b"\r\n\r\n"
+    for extra, status in ((0, 200), (1, 431)):
+        head = start + b"a" * (limit - len(start) - len(end) + extra) + end
+        assert len(head) == limit + extra
+        protocol, conn = server.connect()
+        cuts = [len(head) * k // reads for k in range(reads + 1)]
+        for a, b in itertools.pairwise(cuts):
+            server.send(protocol, head[a:b])
+        assert conn.status() == status, conn.written[:200]
+    # A body sent with the headers in one read is the body's, not the headers'.
+    protocol, conn = server.connect()
+    body = b"b" * (limit * 2)
+    head = b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
+    server.send(protocol, head + body)
+    assert conn.status() == 200 and json.loads(conn.written.split(b"\r\n\r\n", 1)[1]) == {
+        "size": len(body)
+    }
+
+
 def test_past_the_cap_the_longest_waiting_connection_makes_room(server):
     first, first_conn = server.connect()
     server.advance(1)
@@ -282,8 +309,8 @@ def test_a_requests_numbers_are_ascii_integers_within_bounds(text):
 
 
 def test_versions_in_requests_and_on_disk():
+    from estimax.export.versions import version_number
     from estimax.serving.core import ServingCore
-    from estimax.serving.versions import version_number
 
     assert ServingCore.parse_version("7") == 7 and ServingCore.parse_version("007") == 7
     assert ServingCore.parse_version("0" * 5000) == 0
@@ -382,7 +409,144 @@ def test_large_bodies_are_parsed_in_a_worker_process_and_its_refusals_arrive_as_
         loop.close()
 
 
+def test_bodies_of_a_few_base64_images_are_parsed_in_place_and_numbers_in_a_worker():
+    # A request of one 470 KB image is past INLINE_BYTES, but its parse costs less than the
+    # process hop (bodies' docstring): it never starts a worker. As many bytes of numbers do.
+    import base64
+    import os
+
+    from estimax.serving import bodies
+
+    image = {"b64": base64.b64encode(os.urandom(350_000)).decode()}
+    one = json.dumps({"instances": [image]}).encode()
+    too_big = json.dumps({"instances": [image] * 6}).encode()  # past INLINE_TEXT_BYTES
+    numbers = json.dumps({"instances": [0.25] * 120_000}).encode()
+    assert bodies.INLINE_BYTES < len(one) and len(numbers) < bodies.INLINE_TEXT_BYTES
+    assert bodies.light(one) and not bodies.light(too_big) and not bodies.light(numbers)
+    assert bodies.light(b'{"instances": [1, 2]}')
+    workers = bodies.JsonWorkers(workers=1)
+    loop = asyncio.new_event_loop()
+    try:
+        assert loop.run_until_complete(workers.loads(one)) == {"instances": [image]}
+        assert workers._pool is None  # no worker was started for it
+        tree = loop.run_until_complete(workers.loads(numbers))
+        assert workers._pool is not None and tree["instances"].shape == (120_000,)
+    finally:
+        workers.close()
+        loop.close()
+
+
 # ----------------------------------------------------------------------------- work
+class _Recorded:
+    """A servable that notes the thread each request is decoded and run on; a run of a request
+    in ``hold`` waits for ``go``."""
+
+    version = 1
+
+    def __init__(self, hold: str = ""):
+        import threading
+
+        self.threads: list[tuple[str, str, str]] = []
+        self.hold, self.held, self.go = hold, threading.Event(), threading.Event()
+        self.prepared = threading.Event()  # a request other than ``hold`` was decoded
+
+    def _note(self, step: str, name: str) -> None:
+        import threading
+
+        self.threads.append((step, name, threading.current_thread().name.split("_")[0]))
+
+    def prepare(self, columns, max_pixels, cancelled):
+        import numpy as np
+
+        self._note("prepare", columns["name"])
+        if columns["name"] != self.hold:
+            self.prepared.set()
+        return {"name": np.asarray([columns["name"]])}
+
+    def run(self, features):
+        name = str(features["name"][0])
+        self._note("run", name)
+        if name == self.hold:
+            self.held.set()
+            assert self.go.wait(60)
+        return {"y": features["name"]}
+
+    def executions(self, n):
+        return [(n, n)]
+
+
+def test_an_unbatched_request_is_decoded_on_a_free_run_thread_else_on_a_decoding_thread():
+    # One hand-off from the event loop when a run thread is free (core._prepare_and_run);
+    # while the only one runs a request, the next decodes on a decoding thread meanwhile.
+    from estimax.serving import core as core_lib
+    from estimax.serving import tracking
+    from estimax.serving.manager import ModelManager
+
+    core = core_lib.ServingCore(ModelManager("m", "/nonexistent", [1]), core_lib.ServerOptions())
+    servable = _Recorded(hold="a")
+
+    async def ask(name: str):
+        tracking.CURRENT.set(tracking.RequestRecord("http", "/", model="m"))
+        return (await core.infer(servable, {"name": name}))["y"].tolist()
+
+    async def main():
+        first = asyncio.create_task(ask("a"))
+        await asyncio.to_thread(servable.held.wait, 60)  # "a" holds the only run thread
+        second = asyncio.create_task(ask("b"))
+        await asyncio.to_thread(servable.prepared.wait, 60)  # "b" decoded while "a" runs
+        servable.go.set()
+        return await first, await second, await ask("c")
+
+    assert asyncio.run(main()) == (["a"], ["b"], ["c"])
+    assert servable.threads == [
+        ("prepare", "a", "run"),
+        ("run", "a", "run"),
+        ("prepare", "b", "decode"),
+        ("run", "b", "run"),
+        ("prepare", "c", "run"),
+        ("run", "c", "run"),
+    ]
+    assert core._unbatched == 0  # every run given back its thread
+
+
+def test_an_unbatched_request_given_up_while_it_waits_for_the_run_thread_never_runs():
+    # Its place among the unbatched runs is given back though its run never started (the
+    # next lone request decodes on the run thread again).
+    from estimax.serving import core as core_lib
+    from estimax.serving import tracking
+    from estimax.serving.manager import ModelManager
+
+    core = core_lib.ServingCore(ModelManager("m", "/nonexistent", [1]), core_lib.ServerOptions())
+    servable = _Recorded(hold="a")
+
+    async def ask(name: str):
+        tracking.CURRENT.set(tracking.RequestRecord("http", "/", model="m"))
+        return (await core.infer(servable, {"name": name}))["y"].tolist()
+
+    async def main():
+        first = asyncio.create_task(ask("a"))
+        await asyncio.to_thread(servable.held.wait, 60)
+        second = asyncio.create_task(ask("b"))
+        await asyncio.to_thread(servable.prepared.wait, 60)
+        for _ in range(100_000):  # until "b" is queued for the run thread (no clock involved)
+            if core._unbatched == 2:
+                break
+            await asyncio.sleep(0)
+        assert core._unbatched == 2
+        second.cancel()  # as the request's timeout or a closed connection does
+        with pytest.raises(asyncio.CancelledError):
+            await second
+        servable.go.set()
+        return await first, await ask("c")
+
+    assert asyncio.run(main()) == (["a"], ["c"])
+    assert [t for t in servable.threads if t[0] == "run"] == [
+        ("run", "a", "run"),
+        ("run", "c", "run"),
+    ]
+    assert ("prepare", "c", "run") in servable.threads and core._unbatched == 0
+
+
 def _doubled(ran: list, features: dict) -> dict:
     """A model run: twice its input; ``ran`` gets each batch's size."""
     ran.append(len(features["x"]))

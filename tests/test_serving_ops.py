@@ -31,8 +31,7 @@ parser = pytest.importorskip("prometheus_client.parser")
 
 import serving_fixtures as fx  # noqa: E402
 
-from estimax import serving  # noqa: E402
-from estimax.serving import cli  # noqa: E402
+from estimax import command, export  # noqa: E402
 from estimax.serving.protos.tensorflow.core.example import example_pb2, feature_pb2  # noqa: E402
 from estimax.serving.protos.tensorflow.core.framework import (  # noqa: E402
     tensor_pb2,
@@ -63,12 +62,12 @@ def exported(tmp_path_factory):
     est, _ = fx.dense_estimator(str(root))
     base = os.path.join(root, "serving")
     images, _ = fx.make_jpegs(6, seed=3)
-    serving.export_version(
+    export.export_version(
         est,
         base,
-        preprocessing=serving.resnet_eval(fx.IMAGE_SIZE),
+        preprocessing=export.resnet_eval(fx.IMAGE_SIZE),
         check_inputs=images[:2],
-        class_names=serving.class_names_from_manifest(str(data_dir)),
+        class_names=export.class_names_from_manifest(str(data_dir)),
     )
     return {"est": est, "base": base, "images": images, "root": root}
 
@@ -409,7 +408,9 @@ def test_estimax_predict_prints_the_class_names(served, tmp_path, capsys):
         with open(paths[-1], "wb") as f:
             f.write(image)
     capsys.readouterr()
-    assert cli.main(["predict", f"--model_base_path={served['base']}", "--top_k=2", *paths]) == 0
+    assert (
+        command.main(["predict", f"--model_base_path={served['base']}", "--top_k=2", *paths]) == 0
+    )
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert [x["class_names"] for x in lines] == [NAMES[c] for c in classes]
     for line, c in zip(lines, classes, strict=True):
@@ -418,14 +419,14 @@ def test_estimax_predict_prints_the_class_names(served, tmp_path, capsys):
 
 def test_class_names_that_do_not_fit_the_model_publish_nothing(exported):
     with pytest.raises(ValueError, match="2 class_names for a model of 3 classes"):
-        serving.export_version(
+        export.export_version(
             exported["est"],
             exported["base"],
-            preprocessing=serving.resnet_eval(fx.IMAGE_SIZE),
+            preprocessing=export.resnet_eval(fx.IMAGE_SIZE),
             class_names=["a", "b"],
         )
-    assert serving.list_versions(exported["base"]) == [1]
-    from estimax.serving.record import check_class_names
+    assert export.list_versions(exported["base"]) == [1]
+    from estimax.export.record import check_class_names
 
     outputs = {"probabilities": {"shape": [None, 3], "dtype": "float32"}}
     with pytest.raises(ValueError, match=r"here: class_names repeat \['a'\]"):
@@ -436,21 +437,21 @@ def test_class_names_that_do_not_fit_the_model_publish_nothing(exported):
 
 def test_class_names_from_a_manifest_map_labels_to_served_ids(tmp_path):
     Manifest("f", {"cat": 1, "dog": 3}, {}).save(str(tmp_path))
-    assert serving.class_names_from_manifest(str(tmp_path)) == ["cat", "", "dog"]
+    assert export.class_names_from_manifest(str(tmp_path)) == ["cat", "", "dog"]
     # Labels used as written (a model with a background class at id 0).
-    assert serving.class_names_from_manifest(str(tmp_path / "manifest.json"), 0) == [
+    assert export.class_names_from_manifest(str(tmp_path / "manifest.json"), 0) == [
         "",
         "cat",
         "",
         "dog",
     ]
     with pytest.raises(ValueError, match="maps to id -1 with label_offset=2"):
-        serving.class_names_from_manifest(str(tmp_path), label_offset=2)
+        export.class_names_from_manifest(str(tmp_path), label_offset=2)
     with pytest.raises(FileNotFoundError, match="no manifest.json"):
-        serving.class_names_from_manifest(str(tmp_path / "elsewhere"))
+        export.class_names_from_manifest(str(tmp_path / "elsewhere"))
     (tmp_path / "other.json").write_text('{"format": "something"}')
     with pytest.raises(ValueError, match="not an estimax-convert manifest"):
-        serving.class_names_from_manifest(str(tmp_path / "other.json"))
+        export.class_names_from_manifest(str(tmp_path / "other.json"))
 
 
 # ----------------------------------------------------------------------------- Vertex AI
@@ -480,7 +481,7 @@ def test_vertex_ai_routes_port_and_storage_uri(served):
     ],
 )
 def test_vertex_ai_mistakes_are_one_line(env, message, capsys):
-    assert cli.main(["serve"], env={"AIP_MODE": "PREDICTION", **env}) == 2
+    assert command.main(["serve"], env={"AIP_MODE": "PREDICTION", **env}) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
 
@@ -488,7 +489,9 @@ def test_vertex_ai_mistakes_are_one_line(env, message, capsys):
 def test_a_version_folder_given_as_the_model_is_one_line(served, capsys):
     # AIP_STORAGE_URI (or --model_base_path) naming version 1 itself, not the model's folder.
     one = os.path.join(served["base"], "1")
-    assert cli.main(["serve", f"--model_base_path={one}", f"--port={fx.free_port()}"], env={}) == 2
+    assert (
+        command.main(["serve", f"--model_base_path={one}", f"--port={fx.free_port()}"], env={}) == 2
+    )
     err = capsys.readouterr().err.strip()
     assert err == (
         f"estimax serve: {one} is one version's export, not a model base path: serve the folder "
@@ -501,11 +504,11 @@ def test_monitoring_config_mistakes_are_one_line(tmp_path, capsys, served):
     bad = tmp_path / "bad.config"
     bad.write_text("prometheus_config { enable: yes please }")
     args = ["serve", f"--model_base_path={served['base']}", f"--port={fx.free_port()}"]
-    assert cli.main([*args, f"--monitoring_config_file={bad}"], env={}) == 2
+    assert command.main([*args, f"--monitoring_config_file={bad}"], env={}) == 2
     err = capsys.readouterr().err
     assert f"--monitoring_config_file={bad}: not a MonitoringConfig" in err
     assert len(err.strip().splitlines()) == 1
-    assert cli.main([*args, f"--monitoring_config_file={tmp_path}/none"], env={}) == 2
+    assert command.main([*args, f"--monitoring_config_file={tmp_path}/none"], env={}) == 2
     assert "No such file" in capsys.readouterr().err
     off = tmp_path / "off.config"
     off.write_text('prometheus_config { enable: false path: "/m" }')
@@ -521,13 +524,13 @@ def test_help_lists_every_command_on_one_line_and_every_serve_flag_with_its_defa
 ):
     monkeypatch.setenv("COLUMNS", "80")
     with pytest.raises(SystemExit):
-        cli.main(["--help"], env={})
+        command.main(["--help"], env={})
     out = capsys.readouterr().out.splitlines()
     commands = ["doctor", "serve", "predict", "export-check", "export-savedmodel", "export-onnx"]
-    for command in commands:
-        (line,) = [x for x in out if x.strip().split(" ")[0] == command]
+    for name in commands:
+        (line,) = [x for x in out if x.strip().split(" ")[0] == name]
         assert len(line.split()) > 3, line  # its help is on the same line
-    serve = cli._parser({})._subparsers._group_actions[0].choices["serve"]
+    serve = command._parser({})._subparsers._group_actions[0].choices["serve"]
     formatter = serve._get_formatter()
     flags = [a for a in serve._actions if a.dest != "help"]
     assert len(flags) > 20
@@ -535,7 +538,7 @@ def test_help_lists_every_command_on_one_line_and_every_serve_flag_with_its_defa
         assert action.help, action.option_strings
         assert "default" in formatter._get_help_string(action), action.option_strings
     with pytest.raises(SystemExit):
-        cli.main(["serve", "--help"], env={})
+        command.main(["serve", "--help"], env={})
     text = " ".join(capsys.readouterr().out.split())
     assert text.count("default") >= len(flags) and "(default: 8501)" in text
 

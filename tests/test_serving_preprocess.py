@@ -1,4 +1,4 @@
-"""Serving preprocessing declared as data (``estimax.serving.image_preprocessing``)."""
+"""Serving preprocessing declared as data (``estimax.export.image_preprocessing``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from estimax.data import preprocessing
-from estimax.serving import preprocess
+from estimax.export import preprocess
 
 IMAGES = sorted(
     glob.glob(os.path.join(os.path.dirname(__file__), "data", "preprocessing", "*.jpg"))
@@ -102,3 +102,33 @@ def test_an_unknown_recipe_names_the_known_ones_and_the_way_to_declare_one():
         preprocess.Preprocessing("mine", 1, {})
     with pytest.raises(ValueError, match="unknown parameter"):
         preprocess.from_spec({"name": "image", "version": 1, "params": {"size": 8, "zoom": 2}})
+
+
+def test_antialias_is_recorded_only_when_asked_and_refused_where_pillow_has_no_filter():
+    from estimax import export
+    from estimax.export import preprocess
+
+    assert "antialias" not in export.image_preprocessing(8).params  # old records unchanged
+    declared = export.image_preprocessing(8, resize="bicubic", antialias=True)
+    assert preprocess.from_spec(declared.to_json()).params["antialias"] is True
+    for bad in (dict(resize="nearest"), dict(grid="align_corners")):
+        with pytest.raises(ValueError, match="antialias=True .* takes resize="):
+            export.image_preprocessing(8, antialias=True, **bad)
+
+
+def test_antialias_resize_equals_pillows():
+    from PIL import Image
+
+    from estimax.data.preprocessing import resize_antialias
+
+    rng = np.random.default_rng(3)
+    image = cv2.GaussianBlur(rng.integers(0, 256, (90, 70, 3), dtype=np.uint8), (5, 5), 0)
+    for method, pil in (
+        ("bilinear", Image.BILINEAR),
+        ("bicubic", Image.BICUBIC),
+        ("area", Image.BOX),
+    ):
+        for size in ((30, 20), (32, 32), (120, 100)):
+            want = np.asarray(Image.fromarray(image).resize(size[::-1], pil)).astype(int)
+            got = resize_antialias(image, *size, method)
+            assert np.abs(got - want).max() <= 1, (method, size)

@@ -383,7 +383,7 @@ def test_tf_serving_prediction_service_client_equals_the_rest_json_route(served)
 
 
 def test_port_mistakes_get_one_line_and_exit_2(served, capsys, tmp_path):
-    from estimax.serving import cli
+    from estimax import command
 
     busy = served["grpc"].rsplit(":", 1)[1]
     for args, message in (
@@ -392,7 +392,7 @@ def test_port_mistakes_get_one_line_and_exit_2(served, capsys, tmp_path):
         (["--grpc_port=70000"], "is not a TCP port"),
     ):
         capsys.readouterr()
-        assert cli.main(["serve", f"--model_base_path={tmp_path}", *args]) == 2
+        assert command.main(["serve", f"--model_base_path={tmp_path}", *args]) == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
 
@@ -495,7 +495,7 @@ def test_an_array_model_answers_the_same_on_every_route_and_encoding(tmp_path):
     import optax
 
     import estimax as ex
-    from estimax import serving
+    from estimax import export
 
     def model_fn(features, labels, mode, params):
         logits = nn.Dense(3)(features)
@@ -519,7 +519,7 @@ def test_an_array_model_answers_the_same_on_every_route_and_encoding(tmp_path):
     )
     est.train(ex.numpy_input_fn(x, (x[:, 0] > 0).astype(np.int32)), max_steps=2)
     base = tmp_path / "serving"
-    serving.export_version(est, str(base), serving_input=ex.TensorSpec((None, 4), np.float32))
+    export.export_version(est, str(base), serving_input=ex.TensorSpec((None, 4), np.float32))
     rows = x[:5]
     grpc_port = fx.free_port()
     with fx.running_server(

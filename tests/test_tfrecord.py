@@ -153,10 +153,12 @@ def test_writer_writes_the_index_with_the_file_and_neither_on_error(tmp_path, mo
     # The same index a scan writes, in place before the file takes its name.
     assert renamed == [path + ".idx", path]
     indexed = open(path + ".idx").read()
-    assert indexed == "0 16\n16 21\n37 316\n"
+    assert indexed == "0 16\n16 21\n37 316\n# estimax-index size=353\n"
     assert tfrecord.RecordFile(path).index_path == path + ".idx"
     os.remove(path + ".idx")
-    assert open(tfrecord.write_index(path)).read() == indexed
+    # A scan also records the version it indexed (here the file's mtime).
+    rescanned = open(tfrecord.write_index(path)).read()
+    assert rescanned.startswith(indexed.rstrip("\n") + " version=mtime_ns%3A")
     # A file that cannot be finished takes its index with it; a failed block leaves neither.
     monkeypatch.setattr(os, "replace", lambda a, b: replace(a, b) if b.endswith(".idx") else 1 / 0)
     other = str(tmp_path / "train-00000-of-00002")
@@ -201,9 +203,11 @@ def test_index_and_random_access(tmp_path):
             w.write(r)
     index = tfrecord.write_index(path)
     lines = open(index).read().splitlines()
-    # DALI tfrecord2idx format: "<offset> <framed size>"
+    # DALI tfrecord2idx format: "<offset> <framed size>", then what it indexes.
     assert lines[0] == f"0 {16 + len(records[0])}"
-    assert len(lines) == 20
+    assert len(lines) == 21 and lines[-1].startswith(
+        f"# estimax-index size={os.path.getsize(path)}"
+    )
     rf = tfrecord.RecordFile(path)
     assert rf.index_path == index
     assert len(rf) == 20
@@ -257,7 +261,12 @@ def test_stale_index_on_truncated_file(tmp_path):
     path.write_bytes(_frame(b"first") + _frame(b"0123456789"))
     tfrecord.write_index(str(path))
     path.write_bytes((_frame(b"first") + _frame(b"0123456789"))[:-6])  # cut after the index
-    rf = tfrecord.RecordFile(str(path))
+    # Found stale when opened, naming both files ...
+    with pytest.raises(tfrecord.StaleIndexError, match=r"\.idx does not index .*: it indexes a "
+                       r"shard of 47 bytes, the shard has 41"):  # fmt: skip
+        tfrecord.RecordFile(str(path))
+    # ... and a file read with those offsets anyway names the damage.
+    rf = tfrecord.RecordFile(str(path), offsets=tfrecord.read_index(str(path) + ".idx"))
     assert rf[0] == b"first"
     with pytest.raises(CorruptRecordError, match=r"byte offset 21: truncated data \(8 of 10"):
         rf[1]
@@ -267,6 +276,9 @@ def test_index_of_other_file_detected(tmp_path):
     path = tmp_path / "f"
     path.write_bytes(_frame(b"abc") + _frame(b"defgh"))
     (tmp_path / "f.idx").write_text("0 20\n20 21\n")  # says 20 bytes; the frame has 19
+    with pytest.raises(tfrecord.StaleIndexError, match=r"records end at byte 41, the shard has 40"):
+        tfrecord.RecordFile(str(path))
+    (tmp_path / "f.idx").write_text("0 20\n20 20\n")  # ends at the file's end, frames wrong
     with pytest.raises(CorruptRecordError, match=r"record of 19 bytes where the index says 20"):
         tfrecord.RecordFile(str(path))[0]
 
@@ -289,7 +301,10 @@ def _every_read_path(path: str, index_text: str) -> dict[str, str]:
         "offsets": lambda: tfrecord.record_offsets(path, verify_crc=False),
         "offsets_crc": lambda: tfrecord.record_offsets(path, verify_crc=True),
         "scanned": lambda: tfrecord.RecordFile(path)[0],
-        "indexed": lambda: tfrecord.RecordFile(path, index_path=path + ".alt-idx")[0],
+        # The offsets of an index that does not fit the file (opening it would say so first).
+        "indexed": lambda: tfrecord.RecordFile(
+            path, offsets=tfrecord.read_index(path + ".alt-idx")
+        )[0],
     }
     messages = {}
     for name, read in readers.items():

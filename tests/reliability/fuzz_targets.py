@@ -128,6 +128,50 @@ def _target_tfrecord_index(data: bytes) -> None:
             pass
 
 
+# The version a ``shard_index`` input's trailer names when it stands for "the shard's own":
+# replaced by the written shard's mtime, so that the reader trusts the index's lines (the
+# index then matches the shard's size and version, whatever its lines say).
+_OWN_VERSION = b"@OWN@"
+
+
+def _target_shard_index(data: bytes) -> None:
+    """``data`` is a shard of valid records and an index for it, cut, stale, of another shard
+    or damaged (``_gen_shard_index``). An eval pass (``TFRecordSource``, which names an index
+    that does not fit in one line and rebuilds it) reads every record of the shard, in order,
+    or stops at a documented error; never fewer records. ``RecordFile`` refuses such an index
+    in one line naming both files."""
+    import logging
+
+    from estimax.data import tfrecord
+    from estimax.data.sources import TFRecordSource
+
+    n = struct.unpack_from("<I", data)[0] if len(data) >= 4 else 0
+    shard, index = data[4 : 4 + n], data[4 + n :]
+    path = _scratch_file(shard, "shard")
+    own = f"mtime_ns:{os.stat(path).st_mtime_ns}".replace(":", "%3A").encode()
+    index_path = _scratch_file(index.replace(_OWN_VERSION, own), "shard.idx")
+    truth = list(tfrecord.read_records(path))  # the generator writes valid frames only
+    try:
+        tfrecord.RecordFile(path)
+    except tfrecord.StaleIndexError as e:
+        line = str(e)
+        assert "\n" not in line and path in line and index_path in line, line
+    except ValueError as e:  # malformed: names the index file
+        assert "\n" not in str(e) and index_path in str(e), str(e)
+    logging.disable(logging.WARNING)  # its one line per stale index (asserted in test_shard_index)
+    try:
+        source = TFRecordSource([path])
+    finally:
+        logging.disable(logging.NOTSET)
+    got = []
+    for i in range(len(source)):
+        try:
+            got.append(source[i])
+        except tfrecord.CorruptRecordError:
+            return  # an index that matches the shard's size and version, lines damaged: loud
+    assert got == truth, f"read {len(got)} records of the shard's {len(truth)}"
+
+
 def _target_example(data: bytes) -> None:
     from estimax.data import example
 
@@ -186,6 +230,110 @@ def _target_tf_checkpoint(data: bytes) -> None:
                 pass
 
 
+# The eval directory every ``state_files`` input is read beside: its event files hold these
+# accuracies (written once per child), so a record that disagrees can be told from one that is
+# sound.
+_STATE_ACCURACY = {4: 0.5, 8: 0.6, 12: 0.65, 16: 0.62, 20: 0.63}
+
+
+def _state_dir() -> str:
+    from estimax.estimator import summaries
+
+    eval_dir = os.path.join(_SCRATCH, "model", "eval")
+    if not os.path.isdir(eval_dir):
+        writer = summaries.Summaries(eval_dir)
+        for step, value in _STATE_ACCURACY.items():
+            writer.scalars(step, {"accuracy": value, "loss": 1 - value})
+        writer.close()
+    return eval_dir
+
+
+def _target_state_files(data: bytes) -> None:
+    """``data`` is ``evaluations.json`` and ``early_stopping.json`` at once: each read returns
+    (a warning at most), and what it returns agrees with the event files."""
+    import math
+    import types
+
+    import estimax as ex
+    from estimax.estimator import best, summaries
+
+    eval_dir = _state_dir()
+    model_dir = os.path.dirname(eval_dir)
+    with open(os.path.join(eval_dir, summaries.EVALUATIONS_FILE), "wb") as f:
+        f.write(data)
+    with open(os.path.join(model_dir, best.EARLY_STOP_FILE), "wb") as f:
+        f.write(data)
+    found = summaries.read_evaluations(eval_dir)
+    for step, results in found.evaluations.items():
+        # Never a value the event files contradict: the best is chosen from verified ones.
+        assert step in _STATE_ACCURACY, step
+        value = results.get("accuracy")
+        if isinstance(value, float | int) and not math.isnan(value):
+            assert math.isclose(value, _STATE_ACCURACY[step], rel_tol=1e-3), (step, value)
+    infos = [types.SimpleNamespace(step=s) for s in (12, 16, 20)]
+    kept = best.KeepBest(model_dir, ex.BestCheckpoint("accuracy", "max")).should_preserve(
+        infos, context=None
+    )
+    if found.damage is not None:
+        assert kept[0], kept  # the verified best (12) is never rotated away on a damaged record
+    record = best.read_early_stop(model_dir)
+    if record is not None:
+        assert type(record["stopped_at"]) is int and type(record["best_step"]) is int
+
+
+def _setup_state_files() -> None:
+    import estimax as ex  # JAX and the estimator: seconds, once
+    from estimax.estimator import best  # noqa: F401
+
+    assert ex.BestCheckpoint  # estimax's names are loaded on first use
+    _state_dir()
+
+
+def _setup_manifest() -> None:
+    from estimax.programs import common  # noqa: F401 - JAX and the programs: seconds, once
+
+
+_SETUP: dict[str, Callable[[], None]] = {
+    "state_files": _setup_state_files,
+    "manifest": _setup_manifest,
+}
+
+
+def _target_cluster_spec(data: bytes) -> None:
+    """``data`` is ``$TF_CONFIG`` (and ``$CLUSTER_SPEC``): a Launch, or one LaunchError line."""
+    from estimax.estimator import launch
+
+    text = data.decode("utf-8", "replace")
+    for var, parse in (("TF_CONFIG", launch.parse_tf_config), ("CLUSTER_SPEC", None)):
+        environ = {var: text}
+        try:
+            found = launch.detect(None, environ=environ) if parse is None else parse(text)
+        except launch.LaunchError as e:
+            line = str(e)
+            assert "\n" not in line and line.startswith(f"${var}"), line
+            assert len(line) < 400, len(line)
+        else:
+            assert 0 <= found.process_id < max(found.num_processes, 1), found
+        launch.evaluator_task(environ)
+        launch.has_evaluator(environ)
+
+
+def _target_manifest(data: bytes) -> None:
+    """``data`` is a converter's ``manifest.json``: names for the model's classes, None (a
+    warning), or before training one UsageError line; never a list sized by a label."""
+    from estimax.programs import common
+
+    os.makedirs(os.path.join(_SCRATCH, "data"), exist_ok=True)
+    _scratch_file(data, "data/manifest.json")
+    for offset in (0, 1):
+        names = common.manifest_class_names(os.path.join(_SCRATCH, "data"), offset, 10)
+        assert names is None or len(names) == 10, names
+        try:
+            common.manifest_class_names(os.path.join(_SCRATCH, "data"), offset, 10, strict=True)
+        except common.UsageError as e:
+            assert "\n" not in str(e) and len(str(e)) < 500, str(e)
+
+
 def _target_alloc_probe(data: bytes) -> None:
     """Not a parser: tries to allocate 8 GiB, to show that RLIMIT_AS holds (MemoryError)."""
     try:
@@ -200,9 +348,13 @@ TARGETS: dict[str, Callable[[bytes], None]] = {
     "tfrecord_stream": _target_tfrecord_stream,
     "tfrecord_offsets": _target_tfrecord_offsets,
     "tfrecord_index": _target_tfrecord_index,
+    "shard_index": _target_shard_index,
     "example": _target_example,
     "jpeg": _target_jpeg,
     "tf_checkpoint": _target_tf_checkpoint,
+    "state_files": _target_state_files,
+    "cluster_spec": _target_cluster_spec,
+    "manifest": _target_manifest,
     "alloc_probe": _target_alloc_probe,
 }
 
@@ -271,6 +423,47 @@ def _gen_index(rng: random.Random) -> bytes:
         else:
             lines.append("".join(chr(rng.randint(0, 0x2FF)) for _ in range(rng.randint(0, 8))))
     return "\n".join(lines).encode("utf-8")
+
+
+def _gen_shard_index(rng: random.Random) -> bytes:
+    """A shard and its index (``_target_shard_index``): the index cut to fewer lines, with or
+    without its trailer; stale (of the shard before records were appended, or of other records
+    of the same or another size); two lines merged into one; of the shard's own version or
+    another; damaged bytes; or exact."""
+    from estimax.data import tfrecord
+
+    records = _records(rng)
+    frames = [_frame(r) for r in records]
+    shard = b"".join(frames)
+    offsets = [0]
+    for f in frames:
+        offsets.append(offsets[-1] + len(f))
+    kind = rng.choice(("exact", "cut", "appended", "other", "merged", "damaged"))
+    indexed = offsets
+    if kind == "cut" and len(offsets) > 1:
+        indexed = offsets[: rng.randint(1, len(offsets) - 1)]
+    elif kind == "appended":  # indexed, then records added to the shard
+        indexed = offsets[: rng.randint(1, len(offsets))]
+        extra = [_frame(r) for r in _records(rng)] or [_frame(b"x")]
+        shard += b"".join(extra)
+    elif kind == "other":  # another shard's index (its size may happen to be this one's)
+        other = [0]
+        for r in _records(rng):
+            other.append(other[-1] + len(_frame(r)))
+        indexed = other
+    elif kind == "merged" and len(offsets) > 2:
+        j = rng.randint(1, len(offsets) - 2)
+        indexed = offsets[:j] + offsets[j + 1 :]
+    size = indexed[-1] if rng.random() < 0.5 or kind == "exact" else len(shard)
+    version = rng.choice((_OWN_VERSION.decode(), "mtime_ns%3A1", None))
+    lines = "".join(f"{a} {b - a}\n" for a, b in zip(indexed[:-1], indexed[1:], strict=False))
+    trailer = tfrecord.index_trailer({"size": size}).rstrip("\n")
+    if version is not None:
+        trailer += f" version={version}"
+    text = (lines + (trailer + "\n" if rng.random() < 0.8 else "")).encode()
+    if kind == "damaged":
+        text = _damage(rng, text)
+    return struct.pack("<I", len(shard)) + shard + text
 
 
 def _gen_example(rng: random.Random) -> bytes:
@@ -494,13 +687,108 @@ def block_reuse_bomb(size: int, block_bytes: int = 1 << 20) -> bytes:
     return table_file([block], listings=max(2, (size - block_bytes) // 12))
 
 
+# --------------------------------------------------------------------------- JSON state
+# State files and cluster specs: valid documents, then damaged bytes, absurd values in the
+# fields, or nesting far deeper than any file estimax writes (100,000 levels: RecursionError).
+
+
+def _nest(rng: random.Random) -> str:
+    """JSON nested deep: around estimax's bound (32), Python's limit (~1,000), far past."""
+    depth = rng.choice((2, 31, 32, 33, 900, 1000, 5000, 100_000))
+    if rng.random() < 0.5:
+        key = rng.choice(('"evaluations"', '"cluster"', '"task"', '"label_map"', '"stopped_at"'))
+        return ("{" + key + ": ") * depth + "1" + "}" * depth
+    return "[" * depth + "1" + "]" * depth
+
+
+def _absurd(rng: random.Random) -> object:
+    return rng.choice(
+        (
+            10**12,
+            -(10**12),
+            10**400,
+            2**63,
+            -1,
+            0,
+            True,
+            None,
+            "\u00b2",
+            "\u0661",
+            "9" * 5000,
+            "1e3",
+            "",
+            1.5,
+            float("nan"),
+            [],
+            {},
+        )
+    )
+
+
+def _json_text(rng: random.Random, valid: object) -> bytes:
+    kind = rng.random()
+    if kind < 0.15:
+        return _nest(rng).encode()
+    if kind < 0.2:
+        return rng.randbytes(rng.randint(0, 64))
+    text = json.dumps(valid)
+    return _damage(rng, text.encode()) if kind < 0.45 else text.encode()
+
+
+def _gen_state(rng: random.Random) -> bytes:
+    evaluations: dict[str, object] = {}
+    for step, value in _STATE_ACCURACY.items():
+        if rng.random() < 0.8:
+            results = {"accuracy": value, "loss": 1 - value, "global_step": step}
+            if rng.random() < 0.2:
+                results[rng.choice(("accuracy", "global_step", "loss"))] = _absurd(rng)
+            evaluations[str(step) if rng.random() < 0.95 else str(_absurd(rng))] = results
+    if rng.random() < 0.5:
+        valid: object = {"evaluations": evaluations}
+    else:
+        valid = {
+            "stopped_at": rng.choice((20, _absurd(rng))),
+            "best_step": rng.choice((12, _absurd(rng))),
+            "metric": "accuracy",
+        }
+    return _json_text(rng, valid)
+
+
+def _gen_cluster_spec(rng: random.Random) -> bytes:
+    types = ("chief", "worker", "evaluator", "ps", "workerpool0", "workerpool1", "workerpool3")
+    cluster: dict[str, object] = {}
+    for kind in rng.sample(types, rng.randint(0, 4)):
+        hosts: list[object] = []
+        for _ in range(rng.randint(0, 3)):
+            port = rng.choice((2222, 1, 65535, 0, 65536, 99999, "\u0662\u0662", "x"))
+            host = rng.choice(("h", "10.0.0.1", "[::1]", "", "a b"))
+            hosts.append(f"{host}:{port}" if rng.random() < 0.9 else _absurd(rng))
+        cluster[kind] = hosts if rng.random() < 0.95 else _absurd(rng)
+    task = {"type": rng.choice(types), "index": rng.choice((0, 1, 2, "1", _absurd(rng)))}
+    return _json_text(rng, {"cluster": cluster, "task": task if rng.random() < 0.95 else 5})
+
+
+def _gen_manifest(rng: random.Random) -> bytes:
+    label_map: dict[str, object] = {}
+    for i in range(rng.randint(0, 12)):
+        label_map[rng.choice(("n01440764", "caf\u00e9", "", "x" * 300)) + str(i)] = (
+            i + 1 if rng.random() < 0.85 else _absurd(rng)
+        )
+    fmt = "estimax-convert/1" if rng.random() < 0.9 else "other"
+    return _json_text(rng, {"format": fmt, "label_map": label_map})
+
+
 GENERATORS: dict[str, Callable[[random.Random], bytes]] = {
     "tfrecord_stream": _gen_tfrecord,
     "tfrecord_offsets": _gen_tfrecord,
     "tfrecord_index": _gen_index,
+    "shard_index": _gen_shard_index,
     "example": _gen_example,
     "jpeg": _gen_jpeg,
     "tf_checkpoint": _gen_tf_index,
+    "state_files": _gen_state,
+    "cluster_spec": _gen_cluster_spec,
+    "manifest": _gen_manifest,
 }
 
 
@@ -518,6 +806,7 @@ def run(target: str, num_inputs: int, seed: int, out_dir: str) -> dict:
     global _INDEXED_FILE
     _INDEXED_FILE = _frame(b"abc") + _frame(b"defgh") + _frame(b"0123456789")
     fn, generate = TARGETS[target], GENERATORS[target]
+    _SETUP.get(target, lambda: None)()  # imports and fixtures: not an input's time
     rng = random.Random(seed)
     current = os.open(os.path.join(out_dir, "current.bin"), os.O_WRONLY | os.O_CREAT, 0o644)
     signal.signal(signal.SIGALRM, _on_alarm)

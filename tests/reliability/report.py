@@ -37,12 +37,24 @@ def table(records: list[dict[str, Any]]) -> str:
     for r in records:
         row = rows.setdefault(
             (r["kind"], r["target"]),
-            {"count": 0, "ok": True, "where": collections.Counter(), "runs": 0},
+            {"count": 0, "ok": True, "where": collections.Counter(), "runs": 0, "rss": []},
         )
         row["count"] += r["count"]
         row["ok"] = row["ok"] and r["ok"]
         row["runs"] += 1
         row["where"].update(r.get("detail", {}).get("where", {}))
+        detail = r.get("detail", {})
+        if "rss_growth_mib" in detail:  # a bounded family: its growth against its bound
+            row["rss"].append(
+                f"RSS +{detail['rss_growth_mib']} MiB (bound {detail.get('rss_bound_mib')} MiB)"
+            )
+        elif detail.get("rss_mib"):  # two passes: flat when the second grew by noise only
+            bound = detail.get("rss_growth_bound_mib")
+            row["rss"].append(
+                "RSS "
+                + " -> ".join(f"{m} MiB" for m in detail["rss_mib"])
+                + (f" (growth bound {bound} MiB)" if bound is not None else "")
+            )
     lines = [f"{'what':<24} {'target':<34} {'count':>8}  {'result':<6}", "-" * 76]
     order = list(_HEADINGS)
     for kind, target in sorted(
@@ -51,6 +63,8 @@ def table(records: list[dict[str, Any]]) -> str:
         row = rows[(kind, target)]
         result = "ok" if row["ok"] else "LOST"
         lines.append(f"{_HEADINGS.get(kind, kind):<24} {target:<34} {row['count']:>8}  {result:<6}")
+        if row["rss"]:
+            lines.append(f"{'':<24}   {'; '.join(row['rss'])}")
         if row["where"]:
             landed = ", ".join(f"{k} {v}" for k, v in sorted(row["where"].items()))
             lines.append(f"{'':<24}   landed: {landed}")

@@ -111,21 +111,21 @@ def test_export_write(tmp_path):
         import numpy as np
         import ckpt_fixtures as fx
         import estimax as ex
-        from estimax import serving, storage
+        from estimax import export, storage
         est = fx.estimator({model_dir!r})
         spec = ex.TensorSpec((None, 6), np.float32)
         LIMIT
         try:
-            print("PUBLISHED:", serving.export_version(est, {base!r}, serving_input=spec))
+            print("PUBLISHED:", export.export_version(est, {base!r}, serving_input=spec))
         except storage.StorageError as e:
             print("ERROR:", e)
     """
     import estimax as ex
-    from estimax import serving
+    from estimax import export
 
     est = fx.estimator(model_dir)
     spec = ex.TensorSpec((None, 6), np.float32)
-    assert serving.export_version(est, base, serving_input=spec) == os.path.join(base, "1")
+    assert export.export_version(est, base, serving_input=spec) == os.path.join(base, "1")
     est.close()
     before = {f: open(f, "rb").read() for f in glob.glob(os.path.join(base, "1", "*"))}
     out = _child(code.replace("LIMIT", "limit_file_size(1024)"))
@@ -134,7 +134,7 @@ def test_export_write(tmp_path):
     assert "Nothing was published" in out
     assert os.listdir(base) == ["1"]  # no version 2, no staging directory left
     assert {f: open(f, "rb").read() for f in glob.glob(os.path.join(base, "1", "*"))} == before
-    from estimax.serving import servable
+    from estimax.export import servable
 
     servable.Servable(os.path.join(base, "1"))  # still loads
     assert json.load(open(os.path.join(base, "1", "signature.json")))["global_step"] == 2

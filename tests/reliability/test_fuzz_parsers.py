@@ -1,6 +1,8 @@
 """Fuzzing the parsers of data users did not write: TFRecord framing, index files, tf.Example,
-JPEG/PNG decoding, TensorFlow checkpoint indexes. Only the documented errors, no hang, no crash in
-a C extension, bounded memory.
+JPEG/PNG decoding, TensorFlow checkpoint indexes, and the JSON state read before or while
+training (evaluations.json and early_stopping.json beside TensorBoard's event files, $TF_CONFIG and
+$CLUSTER_SPEC, a converter's manifest.json: damaged, lying, nested 100,000 deep). Only the
+documented errors, no hang, no crash in a C extension, bounded memory.
 
 Each target runs in a child process (tests/reliability/fuzz_targets.py) under ``RLIMIT_AS``, so
 a segfault is a signal exit the test names, a hang is a timeout, and a memory bomb is a
@@ -32,9 +34,17 @@ CORPUS = {
     "tfrecord_stream": "tfrecord-",
     "tfrecord_offsets": "tfrecord-",
     "tfrecord_index": "tfrecord_index-",
+    # A shard with a cut, stale, foreign or damaged index (issue #42 item 11): never fewer
+    # records read.
+    "shard_index": "shard_index-",
     "example": "example-",
     "jpeg": "jpeg-",
     "tf_checkpoint": "tf_checkpoint-",
+    # JSON state read before or while training (issue #42): evaluations.json and
+    # early_stopping.json, $TF_CONFIG / $CLUSTER_SPEC, a converter's manifest.json.
+    "state_files": "state_files-",
+    "cluster_spec": "cluster_spec-",
+    "manifest": "manifest-",
 }
 
 

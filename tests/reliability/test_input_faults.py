@@ -137,6 +137,9 @@ def test_a_shard_replaced_on_an_object_store_is_an_error_naming_it(
     _write(local, [40] * 8, fill=1)
     fs, key = tfrecord.storage.filesystem(path)
     fs.put_file(local, key)
+    # Indexed, so its records are read from the bucket (an unindexed shard is streamed once into
+    # a local copy that the run then reads: a snapshot no replacement reaches).
+    tfrecord.write_index(path)
     if same_records:  # nothing looks damaged: only the periodic check can tell
         monkeypatch.setattr(tfrecord, "RECHECK_SECS", 0.0)
     it = _reading(path, skip_bad_records=True)

@@ -10,8 +10,14 @@ dimensions.
 
 Asserted: no 5xx answer (schemathesis' ``not_a_server_error`` check), the server process still
 running and serving afterwards, and its memory flat: the RSS after a second full fuzzing pass
-within a few MiB of the RSS after the first (the first pass warms caches, compiles the
-batch sizes and fills the allocator's pools).
+within ``RSS_GROWTH_LIMIT_MIB`` (24 MiB) of the RSS after the first (the first pass warms
+caches, compiles the batch sizes and fills the allocator's pools); with
+``DECLARED_CONNECTIONS`` (50) bodies of 64 MiB declared and one byte sent, less than
+``DECLARED_RSS_BOUND_MIB`` (64 MiB, one such body) of growth. The families of hostile strings
+(CR/LF, ESC, C1, bytes that are no UTF-8, very long) in the path, headers (raw-socket too),
+JSON keys and values, the binary extension's JSON header and every gRPC string field also
+assert one access line per request and every log line a record of its own. `make reliability`'s
+report prints each family's RSS beside its bound.
 
 The served model is small and fast to build (a dense layer over 32x32 RGB images) but goes
 through the real raw-image path: base64 JPEGs decoded and preprocessed in the server.
@@ -96,7 +102,7 @@ def exported(tmp_path_factory):
     return fx.export_dense(str(tmp_path_factory.mktemp("server_fuzz")))
 
 
-def _serve(exported, tmp_path_factory, extra=()):
+def _serve(exported, tmp_path_factory, extra=(), log_path=None):
     import shutil
 
     base = str(tmp_path_factory.mktemp("models"))
@@ -113,7 +119,7 @@ def _serve(exported, tmp_path_factory, extra=()):
         "--max_image_pixels=20000",
         *extra,
     ]
-    return fx.running_server(args), f"127.0.0.1:{grpc_port}", base
+    return fx.running_server(args, log_path=log_path), f"127.0.0.1:{grpc_port}", base
 
 
 @pytest.fixture(scope="module")
@@ -125,12 +131,18 @@ def server(exported, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reloading_server(exported, tmp_path_factory):
-    """A server of its own that polls for versions (the binary/gRPC fuzzer publishes one)."""
-    running, target, base = _serve(
-        exported, tmp_path_factory, ["--file_system_poll_wait_seconds=0.2"]
-    )
+    """A server of its own that polls for versions (the binary/gRPC fuzzer publishes one), its
+    access log (JSON lines) and its log in files to count."""
+    root = tmp_path_factory.mktemp("reloading")
+    access, log = str(root / "access.jsonl"), str(root / "server.log")
+    flags = [
+        "--file_system_poll_wait_seconds=0.2",
+        f"--access_log_file={access}",
+        "--access_log_format=json",
+    ]
+    running, target, base = _serve(exported, tmp_path_factory, flags, log_path=log)
     with running as (url, proc):
-        yield url, proc, target, base
+        yield url, proc, target, base, access, log
 
 
 def test_fuzzed_server_answers_no_5xx_and_memory_stays_flat(server, tmp_path, reliability_record):
@@ -139,11 +151,13 @@ def test_fuzzed_server_answers_no_5xx_and_memory_stays_flat(server, tmp_path, re
     ps = psutil.Process(proc.pid)
     sent = 0
     ok = False
+    rss: list[int] = []
     try:
         first, _ = _fuzz(url, examples, 1, str(tmp_path / "first.har"))
         rss_first = ps.memory_info().rss
         second, out = _fuzz(url, examples, 2, str(tmp_path / "second.har"))
         rss_second = ps.memory_info().rss
+        rss = [rss_first, rss_second]
         sent = first + second
         assert proc.poll() is None, "the server died"
         assert requests.get(url + "/v2/health/ready", timeout=30).status_code == 200
@@ -152,7 +166,14 @@ def test_fuzzed_server_answers_no_5xx_and_memory_stays_flat(server, tmp_path, re
         assert re.search(r"not_a_server_error\s+\d+\s*/\s*\d+ passed|passed", out), out[-3000:]
         ok = True
     finally:
-        reliability_record("server", "estimax serve (schemathesis)", sent, ok)
+        reliability_record(
+            "server",
+            "estimax serve (schemathesis)",
+            sent,
+            ok,
+            rss_mib=[round(r / 2**20, 1) for r in rss],
+            rss_growth_bound_mib=RSS_GROWTH_LIMIT_MIB,
+        )
     assert sent > 50 * 2
     # A real request still answers correctly after the storm.
     images, _ = fx.make_jpegs(1, seed=5)
@@ -190,6 +211,43 @@ VERSIONS = ["", "1", "2", "x", "\u0661", "\u00b2", "9" * 5000, str(2**64), "0" *
 HUGE = "9" * 5000  # a JSON number no int() converts
 
 
+# Where a hostile string goes in the binary extension's JSON header, and bytes that are no
+# UTF-8 (an overlong '/', an encoded surrogate, a lone continuation byte, Latin-1), spliced
+# into the JSON text where RAW_MARK stands (json.dumps cannot write them).
+HOSTILE_AT = [None, None, "name", "datatype", "param_key", "param_value", "request_param",
+              "output", "id"]  # fmt: skip
+RAW_MARK = "\x01RAW\x01"
+NOT_UTF8 = [b"\xff\xfe", b"\xc0\xaf", b"\xed\xa0\x80", b"\x80", b"caf\xe9"]
+
+
+HEADER_KINDS = ["exact", "none", "long", "junk", "superscript", "huge", "esc", "c1", "arabic",
+                "not_utf8", "plus", "inner_space", "hex", "digits_60k",
+                "past_header_limit"]  # fmt: skip
+
+
+def _binary_header(b: dict, text: bytes) -> dict:
+    """The ``Inference-Header-Content-Length`` header ``b["header"]`` names (values as bytes
+    where Latin-1 cannot carry them; requests refuses CR/LF, the raw-socket test sends those)."""
+    exact = str(len(text))
+    return {
+        "exact": exact,
+        "none": None,
+        "long": str(len(text) + 10**6),
+        "junk": "-3",
+        "superscript": "\u00b2",
+        "huge": HUGE,
+        "esc": b"\x1b[2J" + exact.encode(),
+        "c1": b"\xc2\x9b" + exact.encode(),
+        "arabic": "\u0663".encode(),  # a digit to str.isdigit, none to HTTP
+        "not_utf8": b"\xff" + exact.encode(),
+        "plus": "+" + exact,
+        "inner_space": exact[:1] + " " + exact[1:],
+        "hex": "0x10",
+        "digits_60k": "1" * 60_000,  # under --max_header_bytes: parsed, refused
+        "past_header_limit": "1" * 70_000,  # 431 before any route
+    }[b["header"]]
+
+
 def _post_binary(url: str, b: dict, version: str) -> tuple:
     """One v2 request over HTTP with the binary tensor data extension, as ``b`` describes it."""
     tensor: dict = {"name": b["name"], "datatype": b["datatype"], "shape": b["shape"]}
@@ -198,17 +256,24 @@ def _post_binary(url: str, b: dict, version: str) -> tuple:
     head: dict = {"inputs": [tensor]}
     if b["binary_output"] is not None:
         head["parameters"] = {"binary_data_output": b["binary_output"]}
-    text = json.dumps(head).encode()
+    hostile, at = b["hostile"], b["hostile_at"]
+    if at in ("name", "datatype"):
+        tensor[at] = hostile
+    elif at == "param_key":
+        tensor.setdefault("parameters", {})[hostile] = 1
+    elif at == "param_value":
+        tensor.setdefault("parameters", {})["binary_data_size"] = hostile
+    elif at == "request_param":
+        head.setdefault("parameters", {})[hostile] = hostile
+    elif at == "output":
+        head["outputs"] = [{"name": hostile, "parameters": {"binary_data": hostile}}]
+    elif at == "id":
+        head["id"] = hostile
+    text = json.dumps(head).encode().replace(b"\\u0001RAW\\u0001", b["raw"])
     if b["huge_number"]:  # json.dumps cannot write it: spliced into the text
         text = text.replace(b'"shape": [', f'"shape": [{HUGE}, '.encode(), 1)
-    headers = {
-        "exact": {"Inference-Header-Content-Length": str(len(text))},
-        "none": {},
-        "long": {"Inference-Header-Content-Length": str(len(text) + 10**6)},
-        "junk": {"Inference-Header-Content-Length": "-3"},
-        "superscript": {"Inference-Header-Content-Length": "\u00b2"},
-        "huge": {"Inference-Header-Content-Length": HUGE},
-    }[b["header"]]
+    value = _binary_header(b, text)
+    headers = {} if value is None else {"Inference-Header-Content-Length": value}
     path = f"/versions/{urllib.parse.quote(version, safe='')}" if version else ""
     r = requests.post(
         f"{url}/v2/models/{NAME}{path}/infer",
@@ -217,6 +282,20 @@ def _post_binary(url: str, b: dict, version: str) -> tuple:
         timeout=60,
     )
     return r, head
+
+
+def _refused_by_transport(r) -> bool:
+    """Answered before any route (no access line): 431 (headers past --max_header_bytes), or
+    uvicorn's parser's 400 for bytes HTTP forbids."""
+    return r.status_code == 431 or r.text == "Invalid HTTP request received."
+
+
+def _error_json(r) -> bool:
+    """Whether an answer's body is estimax's ``{"error": ...}``."""
+    try:
+        return "error" in r.json()
+    except ValueError:
+        return False
 
 
 def _int64(version: str) -> int | None:
@@ -255,12 +334,13 @@ def test_fuzzed_binary_extension_and_grpc_answer_no_server_error(
         prediction_service_pb2_grpc,
     )
 
-    url, proc, target, base = reloading_server
+    url, proc, target, base, access, log = reloading_server
     images, _ = fx.make_jpegs(3, seed=9)
     st, names, v2_types, dims, elements, payload = _strategies(images)
     examples = scale(40, 1500)
-    sent = [0]
+    sent, refused = [0], [0]
     bad: list = []
+    lines_before = len(_lines(access))
     channel = grpc.insecure_channel(target)
     predict = prediction_service_pb2_grpc.PredictionServiceStub(channel)
     status = model_service_pb2_grpc.ModelServiceStub(channel)
@@ -292,6 +372,41 @@ def test_fuzzed_binary_extension_and_grpc_answer_no_server_error(
             if e.code() in server_errors or e.code() == grpc.StatusCode.UNAVAILABLE:
                 bad.append((what, e.code(), e.details(), str(args)[:300]))
 
+    def post_binary(b: dict, version: str) -> None:
+        sent[0] += 1
+        r, head = _post_binary(url, b, version)
+        if _refused_by_transport(r):
+            refused[0] += 1
+        elif r.status_code >= 500 or (r.status_code >= 400 and not _error_json(r)):
+            bad.append(("http binary", r.status_code, r.text[:300], str(head)[:300]))
+        elif r.status_code >= 400 and len(r.content) > 16_000:  # an echo is cut
+            bad.append(("http binary: echoed whole", len(r.content), str(head)[:300]))
+
+    def sweep() -> None:
+        """Every hostile string at every place of the JSON header, and every kind of header
+        value, once each in an otherwise valid request (the fuzzer then mixes them)."""
+        frame = struct.pack("<I", len(images[0])) + images[0]
+        valid = {
+            "name": "image_bytes",
+            "datatype": "BYTES",
+            "shape": [1],
+            "size": len(frame),
+            "payload": frame,
+            "header": "exact",
+            "huge_number": False,
+            "binary_output": None,
+            "hostile_at": None,
+            "hostile": "",
+            "raw": b"",
+        }
+        places = [at for at in HOSTILE_AT if at]
+        hostile = [h for h in HOSTILE if len(h) < 100_000] + [RAW_MARK]
+        for i, (at, text) in enumerate((at, text) for at in places for text in hostile):
+            raw = NOT_UTF8[i % len(NOT_UTF8)]
+            post_binary({**valid, "hostile_at": at, "hostile": text, "raw": raw}, "")
+        for kind in HEADER_KINDS:
+            post_binary({**valid, "header": kind}, "")
+
     binary_request = st.fixed_dictionaries(
         {
             "name": names,
@@ -299,11 +414,13 @@ def test_fuzzed_binary_extension_and_grpc_answer_no_server_error(
             "shape": dims,
             "size": st.integers(-1, 400) | st.none() | st.just("9"),
             "payload": payload,
-            "header": st.sampled_from(
-                ["exact", "exact", "none", "long", "junk", "superscript", "huge"]
-            ),
+            "header": st.sampled_from(["exact", "exact", *HEADER_KINDS]),
             "huge_number": st.sampled_from([False, False, False, True]),
             "binary_output": st.sampled_from([True, False, None, "yes"]),
+            # CR/LF, ESC, C1, lone surrogates, 70,000 characters; or bytes no UTF-8.
+            "hostile_at": st.sampled_from(HOSTILE_AT),
+            "hostile": st.sampled_from([h for h in HOSTILE if len(h) < 100_000] + [RAW_MARK]),
+            "raw": st.sampled_from(NOT_UTF8),
         }
     )
 
@@ -328,10 +445,7 @@ def test_fuzzed_binary_extension_and_grpc_answer_no_server_error(
     )
     def fuzz(b, name, datatype, shape, items, tf_dtype, tf_field, garbage, model, version):
         # 1. v2 over HTTP with the binary tensor data extension.
-        sent[0] += 1
-        r, head = _post_binary(url, b, version)
-        if r.status_code >= 500 or (r.status_code >= 400 and "error" not in r.json()):
-            bad.append(("http binary", r.status_code, r.text[:300], head))
+        post_binary(b, version)
 
         # 2. TF Serving Predict with a TensorProto.
         request = predict_pb2.PredictRequest()
@@ -407,12 +521,21 @@ def test_fuzzed_binary_extension_and_grpc_answer_no_server_error(
         # Twice the same (derandomized) inputs: the first pass warms caches and pools, so a
         # leak per request shows as the second pass's growth.
         for _ in range(2):
+            sweep()
             fuzz()
             rss.append(psutil.Process(proc.pid).memory_info().rss)
         assert not bad, bad[:5]
         growth = (rss[1] - rss[0]) / 2**20
         assert growth < RSS_GROWTH_LIMIT_MIB, rss
         assert proc.poll() is None, "the server died"
+        # One access line per request that reached a route (each a whole JSON record), and
+        # every line of the server's log a record of its own, with no raw control character.
+        expected = lines_before + sent[0] - refused[0]
+        fx.wait_until(lambda: len(_lines(access)) >= expected, f"{expected} access lines")
+        access_lines = _lines(access)
+        assert len(access_lines) == expected, (len(access_lines), expected)
+        assert all(len(line) < 8000 and json.loads(line) for line in access_lines)
+        _assert_log_lines(log)
         assert requests.get(url + "/v2/health/ready", timeout=30).status_code == 200
         good = predict_pb2.PredictRequest()
         good.model_spec.name = NAME
@@ -451,6 +574,7 @@ def test_fuzzed_binary_extension_and_grpc_answer_no_server_error(
             sent[0],
             ok,
             rss_mib=[round(r / 2**20, 1) for r in rss],
+            rss_growth_bound_mib=RSS_GROWTH_LIMIT_MIB,
         )
     assert sent[0] > examples * 20
 
@@ -463,3 +587,448 @@ def _wait(condition, timeout=120.0):
     while not condition():
         assert time.monotonic() < deadline, "condition not reached"
         time.sleep(0.1)
+
+
+# ----------------------------------------------------------------------------- hostile strings
+# What a client controls, made hostile: CR/LF (a forged log line), ESC and C1 sequences (a
+# terminal tailing the log runs them), Unicode line separators, lone surrogates and bytes that
+# are no UTF-8, and very long strings (echoed whole, they made 20 MiB answers and log lines).
+FORGED = "2026-01-01 00:00:00,000 INFO estimax.serving.manager: FORGED"
+HOSTILE = [
+    f"x\r\n{FORGED}",
+    "\x1b[2J\x1b]0;owned\x07",
+    "\x9b31m\u2028\u2029",
+    "\r",
+    "\udc80\ud800",
+    "caf\u00e9\x00",
+    "s" * 70_000,
+    "k" * 3_000_000,
+]
+# The RSS bound of the declared-but-unsent bodies: CONNECTIONS declaring 64 MiB each (3.2 GiB
+# declared) may grow the server by less than one such body.
+DECLARED_CONNECTIONS = 50
+DECLARED_RSS_BOUND_MIB = 64
+# Every line of the server's own log: a record's start (the logging format, uvicorn's), or the
+# start-up banner. A line forged by a client would be none of these, or start FORGED's way.
+_LOG_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [A-Z]+ |INFO: |WARNING: |Serving ")
+
+
+@pytest.fixture(scope="module")
+def hostile_server(exported, tmp_path_factory):
+    """A server of its own, its access log (JSON lines) and its log in files to count."""
+    root = tmp_path_factory.mktemp("hostile")
+    access, log = str(root / "access.jsonl"), str(root / "server.log")
+    import shutil
+
+    base = str(tmp_path_factory.mktemp("hostile_models"))
+    shutil.copytree(os.path.join(exported, "1"), os.path.join(base, "1"))
+    grpc_port = fx.free_port()
+    target = f"127.0.0.1:{grpc_port}"
+    args = [
+        f"--grpc_port={grpc_port}",
+        f"--model_base_path={base}",
+        f"--model_name={NAME}",
+        f"--access_log_file={access}",
+        "--access_log_format=json",
+        "--max_image_pixels=20000",
+    ]
+    with fx.running_server(args, log_path=log) as (url, proc):
+        yield url, proc, target, access, log
+
+
+def _lines(path: str) -> list[str]:
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
+        return f.read().splitlines()
+
+
+def _assert_log_lines(path: str) -> None:
+    """Every line of a server's log is a record of its own (none forged by a client), bounded,
+    and holds no raw control character (a terminal tailing it runs none)."""
+    for line in _lines(path):
+        assert _LOG_LINE.match(line), f"a line of its own: {line[:300]!r}"
+        assert len(line) < 16_000 and not re.search("[\x00-\x1f\x7f\x9b]", line), line[:300]
+
+
+def _quote(text: str) -> str:
+    """``text`` in a URL path: percent-encoded, lone surrogates as the bytes 0x80 0xFF (no
+    UTF-8)."""
+    raw = text.encode("utf-8", errors="surrogatepass").replace(b"\xed\xb2\x80", b"\x80\xff")
+    return urllib.parse.quote(raw[:60_000], safe="")
+
+
+def _raw_string_messages(raw: bytes) -> list[tuple[str, bytes]]:
+    """Each proto string field a client sends (model names, signature, version label, input
+    and output names, datatypes, parameters, ids, metadata fields, the health probe's service),
+    holding ``raw`` (bytes that are no UTF-8): ``(method path, the message's wire bytes)``.
+
+    A placeholder of ``raw``'s length is set with protobuf's API, then replaced in the wire
+    bytes (the lengths before it stay right)."""
+    from grpc_health.v1 import health_pb2
+    from tritonclient.grpc import service_pb2 as v2pb
+
+    from estimax.serving.protos.tensorflow.core.framework import tensor_pb2
+    from estimax.serving.protos.tensorflow_serving.apis import (
+        get_model_metadata_pb2,
+        get_model_status_pb2,
+        predict_pb2,
+    )
+
+    raw = raw.ljust(8, b"\xfe")  # a placeholder of 8 bytes or more is found once
+    p = "\x01" + "Q" * (len(raw) - 1)
+
+    def spliced(message) -> bytes:
+        wire = message.SerializeToString()
+        assert wire.count(p.encode()) == 1, type(message)
+        return wire.replace(p.encode(), raw)
+
+    tf, v2 = "/tensorflow.serving.PredictionService/", "/inference.GRPCInferenceService/"
+    out = []
+    for field in ("name", "signature_name", "version_label"):
+        m = predict_pb2.PredictRequest()
+        m.model_spec.name = NAME
+        setattr(m.model_spec, field, p)
+        out.append((tf + "Predict", spliced(m)))
+    m = predict_pb2.PredictRequest()
+    m.model_spec.name = NAME
+    m.inputs[p].CopyFrom(tensor_pb2.TensorProto(dtype=7))
+    out.append((tf + "Predict", spliced(m)))
+    m = predict_pb2.PredictRequest(output_filter=[p])
+    m.model_spec.name = NAME
+    out.append((tf + "Predict", spliced(m)))
+    m = get_model_metadata_pb2.GetModelMetadataRequest(metadata_field=[p])
+    m.model_spec.name = NAME
+    out.append((tf + "GetModelMetadata", spliced(m)))
+    m = get_model_status_pb2.GetModelStatusRequest()
+    m.model_spec.name = p
+    out.append(("/tensorflow.serving.ModelService/GetModelStatus", spliced(m)))
+    for field in ("model_name", "model_version", "id"):
+        m = v2pb.ModelInferRequest(model_name=NAME)
+        setattr(m, field, p)
+        out.append((v2 + "ModelInfer", spliced(m)))
+    for field in ("name", "datatype"):
+        m = v2pb.ModelInferRequest(model_name=NAME)
+        m.inputs.add(name="image_bytes", datatype="BYTES", shape=[1])
+        setattr(m.inputs[0], field, p)
+        out.append((v2 + "ModelInfer", spliced(m)))
+    m = v2pb.ModelInferRequest(model_name=NAME)
+    m.outputs.add(name=p)
+    out.append((v2 + "ModelInfer", spliced(m)))
+    m = v2pb.ModelInferRequest(model_name=NAME)
+    m.parameters[p].string_param = "x"
+    out.append((v2 + "ModelInfer", spliced(m)))
+    m = v2pb.ModelInferRequest(model_name=NAME)
+    m.parameters["x"].string_param = p
+    out.append((v2 + "ModelInfer", spliced(m)))
+    out.append((v2 + "ModelMetadata", spliced(v2pb.ModelMetadataRequest(name=p))))
+    out.append((v2 + "ModelReady", spliced(v2pb.ModelReadyRequest(name=NAME, version=p))))
+    out.append(("/grpc.health.v1.Health/Check", spliced(health_pb2.HealthCheckRequest(service=p))))
+    return out
+
+
+def _declared_but_unsent(url: str, n: int, ps) -> float:
+    """``n`` connections declare a 64 MiB body and send one byte; the RSS growth (MiB) while
+    they are held; then they leave (each request: 499, one access line)."""
+    import socket
+
+    host, port = url.removeprefix("http://").split(":")
+    before = ps.memory_info().rss
+    socks = []
+    try:
+        for i in range(n):
+            s = socket.create_connection((host, int(port)), timeout=60)
+            path = f"/v1/models/{NAME}:predict" if i % 2 else f"/v2/models/{NAME}/infer"
+            s.sendall(
+                f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {64 << 20}\r\n\r\n{{".encode()
+            )
+            socks.append(s)
+        for _ in range(3):  # answered after the loop has run every stalled body's reader
+            assert requests.get(url + "/v2/health/live", timeout=30).status_code == 200
+        return (ps.memory_info().rss - before) / 2**20
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_hostile_strings_and_declared_bodies_answer_4xx_in_one_log_line_each(
+    hostile_server, reliability_record
+):
+    """Every string a client controls, made hostile (``HOSTILE``, and generated text with
+    control characters), in the path, headers, JSON keys and values, version labels, and gRPC
+    fields, there also as raw bytes that are no UTF-8 in every string field (protobuf's API
+    cannot send them: ``_raw_string_messages`` writes the wire bytes; INVALID_ARGUMENT
+    exactly, the health probe's included); and bodies declared but never sent. Asserted: no
+    5xx (gRPC: no INTERNAL/UNKNOWN/UNAVAILABLE),
+    answers bounded (an echo is cut), exactly one access-log line per request, every line of
+    the server's log a record of its own (nothing forged, no raw control character), and the
+    RSS: under ``DECLARED_RSS_BOUND_MIB`` of growth with ``DECLARED_CONNECTIONS`` bodies of
+    64 MiB declared, and flat (``RSS_GROWTH_LIMIT_MIB``) over a second pass."""
+    import grpc
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    from tritonclient.grpc import service_pb2 as v2pb
+
+    from estimax.serving.protos.tensorflow.core.framework import tensor_pb2
+    from estimax.serving.protos.tensorflow_serving.apis import (
+        get_model_status_pb2,
+        model_service_pb2_grpc,
+        predict_pb2,
+        prediction_service_pb2_grpc,
+    )
+
+    url, proc, target, access, log = hostile_server
+    ps = psutil.Process(proc.pid)
+    texts = st.sampled_from(HOSTILE) | st.text(
+        st.characters(codec=None, categories=("Cc", "Zl", "Zp", "Cs", "Ll")), max_size=40
+    )
+    examples = scale(15, 300)
+    # Answered by the transport before any route (431: headers past --max_header_bytes; 400:
+    # a header value with a control character, which HTTP forbids, refused by uvicorn's parser
+    # with a WARNING line of its own): no request reached the app, so no access line.
+    http_sent, grpc_sent, refused, bad = [0], [0], [0], []
+    channel = grpc.insecure_channel(target, options=[("grpc.max_send_message_length", 64 << 20)])
+    predict = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+    status = model_service_pb2_grpc.ModelServiceStub(channel)
+    infer = channel.unary_unary(
+        "/inference.GRPCInferenceService/ModelInfer",
+        request_serializer=lambda x: x.SerializeToString(),
+        response_deserializer=lambda b: b,
+    )
+
+    def http(method: str, path: str, **kw) -> None:
+        http_sent[0] += 1
+        r = requests.request(method, url + path, timeout=60, **kw)
+        refused[0] += r.status_code == 431 or r.text == "Invalid HTTP request received."
+        if r.status_code >= 500 or len(r.content) > 16_000:
+            bad.append(("http", method, path[:200], r.status_code, r.content[:300]))
+
+    def rpc(fn, message) -> None:
+        grpc_sent[0] += 1
+        try:
+            fn(message, timeout=60)
+        except grpc.RpcError as e:
+            server_error = (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
+            if e.code() in (*server_error, grpc.StatusCode.UNAVAILABLE) or len(e.details()) > 8000:
+                bad.append(("grpc", e.code(), e.details()[:300]))
+
+    def utf8(text: str) -> str:  # protobuf strings must be UTF-8: surrogates replaced
+        return text.encode("utf-8", errors="replace").decode()
+
+    raw_methods: dict = {}
+
+    def raw_method(path: str):
+        if path not in raw_methods:
+            raw_methods[path] = channel.unary_unary(
+                path, request_serializer=None, response_deserializer=None
+            )
+        return raw_methods[path]
+
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(texts, texts, st.sampled_from(["predict", "classify", "infer"]))
+    def fuzz(a: str, b: str, api: str) -> None:
+        # The path (a model name, a version), percent-encoded, bytes that are no UTF-8 too.
+        http("GET", f"/v1/models/{_quote(a)}")
+        http("GET", f"/v2/models/{NAME}/versions/{_quote(b)}/ready")
+        # Headers a route reads, with what latin-1 carries (requests refuses CR/LF in them).
+        header = a.encode("latin-1", errors="replace").replace(b"\r", b"").replace(b"\n", b"")
+        http(
+            "POST",
+            f"/v1/models/{NAME}:predict",
+            data=b"{}",
+            headers={"Content-Encoding": header[:8000], "Inference-Header-Content-Length": "1"},
+        )
+        # JSON keys and values (lone surrogates travel as JSON's \\udc80 escapes).
+        body = {
+            "predict": {"signature_name": a, "instances": [{b[:100_000]: a[:1000]}]},
+            "classify": {"examples": [{a[:100_000]: [1.0]}], "context": {b[:1000]: [2.0]}},
+            "infer": {
+                "inputs": [{"name": a, "datatype": b[:1000], "shape": [1], "data": [a[:1000]]}],
+                "outputs": [{"name": b}],
+            },
+        }[api]
+        path = f"/v2/models/{NAME}/infer" if api == "infer" else f"/v1/models/{NAME}:{api}"
+        http("POST", path, data=json.dumps(body))
+        # gRPC fields: the model's name, the signature, input and output names, datatypes.
+        request = predict_pb2.PredictRequest()
+        request.model_spec.name = utf8(a[:100_000])
+        rpc(predict.Predict, request)
+        request.model_spec.name = NAME
+        request.model_spec.signature_name = utf8(b[:100_000])
+        rpc(predict.Predict, request)
+        request.model_spec.signature_name = ""
+        request.inputs[utf8(a[:100_000])].CopyFrom(tensor_pb2.TensorProto(dtype=7))
+        request.output_filter.append(utf8(b[:1000]))
+        rpc(predict.Predict, request)
+        rpc(
+            status.GetModelStatus,
+            get_model_status_pb2.GetModelStatusRequest(model_spec={"name": utf8(b[:100_000])}),
+        )
+        message = v2pb.ModelInferRequest(model_name=NAME)
+        message.inputs.add(name=utf8(a[:100_000]), datatype=utf8(b[:1000]), shape=[1])
+        rpc(infer, message)
+        # Version labels (TF Serving's: unknown ones are INVALID_ARGUMENT, echoed cut).
+        request = predict_pb2.PredictRequest()
+        request.model_spec.name = NAME
+        request.model_spec.version_label = utf8(b[:100_000])
+        rpc(predict.Predict, request)
+        http("GET", f"/v1/models/{NAME}/labels/{_quote(b)}")
+        # Bytes that are no UTF-8 in every proto string field (protobuf's API cannot set them:
+        # the wire bytes are written here): INVALID_ARGUMENT, never INTERNAL or UNKNOWN.
+        raw = b"\xff" + a.encode("utf-8", errors="surrogatepass")[:100_000]
+        for method, wire in _raw_string_messages(raw):
+            counted = not method.startswith("/grpc.health.")  # probes: no access line
+            grpc_sent[0] += counted
+            try:
+                raw_method(method)(wire, timeout=60)
+                bad.append(("grpc raw bytes answered OK", method))
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.INVALID_ARGUMENT or len(e.details()) > 8000:
+                    bad.append(("grpc raw bytes", method, e.code(), e.details()[:300]))
+
+    ok, rss, growth = False, [], 0.0
+    lines_before = len(_lines(access))
+    try:
+        growth = _declared_but_unsent(url, DECLARED_CONNECTIONS, ps)
+        for _ in range(2):
+            fuzz()
+            rss.append(ps.memory_info().rss)
+        expected = lines_before + DECLARED_CONNECTIONS + 3 + http_sent[0] + grpc_sent[0]
+        expected -= refused[0]
+        fx.wait_until(
+            lambda: len(_lines(access)) >= expected,
+            f"{expected} access lines (have {len(_lines(access))})",
+        )
+        assert not bad, bad[:5]
+        assert growth < DECLARED_RSS_BOUND_MIB, f"{growth:.0f} MiB for one-byte bodies"
+        assert (rss[1] - rss[0]) / 2**20 < RSS_GROWTH_LIMIT_MIB, rss
+        access_lines = _lines(access)
+        assert len(access_lines) == expected, (len(access_lines), expected)
+        records = [json.loads(line) for line in access_lines]  # each a whole record
+        assert sum(r["status"] == 499 for r in records) >= DECLARED_CONNECTIONS
+        assert all(len(line) < 8000 for line in access_lines)
+        _assert_log_lines(log)
+        assert proc.poll() is None and requests.get(url + "/v2/health/ready").status_code == 200
+        ok = True
+    finally:
+        channel.close()
+        reliability_record(
+            "server",
+            "estimax serve (hostile strings)",
+            http_sent[0] + grpc_sent[0],
+            ok,
+            rss_mib=[round(r / 2**20, 1) for r in rss],
+            rss_growth_bound_mib=RSS_GROWTH_LIMIT_MIB,
+        )
+        reliability_record(
+            "attack",
+            "declared-but-unsent bodies",
+            DECLARED_CONNECTIONS,
+            ok and growth < DECLARED_RSS_BOUND_MIB,
+            rss_growth_mib=round(growth, 1),
+            rss_bound_mib=DECLARED_RSS_BOUND_MIB,
+        )
+
+
+# Header lines only a raw client sends (requests refuses CR/LF and more in headers): each with
+# whether HTTP forbids it outright (then a 4xx or a close; else the server may answer it, as
+# RFC 9110 lets a recipient keep other control characters and obs-text in a value).
+RAW_HEADER_LINES = [
+    (b"X-Fold: a\r\n " + FORGED.encode(), False),  # obs-fold: refused or unfolded (RFC 9112)
+    (b"X-Forge: a\r\n" + FORGED.encode(), True),  # a forged line: no header name there
+    (b"X-Cr: a\rb", True),  # bare CR
+    (b"X-Nul: a\x00b", True),
+    (b"X-Esc: \x1b[2J\x1b]0;owned\x07", False),
+    (b"X-C1: \xc2\x9b31m\xe2\x80\xa8", False),
+    (b"X-Bytes: caf\xe9 \xff\xfe \xed\xa0\x80", False),  # obs-text
+    (b"X\x1bName: 1", True),  # a control character in a name
+    (b"X Name: 1", True),
+    (b"X-Name : 1", True),  # whitespace before the colon (RFC 9112 5.1: 400)
+    (b"\xff\xfe: 1", True),
+    # Headers the app reads, and echoes cut: obs-text the parser lets through (C1 and a line
+    # separator as UTF-8, bytes no UTF-8), and 60,000 of them.
+    (b"Content-Encoding: \xc2\x9b31mgzip\xff\xe2\x80\xa8", False),
+    (b"Content-Encoding: " + b"\xff" * 60_000, False),
+    (b"Inference-Header-Content-Length: 1\xc2\x9b\xff", False),
+    (b"Content-Type: application/json\xc2\x9b\xff", False),
+    (b"X-Long: " + b"a" * 70_000, True),  # past --max_header_bytes: 431
+    (b"X-Long-Name" * 7_000 + b": 1", True),
+]
+
+
+def _raw_exchange(url: str, head: bytes, body: bytes) -> bytes:
+    """Sends ``head`` (request line and headers, no blank line) and ``body`` on a raw socket;
+    the whole answer (b"": the server closed without one)."""
+    import socket
+
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as s:
+        try:
+            s.sendall(head + b"\r\nConnection: close\r\n\r\n" + body)
+        except (BrokenPipeError, ConnectionResetError):  # closed while we were sending
+            pass
+        chunks = []
+        try:
+            while chunk := s.recv(65536):
+                chunks.append(chunk)
+        except ConnectionResetError:
+            pass
+    return b"".join(chunks)
+
+
+def test_hostile_header_bytes_answer_4xx_or_close_in_one_log_line_each(
+    hostile_server, reliability_record
+):
+    """Each of ``RAW_HEADER_LINES`` in a health probe, a TF Serving predict and a v2 infer, on a
+    raw socket. Asserted: never a 5xx; a 4xx or a close where HTTP forbids the bytes; one
+    access line per request that reached a route, and none for those the transport refused
+    (431; uvicorn's parser's 400); every access and log line whole, with no raw control
+    character; the server serving on."""
+    url, proc, _, access, log = hostile_server
+    requests_for = [
+        (b"GET /v2/health/ready HTTP/1.1", b""),
+        (f"POST /v1/models/{NAME}:predict HTTP/1.1".encode(), b'{"instances": [1]}'),
+        (f"POST /v2/models/{NAME}/infer HTTP/1.1".encode(), b'{"inputs": []}'),
+    ]
+    lines_before = len(_lines(access))
+    reached, sent, bad = 0, 0, []
+    ok = False
+    try:
+        for line, forbidden in RAW_HEADER_LINES:
+            for start, body in requests_for:
+                sent += 1
+                head = start + b"\r\nHost: x\r\n" + line
+                head += f"\r\nContent-Length: {len(body)}".encode()
+                answer = _raw_exchange(url, head, body)
+                if not answer:
+                    continue  # closed without an answer: allowed, nothing logged
+                status_line = answer.split(b"\r\n", 1)[0]
+                match = re.match(rb"HTTP/1\.[01] (\d{3}) ", status_line)
+                if match is None:
+                    bad.append(("no status line", line[:60], answer[:200]))
+                    continue
+                status = int(match.group(1))
+                if status >= 500 or (forbidden and status < 400):
+                    bad.append((status, line[:60], start, answer[:300]))
+                if len(answer) > 16_000:
+                    bad.append(("echoed whole", len(answer), line[:60]))
+                # The transport's own refusals never reach a route: no access line.
+                transport = status == 431 or answer.endswith(b"Invalid HTTP request received.")
+                reached += not transport
+        assert not bad, bad[:5]
+        expected = lines_before + reached
+        fx.wait_until(lambda: len(_lines(access)) >= expected, f"{expected} access lines")
+        access_lines = _lines(access)
+        assert len(access_lines) == expected, (len(access_lines), expected)
+        for record_line in access_lines:
+            assert len(record_line) < 8000 and json.loads(record_line)
+            assert not re.search("[\x00-\x1f\x7f-\x9f]", record_line), record_line[:300]
+        _assert_log_lines(log)
+        assert proc.poll() is None and requests.get(url + "/v2/health/ready").status_code == 200
+        ok = True
+    finally:
+        reliability_record("server", "estimax serve (hostile header bytes)", sent, ok)

@@ -26,7 +26,7 @@ requests = pytest.importorskip("requests")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import serving_fixtures as fx  # noqa: E402
 
-from estimax import serving  # noqa: E402
+from estimax import export  # noqa: E402
 
 pytestmark = pytest.mark.slow
 NAME = "tiny"
@@ -201,7 +201,7 @@ def test_folders_that_are_no_int64_version_are_not_served(exported, tmp_path, re
             assert set(states(url)) == {"1", "2"}
             assert grpc_version(f"127.0.0.1:{grpc_port}", images) == 2
             assert rest_predict(url, images)[0] == "2"
-        assert serving.list_versions(str(base)) == [1, 2]
+        assert export.list_versions(str(base)) == [1, 2]
         ok = True
     finally:
         reliability_record("attack", "server: version names past int64", len(names), ok)
@@ -209,8 +209,8 @@ def test_folders_that_are_no_int64_version_are_not_served(exported, tmp_path, re
 
 def test_the_manager_loads_an_unchanged_failed_version_once(exported, tmp_path):
     """Counted at the manager: an incomplete version is tried once per change of its files."""
+    from estimax.export.servable import Servable
     from estimax.serving.manager import ModelManager
-    from estimax.serving.servable import Servable
 
     loads = []
 
@@ -237,3 +237,80 @@ def test_the_manager_loads_an_unchanged_failed_version_once(exported, tmp_path):
         shutil.copy(os.path.join(source, name), target)
     manager.poll()
     assert manager.get() is not None and manager.states()[0].state == "AVAILABLE"
+
+
+def _non_regular(path: str, kind: str) -> None:
+    """Puts a file that is no regular file at ``path``: a FIFO (its reader blocks until
+    something writes), a device (``/dev/null`` through a symlink), a UNIX socket, a folder."""
+    import socket
+    import tempfile
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if os.path.lexists(path):
+        os.remove(path)
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "device":
+        os.symlink("/dev/null", path)
+    elif kind == "socket":  # bound where its path is short (108 bytes at most), then moved
+        short = tempfile.mkdtemp(dir="/tmp")
+        with socket.socket(socket.AF_UNIX) as s:
+            s.bind(os.path.join(short, "s"))
+            os.rename(os.path.join(short, "s"), path)
+        os.rmdir(short)
+    else:
+        os.mkdir(path)
+
+
+def test_files_that_are_not_regular_are_refused_at_once_and_the_others_load(
+    exported, tmp_path, reliability_record
+):
+    """Each file of a version (the program, the weights, the signature, serving.json, the
+    stored check, the warm-up records) as a FIFO, a device, a socket and a folder, one version
+    each: a FIFO once blocked the only loading thread for ever. Every such version is refused
+    at once, its error naming the file; the good version loads; no load waits for its time
+    limit."""
+    import threading
+
+    from estimax.export import artifact
+    from estimax.export import record as record_lib
+    from estimax.export.versions import CHECK_FILE
+    from estimax.serving import warmup
+    from estimax.serving.core import ServerOptions, ServingCore
+    from estimax.serving.manager import ModelManager, VersionPolicy
+
+    files = [
+        artifact.MODEL_FILE,
+        artifact.VARIABLES_FILE,
+        artifact.SIGNATURE_FILE,
+        record_lib.SERVING_FILE,
+        CHECK_FILE,
+        f"{warmup.WARMUP_DIR}/{warmup.WARMUP_FILE}",
+    ]
+    kinds = ("fifo", "device", "socket", "folder")
+    base = tmp_path / "models"
+    shutil.copytree(exported["version"], base / "1")
+    cases = {}
+    for version, (name, kind) in enumerate(((f, k) for f in files for k in kinds), start=2):
+        shutil.copytree(exported["version"], base / str(version))
+        _non_regular(str(base / str(version) / name), kind)
+        cases[version] = (name, kind)
+    manager = ModelManager(NAME, str(base), [1], poll_wait_seconds=0, policy=VersionPolicy("all"))
+    manager.load_timeout_s = 120.0  # a bound for a broken build; refused in milliseconds
+    ServingCore(manager, ServerOptions())  # its warm-up replay, as the server runs it
+    ok = False
+    try:
+        polled = threading.Thread(target=manager.poll, daemon=True)
+        polled.start()
+        polled.join(600)  # a bound for a broken build, not a wait
+        assert not polled.is_alive(), "a version's load blocked"
+        states = {s.version: s for s in manager.states()}
+        assert states[1].state == "AVAILABLE", states[1].error
+        for version, (name, kind) in cases.items():
+            state = states[version]
+            assert state.state == "END", (name, kind, state.state)
+            assert "not a regular file" in state.error, (name, kind, state.error)
+            assert f"{version}/{name}" in state.error and "longer than" not in state.error
+        ok = True
+    finally:
+        reliability_record("fault", "version: FIFO, device, socket, folder", len(cases), ok)

@@ -1,0 +1,161 @@
+"""``--compile_for=h100:8``: every program's steps compiled for NVIDIA GPUs on a CPU-only host.
+
+The tests that need XLA's GPU compiler (JAX's CUDA plugin and ptxas, the ``gpu-compile`` extra)
+run in ``make test``'s ``.venv-cuda`` (``ESTIMAX_REQUIRE_CUDA=1``: they fail there instead of
+skipping); in the default venv they skip, and the ones that need no plugin run (names, counts,
+the descriptions' facts, the fit verdict, and the line a user without the plugin sees).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+
+import numpy as np
+import pytest
+
+import estimax as ex
+from estimax.estimator import chips, gpu_compile
+from estimax.estimator import compile as compile_lib
+from estimax.programs import common
+from tests.test_tpu_compile import CPU_ONLY, TINY, _fatal_lines, dense_model_fn, run_program
+
+HAS_PLUGIN = importlib.util.find_spec("jax_cuda12_plugin") is not None
+if os.environ.get("ESTIMAX_REQUIRE_CUDA") and not HAS_PLUGIN:
+    raise RuntimeError("ESTIMAX_REQUIRE_CUDA is set but JAX's CUDA plugin is not installed")
+needs_plugin = pytest.mark.skipif(
+    not HAS_PLUGIN,
+    reason="needs JAX's CUDA plugin (the gpu-compile extra; make test runs these in .venv-cuda)",
+)
+# Four GPUs: batches below divide by 4 and by the 8 virtual CPU devices.
+TARGET = "h100:4"
+
+
+@needs_plugin
+@pytest.mark.parametrize("program", sorted(TINY))
+def test_every_program_compiles_for_gpus(program, monkeypatch, capsys):
+    result, _ = run_program(program, [f"--compile_for={TARGET}"], monkeypatch)
+    reports = result["compile_for"]
+    assert [r["step"] for r in reports] == ["train", "eval"]
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2
+    usable = 0.75 * 84_942_979_072 - 4 * 2**30  # JAX's 75% of an H100's, less cuDNN's 4 GiB
+    for line, report in zip(lines, reports, strict=True):
+        assert line.startswith(
+            f"{report['step']} step on NVIDIA H100 80GB HBM3 x4 ({TARGET}; global batch 8, "
+        )
+        assert ": fits: " in line and " GiB usable (75% of 79.1 GiB less 4.0 GiB for cuDNN)" in line
+        assert report["fits"] and report["global_batch"] == 8
+        assert report["hbm_bytes"] == 84_942_979_072 and report["usable_bytes"] == usable
+        assert 0 < report["memory_bytes"] < usable
+        # The CPU client's cost analysis (the GPU executable has none).
+        assert report["flops"] > 0 and report["bytes_accessed"] > 0
+        assert report["peak_flops"] == 989.4e12 and report["hbm_bandwidth"] == 3350e9
+        assert report["roofline_s"] > 0 and report["examples_per_s"] > 0
+        assert not [t for t in report["custom_calls"] if CPU_ONLY.match(t)], report
+    if program in ("mnist", "resnet"):  # convolutions: cuDNN's (forward ones may be fused
+        # with their bias and activation: __cudnn$convBiasActivationForward), for the H100
+        calls = reports[0]["custom_calls"]
+        assert "__cudnn$convBackwardFilter" in calls, calls
+        assert [c for c in calls if re.match(r"__cudnn\$conv(BiasActivation)?Forward$", c)], calls
+
+
+@needs_plugin
+def test_a_step_that_does_not_fit_a_gpu_still_compiles_and_the_search_finds_one_that_does(
+    tmp_path,
+):
+    # 2**25 examples of 784 floats on 4 L4s: 24.5 GiB of input per GPU, more than the 12.9 GiB
+    # usable there (75% of 22.5 GiB less 4 GiB), and XLA:GPU compiles it all the same.
+    too_big = 2**25
+    job = common.Job(
+        program="dense",
+        model_flags={},
+        model_fn=dense_model_fn,
+        config=ex.RunConfig(model_dir=str(tmp_path), num_shards=None),
+        batch_sizes=(too_big, 8),
+        input_fn=lambda is_training: None,
+        loop=common.LoopConfig(mode="train", train_steps=1, steps_per_eval=1),
+        serving=ex.TensorSpec((None, 784), np.float32),
+        metrics=(("accuracy",), "examples"),
+        compile_for="l4:4",
+    )
+    with pytest.raises(common.DoesNotFit) as raised:
+        common.run(job)
+    message = str(raised.value)
+    assert "\n" not in message and message.startswith(
+        f"the train step does not fit on l4:4 at global batch {too_big:,}: "
+    )
+    report = raised.value.reports[0]
+    # XLA:GPU compiled it: the sizes say by how much it is too big.
+    assert not report.fits and report.memory_bytes > report.usable_bytes
+    assert "XLA compiles it all the same" in report.error
+    exact = re.search(
+        r"the largest global batch that fits is ([\d,]+) \(([\d,]+) does not", message
+    )
+    bracket = re.search(r"a global batch of ([\d,]+) fits and ([\d,]+) does not", message)
+    fits, fails = (int(g.replace(",", "")) for g in (exact or bracket).groups())
+    assert fits % 4 == 0 and fits < fails < too_big
+    # The input (784 float32 per example, a quarter of the batch per GPU) is about half of
+    # what is usable at the batch found (measured: 6.86 of 13.8 GB; the temporaries hold about
+    # as much again): the search went close to the limit.
+    assert 0.4 * report.usable_bytes < fits / 4 * 784 * 4 <= report.usable_bytes
+
+
+def test_unknown_gpu_and_malformed_count_are_one_line_listing_the_known_ones():
+    for target, start in [
+        ("x100:8", "unknown GPU 'x100:8': known are "),
+        ("h100:eight", "malformed GPU count in 'h100:eight': "),
+        ("h100:0", "malformed GPU count in 'h100:0': "),
+    ]:
+        (fatal,) = _fatal_lines("mnist", f"--compile_for={target}")
+        assert fatal.startswith(f"FATAL: --compile_for={target}: {start}"), fatal
+        for name in gpu_compile.KNOWN_GPUS:
+            assert name in fatal
+    with pytest.raises(compile_lib.CompileForError, match="give a multiple of 8"):
+        compile_lib.check_topology("a100-80gb:12")
+    assert compile_lib.check_topology("a100-80gb:16") == "a100-80gb"
+    assert compile_lib.check_topology("v5e:2x4") == "v5e"  # TPU names keep their meaning
+
+
+@pytest.mark.skipif(HAS_PLUGIN, reason="shows what a user without JAX's CUDA plugin sees")
+def test_without_the_plugin_one_line_says_how_to_install_it():
+    fatal = _fatal_lines("mnist", "--compile_for=h100:8")
+    assert fatal == [
+        "FATAL: --compile_for=h100:8: compiling for h100:8 needs XLA's GPU compiler (JAX's "
+        f"CUDA plugin): {gpu_compile.GPU_INSTALL_HINT}."
+    ]
+
+
+@pytest.mark.parametrize("gpu", gpu_compile.KNOWN_GPUS)
+def test_each_gpu_has_a_cited_description_that_agrees_with_the_chip_table(gpu):
+    text = gpu_compile.target_config(gpu)
+    # Where each description comes from: XLA's file at a commit, or (the L4) each line's source.
+    assert "https://github.com/openxla/xla/blob/" in text or re.search(r"# \[PG\]", text)
+    assert not re.search(r"^\s*collective_memory_granularity:", text, re.M)  # jaxlib 0.10.2: no
+    memory = gpu_compile.device_memory_bytes(gpu)
+    assert abs(memory / 2**30 / chips.GPU_CHIPS[gpu].hbm_gib - 1) < 0.01, (gpu, memory)
+    name = re.search(r'device_description_str: "([^"]+)"', text).group(1)
+    assert chips.for_device(name) == (gpu, chips.GPU_CHIPS[gpu])
+
+
+def test_the_gpu_fit_verdict_leaves_jax_its_fraction_and_cudnn_a_margin(monkeypatch):
+    h100 = 84_942_979_072
+    assert gpu_compile.fit_error(55 * 2**30, h100) is None  # 75% of 79.1 GiB - 4 = 55.3 GiB
+    error = gpu_compile.fit_error(306.8 * 2**30, h100)
+    # The batch search reads the first size as needed and the last as available.
+    needed, available = compile_lib.oom_sizes(error)
+    assert needed == 306.8 * 2**30 and abs(available / 2**30 - 55.33) < 0.01
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    assert gpu_compile.fit_error(70 * 2**30, h100) is None
+
+
+def test_custom_calls_are_counted_by_their_operands_and_results():
+    hlo = """
+  %param.1 = bf16[8,32,32,16]{3,2,1,0} parameter(0)
+  %w = bf16[32,3,3,16]{3,2,1,0} fusion(%param.1), kind=kLoop
+  %cudnn-conv.1 = (bf16[8,32,32,32]{3,2,1,0}, u8[0]{0}) custom-call(%param.1, %w), window={size=3x3}, custom_call_target="__cudnn$convForward"
+"""  # noqa: E501 (XLA's own line)
+    assert gpu_compile.custom_call_bytes(hlo) == [
+        (8 * 32 * 32 * 32 + 8 * 32 * 32 * 16 + 9 * 512) * 2
+    ]
