@@ -6,7 +6,7 @@ Runs in the benchmark's TensorFlow venv only (TensorFlow is never an estimax dep
 
 Source images: small crops of the two real photos scikit-learn ships, re-encoded as JPEG q90
 (one 4:2:0 colour landscape, one 4:4:4 colour portrait, one grayscale), committed next to the
-goldens. For each, with the original's ops (ORIGINAL_SYSTEM.md §4):
+goldens. For each, with the original's ops (docs/original.md §4):
 
   decoded_crop        tf.image.decode_and_crop_jpeg of the ResNet eval window (uint8, exact)
   resnet_legacy       ... + tf.compat.v1.image.resize_bicubic (TF1 legacy sampling, the original)

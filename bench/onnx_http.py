@@ -6,6 +6,9 @@ recipe the ONNX model's metadata records (estimax's own implementation of it, as
 ONNX model would run it), runs ONNX Runtime on the batch and answers ``{"predictions": [...]}``.
 Python's ``ThreadingHTTPServer`` (one thread per connection, HTTP/1.1 keep-alive); no batching
 across requests. Not part of estimax: it exists to measure ONNX Runtime beside estimax.
+``GET /stats`` answers where its time went (``{"requests": n, "seconds": {phase: total}}``:
+``parse`` the JSON and base64, ``prepare`` decoding and preprocessing, ``run`` ONNX Runtime,
+``answer`` the JSON written), as estimax's ``/v2/models/NAME/stats`` does for estimax.
 
     python bench/onnx_http.py MODEL.onnx PORT THREADS
 """
@@ -13,13 +16,15 @@ across requests. Not part of estimax: it exists to measure ONNX Runtime beside e
 import base64
 import json
 import sys
+import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 
-from estimax.serving.preprocess import from_spec
+from estimax.export.preprocess import from_spec
 
 
 def main() -> None:
@@ -34,6 +39,8 @@ def main() -> None:
     session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
     name = session.get_inputs()[0].name
     outputs = [o.name for o in session.get_outputs()]
+    lock = threading.Lock()
+    stats = {"requests": 0, "seconds": dict.fromkeys(("parse", "prepare", "run", "answer"), 0.0)}
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -50,17 +57,32 @@ def main() -> None:
             self.wfile.write(data)
 
         def do_GET(self):
+            if self.path == "/stats":
+                with lock:
+                    self._send(200, json.loads(json.dumps(stats)))
+                return
             self._send(200, {"ready": True})
 
         def do_POST(self):
+            t0 = time.perf_counter()
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            pixels = np.stack([recipe(base64.b64decode(i["b64"])) for i in body["instances"]])
+            images = [base64.b64decode(i["b64"]) for i in body["instances"]]
+            t1 = time.perf_counter()
+            pixels = np.stack([recipe(image) for image in images])
+            t2 = time.perf_counter()
             result = dict(zip(outputs, session.run(None, {name: pixels}), strict=True))
+            t3 = time.perf_counter()
             rows = [
                 {k: np.asarray(v[i]).tolist() for k, v in result.items()}
                 for i in range(len(pixels))
             ]
             self._send(200, {"predictions": rows})
+            t4 = time.perf_counter()
+            with lock:
+                stats["requests"] += 1
+                times = (t1 - t0, t2 - t1, t3 - t2, t4 - t3)
+                for phase, seconds in zip(stats["seconds"], times, strict=True):
+                    stats["seconds"][phase] += seconds
 
     ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
 

@@ -23,6 +23,11 @@ The client threads share the machine's cores with the server, as on any single-h
 
 Writes bench/results/serving.json and bench/results/serving.md.
 
+``--baseline_tree DIR`` (a checkout of an earlier commit's ``estimax/``, e.g. ``git archive REF
+estimax | tar -x -C DIR``): each server configuration runs twice at once, the code of ``DIR``
+("before") and this checkout's ("after"), their rounds interleaved route by route, so both see
+the same load; written to ``--results_name`` (serving_before_after.{json,md}) instead.
+
 ``--part peer`` (also run by ``--part all``): ONNX Runtime beside estimax on the same ResNet-50
 (resnet50, 224x224, float32, initialised weights) on the CPU, from one export: estimax's export
 as it serves it, and ``estimax export-onnx`` of it in ONNX Runtime with the same number of
@@ -30,9 +35,22 @@ threads (the machine's cores). In-process: the network on the same preprocessed 
 size (``--peer_batch_sizes``), rounds interleaved, median latency; over HTTP: ``estimax serve``
 against bench/onnx_http.py (a minimal ThreadingHTTPServer around onnxruntime doing the same
 JPEG decode + preprocessing with estimax's recipe), the same TF Serving REST requests (one JPEG
-each) from ``--peer_clients`` clients, then one. Each number is also given as estimax / ONNX
-Runtime. Writes the "ONNX Runtime beside estimax" section of serving.md and ``peer`` of
-serving.json, keeping the rest of the files.
+each) from ``--peer_clients`` clients, then one: the lone client's ``--peer_lone_requests``
+alternate between the two servers in a shuffled order (both see the same moments of the
+machine's load), and each server's own account of where their time went (estimax's
+``/v2/models/bench/stats``, bench/onnx_http.py's ``/stats``) is written beside them. Each number
+is also given as estimax / ONNX Runtime. Writes the "ONNX Runtime beside estimax" section of
+serving.md and ``peer`` of serving.json, keeping the rest of the files.
+
+``--part models`` (also run by ``--part all``): several models in one server. The tiny model in
+a server alone (``--model_name``) beside ``--models`` copies of it in another
+(``--model_config_file``: each its own model, version, metrics and batching queue), request i
+asking copy i mod N; REST ``:predict`` and gRPC ``Predict`` from ``--clients`` clients, then a
+lone client alternating between the two servers; without batching (and with it, given
+``--models_batching``). Writes the "Several models in one server" section and ``models``.
+
+    .venv/bin/python bench/serving.py --part models --models 4 --requests 1000 --clients 16 \\
+        --lone_requests 200 --repeats 3 --models_batching
 """
 
 from __future__ import annotations
@@ -44,6 +62,7 @@ import contextlib
 import json
 import os
 import platform
+import random
 import re
 import struct
 import subprocess
@@ -62,7 +81,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import serving_fixtures as fx  # noqa: E402
 
 import estimax as ex  # noqa: E402
-from estimax import serving  # noqa: E402
+from estimax import export  # noqa: E402
 from estimax.data import preprocessing  # noqa: E402
 from estimax.models import get_model  # noqa: E402
 
@@ -89,7 +108,7 @@ def percentiles(latencies: list[float]) -> dict[str, float]:
 
 
 def in_process(path: str, images: list[bytes], count: int) -> dict:
-    servable = serving.Servable(path, 1, batch_sizes=[1])
+    servable = export.Servable(path, 1, batch_sizes=[1])
     servable.warm()
     latencies = []
     start = time.perf_counter()
@@ -173,15 +192,16 @@ class Route(abc.ABC):
 class RestJson(Route):
     label = "REST `:predict` JSON (b64)"
 
-    def __init__(self, url: str, images: list[bytes]):
-        self.url = f"{url}/v1/models/bench:predict"
+    def __init__(self, url: str, images: list[bytes], names: tuple[str, ...] = ("bench",)):
+        # Request i asks model names[i % len(names)] (--part models spreads them).
+        self.urls = [f"{url}/v1/models/{name}:predict" for name in names]
         self.bodies = [
             json.dumps({"instances": [{"b64": base64.b64encode(b).decode()}]}) for b in images
         ]
 
     def send(self, session, i: int) -> bool:
         r = session.post(
-            self.url,
+            self.urls[i % len(self.urls)],
             data=self.bodies[i % len(self.bodies)],
             headers={"Content-Type": "application/json"},
             timeout=60,
@@ -275,26 +295,28 @@ class GrpcRoute(Route):
 class GrpcPredict(GrpcRoute):
     label = "gRPC TF Serving `Predict` (string_val)"
 
-    def __init__(self, target: str, images: list[bytes]):
+    def __init__(self, target: str, images: list[bytes], names: tuple[str, ...] = ("bench",)):
         super().__init__(target)
         from estimax.serving.protos.tensorflow.core.framework import tensor_pb2
         from estimax.serving.protos.tensorflow_serving.apis import predict_pb2
 
-        self.requests = []
-        for b in images:
-            request = predict_pb2.PredictRequest()
-            request.model_spec.name = "bench"
-            request.output_filter.append("classes")
-            tensor = tensor_pb2.TensorProto(dtype=7, string_val=[b])  # DT_STRING
-            tensor.tensor_shape.dim.add(size=1)
-            request.inputs["image_bytes"].CopyFrom(tensor)
-            self.requests.append(request)
+        self.requests: list[list] = [[] for _ in names]  # [model][image]
+        for model, name in zip(self.requests, names, strict=True):
+            for b in images:
+                request = predict_pb2.PredictRequest()
+                request.model_spec.name = name
+                request.output_filter.append("classes")
+                tensor = tensor_pb2.TensorProto(dtype=7, string_val=[b])  # DT_STRING
+                tensor.tensor_shape.dim.add(size=1)
+                request.inputs["image_bytes"].CopyFrom(tensor)
+                model.append(request)
 
     def send(self, channel, i: int) -> bool:
         from estimax.serving.protos.tensorflow_serving.apis import prediction_service_pb2_grpc
 
         stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
-        response = stub.Predict(self.requests[i % len(self.requests)], timeout=60)
+        model = self.requests[i % len(self.requests)]
+        response = stub.Predict(model[i % len(model)], timeout=60)
         return len(response.outputs["classes"].int_val) == 1
 
 
@@ -337,7 +359,7 @@ ROUTES = {
 
 def _peer_export(tmp: str, images: list[bytes]) -> tuple[str, str]:
     """ResNet-50 (initialised) behind resnet_eval(224), and its ONNX model."""
-    from estimax.serving import onnx_export
+    from estimax.export.formats import onnx_export
 
     def resnet50_fn(features, labels, mode, params):
         logits = get_model("resnet50", num_classes=1000)(
@@ -353,10 +375,10 @@ def _peer_export(tmp: str, images: list[bytes]) -> tuple[str, str]:
         ex.RunConfig(model_dir=os.path.join(tmp, "r50"), num_shards=1),
         predict_batch_size=2,
     )
-    path = serving.export_version(
+    path = export.export_version(
         est,
         os.path.join(tmp, "r50_models"),
-        preprocessing=serving.resnet_eval(224),
+        preprocessing=export.resnet_eval(224),
         check_inputs=images[:2],
         platforms=("cpu",),
     )
@@ -369,7 +391,7 @@ def _peer_export(tmp: str, images: list[bytes]) -> tuple[str, str]:
 def _peer_in_process(path: str, onnx_path: str, images, sizes, rounds: int) -> dict:
     import onnxruntime as ort
 
-    servable = serving.Servable(path, 1, batch_sizes=sizes)
+    servable = export.Servable(path, 1, batch_sizes=sizes)
     servable.warm()
     options = ort.SessionOptions()
     options.intra_op_num_threads = os.cpu_count() or 1
@@ -422,6 +444,62 @@ def _onnx_server(onnx_path: str):
         proc.wait(timeout=30)
 
 
+def lone_interleaved(routes: dict[str, Route], count: int, seed: int) -> dict[str, dict]:
+    """A lone client's ``count`` requests to each route, one route's request after another's in
+    an order shuffled each turn, so that every route sees the same moments of the machine's
+    load (a route's block of requests measured after another's saw a different machine).
+    Requests/s of a lone client: 1 / its mean latency."""
+    rng = random.Random(seed)
+    states = {name: route.connect() for name, route in routes.items()}
+    latencies: dict[str, list[float]] = {name: [] for name in routes}
+    errors: dict[str, list[str]] = {name: [] for name in routes}
+    try:
+        for i in range(count):
+            order = list(routes)
+            rng.shuffle(order)
+            for name in order:
+                t = time.perf_counter()
+                try:
+                    ok, detail = routes[name].send(states[name], i), ""
+                except Exception as e:  # noqa: BLE001 - every failure is counted, not raised
+                    ok, detail = False, f"{type(e).__name__}: {e}"[:200]
+                elapsed = time.perf_counter() - t
+                (latencies[name].append(elapsed) if ok else errors[name].append(detail or "no"))
+    finally:
+        for name, route in routes.items():
+            route.close(states[name])
+    return {
+        name: {
+            "requests": count,
+            "sent": count,
+            "ok": len(latencies[name]),
+            "errors": len(errors[name]),
+            "lost": 0,
+            "first_error": errors[name][:1],
+            "clients": 1,
+            "seconds": sum(latencies[name]),
+            "requests_per_s": len(latencies[name]) / max(sum(latencies[name]), 1e-9),
+            **percentiles(latencies[name] or [0.0]),
+        }
+        for name in routes
+    }
+
+
+def _phases(url: str, estimax_server: bool) -> tuple[int, dict[str, float]]:
+    """A server's own account of its time: (requests, {phase: seconds in all}). estimax's
+    Triton statistics (compute_input: decoding, with its hand-off; compute_infer: the run;
+    compute_output: the answer written), bench/onnx_http.py's /stats."""
+    if not estimax_server:
+        stats = requests.get(f"{url}/stats", timeout=30).json()
+        return stats["requests"], stats["seconds"]
+    model = requests.get(f"{url}/v2/models/bench/stats", timeout=30).json()["model_stats"][0]
+    phases = model["inference_stats"]
+    return phases["success"]["count"], {
+        "server": phases["success"]["ns"] / 1e9,
+        **{k: phases[k]["ns"] / 1e9 for k in ("compute_input", "compute_infer", "compute_output")},
+    }
+
+
 def _peer_http(path: str, onnx_path: str, images, args) -> dict:
     base = os.path.dirname(path)
     out: dict = {}
@@ -429,18 +507,27 @@ def _peer_http(path: str, onnx_path: str, images, args) -> dict:
         fx.running_server([f"--model_base_path={base}", "--model_name=bench"]) as (url, _),
         _onnx_server(onnx_path) as onnx_url,
     ):
-        routes = {"estimax": RestJson(url, images), "onnxruntime": RestJson(onnx_url, images)}
+        urls = {"estimax": url, "onnxruntime": onnx_url}
+        routes = {name: RestJson(u, images) for name, u in urls.items()}
         for route in routes.values():
             load_test(route, 4, 2, 120)  # warm
         for name in routes:
-            out[name] = {"concurrent": [], "lone": []}
-        for _ in range(args.repeats):
+            out[name] = {"concurrent": [], "lone": [], "lone_phases": {}}
+        for round_ in range(args.repeats):
             for name, route in routes.items():
                 c = load_test(route, args.peer_requests, args.peer_clients, args.max_seconds)
-                lone = load_test(route, max(4, args.peer_requests // 4), 1, args.max_seconds)
                 out[name]["concurrent"].append(c)
-                out[name]["lone"].append(lone)
-                print("http", name, c, lone, flush=True)
+                print("http", name, c, flush=True)
+            before = {name: _phases(u, name == "estimax") for name, u in urls.items()}
+            lone = lone_interleaved(routes, args.peer_lone_requests, seed=round_)
+            for name, u in urls.items():
+                out[name]["lone"].append(lone[name])
+                (n0, s0), (n1, s1) = before[name], _phases(u, name == "estimax")
+                phases = out[name]["lone_phases"]
+                phases["requests"] = phases.get("requests", 0) + n1 - n0
+                for k in s1:
+                    phases[k] = phases.get(k, 0.0) + s1[k] - s0[k]
+                print("http lone", name, lone[name], flush=True)
     return out
 
 
@@ -503,8 +590,28 @@ def _peer_http_lines(r: dict, args) -> list[str]:
         f"Ratios estimax / ONNX Runtime over HTTP: throughput "
         f"{ce['requests_per_s'] / co['requests_per_s']:.2f} ({args.peer_clients} clients), "
         f"{le['requests_per_s'] / lo['requests_per_s']:.2f} (lone); lone p50 latency "
-        f"{le['p50_ms'] / lo['p50_ms']:.2f}.",
+        f"{le['p50_ms'] / lo['p50_ms']:.2f}. The lone client's requests alternate between the "
+        f"two servers in a shuffled order ({args.peer_lone_requests} to each a round).",
     ]
+    e, o = (r["http"][name].get("lone_phases") for name in ("estimax", "onnxruntime"))
+    if e and o and e["requests"] and o["requests"]:
+
+        def ms(phases: dict, key: str) -> str:
+            return f"{1000 * phases[key] / phases['requests']:.1f}"
+
+        lines += [
+            "",
+            "Where a lone request's time went, by each server's own account (mean ms, over the "
+            "lone requests of every round):",
+            "",
+            f"- estimax (`/v2/models/bench/stats`): {ms(e, 'server')} in the server: "
+            f"{ms(e, 'compute_input')} decoding the JPEG and preprocessing (with its hand-off "
+            f"to a thread), {ms(e, 'compute_infer')} running the model, "
+            f"{ms(e, 'compute_output')} writing the answer; the rest is HTTP, JSON and base64.",
+            f"- ONNX Runtime (bench/onnx_http.py `/stats`): {ms(o, 'parse')} parsing the JSON "
+            f"and base64, {ms(o, 'prepare')} decoding and preprocessing, {ms(o, 'run')} "
+            f"running the model, {ms(o, 'answer')} writing the answer.",
+        ]
     return lines
 
 
@@ -553,16 +660,25 @@ def peer_markdown(r: dict, args) -> str:
     return "\n".join(lines)
 
 
+def _write_models(results: dict, args) -> None:
+    heading = "## Several models in one server"
+    _write_section("models", heading, models_markdown(results, args), results)
+
+
 def _write_peer(results: dict, args) -> None:
+    _write_section("peer", "## ONNX Runtime beside estimax", peer_markdown(results, args), results)
+
+
+def _write_section(key: str, heading: str, section: str, results: dict) -> None:
+    """serving.json's ``key`` and serving.md's section under ``heading``, the rest kept."""
     os.makedirs(RESULTS, exist_ok=True)
     json_path, md_path = os.path.join(RESULTS, "serving.json"), os.path.join(RESULTS, "serving.md")
     data = json.load(open(json_path)) if os.path.exists(json_path) else {}
-    data["peer"] = results
+    data[key] = results
     with open(json_path, "w") as f:
         json.dump(data, f, indent=2)
     text = open(md_path).read() if os.path.exists(md_path) else ""
-    section = peer_markdown(results, args)
-    pattern = re.compile(r"## ONNX Runtime beside estimax.*?(?=\n## |\Z)", re.S)
+    pattern = re.compile(re.escape(heading) + r".*?(?=\n## |\Z)", re.S)
     text = pattern.sub(lambda m: section, text) if pattern.search(text) else text + "\n" + section
     with open(md_path, "w") as f:
         f.write(text)
@@ -570,64 +686,206 @@ def _write_peer(results: dict, args) -> None:
 
 
 def _route_servers(tmp: str, images: list[bytes], routes: list[str], args, results: dict) -> None:
-    """The routes against `estimax serve`, without and with batching, rounds interleaved."""
+    """The routes against `estimax serve`, without and with batching, rounds interleaved
+    (with ``--baseline_tree``, the baseline's server and this one's, interleaved too)."""
+    trees: list[tuple[str, dict[str, str]]] = [("", {})]
+    if args.baseline_tree:
+        trees = [
+            ("before", {"PYTHONPATH": os.path.abspath(args.baseline_tree)}),
+            ("after", {}),
+        ]
     for server, flags in (
         ("no batching", []),
-        (
-            "batching",
-            [
-                "--enable_batching",
-                "--max_batch_size=16",
-                "--batch_timeout_micros=2000",
-                "--max_enqueued_batches=64",
-            ],
-        ),
+        ("batching", BATCHING),
     ):
-        grpc_port = fx.free_port()
-        with fx.running_server(
-            [
-                f"--model_base_path={os.path.join(tmp, 'models')}",
-                "--model_name=bench",
-                f"--grpc_port={grpc_port}",
-                *flags,
-            ]
-        ) as (url, _):
+        with contextlib.ExitStack() as stack:
             made = {}
-            for name in routes:
-                address = f"127.0.0.1:{grpc_port}" if name.startswith("grpc") else url
-                made[name] = ROUTES[name](address, images)
-                load_test(made[name], 64, 8, 60)  # warm the connections and threads
-                results["runs"][f"{server}/{name}"] = {
-                    "server": server,
-                    "route": made[name].label,
-                    "flags": flags,
-                    "concurrent": [],
-                    "lone": [],
-                }
+            for tree, env in trees:
+                grpc_port = fx.free_port()
+                url, _ = stack.enter_context(
+                    fx.running_server(
+                        [
+                            f"--model_base_path={os.path.join(tmp, 'models')}",
+                            "--model_name=bench",
+                            f"--grpc_port={grpc_port}",
+                            *flags,
+                        ],
+                        env=env,
+                    )
+                )
+                for name in routes:
+                    address = f"127.0.0.1:{grpc_port}" if name.startswith("grpc") else url
+                    key = f"{server}/{name}" if not tree else f"{tree}/{server}/{name}"
+                    made[key] = ROUTES[name](address, images)
+                    load_test(made[key], 64, 8, 60)  # warm the connections and threads
+                    results["runs"][key] = {
+                        "server": f"{server} ({tree})" if tree else server,
+                        "route": made[key].label,
+                        "flags": flags,
+                        "concurrent": [],
+                        "lone": [],
+                    }
             # Rounds over the routes in turn: the machine's other load changes by the
-            # second, and interleaving spreads it over every route alike.
+            # second, and interleaving spreads it over every route (and tree) alike.
+            order = sorted(made, key=lambda k: (k.split("/")[-1], k))
             for _ in range(args.repeats):
-                for name, route in made.items():
-                    run = results["runs"][f"{server}/{name}"]
+                for key in order:
+                    route, run = made[key], results["runs"][key]
                     run["concurrent"].append(
                         load_test(route, args.requests, args.clients, args.max_seconds)
                     )
                     # A lone client: what a request costs with no company.
                     run["lone"].append(load_test(route, args.lone_requests, 1, args.max_seconds))
-                    print(server, name, run["concurrent"][-1], run["lone"][-1], flush=True)
+                    print(key, run["concurrent"][-1], run["lone"][-1], flush=True)
+
+
+def _tiny_images() -> list[bytes]:
+    """The routes' requests: 16 64x48 JPEGs of random pixels."""
+    rng = np.random.default_rng(0)
+    return [
+        simplejpeg.encode_jpeg(
+            rng.integers(0, 255, (48, 64, 3), dtype=np.uint8), quality=90, colorspace="RGB"
+        )
+        for _ in range(16)
+    ]
+
+
+def _tiny_export(tmp: str) -> str:
+    """The tiny ResNet's export under ``tmp/models`` (version 1); returns its path."""
+    est = ex.Estimator(
+        model_fn, ex.RunConfig(model_dir=os.path.join(tmp, "model")), predict_batch_size=8
+    )
+    path = export.export_version(
+        est,
+        os.path.join(tmp, "models"),
+        preprocessing=export.resnet_eval(IMAGE_SIZE),
+        platforms=("cpu",),
+    )
+    est.close()
+    return path
+
+
+BATCHING = [
+    "--enable_batching",
+    "--max_batch_size=16",
+    "--batch_timeout_micros=2000",
+    "--max_enqueued_batches=64",
+]
+MODELS_ROUTES = ("rest_json", "grpc_predict")
+
+
+def models_run(args) -> dict:
+    """One model in a server against ``--models`` copies of it in another
+    (``--model_config_file``), the requests spread over the copies (request i asks copy
+    i % N), rounds interleaved: what several models cost per request."""
+    images = _tiny_images()
+    names = tuple(f"bench{i}" for i in range(args.models))
+    results: dict = {
+        "load_before": open("/proc/loadavg").read().split()[:3],
+        "cores": os.cpu_count(),
+        "models": args.models,
+        "clients": args.clients,
+        "runs": {},
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        base = os.path.dirname(_tiny_export(tmp))
+        config = os.path.join(tmp, "models.config")
+        with open(config, "w") as f:
+            f.write("model_config_list {\n")
+            for name in names:
+                f.write(f'  config {{ name: "{name}" base_path: "{base}" }}\n')
+            f.write("}\n")
+        servers = [("no batching", [])] + ([("batching", BATCHING)] if args.models_batching else [])
+        for server, flags in servers:
+            with contextlib.ExitStack() as stack:
+                made = {}
+                for kind, serve, asked in (
+                    ("1 model", [f"--model_base_path={base}", "--model_name=bench"], ("bench",)),
+                    (f"{len(names)} models", [f"--model_config_file={config}"], names),
+                ):
+                    grpc_port = fx.free_port()
+                    url, _ = stack.enter_context(
+                        fx.running_server([*serve, f"--grpc_port={grpc_port}", *flags])
+                    )
+                    for name in MODELS_ROUTES:
+                        address = f"127.0.0.1:{grpc_port}" if name.startswith("grpc") else url
+                        key = f"{server}/{name}/{kind}"
+                        made[key] = ROUTES[name](address, images, asked)
+                        load_test(made[key], 16 * len(asked), 8, 60)  # every copy warmed
+                        results["runs"][key] = {
+                            "server": server,
+                            "route": made[key].label,
+                            "kind": kind,
+                            "flags": flags,
+                            "concurrent": [],
+                            "lone": [],
+                        }
+                for round_ in range(args.repeats):  # interleaved: the load changes by the second
+                    for key, route in made.items():
+                        run = results["runs"][key]
+                        run["concurrent"].append(
+                            load_test(route, args.requests, args.clients, args.max_seconds)
+                        )
+                        print(key, run["concurrent"][-1], flush=True)
+                    for name in MODELS_ROUTES:  # the lone client's, one server then the other
+                        keys = [k for k in made if k.split("/")[1] == name]
+                        lone = lone_interleaved(
+                            {k: made[k] for k in keys}, args.lone_requests, seed=round_
+                        )
+                        for k in keys:
+                            results["runs"][k]["lone"].append(lone[k])
+                            print(k, "lone", lone[k], flush=True)
+    results["load_after"] = open("/proc/loadavg").read().split()[:3]
+    return results
+
+
+def models_markdown(r: dict, args) -> str:
+    """The "Several models in one server" section of serving.md."""
+    n = r["models"]
+    lines = [
+        "## Several models in one server (`--part models`)",
+        "",
+        f"The tiny ResNet of the routes above: one server with it alone (`--model_name`) "
+        f"beside one serving {n} copies of it (`--model_config_file`, each its own model, "
+        f"version and batching queue), request i asking copy i mod {n}; {args.clients} "
+        f"clients, then a lone one (its requests alternating between the two servers in a "
+        f"shuffled order); {args.repeats} rounds, interleaved, median round. Load "
+        f"average before {' '.join(r['load_before'])}, after {' '.join(r['load_after'])}.",
+        "",
+        f"| server | route | models | ok / sent | req/s, {args.clients} clients | p50 ms | "
+        "p99 ms | lone req/s | lone p50 ms |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    medians: dict = {}
+    for run in r["runs"].values():
+        every = run["concurrent"] + run["lone"]
+        c, lone = median_run(run["concurrent"]), median_run(run["lone"])
+        medians[run["server"], run["route"], run["kind"]] = (c, lone)
+        lines.append(
+            f"| {run['server']} | {run['route']} | {run['kind']} | "
+            f"{sum(x['ok'] for x in every)} / {sum(x['sent'] for x in every)} | "
+            f"{c['requests_per_s']:.0f} | {c['p50_ms']:.1f} | {c['p99_ms']:.1f} | "
+            f"{lone['requests_per_s']:.0f} | {lone['p50_ms']:.1f} |"
+        )
+    lines += ["", f"{n} models / 1 model, per route (1.00: no cost of its own):", ""]
+    for (server, route, kind), (c, lone) in medians.items():
+        if kind == "1 model":
+            continue
+        c1, lone1 = medians[server, route, "1 model"]
+        lines.append(
+            f"- {server}, {route}: throughput {c['requests_per_s'] / c1['requests_per_s']:.2f} "
+            f"({args.clients} clients), {lone['requests_per_s'] / lone1['requests_per_s']:.2f} "
+            f"(lone); lone p50 latency {lone['p50_ms'] / lone1['p50_ms']:.2f}."
+        )
+    lines.append("")
+    return "\n".join(lines)
 
 
 def _routes_run(args) -> dict:
     """The tiny model's export in-process and over every route (see the module docstring)."""
     routes = list(ROUTES) if args.routes == "all" else args.routes.split(",")
 
-    rng = np.random.default_rng(0)
-    images = [
-        simplejpeg.encode_jpeg(
-            rng.integers(0, 255, (48, 64, 3), dtype=np.uint8), quality=90, colorspace="RGB"
-        )
-        for _ in range(16)
-    ]
+    images = _tiny_images()
     results: dict = {
         "load_before": open("/proc/loadavg").read().split()[:3],
         "cpu": platform.processor() or platform.machine(),
@@ -638,21 +896,16 @@ def _routes_run(args) -> dict:
         "runs": {},
     }
     with tempfile.TemporaryDirectory() as tmp:
-        est = ex.Estimator(
-            model_fn, ex.RunConfig(model_dir=os.path.join(tmp, "model")), predict_batch_size=8
-        )
-        path = serving.export_version(
-            est,
-            os.path.join(tmp, "models"),
-            preprocessing=serving.resnet_eval(IMAGE_SIZE),
-            platforms=("cpu",),
-        )
+        path = _tiny_export(tmp)
         results["in_process"] = in_process(path, images, min(args.requests, 500))
         print("in-process", results["in_process"], flush=True)
         _route_servers(tmp, images, routes, args, results)
     results["load_after"] = open("/proc/loadavg").read().split()[:3]
     os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "serving.json"), "w") as f:
+    if args.baseline_tree:
+        results["baseline_tree"] = args.baseline_tree
+        results["baseline_ref"] = args.baseline_ref
+    with open(os.path.join(RESULTS, f"{args.results_name}.json"), "w") as f:
         json.dump(results, f, indent=2)
     return results
 
@@ -706,22 +959,56 @@ def main() -> None:
         "--routes", default="all", help=f"comma-separated among {sorted(ROUTES)}, or all"
     )
     parser.add_argument("--repeats", type=int, default=3, help="rounds over the routes")
-    parser.add_argument("--part", choices=("routes", "peer", "all"), default="all")
+    parser.add_argument("--part", choices=("routes", "peer", "models", "all"), default="all")
     parser.add_argument("--peer_batch_sizes", default="1,8")
     parser.add_argument("--peer_rounds", type=int, default=5)
     parser.add_argument("--peer_requests", type=int, default=24)
     parser.add_argument("--peer_clients", type=int, default=4)
+    parser.add_argument(
+        "--peer_lone_requests", type=int, default=24, help="lone requests to each, per round"
+    )
+    parser.add_argument("--models", type=int, default=4, help="--part models: copies served")
+    parser.add_argument(
+        "--models_batching", action="store_true", help="--part models: with batching too"
+    )
+    parser.add_argument(
+        "--baseline_tree",
+        default="",
+        help="a directory holding an earlier estimax/: its server beside this one (docstring)",
+    )
+    parser.add_argument("--baseline_ref", default="", help="what --baseline_tree holds (notes)")
+    parser.add_argument("--results_name", default="")
     args = parser.parse_args()
+    if not args.results_name:
+        args.results_name = "serving_before_after" if args.baseline_tree else "serving"
     if args.part == "peer":
         _write_peer(peer(args), args)
         return
+    if args.part == "models":
+        _write_models(models_run(args), args)
+        return
     results = _routes_run(args)
     text = _routes_markdown(results, args)
-    with open(os.path.join(RESULTS, "serving.md"), "w") as f:
+    if args.baseline_tree:
+        text = text.replace(
+            "# Serving load test (`bench/serving.py`)",
+            "# Serving load test, before and after (`bench/serving.py --baseline_tree`)\n\n"
+            f"before: {args.baseline_ref or args.baseline_tree}; after: this checkout. Both "
+            "servers ran at once, their rounds interleaved route by route.",
+        )
+    md_path = os.path.join(RESULTS, f"{args.results_name}.md")
+    if not args.baseline_tree and os.path.exists(md_path):  # the other parts' sections stay
+        old = open(md_path).read()
+        for heading in ("## ONNX Runtime beside estimax", "## Several models in one server"):
+            kept = re.search(re.escape(heading) + r".*?(?=\n## |\Z)", old, re.S)
+            if kept:
+                text += "\n" + kept.group()
+    with open(md_path, "w") as f:
         f.write(text)
     print(text)
     if args.part == "all":
         _write_peer(peer(args), args)
+        _write_models(models_run(args), args)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 TOPOLOGIES = ("v2:2x2", "v3:2x2", "v4:2x2x1", "v5e:2x4", "v6e:2x4")
+# GPU targets (estimax.estimator.gpu_compile), run one at a time in .venv-cuda (not by --all,
+# which runs in .venv-tpu): .venv-cuda/bin/python bench/tpu_compile.py --program=resnet
+# --topology=h100:8.
+GPU_TOPOLOGIES = ("h100:8", "a100-80gb:8")
 
 # The seeds' command lines, less the TPU-locating and storage flags (they change nothing here).
 PROGRAMS: dict[str, tuple[str, list[str], str]] = {
@@ -103,7 +107,11 @@ def run_pair(program: str, topology: str) -> dict[str, Any]:
 def versions() -> dict[str, str]:
     from importlib import metadata
 
-    return {p: metadata.version(p) for p in ("jax", "jaxlib", "libtpu")}
+    found = {}
+    for p in ("jax", "jaxlib", "libtpu", "jax-cuda12-plugin"):
+        with contextlib.suppress(metadata.PackageNotFoundError):  # one compiler per venv
+            found[p] = metadata.version(p)
+    return found
 
 
 def load(path: Path) -> list[dict[str, Any]]:
@@ -112,7 +120,8 @@ def load(path: Path) -> list[dict[str, Any]]:
 
 def save(path: Path, rows: list[dict[str, Any]]) -> None:
     order = {p: i for i, p in enumerate(PROGRAMS)}
-    rows.sort(key=lambda r: (order.get(r["program"], 99), TOPOLOGIES.index(r["topology"])))
+    targets = TOPOLOGIES + GPU_TOPOLOGIES
+    rows.sort(key=lambda r: (order.get(r["program"], 99), targets.index(r["topology"])))
     path.write_text(json.dumps(rows, indent=1) + "\n")
     path.with_suffix(".md").write_text(table(rows))
 
@@ -140,6 +149,13 @@ def _row(run: dict[str, Any], r: dict[str, Any]) -> str:
         f"| {per_dev:,.0f} / {chip:,.0f} "
         f"| {'' if xla is None else f'{xla * 1e3:.3g}'} | {r['compile_s']:.0f} |"
     )
+
+
+def _compiler(versions: dict[str, str]) -> str:
+    """The XLA compiler a run used: libtpu's, or the CUDA plugin's for a GPU target."""
+    if "libtpu" in versions:
+        return f"libtpu {versions['libtpu']}"
+    return f"jax-cuda12-plugin {versions.get('jax-cuda12-plugin')}"
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -171,8 +187,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"* {run['program']} on {run['topology']}: {run['what']}; {run['wall_s']:.0f} s "
             f"wall on {m['cpu']} ({m['cores']} cores, load {m['load_start']:.1f} -> "
-            f"{m['load_end']:.1f}); jax {run['versions']['jax']}, libtpu "
-            f"{run['versions']['libtpu']}." + (f" FATAL: {run['fatal']}" if run["fatal"] else "")
+            f"{m['load_end']:.1f}); jax {run['versions']['jax']}, {_compiler(run['versions'])}."
+            + (f" FATAL: {run['fatal']}" if run["fatal"] else "")
         )
     lines += ["", *READING]
     return "\n".join(lines) + "\n"
@@ -210,7 +226,7 @@ READING = [
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--program", choices=sorted(PROGRAMS))
-    parser.add_argument("--topology", choices=TOPOLOGIES)
+    parser.add_argument("--topology", choices=TOPOLOGIES + GPU_TOPOLOGIES)
     parser.add_argument("--all", action="store_true", help="every pair not in --out yet")
     parser.add_argument("--table", action="store_true", help="only rewrite the .md")
     parser.add_argument("--out", type=Path, default=RESULTS / "tpu_compile.json")
