@@ -1,4 +1,4 @@
-"""The estimax contract in one file: the README's example, complete and runnable.
+"""The estimax contract in one file: docs/contract.md's example, complete and runnable.
 
 A TPUEstimator user's habits, on JAX: a traced ``model_fn(features, labels, mode, params)`` that
 returns an ``EstimatorSpec`` for TRAIN, EVAL and PREDICT; ``input_fn(params)`` functions; an

@@ -15,7 +15,7 @@ wheel. Each step is what the article does, in the same order:
 4. ``train_and_evaluate`` on the accelerator(s) JAX finds (CPU, GPU or TPU: the same code).
 5. Export for serving: the eval preprocessing is *declared* (``image_preprocessing``) so the
    server can decode and resize JPEG bytes itself; the export is checked against this file's own
-   eval preprocessing on validation images of every class (``serving.check_images``) and refused
+   eval preprocessing on validation images of every class (``export.check_images``) and refused
    if the model's inputs or predictions disagree (a train/serve skew). The folder names travel
    with it (``class_names_from_manifest``).
 6. ``estimax serve`` answers TF Serving's REST request with the JPEG of a validation image: its
@@ -43,7 +43,7 @@ import numpy as np
 import optax
 
 import estimax as ex
-from estimax import data, serving
+from estimax import data, export
 from estimax.data import jpeg
 
 IMAGE_SIZE = 32
@@ -80,7 +80,7 @@ def eval_preprocess(image_bytes: bytes) -> np.ndarray:
 
 
 # What the server must do to JPEG bytes: the same as eval_preprocess, declared as data.
-SERVING_PREPROCESSING = serving.image_preprocessing(IMAGE_SIZE, resize="bilinear", scale=1 / 255)
+SERVING_PREPROCESSING = export.image_preprocessing(IMAGE_SIZE, resize="bilinear", scale=1 / 255)
 
 
 def read_and_preprocess(
@@ -109,7 +109,7 @@ def make_input_fn(data_dir: str, is_training: bool):
 
     def input_fn(params: dict[str, Any]) -> data.Loader:
         source = data.TFRecordSource(data.list_files(pattern))
-        context = params.get("context")  # this host's part of the records
+        context = params.get("context")  # this host's block of every global batch
         host, hosts = (context.host_index, context.num_hosts) if context else (0, 1)
         return data.Loader(
             source,
@@ -118,7 +118,9 @@ def make_input_fn(data_dir: str, is_training: bool):
             shuffle=is_training,
             num_epochs=None if is_training else 1,
             drop_remainder=is_training,  # eval: the last batch is padded and masked, not dropped
-            record_ids=data.host_shard(np.arange(len(source)), host, hosts),
+            # The global order: resumes exactly on any number of hosts.
+            num_hosts=hosts,
+            host_index=host,
         )
 
     return input_fn
@@ -173,7 +175,7 @@ def serve_and_ask(model_base_path: str, images: list[bytes]) -> list[dict[str, A
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     server = subprocess.Popen(
-        [sys.executable, "-m", "estimax.serving.cli", "serve", f"--port={port}",
+        [sys.executable, "-m", "estimax", "serve", f"--port={port}",
          f"--model_base_path={model_base_path}", "--model_name=custom"]
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -256,14 +258,14 @@ def export_and_serve(est: ex.Estimator, data_dir: str, work_dir: str) -> dict[st
     """Steps 5 and 6: the checked export, with the folder names, then a served request."""
     images, labels = validation_jpegs(data_dir)
     base = os.path.join(work_dir, "serving")
-    version_dir = serving.export_version(
+    version_dir = export.export_version(
         est,
         base,
         preprocessing=SERVING_PREPROCESSING,
-        check_inputs=serving.check_images(data_dir),  # validation images of every class
+        check_inputs=export.check_images(data_dir),  # validation images of every class
         eval_preprocess=eval_preprocess,  # refuses the export on a train/serve skew
         # The folder names, by served class id (the converter's 1-based label - 1).
-        class_names=serving.class_names_from_manifest(data_dir),
+        class_names=export.class_names_from_manifest(data_dir),
     )
     print(f"Exported {version_dir}")
     predictions = serve_and_ask(base, images)

@@ -21,6 +21,9 @@ save_relative_paths=True``, as tf.estimator's default Saver) into a model_dir of
   Logits/Logits fully connected heads), thinned like estimax's InceptionV4Tiny (depth 0.05,
   min 8, one block of each kind), 11 classes, ``global_step`` 5. ``--only_inception_v4`` adds
   it to an existing directory.
+* ``bert_tiny/``: google-research/bert's ``modeling.py`` graph (2 layers, hidden 8, 2 heads),
+  ``bert/...`` and the pre-training ``cls/...`` heads, every variable random; ``--only_bert``
+  adds it to an existing directory.
 * ``sharded/``: two variables on two CPU devices, so two ``.data-*`` shards.
 * ``dtypes/``: one variable of every numeric dtype (bfloat16, int64...); ``strings/`` and
   ``partitioned/``: what the reader refuses.
@@ -486,6 +489,126 @@ def make_inception_v4(out, rng, refs):
             )
 
 
+# ------------------------------------------------------------------ BERT (google-research/bert)
+# modeling.py's graph, thinned: the variable names run_classifier.py's users warm-start from.
+BERT = {"vocab": 16, "hidden": 8, "heads": 2, "intermediate": 16, "layers": 2, "positions": 8}
+
+
+def bert_layer_norm(x):
+    # modeling.py: tf.contrib.layers.layer_norm (gone in TF 2; tf_slim's is the same layer).
+    return slim.layer_norm(x, begin_norm_axis=-1, begin_params_axis=-1, scope="LayerNorm")
+
+
+def bert_gelu(x):
+    return 0.5 * x * (1.0 + tf.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * tf.pow(x, 3))))
+
+
+def bert_model(input_ids, token_type_ids, input_mask):
+    """modeling.BertModel's variables and forward pass; returns (sequence output, pooled)."""
+    c = BERT
+    h, heads = c["hidden"], c["heads"]
+    size = h // heads
+    init = tf1.truncated_normal_initializer(stddev=0.02)
+    batch, length = input_ids.shape[0], input_ids.shape[1]
+    with tf1.variable_scope("bert"):
+        with tf1.variable_scope("embeddings"):
+            words = tf1.get_variable("word_embeddings", [c["vocab"], h], initializer=init)
+            x = tf.gather(words, input_ids)
+            types = tf1.get_variable("token_type_embeddings", [2, h], initializer=init)
+            x += tf.gather(types, token_type_ids)
+            positions = tf1.get_variable(
+                "position_embeddings", [c["positions"], h], initializer=init
+            )
+            x += positions[None, :length]
+            x = bert_layer_norm(x)
+        mask = (1.0 - tf.cast(input_mask[:, None, None, :], tf.float32)) * -10000.0
+        with tf1.variable_scope("encoder"):
+            for i in range(c["layers"]):
+                with tf1.variable_scope(f"layer_{i}"):
+                    with tf1.variable_scope("attention"):
+                        with tf1.variable_scope("self"):
+
+                            def heads_of(name, x=x):
+                                y = tf1.layers.dense(x, h, name=name, kernel_initializer=init)
+                                return tf.transpose(
+                                    tf.reshape(y, [batch, length, heads, size]), [0, 2, 1, 3]
+                                )
+
+                            q, k, v = heads_of("query"), heads_of("key"), heads_of("value")
+                            scores = tf.matmul(q, k, transpose_b=True) / np.sqrt(size) + mask
+                            context = tf.matmul(tf.nn.softmax(scores), v)
+                            context = tf.reshape(
+                                tf.transpose(context, [0, 2, 1, 3]), [batch, length, h]
+                            )
+                        with tf1.variable_scope("output"):
+                            attended = tf1.layers.dense(context, h, kernel_initializer=init)
+                            attended = bert_layer_norm(attended + x)
+                    with tf1.variable_scope("intermediate"):
+                        inner = tf1.layers.dense(
+                            attended,
+                            c["intermediate"],
+                            activation=bert_gelu,
+                            kernel_initializer=init,
+                        )
+                    with tf1.variable_scope("output"):
+                        out = tf1.layers.dense(inner, h, kernel_initializer=init)
+                        x = bert_layer_norm(out + attended)
+        with tf1.variable_scope("pooler"):
+            pooled = tf1.layers.dense(x[:, 0], h, activation=tf.tanh, kernel_initializer=init)
+    return x, pooled
+
+
+def make_bert(out, rng, refs):
+    """``bert_tiny/``: a pre-training checkpoint's names (``bert/...`` and the ``cls/`` heads a
+    classifier leaves unused), every variable random, ``global_step`` 7; TensorFlow's own values
+    of every variable and of its outputs in ``reference.npz``."""
+    c = BERT
+    graph = tf.Graph()
+    with graph.as_default():
+        tf1.set_random_seed(int(rng.integers(1 << 30)))
+        ids = tf1.placeholder(tf.int32, [2, 5])
+        types = tf1.placeholder(tf.int32, [2, 5])
+        mask = tf1.placeholder(tf.int32, [2, 5])
+        sequence, pooled = bert_model(ids, types, mask)
+        # run_pretraining.py's heads: not a classifier's (unused by its warm start).
+        with tf1.variable_scope("cls/predictions"):
+            tf1.get_variable("output_bias", [c["vocab"]], initializer=tf1.zeros_initializer())
+        with tf1.variable_scope("cls/seq_relationship"):
+            tf1.get_variable("output_weights", [2, c["hidden"]])
+            tf1.get_variable("output_bias", [2], initializer=tf1.zeros_initializer())
+        global_step = tf1.train.get_or_create_global_step()
+        feed = {
+            ids: rng.integers(0, c["vocab"], (2, 5)).astype(np.int32),
+            types: rng.integers(0, 2, (2, 5)).astype(np.int32),
+            mask: np.array([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], np.int32),
+        }
+        with tf1.Session(graph=graph) as sess:
+            sess.run(tf1.global_variables_initializer())
+            # Random values everywhere (biases, gammas, betas too): a rename that swapped two
+            # variables of one shape could not then match.
+            for v in tf1.global_variables():
+                if v.op.name != "global_step":
+                    v.load(rng.normal(0.0, 0.5, v.get_shape().as_list()).astype(np.float32), sess)
+            global_step.load(7, sess)
+            _save(sess, os.path.join(out, "bert_tiny"), None, global_step)
+            # TensorFlow's own values, one flat vector in name order (an .npz entry per
+            # variable would cost more headers than values).
+            variables = sorted(tf1.global_variables(), key=lambda v: v.op.name)
+            refs["bert_tiny/names"] = np.array([v.op.name for v in variables])
+            refs["bert_tiny/values"] = np.concatenate(
+                [np.ravel(sess.run(v)).astype(np.float64) for v in variables]
+            )
+            for key, placeholder in (
+                ("input_ids", ids),
+                ("token_type_ids", types),
+                ("input_mask", mask),
+            ):
+                refs[f"bert_tiny/{key}"] = feed[placeholder]
+            refs["bert_tiny/sequence_output"], refs["bert_tiny/pooled_output"] = sess.run(
+                [sequence, pooled], feed
+            )
+
+
 # ------------------------------------------------------------------ writing
 def to_float(pixels):
     """The models' input from uint8 pixels (the .npz keeps the pixels: 4x smaller)."""
@@ -674,11 +797,23 @@ def main():
         action="store_true",
         help="add sharded/ (and its references) to an existing --output_dir",
     )
+    parser.add_argument(
+        "--only_bert",
+        action="store_true",
+        help="add bert_tiny/ (and its references) to an existing --output_dir",
+    )
     args = parser.parse_args()
     tf1.disable_eager_execution()
     os.makedirs(args.output_dir, exist_ok=True)
     rng = np.random.default_rng(20260524)
     refs: dict[str, np.ndarray] = {}
+    if args.only_bert:
+        path = os.path.join(args.output_dir, "reference.npz")
+        refs = dict(np.load(path))
+        make_bert(args.output_dir, np.random.default_rng(20260601), refs)
+        np.savez(path, **refs)
+        print(f"added bert_tiny to {args.output_dir}")
+        return
     if args.only_sharded:
         path = os.path.join(args.output_dir, "reference.npz")
         refs = dict(np.load(path))
@@ -703,6 +838,7 @@ def main():
     make_refused(args.output_dir)
     make_inception_v4(args.output_dir, np.random.default_rng(20260525), refs)
     refs.update(make_sharded(args.output_dir, np.random.default_rng(20260526)))
+    make_bert(args.output_dir, np.random.default_rng(20260601), refs)
     refs["tensorflow_version"] = np.array(tf.__version__)
     np.savez(os.path.join(args.output_dir, "reference.npz"), **refs)
     print(f"wrote {args.output_dir} with TensorFlow {tf.__version__}")
