@@ -3,6 +3,11 @@
     .venv-tpu/bin/python bench/tpu_compile.py --program=resnet --topology=v2:2x2   # one pair
     .venv-tpu/bin/python bench/tpu_compile.py --all                                # what is left
     .venv-tpu/bin/python bench/tpu_compile.py --table                              # the .md only
+    .venv-tpu/bin/python bench/tpu_compile.py --program=resnet --topology=v5e:2x4 --variant=fsdp
+
+``--variant`` adds a layout's flags to the program's command line (``VARIANTS``: spatial
+partitioning, FSDP, rematerialisation); its rows sit beside the default layout's, so the table
+shows what each layout changes (per-device arguments, temporaries, collectives).
 
 Each (program, topology) runs the program's own command line with ``--compile_for`` (its
 model_fn, mesh, precision, EMA, donated state and batch sizes, exactly as ``--compile_for``
@@ -54,6 +59,20 @@ PROGRAMS: dict[str, tuple[str, list[str], str]] = {
     ),
     # mnist_tpu.py's defaults: batch 1024.
     "mnist": ("estimax.programs.mnist", [], "MNIST CNN, batch 1024, float32 (defaults)"),
+    # big_vision's ViT-L/16 with its Adam (4.9 GB of state in float32, mu in bfloat16) at a
+    # global batch of 512 (64 per v5e chip).
+    "vit_l16": (
+        "estimax.programs.vit",
+        ["--model_name=vit-l16", "--train_batch_size=512", "--eval_batch_size=512"],
+        "ViT-L/16, batch 512, bfloat16, Adam",
+    ),
+}
+# The layouts of issue #40, as their flags.
+VARIANTS: dict[str, list[str]] = {
+    "default": [],
+    "spatial": ["--num_cores_per_replica=2", "--input_partition_dims=1,2,1,1"],
+    "fsdp": ["--fsdp_min_size_mb=4"],
+    "remat": ["--remat=full"],
 }
 
 
@@ -68,19 +87,32 @@ def machine() -> dict[str, Any]:
     return {"cpu": model, "cores": os.cpu_count(), "load_start": os.getloadavg()[0]}
 
 
-def run_pair(program: str, topology: str) -> dict[str, Any]:
-    """Compiles one program's train and eval steps for one topology; its reports and times."""
+def run_pair(
+    program: str, topology: str, variant: str = "default", search: bool = True
+) -> dict[str, Any]:
+    """Compiles one program's train and eval steps for one topology under one layout; its
+    reports and times. ``search=False``: a step that does not fit is reported as it is, without
+    the batch search's further compiles (minutes each for a large model)."""
     import importlib
 
     from absl import flags
 
+    from estimax.estimator import compile as compile_lib
     from estimax.programs import common
 
     module_name, argv, what = PROGRAMS[program]
+    argv = [*argv, *VARIANTS[variant]]
     module = importlib.import_module(module_name)
     fv = flags.FlagValues()
     module.define_flags(fv)
     fv([program, f"--compile_for={topology}", *argv])
+    if not search:
+        whole = compile_lib.compile_for
+
+        def no_search(*args: Any, **kwargs: Any) -> Any:
+            return whole(*args, **{**kwargs, "search": False})
+
+        compile_lib.compile_for = no_search  # this process runs one pair
     start, host = time.perf_counter(), machine()
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
@@ -92,6 +124,7 @@ def run_pair(program: str, topology: str) -> dict[str, Any]:
     host["load_end"] = os.getloadavg()[0]
     return {
         "program": program,
+        "variant": variant,
         "what": what,
         "argv": argv,
         "topology": topology,
@@ -121,7 +154,14 @@ def load(path: Path) -> list[dict[str, Any]]:
 def save(path: Path, rows: list[dict[str, Any]]) -> None:
     order = {p: i for i, p in enumerate(PROGRAMS)}
     targets = TOPOLOGIES + GPU_TOPOLOGIES
-    rows.sort(key=lambda r: (order.get(r["program"], 99), targets.index(r["topology"])))
+    variants = list(VARIANTS)
+    rows.sort(
+        key=lambda r: (
+            order.get(r["program"], 99),
+            targets.index(r["topology"]),
+            variants.index(r.get("variant", "default")),
+        )
+    )
     path.write_text(json.dumps(rows, indent=1) + "\n")
     path.with_suffix(".md").write_text(table(rows))
 
@@ -132,12 +172,14 @@ def _gib(x: float) -> str:
 
 
 def _row(run: dict[str, Any], r: dict[str, Any]) -> str:
-    head = f"| {run['program']} | {run['topology']} ({r['device_kind']} x{r['num_devices']}) "
+    variant = run.get("variant", "default")
+    head = f"| {run['program']} | {variant} | {run['topology']} ({r['device_kind']} "
+    head += f"x{r['num_devices']}) "
     head += f"| {r['step']} | {r['global_batch']} | {r['dtypes']} "
     if not r["fits"]:
         search = r.get("search") or {}
         note = f"no; largest that fits: {search.get('fits')}" if search else "no"
-        return head + f"| {note} | | | | | | | {r['compile_s']:.0f} |"
+        return head + f"| {note} | | | | | | | | {r['compile_s']:.0f} |"
     per_dev = r["examples_per_s_per_device"]
     chip = per_dev * r["devices_per_chip"]
     xla = r.get("xla_estimate_s")
@@ -147,8 +189,17 @@ def _row(run: dict[str, Any], r: dict[str, Any]) -> str:
         f"| {r['flops'] / 1e12:.3g} | {r['bytes_accessed'] / 1e9:.3g} "
         f"| {r['roofline_s'] * 1e3:.3g} ({r['bound']}) "
         f"| {per_dev:,.0f} / {chip:,.0f} "
-        f"| {'' if xla is None else f'{xla * 1e3:.3g}'} | {r['compile_s']:.0f} |"
+        f"| {'' if xla is None else f'{xla * 1e3:.3g}'} | {_collectives(r)} "
+        f"| {r['compile_s']:.0f} |"
     )
+
+
+def _collectives(r: dict[str, Any]) -> str:
+    """The step's collectives, ``all-reduce 161 (0.20)``: count and GiB per device per step."""
+    found = r.get("collectives")
+    if found is None:
+        return "(not recorded)"
+    return ", ".join(f"{op} {n} ({_gib(b)})" for op, (n, b) in sorted(found.items())) or "none"
 
 
 def _compiler(versions: dict[str, str]) -> str:
@@ -173,11 +224,11 @@ def table(rows: list[dict[str, Any]]) -> str:
         "process each, two or three at a time, with one version of the code (the first, resnet "
         "on v2:2x2, before the executable's serialized size was added to the report).",
         "",
-        "| program | topology | step | global batch | matmul dtypes | fits | memory GiB per "
-        "device (args / temp / code) | TFLOP per device per step | GB accessed per device "
+        "| program | layout | topology | step | global batch | matmul dtypes | fits | memory GiB "
+        "per device (args / temp / code) | TFLOP per device per step | GB accessed per device "
         "per step | roofline ms/step (bound) | roofline examples/s per device / per chip | "
-        "XLA's own estimate ms | compile s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "XLA's own estimate ms | collectives per step: count (GiB produced) | compile s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in rows:
         lines.extend(_row(run, r) for r in run["reports"])
@@ -185,7 +236,9 @@ def table(rows: list[dict[str, Any]]) -> str:
     for run in rows:
         m = run["machine"]
         lines.append(
-            f"* {run['program']} on {run['topology']}: {run['what']}; {run['wall_s']:.0f} s "
+            f"* {run['program']} ({run.get('variant', 'default')}) on {run['topology']}: "
+            f"{run['what']} {' '.join(VARIANTS[run.get('variant', 'default')])}; "
+            f"{run['wall_s']:.0f} s "
             f"wall on {m['cpu']} ({m['cores']} cores, load {m['load_start']:.1f} -> "
             f"{m['load_end']:.1f}); jax {run['versions']['jax']}, {_compiler(run['versions'])}."
             + (f" FATAL: {run['fatal']}" if run["fatal"] else "")
@@ -230,12 +283,16 @@ def main() -> int:
     parser.add_argument("--all", action="store_true", help="every pair not in --out yet")
     parser.add_argument("--table", action="store_true", help="only rewrite the .md")
     parser.add_argument("--out", type=Path, default=RESULTS / "tpu_compile.json")
+    parser.add_argument("--variant", choices=sorted(VARIANTS), default="default")
+    parser.add_argument(
+        "--no_search", action="store_true", help="no batch search for a step that does not fit"
+    )
     args = parser.parse_args()
     rows = load(args.out)
     if args.table:
         save(args.out, rows)
         return 0
-    done = {(r["program"], r["topology"]) for r in rows}
+    done = {(r["program"], r["topology"]) for r in rows if r.get("variant", "default") == "default"}
     if args.all:
         pairs = [(p, t) for p in PROGRAMS for t in TOPOLOGIES if (p, t) not in done]
     elif args.program:
@@ -243,13 +300,16 @@ def main() -> int:
     else:
         parser.error("give --program [--topology], or --all, or --table")
     for program, topology in pairs:
-        run = run_pair(program, topology)
+        run = run_pair(program, topology, args.variant, search=not args.no_search)
         print("\n".join(run["lines"]), flush=True)
         # Runs in other processes may append to the same file: read, add and write under a lock.
         with open(args.out.with_suffix(".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
+            key = (program, topology, args.variant)
             rows = [
-                r for r in load(args.out) if (r["program"], r["topology"]) != (program, topology)
+                r
+                for r in load(args.out)
+                if (r["program"], r["topology"], r.get("variant", "default")) != key
             ]
             save(args.out, [*rows, run])
     return 0

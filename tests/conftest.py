@@ -5,7 +5,51 @@ import os
 # Must happen before JAX initialises its backend (`make test` sets it too).
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+
+def _compilation_cache_dir() -> str:
+    """One JAX compilation cache for the whole test run: the process that loads this first
+    (pytest-xdist's controller) names it, and its workers (and the programs the tests start as
+    subprocesses) inherit the variable."""
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), f"estimax-test-jax-cache-{os.getpid()}")
+
+
+# Most of the suite's time is XLA compiling the same tiny programs again: each test builds its
+# own Estimator, whose new jitted closures miss jit's in-memory cache, but their HLO is the
+# same, so JAX's persistent cache (keyed by the HLO, the XLA flags and the compiler) serves the
+# executable instead. ESTIMAX_TEST_COMPILATION_CACHE=0 turns it off; tests that count XLA's
+# compilations take the `no_compilation_cache` fixture.
+if os.environ.get("ESTIMAX_TEST_COMPILATION_CACHE", "1") != "0":
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _compilation_cache_dir())
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
+
 import pytest  # noqa: E402
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The run's compilation cache goes with the run (removed by the process that named it)."""
+    import shutil
+
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR") == _compilation_cache_dir():
+        shutil.rmtree(_compilation_cache_dir(), ignore_errors=True)
+
+
+@pytest.fixture
+def no_compilation_cache():
+    """JAX's persistent compilation cache off for one test: one that counts XLA's compilations
+    (a cache hit compiles nothing)."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()  # it decides once whether it is used: ask again
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", was)
+        compilation_cache.reset_cache()
 
 
 @pytest.fixture(scope="session")

@@ -104,7 +104,7 @@ def test_a_train_state_maps_to_the_checkpoint_items_and_back():
     }
 
 
-def test_replicated_small_arrays_save_without_a_slice_program_each(tmp_path):
+def test_replicated_small_arrays_save_without_a_slice_program_each(tmp_path, no_compilation_cache):
     """Orbax splits a replicated array's save across replicas with one compiled slice program
     per shape and replica: for an image model's many small arrays that cost seconds on the first
     save. Only arrays of at least 1 MiB per replica are split; all restore exactly."""

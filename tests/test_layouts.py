@@ -23,6 +23,8 @@ import estimax as ex
 from estimax.estimator import batches, layouts, replication, restoring, step_builder
 from estimax.estimator import steps as steps_lib
 from estimax.estimator.spec import ModeKeys
+from estimax.models.resnet import ResNetTiny
+from estimax.models.vit import ViTTiny
 
 # Measured here (8 CPU devices, float32): the largest difference of a gradient between a layout
 # and the 1-D step was 1.2e-7 (spatial, conv net), 0 (FSDP, conv net) and 3e-8 (FSDP,
@@ -63,7 +65,16 @@ class Mlp(nn.Module):
         return nn.Dense(4)(nn.relu(nn.Dense(32)(x.reshape(x.shape[0], -1))))
 
 
-MODELS = {"conv": ConvNet, "transformer": Block, "mlp": Mlp}
+# estimax's own families at their tiny sizes (a ViT's head not zero-initialised: with a zero
+# head, step one's gradients below it are zero and would compare nothing).
+MODELS = {
+    "conv": ConvNet,
+    "transformer": Block,
+    "mlp": Mlp,
+    "resnet": functools.partial(ResNetTiny, num_classes=4),
+    "vit": functools.partial(ViTTiny, num_classes=4, head_zeroinit=False),
+}
+IMAGES = {"conv": (8, 8, 3), "resnet": (32, 32, 3), "vit": (32, 32, 3)}
 
 
 def make_model_fn(net, ema_decay=None):
@@ -85,7 +96,7 @@ def make_model_fn(net, ema_decay=None):
 
 def batch(model, seed=0):
     rs = np.random.RandomState(seed)
-    shape = (BATCH, 8, 8, 3) if model == "conv" else (BATCH, 8, 6)  # images; 8 tokens of 6
+    shape = (BATCH, *IMAGES.get(model, (8, 6)))  # images; 8 tokens of 6
     return rs.randn(*shape).astype(np.float32), rs.randint(0, 4, BATCH).astype(np.int32)
 
 
@@ -129,6 +140,14 @@ def test_spatial_partitioning_gives_the_data_parallel_step():
     assert_same_step(got, data_parallel("conv", 4))
     state = got[3]
     assert jax.tree.leaves(state.params)[0].sharding.mesh.axis_names == ("data", "model0")
+
+
+@pytest.mark.parametrize("model", ["resnet", "vit"])
+def test_spatial_partitioning_gives_estimax_models_data_parallel_step(model):
+    got = one_step(
+        model, num_cores_per_replica=2, input_partition_dims=[[1, 2, 1, 1], None], num_shards=4
+    )
+    assert_same_step(got, data_parallel(model, 4))
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))

@@ -553,3 +553,54 @@ def test_a_users_shard_map_step_compiles_for_a_tpu_slice(name):
     )
     compiled = step.trace(*args).lower().compile()
     assert not CPU_ONLY.search(compiled.as_text())
+
+
+@needs_libtpu
+@pytest.mark.parametrize("program", ["resnet", "vit"])
+def test_each_layout_compiles_for_a_tpu_slice_and_its_report_shows_its_effect(
+    program, monkeypatch, capsys
+):
+    """The slice's steps under the run's layout (mesh replicas x cores, the state placed as
+    FSDP places it): spatial partitioning holds halo exchanges and fewer temporaries per
+    device, FSDP gathers the parameters and holds fewer argument bytes per device."""
+    layouts = {
+        "default": [],
+        "spatial": ["--num_cores_per_replica=2", "--input_partition_dims=1,2,1,1"],
+        "fsdp": ["--fsdp_min_size_mb=0.001"],
+    }
+    batch = ["--train_batch_size=16", "--eval_batch_size=16"]
+    train = {}
+    for name, argv in layouts.items():
+        result, _ = run_program(program, [f"--compile_for={TOPOLOGY}", *batch, *argv], monkeypatch)
+        train[name] = result["compile_for"][0]
+        lines = capsys.readouterr().out.strip().splitlines()
+        assert len(lines) == 2 and all(": fits: " in line for line in lines), lines
+        for flag in argv:  # the layout named in each line
+            assert all(flag.split("=")[0] in line for line in lines), (flag, lines)
+        assert train[name]["fits"] and train[name]["global_batch"] == 16
+    default, spatial, fsdp = train["default"], train["spatial"], train["fsdp"]
+    assert "collective-permute" not in default["collectives"]
+    assert "all-reduce" in default["collectives"]  # the replicas' gradient mean
+    if program == "resnet":  # convolutions over a split side exchange their halos
+        assert spatial["collectives"]["collective-permute"][0] > 0, spatial["collectives"]
+        assert spatial["temp_bytes"] < default["temp_bytes"]
+    assert spatial["argument_bytes"] == pytest.approx(default["argument_bytes"], rel=0.05)
+    assert fsdp["collectives"]["all-gather"][0] > 0, fsdp["collectives"]
+    assert fsdp["argument_bytes"] < 0.6 * default["argument_bytes"], (fsdp, default)
+
+
+def test_collectives_are_counted_with_the_bytes_they_produce():
+    hlo = "\n".join(
+        [
+            "  %ar = f32[64,3]{1,0} all-reduce(f32[64,3]{1,0} %p), replica_groups={}",
+            "  %ags = (bf16[8]{0}, bf16[32]{0}) all-gather-start(bf16[8]{0} %x), dimensions={0}",
+            "  %agd = bf16[32]{0} all-gather-done((bf16[8]{0}, bf16[32]{0}) %ags)",
+            "  %cp = f32[2,2]{1,0} collective-permute(f32[2,2]{1,0} %y), source_target_pairs={}",
+            "  %add = f32[64,3]{1,0} add(f32[64,3]{1,0} %ar, f32[64,3]{1,0} %ar)",
+        ]
+    )
+    assert compile_lib.collectives(hlo) == {
+        "all-reduce": [1, 64 * 3 * 4],
+        "all-gather": [1, (8 + 32) * 2],
+        "collective-permute": [1, 16],
+    }

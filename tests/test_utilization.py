@@ -110,7 +110,7 @@ def test_a_loop_body_counts_once_so_the_multiplier_restores_it():
 
 
 def test_mfu_is_the_compiled_flops_over_the_step_time_over_the_cited_peak(
-    tmp_path, caplog, monkeypatch
+    tmp_path, caplog, monkeypatch, no_compilation_cache
 ):
     monkeypatch.setattr(chips, "for_device", lambda device: ("fake", FAKE_CHIP))
     compiles: list[str] = []

@@ -58,6 +58,7 @@ from jax.sharding import PartitionSpec as P
 from estimax.estimator import chips as chips_lib
 from estimax.estimator import gpu_compile
 from estimax.estimator.chips import TPU_CHIPS, ChipSpec  # noqa: F401 (ChipSpec: re-exported)
+from estimax.estimator import layouts as layouts_lib
 from estimax.estimator.export import TensorSpec, check_input_specs
 from estimax.estimator.replication import REPLICA_AXIS, per_replica_batch
 from estimax.estimator.step_builder import Steps, micro_batch
@@ -173,6 +174,9 @@ class StepReport:
     search: BatchSearch | None = None  # when it does not fit and a search was asked for
     accumulation_steps: int = 1  # micro-batches per step (RunConfig.gradient_accumulation_steps)
     usable_bytes: float | None = None
+    layout: str = ""  # the run's layout (layouts.Layout), "" for the data-parallel default
+    # The compiled step's collectives: op -> [count, bytes of their results] per step.
+    collectives: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
     @property
     def micro_batch(self) -> int:
@@ -234,9 +238,11 @@ class StepReport:
 
     def line(self) -> str:
         """One line a person reads at a glance."""
+        layout = f"; {self.layout}" if self.layout else ""
         head = (
             f"{self.step} step on {self.device_kind} x{self.num_devices} ({self.topology}; "
-            f"global batch {self.global_batch:,}{_as_micro_batches(self)}, {self.dtypes})"
+            f"global batch {self.global_batch:,}{_as_micro_batches(self)}, {self.dtypes}"
+            f"{layout})"
         )
         if not self.fits:
             return f"{head}: does not fit: {self.error} (compiled in {self.compile_s:.0f} s)"
@@ -254,9 +260,17 @@ class StepReport:
             f"{self.bytes_accessed / 1e9:.3g} GB per device per step; roofline >= "
             f"{_duration(t)}/step = {self.examples_per_s:,.0f} examples/s "
             f"({self.examples_per_s / self.num_devices:,.0f} per device) at a dense bf16 peak of "
-            f"{self.peak_flops / 1e12:g} TFLOP/s per device ({self.peak_source}); compiled in "
-            f"{self.compile_s:.0f} s"
+            f"{self.peak_flops / 1e12:g} TFLOP/s per device ({self.peak_source}); "
+            f"{_collectives(self.collectives)}; compiled in {self.compile_s:.0f} s"
         )
+
+
+def _collectives(found: dict[str, list[int]]) -> str:
+    if not found:
+        return "no collectives"
+    return "collectives " + ", ".join(
+        f"{n} {op} ({_size(b)})" for op, (n, b) in sorted(found.items())
+    )
 
 
 def _as_micro_batches(report: StepReport) -> str:
@@ -294,14 +308,43 @@ def _placed(tree: Any, sharding: Any) -> Any:
 def _inputs(
     steps: Steps, mesh: Mesh, io: tuple[Any, Any], batch: int, init: Callable[..., Any]
 ) -> tuple[Any, Any, Any, NamedSharding]:
-    """(``init``'s output placed replicated, features, labels sharded over ``mesh``, replicated)."""
+    """(``init``'s output, features, labels, placed as the steps' layout places them (by
+    default the state replicated and the batch over the replicas), and a replicated sharding)."""
     features, labels = io
-    rows = batch // mesh.size
+    layout, replicas = steps.layout, layouts_lib.num_replicas(mesh)
+    rows = batch // replicas
     sample = (_abstract_batch(features, rows), _abstract_batch(labels, rows))
-    replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P(REPLICA_AXIS))
-    state = _placed(jax.eval_shape(init, steps.rng, *sample), replicated)
-    features, labels = (_abstract_batch(x, batch, sharded) for x in io)
-    return state, features, labels, replicated
+    replicated = NamedSharding(mesh, P())
+    shapes = jax.eval_shape(init, steps.rng, *sample)
+    if layout.is_default:
+        state = _placed(shapes, replicated)
+    else:
+        specs = (
+            layout.state_specs(shapes, replicas)
+            if init is steps.init
+            else layout.variables_specs(shapes, replicas)
+        )
+        state = jax.tree.map(
+            lambda s, spec: jax.ShapeDtypeStruct(
+                s.shape, s.dtype, sharding=NamedSharding(mesh, spec)
+            ),
+            shapes,
+            specs,
+        )
+    batch_features = _abstract_batch(features, batch)
+    batch_labels = _abstract_batch(labels, batch)
+    f_specs, l_specs = layout.input_specs(batch_features, batch_labels)
+
+    def put(tree: Any, specs: Any) -> Any:
+        return jax.tree.map(
+            lambda s, spec: jax.ShapeDtypeStruct(
+                s.shape, s.dtype, sharding=NamedSharding(mesh, spec)
+            ),
+            tree,
+            specs,
+        )
+
+    return state, put(batch_features, f_specs), put(batch_labels, l_specs), replicated
 
 
 def train_args(steps: Steps, mesh: Mesh, io: tuple[Any, Any], batch: int) -> tuple[Any, ...]:
@@ -360,6 +403,7 @@ def compile_for(
     num_shards: int | None = None,
     search: bool = False,
     accumulation_steps: int = 1,
+    layout: layouts_lib.Layout | None = None,
 ) -> list[StepReport]:
     """Compiles each step of ``batch_sizes`` (``{"train": 1024, "eval": 1024}``) for a slice.
 
@@ -374,31 +418,49 @@ def compile_for(
         and for a train step whether its batch fits as more micro-batches
         (``accumulated_fit``).
       accumulation_steps: the train step's micro-batches (``gradient_accumulation_steps``).
+      layout: the steps' layout (``layouts.Layout``: a replica's cores, input splits, FSDP);
+        the mesh is ``(replicas, *cores)`` over the slice's devices, as in a run.
 
     Raises:
-      CompileForError: the topology cannot be used here, or a batch does not divide over the
-        replicas or into the micro-batches (the message suggests one that does).
+      CompileForError: the topology cannot be used here, a replica's cores do not divide its
+        devices, or a batch does not divide over the replicas or into the micro-batches (the
+        message suggests one that does).
     """
     features, labels = io
     check_inputs(features, labels)
+    layout = layout or layouts_lib.Layout()
+    cores = layout.cores_per_replica
     devices = slice_devices(topology)
-    if num_shards and num_shards < len(devices):
-        devices = devices[:num_shards]
+    if len(devices) % cores:
+        raise CompileForError(
+            f"on {topology}: --num_cores_per_replica={cores} (RunConfig.num_cores_per_replica) "
+            f"does not divide its {len(devices)} devices: use a divisor of {len(devices)}."
+        )
+    if num_shards and num_shards * cores < len(devices):
+        devices = devices[: num_shards * cores]
+    replicas = len(devices) // cores
     reports = []
     for step, batch in batch_sizes.items():
         k = accumulation_steps if step == "train" else 1
         try:
-            per_replica_batch(batch, len(devices), f"{step}_batch_size")
-            micro_batch(batch, len(devices), k)
+            per_replica_batch(batch, replicas, f"{step}_batch_size")
+            micro_batch(batch, replicas, k)
         except ValueError as e:
             raise CompileForError(f"on {topology}: {e}") from None
         compile_one = functools.partial(
-            compile_step, step, build, devices, topology, features=features, labels=labels
+            compile_step,
+            step,
+            build,
+            devices,
+            topology,
+            features=features,
+            labels=labels,
+            layout=layout,
         )
         report = compile_one(batch=batch, accumulation_steps=k)
         if search and not report.fits:
             probe = functools.partial(_at_batch, compile_one, k)
-            report.search = largest_batch(probe, report, len(devices) * k)
+            report.search = largest_batch(probe, report, replicas * k)
             if step == "train" and report.search.fits:
                 report.search = accumulated_fit(compile_one, report, report.search)
         reports.append(report)
@@ -455,6 +517,7 @@ def compile_step(
     devices: list[Any],
     topology: str,
     accumulation_steps: int = 1,
+    layout: layouts_lib.Layout | None = None,
     **io: Any,
 ) -> StepReport:
     """Compiles the ``step`` ('train' or 'eval') at ``io['batch']`` for ``devices``.
@@ -466,9 +529,12 @@ def compile_step(
       devices: the mesh's devices (a slice's, or the first ``num_shards`` of them).
       topology: the slice's name, for the report.
       accumulation_steps: the train step's micro-batches per step.
+      layout: the steps' layout (default: data parallel, one device per replica).
       io: ``features``, ``labels`` (``TensorSpec`` pytrees, batch dim None) and ``batch``.
     """
-    mesh = Mesh(np.array(devices), (REPLICA_AXIS,))
+    layout = layout or layouts_lib.Layout()
+    grid = np.array(devices).reshape(len(devices) // layout.cores_per_replica, *layout.cores)
+    mesh = Mesh(grid, (REPLICA_AXIS, *layout.model_axes))
     batch = io["batch"]
     gpu = gpu_compile.is_gpu_target(topology)
     name = check_topology(topology)
@@ -485,6 +551,7 @@ def compile_step(
         fits=False,
         compile_s=0.0,
         accumulation_steps=accumulation_steps,
+        layout=layout.describe(),
         # A GPU's memory as its description gives it to the compiler (chips.py agrees to 1%).
         hbm_bytes=gpu_compile.device_memory_bytes(name) if gpu else chip.hbm_gib * GiB / per_chip,
         peak_flops=chip.bf16_tflops * 1e12 / per_chip,
@@ -512,9 +579,42 @@ def compile_step(
     _fill(report, compiled)
     if gpu:
         _judge_gpu_fit(report, lowered, compiled)
-    report.custom_calls = custom_call_targets(stablehlo + compiled.as_text())
+    text = compiled.as_text()
+    report.custom_calls = custom_call_targets(stablehlo + text)
+    report.collectives = collectives(text)
     _measure_serialized(report, compiled)
     return report
+
+
+# XLA's collective ops as compiled HLO names them (async ones as their -start half).
+_COLLECTIVE = re.compile(
+    r"=\s*(?P<shape>.*?)\s(?P<op>all-reduce|all-gather|reduce-scatter|all-to-all|"
+    r"collective-permute|collective-broadcast)(?:-start)?\("
+)
+_ARRAY = re.compile(r"\b(pred|[a-z]+\d+(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
+
+
+def collectives(hlo: str) -> dict[str, list[int]]:
+    """``{op: [count, bytes]}`` of the collectives in compiled HLO text: each op's count per
+    step (a loop body's once) and the bytes of the arrays it produces."""
+    found: dict[str, list[int]] = {}
+    for line in hlo.splitlines():
+        m = _COLLECTIVE.search(line)
+        if m is None:
+            continue
+        entry = found.setdefault(m["op"], [0, 0])
+        entry[0] += 1
+        for dtype, dims in _ARRAY.findall(m["shape"]):
+            size = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+            entry[1] += size * _dtype_bytes(dtype)
+    return found
+
+
+def _dtype_bytes(name: str) -> int:
+    if name == "pred":
+        return 1
+    bits = re.search(r"\d+", name)
+    return max(1, int(bits.group()) // 8) if bits else 4
 
 
 def _measure_serialized(report: StepReport, compiled: Any) -> None:

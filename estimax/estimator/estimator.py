@@ -560,26 +560,46 @@ class Estimator:
           features, labels: ``TensorSpec`` pytrees of a batch (batch dimension None).
           **options: ``num_shards`` (default ``config.num_shards``), ``search`` (look for the
             largest batch that fits when a step does not), ``accumulation_steps`` (default
-            ``config.gradient_accumulation_steps``: the train step's memory is a micro-batch's).
+            ``config.gradient_accumulation_steps``: the train step's memory is a micro-batch's),
+            ``layout_config`` (a RunConfig whose ``num_cores_per_replica``,
+            ``input_partition_dims`` and ``shard_parameters`` the steps are built under,
+            default this Estimator's; the slice's layout need not fit this host's devices).
 
         Returns:
           a ``StepReport`` per step whose global batch size was given to the constructor.
         """
         options.setdefault("num_shards", self.config.num_shards)
         options.setdefault("accumulation_steps", self.config.gradient_accumulation_steps)
+        builder = self._builder
+        layout_config = options.pop("layout_config", None)
+        if layout_config is not None:
+            # The slice's layout, which this host's devices need not be able to hold.
+            builder = step_builder.StepBuilder(builder.model_fn, builder.params, layout_config)
+        options.setdefault("layout", builder.layout)  # the run's cores, splits, FSDP
         sizes = {m: self._batch_sizes[m] for m in (ModeKeys.TRAIN, ModeKeys.EVAL)}
         batches = {m: size for m, size in sizes.items() if size is not None}
         return compile_lib.compile_for(
-            self._steps_on, topology, (features, labels), batches, **options
+            functools.partial(self._steps_on, builder=builder),
+            topology,
+            (features, labels),
+            batches,
+            **options,
         )
 
     def _steps_on(
-        self, mesh: Any, mode: str, batch: int, accumulation_steps: int | None = None
+        self,
+        mesh: Any,
+        mode: str,
+        batch: int,
+        accumulation_steps: int | None = None,
+        *,
+        builder: step_builder.StepBuilder | None = None,
     ) -> step_builder.Steps:
         """The steps on ``mesh`` (a slice's) with ``mode``'s global batch ``batch`` in
         ``accumulation_steps`` micro-batches (``compile_for``'s: one train step whatever
         ``steps_per_device_call``, as a device loop runs the same step body)."""
-        return self._builder.build(mesh, {**self._batch_sizes, mode: batch}, accumulation_steps)
+        builder = builder or self._builder
+        return builder.build(mesh, {**self._batch_sizes, mode: batch}, accumulation_steps)
 
     # ------------------------------------------------------------------ summaries
 

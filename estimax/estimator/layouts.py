@@ -99,6 +99,17 @@ class Layout:
         """One core per replica, no FSDP: the data-parallel steps, exactly as without layouts."""
         return not self.cores and self.fsdp_min_bytes is None
 
+    def describe(self) -> str:
+        """The layout as its flags write it (``""`` for the default): what a report names."""
+        parts = []
+        if self.cores:
+            parts.append(f"--num_cores_per_replica={self.cores_per_replica}")
+        if self.features_dims is not None:
+            parts.append(f"--input_partition_dims={format_dims(self.features_dims)}")
+        if self.fsdp_min_bytes is not None:
+            parts.append(f"--fsdp_min_size_mb={self.fsdp_min_bytes / _MIB:g}")
+        return " ".join(parts)
+
     @property
     def cores_per_replica(self) -> int:
         """``num_cores_per_replica``."""

@@ -1068,17 +1068,17 @@ def compile_job(job: Job) -> list[Any]:
     """
     config, topology = job.config, job.compile_for
     assert topology is not None  # run() calls this for --compile_for only
-    if config.num_cores_per_replica > 1 or config.shard_parameters is not None:
-        # compile.py lays the slice out as one data axis and its state replicated: its report
-        # would not be the layout's.
-        raise UsageError(
-            f"--compile_for={topology} with --num_cores_per_replica or --fsdp_min_size_mb: not "
-            "supported yet (the compiled steps would not be those layouts'); compile without "
-            "them."
-        )
     if gpu_compile.is_gpu_target(topology):
         gpu_compile.use_cpu_backend()  # nothing runs here: no CUDA start, no traceback
-    local = dataclasses.replace(config, num_shards=1)  # the slice's devices replace this one
+    # The slice's devices replace this host's: the local Estimator holds no layout (this host
+    # may have fewer devices than a replica's cores), the steps are built under the run's.
+    local = dataclasses.replace(
+        config,
+        num_shards=1,
+        num_cores_per_replica=1,
+        input_partition_dims=None,
+        shard_parameters=None,
+    )
     with contextlib.ExitStack() as stack:
         if config.model_dir is None:
             local = dataclasses.replace(
@@ -1093,7 +1093,11 @@ def compile_job(job: Job) -> list[Any]:
         )
         try:
             reports = est.compile_for(
-                topology, *compile_inputs(job), num_shards=config.num_shards, search=True
+                topology,
+                *compile_inputs(job),
+                num_shards=config.num_shards,
+                search=True,
+                layout_config=config,
             )
         except compile_lib.CompileForError as e:
             raise UsageError(f"--compile_for={topology}: {e}") from None

@@ -368,7 +368,10 @@ def to_unit_range(images: Any, dtype: Any) -> jax.Array:
 def make_model_fn(cfg: ViTConfig):
     """Returns ``model_fn(features, labels, mode, params)``: big_vision's classification step."""
     multiplier = warmup_cosine(cfg.train_steps, cfg.warmup_steps)
-    optimizer = make_optimizer(cfg, multiplier)
+    # The Estimator clips (EstimatorSpec.gradient_clip_norm, the same optax clip): under FSDP
+    # its norm is over the whole gradients, where optax's in the chain would see one
+    # replica's slice of each split leaf (and could not even be compiled).
+    optimizer = make_optimizer(dataclasses.replace(cfg, grad_clip_norm=0.0), multiplier)
 
     def model_fn(features, labels, mode, params):
         """features: [B, S, S, 3] uint8/float in [0, 255]; labels: [B] int or [B, C] targets."""
@@ -402,6 +405,7 @@ def make_model_fn(cfg: ViTConfig):
             mode=mode,
             loss=loss_fn(cfg, logits, labels),
             optimizer=optimizer,
+            gradient_clip_norm=cfg.grad_clip_norm or None,
             eval_metrics=eval_metrics,
             predictions=predictions,
             scalars=scalars,
