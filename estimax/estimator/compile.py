@@ -57,8 +57,8 @@ from jax.sharding import PartitionSpec as P
 
 from estimax.estimator import chips as chips_lib
 from estimax.estimator import gpu_compile
-from estimax.estimator.chips import TPU_CHIPS, ChipSpec  # noqa: F401 (ChipSpec: re-exported)
 from estimax.estimator import layouts as layouts_lib
+from estimax.estimator.chips import TPU_CHIPS, ChipSpec  # noqa: F401 (ChipSpec: re-exported)
 from estimax.estimator.export import TensorSpec, check_input_specs
 from estimax.estimator.replication import REPLICA_AXIS, per_replica_batch
 from estimax.estimator.step_builder import Steps, micro_batch
