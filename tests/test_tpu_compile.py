@@ -427,7 +427,7 @@ def test_the_report_line_says_fit_memory_work_and_roofline():
         "train", "v2:2x2", "TPU v2", 8, 2, 1024, "bf16", True, 268.0,
         hbm_bytes=8 * 2**30, argument_bytes=int(0.25 * 2**30), temp_bytes=int(4.25 * 2**30),
         code_bytes=int(0.5 * 2**30), flops=3.08e12, bytes_accessed=34.1e9,
-        peak_flops=23e12, hbm_bandwidth=350e9,
+        peak_flops=23e12, hbm_bandwidth=350e9, collectives={"all-reduce": [161, 218_000_000]},
     )  # fmt: skip
     # 3.08e12 / 23e12 = 134 ms (compute-bound; bytes: 97 ms): 1024 / 0.1339 = 7,647 images/s.
     assert report.line() == (
@@ -435,7 +435,7 @@ def test_the_report_line_says_fit_memory_work_and_roofline():
         "device (args 0.2 GiB, temp 4.2 GiB, code 0.5 GiB); 3.08 TFLOP, 34.1 GB per device per "
         "step; roofline >= 134 ms/step = 7,647 examples/s (956 per device) at a dense bf16 peak "
         "of 23 TFLOP/s per device (v2: 46 per chip / 2 devices, https://cloud.google.com/tpu/docs/"
-        "v2); compiled in 268 s"
+        "v2); collectives 161 all-reduce (0.2 GiB); compiled in 268 s"
     )
     assert report.as_dict()["bound"] == "compute"
     assert report.as_dict()["peak_tflops_per_device"] == 23
