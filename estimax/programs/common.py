@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import posixpath
 import tempfile
 import time
@@ -1107,6 +1108,31 @@ def compile_job(job: Job) -> list[Any]:
     if failed:
         raise DoesNotFit(" ".join(compile_lib.describe_failure(r) for r in failed), reports)
     return reports
+
+
+def imagenet_inputs(
+    fv: flags.FlagValues, image_size: int, **preprocessing: Any
+) -> tuple[Any, str | None, list[str]]:
+    """``(input_fn(is_training=...), data_dir, notes)`` of ``--data_dir`` for a program whose
+    input is ResNet's (``efficientnet``, ``vit``): its flags, the job's shard-index folder and
+    ``preprocessing``'s extra ``imagenet.input_fn`` arguments (``augment``, ``mixup_alpha``)."""
+    from estimax.data import imagenet
+
+    data_dir, fake_kind, notes = check_data(fv.data_dir, fv.mode, compile_only=bool(fv.compile_for))
+    inputs = functools.partial(
+        imagenet.input_fn,
+        data_dir,
+        image_size=image_size,
+        preprocessing="resnet",
+        num_parallel_calls=max(1, min(fv.num_parallel_calls, os.cpu_count() or 1)),
+        fake_data=fake_kind,
+        fake_eval_examples=fv.num_eval_images,
+        num_classes=fv.num_label_classes,
+        skip_bad_records=fv.skip_bad_records,
+        index_dir=shard_index_dir(fv.model_dir),
+        **preprocessing,
+    )
+    return inputs, data_dir, notes
 
 
 def run_resnet_style_family(

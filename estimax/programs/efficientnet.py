@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -355,24 +354,9 @@ def serving_preprocessing(fv: flags.FlagValues) -> export.Preprocessing:
 
 
 def make_inputs(fv: flags.FlagValues) -> tuple[Any, str | None, list[str]]:
-    """``(input_fn(is_training=...), data_dir, notes)`` of ``--data_dir``."""
-    data_dir, fake_kind, notes = common.check_data(
-        fv.data_dir, fv.mode, compile_only=bool(fv.compile_for)
-    )
-    inputs = functools.partial(
-        imagenet.input_fn,
-        data_dir,
-        image_size=image_size(fv),
-        # EfficientNet's preprocessing.py is ResNet's (see the module docstring).
-        preprocessing="resnet",
-        num_parallel_calls=max(1, min(fv.num_parallel_calls, os.cpu_count() or 1)),
-        fake_data=fake_kind,
-        fake_eval_examples=fv.num_eval_images,
-        num_classes=fv.num_label_classes,
-        skip_bad_records=fv.skip_bad_records,
-        index_dir=common.shard_index_dir(fv.model_dir),
-    )
-    return inputs, data_dir, notes
+    """``(input_fn(is_training=...), data_dir, notes)`` of ``--data_dir`` (EfficientNet's
+    preprocessing.py is ResNet's: see the module docstring)."""
+    return common.imagenet_inputs(fv, image_size(fv))
 
 
 def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:

@@ -49,8 +49,6 @@ can also come from ``ESTIMAX_<FLAG>`` in the environment, the command line winni
 from __future__ import annotations
 
 import dataclasses
-import functools
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -490,28 +488,12 @@ def augmentation(fv: flags.FlagValues) -> augment.RandAugment | None:
 
 
 def make_inputs(fv: flags.FlagValues) -> tuple[Any, str | None, list[str]]:
-    """``(input_fn(is_training=...), data_dir, notes)`` of ``--data_dir``."""
-    data_dir, fake_kind, notes = common.check_data(
-        fv.data_dir, fv.mode, compile_only=bool(fv.compile_for)
+    """``(input_fn(is_training=...), data_dir, notes)`` of ``--data_dir``: ResNet's random crop
+    and flip (big_vision's decode_jpeg_and_inception_crop|flip_lr, with the original's area
+    range 0.08..1), then RandAugment on the uint8 crop and mixup on the batch."""
+    return common.imagenet_inputs(
+        fv, image_size(fv), augment=augmentation(fv), mixup_alpha=fv.mixup_alpha
     )
-    inputs = functools.partial(
-        imagenet.input_fn,
-        data_dir,
-        image_size=image_size(fv),
-        # The random crop and flip of ResNet's preprocessing (big_vision's
-        # decode_jpeg_and_inception_crop|flip_lr, with the original's area range 0.08..1), then
-        # RandAugment on the uint8 crop and mixup on the batch.
-        preprocessing="resnet",
-        augment=augmentation(fv),
-        mixup_alpha=fv.mixup_alpha,
-        num_parallel_calls=max(1, min(fv.num_parallel_calls, os.cpu_count() or 1)),
-        fake_data=fake_kind,
-        fake_eval_examples=fv.num_eval_images,
-        num_classes=fv.num_label_classes,
-        skip_bad_records=fv.skip_bad_records,
-        index_dir=common.shard_index_dir(fv.model_dir),
-    )
-    return inputs, data_dir, notes
 
 
 def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
