@@ -521,7 +521,7 @@ def serve(args: argparse.Namespace) -> int:
     from estimax.serving.manager import ModelManager
     from estimax.serving.server import Server
 
-    memory.fix_mmap_threshold()  # before any body: large ones go back when freed (memory.py)
+    memory.keep_freed_memory()  # a served model's buffers are reused, not faulted anew (memory.py)
     _check_vertex(args)
     configs = _model_configs(args)
     options = _server_options(args)

@@ -7,16 +7,18 @@ a 2-core runner). ``malloc_trim`` returns every free page of every arena, the mi
 heap included; nothing in Python or the standard library does, so it is called through ctypes.
 Elsewhere than glibc (musl, macOS) this does nothing.
 
-glibc also raises its mmap threshold (up to 32 MiB) each time a large block is freed, after
-which blocks of up to that size come from the heap instead of mappings of their own; the heap's
-pages around them cannot all be handed back. With the threshold moving, the server-attack
-tests measured the anonymous RSS 26-36 MiB above its start after a 60 MB JSON body that
-followed the other attacks (trims included); with it fixed at 1 MiB, back below its start (the
-same tests, the same loaded 2-core machine). So the server fixes it (``fix_mmap_threshold``),
-unless the operator set ``MALLOC_MMAP_THRESHOLD_`` themselves. A block of 1 MiB or more is then
-its own mapping, returned when freed; the cost is a mapping and its page faults per such block
-(XLA:CPU's buffers of a served model included): microseconds per MiB, against the milliseconds
-a model that has such buffers takes per call.
+glibc's thresholds decide the rest. With its defaults, the mmap threshold moves (up to 32 MiB)
+as large blocks are freed; fixed (as this server did at 1 MiB, to hand large bodies back), both
+it and the trim threshold stop moving, so every block of a served model's XLA:CPU buffers above
+1 MiB was a mapping of its own and the heap's top was handed back after each run: each request
+then page-faulted its buffers anew. Measured on ResNet-50 at batch 1 (2 cores): 15,000 page
+faults per request, the model's run 80-87 ms in the server against 43 ms in-process (issue 41's
+gap to ONNX Runtime). So the server keeps freed memory as training does
+(``keep_freed_memory``: both thresholds high and one arena, unless the operator set
+``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_`` or ``MALLOC_ARENA_MAX``): 27 faults per
+request, 44-48 ms. Large
+bodies go back all the same, through the trims below, which hand back every free page whatever
+the thresholds.
 
 A large request's memory is not all freed when it is answered (the JSON worker's feeder thread,
 the connection's buffers and the event loop let go of theirs a little later), so a large
@@ -33,8 +35,15 @@ import threading
 from typing import Any
 
 SCHEDULE_S = (0.0, 0.5, 2.0, 8.0)  # seconds after the latest large request
-MMAP_THRESHOLD_BYTES = 1 << 20
-_M_MMAP_THRESHOLD = -3  # glibc's malloc.h
+# Blocks below this come from the heap (glibc caps it at HEAP_MAX / 2: 32 MiB on 64-bit; a
+# larger block is a mapping of its own, handed back when freed); as estimax's training sets it.
+KEEP_THRESHOLD_BYTES = 32 << 20
+_NEVER_TRIM = (1 << 31) - 1  # the heap's free top is handed back by the trims, not on free
+_M_TRIM_THRESHOLD = -1  # glibc's malloc.h
+_M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
+# glibc's own variables for these settings: where the operator set one, estimax sets none.
+_OPERATORS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX")
 
 _lock = threading.Lock()
 _again = threading.Event()  # a large request ended while a schedule runs: start it over
@@ -66,16 +75,25 @@ def _mallopt_function() -> Any:
         return None
 
 
-def fix_mmap_threshold(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
-    """Makes every block of ``threshold`` bytes or more a mapping of its own, for good (module
-    docstring); False where there is no glibc or ``MALLOC_MMAP_THRESHOLD_`` is set (the
-    operator's choice stands)."""
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+def keep_freed_memory(threshold: int = KEEP_THRESHOLD_BYTES) -> bool:
+    """Keeps freed blocks of up to ``threshold`` bytes in the heap, and the heap's free top, for
+    the next request to reuse (module docstring); False where there is no glibc or the operator
+    set ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_`` or ``MALLOC_ARENA_MAX`` (their
+    choice stands)."""
+    if any(name in os.environ for name in _OPERATORS):
         return False
     mallopt = _mallopt_function()
     if mallopt is None:
         return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, threshold))
+    # One arena: ``malloc_trim`` hands back a thread arena's free pages but never the free top
+    # of its heap, which with the trim threshold high is handed back by nothing (measured: 30
+    # MiB held after a 60 MB body, read and pickled off the main thread). Most allocations
+    # here are Python's, made under the GIL anyway, and XLA:CPU's a few per run, so threads
+    # sharing one arena wait little (measured: the same model times, ResNet-50 at batch 1,
+    # and the body's memory back after the trims).
+    one_arena = bool(mallopt(_M_ARENA_MAX, 1))
+    kept = bool(mallopt(_M_MMAP_THRESHOLD, threshold))
+    return bool(mallopt(_M_TRIM_THRESHOLD, _NEVER_TRIM)) and kept and one_arena
 
 
 def give_back() -> bool:
