@@ -202,6 +202,137 @@ def test_a_step_that_does_not_fit_names_the_largest_batch_that_does(tmp_path):
     assert len(raised.value.reports) == 2 and not raised.value.reports[0].fits
 
 
+class DenseLayers(nn.Module):
+    """Eight dense layers: a block whose activations rematerialisation recomputes."""
+
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(8):
+            x = nn.relu(nn.Dense(512)(x))
+        return x
+
+
+class DeepDense(nn.Module):
+    remat: str = "none"
+
+    @nn.compact
+    def __call__(self, x):
+        from estimax.models.layers import remat_block
+
+        block = remat_block(DenseLayers, self.remat)
+        for i in range(4):
+            x = block(name=f"block{i}")(x)
+        return nn.Dense(10)(x)
+
+
+def deep_dense_model_fn(policy):
+    import optax
+
+    def model_fn(features, labels, mode, params):
+        logits = DeepDense(policy)(features)
+        return ex.EstimatorSpec(
+            mode=mode,
+            loss=ex.losses.softmax_cross_entropy(logits, labels),
+            optimizer=optax.sgd(0.1),
+            eval_metrics={"accuracy": ex.metrics.accuracy(labels, logits)},
+        )
+
+    return model_fn
+
+
+# Activations, not weights (32 MiB) nor input (256 bytes an example), fill a v5e chip at this
+# batch: 32 layers of 512 floats an example kept for the backward pass without remat, the 4
+# blocks' inputs and one block's recomputation with --remat=full (measured at 1,572,864:
+# 14.8 GiB a chip without, 7.7 GiB with).
+DEEP_BATCH = 2**21
+
+
+@needs_libtpu
+def test_a_step_that_does_not_fit_says_which_layouts_make_it_fit(tmp_path):
+    job = common.Job(
+        program="deep_dense",
+        model_flags={},
+        model_fn=deep_dense_model_fn("none"),
+        config=ex.RunConfig(model_dir=str(tmp_path), num_shards=None),
+        batch_sizes=(DEEP_BATCH, 8),
+        input_fn=lambda is_training: None,
+        loop=common.LoopConfig(mode="train", train_steps=1, steps_per_eval=1),
+        serving=ex.TensorSpec((None, 64), np.float32),
+        metrics=(("accuracy",), "examples"),
+        compile_for=TOPOLOGY,
+        remat=("none", deep_dense_model_fn),
+    )
+    with pytest.raises(common.DoesNotFit) as raised:
+        common.run(job)
+    message = str(raised.value)
+    assert "\n" not in message
+    head, _, tail = message.partition(" Other layouts: ")
+    assert head.startswith(f"the train step does not fit on {TOPOLOGY} at global batch ")
+    remat = re.search(rf"{DEEP_BATCH:,} fits with --remat=full \(([\d.]+) GiB per device\)", tail)
+    fsdp = re.search(
+        rf"{DEEP_BATCH:,} does not fit with --fsdp_min_size_mb=4 either "
+        r"\(([\d.]+) GiB per device\)",
+        tail,
+    )
+    assert remat and fsdp, tail
+    # Recomputing the blocks frees most of the activations; splitting the weights, little.
+    assert float(remat.group(1)) < 16 < float(fsdp.group(1)), tail
+    assert "input_partition_dims" not in tail  # a batch fits under data parallelism
+
+
+def _report(batch: int, fits_somewhere: bool) -> compile_lib.StepReport:
+    search = compile_lib.BatchSearch(
+        fits=8 if fits_somewhere else None, fails=batch, multiple=8, compiles=3
+    )
+    return compile_lib.StepReport(
+        step="train",
+        topology="v5e:2x4",
+        device_kind="TPU v5 lite",
+        num_devices=8,
+        devices_per_chip=1,
+        global_batch=batch,
+        dtypes="f32",
+        fits=False,
+        compile_s=1.0,
+        search=search,
+    )
+
+
+def _image_job(**config) -> common.Job:
+    return common.Job(
+        program="images",
+        model_flags={},
+        model_fn=dense_model_fn,
+        config=ex.RunConfig(model_dir="/tmp/unused", **config),
+        batch_sizes=(64, 8),
+        input_fn=lambda is_training: None,
+        loop=common.LoopConfig(mode="train", train_steps=1, steps_per_eval=1),
+        serving=ex.TensorSpec((None, 224, 224, 3), np.uint8),
+        metrics=(("accuracy",), "examples"),
+        remat=("none", lambda policy: dense_model_fn),
+    )
+
+
+def test_the_layouts_tried_for_a_step_that_does_not_fit():
+    tried = common.layout_alternatives(_image_job(), _report(64, fits_somewhere=True))
+    assert [(flags_, batch) for flags_, _, batch, _ in tried] == [
+        ("--remat=full", 64),
+        ("--fsdp_min_size_mb=4", 64),
+    ]
+    assert tried[0][3] is not None and tried[1][1].shard_parameters == 4
+    # No batch fits as data parallelism runs it: half the devices' batch, each image in two.
+    tried = common.layout_alternatives(_image_job(), _report(8, fits_somewhere=False))
+    spatial = tried[-1]
+    assert spatial[0] == "--num_cores_per_replica=2 --input_partition_dims=1,2,1,1"
+    assert spatial[2] == 4 and spatial[1].num_shards == 4
+    assert spatial[1].input_partition_dims == [[1, 2, 1, 1], None]
+    # What the run already does is not tried again.
+    tried = common.layout_alternatives(
+        _image_job(shard_parameters=1.0), _report(64, fits_somewhere=True)
+    )
+    assert [t[0] for t in tried] == ["--remat=full"]
+
+
 def _fatal_lines(program: str, *args: str) -> list[str]:
     """The FATAL lines of ``python -m estimax.programs.PROGRAM ARGS``, which must exit 2."""
     proc = subprocess.run(

@@ -279,6 +279,11 @@ def _as_micro_batches(report: StepReport) -> str:
 
 
 def _size(n: float) -> str:
+    return size_text(n)
+
+
+def size_text(n: float) -> str:
+    """Bytes as a report line writes them: ``4.6 GiB``, ``812 MiB``."""
     if n >= GiB / 10:
         return f"{n / GiB:.1f} GiB"
     return f"{n / (1 << 20):.3g} MiB"
@@ -884,6 +889,15 @@ def _middle(lo: int, hi: int, k: int) -> int:
     bracket's ratio is what the search narrows), or ``hi / 2`` while nothing fits."""
     middle = math.isqrt(lo * hi) if lo else hi // 2
     return min(hi - k, max(lo + k, middle // k * k))
+
+
+def needed_bytes(report: StepReport) -> float:
+    """Bytes per device the step needs: what it holds, or for a TPU step that does not fit
+    (its sizes are 0) what the compiler's message says it needed (0 if it does not say)."""
+    if report.memory_bytes:
+        return float(report.memory_bytes)
+    sizes = oom_sizes(report.error or "")
+    return sizes[0] if sizes else 0.0
 
 
 def describe_failure(report: StepReport) -> str:

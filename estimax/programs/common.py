@@ -652,6 +652,9 @@ class Job:
     warm_start_from: str | None = None
     # --compile_for: compile the steps for this TPU slice instead of running them.
     compile_for: str | None = None
+    # (current --remat, model_fn under another --remat policy): what --compile_for tries when
+    # the train step does not fit; None where the model has no --remat.
+    remat: tuple[str, Callable[[str], Callable]] | None = None
 
     @classmethod
     def for_family(cls, family: Family, fv: flags.FlagValues, recipe: Any, **rest: Any) -> Job:
@@ -673,8 +676,22 @@ class Job:
             metrics=family.metrics,
             warm_start_from=fv["warm_start_from"].value if "warm_start_from" in fv else None,
             compile_for=fv["compile_for"].value if "compile_for" in fv else None,
+            remat=_remat_variants(family, recipe),
             **rest,
         )
+
+
+def _remat_variants(family: Family, recipe: Any) -> tuple[str, Callable[[str], Callable]] | None:
+    """``Job.remat`` of a family's recipe that has a ``remat`` field (its --remat)."""
+    if (
+        not dataclasses.is_dataclass(recipe)
+        or isinstance(recipe, type)
+        or not hasattr(recipe, "remat")
+    ):
+        return None
+    return recipe.remat, lambda policy: family.make_model_fn(
+        dataclasses.replace(recipe, remat=policy)
+    )
 
 
 def checkpoint_path(model_dir: str, step: int) -> str:
@@ -1106,8 +1123,99 @@ def compile_job(job: Job) -> list[Any]:
         print(report.line(), flush=True)
     failed = [r for r in reports if not r.fits]
     if failed:
-        raise DoesNotFit(" ".join(compile_lib.describe_failure(r) for r in failed), reports)
+        message = " ".join(compile_lib.describe_failure(r) for r in failed)
+        train = next((r for r in failed if r.step == "train"), None)
+        if train is not None:
+            message += other_layouts(job, local, topology, train)
+        raise DoesNotFit(message, reports)
     return reports
+
+
+# FSDP's threshold that --compile_for tries (big_vision's and kauldron's usual 4 MiB).
+TRY_FSDP_MIN_SIZE_MB = 4.0
+
+
+def layout_alternatives(job: Job, train: Any) -> list[tuple[str, Any, int, Callable | None]]:
+    """The other layouts ``--compile_for`` tries for a train step that does not fit, in turn:
+    ``(their flags, their RunConfig, the global batch, the model_fn or None for the job's)``.
+
+    Recomputing activations (``--remat=full``) and FSDP, at the batch asked for. Spatial
+    partitioning does not lower a device's memory at the same global batch (each device still
+    holds its share of the batch's activations, and a replica's cores hold whole weights), so
+    it is tried only where no batch fits under data parallelism (``search.fits`` None): at a
+    global batch of half the devices, each image split over 2 cores, a batch smaller than
+    data parallelism can run.
+    """
+    config, batch = job.config, train.global_batch
+    replicas = train.num_devices // config.num_cores_per_replica
+    tries: list[tuple[str, Any, int, Callable | None]] = []
+    if job.remat is not None and job.remat[0] != "full":
+        tries.append(("--remat=full", config, batch, job.remat[1]("full")))
+    if config.shard_parameters is None and replicas > 1:
+        tries.append(
+            (
+                f"--fsdp_min_size_mb={TRY_FSDP_MIN_SIZE_MB:g}",
+                dataclasses.replace(config, shard_parameters=TRY_FSDP_MIN_SIZE_MB),
+                batch,
+                None,
+            )
+        )
+    features = job.serving
+    devices = replicas * config.num_cores_per_replica
+    if (
+        train.search is not None
+        and train.search.fits is None
+        and config.num_cores_per_replica == 1
+        and isinstance(features, ex.TensorSpec)
+        and len(features.shape) == 4
+        and features.shape[1] is not None
+        and features.shape[1] % 2 == 0
+        and devices % 2 == 0
+    ):
+        tries.append(
+            (
+                "--num_cores_per_replica=2 --input_partition_dims=1,2,1,1",
+                dataclasses.replace(
+                    config,
+                    num_shards=devices // 2,
+                    num_cores_per_replica=2,
+                    input_partition_dims=[[1, 2, 1, 1], None],
+                ),
+                devices // 2,
+                None,
+            )
+        )
+    return tries
+
+
+def other_layouts(job: Job, local: Any, topology: str, train: Any) -> str:
+    """The tail of ``--compile_for``'s message for a train step that does not fit: each of
+    ``layout_alternatives`` compiled (no search) and whether it fits, with its memory."""
+    parts = []
+    for flags_text, config, batch, model_fn in layout_alternatives(job, train):
+        est = ex.Estimator(
+            model_fn or job.model_fn, local, params=job.params, train_batch_size=batch
+        )
+        try:
+            (report,) = est.compile_for(
+                topology,
+                *compile_inputs(job),
+                num_shards=config.num_shards,
+                search=False,
+                layout_config=config,
+            )
+        except compile_lib.CompileForError as e:
+            parts.append(f"with {flags_text}: not tried ({e})")
+            continue
+        needed = compile_lib.needed_bytes(report)
+        size = f"{compile_lib.size_text(needed)} per device" if needed else "its size unknown"
+        at = f"{batch:,}"
+        if report.fits:
+            parts.append(f"{at} fits with {flags_text} ({size})")
+        else:
+            parts.append(f"{at} does not fit with {flags_text} either ({size})")
+        print(f"with {flags_text}: {report.line()}", flush=True)
+    return f" Other layouts: {'; '.join(parts)}." if parts else ""
 
 
 def imagenet_inputs(
