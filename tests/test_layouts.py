@@ -241,6 +241,32 @@ def test_a_run_resumes_under_another_layout_and_device_count(tmp_path, straight,
     )
 
 
+SPATIAL = {"num_cores_per_replica": 2, "input_partition_dims": [[1, 2, 1, 1], None]}
+
+
+@pytest.mark.parametrize(
+    "first,then",
+    [(SPATIAL, {"num_shards": 4}), ({"num_shards": 4}, SPATIAL)],
+    ids=["spatial_then_data_parallel", "data_parallel_then_spatial"],
+)
+def test_a_run_resumes_into_and_out_of_spatial_partitioning(tmp_path, first, then):
+    # A conv net with batch norm on 8 devices: 4 replicas of 2 cores each (statistics reduced
+    # over a replica's cores, as the original) against 4 data-parallel replicas of 1 core, so
+    # the batch statistics are the same replicas' too.
+    straight = train(tmp_path / "straight", {"num_shards": 4}, 4, model="conv")
+    train(tmp_path / "resumed", first, 2, model="conv")
+    resumed = train(tmp_path / "resumed", then, 4, model="conv")
+    assert resumed.get_global_step() == 4
+    got, want = resumed.get_variables(), straight.get_variables()
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, atol=GRAD_ATOL, rtol=0)
+    x, y = batch("conv", seed=1)
+    eval_input = ex.numpy_input_fn(x, y, shuffle=False, num_epochs=1)
+    np.testing.assert_allclose(
+        resumed.evaluate(eval_input)["loss"], straight.evaluate(eval_input)["loss"], rtol=1e-5
+    )
+
+
 def test_warm_start_under_fsdp(tmp_path):
     source = train(tmp_path / "source", {}, 2)
     x, y = batch("mlp", seed=1)
