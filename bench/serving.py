@@ -10,11 +10,13 @@ machine (load 11), where no serving overhead is visible. Then:
   * the real server process (``--grpc_port`` too), without and with dynamic batching:
     ``--clients`` threads, each with its own keep-alive connection or channel, send
     ``--requests`` requests in all (one JPEG each) on each route, then a lone client sends
-    ``--lone_requests``. Routes: TF Serving REST ``:predict`` (JSON, base64), v2 ``/infer``
-    JSON (base64), v2 ``/infer`` with the binary tensor data extension (raw JPEG bytes after a
-    JSON header, binary outputs), gRPC TF Serving ``PredictionService/Predict`` (``string_val``)
-    and gRPC v2 ``ModelInfer`` (``raw_input_contents``). Request bodies/messages are built
-    before the clock starts, so what is timed is the wire, the server and the answer's parsing.
+    ``--lone_requests`` (with ``--baseline_tree``, alternating between the two servers in a
+    shuffled order, route by route). Routes: TF Serving REST ``:predict`` (JSON, base64), v2
+    ``/infer`` JSON (base64), v2 ``/infer`` with the binary tensor data extension (raw JPEG
+    bytes after a JSON header, binary outputs), gRPC TF Serving ``PredictionService/Predict``
+    (``string_val``) and gRPC v2 ``ModelInfer`` (``raw_input_contents``). Request
+    bodies/messages are built before the clock starts, so what is timed is the wire, the
+    server and the answer's parsing.
     Bounded in count and time (``--max_seconds`` per run).
 Every request must answer with one prediction: errors and lost requests are counted.
 The client threads share the machine's cores with the server, as on any single-host test.
@@ -728,15 +730,24 @@ def _route_servers(tmp: str, images: list[bytes], routes: list[str], args, resul
             # Rounds over the routes in turn: the machine's other load changes by the
             # second, and interleaving spreads it over every route (and tree) alike.
             order = sorted(made, key=lambda k: (k.split("/")[-1], k))
-            for _ in range(args.repeats):
+            for round_ in range(args.repeats):
                 for key in order:
                     route, run = made[key], results["runs"][key]
                     run["concurrent"].append(
                         load_test(route, args.requests, args.clients, args.max_seconds)
                     )
-                    # A lone client: what a request costs with no company.
-                    run["lone"].append(load_test(route, args.lone_requests, 1, args.max_seconds))
-                    print(key, run["concurrent"][-1], run["lone"][-1], flush=True)
+                    print(key, run["concurrent"][-1], flush=True)
+                # A lone client: what a request costs with no company. With a baseline, its
+                # requests alternate between the two trees' servers in a shuffled order, route
+                # by route, so that both see the same moments of the machine's load.
+                for name in routes:
+                    keys = [k for k in order if k.split("/")[-1] == name]
+                    lone = lone_interleaved(
+                        {k: made[k] for k in keys}, args.lone_requests, seed=round_
+                    )
+                    for k in keys:
+                        results["runs"][k]["lone"].append(lone[k])
+                        print(k, "lone", lone[k], flush=True)
 
 
 def _tiny_images() -> list[bytes]:
@@ -917,7 +928,9 @@ def _routes_markdown(results: dict, args) -> str:
         "# Serving load test (`bench/serving.py`)",
         "",
         f"{results['model']}; {results['image']}. Loopback; {args.clients} client threads, "
-        f"then a lone client, sharing the {results['cores']} cores with the server. Load "
+        f"then a lone client (with a baseline, its requests alternating between the two "
+        f"servers in a shuffled order, route by route), sharing the {results['cores']} cores "
+        f"with the server. Load "
         f"average before {' '.join(results['load_before'])}, after "
         f"{' '.join(results['load_after'])} (a shared machine: compare rows of one run only).",
         "",
