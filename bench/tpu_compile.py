@@ -67,6 +67,13 @@ PROGRAMS: dict[str, tuple[str, list[str], str]] = {
         "ViT-L/16, batch 512, bfloat16, Adam",
     ),
 }
+# EfficientNet-B7 at its 600x600 resolution (issue #40's case of activations that do not fit):
+# 8 images per v5e chip.
+PROGRAMS["efficientnet_b7"] = (
+    "estimax.programs.efficientnet",
+    ["--model_name=efficientnet-b7", "--train_batch_size=64", "--eval_batch_size=64"],
+    "EfficientNet-B7, 600x600, batch 64, float32 (the program's default)",
+)
 # The layouts of issue #40, as their flags.
 VARIANTS: dict[str, list[str]] = {
     "default": [],
