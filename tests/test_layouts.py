@@ -228,13 +228,17 @@ def straight(tmp_path_factory):
 )
 def test_a_run_resumes_under_another_layout_and_device_count(tmp_path, straight, first, then):
     train(tmp_path / "resumed", first, 2)
-    resumed = train(tmp_path / "resumed", then, 4)
+    assert_same_run(train(tmp_path / "resumed", then, 4), straight, "mlp")
+
+
+def assert_same_run(resumed, straight, model):
+    """``resumed`` (4 steps, under two layouts) ended where ``straight`` (4 under one) did."""
     assert resumed.get_global_step() == 4
     want, got = straight.get_variables(), resumed.get_variables()
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, atol=GRAD_ATOL, rtol=0)
     # The moving average (what evaluation uses) came through the change too.
-    x, y = batch("mlp", seed=1)
+    x, y = batch(model, seed=1)
     eval_input = ex.numpy_input_fn(x, y, shuffle=False, num_epochs=1)
     np.testing.assert_allclose(
         resumed.evaluate(eval_input)["loss"], straight.evaluate(eval_input)["loss"], rtol=1e-5
@@ -255,16 +259,7 @@ def test_a_run_resumes_into_and_out_of_spatial_partitioning(tmp_path, first, the
     # the batch statistics are the same replicas' too.
     straight = train(tmp_path / "straight", {"num_shards": 4}, 4, model="conv")
     train(tmp_path / "resumed", first, 2, model="conv")
-    resumed = train(tmp_path / "resumed", then, 4, model="conv")
-    assert resumed.get_global_step() == 4
-    got, want = resumed.get_variables(), straight.get_variables()
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(a, b, atol=GRAD_ATOL, rtol=0)
-    x, y = batch("conv", seed=1)
-    eval_input = ex.numpy_input_fn(x, y, shuffle=False, num_epochs=1)
-    np.testing.assert_allclose(
-        resumed.evaluate(eval_input)["loss"], straight.evaluate(eval_input)["loss"], rtol=1e-5
-    )
+    assert_same_run(train(tmp_path / "resumed", then, 4, model="conv"), straight, "conv")
 
 
 def test_warm_start_under_fsdp(tmp_path):
