@@ -64,7 +64,7 @@ PROGRAMS: dict[str, tuple[str, list[str], str]] = {
     "vit_l16": (
         "estimax.programs.vit",
         ["--model_name=vit-l16", "--train_batch_size=512", "--eval_batch_size=512"],
-        "ViT-L/16, batch 512, bfloat16, Adam",
+        "ViT-L/16, batch 512, float32 (the program's default), Adam (mu in bfloat16)",
     ),
 }
 # EfficientNet-B7 at its 600x600 resolution (issue #40's case of activations that do not fit):
