@@ -247,16 +247,16 @@ class StepReport:
         if not self.fits:
             return f"{head}: does not fit: {self.error} (compiled in {self.compile_s:.0f} s)"
         t = self.roofline_s
-        of = _size(self.hbm_bytes)
+        of = size_text(self.hbm_bytes)
         if self.usable_bytes is not None:
             of = (
-                f"{_size(self.usable_bytes)} usable ({gpu_compile.mem_fraction():.0%} of {of} "
-                f"less {_size(gpu_compile.CUDNN_WORKSPACE_MARGIN)} for cuDNN)"
+                f"{size_text(self.usable_bytes)} usable ({gpu_compile.mem_fraction():.0%} of {of} "
+                f"less {size_text(gpu_compile.CUDNN_WORKSPACE_MARGIN)} for cuDNN)"
             )
         return (
-            f"{head}: fits: {_size(self.memory_bytes)} of {of} per device "
-            f"(args {_size(self.argument_bytes)}, temp {_size(self.temp_bytes)}, code "
-            f"{_size(self.code_bytes)}); {self.flops / 1e12:.3g} TFLOP, "
+            f"{head}: fits: {size_text(self.memory_bytes)} of {of} per device "
+            f"(args {size_text(self.argument_bytes)}, temp {size_text(self.temp_bytes)}, code "
+            f"{size_text(self.code_bytes)}); {self.flops / 1e12:.3g} TFLOP, "
             f"{self.bytes_accessed / 1e9:.3g} GB per device per step; roofline >= "
             f"{_duration(t)}/step = {self.examples_per_s:,.0f} examples/s "
             f"({self.examples_per_s / self.num_devices:,.0f} per device) at a dense bf16 peak of "
@@ -269,17 +269,13 @@ def _collectives(found: dict[str, list[int]]) -> str:
     if not found:
         return "no collectives"
     return "collectives " + ", ".join(
-        f"{n} {op} ({_size(b)})" for op, (n, b) in sorted(found.items())
+        f"{n} {op} ({size_text(b)})" for op, (n, b) in sorted(found.items())
     )
 
 
 def _as_micro_batches(report: StepReport) -> str:
     k = report.accumulation_steps
     return f" = {k} x {report.micro_batch:,} accumulated" if k > 1 else ""
-
-
-def _size(n: float) -> str:
-    return size_text(n)
 
 
 def size_text(n: float) -> str:
@@ -790,7 +786,7 @@ def largest_batch(
             "batch search: global batch %d %s (%s); the largest that fits is in [%d, %d)",
             guess,
             "fits" if report.fits else "does not fit",
-            _size(report.memory_bytes) if report.fits else (report.error or "")[:120],
+            size_text(report.memory_bytes) if report.fits else (report.error or "")[:120],
             lo,
             hi,
         )
@@ -938,7 +934,7 @@ def describe_failure(report: StepReport) -> str:
     micro = report.global_batch // k
     return (
         f"{found}; {report.global_batch:,} fits as {k} x {micro:,} "
-        f"(--gradient_accumulation_steps={k}: {_size(search.accumulated_bytes)} per device)."
+        f"(--gradient_accumulation_steps={k}: {size_text(search.accumulated_bytes)} per device)."
     )
 
 

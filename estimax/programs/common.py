@@ -39,7 +39,7 @@ import posixpath
 import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import fsspec
 import jax
@@ -1135,9 +1135,18 @@ def compile_job(job: Job) -> list[Any]:
 TRY_FSDP_MIN_SIZE_MB = 4.0
 
 
-def layout_alternatives(job: Job, train: Any) -> list[tuple[str, Any, int, Callable | None]]:
-    """The other layouts ``--compile_for`` tries for a train step that does not fit, in turn:
-    ``(their flags, their RunConfig, the global batch, the model_fn or None for the job's)``.
+class LayoutTry(NamedTuple):
+    """One layout ``--compile_for`` tries: its flags, its RunConfig, the global batch, and the
+    model_fn (None: the job's)."""
+
+    flags: str
+    config: Any
+    batch: int
+    model_fn: Callable | None
+
+
+def layout_alternatives(job: Job, train: Any) -> list[LayoutTry]:
+    """The other layouts ``--compile_for`` tries for a train step that does not fit, in turn.
 
     Recomputing activations (``--remat=full``) and FSDP, at the batch asked for. Spatial
     partitioning does not lower a device's memory at the same global batch (each device still
@@ -1146,14 +1155,13 @@ def layout_alternatives(job: Job, train: Any) -> list[tuple[str, Any, int, Calla
     global batch of half the devices, each image split over 2 cores, a batch smaller than
     data parallelism can run.
     """
-    config, batch = job.config, train.global_batch
-    replicas = train.num_devices // config.num_cores_per_replica
-    tries: list[tuple[str, Any, int, Callable | None]] = []
+    config, batch, devices = job.config, train.global_batch, train.num_devices
+    tries: list[LayoutTry] = []
     if job.remat is not None and job.remat[0] != "full":
-        tries.append(("--remat=full", config, batch, job.remat[1]("full")))
-    if config.shard_parameters is None and replicas > 1:
+        tries.append(LayoutTry("--remat=full", config, batch, job.remat[1]("full")))
+    if config.shard_parameters is None and devices // config.num_cores_per_replica > 1:
         tries.append(
-            (
+            LayoutTry(
                 f"--fsdp_min_size_mb={TRY_FSDP_MIN_SIZE_MB:g}",
                 dataclasses.replace(config, shard_parameters=TRY_FSDP_MIN_SIZE_MB),
                 batch,
@@ -1161,7 +1169,6 @@ def layout_alternatives(job: Job, train: Any) -> list[tuple[str, Any, int, Calla
             )
         )
     features = job.serving
-    devices = replicas * config.num_cores_per_replica
     if (
         train.search is not None
         and train.search.fits is None
@@ -1173,7 +1180,7 @@ def layout_alternatives(job: Job, train: Any) -> list[tuple[str, Any, int, Calla
         and devices % 2 == 0
     ):
         tries.append(
-            (
+            LayoutTry(
                 "--num_cores_per_replica=2 --input_partition_dims=1,2,1,1",
                 dataclasses.replace(
                     config,

@@ -16,9 +16,8 @@ faults per request, the model's run 80-87 ms in the server against 43 ms in-proc
 gap to ONNX Runtime). So the server keeps freed memory as training does
 (``keep_freed_memory``: both thresholds high and one arena, unless the operator set
 ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_`` or ``MALLOC_ARENA_MAX``): 27 faults per
-request, 44-48 ms. Large
-bodies go back all the same, through the trims below, which hand back every free page whatever
-the thresholds.
+request, 44-48 ms. Large bodies go back all the same, through the trims below, which hand back
+every free page whatever the thresholds.
 
 A large request's memory is not all freed when it is answered (the JSON worker's feeder thread,
 the connection's buffers and the event loop let go of theirs a little later), so a large
@@ -65,7 +64,11 @@ _TRIM = _trim_function()
 
 
 def _mallopt_function() -> Any:
-    """glibc's ``mallopt``, or None where the C library has none."""
+    """glibc's ``mallopt``, or None where the C library has none.
+
+    Not ``estimax.ops.cpu_runtime.tune_cpu_allocator`` (training's same settings): importing
+    ``estimax.ops`` loads its kernels and flax, and this module is imported where a process's
+    heap is measured (tests/test_serving_memory.py), so it keeps to ctypes."""
     name = ctypes.util.find_library("c")
     if name is None:
         return None
