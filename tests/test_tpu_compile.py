@@ -616,7 +616,7 @@ def test_the_batch_search_says_when_the_batch_fits_as_k_micro_batches():
     failed.search = search
     assert compile_lib.describe_failure(failed).endswith(
         f"; 65,536 fits as {k} x {65536 // k:,} (--gradient_accumulation_steps={k}: "
-        f"{compile_lib._size(search.accumulated_bytes)} per device)."
+        f"{compile_lib.size_text(search.accumulated_bytes)} per device)."
     )
 
 
