@@ -80,6 +80,8 @@ VARIANTS: dict[str, list[str]] = {
     "spatial": ["--num_cores_per_replica=2", "--input_partition_dims=1,2,1,1"],
     "fsdp": ["--fsdp_min_size_mb=4"],
     "remat": ["--remat=full"],
+    # FSDP under --remat: each block gathers its own parameters inside its remat region.
+    "fsdp_remat": ["--fsdp_min_size_mb=4", "--remat=full"],
     # Spatial partitioning at ResNet's batch 1,024 halved: on v5e:2x4, 4 replicas of 2 cores
     # each hold the 128 images a replica holds in the default row (8 replicas of 1 core), each
     # core half of each image. At the same global batch ("spatial") no device holds less.

@@ -29,6 +29,7 @@ from estimax.estimator import losses
 from estimax.estimator import metrics as metrics_lib
 from estimax.estimator import summary as summary_lib
 from estimax.estimator.spec import EstimatorSpec, ModeKeys
+from estimax.models import layers
 
 _tracing = threading.local()
 
@@ -125,21 +126,25 @@ def mean_loss(loss: Any, mask: jax.Array | None = None) -> tuple[jax.Array, jax.
     return jnp.sum(per_example * mask), jnp.sum(mask)
 
 
-def l2_excluding_batch_norm(params: Any, model_state: Any) -> jax.Array:
+def l2_excluding_batch_norm(params: Any, model_state: Any, weights: Any = None) -> jax.Array:
     """``sum(l2_loss(w))`` over parameters, skipping those of batch-norm layers.
 
     A module is a batch-norm layer when it keeps ``batch_stats``: that finds Flax's BatchNorm
     whatever the user named it (the original skipped variables named ``batch_normalization``).
+    ``weights``: a tree like ``params`` of each leaf's factor (None: 1 for all).
     """
     bn_paths = {
         path[:-1]
         for path, _ in jax.tree_util.tree_flatten_with_path(model_state.get("batch_stats", {}))[0]
     }
     total = jnp.float32(0)
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    factors = [1] * len(leaves) if weights is None else jax.tree.leaves(weights)
+    for (path, leaf), factor in zip(leaves, factors, strict=True):
         if path[:-1] in bn_paths:
             continue
-        total = total + 0.5 * jnp.sum(jnp.square(leaf.astype(jnp.float32)))  # tf.nn.l2_loss
+        # tf.nn.l2_loss
+        total = total + factor * 0.5 * jnp.sum(jnp.square(leaf.astype(jnp.float32)))
     return total
 
 
@@ -353,16 +358,27 @@ def _gradients(
     captured: dict[str, EstimatorSpec] = {}
 
     def loss_fn(params):
-        if split:
-            params = split.gather(params)
-        variables = {"params": params, **state.model_state}
-        with losses.label_checks() as checks:
+        # Under FSDP the model gets whole parameters, but remat_block's blocks under a --remat
+        # policy gather their own from the slices inside their rematerialised region (so only
+        # a block's are whole at a time): the whole ones given for them go unused (XLA drops
+        # their gathers).
+        in_blocks = (
+            layers.parameters_gathered_in_blocks(params, split.dims, cast(str, split.axis_name))
+            if split
+            else contextlib.nullcontext()
+        )
+        variables = {"params": split.gather(params) if split else params, **state.model_state}
+        with losses.label_checks() as checks, in_blocks:
             spec, new_model_state = model.apply(
                 variables, features, labels, step, rngs={"dropout": rng}, mutable=mutable
             )
         captured["spec"] = spec
         loss, _ = mean_loss(spec.loss)
-        if spec.weight_decay:
+        if spec.weight_decay and split:
+            loss = loss + spec.weight_decay * split.l2_excluding_batch_norm(
+                params, state.model_state
+            )
+        elif spec.weight_decay:
             loss = loss + spec.weight_decay * l2_excluding_batch_norm(params, state.model_state)
         aux = {
             "scalars": _scalars(spec.scalars),
@@ -523,6 +539,15 @@ class SplitParams:
             grads,
             self.dims,
         )
+
+    def l2_excluding_batch_norm(self, params: Any, model_state: Any) -> jax.Array:
+        """This replica's weight-decay term from its slices, no collective: a split leaf's
+        slice counts ``replicas`` times. The replicas' mean of it (the step's reported loss) is
+        the whole parameters' L2, and its gradient, divided by the replica count as
+        ``mean_gradients`` does, is the whole term's gradient on this slice."""
+        replicas = lax.axis_size(self.axis_name)
+        weights = jax.tree.map(lambda d: 1 if d < 0 else replicas, self.dims)
+        return l2_excluding_batch_norm(params, model_state, weights)
 
     def _sum_over_leaves(self, tree: Any, fn: Callable[[jax.Array], jax.Array]) -> jax.Array:
         """``sum(fn(leaf))`` over the whole tree: whole leaves once, split ones over replicas."""
