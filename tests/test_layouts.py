@@ -111,19 +111,25 @@ def batch(model, seed=0):
     return rs.randn(*shape).astype(np.float32), rs.randint(0, 4, BATCH).astype(np.int32)
 
 
-def one_step(model: str, **layout):
-    """(loss, gradients, batch statistics, state) of one train step on ``model``'s batch."""
+def ready_step(net, x, y, **layout):
+    """(the train step, its arguments: state, rng, features, labels) of ``net`` under a
+    layout, on the batch ``(x, y)``, placed as a run places them."""
     config = ex.RunConfig(model_dir="/tmp/unused", **layout)
-    builder = step_builder.StepBuilder(make_model_fn(MODELS[model]), {}, config)
+    builder = step_builder.StepBuilder(make_model_fn(net), {}, config)
     mesh = builder.make_mesh()
     steps = builder.build(mesh, {ModeKeys.TRAIN: BATCH})
-    x, y = batch(model)
     rows = BATCH // layouts.num_replicas(mesh)
     state = restoring.train_state(steps, mesh, None, 0, (x[:rows], y[:rows]), None, "/tmp")
-    before = jax.device_get(state.params)
     features, labels = batches._transfer(mesh, steps.layout, ModeKeys.TRAIN, False)((x, y))
     rng = jax.device_put(steps.rng, replication.replicated(mesh))
-    state, out = steps.train(state, rng, features, labels)
+    return steps.train, (state, rng, features, labels)
+
+
+def one_step(model: str, **layout):
+    """(loss, gradients, batch statistics, state) of one train step on ``model``'s batch."""
+    train, (state, *inputs) = ready_step(MODELS[model], *batch(model), **layout)
+    before = jax.device_get(state.params)
+    state, out = train(state, *inputs)
     grads = jax.tree.map(lambda b, a: b - np.asarray(a), before, jax.device_get(state.params))
     return float(out.loss), grads, jax.device_get(state.model_state), state
 
@@ -403,16 +409,9 @@ def test_a_bad_layout_flag_is_a_usage_error():
 
 def _train_step_bytes(net, image, **layout):
     """(argument bytes, temporary bytes) per device of ``net``'s compiled train step."""
-    config = ex.RunConfig(model_dir="/tmp/unused", **layout)
-    builder = step_builder.StepBuilder(make_model_fn(net), {}, config)
-    mesh = builder.make_mesh()
-    steps = builder.build(mesh, {ModeKeys.TRAIN: BATCH})
     x, y = np.zeros((BATCH, *image), np.float32), np.zeros(BATCH, np.int32)
-    rows = BATCH // layouts.num_replicas(mesh)
-    state = restoring.train_state(steps, mesh, None, 0, (x[:rows], y[:rows]), None, "/tmp")
-    features, labels = batches._transfer(mesh, steps.layout, ModeKeys.TRAIN, False)((x, y))
-    rng = jax.device_put(steps.rng, replication.replicated(mesh))
-    memory = steps.train.lower(state, rng, features, labels).compile().memory_analysis()
+    train, args = ready_step(net, x, y, **layout)
+    memory = train.lower(*args).compile().memory_analysis()
     return memory.argument_size_in_bytes, memory.temp_size_in_bytes
 
 
