@@ -278,6 +278,7 @@ def test_a_step_that_does_not_fit_says_which_layouts_make_it_fit(tmp_path):
     # Recomputing the blocks frees most of the activations; splitting the weights, little.
     assert float(remat.group(1)) < 16 < float(fsdp.group(1)), tail
     assert "input_partition_dims" not in tail  # a batch fits under data parallelism
+    assert "--remat=full --fsdp" not in tail  # one alone fits: the pair is not compiled
 
 
 def _report(batch: int, fits_somewhere: bool) -> compile_lib.StepReport:
@@ -315,11 +316,14 @@ def _image_job(**config) -> common.Job:
 
 def test_the_layouts_tried_for_a_step_that_does_not_fit():
     tried = common.layout_alternatives(_image_job(), _report(64, fits_somewhere=True))
-    assert [(flags_, batch) for flags_, _, batch, _ in tried] == [
-        ("--remat=full", 64),
-        ("--fsdp_min_size_mb=4", 64),
+    assert [(t.flags, t.batch, t.unless_one_fits) for t in tried] == [
+        ("--remat=full", 64, False),
+        ("--fsdp_min_size_mb=4", 64, False),
+        # Both together, where neither fits alone.
+        ("--remat=full --fsdp_min_size_mb=4", 64, True),
     ]
-    assert tried[0][3] is not None and tried[1][1].shard_parameters == 4
+    assert tried[0].model_fn is not None and tried[1].config.shard_parameters == 4
+    assert tried[2].model_fn is tried[0].model_fn and tried[2].config.shard_parameters == 4
     # No batch fits as data parallelism runs it: half the devices' batch, each image in two.
     tried = common.layout_alternatives(_image_job(), _report(8, fits_somewhere=False))
     spatial = tried[-1]
@@ -330,7 +334,53 @@ def test_the_layouts_tried_for_a_step_that_does_not_fit():
     tried = common.layout_alternatives(
         _image_job(shard_parameters=1.0), _report(64, fits_somewhere=True)
     )
-    assert [t[0] for t in tried] == ["--remat=full"]
+    assert [t.flags for t in tried] == ["--remat=full"]
+
+
+def test_the_pair_of_layouts_is_compiled_only_when_neither_fits_alone(monkeypatch, capsys):
+    # What the compiler answers is faked here (a real pair would take a large model and minutes
+    # of compiles: bench/results/tpu_compile.md's vit_l16_3584 rows are that case): which tries
+    # are compiled and how the message says them is what is tested.
+    def remat_fn(features, labels, mode, params):  # the model_fn --remat=full builds
+        return dense_model_fn(features, labels, mode, params)
+
+    job = dataclasses.replace(_image_job(), remat=("none", lambda policy: remat_fn))
+    compiled = []
+
+    def fake_compile_for(fits):
+        def compile_for(self, topology, *io, layout_config, **kwargs):
+            key = ("remat" if self._builder.model_fn is remat_fn else "") + (
+                "fsdp" if layout_config.shard_parameters else ""
+            )
+            compiled.append(key)
+            sizes = dict(argument_bytes=2**30, temp_bytes=2**30) if key in fits else {}
+            report = dataclasses.replace(
+                _report(64, True),
+                fits=key in fits,
+                search=None,
+                peak_flops=197e12,
+                hbm_bandwidth=819e9,
+                hbm_bytes=16 * 2**30,
+                error=None if key in fits else "the temporaries (20.00G) exceed HBM (15.75G).",
+                **sizes,
+            )
+            return [report]
+
+        return compile_for
+
+    for fits, want_compiled in (({"remat"}, ["remat", "fsdp"]), ({"rematfsdp"}, None)):
+        compiled.clear()
+        monkeypatch.setattr(ex.Estimator, "compile_for", fake_compile_for(fits))
+        tail = common.other_layouts(job, job.config, "v5e:2x4", _report(64, True))
+        capsys.readouterr()
+        if want_compiled:
+            assert compiled == want_compiled, compiled
+            assert "64 fits with --remat=full (" in tail and "--remat=full --fsdp" not in tail
+        else:
+            assert compiled == ["remat", "fsdp", "rematfsdp"], compiled
+            assert "64 does not fit with --remat=full either" in tail, tail
+            assert "64 does not fit with --fsdp_min_size_mb=4 either" in tail, tail
+            assert "64 fits with --remat=full --fsdp_min_size_mb=4 (" in tail, tail
 
 
 def _fatal_lines(program: str, *args: str) -> list[str]:

@@ -1143,31 +1143,33 @@ class LayoutTry(NamedTuple):
     config: Any
     batch: int
     model_fn: Callable | None
+    # Tried only when none of the tries before it fits (the pair of two that do not fit alone).
+    unless_one_fits: bool = False
 
 
 def layout_alternatives(job: Job, train: Any) -> list[LayoutTry]:
     """The other layouts ``--compile_for`` tries for a train step that does not fit, in turn.
 
-    Recomputing activations (``--remat=full``) and FSDP, at the batch asked for. Spatial
-    partitioning does not lower a device's memory at the same global batch (each device still
-    holds its share of the batch's activations, and a replica's cores hold whole weights), so
-    it is tried only where no batch fits under data parallelism (``search.fits`` None): at a
-    global batch of half the devices, each image split over 2 cores, a batch smaller than
-    data parallelism can run.
+    Recomputing activations (``--remat=full``) and FSDP, at the batch asked for, then both
+    together where neither fits alone (FSDP under ``--remat`` gathers one block's parameters at
+    a time: ViT-L/16 with Adam at a large batch fits only so). Spatial partitioning does not
+    lower a device's memory at the same global batch (each device still holds its share of the
+    batch's activations, and a replica's cores hold whole weights), so it is tried only where
+    no batch fits under data parallelism (``search.fits`` None): at a global batch of half the
+    devices, each image split over 2 cores, a batch smaller than data parallelism can run.
     """
     config, batch, devices = job.config, train.global_batch, train.num_devices
     tries: list[LayoutTry] = []
+    remat = None
     if job.remat is not None and job.remat[0] != "full":
-        tries.append(LayoutTry("--remat=full", config, batch, job.remat[1]("full")))
+        remat = LayoutTry("--remat=full", config, batch, job.remat[1]("full"))
+        tries.append(remat)
     if config.shard_parameters is None and devices // config.num_cores_per_replica > 1:
-        tries.append(
-            LayoutTry(
-                f"--fsdp_min_size_mb={TRY_FSDP_MIN_SIZE_MB:g}",
-                dataclasses.replace(config, shard_parameters=TRY_FSDP_MIN_SIZE_MB),
-                batch,
-                None,
-            )
-        )
+        fsdp_flag = f"--fsdp_min_size_mb={TRY_FSDP_MIN_SIZE_MB:g}"
+        fsdp = dataclasses.replace(config, shard_parameters=TRY_FSDP_MIN_SIZE_MB)
+        tries.append(LayoutTry(fsdp_flag, fsdp, batch, None))
+        if remat is not None:
+            tries.append(LayoutTry(f"{remat.flags} {fsdp_flag}", fsdp, batch, remat.model_fn, True))
     features = job.serving
     if (
         train.search is not None
@@ -1198,8 +1200,10 @@ def layout_alternatives(job: Job, train: Any) -> list[LayoutTry]:
 def other_layouts(job: Job, local: Any, topology: str, train: Any) -> str:
     """The tail of ``--compile_for``'s message for a train step that does not fit: each of
     ``layout_alternatives`` compiled (no search) and whether it fits, with its memory."""
-    parts = []
-    for flags_text, config, batch, model_fn in layout_alternatives(job, train):
+    parts, one_fits = [], False
+    for flags_text, config, batch, model_fn, unless_one_fits in layout_alternatives(job, train):
+        if unless_one_fits and one_fits:
+            continue
         est = ex.Estimator(
             model_fn or job.model_fn, local, params=job.params, train_batch_size=batch
         )
@@ -1218,6 +1222,7 @@ def other_layouts(job: Job, local: Any, topology: str, train: Any) -> str:
         size = f"{compile_lib.size_text(needed)} per device" if needed else "its size unknown"
         at = f"{batch:,}"
         if report.fits:
+            one_fits = True
             parts.append(f"{at} fits with {flags_text} ({size})")
         else:
             parts.append(f"{at} does not fit with {flags_text} either ({size})")
