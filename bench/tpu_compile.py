@@ -90,6 +90,9 @@ VARIANTS: dict[str, list[str]] = {
     "remat": ["--remat=full"],
     # FSDP under --remat: each block gathers its own parameters inside its remat region.
     "fsdp_remat": ["--fsdp_min_size_mb=4", "--remat=full"],
+    # The same in bfloat16 (the programs' --precision): a block's weights cast to bfloat16 are
+    # values its remat region computes, not arguments.
+    "fsdp_remat_bf16": ["--fsdp_min_size_mb=4", "--remat=full", "--precision=bfloat16"],
     # Spatial partitioning at ResNet's batch 1,024 halved: on v5e:2x4, 4 replicas of 2 cores
     # each hold the 128 images a replica holds in the default row (8 replicas of 1 core), each
     # core half of each image. At the same global batch ("spatial") no device holds less.
