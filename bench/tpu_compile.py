@@ -73,7 +73,7 @@ PROGRAMS: dict[str, tuple[str, list[str], str]] = {
 PROGRAMS["vit_l16_3584"] = (
     "estimax.programs.vit",
     ["--model_name=vit-l16", "--train_batch_size=3584", "--eval_batch_size=512"],
-    "ViT-L/16, batch 3,584, float32, Adam (mu in bfloat16)",
+    "ViT-L/16, batch 3,584, float32 (the program's default), Adam (mu in bfloat16)",
 )
 # EfficientNet-B7 at its 600x600 resolution (issue #40's case of activations that do not fit):
 # 8 images per v5e chip.
