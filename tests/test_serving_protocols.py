@@ -419,6 +419,9 @@ def test_new_version_under_grpc_traffic_drops_no_request(served, tmp_path):
 def reload_under_traffic(served, images, base):
     results, stop = [], threading.Event()
 
+    def me():  # each client thread's results carry its name
+        return threading.current_thread().name
+
     def tf_client():
         with grpc.insecure_channel(served["grpc"]) as channel:
             stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
@@ -442,9 +445,6 @@ def reload_under_traffic(served, images, base):
                     results.append((me(), e.status(), e.message()))
         finally:
             client.close()
-
-    def me():
-        return threading.current_thread().name
 
     clients = {"tf-1": tf_client, "tf-2": tf_client, "v2": v2_client}
     threads = [threading.Thread(target=f, name=name) for name, f in clients.items()]
