@@ -144,7 +144,8 @@ reliability: $(STAMP) $(NATIVE_STAMP)
 	    $(BIN)/python tests/reliability/report.py $(RELIABILITY_DIR) || status=1; exit $$status
 
 # ResNet-50 training on this machine's GPU or TPU (bench/accelerator.py): installs the matching
-# extra (estimax[cuda12|cuda13|tpu]) into a fresh venv, writes bench/results/accelerator_<device>.md.
+# extra (estimax[cuda12|cuda13|tpu]) into a fresh venv, writes its device's section of
+# accelerator.md in bench/results/ (the first run makes the file).
 # Without an accelerator it runs its tiny CPU version (what the test suite checks).
 bench-accelerator: $(STAMP) $(NATIVE_STAMP)
 	$(BIN)/python bench/accelerator.py

@@ -17,8 +17,10 @@ bfloat16 (the recipe's precision) at each global batch size of ``--batch_sizes``
   (ImageNet-like fake images written first by ``estimax.tools``), iterations_per_loop 100.
 
 The timed ``train`` calls each end with a checkpoint save, as a real run's do (counted).
-Writes ``bench/results/accelerator_<device>.md`` (and ``.json``). MLPerf Training's ResNet-50
-reaches ~7,160 images/s per H100 and ~7,940 per H200 (for comparison; different code).
+Writes its section of ``accelerator.md`` (and ``.json``) in ``bench/results/``, one per device kind
+(``bench/result_sections.py``: a run replaces its device's section, the others kept). MLPerf
+Training's ResNet-50 reaches ~7,160 images/s per H100 and ~7,940 per H200 (for comparison;
+different code).
 
 ``--dry_run`` (``make bench-accelerator-dry-run``) does every step but the device, on any
 machine: it prints the commands a GPU and a TPU machine would run (the extra installed editable
@@ -42,6 +44,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from result_sections import slug, write_section
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -125,11 +129,13 @@ def dry_run(args: argparse.Namespace, argv: list[str]) -> int:
         if extra not in extras["optional-dependencies"]:
             sys.exit(f"bench/accelerator.py: pyproject.toml has no [{extra}] extra")
         name = device_name(device)
-        result = f"accelerator_{_slug(name)}" if name else "accelerator_<device kind>"
+        section = slug(name) if name else "<device kind>"
         print(f"dry run, on a {device.upper()} machine this would run:")
         for cmd in commands:
             print("  " + shlex.join(cmd))
-        print(f"  and write {RESULTS / result}.md (and .json)", flush=True)
+        print(
+            f"  and write {RESULTS / 'accelerator'}.md (and .json), section {section}", flush=True
+        )
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_accelerator_dry_"))
     out = out if out.suffix == ".json" else out / "accelerator_cpu_tiny.json"
     code = main([*rerun_argv, "--device=cpu", f"--out={out}", "--no_install"])
@@ -393,16 +399,16 @@ def main(argv: list[str] | None = None) -> int:
     args.steps = args.steps or (5 if tiny else 200)
     res = run(args, device)
     name = "cpu_tiny" if tiny else res["device"].split(" x ", 1)[1].split(" (")[0]
-    out = Path(args.out) if args.out else RESULTS / f"accelerator_{_slug(name)}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1))
-    out.with_suffix(".md").write_text(markdown(res))
+    if args.out:  # a file of its own (the tests' tiny run), not the results
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=1))
+        out.with_suffix(".md").write_text(markdown(res))
+    else:
+        title = "ResNet-50 training on one accelerator (bench/accelerator.py)"
+        write_section("accelerator", slug(name), markdown(res), res, title)
     print(markdown(res))
     return 1 if any("error" in r for r in res["rows"]) else 0
-
-
-def _slug(name: str) -> str:
-    return "".join(c if c.isalnum() else "_" for c in name.lower()).strip("_")
 
 
 if __name__ == "__main__":

@@ -22,11 +22,12 @@ starts: hence the processes). The ``ynn`` section compares the two for the fallb
 Usage (from the repo root)::
 
     .venv/bin/python bench/conv_cpu.py [--dtype float32|bfloat16] [--reps 5]
-        [--only mnist|resnet50] [--ynn both|on|off] [--out bench/results/conv_cpu.json]
+        [--only mnist|resnet50] [--ynn both|on|off] [--out FILE.json]
 
-Writes JSON and a Markdown table (same name, .md). Times are medians (ms) of
-``--reps`` calls after one warm-up; the machine may be shared, so compare columns
-within one run.
+Writes this CPU's and dtype's section of ``bench/results/conv_cpu.{json,md}`` (one file for
+every CPU kind, ``bench/result_sections.py``), or ``--out`` and a Markdown table beside it.
+Times are medians (ms) of ``--reps`` calls after one warm-up; the machine may be shared, so
+compare columns within one run.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ import subprocess
 import sys
 import time
 from typing import Any
+
+from result_sections import cpu_kind, slug, write_section
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TORCH_PY = os.path.join(HERE, ".venv-torch", "bin", "python")
@@ -483,7 +486,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--only", choices=("mnist", "resnet50"), default=None)
-    parser.add_argument("--out", default=os.path.join(HERE, "results", "conv_cpu.json"))
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="a JSON file of its own (and .md beside it); default: this CPU's and dtype's "
+        "section of bench/results/conv_cpu.{json,md}",
+    )
     parser.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--jax-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
@@ -562,12 +570,18 @@ def main() -> None:
         f"{result['load']['end']:.2f} at the end (the bench alone keeps it near 1-2)."
         f" XLA columns: YNNPACK {args.ynn}. CPU convolutions: {result['native']}."
     )
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
     md = _markdown(result)
-    with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
-        f.write(md)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
+            f.write(md)
+    else:  # one file for every CPU kind: this run replaces its CPU's and dtype's section
+        label = f"{cpu_kind()}, {args.dtype}"
+        report = f"# {label}" + md[md.index("\n") :]  # its section's heading
+        title = "Per-layer convolution times on the CPU (bench/conv_cpu.py)"
+        write_section("conv_cpu", slug(label), report, result, title)
     print(md)
 
 

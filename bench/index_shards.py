@@ -10,7 +10,7 @@ then 8 warm-up batches and ``--images`` timed ones.
 
     /work/main/.venv/bin/python bench/index_shards.py            # from the repository root
 
-Writes bench/results/index_shards.gcs.json and .md.
+Writes bench/results/index_shards.json and .md.
 """
 
 from __future__ import annotations
@@ -264,9 +264,9 @@ def main() -> None:
     finally:
         emulator.kill()
         emulator.wait()
-    with open(a.output + ".gcs.json", "w") as f:
+    with open(a.output + ".json", "w") as f:
         json.dump(res, f, indent=1)
-    with open(a.output + ".gcs.md", "w") as f:
+    with open(a.output + ".md", "w") as f:
         f.write(markdown(res, a))
     print(markdown(res, a))
 

@@ -22,7 +22,8 @@ Usage (from the repository root; make the JPEGs first with bench/make_jpegs.py):
     .venv/bin/python bench/input_pipeline.py --rounds=3
 
 TensorFlow runs only in bench/.venv-tf, in child processes. Results go to
-bench/results/input_pipeline.json and .md.
+bench/results/input_pipeline.json and .md, one section per measurement (preprocessing, ``--host``,
+``--gcs``), each the latest run of it (``bench/result_sections.py``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
+
+from result_sections import write_section
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TF_PYTHON = os.path.join(ROOT, "bench", ".venv-tf", "bin", "python")
@@ -561,12 +565,16 @@ def orchestrate(a) -> None:
         "results": rows,
         "decoders_1core": decoders,
     }
-    os.makedirs(os.path.dirname(a.output), exist_ok=True)
-    with open(a.output + ".json", "w") as f:
-        json.dump(result, f, indent=1)
-    with open(a.output + ".md", "w") as f:
-        f.write(markdown(result))
+    _write(a, "preprocessing", markdown(result), result)
     print(markdown(result))
+
+
+def _write(a, key: str, md: str, result: dict) -> None:
+    """``result`` and its report as section ``key`` of ``--output``.json and .md, one file for
+    the three measurements (preprocessing, ``--host``, ``--gcs``; ``bench/result_sections.py``)."""
+    out = Path(a.output)
+    title = "Input pipeline (bench/input_pipeline.py)"
+    write_section(out.name, key, md, result, title, results=out.parent)
 
 
 def _table(res: dict, metric: str) -> list[str]:
@@ -799,12 +807,8 @@ def host_bench(a) -> None:
         / inproc["img_per_cpu_s"],
         "host_ceiling_process_workers": procs["ceiling_img_per_s"],
     }
-    out = a.output + ".host"
-    with open(out + ".json", "w") as f:
-        json.dump(result, f, indent=1)
     md = _host_markdown(result)
-    with open(out + ".md", "w") as f:
-        f.write(md)
+    _write(a, "host", md, result)
     print(md)
 
 
@@ -1080,7 +1084,7 @@ def _gcs_summary(rows: list[dict]) -> dict:
 
 
 def _gcs_report(a, rows: list[dict], loads: list[float]) -> None:
-    """Writes ``--output``.gcs.json and .gcs.md from the runs."""
+    """Writes the ``gcs`` section of ``--output``.json and .md from the runs."""
     summary = _gcs_summary(rows)
     result = {
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
@@ -1091,8 +1095,6 @@ def _gcs_report(a, rows: list[dict], loads: list[float]) -> None:
         "summary": summary,
         "samples": rows,
     }
-    with open(a.output + ".gcs.json", "w") as f:
-        json.dump(result, f, indent=1)
     lines = [
         f"# Training input from gs:// with object-store latency ({result['date_utc']} UTC)",
         "",
@@ -1119,8 +1121,7 @@ def _gcs_report(a, rows: list[dict], loads: list[float]) -> None:
             f"({v['max_bytes_ratio_0ms']:.2f}) |"
         )
     md = "\n".join(lines) + "\n"
-    with open(a.output + ".gcs.md", "w") as f:
-        f.write(md)
+    _write(a, "gcs", md, result)
     print(md)
 
 

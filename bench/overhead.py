@@ -21,9 +21,10 @@ this machine's timings drift.
     .venv/bin/python bench/overhead.py --model resnet50 --iterations_per_loop 100 \
         --rounds 3 --window 3 --skip 3
 
-Writes bench/results/overhead_<model>.json and .md (zero: a near-zero-cost model, whose step
-time is the host's cost per step, reported in microseconds over each baseline; mnist: MNIST
-CNN, batch 128; resnet50: ResNet-50, 224x224, batch 16, float32).
+Writes the model's section of bench/results/overhead.json and .md (``bench/result_sections.py``;
+zero: a near-zero-cost model, whose step time is the host's cost per step, reported in
+microseconds over each baseline; mnist: MNIST CNN, batch 128; resnet50: ResNet-50, 224x224,
+batch 16, float32; resnet50_b4 and the like: a ``--batch_size`` of its own).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import io
 import json
 import logging as std_logging
 import os
@@ -45,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from result_sections import write_section
 
 import estimax as ex
 from estimax.models import resnet
@@ -329,10 +332,11 @@ def machine() -> dict:
     }
 
 
-def write_markdown(path: str, args: argparse.Namespace, result: dict, runners: dict) -> None:
+def markdown(args: argparse.Namespace, result: dict, runners: dict) -> str:
+    """The run's report: its command, machine and load, and a row per loop."""
     wall, cpu, m = result["wall"], result["cpu"], result["machine"]
     flags = " ".join(sys.argv[1:])
-    with open(path, "w") as f:
+    with io.StringIO() as f:
         f.write(f"# Estimator.train overhead (bench/overhead.py {flags})\n\n")
         f.write(
             f"{result['what']}; {args.rounds} rounds. {m['cpu']}, {m['cpus']} CPUs shared with "
@@ -363,6 +367,7 @@ def write_markdown(path: str, args: argparse.Namespace, result: dict, runners: d
             "\nCheckpoint at the end of a train() call (not in the window), seconds, "
             f"median of {args.checkpoint_repeats}: {result['checkpoint_secs_median']}\n"
         )
+        return f.getvalue()
 
 
 def main() -> None:
@@ -413,13 +418,12 @@ def main() -> None:
         "machine": machine(),
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
     }
-    out = os.path.join(os.path.dirname(__file__), "results")
-    # A non-default batch gets its own files (the default's results stay comparable).
+    # One section per model (a non-default batch, or the device loop's steps, its own, so the
+    # default's stays comparable).
     name = args.model + (f"_b{args.batch_size}" if args.batch_size else "")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, f"overhead_{name}.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    write_markdown(os.path.join(out, f"overhead_{name}.md"), args, result, runners)
+    name += "".join(f"_k{k}" for k in args.steps_per_device_call)
+    title = "Estimator.train overhead (bench/overhead.py)"
+    write_section("overhead", name, markdown(args, result, runners), result, title)
     print(json.dumps(result, indent=2))
 
 

@@ -28,7 +28,8 @@ Writes bench/results/serving.json and bench/results/serving.md.
 ``--baseline_tree DIR`` (a checkout of an earlier commit's ``estimax/``, e.g. ``git archive REF
 estimax | tar -x -C DIR``): each server configuration runs twice at once, the code of ``DIR``
 ("before") and this checkout's ("after"), their rounds interleaved route by route, so both see
-the same load; written to ``--results_name`` (serving_before_after.{json,md}) instead.
+the same load; written as the "Before and after" section of serving.md and ``before_after`` of
+serving.json, keeping the rest of the files.
 
 ``--part peer`` (also run by ``--part all``): ONNX Runtime beside estimax on the same ResNet-50
 (resnet50, 224x224, float32, initialised weights) on the CPU, from one export: estimax's export
@@ -913,11 +914,15 @@ def _routes_run(args) -> dict:
         _route_servers(tmp, images, routes, args, results)
     results["load_after"] = open("/proc/loadavg").read().split()[:3]
     os.makedirs(RESULTS, exist_ok=True)
-    if args.baseline_tree:
+    if args.baseline_tree:  # serving.json's "before_after" (main writes it with its section)
         results["baseline_tree"] = args.baseline_tree
         results["baseline_ref"] = args.baseline_ref
-    with open(os.path.join(RESULTS, f"{args.results_name}.json"), "w") as f:
-        json.dump(results, f, indent=2)
+        return results
+    json_path = os.path.join(RESULTS, "serving.json")
+    kept = json.load(open(json_path)) if os.path.exists(json_path) else {}
+    with open(json_path, "w") as f:  # the other parts' keys stay, as their sections do
+        parts = ("peer", "models", "before_after")
+        json.dump({**results, **{k: kept[k] for k in parts if k in kept}}, f, indent=2)
     return results
 
 
@@ -990,10 +995,7 @@ def main() -> None:
         help="a directory holding an earlier estimax/: its server beside this one (docstring)",
     )
     parser.add_argument("--baseline_ref", default="", help="what --baseline_tree holds (notes)")
-    parser.add_argument("--results_name", default="")
     args = parser.parse_args()
-    if not args.results_name:
-        args.results_name = "serving_before_after" if args.baseline_tree else "serving"
     if args.part == "peer":
         _write_peer(peer(args), args)
         return
@@ -1002,23 +1004,29 @@ def main() -> None:
         return
     results = _routes_run(args)
     text = _routes_markdown(results, args)
-    if args.baseline_tree:
+    if args.baseline_tree:  # a section of serving.md, the routes table and the rest kept
+        heading = "## Before and after (`--baseline_tree`)"
         text = text.replace(
             "# Serving load test (`bench/serving.py`)",
-            "# Serving load test, before and after (`bench/serving.py --baseline_tree`)\n\n"
-            f"before: {args.baseline_ref or args.baseline_tree}; after: this checkout. Both "
-            "servers ran at once, their rounds interleaved route by route.",
+            f"{heading}\n\nbefore: {args.baseline_ref or args.baseline_tree}; after: this "
+            "checkout. Both servers ran at once, their rounds interleaved route by route.",
         )
-    md_path = os.path.join(RESULTS, f"{args.results_name}.md")
-    if not args.baseline_tree and os.path.exists(md_path):  # the other parts' sections stay
-        old = open(md_path).read()
-        for heading in ("## ONNX Runtime beside estimax", "## Several models in one server"):
-            kept = re.search(re.escape(heading) + r".*?(?=\n## |\Z)", old, re.S)
-            if kept:
-                text += "\n" + kept.group()
-    with open(md_path, "w") as f:
-        f.write(text)
-    print(text)
+        _write_section("before_after", heading, text, results)
+    else:
+        md_path = os.path.join(RESULTS, "serving.md")
+        if os.path.exists(md_path):  # the other parts' sections stay
+            old = open(md_path).read()
+            for heading in (
+                "## ONNX Runtime beside estimax",
+                "## Several models in one server",
+                "## Before and after",
+            ):
+                kept = re.search(re.escape(heading) + r".*?(?=\n## |\Z)", old, re.S)
+                if kept:
+                    text += "\n" + kept.group()
+        with open(md_path, "w") as f:
+            f.write(text)
+        print(text)
     if args.part == "all":
         _write_peer(peer(args), args)
         _write_models(models_run(args), args)

@@ -40,6 +40,9 @@ Usage::
 
     .venv/bin/python bench/train_cpu.py [--models mnist,resnet50] [--dtypes float32,bfloat16]
         [--rounds 3] [--resnet_rounds 2] [--mnist_steps 10] [--resnet_steps 2]
+
+Writes its section of ``bench/results/train_cpu.{json,md}`` (one per CPU kind, harness, ISA cap
+and dtype interleaving; ``bench/result_sections.py``), or ``--out`` and a Markdown table beside it.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ import subprocess
 import sys
 import time
 from typing import Any
+
+from result_sections import cpu_kind, slug, write_section
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TORCH_PY = os.path.join(HERE, ".venv-torch", "bin", "python")
@@ -417,11 +422,15 @@ def main() -> None:
     parser.add_argument("--mnist_steps", type=int, default=10)
     parser.add_argument("--resnet_steps", type=int, default=2)
     parser.add_argument("--harness", choices=("bare", "estimator"), default="bare")
-    # The ISA cap is part of the result's name: oneDNN (estimax's and PyTorch's alike) reads
+    # The ISA cap is part of the result's section: oneDNN (estimax's and PyTorch's alike) reads
     # ONEDNN_MAX_CPU_ISA, so one machine can measure what an AVX2-only CPU gets.
     isa_cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
-    default_out = "train_cpu" + (f"_isa_{isa_cap.lower()}" if isa_cap else "") + ".json"
-    parser.add_argument("--out", default=os.path.join(HERE, "results", default_out))
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="a JSON file of its own (and .md beside it); default: this CPU's (and harness's, "
+        "ISA cap's, dtype interleaving's) section of bench/results/train_cpu.{json,md}",
+    )
     parser.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--jax-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--onednn2_lib", default=None, help="the old build's library (+onednn2)")
@@ -550,12 +559,20 @@ def main() -> None:
         "rounds": rounds,
         "compile_s": compile_s,
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
     md = _markdown(res)
-    with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
-        f.write(md)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+        with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
+            f.write(md)
+    else:  # one file for every CPU kind: this run replaces its own section
+        label = f"{cpu_kind()}, harness={args.harness}"
+        label += f", ONEDNN_MAX_CPU_ISA={isa_cap}" if isa_cap else ""
+        label += ", dtypes interleaved" if args.interleave_dtypes else ""
+        report = md.replace("# Training throughput on the CPU", f"# {label}", 1)
+        title = "Training throughput on the CPU (bench/train_cpu.py)"
+        write_section("train_cpu", slug(label), report, res, title)
     print(md)
 
 

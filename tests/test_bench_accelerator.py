@@ -42,7 +42,7 @@ def test_bench_accelerator_dry_run_shows_the_install_and_runs_the_tiny_cpu_versi
         f"{tmp_path / 'venv' / 'bin' / 'python'} {REPO / 'bench' / 'accelerator.py'}" in proc.stdout
     )
     assert "--no_install --device gpu" in proc.stdout and "--device tpu" in proc.stdout
-    assert f"and write {REPO / 'bench' / 'results' / 'accelerator_'}" in proc.stdout
+    assert f"and write {REPO / 'bench' / 'results' / 'accelerator'}.md" in proc.stdout
     assert not (tmp_path / "venv").exists()  # a dry run installs nothing
     res = json.loads(out.read_text())
     assert res["tiny"] and res["model"].startswith("tiny ResNet, 32x32, bfloat16")

@@ -41,7 +41,7 @@ holds it (tf.Example parsing, RNG set-up, crop sampling) is ~0.1 ms of each ~1.2
 threads contend past a few workers, and with threads all the decoding counts in the training
 process. Process workers write into shared memory: the training process spends ~0.01 ms of CPU
 per image (a host ceiling near 100,000 images/s) and a worker delivers about what the same work
-does in-process (bench/results/input_pipeline.host.md). ``auto`` takes processes when both the
+does in-process (bench/results/input_pipeline.md, ``host``). ``auto`` takes processes when both the
 usable cores and the workers number 4 or more, else threads (no worker start-up, no
 ``__main__`` guard needed).
 
@@ -171,7 +171,7 @@ class Loader:
         if chunk_size is None:
             # A task's cost in the training process (submit, result, future) is the same for 8
             # records as for 32: process workers get bigger chunks so that it stays far below
-            # the pixels' (bench/results/input_pipeline.host.md).
+            # the pixels' (bench/results/input_pipeline.md, ``host``).
             chunk_size = 32 if self.num_workers > 0 and self.worker_type == "process" else 8
         self.chunk_size = max(1, int(chunk_size))
         ids = (

@@ -11,7 +11,7 @@ chunks, not every chunk in flight.
 Why a window: the loader used to keep twice the chunks in flight on object stores and read every
 chunk the moment it was handed out, so a run read all of them whether or not it used them: with
 process workers (chunks of 32) 6 batches of 64 ahead, 1.20x the bytes of a 1,920-image epoch at
-any latency (``bench/results/input_pipeline.gcs.md``), and each restart of the input
+any latency (``bench/results/input_pipeline.md``, ``gcs``), and each restart of the input
 (``set_state``, a new ``train`` call) threw that away and read it again. Now what is read and not
 decoded is at most ``depth`` chunks, and what is decoded and not used at most the blocks in
 flight (:func:`blocks_in_flight`, no longer doubled), whatever the latency; latency still
@@ -125,7 +125,7 @@ class ReadAhead:
 
 
 # The window: per worker it feeds, the chunk it decodes next and one more (measured at 20 ms a
-# request: as fast as reading every chunk in flight at once, bench/results/input_pipeline.gcs.md).
+# request: as fast as reading every chunk in flight at once, bench/results/input_pipeline.md).
 CHUNKS_PER_WORKER = 2
 
 

@@ -5,7 +5,7 @@ every record's 12-byte header, and each header's place is known only from the on
 on an object store the headers alone are a chain of one request per record: ~2,000 records of
 ~49 KB in a 100 MB shard at 20 ms a request are 41 s, against 13 ranged requests of 8 MiB (a
 fraction of a second of latency) to stream the whole shard. Streaming wins unless records are
-several MiB each; this module streams (``bench/results/index_shards.gcs.md`` has the figures).
+several MiB each; this module streams (``bench/results/index_shards.md`` has the figures).
 
 What reads a shard whole should not have to read it again: :func:`index_shard` can keep the bytes
 it streamed in a local file (``copy_to``) and write the index beside the shard (``write``), and

@@ -258,13 +258,14 @@ class RunConfig:
         transfer, the loop's bookkeeping: tens of microseconds) is a large part of a step: small
         models, small batches, fast accelerators (a near-zero-cost model on a CPU: ~50 us of
         host CPU time per step over a plain jitted loop one call per step, none at k = 10,
-        ``bench/results/overhead_zero.md``). Opt-in because it costs elsewhere: input memory
-        becomes about 4 x k batches (a block read ahead, one being stacked, one running and one
-        queued on the devices; ``device_prefetch`` is not used), XLA:CPU runs convolution
-        gradients inside a device loop many times slower (an MNIST step: 12.7 s against
-        0.33 s), and each new block length compiles the step again. Calls never cross a
-        loop's end (checkpoints, hooks, the last step): a loop of n steps runs ``n // k`` calls
-        of k steps and one of the rest, so choose a k that divides ``iterations_per_loop``.
+        ``bench/results/overhead.md``, its ``zero_k10_k100`` section). Opt-in because it costs
+        elsewhere: input memory becomes about 4 x k batches (a block read ahead, one being
+        stacked, one running and one queued on the devices; ``device_prefetch`` is not used),
+        XLA:CPU runs convolution gradients inside a device loop many times slower (an MNIST
+        step: 12.7 s against 0.33 s), and each new block length compiles the step again. Calls
+        never cross a loop's end (checkpoints, hooks, the last step): a loop of n steps runs
+        ``n // k`` calls of k steps and one of the rest, so choose a k that divides
+        ``iterations_per_loop``.
         Per-step metrics, summaries, the NaN check and the input position are kept per step as
         without it; a preemption notice stops training after the call that follows it.
       gradient_accumulation_steps: k > 1 splits each replica's share of the train batch into k

@@ -15,7 +15,7 @@ PyTorch uses on CPUs. Each convolution is first probed (``native.probe``): oneDN
 its primitive for those shapes on this CPU, or says why it cannot. fp32 runs natively; bf16
 runs natively where the CPU has bf16 convolutions (AVX-512 with AMX or bf16), and elsewhere
 (AVX2-only CPUs such as AMD Zen 2, or ``ONEDNN_MAX_CPU_ISA=AVX2``) as oneDNN's fp32 kernels on
-values cast up, one rounding back to bf16 at the end (``bench/results/train_cpu*.md`` measures
+values cast up, one rounding back to bf16 at the end (``bench/results/train_cpu.md`` measures
 this against XLA's own bf16). A piece oneDNN cannot serve at all, and every piece without the
 library (or with ``ESTIMAX_ONEDNN=0``, or inside ``native.native_kernels(False)``, as exports
 are traced), uses the pure-XLA strategies, computed in fp32 for bf16/fp16 operands: 1x1
@@ -210,8 +210,9 @@ def _onednn_strategy(
     if native.probe(kind, name, dims) is None:
         return "onednn"
     if name in ("bfloat16", "float16") and native.probe(kind, "float32", dims) is None:
-        # Measured on an AVX2-only CPU (bench/results/train_cpu*.md): oneDNN's fp32 kernels on
-        # upcast values beat XLA's formulations, which compute in fp32 there as well.
+        # Measured on an AVX2-only CPU (bench/results/train_cpu.md, its AVX2 EPYC section):
+        # oneDNN's fp32 kernels on upcast values beat XLA's formulations, which compute in
+        # fp32 there as well.
         return "onednn_f32"
     return xla_strategy
 
@@ -551,7 +552,7 @@ def _in_fp32(fn: Callable[..., Any]) -> Callable[..., Any]:
     Wraps every pure-XLA strategy: XLA:CPU's half-precision convolutions are no faster than
     its fp32 ones, and the patch matrices these formulations build cost more than the bf16 dots
     save. Wraps oneDNN's kernels as "onednn_f32", for CPUs without bf16 convolutions (AVX2-only,
-    measured faster than XLA's bf16 in ``bench/results/train_cpu*.md``); "onednn" runs bf16
+    measured faster than XLA's bf16 in ``bench/results/train_cpu.md``); "onednn" runs bf16
     natively where the CPU can (AVX-512 bf16 or AMX). Converting costs one elementwise pass.
     Values are at least as accurate as bf16 arithmetic (fp32 accumulation, one final rounding).
     """

@@ -80,7 +80,7 @@ def xla_cpu_conv_setting(environ: dict[str, str] | None = None) -> str:
     """One line: how XLA:CPU runs the convolutions estimax's fallback leaves to it.
 
     The fallback (no oneDNN kernels) keeps jaxlib's default, YNNPACK on: measured per layer
-    with it on and off (bench/conv_cpu.py, bench/results/conv_cpu_amd_epyc_zen5.md), the
+    with it on and off (bench/conv_cpu.py; bench/results/conv_cpu.md, AVX-512 BF16 EPYC), the
     strategies ``cpu_conv._default_strategy`` picks take 5.4 s per ResNet-50 step (batch 16)
     with it and 11.5 s without (its dots are YNNPACK's too), and the same for the MNIST CNN.
     So estimax sets nothing; a user's ``XLA_FLAGS`` still decides, and this line says which.
