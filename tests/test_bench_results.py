@@ -1,14 +1,19 @@
-"""``bench/results/`` holds one current result per benchmark.
+"""``bench/results/`` holds one current result per benchmark, and every citation stays inside the
+repository.
 
 - Each result file is ``<name>.md`` or ``<name>.json`` of a ``bench/<name>.py`` (a benchmark that
   runs on several machines or in several modes keeps a section per machine or mode in that file).
 - ``bench/result_sections.py`` replaces a run's own section and keeps the others and the file's
   head (where earlier runs are summarised).
+- No source file or page cites a document outside the repository (``../shared/NOTES.md``).
 """
 
 from __future__ import annotations
 
+import glob
 import json
+import os
+import re
 import sys
 from pathlib import Path
 
@@ -55,3 +60,29 @@ def test_a_section_key_is_one_line(tmp_path):
     assert (
         result_sections.slug("AMD EPYC (AVX-512 BF16), float32") == "amd_epyc_avx_512_bf16_float32"
     )
+
+
+# A document cited by a relative path that climbs out of its directory (``../shared/X.md``), or
+# by an absolute path on one machine: unless it names a file of the repository, neither resolves
+# in a reader's checkout.
+OUTSIDE = re.compile(r"(?<![\w.])(?:\.\./)+[\w./-]+\.md\b|/work/[\w./-]+\.md\b")
+
+
+def test_no_file_cites_a_document_outside_the_repository():
+    paths = ["README.md", "mkdocs.yml", "Makefile", "pyproject.toml", "bench/README.md"]
+    for top in ("docs", "estimax", "tests", "bench", "scripts", "examples"):
+        for ext in ("md", "py", "sh", "yaml", "cc", "toml"):
+            paths += glob.glob(os.path.join(top, "**", f"*.{ext}"), recursive=True, root_dir=ROOT)
+    found = {}
+    for path in sorted(set(paths) - {"tests/test_bench_results.py"}):
+        cited = OUTSIDE.findall((ROOT / path).read_text(errors="replace"))
+        for match in cited:  # one that names a file of the repository, from its page or the root
+            places = [((ROOT / path).parent / match).resolve(), (ROOT / match).resolve()]
+            if not any(p.is_relative_to(ROOT) and p.exists() for p in places):
+                found.setdefault(path, []).append(match)
+    assert not found, f"citations outside the repository: {found}"
+    assert OUTSIDE.findall("``../shared/NOTES.md``, turn 5; /work/shared/NOTES.md") == [
+        "../shared/NOTES.md",
+        "/work/shared/NOTES.md",
+    ]
+    assert OUTSIDE.findall("``.../kernel``; docs/design.md") == []

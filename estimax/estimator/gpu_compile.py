@@ -8,7 +8,12 @@ topology="1x1x8")`` gives compile-only devices described by ``TEXT``, a
 the commit it was copied from, and one written here for the L4, each figure with its source.
 
 What differs from a TPU slice, and what this module does about it (measured with jax 0.10.2 and
-``jax-cuda12-plugin`` 0.10.2 on 2 CPU cores; ``../shared/MEASUREMENTS.md``, turn 5):
+``jax-cuda12-plugin`` 0.10.2 on a 2-core CPU-only machine: ``docs/accelerators.md``, "Compiling
+for NVIDIA GPUs without one", has the figures, e.g. ResNet-50 at a global batch of 65,536
+compiling to 304 GiB per device for an 80 GB H100; ``tests/test_gpu_compile.py`` compiles every
+program's steps so and a step too big for the card; the last row is what ``jax.devices()`` does
+with the plugin installed and no driver: ``cuInit(0) failed: Unknown CUDA error 303``, logged
+with a traceback, before it falls back to the CPU):
 
 | on a GPU target                                  | so                                       |
 |--------------------------------------------------|------------------------------------------|
