@@ -22,8 +22,9 @@ BEAM_PINS := apache-beam==2.77.0 protobuf==6.33.6 pillow==12.3.0 numpy==2.4.6 \
 # checkpoints of tests/test_migrate_tf.py) is never a core or default-test dependency: it lives in
 # its own venv. Like .venv-tpu below, .venv-tf sees .venv's packages (estimax, JAX, the test deps)
 # through a .pth, and pip, resolving against what it sees under constraints.txt, installs only
-# TF's own packages and the dependencies .venv lacks (TF 2.21 pairs with jax 0.10.2 and protobuf
-# 7; pip check clean), not a second copy of every wheel .venv holds.
+# TF's own packages and the dependencies .venv lacks (14 wheels, 2.0 GB), not a second copy of
+# every wheel .venv holds (TF 2.21 pairs with jax 0.10.2 and protobuf 7; `pip check` there finds
+# only what it finds in .venv: mlxtend's and tritonclient's declared deps, left out on purpose).
 TF_VENV := .venv-tf
 TF_PINS := $(shell sed -n 's/^tf = \[\(.*\)\]$$/\1/p' pyproject.toml | tr -d '",')
 TF_STAMP := $(TF_VENV)/.installed-stamp
@@ -46,8 +47,8 @@ CUDA_VENV := .venv-cuda
 CUDA_STAMP := $(CUDA_VENV)/.installed-stamp
 GPU_COMPILE_PINS := $(shell sed -n '/^gpu-compile = \[/,/^\]/s/^ *"\([^"]*\)",*$$/\1/p' pyproject.toml)
 
-.PHONY: demo test lint reliability venv venv-beam venv-tf venv-tpu venv-cuda native bench bench-accelerator bench-accelerator-dry-run \
-	image image-test clean
+.PHONY: demo test lint reliability venv venv-beam venv-tf venv-tpu venv-cuda native bench \
+	bench-accelerator bench-accelerator-dry-run image image-test clean
 
 venv: $(STAMP)
 
