@@ -20,8 +20,13 @@ BEAM_PINS := apache-beam==2.77.0 protobuf==6.33.6 pillow==12.3.0 numpy==2.4.6 \
 
 # TensorFlow (the estimax[tf] extra: SavedModels, tests/test_savedmodel_tf.py, and the TF-written
 # checkpoints of tests/test_migrate_tf.py) is never a core or default-test dependency: it lives in
-# its own venv, with estimax and its test deps (TF 2.21 pairs with jax 0.10.2 and protobuf 7; pip check clean).
+# its own venv. Like .venv-tpu below, .venv-tf sees .venv's packages (estimax, JAX, the test deps)
+# through a .pth, and pip, resolving against what it sees under constraints.txt, installs only
+# TF's own packages and the dependencies .venv lacks (14 wheels, 2.0 GB), not a second copy of
+# every wheel .venv holds (TF 2.21 pairs with jax 0.10.2 and protobuf 7; `pip check` there finds
+# only what it finds in .venv: mlxtend's and tritonclient's declared deps, left out on purpose).
 TF_VENV := .venv-tf
+TF_PINS := $(shell sed -n 's/^tf = \[\(.*\)\]$$/\1/p' pyproject.toml | tr -d '",')
 TF_STAMP := $(TF_VENV)/.installed-stamp
 
 # XLA's TPU compiler (libtpu, the estimax[tpu] extra's pin) for --compile_for and
@@ -42,8 +47,8 @@ CUDA_VENV := .venv-cuda
 CUDA_STAMP := $(CUDA_VENV)/.installed-stamp
 GPU_COMPILE_PINS := $(shell sed -n '/^gpu-compile = \[/,/^\]/s/^ *"\([^"]*\)",*$$/\1/p' pyproject.toml)
 
-.PHONY: demo test lint reliability venv native bench bench-accelerator bench-accelerator-dry-run \
-	image image-test clean
+.PHONY: demo test lint reliability venv venv-beam venv-tf venv-tpu venv-cuda native bench \
+	bench-accelerator bench-accelerator-dry-run image image-test clean
 
 venv: $(STAMP)
 
@@ -82,23 +87,26 @@ $(BEAM_STAMP): pyproject.toml Makefile
 	    --config-settings editable_mode=compat -e .
 	touch $(BEAM_STAMP)
 
-$(TF_STAMP): pyproject.toml constraints.txt Makefile
+# A venv that sees .venv's site-packages: a .pth in its own that adds them (after its own, so
+# what it installs comes first).
+LAYER_ON_VENV = echo "import site; site.addsitedir('$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')')" \
+	    > $$($(1)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/estimax-venv.pth
+
+$(TF_STAMP): $(STAMP) pyproject.toml constraints.txt Makefile
 	$(PY) -m venv $(TF_VENV)
-	$(TF_VENV)/bin/pip install -q --disable-pip-version-check -c constraints.txt \
-	    --config-settings editable_mode=compat -e '.[test,tf]'
+	$(call LAYER_ON_VENV,$(TF_VENV))
+	$(TF_VENV)/bin/pip install -q --disable-pip-version-check -c constraints.txt $(TF_PINS)
 	touch $(TF_STAMP)
 
 $(TPU_STAMP): $(STAMP) pyproject.toml Makefile
 	$(PY) -m venv $(TPU_VENV)
-	echo "import site; site.addsitedir('$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')')" \
-	    > $$($(TPU_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/estimax-venv.pth
+	$(call LAYER_ON_VENV,$(TPU_VENV))
 	$(TPU_VENV)/bin/pip install -q --disable-pip-version-check --no-deps '$(LIBTPU_PIN)'
 	touch $(TPU_STAMP)
 
 $(CUDA_STAMP): $(STAMP) pyproject.toml Makefile
 	$(PY) -m venv $(CUDA_VENV)
-	echo "import site; site.addsitedir('$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')')" \
-	    > $$($(CUDA_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/estimax-venv.pth
+	$(call LAYER_ON_VENV,$(CUDA_VENV))
 	$(CUDA_VENV)/bin/pip install -q --disable-pip-version-check --no-deps $(GPU_COMPILE_PINS)
 	touch $(CUDA_STAMP)
 
@@ -121,17 +129,23 @@ lint: $(STAMP)
 	$(BIN)/lint-imports
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir runs/docs_site
 
-test: lint $(STAMP) $(NATIVE_STAMP) $(BEAM_STAMP) $(TF_STAMP) $(TPU_STAMP) $(CUDA_STAMP)
-	ESTIMAX_REQUIRE_BEAM=1 $(BEAM_VENV)/bin/python -m pytest -q -p no:cacheprovider \
-	    tests/test_convert.py tests/test_shard_index.py -k beam
-	$(TEST_ENV) ESTIMAX_REQUIRE_TF=1 $(TF_VENV)/bin/python -m pytest -q -p no:cacheprovider \
-	    tests/test_migrate_tf.py tests/test_savedmodel_tf.py
-	$(TEST_ENV) ESTIMAX_REQUIRE_LIBTPU=1 $(TPU_VENV)/bin/python -m pytest -q -p no:cacheprovider \
-	    tests/test_tpu_compile.py -k 'tpu_slice or does_not_fit'
-	$(TEST_ENV) JAX_PLATFORMS=cpu ESTIMAX_REQUIRE_CUDA=1 $(CUDA_VENV)/bin/python -m pytest -q \
-	    -p no:cacheprovider tests/test_gpu_compile.py -k '(gpus and (mnist or resnet)) or does_not_fit'
-	$(TEST_ENV) ESTIMAX_REQUIRE_ONEDNN=$(ESTIMAX_REQUIRE_ONEDNN) $(BIN)/python -m pytest -q --durations=15 \
-	    -n $(TEST_WORKERS) --dist worksteal
+# The environments, one target each (a stamp: pip runs again only when its inputs change).
+# .venv-beam is independent of .venv; the others build on it, so `make -j venv-beam venv-tf
+# venv-tpu venv-cuda` builds .venv once, then the four side by side.
+venv-beam: $(BEAM_STAMP)
+venv-tf: $(TF_STAMP)
+venv-tpu: $(TPU_STAMP)
+venv-cuda: $(CUDA_STAMP)
+
+# scripts/test_phases.py runs, in order and timed: set-up of .venv (and `make native`), lint,
+# then for Beam, TF, libtpu and CUDA the set-up of the venv and its tests, then the main suite
+# (TEST_WORKERS processes). At the end a table: each phase's wall time and passed/failed/skipped,
+# the 15 slowest tests of all phases, and the sums as the last line. It stops at the first
+# failing phase. TEST_ARGS passes it more, e.g. TEST_ARGS="--only main -k layouts".
+TEST_ARGS ?=
+test:
+	$(PY) scripts/test_phases.py --workers $(TEST_WORKERS) \
+	    --require_onednn $(ESTIMAX_REQUIRE_ONEDNN) $(TEST_ARGS)
 
 # The long reliability suite (tests/reliability: 10^5 fuzz inputs per parser, 100 kills, ...)
 # and the table of what it tried. `make test` runs the same tests in their short version.

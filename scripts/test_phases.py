@@ -1,0 +1,376 @@
+#!/usr/bin/env python3
+"""`make test`'s runner: each phase in order, timed, then one table of the run's budget.
+
+The phases are the environments' set-up (each `make` target of the Makefile; a no-op once its
+stamp is current), `make lint`, and the five pytest runs (Beam, TF, libtpu, CUDA in their own
+venvs, then the main suite in .venv). Every pytest writes JUnit XML under runs/test-report/; at
+the end the runner prints each phase's wall time and passed/failed/skipped counts, the 15
+slowest tests across all phases, and, as its very last line, the sums in pytest's closing form:
+``suite: N passed, N failed, N skipped``. It stops at the first failing phase (the table is
+still printed) and exits non-zero on any failure. It writes the same figures to
+runs/test-report/report.json for bench/suite.py.
+
+Stdlib only: it runs under any python3, before any venv exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+REPORT_DIR = Path("runs/test-report")
+SLOWEST = 15
+# Eight virtual CPU devices so replication is tested on one machine (tests/conftest.py sets the
+# same default; the phases get it explicitly, as the Makefile always gave them).
+XLA_FLAGS = "--xla_force_host_platform_device_count=8"
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """One step of the run: a command, the variables it adds to the environment, and whether
+    it is a pytest run (then it gets --junitxml and -k narrowing)."""
+
+    name: str
+    command: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()
+    pytest: bool = False
+
+
+@dataclasses.dataclass
+class Result:
+    """What one phase did: its exit status, wall time and test counts (zeros for a non-pytest
+    phase); ``ran`` is False for a phase after the first failure."""
+
+    name: str
+    ran: bool
+    returncode: int = 0
+    seconds: float = 0.0
+    passed: int = 0
+    failed: int = 0
+    skipped: int = 0
+    pytest: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.ran and self.returncode == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One test case from a JUnit file: its phase, id and time (setup + call + teardown)."""
+
+    phase: str
+    nodeid: str
+    seconds: float
+    outcome: str  # "passed" | "failed" | "skipped"
+
+
+def _pytest(name: str, python: str, args: Sequence[str], **env: str) -> Phase:
+    return Phase(
+        name,
+        (python, "-m", "pytest", "-q", *args),
+        tuple(env.items()),
+        pytest=True,
+    )
+
+
+def phases(make: str, workers: str, require_onednn: str) -> list[Phase]:
+    """The run, in order. Each venv is set up (by its Makefile target) just before its tests."""
+    return [
+        Phase("setup .venv", (make, "--no-print-directory", "venv", "native")),
+        Phase("lint", (make, "--no-print-directory", "lint")),
+        Phase("setup .venv-beam", (make, "--no-print-directory", "venv-beam")),
+        _pytest(
+            "beam",
+            ".venv-beam/bin/python",
+            [
+                "-p",
+                "no:cacheprovider",
+                "tests/test_convert.py",
+                "tests/test_shard_index.py",
+                "-k",
+                "beam",
+            ],
+            ESTIMAX_REQUIRE_BEAM="1",
+        ),
+        Phase("setup .venv-tf", (make, "--no-print-directory", "venv-tf")),
+        _pytest(
+            "tf",
+            ".venv-tf/bin/python",
+            ["-p", "no:cacheprovider", "tests/test_migrate_tf.py", "tests/test_savedmodel_tf.py"],
+            XLA_FLAGS=XLA_FLAGS,
+            ESTIMAX_REQUIRE_TF="1",
+        ),
+        Phase("setup .venv-tpu", (make, "--no-print-directory", "venv-tpu")),
+        _pytest(
+            "libtpu",
+            ".venv-tpu/bin/python",
+            [
+                "-p",
+                "no:cacheprovider",
+                "tests/test_tpu_compile.py",
+                "-k",
+                "tpu_slice or does_not_fit",
+            ],
+            XLA_FLAGS=XLA_FLAGS,
+            ESTIMAX_REQUIRE_LIBTPU="1",
+        ),
+        Phase("setup .venv-cuda", (make, "--no-print-directory", "venv-cuda")),
+        _pytest(
+            "cuda",
+            ".venv-cuda/bin/python",
+            [
+                "-p",
+                "no:cacheprovider",
+                "tests/test_gpu_compile.py",
+                "-k",
+                "(gpus and (mnist or resnet)) or does_not_fit",
+            ],
+            XLA_FLAGS=XLA_FLAGS,
+            JAX_PLATFORMS="cpu",
+            ESTIMAX_REQUIRE_CUDA="1",
+        ),
+        _pytest(
+            "main",
+            ".venv/bin/python",
+            ["--durations=15", "-n", workers, "--dist", "worksteal"],
+            XLA_FLAGS=XLA_FLAGS,
+            ESTIMAX_REQUIRE_ONEDNN=require_onednn,
+        ),
+    ]
+
+
+def narrowed(command: Sequence[str], keyword: str) -> list[str]:
+    """``command`` with ``-k keyword`` added: and-ed with its own -k expression if it has one
+    (pytest keeps only the last -k)."""
+    out = list(command)
+    if "-k" in out:
+        i = out.index("-k") + 1
+        out[i] = f"({out[i]}) and ({keyword})"
+    else:
+        out += ["-k", keyword]
+    return out
+
+
+def read_junit(path: Path, phase: str) -> list[Case]:
+    """The test cases of one pytest JUnit XML file (pytest-xdist's controller writes one for
+    all workers). An error or failure counts as failed; a skip or xfail as skipped."""
+    cases = []
+    for tc in ET.parse(path).getroot().iter("testcase"):
+        tags = {child.tag for child in tc}
+        if tags & {"failure", "error"}:
+            outcome = "failed"
+        elif "skipped" in tags:
+            outcome = "skipped"
+        else:
+            outcome = "passed"
+        classname, name = tc.get("classname", ""), tc.get("name", "")
+        nodeid = f"{classname}::{name}" if classname else name
+        cases.append(Case(phase, nodeid, float(tc.get("time") or 0.0), outcome))
+    return cases
+
+
+def count(result: Result, cases: Sequence[Case]) -> None:
+    """Fills ``result``'s counts from its cases. A failed phase with no failed case (a crash, a
+    collection error pytest did not record, a failed set-up or lint) counts as one failure, so
+    the closing line never reads as a clean run when a phase failed."""
+    result.passed = sum(c.outcome == "passed" for c in cases)
+    result.failed = sum(c.outcome == "failed" for c in cases)
+    result.skipped = sum(c.outcome == "skipped" for c in cases)
+    if result.ran and result.returncode != 0 and result.failed == 0:
+        result.failed = 1
+
+
+def _clock(seconds: float) -> str:
+    m, s = divmod(round(seconds), 60)
+    return f"{m}:{s:02d}"
+
+
+def table(results: Sequence[Result], cases: Sequence[Case], slowest: int = SLOWEST) -> str:
+    """The run's budget as text: one row per phase (wall time, counts, status), the total, and
+    the ``slowest`` test cases across all phases, slowest first."""
+    rows = [("phase", "wall", "passed", "failed", "skipped", "status")]
+    for r in results:
+        status = "ok" if r.ok else ("not run" if not r.ran else f"FAILED (exit {r.returncode})")
+        counts = ("", "", "")
+        if r.ran and r.pytest:
+            counts = (str(r.passed), str(r.failed), str(r.skipped))
+        elif r.ran and r.returncode != 0:
+            counts = ("", "1", "")  # what the closing line counts for it
+        rows.append((r.name, _clock(r.seconds) if r.ran else "", *counts, status))
+    total = sum(r.seconds for r in results)
+    p, f, s = totals(results)
+    rows.append(("total", _clock(total), str(p), str(f), str(s), ""))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["", "=" * 20 + " make test: time per phase " + "=" * 20]
+    for i, row in enumerate(rows):
+        cells = [row[0].ljust(widths[0])] + [
+            c.rjust(w) for c, w in zip(row[1:5], widths[1:5], strict=True)
+        ]
+        lines.append("  ".join([*cells, row[5]]).rstrip())
+        if i == 0 or i == len(rows) - 2:
+            lines.append("-" * (sum(widths) + 2 * (len(widths) - 1)))
+    top = sorted(cases, key=lambda c: c.seconds, reverse=True)[:slowest]
+    if top:
+        lines += ["", f"{len(top)} slowest tests (setup + call + teardown):"]
+        lines += [f"{c.seconds:8.2f}s  {c.phase:<7} {c.nodeid}" for c in top]
+    return "\n".join(lines)
+
+
+def totals(results: Sequence[Result]) -> tuple[int, int, int]:
+    """Passed, failed and skipped summed over the phases."""
+    return (
+        sum(r.passed for r in results),
+        sum(r.failed for r in results),
+        sum(r.skipped for r in results),
+    )
+
+
+def closing_line(results: Sequence[Result]) -> str:
+    """The last line of the run, in pytest's closing form (CI reads it)."""
+    p, f, s = totals(results)
+    return f"suite: {p} passed, {f} failed, {s} skipped"
+
+
+def report(results: Sequence[Result], cases: Sequence[Case], slowest: int = SLOWEST) -> dict:
+    """The figures of the table as JSON-able data (runs/test-report/report.json)."""
+    top = sorted(cases, key=lambda c: c.seconds, reverse=True)[:slowest]
+    p, f, s = totals(results)
+    return {
+        "phases": [dataclasses.asdict(r) for r in results],
+        "slowest": [dataclasses.asdict(c) for c in top],
+        "total_s": sum(r.seconds for r in results),
+        "passed": p,
+        "failed": f,
+        "skipped": s,
+        "ok": all(r.ok for r in results),
+    }
+
+
+Runner = Callable[[Sequence[str], dict[str, str]], int]
+
+
+def _subprocess_run(command: Sequence[str], env: dict[str, str]) -> int:
+    return subprocess.run(list(command), env=env, check=False).returncode
+
+
+def run(
+    plan: Sequence[Phase],
+    report_dir: Path = REPORT_DIR,
+    keyword: str | None = None,
+    runner: Runner = _subprocess_run,
+    env: dict[str, str] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> tuple[list[Result], list[Case]]:
+    """Runs ``plan`` in order until a phase fails; the results of all phases (those after a
+    failure marked not run) and every test case the JUnit files recorded."""
+    env = dict(os.environ if env is None else env)
+    shutil.rmtree(report_dir, ignore_errors=True)
+    report_dir.mkdir(parents=True, exist_ok=True)
+    results: list[Result] = []
+    cases: list[Case] = []
+    failed = False
+    for phase in plan:
+        result = Result(phase.name, ran=not failed, pytest=phase.pytest)
+        results.append(result)
+        if failed:
+            continue
+        command = list(phase.command)
+        junit = report_dir / f"{phase.name.replace(' ', '_')}.xml"
+        if phase.pytest:
+            if keyword:
+                command = narrowed(command, keyword)
+            command.append(f"--junitxml={junit}")
+        print(f"\n>>> {phase.name}: {shlex.join(command)}", flush=True)
+        start = clock()
+        result.returncode = runner(command, {**env, **dict(phase.env)})
+        result.seconds = clock() - start
+        phase_cases = read_junit(junit, phase.name) if junit.exists() else []
+        # pytest's exit 5 is "no tests collected": what a -k narrowing leaves of some phases.
+        if keyword and phase.pytest and result.returncode == 5:
+            result.returncode = 0
+        count(result, phase_cases)
+        cases += phase_cases
+        failed = not result.ok
+    return results, cases
+
+
+def _compilation_cache(env: dict[str, str]) -> str | None:
+    """One JAX persistent compilation cache for every phase (keys carry jax/jaxlib's versions
+    and the backend, so phases with another jaxlib or compiler only miss). None when the
+    caller chose one or turned it off (ESTIMAX_TEST_COMPILATION_CACHE=0, tests/conftest.py)."""
+    if env.get("ESTIMAX_TEST_COMPILATION_CACHE", "1") == "0" or env.get(
+        "JAX_COMPILATION_CACHE_DIR"
+    ):
+        return None
+    path = tempfile.mkdtemp(prefix="estimax-test-jax-cache-")
+    env["JAX_COMPILATION_CACHE_DIR"] = path
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the phases; prints the table and the closing line; 0 only if every phase passed."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--make", default="make", help="the make to call for set-up and lint")
+    parser.add_argument("--workers", default="2", help="pytest-xdist workers for the main phase")
+    parser.add_argument("--require_onednn", default="0", help="ESTIMAX_REQUIRE_ONEDNN for main")
+    parser.add_argument(
+        "--only",
+        default="",
+        help="comma-separated phase names to run (e.g. 'setup .venv,main'); default all",
+    )
+    parser.add_argument("-k", dest="keyword", help="narrow every pytest phase by this -k")
+    parser.add_argument("--report_dir", default=str(REPORT_DIR))
+    parser.add_argument("--dry_run", action="store_true", help="print the phases, run nothing")
+    args = parser.parse_args(argv)
+
+    plan = phases(args.make, args.workers, args.require_onednn)
+    if args.only:
+        wanted = [w.strip() for w in args.only.split(",") if w.strip()]
+        unknown = sorted(set(wanted) - {p.name for p in plan})
+        if unknown:
+            parser.error(f"unknown phase(s) {unknown}; phases: {[p.name for p in plan]}")
+        plan = [p for p in plan if p.name in wanted]
+    if args.dry_run:
+        for p in plan:
+            env = " ".join(f"{k}={v}" for k, v in p.env)
+            print(f"{p.name}: {env + ' ' if env else ''}{shlex.join(p.command)}")
+        return 0
+
+    meta = {
+        "command": ("make test: " if os.environ.get("MAKELEVEL") else "")
+        + shlex.join(
+            ["python3", "scripts/test_phases.py", *(sys.argv[1:] if argv is None else argv)]
+        ),
+        "subset": bool(args.only or args.keyword),
+        "load_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    env = dict(os.environ)
+    cache = _compilation_cache(env)
+    try:
+        results, cases = run(plan, Path(args.report_dir), args.keyword, env=env)
+    finally:
+        if cache:
+            shutil.rmtree(cache, ignore_errors=True)
+    Path(args.report_dir, "report.json").write_text(
+        json.dumps({**meta, **report(results, cases)}, indent=1) + "\n"
+    )
+    print(table(results, cases))
+    print(closing_line(results), flush=True)
+    return 0 if all(r.ok for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
