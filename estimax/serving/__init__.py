@@ -30,12 +30,13 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from estimax.serving.core import ApiError, ServerOptions
+    from estimax.serving.options import ServerOptions
+    from estimax.serving.protocol import ApiError
     from estimax.serving.server import Server
 
 _EXPORTS = {
-    "ApiError": "estimax.serving.core",
-    "ServerOptions": "estimax.serving.core",
+    "ApiError": "estimax.serving.protocol",
+    "ServerOptions": "estimax.serving.options",
     "Server": "estimax.serving.server",
 }
 

@@ -54,15 +54,17 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from estimax.export.servable import Servable
 from estimax.serving import bodies, classes, metrics, tracking, transport, v2
 from estimax.serving.core import (
-    BY_V2,
-    ECHO_CHARS,
     PREDICT_METHOD,
     RETRY_AFTER_SECONDS,
     SIGNATURE_NAME,
-    ApiError,
     BodyBudget,
-    ServerOptions,
     ServingCore,
+)
+from estimax.serving.options import ServerOptions
+from estimax.serving.protocol import (
+    BY_V2,
+    ECHO_CHARS,
+    ApiError,
     ascii_int,
     dtype_of,
     echo,
