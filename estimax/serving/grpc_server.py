@@ -65,6 +65,7 @@ from estimax.serving.protos.triton import grpc_service_pb2 as pb_v2
 from estimax.serving.protos.triton import grpc_service_pb2_grpc as grpc_v2
 from estimax.serving.tensors import array_to_tensor, tensor_to_column
 from estimax.serving.tracking import RequestRecord
+from estimax.version import __version__
 
 _T = TypeVar("_T")
 
@@ -352,7 +353,7 @@ class InferenceService(grpc_v2.GRPCInferenceServiceServicer):
     ) -> Any:
         """Name, version, the extensions served over gRPC."""
         return pb_v2.ServerMetadataResponse(
-            name="estimax", version="0.1.0", extensions=v2.GRPC_EXTENSIONS
+            name="estimax", version=__version__, extensions=v2.GRPC_EXTENSIONS
         )
 
     async def ModelMetadata(  # noqa: N802

@@ -72,6 +72,7 @@ from estimax.serving.protocol import (
     grpc_code_of,
 )
 from estimax.serving.tracking import RequestRecord
+from estimax.version import __version__
 
 # The protocols, as the routes' tags (the access log's ``protocol``).
 TF = "tf_serving"
@@ -525,7 +526,7 @@ class V2Rest:
 
     def server_metadata(self) -> dict:
         """``GET /v2``."""
-        return {"name": "estimax", "version": "0.1.0", "extensions": list(v2.HTTP_EXTENSIONS)}
+        return {"name": "estimax", "version": __version__, "extensions": list(v2.HTTP_EXTENSIONS)}
 
     def metadata(self, name: str, version: str | None) -> dict:
         """``GET /v2/models/NAME[/versions/V]``."""
