@@ -43,7 +43,8 @@ class Flag:
     Attributes:
       names: the flag, then its aliases (TF Serving's or KServe's spellings).
       help: its ``--help`` line.
-      type: how its text is read (``bool``: ``--x``/``--no-x``; ``str`` when None).
+      type: how its text is read (``bool``: ``--x``/``--no-x``); None: its field's type (that
+        of the field's default), or ``str`` for a flag with no field.
       default: its default; for a flag with a ``field``, None takes the field's own default
         (times ``scale``), so each default is written once, in the dataclass.
       field: the ``ServerOptions`` field it sets (``batching.x``: ``BatchingOptions.x``,
@@ -71,6 +72,12 @@ class Flag:
     def dest(self) -> str:
         """Its attribute in the parsed arguments (``port``)."""
         return self.name.removeprefix("--")
+
+    def value_type(self) -> Callable[[str], Any] | None:
+        """How the flag's text is read: ``type``, else the type of its field's default."""
+        if self.type is None and self.field:
+            return type(self.default_value())
+        return self.type
 
     def default_value(self) -> Any:
         """The default: given, or the ``ServerOptions`` field's (times ``scale``)."""
@@ -159,13 +166,11 @@ FLAGS: tuple[Flag, ...] = (
         ("--grpc_port",),
         "gRPC port (TF Serving's PredictionService/ModelService and v2's "
         "GRPCInferenceService; TF Serving uses 8500); 0: no gRPC",
-        int,
         field="grpc_port",
     ),
     Flag(
         ("--rest_api_timeout_in_ms", "--rest_api_timeout_ms"),
         "a request taking longer answers 504 (gRPC: DEADLINE_EXCEEDED)",
-        int,
         field="rest_api_timeout_in_ms",
     ),
     Flag(
@@ -192,44 +197,37 @@ FLAGS: tuple[Flag, ...] = (
         ("--enable_model_warmup",),
         "replay a version's assets.extra/tf_serving_warmup_requests (TF Serving's "
         "PredictionLog records, up to 1000) before it is served",
-        bool,
         field="enable_model_warmup",
     ),
     Flag(
         ("--num_request_iterations_for_warmup",),
         "replay each warm-up record this many times",
-        int,
         field="warmup_iterations",
     ),
     # Batching: TF Serving's knobs.
     Flag(
         ("--enable_batching",),
         "merge concurrent requests into batches (TF Serving's batching knobs below)",
-        bool,
         field="enable_batching",
     ),
     Flag(
         ("--max_batch_size",),
         "most instances in one model call",
-        int,
         field="batching.max_batch_size",
     ),
     Flag(
         ("--batch_timeout_micros",),
         "most time a batch waits to fill after its first request",
-        int,
         field="batching.batch_timeout_micros",
     ),
     Flag(
         ("--max_enqueued_batches",),
         "queue bound in batches of --max_batch_size; past it requests answer 429",
-        int,
         field="batching.max_enqueued_batches",
     ),
     Flag(
         ("--num_batch_threads",),
         "model calls run at the same time",
-        int,
         field="batching.num_batch_threads",
     ),
     Flag(
@@ -243,21 +241,18 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         ("--max_body_bytes",),
         "larger bodies answer 413 (gRPC messages: RESOURCE_EXHAUSTED)",
-        int,
         field="max_body_bytes",
     ),
     Flag(
         ("--max_body_bytes_in_flight",),
         "HTTP request bodies held at once (counted as their bytes arrive, not as "
         "declared); a body that would pass it answers 503 with Retry-After",
-        int,
         field="max_body_bytes_in_flight",
     ),
-    Flag(("--max_instances",), "more in one request answer 400", int, field="max_instances"),
+    Flag(("--max_instances",), "more in one request answer 400", field="max_instances"),
     Flag(
         ("--max_image_pixels",),
         "larger images (by their header) answer 400 before they are decoded",
-        int,
         field="max_image_pixels",
     ),
     # Connections. TF Serving's naming (--rest_api_timeout_in_ms); uvicorn's
@@ -290,13 +285,11 @@ FLAGS: tuple[Flag, ...] = (
         ("--max_connections",),
         "open connections per port; past it the longest-waiting idle or stalled HTTP "
         "connection is closed (gRPC: refused). Lowered to fit the open-file limit (ulimit -n)",
-        int,
         field="limits.max_connections",
     ),
     Flag(
         ("--max_header_bytes",),
         "a request line and headers larger than this answer 431",
-        int,
         field="limits.max_header_bytes",
     ),
     # TF Serving's names and meanings, where estimax has the same resource.
@@ -304,7 +297,6 @@ FLAGS: tuple[Flag, ...] = (
         ("--grpc_max_threads",),
         "gRPC calls in progress at once, at most (TF Serving's gRPC threads); past it a "
         "call answers RESOURCE_EXHAUSTED at once (0: no bound)",
-        int,
         field="grpc_max_concurrent_rpcs",
         check=_at_least_0,
     ),
@@ -321,7 +313,6 @@ FLAGS: tuple[Flag, ...] = (
         ("--rest_api_num_threads",),
         "processes that parse large HTTP bodies and write large answers, at most one per "
         "core (TF Serving's REST threads; 0: 2)",
-        int,
         field="json_workers",
         check=_json_workers,
     ),
@@ -342,7 +333,6 @@ FLAGS: tuple[Flag, ...] = (
         ("--access_log",),
         "write one line per request (time, client, protocol, route, model, version, "
         "status, latency, instances)",
-        bool,
         field="access_log",
     ),
     Flag(
@@ -355,7 +345,6 @@ FLAGS: tuple[Flag, ...] = (
         ("--api_docs",),
         "serve /docs (Swagger UI) and /redoc (ReDoc); their pages load scripts from a "
         "public CDN (/openapi.json is always served)",
-        bool,
         field="api_docs",
     ),
     Flag(
@@ -383,10 +372,11 @@ def add_parser(sub: Any, env: Mapping[str, str]) -> None:
     )
     for flag in FLAGS:
         kwargs: dict[str, Any] = {"default": flag.default_value(), "help": flag.help}
-        if flag.type is bool:
+        kind = flag.value_type()
+        if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
-        elif flag.type is not None:
-            kwargs["type"] = flag.type
+        elif kind is not None and kind is not str:
+            kwargs["type"] = kind
         if flag.choices:
             kwargs["choices"] = flag.choices
         serve.add_argument(*flag.names, dest=flag.dest, **kwargs)
