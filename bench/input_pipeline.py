@@ -666,7 +666,7 @@ def make_host_data(data_dir: str, num_images: int = 512, num_shards: int = 4) ->
     import numpy as np
     import simplejpeg
 
-    from estimax.data import example, tfrecord
+    from estimax.data import example, shard_index, tfrecord
 
     done = os.path.join(data_dir, "DONE")
     if os.path.exists(done):
@@ -701,7 +701,7 @@ def make_host_data(data_dir: str, num_images: int = 512, num_shards: int = 4) ->
                             }
                         )
                     )
-            tfrecord.write_index(path)
+            shard_index.write_index(path)
     open(done, "w").close()
     return data_dir
 

@@ -26,6 +26,8 @@ The whole user contract (docs/contract.md; runnable: ``examples/contract.py``)::
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from estimax.version import __version__ as __version__
+
 # The static mirror of _EXPORTS and _SUBMODULES below, for type checkers, IDEs and help();
 # never run. tests/test_public_api.py checks that the two name the same objects.
 if TYPE_CHECKING:

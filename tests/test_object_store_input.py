@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from estimax.data import loader as L
-from estimax.data import tfrecord
+from estimax.data import shard_index, tfrecord
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PER_FILE = (9, 14, 7)
@@ -29,7 +29,7 @@ def _write(root: str, payload: int = 100) -> list[str]:
         with tfrecord.TFRecordWriter(path) as w:
             for i in range(n):
                 w.write(struct.pack("<q", f * 1000 + i) + bytes(payload))
-        tfrecord.write_index(path)
+        shard_index.write_index(path)
         files.append(path)
     return files
 

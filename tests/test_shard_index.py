@@ -67,7 +67,7 @@ def test_a_cut_index_is_named_and_rebuilt_never_fewer_records(tmp_path, caplog):
     with pytest.raises(tfrecord.StaleIndexError, match="its 5 records end at byte"):
         tfrecord.RecordFile(files[1]).offsets  # noqa: B018
     # The same shard rewritten with other records after its index was written.
-    tfrecord.write_index(files[2])
+    shard_index.write_index(files[2])
     with tfrecord.TFRecordWriter(files[2]) as w:
         for i in range(3):
             w.write(struct.pack("<q", 2000 + i) + bytes(500))
@@ -78,7 +78,7 @@ def test_a_cut_index_is_named_and_rebuilt_never_fewer_records(tmp_path, caplog):
 def test_an_old_index_without_its_trailer_is_accepted_when_it_fits(tmp_path, monkeypatch):
     files = _write(str(tmp_path))
     for path in files:
-        tfrecord.write_index(path)
+        shard_index.write_index(path)
         lines = open(path + ".idx").read().splitlines()
         assert lines[-1].startswith("# estimax-index size=")
         with open(path + ".idx", "w") as f:
@@ -91,7 +91,7 @@ def test_an_old_index_without_its_trailer_is_accepted_when_it_fits(tmp_path, mon
 
 def test_a_copied_shard_keeps_its_index_a_same_size_rewrite_does_not(tmp_path):
     files = _write(str(tmp_path / "a"))
-    tfrecord.write_index(files[0])
+    shard_index.write_index(files[0])
     os.makedirs(tmp_path / "b")
     copy = str(tmp_path / "b" / "shard")
     shutil.copyfile(files[0], copy)  # another mtime than the index records
@@ -110,7 +110,7 @@ def test_a_copied_shard_keeps_its_index_a_same_size_rewrite_does_not(tmp_path):
 def test_index_command_indexes_each_shard_once_resumes_and_verifies(object_store, capsys):
     root, _ = object_store
     files = _write(root, payload=3000)
-    tfrecord.write_index(files[0])  # one already indexed: skipped
+    shard_index.write_index(files[0])  # one already indexed: skipped
     want = {f: tfrecord.record_offsets(f, verify_crc=False) for f in files}
     before = open_text(files[0] + ".idx")
     assert convert.main(["index", f"{root}/data/train-*", "--no_progress"]) == 0

@@ -12,7 +12,7 @@ import struct
 import numpy as np
 import pytest
 
-from estimax.data import tfrecord
+from estimax.data import shard_index, tfrecord
 from estimax.data.tfrecord import CorruptRecordError
 
 
@@ -157,7 +157,7 @@ def test_writer_writes_the_index_with_the_file_and_neither_on_error(tmp_path, mo
     assert tfrecord.RecordFile(path).index_path == path + ".idx"
     os.remove(path + ".idx")
     # A scan also records the version it indexed (here the file's mtime).
-    rescanned = open(tfrecord.write_index(path)).read()
+    rescanned = open(shard_index.write_index(path)).read()
     assert rescanned.startswith(indexed.rstrip("\n") + " version=mtime_ns%3A")
     # A file that cannot be finished takes its index with it; a failed block leaves neither.
     monkeypatch.setattr(os, "replace", lambda a, b: replace(a, b) if b.endswith(".idx") else 1 / 0)
@@ -183,7 +183,7 @@ def test_sharded_name_and_list_files(tmp_path):
     for i in reversed(range(3)):
         with tfrecord.TFRecordWriter(str(tmp_path / tfrecord.sharded_name("train", i, 3))) as w:
             w.write(b"r%d" % i)
-    tfrecord.write_index(str(tmp_path / "train-00000-of-00003"))
+    shard_index.write_index(str(tmp_path / "train-00000-of-00003"))
     files = tfrecord.list_files(str(tmp_path / "train-*"))
     # sorted, and index files are not shards
     assert [os.path.basename(f) for f in files] == [
@@ -201,7 +201,7 @@ def test_index_and_random_access(tmp_path):
     with tfrecord.TFRecordWriter(path) as w:
         for r in records:
             w.write(r)
-    index = tfrecord.write_index(path)
+    index = shard_index.write_index(path)
     lines = open(index).read().splitlines()
     # DALI tfrecord2idx format: "<offset> <framed size>", then what it indexes.
     assert lines[0] == f"0 {16 + len(records[0])}"
@@ -250,7 +250,7 @@ def test_random_access_on_memory_filesystem():
     with tfrecord.TFRecordWriter(path) as w:
         for r in RECORDS:
             w.write(r)
-    tfrecord.write_index(path)
+    shard_index.write_index(path)
     rf = tfrecord.RecordFile(path)
     assert rf.index_path == path + ".idx"
     assert [rf[i] for i in (3, 1, 0)] == [RECORDS[3], RECORDS[1], RECORDS[0]]
@@ -259,7 +259,7 @@ def test_random_access_on_memory_filesystem():
 def test_stale_index_on_truncated_file(tmp_path):
     path = tmp_path / "train-00000-of-00001"
     path.write_bytes(_frame(b"first") + _frame(b"0123456789"))
-    tfrecord.write_index(str(path))
+    shard_index.write_index(str(path))
     path.write_bytes((_frame(b"first") + _frame(b"0123456789"))[:-6])  # cut after the index
     # Found stale when opened, naming both files ...
     with pytest.raises(tfrecord.StaleIndexError, match=r"\.idx does not index .*: it indexes a "

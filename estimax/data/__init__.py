@@ -15,6 +15,7 @@ from estimax.data.example import (
 )
 from estimax.data.fake import FakeImages
 from estimax.data.loader import BadRecordError, Loader, LoaderIterator, TFRecordSource, host_shard
+from estimax.data.shard_index import write_index
 from estimax.data.tfrecord import (
     CorruptRecordError,
     RecordFile,
@@ -23,7 +24,6 @@ from estimax.data.tfrecord import (
     read_index,
     read_records,
     sharded_name,
-    write_index,
 )
 
 __all__ = [

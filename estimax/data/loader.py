@@ -56,22 +56,20 @@ Where each part lives:
 ``estimax.data.slots``        batch slots (shared memory for processes)
 ``estimax.data.produce``      the background thread: blocks into slots, bad records, batches
 ``estimax.data.loader_state`` the saved position (``get_state``/``set_state``)
+``estimax.data.loader_settings`` the Loader's checked settings, which the two above read
 ============================= =============================================================
 """
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
-
-import numpy as np
 
 from estimax.data import loader_state, slots
 from estimax.data.chunks import ChunkWorker
-from estimax.data.order import GlobalOrder
+from estimax.data.loader_settings import LoaderSettings
 from estimax.data.produce import End, produce
 from estimax.data.sources import (
     BadRecordError,
@@ -80,17 +78,13 @@ from estimax.data.sources import (
     TFRecordSource,
     host_shard,
 )
-from estimax.data.workers import (
-    Workers,
-    start_workers,
-    usable_cores,
-    worker_policy,
-)
+from estimax.data.workers import Workers, start_workers, usable_cores, worker_policy
 
 __all__ = [
     "BadRecordError",
     "Loader",
     "LoaderIterator",
+    "RecordSource",
     "SourceError",
     "TFRecordSource",
     "host_shard",
@@ -98,10 +92,8 @@ __all__ = [
     "worker_policy",
 ]
 
-log = logging.getLogger(__name__)
 
-
-class Loader:
+class Loader(LoaderSettings):
     """An iterable of batches over a :class:`RecordSource`; ``iter()`` starts from the beginning.
 
     Args:
@@ -136,112 +128,8 @@ class Loader:
         on another number of hosts restarts its input.
     """
 
-    def __init__(
-        self,
-        source: RecordSource,
-        transform: Callable[[bytes, np.random.Generator], Any],
-        batch_size: int,
-        *,
-        shuffle: bool,
-        seed: int = 0,
-        num_epochs: int | None = None,
-        drop_remainder: bool = True,
-        num_workers: int | None = None,
-        worker_type: str = "auto",
-        prefetch: int = 2,
-        skip_bad_records: bool = False,
-        record_ids: Sequence[int] | np.ndarray | None = None,
-        chunk_size: int | None = None,
-        num_hosts: int = 1,
-        host_index: int = 0,
-        order_is_global: bool = True,
-    ):
-        _check_arguments(batch_size, worker_type, num_epochs)
-        self.source = source
-        self.transform = transform
-        self.batch_size = batch_size
-        self.shuffle = shuffle
-        self.seed = int(seed)
-        self.num_epochs = num_epochs
-        self.drop_remainder = drop_remainder
-        self.num_workers = usable_cores() if num_workers is None else int(num_workers)
-        self.worker_type = _resolve_worker_type(worker_type, self.num_workers)
-        self.prefetch = max(1, int(prefetch))
-        self.skip_bad_records = skip_bad_records
-        if chunk_size is None:
-            # A task's cost in the training process (submit, result, future) is the same for 8
-            # records as for 32: process workers get bigger chunks so that it stays far below
-            # the pixels' (bench/results/input_pipeline.md, ``host``).
-            chunk_size = 32 if self.num_workers > 0 and self.worker_type == "process" else 8
-        self.chunk_size = max(1, int(chunk_size))
-        ids = (
-            np.arange(len(source), dtype=np.int64)
-            if record_ids is None
-            else np.asarray(record_ids, dtype=np.int64)
-        )
-        if ids.size == 0:
-            raise ValueError("the loader has no records to read (empty source or shard)")
-        self.record_ids = ids
-        self.num_hosts, self.host_index = int(num_hosts), int(host_index)
-        self.order_is_global = order_is_global
-        self.global_order = GlobalOrder(
-            ids,
-            batch_size,
-            num_hosts=self.num_hosts,
-            host_index=self.host_index,
-            shuffle=shuffle,
-            seed=self.seed,
-            num_epochs=num_epochs,
-            drop_remainder=drop_remainder,
-        )
-
-    @property
-    def num_records(self) -> int:
-        """Records per epoch."""
-        return int(self.record_ids.size)
-
-    def order(self, epoch: int) -> np.ndarray:
-        """The source record ids of ``epoch``, in visiting order: [num_records] int64."""
-        return self.global_order.order(epoch)
-
     def __iter__(self) -> LoaderIterator:
         return LoaderIterator(self)
-
-    def __len__(self) -> int:
-        """Batches per pass, for a finite loader (an upper bound if records get skipped)."""
-        if self.num_epochs is None:
-            raise TypeError("an infinite (num_epochs=None) loader has no len()")
-        n = self.num_records * self.num_epochs
-        g = self.batch_size * self.num_hosts
-        if self.drop_remainder:
-            return n // g
-        # Global batches whose block for this host is not empty.
-        return max(0, -(-(n - self.host_index * self.batch_size) // g))
-
-
-def _check_arguments(batch_size: int, worker_type: str, num_epochs: int | None) -> None:
-    if batch_size <= 0:
-        raise ValueError(f"batch_size must be positive, got {batch_size}")
-    if worker_type not in ("thread", "process", "auto"):
-        raise ValueError(f"worker_type must be 'thread', 'process' or 'auto', got {worker_type!r}")
-    if num_epochs is not None and num_epochs <= 0:
-        raise ValueError(f"num_epochs must be positive or None, got {num_epochs}")
-
-
-def _resolve_worker_type(worker_type: str, num_workers: int) -> str:
-    """``worker_type``, with ``"auto"`` resolved by :func:`worker_policy` (and logged)."""
-    if worker_type != "auto":
-        return worker_type
-    cores = usable_cores()
-    worker_type, why = worker_policy(num_workers, cores)
-    log.info(
-        "input: %d %s workers on %d usable cores (worker_type='auto': %s)",
-        num_workers,
-        worker_type,
-        cores,
-        why,
-    )
-    return worker_type
 
 
 class LoaderIterator(Iterator[Any]):

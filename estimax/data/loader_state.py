@@ -13,10 +13,9 @@ position to another host count (its input restarts, with a warning). ``seed``, `
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
-if TYPE_CHECKING:  # the Loader imports this module
-    from estimax.data.loader import Loader
+from estimax.data.loader_settings import LoaderSettings
 
 __all__ = ["STATE_VERSION", "Position", "restore", "state_of"]
 
@@ -33,7 +32,7 @@ class Position(NamedTuple):
     num_skipped: int
 
 
-def state_of(ld: Loader, at: Position) -> dict[str, Any]:
+def state_of(ld: LoaderSettings, at: Position) -> dict[str, Any]:
     """The JSON-serialisable state of an iterator over ``ld`` standing at ``at``."""
     return {
         "version": STATE_VERSION,
@@ -48,7 +47,7 @@ def state_of(ld: Loader, at: Position) -> dict[str, Any]:
     }
 
 
-def restore(ld: Loader, state: dict[str, Any]) -> Position:
+def restore(ld: LoaderSettings, state: dict[str, Any]) -> Position:
     """Where an iterator over ``ld`` given ``state`` continues from.
 
     Raises:

@@ -15,17 +15,15 @@ import dataclasses
 import logging
 import queue
 import threading
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from estimax.data import read_ahead, slots
 from estimax.data.chunks import BadElement, ChunkTask, FillChunk, TransformChunk
+from estimax.data.loader_settings import LoaderSettings
 from estimax.data.sources import BadRecordError
 from estimax.data.workers import Pending, Workers
-
-if TYPE_CHECKING:  # the Loader imports this module
-    from estimax.data.loader import Loader
 
 __all__ = ["End", "Produced", "produce"]
 
@@ -48,7 +46,7 @@ class End(NamedTuple):
 
 
 def produce(
-    ld: Loader,
+    ld: LoaderSettings,
     epoch: int,
     position: int,
     num_skipped: int,
@@ -92,7 +90,7 @@ class _Chunk(NamedTuple):
     pending: Pending
 
 
-def _blocks_in_flight(ld: Loader) -> int:
+def _blocks_in_flight(ld: LoaderSettings) -> int:
     """Blocks started at once: enough chunks queued to keep every worker busy twice over."""
     busy = max(2, -(-2 * max(1, ld.num_workers) * ld.chunk_size // ld.batch_size) + 1)
     return read_ahead.blocks_in_flight(ld.source, busy)
@@ -103,7 +101,7 @@ class _Producer:
 
     def __init__(
         self,
-        ld: Loader,
+        ld: LoaderSettings,
         start: int,
         num_skipped: int,
         workers: Workers,

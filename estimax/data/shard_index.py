@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from estimax import storage
 from estimax.data import tfrecord
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "index_shards",
     "open_indexed",
     "scan_shard",
+    "write_index",
 ]
 
 log = logging.getLogger(__name__)
@@ -249,8 +251,6 @@ def index_shard(
     done = Indexed(path, offsets, identity, read, local_copy=copy_to)
     done.error = error
     if write and error is None:
-        from estimax import storage
-
         text = tfrecord._index_text(offsets, identity)  # noqa: SLF001
         try:
             with storage.errors_named(index_path, "write it"):
@@ -273,6 +273,29 @@ def index_shard(
                     raise
                 done.write_error = f"{e}; and {e2}"
     return done
+
+
+def write_index(path: str, index_path: str | None = None, verify_crc: bool = False) -> str:
+    """Writes the index file of a TFRecord file: one ``"<offset> <length>"`` line per record.
+
+    This is the text format of NVIDIA DALI's ``tfrecord2idx`` (offset of the record and its total
+    framed size), so the same index files serve DALI readers too, followed by one comment line
+    ``# estimax-index size=<bytes> version=<generation, ETag or mtime>`` naming the version of the
+    shard it indexes, so that a reader can tell a stale index
+    (:func:`~estimax.data.tfrecord.index_problem`). The shard is read once, front to back
+    (:func:`index_shard`: large ranged requests on object stores).
+
+    Args:
+      path: the TFRecord file.
+      index_path: where to write; default ``path + '.idx'``.
+      verify_crc: also verify every record's data CRC while indexing.
+
+    Returns:
+      The index path written.
+    """
+    done = index_shard(path, index_path, verify_crc=verify_crc)
+    assert done.index_path is not None  # written, or index_shard raised
+    return done.index_path
 
 
 def index_path_in(index_dir: str, path: str) -> str:
@@ -342,8 +365,6 @@ def index_shards(
 
 def storage_is_remote(path: str) -> bool:
     """Whether ``path`` is on an object store (not a local file)."""
-    from estimax import storage
-
     return storage.is_remote(path)
 
 

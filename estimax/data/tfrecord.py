@@ -56,7 +56,6 @@ __all__ = [
     "read_records_with_offsets",
     "record_offsets",
     "sharded_name",
-    "write_index",
 ]
 
 _MASK_DELTA = 0xA282EAD8
@@ -180,8 +179,8 @@ class TFRecordWriter:
     completed) and nothing appears under ``path``. A remote upload that still fails after the
     client's retries raises :class:`estimax.storage.StorageError` naming ``path``.
 
-    With ``index=True`` the file's index (``path + '.idx'``, see :func:`write_index`) is written
-    with it, from the offsets of the records as they are written (no second pass), and is in
+    With ``index=True`` the file's index (``path + '.idx'``, see ``estimax.data.write_index``) is
+    written with it, from the offsets of the records as they are written (no second pass), and is in
     place before the file appears under its final name: a reader that sees the file sees its
     index. If the file cannot be finished, the index is removed again.
 
@@ -535,33 +534,8 @@ def record_offsets(path: str, verify_crc: bool = True) -> np.ndarray:
 
 
 def default_index_path(path: str) -> str:
-    """Where :func:`write_index` puts the index of ``path`` by default: ``path + '.idx'``."""
+    """Where ``estimax.data.write_index`` puts the index of ``path`` by default: ``path.idx``."""
     return path + INDEX_SUFFIX
-
-
-def write_index(path: str, index_path: str | None = None, verify_crc: bool = False) -> str:
-    """Writes the index file of a TFRecord file: one ``"<offset> <length>"`` line per record.
-
-    This is the text format of NVIDIA DALI's ``tfrecord2idx`` (offset of the record and its total
-    framed size), so the same index files serve DALI readers too, followed by one comment line
-    ``# estimax-index size=<bytes> version=<generation, ETag or mtime>`` naming the version of the
-    shard it indexes, so that a reader can tell a stale index (:func:`index_problem`). The shard
-    is read once, front to back (``estimax.data.shard_index``: large ranged requests on object
-    stores).
-
-    Args:
-      path: the TFRecord file.
-      index_path: where to write; default ``path + '.idx'``.
-      verify_crc: also verify every record's data CRC while indexing.
-
-    Returns:
-      The index path written.
-    """
-    from estimax.data import shard_index  # the streaming scan; imports this module
-
-    done = shard_index.index_shard(path, index_path, verify_crc=verify_crc)
-    assert done.index_path is not None  # written, or index_shard raised
-    return done.index_path
 
 
 def index_trailer(identity: dict[str, Any]) -> str:
@@ -619,7 +593,7 @@ class IndexInfo:
 
 
 def read_index(index_path: str) -> np.ndarray:
-    """Reads an index file written by :func:`write_index` (or DALI's ``tfrecord2idx``).
+    """Reads an index file written by ``estimax.data.write_index`` (or DALI's ``tfrecord2idx``).
 
     Returns:
       offsets: [N + 1] int64 as :func:`record_offsets` returns.
@@ -644,7 +618,7 @@ def load_index(index_path: str) -> tuple[np.ndarray, IndexInfo]:
     except UnicodeDecodeError as e:
         raise ValueError(
             f"{index_path}: not an index file (byte {e.start} is not ASCII); "
-            "rewrite it with write_index"
+            "rewrite it with estimax.data.write_index"
         ) from None
     offsets = [0]
     info = IndexInfo()
@@ -779,7 +753,8 @@ class RecordFile(Sequence[bytes]):
 
     Args:
       path: the TFRecord file (any fsspec path).
-      index_path: an index written by :func:`write_index`; default ``path + '.idx'`` if it exists.
+      index_path: an index written by ``estimax.data.write_index``; default ``path + '.idx'`` if
+        it exists.
       verify_crc: check both CRCs on every read.
       offsets: [N + 1] record offsets, if already known (then no index is read, no scan done).
       local_copy: a local file with the same bytes as ``path``, read instead of it.

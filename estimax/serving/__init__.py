@@ -4,8 +4,13 @@
 |---|---|
 | one server's lifetime: the REST app, gRPC services and JSON workers, together | ``server`` |
 | polling, load + warm before unload, failed loads reported | ``manager`` |
+| the one polling thread (a model's versions, the model config file) | ``poller`` |
 | dynamic batching (TF Serving's knobs), 429 on a full queue | ``batching`` |
-| one model manager, limits, batching, errors, dtype table for every protocol | ``core`` |
+| one model manager, limits, batching for every protocol | ``core`` |
+| the server's limits and behaviour (``ServerOptions``, one field per flag) | ``options`` |
+| errors and their HTTP/gRPC codes, echoes of what a client sent, the dtype table | ``protocol`` |
+| TensorFlow's ``TensorProto`` to and from columns (gRPC Predict, warm-up records) | ``tensors`` |
+| a version's TF Serving warm-up records, replayed before it is served | ``warmup`` |
 | one request's record and its access-log line | ``tracking`` |
 | Prometheus metrics (TF Serving's names), Triton's statistics | ``metrics`` |
 | class names in answers: TF Serving's classify, v2's classification extension | ``classes`` |
@@ -17,6 +22,10 @@
 | messages generated from the published .proto files | ``protos`` |
 | ``estimax serve``'s flags, Vertex AI's ``AIP_*`` | ``cli`` |
 | the quick start's client: one image sent over REST and gRPC | ``demo`` |
+
+Inside, ``grpc_server`` imports ``core``, which imports ``warmup``, which imports ``tensors``,
+``classes`` and ``v2`` import ``protocol``, and ``options`` and ``protocol`` import none of them:
+a ``layers`` contract of ``make lint`` keeps that order, so no import circle comes back.
 
 The server needs JAX and the export directory only: it imports none of ``estimax.estimator``,
 ``estimax.models``, ``estimax.programs``, optax or orbax (a ``forbidden`` contract of ``make
@@ -30,12 +39,13 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from estimax.serving.core import ApiError, ServerOptions
+    from estimax.serving.options import ServerOptions
+    from estimax.serving.protocol import ApiError
     from estimax.serving.server import Server
 
 _EXPORTS = {
-    "ApiError": "estimax.serving.core",
-    "ServerOptions": "estimax.serving.core",
+    "ApiError": "estimax.serving.protocol",
+    "ServerOptions": "estimax.serving.options",
     "Server": "estimax.serving.server",
 }
 

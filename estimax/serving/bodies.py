@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from estimax.data.worker_exit import exit_with_parent
-from estimax.serving.core import ApiError
+from estimax.serving.protocol import ApiError
 
 INLINE_BYTES = 256 << 10  # parsed in place: ~10 ms of the loop at most
 # Past INLINE_BYTES, a body with fewer than INLINE_VALUES commas (every value but a container's

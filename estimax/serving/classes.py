@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from estimax.export.servable import IMAGE_INPUT, Servable
-from estimax.serving.core import ApiError, echo_names
+from estimax.serving.protocol import ApiError, echo_names
 
 SCORES = "probabilities"  # the output classify answers from ([batch, classes])
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging as std_logging
 import os
 import signal
@@ -30,6 +31,89 @@ from logging.handlers import WatchedFileHandler
 from typing import Any
 
 from estimax.export.cli import Defaults
+from estimax.serving.batching import BatchingOptions
+from estimax.serving.options import ServerOptions
+from estimax.serving.transport import ConnectionLimits
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """One ``serve`` flag, defined once: the parser and ``ServerOptions`` are built from it.
+
+    Attributes:
+      names: the flag, then its aliases (TF Serving's or KServe's spellings).
+      help: its ``--help`` line.
+      type: how its text is read (``bool``: ``--x``/``--no-x``); None: its field's type (that
+        of the field's default), or ``str`` for a flag with no field.
+      default: its default; for a flag with a ``field``, None takes the field's own default
+        (times ``scale``), so each default is written once, in the dataclass.
+      field: the ``ServerOptions`` field it sets (``batching.x``: ``BatchingOptions.x``,
+        ``limits.x``: ``ConnectionLimits.x``); empty: read by ``serve`` itself.
+      scale: the flag's value is the field's times this (milliseconds of a field in seconds).
+      check: ``check(flag, value)`` -> the field's value, or ValueError naming the flag.
+      choices: the values it accepts, if only some.
+    """
+
+    names: tuple[str, ...]
+    help: str
+    type: Callable[[str], Any] | None = None
+    default: Any = None
+    field: str = ""
+    scale: int = 1
+    check: Callable[[str, Any], Any] | None = None
+    choices: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        """The flag's own name (``--port``)."""
+        return self.names[0]
+
+    @property
+    def dest(self) -> str:
+        """Its attribute in the parsed arguments (``port``)."""
+        return self.name.removeprefix("--")
+
+    def value_type(self) -> Callable[[str], Any] | None:
+        """How the flag's text is read: ``type``, else the type of its field's default."""
+        if self.type is None and self.field:
+            return type(self.default_value())
+        return self.type
+
+    def default_value(self) -> Any:
+        """The default: given, or the ``ServerOptions`` field's (times ``scale``)."""
+        if self.default is not None or not self.field:
+            return self.default
+        value = _field_default(self.field)
+        return self.type(value * self.scale) if self.scale != 1 and self.type else value
+
+    def option_value(self, args: argparse.Namespace) -> Any:
+        """The field's value from this flag's in ``args`` (ValueError naming the flag)."""
+        value = getattr(args, self.dest)
+        if self.check is not None:
+            return self.check(self.name, value)
+        return value / self.scale if self.scale != 1 else value
+
+
+def _field_default(path: str) -> Any:
+    """The default of ``ServerOptions`` field ``path`` (``limits.max_connections``)."""
+    value: Any = ServerOptions()
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _at_least_0(flag: str, value: int) -> int:
+    if value < 0:
+        raise ValueError(f"{flag}={value} must be >= 0")
+    return value
+
+
+def _json_workers(flag: str, value: int) -> int:
+    return min(_at_least_0(flag, value), os.cpu_count() or 1)
+
+
+def _grpc_arguments(flag: str, value: str) -> tuple[tuple[str, int | str], ...]:
+    return grpc_arguments(value)
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -41,6 +125,244 @@ def _sizes(text: str) -> tuple[int, ...]:
         ) from None
 
 
+# Every ``serve`` flag, in ``--help``'s order. Those with a ``field`` make ``ServerOptions``
+# (``_server_options``); the others say what to serve, where, and how to log.
+FLAGS: tuple[Flag, ...] = (
+    Flag(
+        ("--model_base_path",),
+        "directory (or gs://, s3:// URL) holding numeric version folders (required; "
+        "default under Vertex AI: AIP_STORAGE_URI)",
+    ),
+    Flag(("--model_name",), "the NAME in /v1/models/NAME", default="default"),
+    Flag(
+        ("--model_config_file",),
+        "serve several models: TF Serving's text ModelServerConfig (model_config_list { "
+        "config { name, base_path, model_version_policy, version_labels } ... }); replaces "
+        "--model_base_path and --model_name (default: none)",
+        default="",
+    ),
+    Flag(
+        ("--model_config_file_poll_wait_seconds",),
+        "re-read --model_config_file this often (models added, removed, relabelled; a bad "
+        "file is logged and the old config kept); 0: read once",
+        float,
+        0.0,
+    ),
+    Flag(
+        ("--allow_version_labels_for_unavailable_models",),
+        "let a new version label name a version that is not loaded yet (TF Serving's flag)",
+        bool,
+        False,
+    ),
+    Flag(("--host",), "address to bind (0.0.0.0 for all interfaces)", default="127.0.0.1"),
+    Flag(
+        ("--port", "--rest_api_port"),
+        "HTTP port: TF Serving REST (/v1) and Open Inference Protocol v2 (/v2). NOTE: "
+        "TF Serving's --port is its gRPC port; here gRPC is --grpc_port",
+        int,
+        8501,
+    ),
+    Flag(
+        ("--grpc_port",),
+        "gRPC port (TF Serving's PredictionService/ModelService and v2's "
+        "GRPCInferenceService; TF Serving uses 8500); 0: no gRPC",
+        field="grpc_port",
+    ),
+    Flag(
+        ("--rest_api_timeout_in_ms", "--rest_api_timeout_ms"),
+        "a request taking longer answers 504 (gRPC: DEADLINE_EXCEEDED)",
+        field="rest_api_timeout_in_ms",
+    ),
+    Flag(
+        ("--file_system_poll_wait_seconds",),
+        "poll for new versions this often (0: load once)",
+        float,
+        1.0,
+    ),
+    Flag(
+        ("--version_load_timeout_seconds",),
+        "a version still loading (reading, compiling, warming, checking) after this is "
+        "logged and set aside, and the others load meanwhile; it is tried again once that "
+        "load ends (a file on a hung mount)",
+        float,
+        600.0,
+    ),
+    Flag(
+        ("--num_versions",),
+        "serve the newest N versions (TF Serving's latest{N} policy)",
+        int,
+        1,
+    ),
+    Flag(
+        ("--enable_model_warmup",),
+        "replay a version's assets.extra/tf_serving_warmup_requests (TF Serving's "
+        "PredictionLog records, up to 1000) before it is served",
+        field="enable_model_warmup",
+    ),
+    Flag(
+        ("--num_request_iterations_for_warmup",),
+        "replay each warm-up record this many times",
+        field="warmup_iterations",
+    ),
+    # Batching: TF Serving's knobs.
+    Flag(
+        ("--enable_batching",),
+        "merge concurrent requests into batches (TF Serving's batching knobs below)",
+        field="enable_batching",
+    ),
+    Flag(
+        ("--max_batch_size",),
+        "most instances in one model call",
+        field="batching.max_batch_size",
+    ),
+    Flag(
+        ("--batch_timeout_micros",),
+        "most time a batch waits to fill after its first request",
+        field="batching.batch_timeout_micros",
+    ),
+    Flag(
+        ("--max_enqueued_batches",),
+        "queue bound in batches of --max_batch_size; past it requests answer 429",
+        field="batching.max_enqueued_batches",
+    ),
+    Flag(
+        ("--num_batch_threads",),
+        "model calls run at the same time",
+        field="batching.num_batch_threads",
+    ),
+    Flag(
+        ("--allowed_batch_sizes",),
+        "comma-separated sizes batches are padded to; the last must be "
+        "--max_batch_size (default: powers of two)",
+        _sizes,
+        field="batching.allowed_batch_sizes",
+    ),
+    # What one request may hold.
+    Flag(
+        ("--max_body_bytes",),
+        "larger bodies answer 413 (gRPC messages: RESOURCE_EXHAUSTED)",
+        field="max_body_bytes",
+    ),
+    Flag(
+        ("--max_body_bytes_in_flight",),
+        "HTTP request bodies held at once (counted as their bytes arrive, not as "
+        "declared); a body that would pass it answers 503 with Retry-After",
+        field="max_body_bytes_in_flight",
+    ),
+    Flag(("--max_instances",), "more in one request answer 400", field="max_instances"),
+    Flag(
+        ("--max_image_pixels",),
+        "larger images (by their header) answer 400 before they are decoded",
+        field="max_image_pixels",
+    ),
+    # Connections. TF Serving's naming (--rest_api_timeout_in_ms); uvicorn's
+    # --timeout-keep-alive and --limit-concurrency, nginx's client_header_timeout and
+    # client_body_timeout are the same ideas.
+    Flag(
+        ("--rest_api_header_timeout_in_ms",),
+        "a connection's request line and headers must arrive within this; else 408 and "
+        "closed (a silent connection: closed). Also gRPC's handshake timeout",
+        int,
+        field="limits.header_timeout_s",
+        scale=1000,
+    ),
+    Flag(
+        ("--rest_api_body_timeout_in_ms",),
+        "a request's whole body must arrive within this of its headers; else 408 and closed",
+        int,
+        field="limits.body_timeout_s",
+        scale=1000,
+    ),
+    Flag(
+        ("--rest_api_keep_alive_timeout_in_ms",),
+        "an idle HTTP connection is closed after this (uvicorn's --timeout-keep-alive; "
+        "behind a load balancer, set it above the balancer's idle timeout)",
+        int,
+        field="limits.keep_alive_timeout_s",
+        scale=1000,
+    ),
+    Flag(
+        ("--max_connections",),
+        "open connections per port; past it the longest-waiting idle or stalled HTTP "
+        "connection is closed (gRPC: refused). Lowered to fit the open-file limit (ulimit -n)",
+        field="limits.max_connections",
+    ),
+    Flag(
+        ("--max_header_bytes",),
+        "a request line and headers larger than this answer 431",
+        field="limits.max_header_bytes",
+    ),
+    # TF Serving's names and meanings, where estimax has the same resource.
+    Flag(
+        ("--grpc_max_threads",),
+        "gRPC calls in progress at once, at most (TF Serving's gRPC threads); past it a "
+        "call answers RESOURCE_EXHAUSTED at once (0: no bound)",
+        field="grpc_max_concurrent_rpcs",
+        check=_at_least_0,
+    ),
+    Flag(
+        ("--grpc_channel_arguments",),
+        "comma-separated gRPC server arguments, e.g. grpc.max_connection_age_ms=2000 "
+        "(integers as integers, as TF Serving); they replace estimax's own of the same name "
+        "(default: none)",
+        default="",
+        field="grpc_arguments",
+        check=_grpc_arguments,
+    ),
+    Flag(
+        ("--rest_api_num_threads",),
+        "processes that parse large HTTP bodies and write large answers, at most one per "
+        "core (TF Serving's REST threads; 0: 2)",
+        field="json_workers",
+        check=_json_workers,
+    ),
+    # Operations: metrics, logs, documentation pages.
+    Flag(
+        ("--monitoring_config_file",),
+        "TF Serving's monitoring config (text MonitoringConfig: prometheus_config "
+        "{ enable: true, path: ... }): serve Prometheus metrics at its path (default: none)",
+        default="",
+    ),
+    Flag(
+        ("--metrics_path",),
+        "serve Prometheus metrics at this HTTP path, e.g. /metrics or "
+        "/monitoring/prometheus/metrics (default: none)",
+        default="",
+    ),
+    Flag(
+        ("--access_log",),
+        "write one line per request (time, client, protocol, route, model, version, "
+        "status, latency, instances)",
+        field="access_log",
+    ),
+    Flag(
+        ("--access_log_file",),
+        "where the access log goes (default: standard error); reopened when it is moved "
+        "or removed (logrotate), and on SIGHUP",
+        default="",
+    ),
+    Flag(
+        ("--api_docs",),
+        "serve /docs (Swagger UI) and /redoc (ReDoc); their pages load scripts from a "
+        "public CDN (/openapi.json is always served)",
+        field="api_docs",
+    ),
+    Flag(
+        ("--access_log_format",),
+        "text (key=value) or json (JSON lines)",
+        field="access_log_format",
+        choices=("text", "json"),
+    ),
+    Flag(
+        ("--log_level",),
+        "server log level (info: versions loaded and unloaded; warning: failed requests "
+        "with their cause)",
+        default="info",
+        choices=("debug", "info", "warning", "error", "critical"),
+    ),
+)
+
+
 def add_parser(sub: Any, env: Mapping[str, str]) -> None:
     """Adds ``serve`` (its flags' defaults from ``env`` under Vertex AI) to ``sub``."""
     serve = sub.add_parser(
@@ -48,265 +370,17 @@ def add_parser(sub: Any, env: Mapping[str, str]) -> None:
         help="serve versions over HTTP (TF Serving, v2) and gRPC",
         formatter_class=Defaults,
     )
-    serve.add_argument(
-        "--model_base_path",
-        default=None,
-        help="directory (or gs://, s3:// URL) holding numeric version folders (required; "
-        "default under Vertex AI: AIP_STORAGE_URI)",
-    )
-    serve.add_argument("--model_name", default="default", help="the NAME in /v1/models/NAME")
-    serve.add_argument(
-        "--model_config_file",
-        default="",
-        help="serve several models: TF Serving's text ModelServerConfig (model_config_list { "
-        "config { name, base_path, model_version_policy, version_labels } ... }); replaces "
-        "--model_base_path and --model_name (default: none)",
-    )
-    serve.add_argument(
-        "--model_config_file_poll_wait_seconds",
-        type=float,
-        default=0.0,
-        help="re-read --model_config_file this often (models added, removed, relabelled; a bad "
-        "file is logged and the old config kept); 0: read once",
-    )
-    serve.add_argument(
-        "--allow_version_labels_for_unavailable_models",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="let a new version label name a version that is not loaded yet (TF Serving's flag)",
-    )
-    serve.add_argument(
-        "--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)"
-    )
-    serve.add_argument(
-        "--port",
-        "--rest_api_port",
-        type=int,
-        default=8501,
-        dest="port",
-        help="HTTP port: TF Serving REST (/v1) and Open Inference Protocol v2 (/v2). NOTE: "
-        "TF Serving's --port is its gRPC port; here gRPC is --grpc_port",
-    )
-    serve.add_argument(
-        "--grpc_port",
-        type=int,
-        default=0,
-        help="gRPC port (TF Serving's PredictionService/ModelService and v2's "
-        "GRPCInferenceService; TF Serving uses 8500); 0: no gRPC",
-    )
-    serve.add_argument(
-        "--rest_api_timeout_in_ms",
-        "--rest_api_timeout_ms",
-        type=int,
-        default=30_000,
-        dest="rest_api_timeout_in_ms",
-        help="a request taking longer answers 504 (gRPC: DEADLINE_EXCEEDED)",
-    )
-    serve.add_argument(
-        "--file_system_poll_wait_seconds",
-        type=float,
-        default=1.0,
-        help="poll for new versions this often (0: load once)",
-    )
-    serve.add_argument(
-        "--version_load_timeout_seconds",
-        type=float,
-        default=600.0,
-        help="a version still loading (reading, compiling, warming, checking) after this is "
-        "logged and set aside, and the others load meanwhile; it is tried again once that "
-        "load ends (a file on a hung mount)",
-    )
-    serve.add_argument(
-        "--num_versions",
-        type=int,
-        default=1,
-        help="serve the newest N versions (TF Serving's latest{N} policy)",
-    )
-    serve.add_argument(
-        "--enable_model_warmup",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="replay a version's assets.extra/tf_serving_warmup_requests (TF Serving's "
-        "PredictionLog records, up to 1000) before it is served",
-    )
-    serve.add_argument(
-        "--num_request_iterations_for_warmup",
-        type=int,
-        default=1,
-        help="replay each warm-up record this many times",
-    )
-    _batching_flags(serve)
-    _limit_flags(serve)
-    _connection_flags(serve)
-    _ops_flags(serve)
+    for flag in FLAGS:
+        kwargs: dict[str, Any] = {"default": flag.default_value(), "help": flag.help}
+        kind = flag.value_type()
+        if kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif kind is not None and kind is not str:
+            kwargs["type"] = kind
+        if flag.choices:
+            kwargs["choices"] = flag.choices
+        serve.add_argument(*flag.names, dest=flag.dest, **kwargs)
     _vertex_defaults(serve, env)
-
-
-def _batching_flags(serve: argparse.ArgumentParser) -> None:
-    serve.add_argument(
-        "--enable_batching",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="merge concurrent requests into batches (TF Serving's batching knobs below)",
-    )
-    serve.add_argument(
-        "--max_batch_size", type=int, default=32, help="most instances in one model call"
-    )
-    serve.add_argument(
-        "--batch_timeout_micros",
-        type=int,
-        default=1000,
-        help="most time a batch waits to fill after its first request",
-    )
-    serve.add_argument(
-        "--max_enqueued_batches",
-        type=int,
-        default=16,
-        help="queue bound in batches of --max_batch_size; past it requests answer 429",
-    )
-    serve.add_argument(
-        "--num_batch_threads", type=int, default=1, help="model calls run at the same time"
-    )
-    serve.add_argument(
-        "--allowed_batch_sizes",
-        type=_sizes,
-        default=(),
-        help="comma-separated sizes batches are padded to; the last must be "
-        "--max_batch_size (default: powers of two)",
-    )
-
-
-def _limit_flags(serve: argparse.ArgumentParser) -> None:
-    serve.add_argument(
-        "--max_body_bytes",
-        type=int,
-        default=64 << 20,
-        help="larger bodies answer 413 (gRPC messages: RESOURCE_EXHAUSTED)",
-    )
-    serve.add_argument(
-        "--max_body_bytes_in_flight",
-        type=int,
-        default=1 << 30,
-        help="HTTP request bodies held at once (counted as their bytes arrive, not as "
-        "declared); a body that would pass it answers 503 with Retry-After",
-    )
-    serve.add_argument(
-        "--max_instances", type=int, default=1024, help="more in one request answer 400"
-    )
-    serve.add_argument(
-        "--max_image_pixels",
-        type=int,
-        default=1 << 26,
-        help="larger images (by their header) answer 400 before they are decoded",
-    )
-
-
-def _connection_flags(serve: argparse.ArgumentParser) -> None:
-    # TF Serving's naming (--rest_api_timeout_in_ms); uvicorn's --timeout-keep-alive and
-    # --limit-concurrency, nginx's client_header_timeout/client_body_timeout are the same ideas.
-    serve.add_argument(
-        "--rest_api_header_timeout_in_ms",
-        type=int,
-        default=10_000,
-        help="a connection's request line and headers must arrive within this; else 408 and "
-        "closed (a silent connection: closed). Also gRPC's handshake timeout",
-    )
-    serve.add_argument(
-        "--rest_api_body_timeout_in_ms",
-        type=int,
-        default=30_000,
-        help="a request's whole body must arrive within this of its headers; else 408 and closed",
-    )
-    serve.add_argument(
-        "--rest_api_keep_alive_timeout_in_ms",
-        type=int,
-        default=5_000,
-        help="an idle HTTP connection is closed after this (uvicorn's --timeout-keep-alive; "
-        "behind a load balancer, set it above the balancer's idle timeout)",
-    )
-    serve.add_argument(
-        "--max_connections",
-        type=int,
-        default=1000,
-        help="open connections per port; past it the longest-waiting idle or stalled HTTP "
-        "connection is closed (gRPC: refused). Lowered to fit the open-file limit (ulimit -n)",
-    )
-    serve.add_argument(
-        "--max_header_bytes",
-        type=int,
-        default=64 << 10,
-        help="a request line and headers larger than this answer 431",
-    )
-    # TF Serving's names and meanings, where estimax has the same resource.
-    serve.add_argument(
-        "--grpc_max_threads",
-        type=int,
-        default=0,
-        help="gRPC calls in progress at once, at most (TF Serving's gRPC threads); past it a "
-        "call answers RESOURCE_EXHAUSTED at once (0: no bound)",
-    )
-    serve.add_argument(
-        "--grpc_channel_arguments",
-        default="",
-        help="comma-separated gRPC server arguments, e.g. grpc.max_connection_age_ms=2000 "
-        "(integers as integers, as TF Serving); they replace estimax's own of the same name "
-        "(default: none)",
-    )
-    serve.add_argument(
-        "--rest_api_num_threads",
-        type=int,
-        default=0,
-        help="processes that parse large HTTP bodies and write large answers, at most one per "
-        "core (TF Serving's REST threads; 0: 2)",
-    )
-
-
-def _ops_flags(serve: argparse.ArgumentParser) -> None:
-    serve.add_argument(
-        "--monitoring_config_file",
-        default="",
-        help="TF Serving's monitoring config (text MonitoringConfig: prometheus_config "
-        "{ enable: true, path: ... }): serve Prometheus metrics at its path (default: none)",
-    )
-    serve.add_argument(
-        "--metrics_path",
-        default="",
-        help="serve Prometheus metrics at this HTTP path, e.g. /metrics or "
-        "/monitoring/prometheus/metrics (default: none)",
-    )
-    serve.add_argument(
-        "--access_log",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="write one line per request (time, client, protocol, route, model, version, "
-        "status, latency, instances)",
-    )
-    serve.add_argument(
-        "--access_log_file",
-        default="",
-        help="where the access log goes (default: standard error); reopened when it is moved "
-        "or removed (logrotate), and on SIGHUP",
-    )
-    serve.add_argument(
-        "--api_docs",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="serve /docs (Swagger UI) and /redoc (ReDoc); their pages load scripts from a "
-        "public CDN (/openapi.json is always served)",
-    )
-    serve.add_argument(
-        "--access_log_format",
-        choices=("text", "json"),
-        default="text",
-        help="text (key=value) or json (JSON lines)",
-    )
-    serve.add_argument(
-        "--log_level",
-        choices=("debug", "info", "warning", "error", "critical"),
-        default="info",
-        help="server log level (info: versions loaded and unloaded; warning: failed requests "
-        "with their cause)",
-    )
 
 
 def _vertex_defaults(serve: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
@@ -344,20 +418,16 @@ def _check_port(flag: str, host: str, port: int) -> None:
             ) from None
 
 
-def _server_options(args: argparse.Namespace) -> Any:
+def _server_options(args: argparse.Namespace) -> ServerOptions:
     """The ``ServerOptions`` of ``serve``'s flags (ValueError naming a bad one)."""
-    from estimax.serving.batching import BatchingOptions
     from estimax.serving.metrics import parse_monitoring_config
-    from estimax.serving.rest import ServerOptions
-    from estimax.serving.transport import ConnectionLimits
 
-    batching = BatchingOptions(
-        args.max_batch_size,
-        args.batch_timeout_micros,
-        args.max_enqueued_batches,
-        args.num_batch_threads,
-        tuple(args.allowed_batch_sizes),
-    )
+    fields: dict[str, dict[str, Any]] = {"": {}, "batching": {}, "limits": {}}
+    for flag in FLAGS:
+        if flag.field:
+            group, _, name = flag.field.rpartition(".")
+            fields[group][name] = flag.option_value(args)
+    batching = BatchingOptions(**fields["batching"])
     batching.validate()
     if args.monitoring_config_file and args.metrics_path:
         raise ValueError("give --monitoring_config_file or --metrics_path, not both")
@@ -369,49 +439,20 @@ def _server_options(args: argparse.Namespace) -> Any:
     if metrics_path is not None and not metrics_path.startswith("/"):
         raise ValueError(f"--metrics_path={metrics_path} must start with /")
     options = ServerOptions(
-        enable_batching=args.enable_batching,
+        **fields[""],
         batching=batching,
-        rest_api_timeout_in_ms=args.rest_api_timeout_in_ms,
-        max_body_bytes=args.max_body_bytes,
-        max_body_bytes_in_flight=args.max_body_bytes_in_flight,
-        max_instances=args.max_instances,
-        max_image_pixels=args.max_image_pixels,
-        grpc_port=args.grpc_port,
+        limits=ConnectionLimits(**fields["limits"]),
         grpc_host=args.host,
         metrics_paths=(metrics_path,) if metrics_path else (),
-        access_log=args.access_log,
-        access_log_format=args.access_log_format,
         vertex_predict_route=args.vertex_predict_route,
         vertex_health_route=args.vertex_health_route,
-        api_docs=args.api_docs,
-        enable_model_warmup=args.enable_model_warmup,
-        warmup_iterations=args.num_request_iterations_for_warmup,
         rest=args.port != 0,
-        grpc_max_concurrent_rpcs=_at_least_0("--grpc_max_threads", args.grpc_max_threads),
-        grpc_arguments=grpc_arguments(args.grpc_channel_arguments),
-        json_workers=min(
-            _at_least_0("--rest_api_num_threads", args.rest_api_num_threads),
-            os.cpu_count() or 1,
-        ),
-        limits=ConnectionLimits(
-            header_timeout_s=args.rest_api_header_timeout_in_ms / 1000,
-            body_timeout_s=args.rest_api_body_timeout_in_ms / 1000,
-            keep_alive_timeout_s=args.rest_api_keep_alive_timeout_in_ms / 1000,
-            max_connections=args.max_connections,
-            max_header_bytes=args.max_header_bytes,
-        ),
     )
     options.limits.validate()
     options.validate()
     if options.warmup_iterations < 1:
         raise ValueError("--num_request_iterations_for_warmup must be >= 1")
     return options
-
-
-def _at_least_0(flag: str, value: int) -> int:
-    if value < 0:
-        raise ValueError(f"{flag}={value} must be >= 0")
-    return value
 
 
 def grpc_arguments(text: str) -> tuple[tuple[str, int | str], ...]:
@@ -619,10 +660,8 @@ def _model_configs(args: argparse.Namespace) -> list[Any]:
     ]
 
 
-def _fit_connections(options: Any, ports: int) -> Any:
+def _fit_connections(options: ServerOptions, ports: int) -> ServerOptions:
     """``options`` with ``--max_connections`` lowered to fit the open-file limit (logged)."""
-    import dataclasses
-
     from estimax.serving import transport
 
     fitted, why = transport.fitted_max_connections(options.limits.max_connections, ports)

@@ -23,16 +23,14 @@ at WARNING (ERROR for an internal error, 500) on ``estimax.serving.core``.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import dataclasses
 import functools
 import logging
 import os
-import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -40,12 +38,67 @@ import numpy as np
 
 from estimax.export.servable import InvalidInput, RequestCancelled, Servable
 from estimax.export.versions import MAX_VERSION, version_number
-from estimax.serving import memory, tracking
-from estimax.serving.batching import Batcher, BatchingOptions, QueueFullError
+from estimax.serving import memory, tracking, warmup
+from estimax.serving.batching import Batcher, QueueFullError
 from estimax.serving.manager import ModelManager, VersionPolicy, VersionState
 from estimax.serving.metrics import ServingMetrics
+
+# The options and the protocols' vocabulary live below this module (estimax.serving.options,
+# estimax.serving.protocol); imported from here too, as they were before they moved.
+from estimax.serving.options import ServerOptions
+from estimax.serving.protocol import (
+    BY_NUMPY,
+    BY_TF,
+    BY_V2,
+    DTYPES,
+    ECHO_CHARS,
+    ECHO_NAMES,
+    HTTP_STATUS,
+    MESSAGE_CHARS,
+    ApiError,
+    DType,
+    ascii_int,
+    clip,
+    cut,
+    dtype_of,
+    echo,
+    echo_names,
+    grpc_code_of,
+    numpy_dtype,
+    refuse_repeated,
+)
 from estimax.serving.tracking import RequestRecord
-from estimax.serving.transport import ConnectionLimits
+
+__all__ = [
+    "BY_NUMPY",
+    "BY_TF",
+    "BY_V2",
+    "DTYPES",
+    "ECHO_CHARS",
+    "ECHO_NAMES",
+    "HTTP_STATUS",
+    "MESSAGE_CHARS",
+    "PREDICT_METHOD",
+    "RETRY_AFTER_SECONDS",
+    "SIGNATURE_NAME",
+    "SIGNATURE_NAMES",
+    "TRIM_AFTER_BYTES",
+    "ApiError",
+    "BodyBudget",
+    "DType",
+    "ServedModel",
+    "ServerOptions",
+    "ServingCore",
+    "ascii_int",
+    "clip",
+    "cut",
+    "dtype_of",
+    "echo",
+    "echo_names",
+    "grpc_code_of",
+    "numpy_dtype",
+    "refuse_repeated",
+]
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("estimax.serving.access")
@@ -56,254 +109,12 @@ PREDICT_METHOD = "tensorflow/serving/predict"
 SIGNATURE_NAMES = (SIGNATURE_NAME, "classify", "predict", "")
 
 
-@dataclasses.dataclass
-class ServerOptions:
-    """Limits and behaviour of the server (the ``estimax serve`` flags).
-
-    Attributes:
-      enable_batching: merge concurrent requests (``BatchingOptions``).
-      batching: the batching knobs (also give the compiled batch sizes without batching).
-      rest_api_timeout_in_ms: a request taking longer answers 504 (gRPC: DEADLINE_EXCEEDED).
-      max_body_bytes: larger bodies answer 413 (gRPC messages: RESOURCE_EXHAUSTED).
-      max_body_bytes_in_flight: the HTTP request bodies held at once (received, not yet
-        answered), at most; a body that would pass it answers 503 with Retry-After.
-      max_instances: more instances in one request answer 400.
-      max_image_pixels: larger images (by their header) answer 400.
-      grpc_port: the gRPC port (TF Serving's ``--port``); 0: no gRPC.
-      grpc_host: the address the gRPC port binds.
-      metrics_paths: HTTP paths answering Prometheus text (none: no metrics endpoint).
-      access_log: write one ``estimax.serving.access`` line per request.
-      access_log_format: ``text`` or ``json`` (JSON lines).
-      vertex_predict_route, vertex_health_route: Vertex AI's ``AIP_PREDICT_ROUTE`` and
-        ``AIP_HEALTH_ROUTE`` (empty: not served).
-      limits: the connections' timeouts and caps (``estimax.serving.transport``; gRPC: its
-        handshake timeout and connection cap).
-      api_docs: serve ``/docs`` (Swagger UI) and ``/redoc`` (ReDoc); their pages load scripts
-        from a public CDN, so they are off unless asked for.
-      enable_model_warmup: replay a version's ``assets.extra/tf_serving_warmup_requests``
-        before it is served (``estimax.serving.warmup``), each record ``warmup_iterations``
-        times.
-      rest: serve HTTP (False: gRPC only, TF Serving's ``--rest_api_port=0``).
-      grpc_max_concurrent_rpcs: gRPC calls in progress at once, at most (TF Serving's
-        ``--grpc_max_threads``); past it a call answers RESOURCE_EXHAUSTED at once. 0: no bound.
-      grpc_arguments: more gRPC server arguments (TF Serving's ``--grpc_channel_arguments``),
-        ``(name, int or str)``; they replace estimax's own of the same name.
-      json_workers: the processes that parse large HTTP bodies and write large answers
-        (``estimax.serving.bodies``; TF Serving's ``--rest_api_num_threads``). 0: its default.
-    """
-
-    enable_batching: bool = False
-    batching: BatchingOptions = dataclasses.field(default_factory=BatchingOptions)
-    rest_api_timeout_in_ms: int = 30_000
-    max_body_bytes: int = 64 << 20
-    max_body_bytes_in_flight: int = 1 << 30
-    max_instances: int = 1024
-    max_image_pixels: int = 1 << 26
-    grpc_port: int = 0
-    grpc_host: str = "127.0.0.1"
-    metrics_paths: tuple[str, ...] = ()
-    access_log: bool = True
-    access_log_format: str = "text"
-    vertex_predict_route: str = ""
-    vertex_health_route: str = ""
-    limits: ConnectionLimits = dataclasses.field(default_factory=ConnectionLimits)
-    api_docs: bool = False
-    enable_model_warmup: bool = True
-    warmup_iterations: int = 1
-    rest: bool = True
-    grpc_max_concurrent_rpcs: int = 0
-    grpc_arguments: tuple[tuple[str, int | str], ...] = ()
-    json_workers: int = 0
-
-    def validate(self) -> None:
-        """Raises ValueError naming the flag of a body limit that cannot hold."""
-        if self.max_body_bytes <= 0:
-            raise ValueError("--max_body_bytes must be > 0")
-        if self.max_body_bytes_in_flight < self.max_body_bytes:
-            raise ValueError(
-                f"--max_body_bytes_in_flight={self.max_body_bytes_in_flight} is less than "
-                f"--max_body_bytes={self.max_body_bytes}: no body that large could ever arrive"
-            )
-
-
 # A 429's Retry-After (HTTP) and grpc-retry-pushback-ms (gRPC): a full queue drains in about a
 # batch's run; one second is the smallest Retry-After can say.
 RETRY_AFTER_SECONDS = 1
 # A request whose body held this many bytes hands the freed memory back to the system when it
 # ends (estimax.serving.memory).
 TRIM_AFTER_BYTES = 8 << 20
-
-
-# HTTP status -> gRPC status code name, from TF Serving's ToHTTPStatusCode (its inverse; 413 and
-# 429 are what gRPC itself answers for a too-large message and a full queue).
-_GRPC_CODES = {
-    400: "INVALID_ARGUMENT",
-    401: "UNAUTHENTICATED",
-    403: "PERMISSION_DENIED",
-    404: "NOT_FOUND",
-    409: "ABORTED",
-    413: "RESOURCE_EXHAUSTED",
-    429: "RESOURCE_EXHAUSTED",
-    499: "CANCELLED",
-    500: "INTERNAL",
-    501: "UNIMPLEMENTED",
-    503: "UNAVAILABLE",
-    504: "DEADLINE_EXCEEDED",
-    # Last: DEADLINE_EXCEEDED stands for 504 (HTTP_STATUS takes each code's first status).
-    408: "DEADLINE_EXCEEDED",
-}
-
-
-_ASCII_DIGITS = re.compile(r"[0-9]+")
-
-
-# What an error message echoes of one string a client sent, at most (TF Serving echoes a
-# signature name or an input name whole: a 20 MiB name made a 20 MiB answer and log line).
-ECHO_CHARS = 200
-# Names echoed from a client's list (keys of an instance, features, inputs), at most.
-ECHO_NAMES = 10
-# A whole error message, at most: what no single echo bounds (a message made of many).
-MESSAGE_CHARS = 4096
-
-
-def clip(text: str, limit: int = 40) -> str:
-    """``repr(text)``, cut to about ``limit`` characters (error messages echo what was sent)."""
-    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} chars)"
-
-
-def cut(text: Any) -> str:
-    """A client's string as TF Serving's messages write it (unquoted), cut to ``ECHO_CHARS``
-    with its length stated (a JSON value that is not a string, such as null, as Python writes
-    it: the message is still an answer, never a 500)."""
-    text = text if isinstance(text, str) else str(text)
-    return text if len(text) <= ECHO_CHARS else f"{text[:ECHO_CHARS]}... ({len(text)} chars)"
-
-
-def echo(text: Any) -> str:
-    """A client's string as an error message quotes it: ``repr``, cut to ``ECHO_CHARS`` with
-    its length stated."""
-    return clip(text if isinstance(text, str) else repr(text), ECHO_CHARS)
-
-
-def echo_names(names: Iterable[Any]) -> str:
-    """A client's list of names as an error message quotes it: sorted, each ``echo``-ed, the
-    first ``ECHO_NAMES`` of them (how many more there are stated)."""
-    shown = sorted(str(n) for n in names)
-    text = ", ".join(echo(n) for n in shown[:ECHO_NAMES])
-    more = f", and {len(shown) - ECHO_NAMES} more" if len(shown) > ECHO_NAMES else ""
-    return f"[{text}{more}]"
-
-
-def ascii_int(text: str, what: str, limit: int) -> int:
-    """``text`` as a decimal integer from 0 to ``limit`` in ASCII digits; 400 otherwise.
-
-    ``int()`` and ``str.isdigit`` also take other scripts' digits and superscripts, and ``int()``
-    refuses numbers of over 4,300 digits with a ValueError: a request's numbers go through here.
-    """
-    if not _ASCII_DIGITS.fullmatch(text) or len(text) > len(str(limit)) or int(text) > limit:
-        raise ApiError(400, f"{what} must be an integer from 0 to {limit}, got {clip(text)}")
-    return int(text)
-
-
-def refuse_repeated(names: Iterable[Any]) -> None:
-    """400 if an output is asked for more than once.
-
-    Each output is answered once: a request repeating one 200,000 times would make the server
-    write it 200,000 times (measured: the event loop blocked for 18 s). Counted as ``names``
-    come, so a repeated field is checked before anything holds it whole.
-    """
-    counts = collections.Counter(n for n in names if isinstance(n, str))
-    repeated = sorted(n for n, k in counts.items() if k > 1)
-    if repeated:
-        raise ApiError(
-            400, f"outputs {echo_names(repeated)} are asked for more than once; ask for each once"
-        )
-
-
-def grpc_code_of(status: int) -> str:
-    """The canonical (gRPC) code name of an HTTP status (``OK`` for 2xx)."""
-    return "OK" if 200 <= status < 300 else _GRPC_CODES.get(status, "UNKNOWN")
-
-
-# gRPC code name -> the HTTP status it stands for (the first of _GRPC_CODES with that code).
-HTTP_STATUS = {"OK": 200, "UNKNOWN": 500, **{c: s for s, c in reversed(_GRPC_CODES.items())}}
-
-
-class ApiError(Exception):
-    """An error answered as ``{"error": message}`` with ``status`` (gRPC: ``grpc_code``)."""
-
-    def __init__(self, status: int, message: str):
-        if len(message) > MESSAGE_CHARS:  # whatever it echoes, an answer stays small
-            message = f"{message[:MESSAGE_CHARS]}... ({len(message)} chars)"
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Raised in the JSON workers too (estimax.serving.bodies): it crosses a process.
-        return (ApiError, (self.status, self.message))
-
-    @property
-    def grpc_code(self) -> str:
-        """The name of the ``grpc.StatusCode`` this error is answered with over gRPC."""
-        return _GRPC_CODES.get(self.status, "UNKNOWN")
-
-
-@dataclasses.dataclass(frozen=True)
-class DType:
-    """One element type in each protocol's spelling.
-
-    Attributes:
-      numpy: the numpy dtype name (``string``: encoded bytes, numpy ``object``).
-      v2: the Open Inference Protocol datatype.
-      tf: TensorFlow's ``DataType`` enum name (TF Serving metadata and ``TensorProto``).
-    """
-
-    numpy: str
-    v2: str
-    tf: str
-
-
-# The one dtype table of the server.
-DTYPES = (
-    DType("bool", "BOOL", "DT_BOOL"),
-    DType("uint8", "UINT8", "DT_UINT8"),
-    DType("uint16", "UINT16", "DT_UINT16"),
-    DType("uint32", "UINT32", "DT_UINT32"),
-    DType("uint64", "UINT64", "DT_UINT64"),
-    DType("int8", "INT8", "DT_INT8"),
-    DType("int16", "INT16", "DT_INT16"),
-    DType("int32", "INT32", "DT_INT32"),
-    DType("int64", "INT64", "DT_INT64"),
-    DType("float16", "FP16", "DT_HALF"),
-    DType("float32", "FP32", "DT_FLOAT"),
-    DType("float64", "FP64", "DT_DOUBLE"),
-    DType("bfloat16", "BF16", "DT_BFLOAT16"),
-    DType("string", "BYTES", "DT_STRING"),
-)
-BY_NUMPY = {d.numpy: d for d in DTYPES}
-BY_V2 = {d.v2: d for d in DTYPES}
-BY_TF = {d.tf: d for d in DTYPES}
-
-
-def dtype_of(name_or_array: Any) -> DType:
-    """The table entry of a spec's dtype name or of an array's dtype (bytes/object: string)."""
-    if isinstance(name_or_array, np.ndarray):
-        kind = name_or_array.dtype.kind
-        name = "string" if kind in "SOU" else name_or_array.dtype.name
-    else:
-        name = str(name_or_array)
-    try:
-        return BY_NUMPY[name]
-    except KeyError:
-        raise ApiError(500, f"Internal: dtype {name} has no protocol spelling") from None
-
-
-def numpy_dtype(d: DType) -> np.dtype:
-    """The numpy dtype of a numeric entry (little-endian, as every wire format here)."""
-    if d.numpy == "string":
-        return np.dtype(object)
-    return np.dtype(d.numpy).newbyteorder("<")
 
 
 class BodyBudget:
@@ -405,8 +216,6 @@ class ServingCore:
         """
         manager.on_load = self.metrics.loaded
         if self.options.enable_model_warmup:
-            from estimax.serving import warmup
-
             manager.warmup = functools.partial(
                 warmup.replay, core=self, iterations=self.options.warmup_iterations
             )

@@ -30,32 +30,26 @@ Messages come from the published .proto files (``estimax.serving.protos``); no T
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
-import numpy as np
 from google.protobuf import any_pb2, json_format
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from estimax.export.servable import IMAGE_INPUT, Servable
+from estimax.export.servable import Servable
 from estimax.serving import classes, tracking, v2
-from estimax.serving.core import (
+from estimax.serving.core import PREDICT_METHOD, RETRY_AFTER_SECONDS, SIGNATURE_NAME, ServingCore
+from estimax.serving.protocol import (
     HTTP_STATUS,
-    PREDICT_METHOD,
-    RETRY_AFTER_SECONDS,
-    SIGNATURE_NAME,
     ApiError,
-    ServingCore,
     dtype_of,
     echo,
     echo_names,
-    numpy_dtype,
     refuse_repeated,
 )
-from estimax.serving.protos.tensorflow.core.framework import tensor_pb2, tensor_shape_pb2, types_pb2
+from estimax.serving.protos.tensorflow.core.framework import tensor_shape_pb2, types_pb2
 from estimax.serving.protos.tensorflow.core.protobuf import meta_graph_pb2
 from estimax.serving.protos.tensorflow_serving.apis import (
     classification_pb2,
@@ -69,28 +63,11 @@ from estimax.serving.protos.tensorflow_serving.apis import (
 )
 from estimax.serving.protos.triton import grpc_service_pb2 as pb_v2
 from estimax.serving.protos.triton import grpc_service_pb2_grpc as grpc_v2
+from estimax.serving.tensors import array_to_tensor, tensor_to_column
 from estimax.serving.tracking import RequestRecord
+from estimax.version import __version__
 
 _T = TypeVar("_T")
-
-# TensorProto's typed field for each dtype (TF's tensor.proto comments; half and bfloat16 are
-# their 16-bit patterns in half_val).
-_VALUE_FIELD = {
-    "DT_FLOAT": "float_val",
-    "DT_DOUBLE": "double_val",
-    "DT_INT32": "int_val",
-    "DT_INT16": "int_val",
-    "DT_INT8": "int_val",
-    "DT_UINT8": "int_val",
-    "DT_UINT16": "int_val",
-    "DT_INT64": "int64_val",
-    "DT_UINT32": "uint32_val",
-    "DT_UINT64": "uint64_val",
-    "DT_BOOL": "bool_val",
-    "DT_HALF": "half_val",
-    "DT_BFLOAT16": "half_val",
-    "DT_STRING": "string_val",
-}
 
 
 def _fail(
@@ -128,100 +105,6 @@ async def _answer(context: grpc.aio.ServicerContext, call: Awaitable[_T]) -> _T 
     pushback = (("grpc-retry-pushback-ms", str(RETRY_AFTER_SECONDS * 1000)),)
     _fail(context, getattr(grpc.StatusCode, code), message, pushback if status == 429 else ())
     return None
-
-
-# ----------------------------------------------------------------------------- TensorProto
-def tensor_to_column(proto: Any, name: str, servable: Servable, core: ServingCore) -> Any:
-    """A request ``TensorProto`` -> the column ``Servable.prepare`` takes (400 if unfit)."""
-    where = f"input {echo(name)}"
-    if name not in servable.inputs:
-        raise ApiError(
-            400, f"{where} is not an input of the model; its inputs are {sorted(servable.inputs)}"
-        )
-    want = dtype_of(servable.inputs[name]["dtype"])
-    got = types_pb2.DataType.Name(proto.dtype) if proto.dtype in types_pb2.DataType.values() else ""
-    if got != want.tf:
-        raise ApiError(400, f"{where}: expects dtype {want.tf}, got {got or proto.dtype}")
-    shape = _shape(proto.tensor_shape, where)
-    core.count(shape[0])
-    elements = math.prod(shape)
-    dtype = numpy_dtype(want)
-    if elements * dtype.itemsize > core.options.max_body_bytes:
-        # What a request may make the server allocate (one value fills the whole tensor).
-        raise ApiError(
-            400,
-            f"{where}: shape {shape} is larger than this server accepts "
-            f"({core.options.max_body_bytes} bytes; see --max_body_bytes)",
-        )
-    if want.v2 == "BYTES":
-        values = list(proto.string_val)
-        if len(values) != elements or (name == IMAGE_INPUT and len(shape) != 1):
-            raise ApiError(
-                400,
-                f"{where}: shape {shape} does not match {len(values)} string_val elements"
-                + (" (image bytes have shape [batch])" if name == IMAGE_INPUT else ""),
-            )
-        return values
-    if proto.tensor_content:
-        if len(proto.tensor_content) != elements * dtype.itemsize:
-            raise ApiError(
-                400,
-                f"{where}: tensor_content has {len(proto.tensor_content)} bytes; shape {shape} "
-                f"of {want.tf} needs {elements * dtype.itemsize}",
-            )
-        return np.frombuffer(proto.tensor_content, dtype).reshape(shape)
-    field = getattr(proto, _VALUE_FIELD[want.tf])
-    if not len(field):
-        flat = np.zeros(0, dtype)
-    elif want.tf in ("DT_HALF", "DT_BFLOAT16"):
-        bits = np.asarray(field)
-        if bits.min() < 0 or bits.max() > 0xFFFF:
-            raise ApiError(400, f"{where}: half_val holds 16-bit patterns (0..65535)")
-        flat = bits.astype(np.uint16).view(dtype)
-    else:
-        # In the field's own width (int_val carries int8..uint16): Servable.prepare range-checks
-        # and casts, so 300 for a uint8 input is a 400 naming the input, not an overflow.
-        flat = np.asarray(field)
-    if flat.size == 1 and elements != 1:  # TF fills a tensor from one given value
-        flat = np.full(elements, flat[0], flat.dtype)
-    if flat.size != elements:
-        raise ApiError(400, f"{where}: shape {shape} needs {elements} values, got {flat.size}")
-    return flat.reshape(shape)
-
-
-def _shape(proto: Any, where: str) -> list[int]:
-    """A ``TensorShapeProto`` as ``[batch, ...]``: known, 1 to ``MAX_RANK`` sizes >= 0."""
-    if proto.unknown_rank:
-        raise ApiError(400, f"{where}: the tensor's shape must be known")
-    if len(proto.dim) > v2.MAX_RANK:
-        raise ApiError(
-            400,
-            f"{where}: the shape has {len(proto.dim)} dimensions; at most {v2.MAX_RANK} are "
-            "accepted",
-        )
-    shape = [int(d.size) for d in proto.dim]
-    if not shape or any(d < 0 for d in shape):
-        raise ApiError(400, f"{where}: shape {shape} must be [batch, ...] with sizes >= 0")
-    return shape
-
-
-def array_to_tensor(array: np.ndarray) -> Any:
-    """An output array -> ``TensorProto`` with its values in the typed field (as TF Serving)."""
-    d = dtype_of(array)
-    proto = tensor_pb2.TensorProto(
-        dtype=types_pb2.DataType.Value(d.tf),
-        tensor_shape=tensor_shape_pb2.TensorShapeProto(
-            dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=int(s)) for s in array.shape]
-        ),
-    )
-    field = getattr(proto, _VALUE_FIELD[d.tf])
-    if d.v2 == "BYTES":
-        field.extend(x.encode() if isinstance(x, str) else bytes(x) for x in array.ravel())
-    elif d.tf in ("DT_HALF", "DT_BFLOAT16"):
-        field.extend(array.ravel().view(np.uint16).tolist())
-    else:
-        field.extend(array.ravel().tolist())
-    return proto
 
 
 def _tensor_info(name: str, spec: dict[str, Any]) -> Any:
@@ -470,7 +353,7 @@ class InferenceService(grpc_v2.GRPCInferenceServiceServicer):
     ) -> Any:
         """Name, version, the extensions served over gRPC."""
         return pb_v2.ServerMetadataResponse(
-            name="estimax", version="0.1.0", extensions=v2.GRPC_EXTENSIONS
+            name="estimax", version=__version__, extensions=v2.GRPC_EXTENSIONS
         )
 
     async def ModelMetadata(  # noqa: N802

@@ -36,6 +36,7 @@ from typing import Any
 
 from estimax.export.servable import Servable
 from estimax.export.versions import fingerprint, list_versions, rerun_check
+from estimax.serving.poller import Poller
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +127,9 @@ class ModelManager:
         self._poll_lock = threading.Lock()
         # Set once the first poll has ended (every wanted version tried).
         self.polled = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._poller = Poller(
+            self.poll, poll_wait_seconds, name=f"poll-{name}", what=f"Model {name}", logger=log
+        )
         self.last_poll_error = ""
         # Called with (path, seconds, ok) after each load attempt (the server's metrics).
         self.on_load: Callable[[str, float, bool], None] | None = None
@@ -344,21 +346,12 @@ class ModelManager:
         """Polls once now, then every ``poll_wait_seconds`` in a thread (never if 0)."""
         self.poll()
         if self.poll_wait_seconds > 0:
-            self._thread = threading.Thread(target=self._run, name=f"poll-{self.name}", daemon=True)
-            self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.poll_wait_seconds):
-            try:
-                self.poll()
-            except Exception:  # noqa: BLE001 - the poller must outlive any one bad poll
-                log.exception("Model %s: poll failed", self.name)
+            self._poller.interval = self.poll_wait_seconds
+            self._poller.start()
 
     def stop(self) -> None:
         """Stops polling."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
+        self._poller.stop()
 
     def close(self) -> None:
         """Stops polling and unloads every version (a model no longer served)."""

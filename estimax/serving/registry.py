@@ -52,6 +52,7 @@ from typing import Any
 
 from estimax.serving.core import ServingCore
 from estimax.serving.manager import ModelManager, VersionPolicy
+from estimax.serving.poller import Poller
 
 log = logging.getLogger(__name__)
 
@@ -262,8 +263,13 @@ class ConfigPoller:
         self.path = path
         self.registry = registry
         self.poll_wait_seconds = poll_wait_seconds
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._poller = Poller(
+            self.poll,
+            poll_wait_seconds,
+            name="poll-model-config",
+            what=f"--model_config_file={path}",
+            logger=log,
+        )
         self._last_error = ""
 
     def poll(self) -> None:
@@ -288,18 +294,8 @@ class ConfigPoller:
 
     def start(self) -> None:
         """Polls every ``poll_wait_seconds`` in a thread."""
-        self._thread = threading.Thread(target=self._run, name="poll-model-config", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.poll_wait_seconds):
-            try:
-                self.poll()
-            except Exception:  # noqa: BLE001 - the poller must outlive any one bad poll
-                log.exception("--model_config_file=%s: poll failed", self.path)
+        self._poller.start()
 
     def stop(self) -> None:
         """Stops polling."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
+        self._poller.stop()

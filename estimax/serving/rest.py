@@ -54,15 +54,17 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from estimax.export.servable import Servable
 from estimax.serving import bodies, classes, metrics, tracking, transport, v2
 from estimax.serving.core import (
-    BY_V2,
-    ECHO_CHARS,
     PREDICT_METHOD,
     RETRY_AFTER_SECONDS,
     SIGNATURE_NAME,
-    ApiError,
     BodyBudget,
-    ServerOptions,
     ServingCore,
+)
+from estimax.serving.options import ServerOptions
+from estimax.serving.protocol import (
+    BY_V2,
+    ECHO_CHARS,
+    ApiError,
     ascii_int,
     dtype_of,
     echo,
@@ -70,6 +72,7 @@ from estimax.serving.core import (
     grpc_code_of,
 )
 from estimax.serving.tracking import RequestRecord
+from estimax.version import __version__
 
 # The protocols, as the routes' tags (the access log's ``protocol``).
 TF = "tf_serving"
@@ -523,7 +526,7 @@ class V2Rest:
 
     def server_metadata(self) -> dict:
         """``GET /v2``."""
-        return {"name": "estimax", "version": "0.1.0", "extensions": list(v2.HTTP_EXTENSIONS)}
+        return {"name": "estimax", "version": __version__, "extensions": list(v2.HTTP_EXTENSIONS)}
 
     def metadata(self, name: str, version: str | None) -> dict:
         """``GET /v2/models/NAME[/versions/V]``."""

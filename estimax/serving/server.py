@@ -16,8 +16,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from fastapi import FastAPI
 
 from estimax.serving import bodies, rest, transport
-from estimax.serving.core import ServerOptions, ServingCore
+from estimax.serving.core import ServingCore
 from estimax.serving.manager import ModelManager
+from estimax.serving.options import ServerOptions
 
 __all__ = ["Server"]
 

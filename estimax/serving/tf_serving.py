@@ -32,6 +32,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from estimax.version import __version__
+
 PROG = "tensorflow_model_server"
 EXIT_USAGE = 2
 
@@ -377,12 +379,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_usage())
         return 0
     if "--version" in argv:
-        from importlib.metadata import PackageNotFoundError, version
-
-        try:
-            print(f"{PROG} (estimax {version('estimax')})")
-        except PackageNotFoundError:
-            print(f"{PROG} (estimax)")
+        print(f"{PROG} (estimax {__version__})")
         return 0
     try:
         args, warnings = translate(argv)

@@ -21,8 +21,9 @@ from typing import Any
 import numpy as np
 
 from estimax.export.servable import IMAGE_INPUT, Servable
-from estimax.serving.core import (
+from estimax.serving.protocol import (
     BY_V2,
+    MAX_RANK,
     ApiError,
     DType,
     dtype_of,
@@ -105,8 +106,6 @@ def join_bytes(elements: Any) -> bytes:
     return b"".join(parts)
 
 
-# Dimensions a request's tensor may have (numpy's own limit is 64; a model's inputs have few).
-MAX_RANK = 32
 INT64_MAX = 2**63 - 1
 
 

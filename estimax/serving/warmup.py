@@ -20,17 +20,16 @@ from __future__ import annotations
 import posixpath
 import struct
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import fsspec
 
+from estimax.export.record import check_regular
+from estimax.export.servable import Servable
+
 # TF Serving's names and limit, where the export writes them.
 from estimax.export.warmup import MAX_RECORDS, WARMUP_DIR, WARMUP_FILE
-
-if TYPE_CHECKING:
-    from estimax.export.servable import Servable
-    from estimax.serving.core import ServingCore
-
+from estimax.serving.tensors import Limits, tensor_to_column
 
 # PredictionLog's fields (tensorflow_serving/apis/prediction_log.proto).
 _KINDS = {
@@ -159,14 +158,11 @@ def _encode_varint(n: int) -> bytes:
             return bytes(out)
 
 
-def replay(servable: Servable, version_path: str, core: ServingCore, iterations: int = 1) -> int:
+def replay(servable: Servable, version_path: str, core: Limits, iterations: int = 1) -> int:
     """Replays the version's warm-up records; returns how many (0: it has none).
 
     Raises ValueError naming the record that failed (and why): the version is then not served.
     """
-    from estimax.export.record import check_regular
-    from estimax.serving.grpc_server import tensor_to_column
-
     path = warmup_path(version_path)
     fs, root = fsspec.core.url_to_fs(path)
     if not fs.exists(root):

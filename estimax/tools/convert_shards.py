@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from estimax import storage
-from estimax.data import tfrecord
+from estimax.data import shard_index, tfrecord
 from estimax.data.worker_exit import exit_with_parent
 from estimax.tools.convert_images import (
     BadImageError,
@@ -390,7 +390,7 @@ def prepare_manifest(
             fresh.shards[name] = entry
             if index_problems(path):  # a shard of an older estimax, or its index lost
                 log.info("%s: writing its index file", path)
-                tfrecord.write_index(path)
+                shard_index.write_index(path)
         else:
             log.warning("%s: missing or changed since the manifest recorded it; rewriting", path)
 

@@ -15,7 +15,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from estimax.data import chunks, example, tfrecord, workers
+from estimax.data import chunks, example, shard_index, tfrecord, workers
 from estimax.data import loader as L
 from estimax.programs import cli, mnist
 from estimax.tools import mnist_data
@@ -139,7 +139,7 @@ def test_a_shard_replaced_on_an_object_store_is_an_error_naming_it(
     fs.put_file(local, key)
     # Indexed, so its records are read from the bucket (an unindexed shard is streamed once into
     # a local copy that the run then reads: a snapshot no replacement reaches).
-    tfrecord.write_index(path)
+    shard_index.write_index(path)
     if same_records:  # nothing looks damaged: only the periodic check can tell
         monkeypatch.setattr(tfrecord, "RECHECK_SECS", 0.0)
     it = _reading(path, skip_bad_records=True)

@@ -17,7 +17,7 @@ import pytest
 from conftest import clear_storage_clients, point_clients_at  # tests/conftest.py
 
 from estimax import storage
-from estimax.data import tfrecord
+from estimax.data import shard_index, tfrecord
 
 from .conftest import scale
 
@@ -167,7 +167,7 @@ def test_writes_and_reads_go_through_injected_faults(
             with tfrecord.TFRecordWriter(path) as w:
                 for r in RECORDS:
                     w.write(r)
-            tfrecord.write_index(path)
+            shard_index.write_index(path)
         for shard in range(shards):
             path = f"{root}/data/train-{shard:05d}-of-{shards:05d}"
             assert list(tfrecord.read_records(path)) == RECORDS
