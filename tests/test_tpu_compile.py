@@ -95,7 +95,7 @@ def steps_on_cpu(job: common.Job) -> tuple[ex.Estimator, compile_lib.Steps]:
         train_batch_size=job.batch_sizes[0],
         eval_batch_size=job.batch_sizes[1],
     )
-    return est, est._steps_on(est.mesh, "train", job.batch_sizes[0])
+    return est, est.step_builder.build(est.mesh, est.batch_sizes)
 
 
 def lowered_text(job: common.Job, step: str, platform: str | None) -> str:
@@ -695,7 +695,7 @@ def test_compile_for_reports_an_accumulated_step_at_its_micro_batch_on_a_tpu_sli
     def train_report(batch: int, k: int) -> compile_lib.StepReport:
         config = ex.RunConfig(model_dir=str(tmp_path), gradient_accumulation_steps=k)
         est = ex.Estimator(wide_model_fn, config, train_batch_size=batch)
-        return est.compile_for(TOPOLOGY, *io)[0]
+        return compile_lib.compile_estimator(est, TOPOLOGY, *io)[0]
 
     whole, accumulated, micro = (
         train_report(65536, 1),

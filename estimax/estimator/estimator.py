@@ -71,7 +71,6 @@ from absl import logging
 from estimax.estimator import batches as batches_lib
 from estimax.estimator import best as best_lib
 from estimax.estimator import checkpoints as ckpt_lib
-from estimax.estimator import compile as compile_lib
 from estimax.estimator import evaluation as evaluation_lib
 from estimax.estimator import export as export_lib
 from estimax.estimator import (
@@ -212,6 +211,16 @@ class Estimator:
         if jax.default_backend() == "cpu":
             # Which convolution kernels estimax.ops will call: a 2-5x difference on CPUs.
             logging.info("CPU convolutions (estimax.ops): %s", native.status())
+
+    @property
+    def step_builder(self) -> step_builder.StepBuilder:
+        """What builds this Estimator's steps (its ``model_fn``, params and config)."""
+        return self._builder
+
+    @property
+    def batch_sizes(self) -> dict[str, int | None]:
+        """The global batch size of each mode (``ModeKeys.TRAIN``/``EVAL``/``PREDICT``)."""
+        return dict(self._batch_sizes)
 
     @property
     def clock(self) -> Callable[[], float]:
@@ -545,61 +554,6 @@ class Estimator:
         return export_lib.export_saved_model(
             export_dir_base, serve, variables, input_specs, step, platforms
         )
-
-    def compile_for(
-        self, topology: str, features: Any, labels: Any = None, **options: Any
-    ) -> list[compile_lib.StepReport]:
-        """Compiles the train and eval steps for a Cloud TPU slice, on any host (needs libtpu).
-
-        The steps ``train``/``evaluate`` would run (this ``model_fn``, its EMA and precision,
-        the donated state, each batch size's per-replica shapes) on a mesh over the slice's
-        devices; ``estimax.estimator.compile`` has the rest.
-
-        Args:
-          topology: e.g. ``v5e:2x4`` (``compile.KNOWN_TOPOLOGIES``).
-          features, labels: ``TensorSpec`` pytrees of a batch (batch dimension None).
-          **options: ``num_shards`` (default ``config.num_shards``), ``search`` (look for the
-            largest batch that fits when a step does not), ``accumulation_steps`` (default
-            ``config.gradient_accumulation_steps``: the train step's memory is a micro-batch's),
-            ``layout_config`` (a RunConfig whose ``num_cores_per_replica``,
-            ``input_partition_dims`` and ``shard_parameters`` the steps are built under,
-            default this Estimator's; the slice's layout need not fit this host's devices).
-
-        Returns:
-          a ``StepReport`` per step whose global batch size was given to the constructor.
-        """
-        options.setdefault("num_shards", self.config.num_shards)
-        options.setdefault("accumulation_steps", self.config.gradient_accumulation_steps)
-        builder = self._builder
-        layout_config = options.pop("layout_config", None)
-        if layout_config is not None:
-            # The slice's layout, which this host's devices need not be able to hold.
-            builder = step_builder.StepBuilder(builder.model_fn, builder.params, layout_config)
-        options.setdefault("layout", builder.layout)  # the run's cores, splits, FSDP
-        sizes = {m: self._batch_sizes[m] for m in (ModeKeys.TRAIN, ModeKeys.EVAL)}
-        batches = {m: size for m, size in sizes.items() if size is not None}
-        return compile_lib.compile_for(
-            functools.partial(self._steps_on, builder=builder),
-            topology,
-            (features, labels),
-            batches,
-            **options,
-        )
-
-    def _steps_on(
-        self,
-        mesh: Any,
-        mode: str,
-        batch: int,
-        accumulation_steps: int | None = None,
-        *,
-        builder: step_builder.StepBuilder | None = None,
-    ) -> step_builder.Steps:
-        """The steps on ``mesh`` (a slice's) with ``mode``'s global batch ``batch`` in
-        ``accumulation_steps`` micro-batches (``compile_for``'s: one train step whatever
-        ``steps_per_device_call``, as a device loop runs the same step body)."""
-        builder = builder or self._builder
-        return builder.build(mesh, {**self._batch_sizes, mode: batch}, accumulation_steps)
 
     # ------------------------------------------------------------------ summaries
 

@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
-from typing import Any, cast
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, cast
 
 import jax
 import numpy as np
@@ -45,13 +45,40 @@ from jax.sharding import PartitionSpec as P
 
 from estimax.estimator import replication
 from estimax.estimator.replication import REPLICA_AXIS
-from estimax.estimator.spec import RunConfig, format_dims, partition_lists
-from estimax.estimator.steps import TrainState
+from estimax.estimator.train_state import TrainState
 
 # The mesh axes of a replica's cores: the k-th split dimension of the inputs is split over
 # ``model{k}`` (``[1, 2, 2, 1]``: H over model0, W over model1).
 MODEL_AXIS_PREFIX = "model"
 _MIB = 2**20
+
+
+class LayoutFields(Protocol):
+    """The fields of a ``RunConfig`` that make its layout (``Layout.from_config`` reads them)."""
+
+    @property
+    def num_cores_per_replica(self) -> int: ...
+    @property
+    def input_partition_dims(self) -> Any: ...
+    @property
+    def shard_parameters(self) -> float | None: ...
+
+
+def format_dims(dims: Any) -> str:
+    """``[1, 2, 2, 1]`` as the flag writes it (``1,2,2,1``); other structures as Python's."""
+    if isinstance(dims, list | tuple) and all(isinstance(d, int) for d in dims):
+        return ",".join(map(str, dims))
+    return repr(dims)
+
+
+def partition_lists(dims: Any) -> list[tuple[str, Sequence[int]]]:
+    """The int lists of one input's partition dims, each with where it is (``""`` for a
+    single array, ``"[key]"`` in a dict); None entries (inputs every core gets whole) left out."""
+    if dims is None:
+        return []
+    if isinstance(dims, Mapping):
+        return [(f"[{k!r}]", d) for k, d in dims.items() if d is not None]
+    return [("", dims)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +98,7 @@ class Layout:
     fsdp_min_bytes: int | None = None
 
     @classmethod
-    def from_config(cls, config: RunConfig) -> Layout:
+    def from_config(cls, config: LayoutFields) -> Layout:
         """The layout of ``config``'s ``num_cores_per_replica``, ``input_partition_dims`` and
         ``shard_parameters`` (checked there already, except what needs the inputs)."""
         dims = list(config.input_partition_dims or [])

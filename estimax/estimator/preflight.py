@@ -21,7 +21,6 @@ import jax
 import numpy as np
 
 from estimax.estimator import distributed
-from estimax.estimator.spec import RunConfig
 
 
 class PreflightError(RuntimeError):
@@ -91,7 +90,7 @@ def check(facts: Mapping[str, Any]) -> None:
 
 
 def check_training(
-    config: RunConfig, batch_sizes: Mapping[str, int | None], params: Any, start: int
+    config: Any, batch_sizes: Mapping[str, int | None], params: Any, start: int
 ) -> None:
     """With many processes, before training: all must train the same ``RunConfig``, batch
     sizes and parameter shapes from the same step (``check``); with one it returns at once."""

@@ -10,6 +10,8 @@ from typing import Any, TypeVar
 
 import optax
 
+from estimax.estimator.layouts import format_dims, partition_lists
+
 _T = TypeVar("_T")
 
 _HOOKS = "SessionRunHooks go to Estimator.train/evaluate/predict(hooks=[...])"
@@ -445,23 +447,6 @@ class EvalSpec:
 
 # TPUConfig's values (tensorflow/estimator tpu_config.py): a replica spans a power of two cores.
 CORES_PER_REPLICA = (1, 2, 4, 8, 16, 32, 64, 128)
-
-
-def format_dims(dims: Any) -> str:
-    """``[1, 2, 2, 1]`` as the flag writes it (``1,2,2,1``); other structures as Python's."""
-    if isinstance(dims, list | tuple) and all(isinstance(d, int) for d in dims):
-        return ",".join(map(str, dims))
-    return repr(dims)
-
-
-def partition_lists(dims: Any) -> list[tuple[str, Sequence[int]]]:
-    """The int lists of one input's partition dims, each with where it is (``""`` for a
-    single array, ``"[key]"`` in a dict); None entries (inputs every core gets whole) left out."""
-    if dims is None:
-        return []
-    if isinstance(dims, Mapping):
-        return [(f"[{k!r}]", d) for k, d in dims.items() if d is not None]
-    return [("", dims)]
 
 
 def check_layout(cores: int, input_partition_dims: Any, shard_parameters: float | None) -> None:

@@ -29,6 +29,7 @@ from estimax.estimator import losses
 from estimax.estimator import metrics as metrics_lib
 from estimax.estimator import summary as summary_lib
 from estimax.estimator.spec import EstimatorSpec, ModeKeys
+from estimax.estimator.train_state import TrainState
 from estimax.models import layers
 
 _tracing = threading.local()
@@ -59,17 +60,6 @@ def global_step_scope(step: jax.Array) -> Iterator[None]:
         yield
     finally:
         _tracing.step = previous
-
-
-@struct.dataclass
-class TrainState:
-    """Everything a checkpoint holds besides the input position."""
-
-    step: jax.Array
-    params: Any
-    model_state: Any  # mutable collections other than params, e.g. batch_stats
-    opt_state: Any
-    ema_params: Any  # {} when the spec asks for no EMA
 
 
 class ModelFnModule(nn.Module):

@@ -39,6 +39,7 @@ What the count is and is not:
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,7 +47,14 @@ import jax
 from absl import logging
 
 from estimax.estimator import chips
-from estimax.estimator.compile import custom_call_targets
+
+_CUSTOM_CALL = re.compile(r'custom_call @([\w.$-]+)|custom_call_target="([^"]+)"')
+
+
+def custom_call_targets(text: str) -> tuple[str, ...]:
+    """The custom-call targets named in StableHLO (``custom_call @t``) or HLO text, sorted."""
+    return tuple(sorted({a or b for a, b in _CUSTOM_CALL.findall(text)}))
+
 
 MFU_TAG = "MFU"
 TFLOPS_TAG = "TFLOP/s/device"

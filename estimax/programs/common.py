@@ -1110,7 +1110,8 @@ def compile_job(job: Job) -> list[Any]:
             eval_batch_size=job.batch_sizes[1],
         )
         try:
-            reports = est.compile_for(
+            reports = compile_lib.compile_estimator(
+                est,
                 topology,
                 *compile_inputs(job),
                 num_shards=config.num_shards,
@@ -1208,7 +1209,8 @@ def other_layouts(job: Job, local: Any, topology: str, train: Any) -> str:
             model_fn or job.model_fn, local, params=job.params, train_batch_size=batch
         )
         try:
-            (report,) = est.compile_for(
+            (report,) = compile_lib.compile_estimator(
+                est,
                 topology,
                 *compile_inputs(job),
                 num_shards=config.num_shards,
