@@ -1,4 +1,4 @@
-"""The original's spatial partitioning and FSDP (``estimax.estimator.layouts``, issue #40).
+"""The original's spatial partitioning and FSDP (``estimax.parallel.layouts``, issue #40).
 
 Parity: on the 8 forced CPU devices (conftest), one train step under each layout gives the
 1-D data-parallel step's loss and gradients (SGD at learning rate 1 after one step: the
@@ -20,11 +20,12 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import estimax as ex
-from estimax.estimator import batches, layouts, replication, restoring, step_builder
+from estimax.estimator import batches, restoring, step_builder
 from estimax.estimator import steps as steps_lib
 from estimax.estimator.spec import ModeKeys
 from estimax.models.resnet import ResNetTiny
 from estimax.models.vit import ViTTiny
+from estimax.parallel import layouts, replication
 
 # Measured here (8 CPU devices, float32): the largest difference of a gradient between a layout
 # and the 1-D step was 1.2e-7 (spatial, conv net), 0 (FSDP, conv net) and 3e-8 (FSDP,

@@ -26,7 +26,7 @@ import pytest
 from absl import flags
 
 import estimax as ex
-from estimax.estimator import compile as compile_lib
+from estimax.compile import compile as compile_lib
 from estimax.models.inception_v3 import InceptionV3Tiny
 from estimax.models.inception_v4 import InceptionV4Tiny
 from estimax.models.resnet import ResNetTiny

@@ -14,10 +14,11 @@ from absl import logging
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from estimax.estimator import checkpoints as ckpt_lib
-from estimax.estimator import feeding, layouts, replication
-from estimax.estimator.replication import REPLICA_AXIS
+from estimax.estimator import feeding
 from estimax.estimator.spec import InputContext, ModeKeys, RunConfig
+from estimax.parallel import layouts, replication
+from estimax.parallel.replication import REPLICA_AXIS
+from estimax.state import checkpoints as ckpt_lib
 
 
 def _is_global(state: Any, num_hosts: int) -> bool:

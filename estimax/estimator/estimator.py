@@ -24,14 +24,14 @@ Who owns what:
 | batches ahead on the devices (bounded)   | ``DevicePrefetcher``    | ``feeding.py``              |
 | position in the input                    | the input iterator      | ``get_state``/``set_state`` |
 | checkpoints (model + input position)     | Orbax ``Checkpointer``  | ``model_dir/checkpoints``   |
-| a train state <-> checkpoint items       | ``state_items`` etc.    | ``checkpoints.py``          |
-| restoring one (train, eval, predict)     | ``restore_state``       | ``checkpoints.py``          |
+| a train state <-> checkpoint items       | ``state_items`` etc.    | ``state/checkpoints.py``    |
+| restoring one (train, eval, predict)     | ``restore_state``       | ``state/checkpoints.py``    |
 | cadences (save, log, summaries)          | ``PeriodicAction``      | ``periodic.py``             |
 | summaries and log lines                  | ``Summaries``           | ``model_dir[/eval]``        |
-| many hosts (joining, comparing notes)    | ``jax.distributed``     | ``distributed.py``          |
-| processes agree before step 0            | pre-flight check        | ``preflight.py``            |
-| preemption: save at an agreed step       | ``PreemptionNotice``    | ``distributed.py``          |
-| no step completes -> stacks, exit 75     | ``Watchdog``            | ``watchdog.py``             |
+| many hosts (joining, comparing notes)    | ``jax.distributed``     | ``parallel/distributed.py`` |
+| processes agree before step 0            | pre-flight check        | ``parallel/preflight.py``   |
+| preemption: save at an agreed step       | ``PreemptionNotice``    | ``parallel/distributed.py`` |
+| no step completes -> stacks, exit 75     | ``Watchdog``            | ``parallel/watchdog.py``    |
 
 Replication: one ``jit`` over a ``Mesh`` whose ``data`` axis holds the replicas. Inside
 ``shard_map`` each replica runs ``model_fn`` on its slice of the batch (so the model sees
@@ -70,19 +70,9 @@ from absl import logging
 
 from estimax.estimator import batches as batches_lib
 from estimax.estimator import best as best_lib
-from estimax.estimator import checkpoints as ckpt_lib
 from estimax.estimator import evaluation as evaluation_lib
 from estimax.estimator import export as export_lib
-from estimax.estimator import (
-    feeding,
-    layouts,
-    logs,
-    preflight,
-    replication,
-    restoring,
-    step_builder,
-    utilization,
-)
+from estimax.estimator import feeding, logs, restoring, step_builder, utilization
 from estimax.estimator import hooks as hooks_lib
 from estimax.estimator import loop as loop_lib
 from estimax.estimator import prediction as prediction_lib
@@ -97,6 +87,8 @@ from estimax.estimator.spec import (
 )
 from estimax.estimator.steps import TrainState, get_global_step  # noqa: F401 (public names)
 from estimax.ops import native
+from estimax.parallel import layouts, preflight, replication
+from estimax.state import checkpoints as ckpt_lib
 
 _RESERVED_PARAMS_KEYS = ("batch_size", "context")
 # The constructor argument that sets each mode's global batch size (one place for the map).
@@ -172,7 +164,7 @@ class Estimator:
           clock: time source for the ``*_secs`` settings (tests inject one).
           warm_start_from: a checkpoint path or ``estimax.WarmStartSettings`` to initialise the
             variables from when ``model_dir`` has no checkpoint of its own (a TensorFlow
-            checkpoint of the original models, or an estimax one; ``estimator.warm_start``).
+            checkpoint of the original models, or an estimax one; ``state.warm_start``).
         """
         config = _with_model_dir(config or RunConfig(), model_dir)
         params = _checked_params(params)
@@ -182,7 +174,7 @@ class Estimator:
         self.params = params
         assert config.model_dir is not None  # set above
         self.model_dir: str = config.model_dir
-        # Replicas x cores per replica (RunConfig.num_cores_per_replica; estimator.layouts).
+        # Replicas x cores per replica (RunConfig.num_cores_per_replica; parallel.layouts).
         self.mesh = self._builder.make_mesh()
         self.num_replicas = layouts.num_replicas(self.mesh)
         self._batch_sizes = {
@@ -577,12 +569,12 @@ class Estimator:
     def get_variable_names(self, checkpoint_path: str | None = None) -> list[str]:
         """The variables' names in a checkpoint (default: the newest), as warm starts name them
         (``bert/encoder/layer_0/attention/self/query/kernel``) and ``global_step``."""
-        from estimax.estimator import variables
+        from estimax.state import variables
 
         return variables.get_variable_names(self, checkpoint_path)
 
     def get_variable_value(self, name: str, checkpoint_path: str | None = None) -> Any:
         """The value (numpy) of variable ``name`` in a checkpoint (default: the newest)."""
-        from estimax.estimator import variables
+        from estimax.state import variables
 
         return variables.get_variable_value(self, name, checkpoint_path)

@@ -14,10 +14,10 @@ import jax.numpy as jnp
 from absl import logging
 from jax.sharding import Mesh
 
-from estimax.estimator import checkpoints as ckpt_lib
-from estimax.estimator import layouts, replication
 from estimax.estimator.step_builder import Steps
-from estimax.estimator.steps import TrainState
+from estimax.parallel import layouts, replication
+from estimax.state import checkpoints as ckpt_lib
+from estimax.state.train_state import TrainState
 
 
 def open_checkpoint(
@@ -97,7 +97,7 @@ def train_state(
         shardings = jax.tree.map(lambda s: s.sharding, abstract)
         state = replication.run_init(steps.init, mesh, steps.rng, *sample, out_shardings=shardings)
         if warm_start_from is not None:  # no checkpoint of our own yet
-            from estimax.estimator import warm_start
+            from estimax.state import warm_start
 
             # Placed as ``state`` is, leaf by leaf (FSDP's slices stay slices).
             state, _ = warm_start.warm_start(warm_start_from, state)

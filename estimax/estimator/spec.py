@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import optax
 
-from estimax.estimator.layouts import format_dims, partition_lists
+from estimax.parallel.layouts import format_dims, partition_lists
 
 _T = TypeVar("_T")
 
@@ -239,7 +239,7 @@ class RunConfig:
         ``device_prefetch + 3`` batches whatever ``iterations_per_loop`` is.
       watchdog_timeout_secs: if no training step completes for this long, log every thread's
         Python stack and the last completed step and exit with status 75
-        (``estimax.estimator.watchdog.HANG_EXIT_CODE``) so a job runner restarts the job from
+        (``estimax.parallel.watchdog.HANG_EXIT_CODE``) so a job runner restarts the job from
         its last checkpoint. Generous by default (30 min: compiling a large model's first step
         takes minutes); None or 0 disables it.
       skip_nonfinite_steps: a step whose loss or gradients are NaN/Inf makes no update (params,
@@ -286,7 +286,7 @@ class RunConfig:
         (cores) one model replica runs on, 1, 2, 4, ..., 128 (default 1: a replica per device).
         The devices used are ``num_cores_per_replica x replicas`` (``num_shards`` replicas, or
         every device / N). Each replica's devices hold the same parameters; how its activations
-        are split over them is ``input_partition_dims`` (``estimax.estimator.layouts``).
+        are split over them is ``input_partition_dims`` (``estimax.parallel.layouts``).
       input_partition_dims: ``[features_dims, labels_dims]`` as TPUEstimator's: how each input
         is split over a replica's cores (spatial partitioning), e.g. ``[[1, 2, 2, 1], None]``
         splits NHWC images in 2 x 2 tiles over 4 cores and gives every core the whole labels.

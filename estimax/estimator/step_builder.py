@@ -31,10 +31,10 @@ import jax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from estimax.estimator import layouts
 from estimax.estimator import steps as steps_lib
-from estimax.estimator.replication import REPLICA_AXIS
 from estimax.estimator.spec import EstimatorSpec, ModeKeys, RunConfig
+from estimax.parallel import layouts
+from estimax.parallel.replication import REPLICA_AXIS
 
 _MODEL_FN_ARGS = ("features", "labels", "mode", "params", "config")
 

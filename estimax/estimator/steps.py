@@ -29,8 +29,8 @@ from estimax.estimator import losses
 from estimax.estimator import metrics as metrics_lib
 from estimax.estimator import summary as summary_lib
 from estimax.estimator.spec import EstimatorSpec, ModeKeys
-from estimax.estimator.train_state import TrainState
 from estimax.models import layers
+from estimax.state.train_state import TrainState
 
 _tracing = threading.local()
 

@@ -46,7 +46,7 @@ from typing import Any
 import jax
 from absl import logging
 
-from estimax.estimator import chips
+from estimax.parallel import chips
 
 _CUSTOM_CALL = re.compile(r'custom_call @([\w.$-]+)|custom_call_target="([^"]+)"')
 
@@ -224,7 +224,7 @@ class StepUtilization:
         )
         if peak is None:
             self._once(
-                f"MFU unknown: no peak for {self._kind} (estimax.estimator.chips cites the "
+                f"MFU unknown: no peak for {self._kind} (estimax.parallel.chips cites the "
                 "chips it knows); TFLOP/s per device is logged"
             )
 

@@ -47,10 +47,12 @@ import numpy as np
 from absl import flags, logging
 
 import estimax as ex
-from estimax.estimator import compile as compile_lib
-from estimax.estimator import gpu_compile, layouts, step_builder
+from estimax.compile import compile as compile_lib
+from estimax.compile import gpu_compile
 from estimax.estimator import spec as spec_lib
+from estimax.estimator import step_builder
 from estimax.models.layers import REMAT_CHOICES
+from estimax.parallel import layouts
 from estimax.programs import cli, flagspec, lock
 from estimax.programs.cli import UsageError
 from estimax.programs.family import Family
@@ -83,7 +85,7 @@ TPU_FLAGS = (
     flagspec.Str("gcp_project", None, f"{UNUSED_HELP} (it located the Cloud TPU)."),
     flagspec.Str("tpu_zone", None, f"{UNUSED_HELP} (it located the Cloud TPU)."),
 )
-# Compile the steps for a TPU slice instead of running them (estimax.estimator.compile).
+# Compile the steps for a TPU slice instead of running them (estimax.compile.compile).
 COMPILE_FOR_FLAG = flagspec.Str(
     "compile_for",
     None,
@@ -94,7 +96,7 @@ COMPILE_FOR_FLAG = flagspec.Str(
     f"exit 2 naming the largest global batch that does. Topologies: "
     f"{compile_lib.known_topologies()}.",
 )
-# TPUConfig's model parallelism and FSDP (estimax.estimator.layouts; docs/layouts.md).
+# TPUConfig's model parallelism and FSDP (estimax.parallel.layouts; docs/layouts.md).
 LAYOUT_FLAGS = (
     flagspec.Int(
         "num_cores_per_replica",
@@ -272,7 +274,7 @@ COMMON_RUN_FLAGS = (
         "are NaN/Inf, instead of stopping at the first one with the last good checkpoint kept.",
     ),
     flagspec.Int("keep_checkpoint_max", 5, "Number of recent checkpoints kept.", lower=1),
-    # tf.estimator's warm_start_from (estimax.estimator.warm_start).
+    # tf.estimator's warm_start_from (estimax.state.warm_start).
     flagspec.Str(
         "warm_start_from",
         None,
@@ -696,7 +698,7 @@ def _remat_variants(family: Family, recipe: Any) -> tuple[str, Callable[[str], C
 
 def checkpoint_path(model_dir: str, step: int) -> str:
     """The path ``Estimator.evaluate(checkpoint_path=...)`` takes for ``step`` in ``model_dir``."""
-    from estimax.estimator import checkpoints
+    from estimax.state import checkpoints
 
     return checkpoints.step_path(model_dir, step)
 
@@ -712,7 +714,8 @@ def evaluate_checkpoints(
     Returns:
       the last evaluation's results (None if no checkpoint appeared before the timeout).
     """
-    from estimax.estimator import checkpoints, training
+    from estimax.estimator import training
+    from estimax.state import checkpoints
 
     where = checkpoints.checkpoint_dir(est.model_dir)
     fs, fs_path = fsspec.core.url_to_fs(est.model_dir)
@@ -968,7 +971,7 @@ def for_cluster_role(loop: LoopConfig) -> LoopConfig:
     An evaluator task evaluates each checkpoint the training tasks write (``eval``); with an
     evaluator in the job, the training tasks only train, as TF's ``train_and_evaluate`` did.
     """
-    from estimax.estimator import launch
+    from estimax.parallel import launch
 
     evaluator = launch.evaluator_task()
     if evaluator is not None:
@@ -1078,7 +1081,7 @@ def compile_job(job: Job) -> list[Any]:
     Nothing is read or written: no data, no ``model_dir`` (a temporary one if none is given).
 
     Returns:
-      the ``estimax.estimator.compile.StepReport`` of each step.
+      the ``estimax.compile.compile.StepReport`` of each step.
 
     Raises:
       UsageError: an unknown topology, no libtpu, a batch that does not divide over the slice.

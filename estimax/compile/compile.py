@@ -55,14 +55,14 @@ from absl import logging
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from estimax.estimator import chips as chips_lib
-from estimax.estimator import gpu_compile
-from estimax.estimator import layouts as layouts_lib
-from estimax.estimator.chips import TPU_CHIPS, ChipSpec  # noqa: F401 (ChipSpec: re-exported)
+from estimax.compile import gpu_compile
 from estimax.estimator.export import TensorSpec, check_input_specs
-from estimax.estimator.replication import REPLICA_AXIS, per_replica_batch
 from estimax.estimator.step_builder import StepBuilder, Steps, micro_batch
 from estimax.estimator.utilization import custom_call_targets  # noqa: F401 (re-exported)
+from estimax.parallel import chips as chips_lib
+from estimax.parallel import layouts as layouts_lib
+from estimax.parallel.chips import TPU_CHIPS, ChipSpec  # noqa: F401 (ChipSpec: re-exported)
+from estimax.parallel.replication import REPLICA_AXIS, per_replica_batch
 
 GiB = 1 << 30
 

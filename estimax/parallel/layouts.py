@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import jax
 import numpy as np
@@ -43,14 +43,15 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from estimax.estimator import replication
-from estimax.estimator.replication import REPLICA_AXIS
-from estimax.estimator.train_state import TrainState
+from estimax.parallel import replication
+from estimax.parallel.replication import REPLICA_AXIS
 
 # The mesh axes of a replica's cores: the k-th split dimension of the inputs is split over
 # ``model{k}`` (``[1, 2, 2, 1]``: H over model0, W over model1).
 MODEL_AXIS_PREFIX = "model"
 _MIB = 2**20
+# A train state (``estimax.state.train_state.TrainState``: a flax struct, ``replace`` copies).
+_State = TypeVar("_State", bound=Any)
 
 
 class LayoutFields(Protocol):
@@ -236,13 +237,13 @@ class Layout:
                 "the size, or leave FSDP off."
             )
 
-    def state_specs(self, state: TrainState, replicas: int) -> TrainState:
+    def state_specs(self, state: _State, replicas: int) -> _State:
         """The ``PartitionSpec`` of each leaf of a train state (arrays, abstract or traced):
         split parameters, their optimizer state (leaves of the same path and shape) and their
         EMA over ``data``; everything else replicated."""
         dims = self.param_dims(state.params, replicas)
         param_specs = jax.tree.map(_split_spec, dims)
-        return TrainState(
+        return state.replace(
             step=cast(Any, P()),  # a TrainState of specs, as shard_map takes them
             params=param_specs,
             model_state=jax.tree.map(lambda _: P(), state.model_state),

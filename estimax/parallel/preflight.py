@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from estimax.estimator import distributed
+from estimax.parallel import distributed
 
 
 class PreflightError(RuntimeError):
@@ -39,7 +39,7 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 @functools.cache
 def code_version() -> str:
     """A digest of estimax's own Python sources (what runs, whatever the version string says)."""
-    # The package's folder from this file's place (estimax/estimator/preflight.py), rather than
+    # The package's folder from this file's place (estimax/parallel/preflight.py), rather than
     # importing the package, which lists every layer.
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     digest = hashlib.sha256()
