@@ -74,7 +74,7 @@ MODELS = {
     "mlp": Mlp,
     "resnet": functools.partial(ResNetTiny, num_classes=4),
     "vit": functools.partial(ViTTiny, num_classes=4, head_zeroinit=False),
-    # Under --remat and FSDP the blocks gather their own parameters (layers.remat_block).
+    # Under --remat and FSDP the blocks gather their own parameters (parallel.remat.remat_block).
     "resnet_remat": functools.partial(ResNetTiny, num_classes=4, remat="full"),
     "vit_remat": functools.partial(
         ViTTiny, num_classes=4, head_zeroinit=False, remat="dots_saveable"

@@ -217,7 +217,7 @@ class DeepDense(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        from estimax.models.layers import remat_block
+        from estimax.parallel.remat import remat_block
 
         block = remat_block(DenseLayers, self.remat)
         for i in range(4):

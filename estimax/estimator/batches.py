@@ -206,7 +206,7 @@ def feeder(
 
     block = config.steps_per_device_call if mode == ModeKeys.TRAIN else 1
     feeder: feeding.DevicePrefetcher
-    transfer = _transfer(mesh, layouts.Layout.from_config(config), mode, block > 1)
+    transfer = _transfer(mesh, config.layout, mode, block > 1)
     if block > 1:
         feeder = feeding.BlockPrefetcher(iterator, prepare, transfer, block, limit=limit)
     else:

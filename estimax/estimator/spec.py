@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import optax
 
-from estimax.parallel.layouts import format_dims, partition_lists
+from estimax.parallel.layouts import Layout, format_dims, partition_lists
 
 _T = TypeVar("_T")
 
@@ -327,9 +327,13 @@ class RunConfig:
     num_cores_per_replica: int = 1
     input_partition_dims: Sequence[Any] | None = None
     shard_parameters: float | None = None
+    # The layout the three fields above make (``estimax.parallel.layouts.Layout``): built once,
+    # here, and read by the step builder, the input transfer and the programs' checks.
+    layout: Layout = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_layout(self.num_cores_per_replica, self.input_partition_dims, self.shard_parameters)
+        object.__setattr__(self, "layout", Layout.from_config(self))  # frozen: set once here
         if self.iterations_per_loop < 1:
             raise ValueError(
                 f"RunConfig.iterations_per_loop must be >= 1, got {self.iterations_per_loop}."

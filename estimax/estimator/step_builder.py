@@ -114,7 +114,7 @@ class StepBuilder:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_fn_args", check_model_fn(self.model_fn))
-        object.__setattr__(self, "layout", layouts.Layout.from_config(self.config))
+        object.__setattr__(self, "layout", self.config.layout)
 
     def make_mesh(self) -> Mesh:
         """The mesh of the config's replicas (``num_shards``) and cores per replica."""

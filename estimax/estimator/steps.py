@@ -29,7 +29,7 @@ from estimax.estimator import losses
 from estimax.estimator import metrics as metrics_lib
 from estimax.estimator import summary as summary_lib
 from estimax.estimator.spec import EstimatorSpec, ModeKeys
-from estimax.models import layers
+from estimax.parallel import remat
 from estimax.state.train_state import TrainState
 
 _tracing = threading.local()
@@ -353,7 +353,7 @@ def _gradients(
         # a block's are whole at a time): the whole ones given for them go unused (XLA drops
         # their gathers).
         in_blocks = (
-            layers.parameters_gathered_in_blocks(params, split.dims, cast(str, split.axis_name))
+            remat.parameters_gathered_in_blocks(params, split.dims, cast(str, split.axis_name))
             if split
             else contextlib.nullcontext()
         )

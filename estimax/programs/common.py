@@ -52,7 +52,6 @@ from estimax.compile import gpu_compile
 from estimax.estimator import spec as spec_lib
 from estimax.estimator import step_builder
 from estimax.models.layers import REMAT_CHOICES
-from estimax.parallel import layouts
 from estimax.programs import cli, flagspec, lock
 from estimax.programs.cli import UsageError
 from estimax.programs.family import Family
@@ -289,7 +288,7 @@ COMMON_RUN_FLAGS = (
         "Use estimax.ops' convolution and max-pool, whose "
         "gradients XLA:CPU runs several times faster; identical ops on GPU/TPU.",
     ),
-    # Rematerialisation per block (estimax.models.layers.remat_block): not a model-shaping flag
+    # Rematerialisation per block (estimax.parallel.remat.remat_block): not a model-shaping flag
     # (the parameters are the same), so a run may resume under another policy.
     flagspec.Enum(
         "remat",
@@ -567,7 +566,7 @@ def check_layout(job: Job) -> None:
     if config.num_cores_per_replica == 1 and config.input_partition_dims is None:
         return
     try:
-        layout = layouts.Layout.from_config(config)
+        layout = config.layout
         layout.make_mesh(config.num_shards)
         features, _ = compile_inputs(job)
         shaped = jax.tree.map(
