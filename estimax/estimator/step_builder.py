@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from estimax.estimator import steps as steps_lib
 from estimax.estimator.spec import EstimatorSpec, ModeKeys, RunConfig
-from estimax.parallel import layouts
+from estimax.parallel import layouts, strategies
 from estimax.parallel.replication import REPLICA_AXIS
 
 _MODEL_FN_ARGS = ("features", "labels", "mode", "params", "config")
@@ -319,11 +319,11 @@ class StepBuilder:
 
         def laid_out(variables, *rest):
             params = variables.get("params", {})
-            split = steps_lib.SplitParams(layout.param_dims(params, replicas), REPLICA_AXIS)
+            placed = strategies.for_params(layout.param_dims(params, replicas), REPLICA_AXIS)
 
             def per_replica(variables, *rest):
-                if split:
-                    variables = {**variables, "params": split.gather(variables["params"])}
+                if "params" in variables:  # FSDP's split ones whole (Replicated: as they are)
+                    variables = {**variables, "params": placed.gather(variables["params"])}
                 return fn(variables, *rest)
 
             return jax.shard_map(

@@ -36,10 +36,9 @@ import dataclasses
 import functools
 import os
 import posixpath
-import tempfile
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import fsspec
 import jax
@@ -49,6 +48,7 @@ from absl import flags, logging
 import estimax as ex
 from estimax.compile import compile as compile_lib
 from estimax.compile import gpu_compile
+from estimax.compile import search as search_lib
 from estimax.estimator import spec as spec_lib
 from estimax.estimator import step_builder
 from estimax.models.layers import REMAT_CHOICES
@@ -1077,7 +1077,9 @@ def compile_job(job: Job) -> list[Any]:
     """``--compile_for``: compiles the job's train and eval steps for a TPU slice or GPUs, one
     line each.
 
-    Nothing is read or written: no data, no ``model_dir`` (a temporary one if none is given).
+    Nothing is read or written: no data, no ``model_dir``. The steps are the ones a run's
+    ``StepBuilder`` builds; a train step that does not fit is compiled again under other
+    layouts (``estimax.compile.search``).
 
     Returns:
       the ``estimax.compile.compile.StepReport`` of each step.
@@ -1090,38 +1092,17 @@ def compile_job(job: Job) -> list[Any]:
     assert topology is not None  # run() calls this for --compile_for only
     if gpu_compile.is_gpu_target(topology):
         gpu_compile.use_cpu_backend()  # nothing runs here: no CUDA start, no traceback
-    # The slice's devices replace this host's: the local Estimator holds no layout (this host
-    # may have fewer devices than a replica's cores), the steps are built under the run's.
-    local = dataclasses.replace(
-        config,
-        num_shards=1,
-        num_cores_per_replica=1,
-        input_partition_dims=None,
-        shard_parameters=None,
-    )
-    with contextlib.ExitStack() as stack:
-        if config.model_dir is None:
-            local = dataclasses.replace(
-                local, model_dir=stack.enter_context(tempfile.TemporaryDirectory())
-            )
-        est = ex.Estimator(
-            job.model_fn,
-            local,
-            params=job.params,
-            train_batch_size=job.batch_sizes[0],
-            eval_batch_size=job.batch_sizes[1],
+    # The steps a run builds, under the run's layout on the slice's devices (this host may
+    # have fewer devices than a replica's cores: nothing runs here).
+    builder = step_builder.StepBuilder(job.model_fn, dict(job.params or {}), config)
+    train_batch, eval_batch = job.batch_sizes
+    batch_sizes = {ex.ModeKeys.TRAIN: train_batch, ex.ModeKeys.EVAL: eval_batch}
+    try:
+        reports = search_lib.compile_steps(
+            builder, topology, compile_inputs(job), batch_sizes, search=True
         )
-        try:
-            reports = compile_lib.compile_estimator(
-                est,
-                topology,
-                *compile_inputs(job),
-                num_shards=config.num_shards,
-                search=True,
-                layout_config=config,
-            )
-        except compile_lib.CompileForError as e:
-            raise UsageError(f"--compile_for={topology}: {e}") from None
+    except compile_lib.CompileForError as e:
+        raise UsageError(f"--compile_for={topology}: {e}") from None
     for report in reports:
         print(report.line(), flush=True)
     failed = [r for r in reports if not r.fits]
@@ -1129,109 +1110,10 @@ def compile_job(job: Job) -> list[Any]:
         message = " ".join(compile_lib.describe_failure(r) for r in failed)
         train = next((r for r in failed if r.step == "train"), None)
         if train is not None:
-            message += other_layouts(job, local, topology, train)
+            tries = search_lib.layout_alternatives(config, train, job.serving, job.remat)
+            message += search_lib.other_layouts(builder, topology, compile_inputs(job), tries)
         raise DoesNotFit(message, reports)
     return reports
-
-
-# FSDP's threshold that --compile_for tries (big_vision's and kauldron's usual 4 MiB).
-TRY_FSDP_MIN_SIZE_MB = 4.0
-
-
-class LayoutTry(NamedTuple):
-    """One layout ``--compile_for`` tries: its flags, its RunConfig, the global batch, and the
-    model_fn (None: the job's)."""
-
-    flags: str
-    config: Any
-    batch: int
-    model_fn: Callable | None
-    # Tried only when none of the tries before it fits (the pair of two that do not fit alone).
-    unless_one_fits: bool = False
-
-
-def layout_alternatives(job: Job, train: Any) -> list[LayoutTry]:
-    """The other layouts ``--compile_for`` tries for a train step that does not fit, in turn.
-
-    Recomputing activations (``--remat=full``) and FSDP, at the batch asked for, then both
-    together where neither fits alone (FSDP under ``--remat`` gathers one block's parameters at
-    a time: ViT-L/16 with Adam at a large batch fits only so). Spatial partitioning does not
-    lower a device's memory at the same global batch (each device still holds its share of the
-    batch's activations, and a replica's cores hold whole weights), so it is tried only where
-    no batch fits under data parallelism (``search.fits`` None): at a global batch of half the
-    devices, each image split over 2 cores, a batch smaller than data parallelism can run.
-    """
-    config, batch, devices = job.config, train.global_batch, train.num_devices
-    tries: list[LayoutTry] = []
-    remat = None
-    if job.remat is not None and job.remat[0] != "full":
-        remat = LayoutTry("--remat=full", config, batch, job.remat[1]("full"))
-        tries.append(remat)
-    if config.shard_parameters is None and devices // config.num_cores_per_replica > 1:
-        fsdp_flag = f"--fsdp_min_size_mb={TRY_FSDP_MIN_SIZE_MB:g}"
-        fsdp = dataclasses.replace(config, shard_parameters=TRY_FSDP_MIN_SIZE_MB)
-        tries.append(LayoutTry(fsdp_flag, fsdp, batch, None))
-        if remat is not None:
-            tries.append(LayoutTry(f"{remat.flags} {fsdp_flag}", fsdp, batch, remat.model_fn, True))
-    features = job.serving
-    if (
-        train.search is not None
-        and train.search.fits is None
-        and config.num_cores_per_replica == 1
-        and isinstance(features, ex.TensorSpec)
-        and len(features.shape) == 4
-        and features.shape[1] is not None
-        and features.shape[1] % 2 == 0
-        and devices % 2 == 0
-    ):
-        tries.append(
-            LayoutTry(
-                "--num_cores_per_replica=2 --input_partition_dims=1,2,1,1",
-                dataclasses.replace(
-                    config,
-                    num_shards=devices // 2,
-                    num_cores_per_replica=2,
-                    input_partition_dims=[[1, 2, 1, 1], None],
-                ),
-                devices // 2,
-                None,
-            )
-        )
-    return tries
-
-
-def other_layouts(job: Job, local: Any, topology: str, train: Any) -> str:
-    """The tail of ``--compile_for``'s message for a train step that does not fit: each of
-    ``layout_alternatives`` compiled (no search) and whether it fits, with its memory."""
-    parts, one_fits = [], False
-    for flags_text, config, batch, model_fn, unless_one_fits in layout_alternatives(job, train):
-        if unless_one_fits and one_fits:
-            continue
-        est = ex.Estimator(
-            model_fn or job.model_fn, local, params=job.params, train_batch_size=batch
-        )
-        try:
-            (report,) = compile_lib.compile_estimator(
-                est,
-                topology,
-                *compile_inputs(job),
-                num_shards=config.num_shards,
-                search=False,
-                layout_config=config,
-            )
-        except compile_lib.CompileForError as e:
-            parts.append(f"with {flags_text}: not tried ({e})")
-            continue
-        needed = compile_lib.needed_bytes(report)
-        size = f"{compile_lib.size_text(needed)} per device" if needed else "its size unknown"
-        at = f"{batch:,}"
-        if report.fits:
-            one_fits = True
-            parts.append(f"{at} fits with {flags_text} ({size})")
-        else:
-            parts.append(f"{at} does not fit with {flags_text} either ({size})")
-        print(f"with {flags_text}: {report.line()}", flush=True)
-    return f" Other layouts: {'; '.join(parts)}." if parts else ""
 
 
 def imagenet_inputs(
