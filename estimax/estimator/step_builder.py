@@ -3,7 +3,7 @@
 The builder holds what the steps close over (the ``model_fn``, its ``params``, the
 ``RunConfig``), never an Estimator; ``build`` places them on a mesh at given global batch sizes
 and returns a ``Steps`` record of jitted functions. ``Estimator`` builds its steps once on its
-own mesh; ``Estimator.compile_for`` builds them again on a slice's mesh.
+own mesh; ``estimax.compile`` builds them again on a slice's mesh.
 
 Inside ``shard_map`` each replica runs ``model_fn`` on its slice of the batch, so the model sees
 per-replica shapes (``params["batch_size"]`` is the per-replica batch).
