@@ -192,7 +192,7 @@ def _run(
     from estimax.estimator.loop import Interrupted
     from estimax.migrate.tf_checkpoint import TFCheckpointError
     from estimax.parallel import preflight
-    from estimax.state import checkpoints
+    from estimax.state import checkpoints, lock
 
     try:
         if len(argv) > 1:
@@ -208,7 +208,7 @@ def _run(
                 f"--eval_timeout={fv.eval_timeout} s: is it the training job's "
                 "--model_dir?"
             )
-    except (UsageError, app.UsageError) as e:
+    except (UsageError, app.UsageError, lock.LockError) as e:
         _fatal(str(e))
     except bigtable.BigtableError as e:
         # A table that cannot be read is a setup problem: its message, without a traceback.

@@ -23,7 +23,7 @@ full evaluation, resuming where a previous run stopped.
 Each program is a model family (``estimax.programs.family``; listed in ``families``): it maps its
 flags to a ``Job`` (``Job.for_family`` takes the model, the recorded flags and the export from
 the family) and calls ``run(job)``, the tail they share: take the
-writer lock of ``model_dir`` (``estimax.programs.lock``), compare and record the model-shaping
+writer lock of ``model_dir`` (``estimax.state.lock``), compare and record the model-shaping
 flags (``model_dir/flags.json``), keep fake-data warnings in TensorBoard, build the Estimator,
 run the mode, export (``export``), close, print the result line. The checks that need no
 Estimator (locations, data, splits) run before it, in ``check_locations`` and ``check_data``.
@@ -52,9 +52,10 @@ from estimax.compile import search as search_lib
 from estimax.estimator import spec as spec_lib
 from estimax.estimator import step_builder
 from estimax.models.layers import REMAT_CHOICES
-from estimax.programs import cli, flagspec, lock
+from estimax.programs import cli, flagspec
 from estimax.programs.cli import UsageError
 from estimax.programs.family import Family
+from estimax.state import lock
 
 # resnet_main.py's default --data_dir (2018-12): a public bucket of fake ImageNet records. It
 # cannot be reached here (no network), so it means local fake data (see resolve_data_dir).
