@@ -20,12 +20,13 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import estimax as ex
-from estimax.estimator import batches, restoring, step_builder
+from estimax.estimator import batches, step_builder
 from estimax.estimator import steps as steps_lib
 from estimax.estimator.spec import ModeKeys
 from estimax.models.resnet import ResNetTiny
 from estimax.models.vit import ViTTiny
 from estimax.parallel import layouts, replication
+from estimax.state import restoring
 
 # Measured here (8 CPU devices, float32): the largest difference of a gradient between a layout
 # and the 1-D step was 1.2e-7 (spatial, conv net), 0 (FSDP, conv net) and 3e-8 (FSDP,

@@ -16,7 +16,7 @@ Who owns what:
 | the evaluation loop (totals, label       | ``EvaluationRun``       | ``evaluation.py``           |
 | check, masked batches, results written)  |                         |                             |
 | the prediction loop (streamed results)   | ``PredictionRun``       | ``prediction.py``           |
-| which checkpoint; the state restored or  | ``restoring``           | ``restoring.py``            |
+| which checkpoint; the state restored or  | ``restoring``           | ``state/restoring.py``      |
 | initialised (warm start)                 |                         |                             |
 | user code once per host loop             | ``SessionRunHook``      | ``hooks.py``                |
 | batches (per host)                       | the user's ``input_fn`` | host; ``batches.py`` checks |
@@ -72,7 +72,7 @@ from estimax.estimator import batches as batches_lib
 from estimax.estimator import best as best_lib
 from estimax.estimator import evaluation as evaluation_lib
 from estimax.estimator import export as export_lib
-from estimax.estimator import feeding, logs, restoring, step_builder, utilization
+from estimax.estimator import feeding, logs, step_builder, utilization
 from estimax.estimator import hooks as hooks_lib
 from estimax.estimator import loop as loop_lib
 from estimax.estimator import prediction as prediction_lib
@@ -89,6 +89,7 @@ from estimax.estimator.steps import TrainState, get_global_step  # noqa: F401 (p
 from estimax.ops import native
 from estimax.parallel import layouts, preflight, replication
 from estimax.state import checkpoints as ckpt_lib
+from estimax.state import restoring
 
 _RESERVED_PARAMS_KEYS = ("batch_size", "context")
 # The constructor argument that sets each mode's global batch size (one place for the map).
