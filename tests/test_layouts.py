@@ -25,7 +25,7 @@ from estimax.estimator import steps as steps_lib
 from estimax.estimator.spec import ModeKeys
 from estimax.models.resnet import ResNetTiny
 from estimax.models.vit import ViTTiny
-from estimax.parallel import layouts, replication
+from estimax.parallel import layouts, replication, strategies
 from estimax.state import restoring
 
 # Measured here (8 CPU devices, float32): the largest difference of a gradient between a layout
@@ -358,6 +358,22 @@ def test_fsdp_that_splits_nothing_is_one_line_and_an_undividable_leaf_a_warning(
     assert "['odd'] [315105] stays whole" in caplog.text
     assert layout.param_dims(params, 8) == {"small": -1, "odd": -1, "big": 0}
     assert layout.param_dims(params, 1) == {"small": -1, "odd": -1, "big": -1}
+
+
+def test_a_run_config_holds_its_layout_and_the_step_picks_its_strategy_from_it():
+    # RunConfig builds its layout once; what reads it (step builder, transfer) gets that one.
+    config = ex.RunConfig(shard_parameters=1.0)
+    assert config.layout == layouts.Layout(fsdp_min_bytes=2**20)
+
+    def model_fn(features, labels, mode, params):
+        raise AssertionError("not called: only the builder's layout is read")
+
+    assert step_builder.StepBuilder(model_fn, {}, config).layout is config.layout
+    assert ex.RunConfig().layout.is_default
+    # Split leaves over a replica axis: the sharded strategy; anything else: replicated.
+    assert isinstance(strategies.for_params({"w": 0, "b": -1}, "data"), strategies.Sharded)
+    for dims, axis in (({"w": -1}, "data"), (None, "data"), ({"w": 0}, None)):
+        assert isinstance(strategies.for_params(dims, axis), strategies.Replicated)
 
 
 # ------------------------------------------------------------------ the programs' flags
