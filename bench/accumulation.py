@@ -46,8 +46,9 @@ import numpy as np
 import optax
 
 import estimax as ex
-from estimax.estimator import replication, step_builder
+from estimax.estimator import step_builder
 from estimax.estimator import steps as steps_lib
+from estimax.parallel import replication
 from estimax.programs import mnist
 
 HERE = os.path.dirname(os.path.abspath(__file__))

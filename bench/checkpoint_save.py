@@ -2,9 +2,9 @@
 
 Orbax splits every replicated array's save across the replicas, compiling a slice program per
 shape and replica; estimax has it split only arrays of at least 1 MiB per replica
-(``estimax/estimator/checkpoints.py``). Each run is a fresh process (the first save pays the
+(``estimax/state/checkpoints.py``). Each run is a fresh process (the first save pays the
 compiles) with 8 host devices, a ResNet's variables and momentum state replicated on them, saved
-twice through ``estimax.estimator.checkpoints.Checkpointer``; the baseline puts Orbax's default
+twice through ``estimax.state.checkpoints.Checkpointer``; the baseline puts Orbax's default
 ``ArrayHandler`` back after the Checkpointer registered estimax's. The runs alternate, side by
 side, ``--repeats`` times each.
 
@@ -31,7 +31,7 @@ import json, os, sys, time
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 import jax, jax.numpy as jnp, numpy as np, optax, orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from estimax.estimator import checkpoints
+from estimax.state import checkpoints
 from estimax.models.resnet import resnet_v1
 
 handler, depth, model_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3]

@@ -34,7 +34,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 TOPOLOGIES = ("v2:2x2", "v3:2x2", "v4:2x2x1", "v5e:2x4", "v6e:2x4")
-# GPU targets (estimax.estimator.gpu_compile), run one at a time in .venv-cuda (not by --all,
+# GPU targets (estimax.compile.gpu_compile), run one at a time in .venv-cuda (not by --all,
 # which runs in .venv-tpu): .venv-cuda/bin/python bench/tpu_compile.py --program=resnet
 # --topology=h100:8.
 GPU_TOPOLOGIES = ("h100:8", "a100-80gb:8")
@@ -126,7 +126,7 @@ def run_pair(
 
     from absl import flags
 
-    from estimax.estimator import compile as compile_lib
+    from estimax.compile import compile as compile_lib
     from estimax.programs import common
 
     module_name, argv, what = PROGRAMS[program]
@@ -249,7 +249,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         "from libtpu, no TPU). Memory, flops and bytes are the compiled executable's own "
         "(`memory_analysis()`, `cost_analysis()`), per device: a TensorCore on v2/v3/v4 (two "
         "per chip), a chip on v5e/v6e. Roofline = max(flops / peak bf16, bytes / HBM "
-        "bandwidth) with the published per-chip figures (`estimax/estimator/compile.py`'s "
+        "bandwidth) with the published per-chip figures (`estimax/compile/compile.py`'s "
         "`TPU_CHIPS`, each with its Cloud TPU docs page). Compile times are this machine's "
         "(see each run's load below): the train step's includes lowering. The pairs ran one "
         "process each, two or three at a time, with one version of the code (the first, resnet "
@@ -286,7 +286,7 @@ READING = [
     "roofline above for the same batch per chip is an upper bound of the same kind: the "
     "published figure sits below it by what a real step loses to the rest.",
     "* Per-chip HBM, bandwidth and peak bf16 FLOP/s: `TPU_CHIPS` in "
-    "`estimax/estimator/compile.py`, each from its Cloud TPU docs page (v2 from the CACM paper "
+    "`estimax/compile/compile.py`, each from its Cloud TPU docs page (v2 from the CACM paper "
     "that page cites).",
     "",
     "## What the roofline can and cannot tell",

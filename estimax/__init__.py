@@ -32,7 +32,6 @@ from estimax.version import __version__ as __version__
 # never run. tests/test_public_api.py checks that the two name the same objects.
 if TYPE_CHECKING:
     from estimax.estimator import losses, metrics, summary
-    from estimax.estimator.checkpoints import checkpoints_iterator
     from estimax.estimator.estimator import Estimator, NanLossError, TrainState, get_global_step
     from estimax.estimator.export import TensorSpec
     from estimax.estimator.hooks import (
@@ -48,7 +47,6 @@ if TYPE_CHECKING:
         stop_if_no_increase_hook,
     )
     from estimax.estimator.inputs import numpy_input_fn
-    from estimax.estimator.replication import REPLICA_AXIS
     from estimax.estimator.spec import (
         BestCheckpoint,
         EstimatorSpec,
@@ -59,8 +57,10 @@ if TYPE_CHECKING:
         TrainSpec,
     )
     from estimax.estimator.training import train_and_evaluate
-    from estimax.estimator.warm_start import WarmStartSettings
     from estimax.export.exporters import BestExporter, Exporter, FinalExporter, LatestExporter
+    from estimax.parallel.replication import REPLICA_AXIS
+    from estimax.state.checkpoints import checkpoints_iterator
+    from estimax.state.warm_start import WarmStartSettings
 
 # Public name -> module that defines it. Imported on first use, so that `import estimax.data`
 # in input worker processes does not pay for importing JAX (1.8 s and ~150 MB each).
@@ -88,10 +88,10 @@ _EXPORTS = {
     "stop_if_no_decrease_hook": "estimax.estimator.hooks",
     "stop_if_no_increase_hook": "estimax.estimator.hooks",
     "numpy_input_fn": "estimax.estimator.inputs",
-    "REPLICA_AXIS": "estimax.estimator.replication",
-    "checkpoints_iterator": "estimax.estimator.checkpoints",
+    "REPLICA_AXIS": "estimax.parallel.replication",
+    "checkpoints_iterator": "estimax.state.checkpoints",
     "train_and_evaluate": "estimax.estimator.training",
-    "WarmStartSettings": "estimax.estimator.warm_start",
+    "WarmStartSettings": "estimax.state.warm_start",
     "BestExporter": "estimax.export.exporters",
     "Exporter": "estimax.export.exporters",
     "FinalExporter": "estimax.export.exporters",

@@ -175,7 +175,10 @@ def launch_report(
     A malformed spec, a disagreement or a coordinator not reached is one ``FATAL:`` line on
     stderr (the same on every process that reached the coordinator) and status 1.
     """
-    from estimax.estimator import distributed, launch  # noqa: PLC0415
+    from estimax.parallel import (
+        distributed,  # noqa: PLC0415
+        launch,
+    )
 
     try:
         found = launch.detect(coordinator_address, num_processes, process_id, timeout=timeout)

@@ -22,7 +22,7 @@ s3fs: a put or a multipart upload completed on close); a failed write is discard
 closed, so nothing appears under the final name. An export directory is uploaded file by file
 with ``signature.json`` last: a loader that waits for it never reads half an export. Orbax
 commits a checkpoint on GCS by writing ``commit_success.txt`` last and counting only steps that
-have it; ``estimax.estimator.orbax_storage`` asks for the same on S3 (Orbax would otherwise
+have it; ``estimax.state.orbax_storage`` asks for the same on S3 (Orbax would otherwise
 pick its rename protocol there, which S3 cannot do atomically).
 
 Retries and timeouts: the clients' own, configured here (:func:`configure_clients`), never a
@@ -90,7 +90,7 @@ def configure(environ: dict[str, str] | None = None) -> None:
     ``TENSORSTORE_GCS_HTTP_URL`` and, since an emulator takes any token, its
     ``GOOGLE_AUTH_TOKEN_FOR_TESTING`` (so no Google credentials are looked up). For S3,
     ``AWS_ENDPOINT_URL`` is read by botocore (s3fs) itself and put into TensorStore's kvstore
-    specs by ``estimax.estimator.orbax_storage``; an emulator also needs some credentials and a
+    specs by ``estimax.state.orbax_storage``; an emulator also needs some credentials and a
     region, so for a loopback endpoint with no credentials configured dummy keys are set, and
     ``us-east-1`` when no region is. Variables already set are left alone.
 

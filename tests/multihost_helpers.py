@@ -169,7 +169,7 @@ def assert_ok(results: list[Proc]) -> None:
 def params(model_dir: str) -> dict:
     """The latest checkpoint's variables, as numpy (read in this test process)."""
     import estimax as ex
-    from estimax.estimator import checkpoints
+    from estimax.state import checkpoints
 
     step = checkpoints.Checkpointer(model_dir, None, read_only=True).latest_step()
     path = os.path.join(checkpoints.checkpoint_dir(model_dir), str(step))

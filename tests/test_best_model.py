@@ -20,8 +20,9 @@ import pytest
 from flax import serialization
 
 import estimax as ex
-from estimax.estimator import best, checkpoints, summaries
+from estimax.estimator import best, summaries
 from estimax.export import exporters
+from estimax.state import checkpoints
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

@@ -10,14 +10,14 @@ import textwrap
 import jax
 import numpy as np
 
-from estimax.estimator import checkpoints
+from estimax.state import checkpoints
 
 CHILD = textwrap.dedent("""
     import os, signal, sys
     import numpy as np
     sys.path.insert(0, sys.argv[2])
     import crash_model
-    from estimax.estimator import checkpoints
+    from estimax.state import checkpoints
 
     original_save = checkpoints.Checkpointer.save
 

@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import estimax as ex
-from estimax.estimator.checkpoints import ModelMismatchError
+from estimax.state.checkpoints import ModelMismatchError
 
 
 def _model_fn(classes: int, extra: bool):

@@ -17,7 +17,7 @@ import numpy as np
 import optax
 
 import estimax as ex
-from estimax.estimator import checkpoints
+from estimax.state import checkpoints
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "data", "estimax_checkpoints", "a52f259")
 

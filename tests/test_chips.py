@@ -3,7 +3,7 @@
 import jax
 import pytest
 
-from estimax.estimator import chips
+from estimax.parallel import chips
 
 
 @pytest.mark.parametrize("name,chip", [*chips.TPU_CHIPS.items(), *chips.GPU_CHIPS.items()])

@@ -27,10 +27,10 @@ from estimax.programs import (
     efficientnet,
     inception_v3,
     inception_v4,
-    lock,
     mnist,
     resnet,
 )
+from estimax.state import lock
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
@@ -324,7 +324,7 @@ def test_lock_on_an_object_store_goes_stale_by_heartbeat():
         second = lock.WriterLock(
             "memory://bucket/run", clock=clock, host="host-b", pid=22, stale_secs=300
         )
-        with pytest.raises(cli.UsageError, match="pid 11 on host host-a"):
+        with pytest.raises(lock.LockError, match="pid 11 on host host-a"):
             second.acquire()
         now[0] += 301  # host-a stopped beating (its heartbeat thread waits an hour here)
         assert "heartbeat is 301 s old" in second.stale_reason(second.read())

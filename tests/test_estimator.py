@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import estimax as ex
-from estimax.estimator import checkpoints
+from estimax.state import checkpoints
 
 
 class TinyNet(nn.Module):

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 import estimax as ex
-from estimax.estimator import chips, gpu_compile
-from estimax.estimator import compile as compile_lib
+from estimax.compile import compile as compile_lib
+from estimax.compile import gpu_compile
+from estimax.parallel import chips
 from estimax.programs import common
 from tests.test_tpu_compile import CPU_ONLY, TINY, _fatal_lines, dense_model_fn, run_program
 

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from estimax.estimator import checkpoints
+from estimax.state import checkpoints
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

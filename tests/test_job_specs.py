@@ -27,7 +27,7 @@ import pytest
 import yaml
 from absl import flags
 
-from estimax.estimator import watchdog
+from estimax.parallel import watchdog
 from estimax.programs import resnet
 
 SPECS = os.path.join(mh.ROOT, "examples", "launch")
@@ -220,7 +220,7 @@ def test_vertex_tpu_job_spec_parses_as_one_process_on_one_host(tmp_path):
     fv = _parse_resnet(container["args"])
     assert fv.model_dir.startswith("gs://") and fv.coordinator_address is None
     # Vertex's $CLUSTER_SPEC for its one replica: no job to join.
-    from estimax.estimator import launch
+    from estimax.parallel import launch
 
     alone = launch.detect(
         None,

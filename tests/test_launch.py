@@ -20,8 +20,8 @@ import threading
 import multihost_helpers as mh
 import pytest
 
-from estimax.estimator import launch
-from estimax.estimator.launch import Launch, LaunchError
+from estimax.parallel import launch
+from estimax.parallel.launch import Launch, LaunchError
 
 CLEAN = {
     k: v

@@ -1,4 +1,4 @@
-"""The original's spatial partitioning and FSDP (``estimax.estimator.layouts``, issue #40).
+"""The original's spatial partitioning and FSDP (``estimax.parallel.layouts``, issue #40).
 
 Parity: on the 8 forced CPU devices (conftest), one train step under each layout gives the
 1-D data-parallel step's loss and gradients (SGD at learning rate 1 after one step: the
@@ -20,11 +20,13 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import estimax as ex
-from estimax.estimator import batches, layouts, replication, restoring, step_builder
+from estimax.estimator import batches, step_builder
 from estimax.estimator import steps as steps_lib
 from estimax.estimator.spec import ModeKeys
 from estimax.models.resnet import ResNetTiny
 from estimax.models.vit import ViTTiny
+from estimax.parallel import layouts, replication, strategies
+from estimax.state import restoring
 
 # Measured here (8 CPU devices, float32): the largest difference of a gradient between a layout
 # and the 1-D step was 1.2e-7 (spatial, conv net), 0 (FSDP, conv net) and 3e-8 (FSDP,
@@ -73,7 +75,7 @@ MODELS = {
     "mlp": Mlp,
     "resnet": functools.partial(ResNetTiny, num_classes=4),
     "vit": functools.partial(ViTTiny, num_classes=4, head_zeroinit=False),
-    # Under --remat and FSDP the blocks gather their own parameters (layers.remat_block).
+    # Under --remat and FSDP the blocks gather their own parameters (parallel.remat.remat_block).
     "resnet_remat": functools.partial(ResNetTiny, num_classes=4, remat="full"),
     "vit_remat": functools.partial(
         ViTTiny, num_classes=4, head_zeroinit=False, remat="dots_saveable"
@@ -356,6 +358,22 @@ def test_fsdp_that_splits_nothing_is_one_line_and_an_undividable_leaf_a_warning(
     assert "['odd'] [315105] stays whole" in caplog.text
     assert layout.param_dims(params, 8) == {"small": -1, "odd": -1, "big": 0}
     assert layout.param_dims(params, 1) == {"small": -1, "odd": -1, "big": -1}
+
+
+def test_a_run_config_holds_its_layout_and_the_step_picks_its_strategy_from_it():
+    # RunConfig builds its layout once; what reads it (step builder, transfer) gets that one.
+    config = ex.RunConfig(shard_parameters=1.0)
+    assert config.layout == layouts.Layout(fsdp_min_bytes=2**20)
+
+    def model_fn(features, labels, mode, params):
+        raise AssertionError("not called: only the builder's layout is read")
+
+    assert step_builder.StepBuilder(model_fn, {}, config).layout is config.layout
+    assert ex.RunConfig().layout.is_default
+    # Split leaves over a replica axis: the sharded strategy; anything else: replicated.
+    assert isinstance(strategies.for_params({"w": 0, "b": -1}, "data"), strategies.Sharded)
+    for dims, axis in (({"w": -1}, "data"), (None, "data"), ({"w": 0}, None)):
+        assert isinstance(strategies.for_params(dims, axis), strategies.Replicated)
 
 
 # ------------------------------------------------------------------ the programs' flags

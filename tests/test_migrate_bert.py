@@ -13,9 +13,9 @@ import pytest
 
 import estimax as ex
 from estimax import migrate, models
-from estimax.estimator import checkpoints, warm_start
 from estimax.migrate.assignment import renamer
 from estimax.models.tf_names import Entry, TFNames, register_tf_names
+from estimax.state import checkpoints, warm_start
 from estimax.tools import convert
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

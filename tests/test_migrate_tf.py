@@ -24,8 +24,8 @@ from absl import flags  # noqa: E402
 
 from estimax import migrate  # noqa: E402
 from estimax.data import example, imagenet, preprocessing, tfrecord  # noqa: E402
-from estimax.estimator import checkpoints  # noqa: E402
 from estimax.programs import resnet  # noqa: E402
+from estimax.state import checkpoints  # noqa: E402
 from estimax.tools import convert  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -10,8 +10,8 @@ import pytest
 
 import estimax as ex
 from estimax import migrate
-from estimax.estimator import warm_start
 from estimax.models import ResNetTiny
+from estimax.state import warm_start
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "tf_checkpoints")
 TF_RESNET = os.path.join(DATA, "resnet_tiny")

@@ -12,7 +12,7 @@ import os
 import multihost_helpers as mh
 import pytest
 
-from estimax.estimator import distributed, preflight
+from estimax.parallel import distributed, preflight
 
 
 def test_preflight_names_the_field_and_every_process_value():

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from estimax import ops
-from estimax.estimator import compile as compile_lib
+from estimax.compile import compile as compile_lib
 from estimax.models.mnist import MnistCNN
 from estimax.models.resnet import ResNetTiny
 from estimax.models.vit import ViTTiny

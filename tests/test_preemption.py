@@ -13,7 +13,7 @@ import os
 import multihost_helpers as mh
 import pytest
 
-from estimax.estimator import checkpoints
+from estimax.state import checkpoints
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""``--remat`` (``estimax.models.layers.remat_block``): per-block rematerialisation.
+"""``--remat`` (``estimax.parallel.remat.remat_block``): per-block rematerialisation.
 
 What must hold: the default ("none") is the plain model (the same class, so the same parameter
 tree and values); any policy keeps every parameter path (checkpoints and the TensorFlow name
@@ -19,8 +19,9 @@ import pytest
 from absl import flags
 
 from estimax import ops
-from estimax.models import MODELS, efficientnet, layers, vit
+from estimax.models import MODELS, efficientnet, vit
 from estimax.models.resnet import ResidualBlock, ResNet
+from estimax.parallel import remat as remat_lib
 from estimax.programs import efficientnet as efficientnet_program
 from estimax.programs import families, inception_v3
 from estimax.programs import resnet as resnet_program
@@ -57,9 +58,9 @@ def test_every_policy_keeps_the_parameter_paths_and_shapes(name):
 
 def test_the_default_is_the_plain_block_class():
     # "none" hands back the class itself: the default model is the one before --remat existed.
-    assert layers.remat_block(ResidualBlock, "none") is ResidualBlock
+    assert remat_lib.remat_block(ResidualBlock, "none") is ResidualBlock
     assert ResNet.remat == "none" and vit.ViT.remat == "none"
-    assert layers.remat_block(ResidualBlock, "full") is not ResidualBlock
+    assert remat_lib.remat_block(ResidualBlock, "full") is not ResidualBlock
 
 
 def _train_step(name: str, remat: str, **model_kw):
@@ -146,10 +147,10 @@ def test_the_compiled_train_step_recomputes_the_blocks_under_remat_full():
 
 def test_an_unknown_policy_is_one_line_naming_the_flag_and_the_choices():
     with pytest.raises(ValueError) as e:
-        layers.remat_block(ResidualBlock, "dots")
+        remat_lib.remat_block(ResidualBlock, "dots")
     message = str(e.value)
     assert "\n" not in message and "--remat='dots'" in message
-    assert all(name in message for name in layers.REMAT_CHOICES)
+    assert all(name in message for name in remat_lib.REMAT_CHOICES)
     with pytest.raises(flags.Error) as e:
         resnet_program.FAMILY.parse(["--remat=dots"])
     assert "--remat" in str(e.value) and "dots_with_no_batch_dims_saveable" in str(e.value)

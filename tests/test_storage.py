@@ -15,7 +15,7 @@ from conftest import clear_storage_clients, point_clients_at
 
 from estimax import storage
 from estimax.data import tfrecord
-from estimax.estimator import orbax_storage
+from estimax.state import orbax_storage
 
 
 def test_configure_maps_the_standard_variables_for_tensorstore():
@@ -74,7 +74,8 @@ def test_shards_round_trip_and_a_failed_write_leaves_nothing(object_store):
 def test_checkpoints_summaries_and_exports_on_the_object_store(object_store, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from estimax.estimator import checkpoints, export, summaries
+    from estimax.estimator import export, summaries
+    from estimax.state import checkpoints
 
     root, _ = object_store
     model_dir = f"{root}/run"
@@ -262,7 +263,7 @@ def test_shard_upload_retries_then_fails_clearly_and_leaves_no_shard(faulty_gcs)
 
 @pytest.mark.slow  # gcsfs's own backoff: about 20 s before it gives up
 def test_checkpoint_whose_commit_fails_is_never_listed(faulty_gcs):
-    from estimax.estimator import checkpoints
+    from estimax.state import checkpoints
 
     root, proxy = faulty_gcs
     model_dir = f"{root}/run"
@@ -302,7 +303,7 @@ def test_checkpoint_whose_commit_fails_is_never_listed(faulty_gcs):
 _WRITER = """
 import sys
 import numpy as np
-from estimax.estimator import checkpoints
+from estimax.state import checkpoints
 w = checkpoints.Checkpointer(sys.argv[1], async_save=False)
 w.save(int(sys.argv[2]), {"w": np.ones(2)}, {}, {}, None)
 w.wait_until_finished()
@@ -315,7 +316,7 @@ def test_a_follower_sees_checkpoints_another_process_writes(object_store):
     import subprocess
     import sys
 
-    from estimax.estimator import checkpoints
+    from estimax.state import checkpoints
 
     root, _ = object_store
     model_dir = f"{root}/run"

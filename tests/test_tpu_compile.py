@@ -26,7 +26,9 @@ import pytest
 from absl import flags
 
 import estimax as ex
-from estimax.estimator import compile as compile_lib
+from estimax.compile import compile as compile_lib
+from estimax.compile import search as search_lib
+from estimax.estimator.step_builder import StepBuilder
 from estimax.models.inception_v3 import InceptionV3Tiny
 from estimax.models.inception_v4 import InceptionV4Tiny
 from estimax.models.resnet import ResNetTiny
@@ -95,7 +97,7 @@ def steps_on_cpu(job: common.Job) -> tuple[ex.Estimator, compile_lib.Steps]:
         train_batch_size=job.batch_sizes[0],
         eval_batch_size=job.batch_sizes[1],
     )
-    return est, est._steps_on(est.mesh, "train", job.batch_sizes[0])
+    return est, est.step_builder.build(est.mesh, est.batch_sizes)
 
 
 def lowered_text(job: common.Job, step: str, platform: str | None) -> str:
@@ -217,7 +219,7 @@ class DeepDense(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        from estimax.models.layers import remat_block
+        from estimax.parallel.remat import remat_block
 
         block = remat_block(DenseLayers, self.remat)
         for i in range(4):
@@ -314,8 +316,13 @@ def _image_job(**config) -> common.Job:
     )
 
 
+def alternatives(job: common.Job, train: compile_lib.StepReport) -> list[search_lib.LayoutTry]:
+    """The layouts ``--compile_for`` tries for ``job``'s train step that did not fit."""
+    return search_lib.layout_alternatives(job.config, train, job.serving, job.remat)
+
+
 def test_the_layouts_tried_for_a_step_that_does_not_fit():
-    tried = common.layout_alternatives(_image_job(), _report(64, fits_somewhere=True))
+    tried = alternatives(_image_job(), _report(64, fits_somewhere=True))
     assert [(t.flags, t.batch, t.unless_one_fits) for t in tried] == [
         ("--remat=full", 64, False),
         ("--fsdp_min_size_mb=4", 64, False),
@@ -325,15 +332,13 @@ def test_the_layouts_tried_for_a_step_that_does_not_fit():
     assert tried[0].model_fn is not None and tried[1].config.shard_parameters == 4
     assert tried[2].model_fn is tried[0].model_fn and tried[2].config.shard_parameters == 4
     # No batch fits as data parallelism runs it: half the devices' batch, each image in two.
-    tried = common.layout_alternatives(_image_job(), _report(8, fits_somewhere=False))
+    tried = alternatives(_image_job(), _report(8, fits_somewhere=False))
     spatial = tried[-1]
     assert spatial[0] == "--num_cores_per_replica=2 --input_partition_dims=1,2,1,1"
     assert spatial[2] == 4 and spatial[1].num_shards == 4
     assert spatial[1].input_partition_dims == [[1, 2, 1, 1], None]
     # What the run already does is not tried again.
-    tried = common.layout_alternatives(
-        _image_job(shard_parameters=1.0), _report(64, fits_somewhere=True)
-    )
+    tried = alternatives(_image_job(shard_parameters=1.0), _report(64, fits_somewhere=True))
     assert [t.flags for t in tried] == ["--remat=full"]
 
 
@@ -350,9 +355,9 @@ def test_the_pair_of_layouts_is_compiled_only_when_neither_fits_alone(monkeypatc
         """(the tries compiled, the message's tail) when the compiler says ``fits`` fit."""
         compiled = []
 
-        def compile_for(self, topology, *io, layout_config, **kwargs):
-            key = ("remat" if self._builder.model_fn is remat_fn else "") + (
-                "fsdp" if layout_config.shard_parameters else ""
+        def compile_steps(builder, topology, io, batch_sizes, search=False):
+            key = ("remat" if builder.model_fn is remat_fn else "") + (
+                "fsdp" if builder.config.shard_parameters else ""
             )
             compiled.append(key)
             sizes = dict(argument_bytes=2**30, temp_bytes=2**30) if key in fits else {}
@@ -368,8 +373,11 @@ def test_the_pair_of_layouts_is_compiled_only_when_neither_fits_alone(monkeypatc
             )
             return [report]
 
-        monkeypatch.setattr(ex.Estimator, "compile_for", compile_for)
-        tail = common.other_layouts(job, job.config, "v5e:2x4", _report(64, True))
+        monkeypatch.setattr(search_lib, "compile_steps", compile_steps)
+        builder = StepBuilder(job.model_fn, {}, job.config)
+        io = common.compile_inputs(job)
+        tries = alternatives(job, _report(64, True))
+        tail = search_lib.other_layouts(builder, "v5e:2x4", io, tries)
         capsys.readouterr()
         return compiled, tail
 
@@ -695,7 +703,7 @@ def test_compile_for_reports_an_accumulated_step_at_its_micro_batch_on_a_tpu_sli
     def train_report(batch: int, k: int) -> compile_lib.StepReport:
         config = ex.RunConfig(model_dir=str(tmp_path), gradient_accumulation_steps=k)
         est = ex.Estimator(wide_model_fn, config, train_batch_size=batch)
-        return est.compile_for(TOPOLOGY, *io)[0]
+        return compile_lib.compile_estimator(est, TOPOLOGY, *io)[0]
 
     whole, accumulated, micro = (
         train_report(65536, 1),

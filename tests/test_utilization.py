@@ -14,7 +14,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import estimax as ex
-from estimax.estimator import chips, utilization
+from estimax.estimator import utilization
+from estimax.parallel import chips
 
 IN, HIDDEN, OUT = 128, 256, 128
 BATCH = 512  # 64 rows per replica on 8 devices: the matmuls dwarf the optimizer's update
@@ -163,7 +164,7 @@ def test_on_cpu_mfu_is_unknown_said_once_and_not_written(tmp_path, caplog):
     lines = [r.getMessage() for r in caplog.records]
     unknown = [line for line in lines if line.startswith("MFU unknown")]
     assert unknown == [
-        "MFU unknown: no peak for cpu (estimax.estimator.chips cites the chips it knows); "
+        "MFU unknown: no peak for cpu (estimax.parallel.chips cites the chips it knows); "
         "TFLOP/s per device is logged"
     ]
     assert not any(line.startswith("MFU: ") for line in lines)

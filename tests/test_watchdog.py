@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from estimax.estimator import watchdog
+from estimax.parallel import watchdog
 
 
 def _parked_thread(started: threading.Event, release: threading.Event) -> None:

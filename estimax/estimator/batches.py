@@ -14,10 +14,11 @@ from absl import logging
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from estimax.estimator import checkpoints as ckpt_lib
-from estimax.estimator import feeding, layouts, replication
-from estimax.estimator.replication import REPLICA_AXIS
+from estimax.estimator import feeding
 from estimax.estimator.spec import InputContext, ModeKeys, RunConfig
+from estimax.parallel import layouts, replication
+from estimax.parallel.replication import REPLICA_AXIS
+from estimax.state import checkpoints as ckpt_lib
 
 
 def _is_global(state: Any, num_hosts: int) -> bool:
@@ -205,7 +206,7 @@ def feeder(
 
     block = config.steps_per_device_call if mode == ModeKeys.TRAIN else 1
     feeder: feeding.DevicePrefetcher
-    transfer = _transfer(mesh, layouts.Layout.from_config(config), mode, block > 1)
+    transfer = _transfer(mesh, config.layout, mode, block > 1)
     if block > 1:
         feeder = feeding.BlockPrefetcher(iterator, prepare, transfer, block, limit=limit)
     else:

@@ -16,7 +16,7 @@ Who owns what:
 | the evaluation loop (totals, label       | ``EvaluationRun``       | ``evaluation.py``           |
 | check, masked batches, results written)  |                         |                             |
 | the prediction loop (streamed results)   | ``PredictionRun``       | ``prediction.py``           |
-| which checkpoint; the state restored or  | ``restoring``           | ``restoring.py``            |
+| which checkpoint; the state restored or  | ``restoring``           | ``state/restoring.py``      |
 | initialised (warm start)                 |                         |                             |
 | user code once per host loop             | ``SessionRunHook``      | ``hooks.py``                |
 | batches (per host)                       | the user's ``input_fn`` | host; ``batches.py`` checks |
@@ -24,14 +24,14 @@ Who owns what:
 | batches ahead on the devices (bounded)   | ``DevicePrefetcher``    | ``feeding.py``              |
 | position in the input                    | the input iterator      | ``get_state``/``set_state`` |
 | checkpoints (model + input position)     | Orbax ``Checkpointer``  | ``model_dir/checkpoints``   |
-| a train state <-> checkpoint items       | ``state_items`` etc.    | ``checkpoints.py``          |
-| restoring one (train, eval, predict)     | ``restore_state``       | ``checkpoints.py``          |
+| a train state <-> checkpoint items       | ``state_items`` etc.    | ``state/checkpoints.py``    |
+| restoring one (train, eval, predict)     | ``restore_state``       | ``state/checkpoints.py``    |
 | cadences (save, log, summaries)          | ``PeriodicAction``      | ``periodic.py``             |
 | summaries and log lines                  | ``Summaries``           | ``model_dir[/eval]``        |
-| many hosts (joining, comparing notes)    | ``jax.distributed``     | ``distributed.py``          |
-| processes agree before step 0            | pre-flight check        | ``preflight.py``            |
-| preemption: save at an agreed step       | ``PreemptionNotice``    | ``distributed.py``          |
-| no step completes -> stacks, exit 75     | ``Watchdog``            | ``watchdog.py``             |
+| many hosts (joining, comparing notes)    | ``jax.distributed``     | ``parallel/distributed.py`` |
+| processes agree before step 0            | pre-flight check        | ``parallel/preflight.py``   |
+| preemption: save at an agreed step       | ``PreemptionNotice``    | ``parallel/distributed.py`` |
+| no step completes -> stacks, exit 75     | ``Watchdog``            | ``parallel/watchdog.py``    |
 
 Replication: one ``jit`` over a ``Mesh`` whose ``data`` axis holds the replicas. Inside
 ``shard_map`` each replica runs ``model_fn`` on its slice of the batch (so the model sees
@@ -70,20 +70,9 @@ from absl import logging
 
 from estimax.estimator import batches as batches_lib
 from estimax.estimator import best as best_lib
-from estimax.estimator import checkpoints as ckpt_lib
-from estimax.estimator import compile as compile_lib
 from estimax.estimator import evaluation as evaluation_lib
 from estimax.estimator import export as export_lib
-from estimax.estimator import (
-    feeding,
-    layouts,
-    logs,
-    preflight,
-    replication,
-    restoring,
-    step_builder,
-    utilization,
-)
+from estimax.estimator import feeding, logs, step_builder, utilization
 from estimax.estimator import hooks as hooks_lib
 from estimax.estimator import loop as loop_lib
 from estimax.estimator import prediction as prediction_lib
@@ -98,6 +87,9 @@ from estimax.estimator.spec import (
 )
 from estimax.estimator.steps import TrainState, get_global_step  # noqa: F401 (public names)
 from estimax.ops import native
+from estimax.parallel import layouts, preflight, replication
+from estimax.state import checkpoints as ckpt_lib
+from estimax.state import restoring
 
 _RESERVED_PARAMS_KEYS = ("batch_size", "context")
 # The constructor argument that sets each mode's global batch size (one place for the map).
@@ -173,7 +165,7 @@ class Estimator:
           clock: time source for the ``*_secs`` settings (tests inject one).
           warm_start_from: a checkpoint path or ``estimax.WarmStartSettings`` to initialise the
             variables from when ``model_dir`` has no checkpoint of its own (a TensorFlow
-            checkpoint of the original models, or an estimax one; ``estimator.warm_start``).
+            checkpoint of the original models, or an estimax one; ``state.warm_start``).
         """
         config = _with_model_dir(config or RunConfig(), model_dir)
         params = _checked_params(params)
@@ -183,7 +175,7 @@ class Estimator:
         self.params = params
         assert config.model_dir is not None  # set above
         self.model_dir: str = config.model_dir
-        # Replicas x cores per replica (RunConfig.num_cores_per_replica; estimator.layouts).
+        # Replicas x cores per replica (RunConfig.num_cores_per_replica; parallel.layouts).
         self.mesh = self._builder.make_mesh()
         self.num_replicas = layouts.num_replicas(self.mesh)
         self._batch_sizes = {
@@ -212,6 +204,16 @@ class Estimator:
         if jax.default_backend() == "cpu":
             # Which convolution kernels estimax.ops will call: a 2-5x difference on CPUs.
             logging.info("CPU convolutions (estimax.ops): %s", native.status())
+
+    @property
+    def step_builder(self) -> step_builder.StepBuilder:
+        """What builds this Estimator's steps (its ``model_fn``, params and config)."""
+        return self._builder
+
+    @property
+    def batch_sizes(self) -> dict[str, int | None]:
+        """The global batch size of each mode (``ModeKeys.TRAIN``/``EVAL``/``PREDICT``)."""
+        return dict(self._batch_sizes)
 
     @property
     def clock(self) -> Callable[[], float]:
@@ -546,61 +548,6 @@ class Estimator:
             export_dir_base, serve, variables, input_specs, step, platforms
         )
 
-    def compile_for(
-        self, topology: str, features: Any, labels: Any = None, **options: Any
-    ) -> list[compile_lib.StepReport]:
-        """Compiles the train and eval steps for a Cloud TPU slice, on any host (needs libtpu).
-
-        The steps ``train``/``evaluate`` would run (this ``model_fn``, its EMA and precision,
-        the donated state, each batch size's per-replica shapes) on a mesh over the slice's
-        devices; ``estimax.estimator.compile`` has the rest.
-
-        Args:
-          topology: e.g. ``v5e:2x4`` (``compile.KNOWN_TOPOLOGIES``).
-          features, labels: ``TensorSpec`` pytrees of a batch (batch dimension None).
-          **options: ``num_shards`` (default ``config.num_shards``), ``search`` (look for the
-            largest batch that fits when a step does not), ``accumulation_steps`` (default
-            ``config.gradient_accumulation_steps``: the train step's memory is a micro-batch's),
-            ``layout_config`` (a RunConfig whose ``num_cores_per_replica``,
-            ``input_partition_dims`` and ``shard_parameters`` the steps are built under,
-            default this Estimator's; the slice's layout need not fit this host's devices).
-
-        Returns:
-          a ``StepReport`` per step whose global batch size was given to the constructor.
-        """
-        options.setdefault("num_shards", self.config.num_shards)
-        options.setdefault("accumulation_steps", self.config.gradient_accumulation_steps)
-        builder = self._builder
-        layout_config = options.pop("layout_config", None)
-        if layout_config is not None:
-            # The slice's layout, which this host's devices need not be able to hold.
-            builder = step_builder.StepBuilder(builder.model_fn, builder.params, layout_config)
-        options.setdefault("layout", builder.layout)  # the run's cores, splits, FSDP
-        sizes = {m: self._batch_sizes[m] for m in (ModeKeys.TRAIN, ModeKeys.EVAL)}
-        batches = {m: size for m, size in sizes.items() if size is not None}
-        return compile_lib.compile_for(
-            functools.partial(self._steps_on, builder=builder),
-            topology,
-            (features, labels),
-            batches,
-            **options,
-        )
-
-    def _steps_on(
-        self,
-        mesh: Any,
-        mode: str,
-        batch: int,
-        accumulation_steps: int | None = None,
-        *,
-        builder: step_builder.StepBuilder | None = None,
-    ) -> step_builder.Steps:
-        """The steps on ``mesh`` (a slice's) with ``mode``'s global batch ``batch`` in
-        ``accumulation_steps`` micro-batches (``compile_for``'s: one train step whatever
-        ``steps_per_device_call``, as a device loop runs the same step body)."""
-        builder = builder or self._builder
-        return builder.build(mesh, {**self._batch_sizes, mode: batch}, accumulation_steps)
-
     # ------------------------------------------------------------------ summaries
 
     def _summary_writer(self, subdir: str) -> summaries_lib.Summaries:
@@ -623,12 +570,12 @@ class Estimator:
     def get_variable_names(self, checkpoint_path: str | None = None) -> list[str]:
         """The variables' names in a checkpoint (default: the newest), as warm starts name them
         (``bert/encoder/layer_0/attention/self/query/kernel``) and ``global_step``."""
-        from estimax.estimator import variables
+        from estimax.state import variables
 
         return variables.get_variable_names(self, checkpoint_path)
 
     def get_variable_value(self, name: str, checkpoint_path: str | None = None) -> Any:
         """The value (numpy) of variable ``name`` in a checkpoint (default: the newest)."""
-        from estimax.estimator import variables
+        from estimax.state import variables
 
         return variables.get_variable_value(self, name, checkpoint_path)

@@ -19,13 +19,14 @@ from absl import logging
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from estimax.estimator import distributed, feeding, label_check, replication
+from estimax.estimator import feeding, label_check
 from estimax.estimator import loop as loop_lib
 from estimax.estimator import steps as steps_lib
 from estimax.estimator import summaries as summaries_lib
-from estimax.estimator.replication import REPLICA_AXIS
 from estimax.estimator.spec import RunConfig
 from estimax.estimator.step_builder import Steps
+from estimax.parallel import distributed, replication
+from estimax.parallel.replication import REPLICA_AXIS
 
 
 class EvaluationRun:

@@ -37,15 +37,16 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from estimax.estimator import checkpoints as ckpt_lib
-from estimax.estimator import distributed, feeding, periodic, progress
+from estimax.estimator import feeding, periodic, progress
 from estimax.estimator import hooks as hooks_lib
 from estimax.estimator import summaries as summaries_lib
 from estimax.estimator import utilization as utilization_lib
 from estimax.estimator.label_check import InvalidLabelCheck
 from estimax.estimator.spec import ModeKeys, RunConfig
 from estimax.estimator.steps import Signals, StepOutput
-from estimax.estimator.watchdog import Watchdog
+from estimax.parallel import distributed
+from estimax.parallel.watchdog import Watchdog
+from estimax.state import checkpoints as ckpt_lib
 
 # The share of a loop the devices may sit idle waiting for input before we warn.
 INPUT_BOUND_WARNING_FRACTION = 0.1

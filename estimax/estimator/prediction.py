@@ -21,9 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from estimax.estimator import distributed, feeding, replication
+from estimax.estimator import feeding
 from estimax.estimator import loop as loop_lib
 from estimax.estimator.step_builder import Steps
+from estimax.parallel import distributed, replication
 
 
 class PredictionRun:

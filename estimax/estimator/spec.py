@@ -10,6 +10,8 @@ from typing import Any, TypeVar
 
 import optax
 
+from estimax.parallel.layouts import Layout, format_dims, partition_lists
+
 _T = TypeVar("_T")
 
 _HOOKS = "SessionRunHooks go to Estimator.train/evaluate/predict(hooks=[...])"
@@ -237,7 +239,7 @@ class RunConfig:
         ``device_prefetch + 3`` batches whatever ``iterations_per_loop`` is.
       watchdog_timeout_secs: if no training step completes for this long, log every thread's
         Python stack and the last completed step and exit with status 75
-        (``estimax.estimator.watchdog.HANG_EXIT_CODE``) so a job runner restarts the job from
+        (``estimax.parallel.watchdog.HANG_EXIT_CODE``) so a job runner restarts the job from
         its last checkpoint. Generous by default (30 min: compiling a large model's first step
         takes minutes); None or 0 disables it.
       skip_nonfinite_steps: a step whose loss or gradients are NaN/Inf makes no update (params,
@@ -285,7 +287,7 @@ class RunConfig:
         (cores) one model replica runs on, 1, 2, 4, ..., 128 (default 1: a replica per device).
         The devices used are ``num_cores_per_replica x replicas`` (``num_shards`` replicas, or
         every device / N). Each replica's devices hold the same parameters; how its activations
-        are split over them is ``input_partition_dims`` (``estimax.estimator.layouts``).
+        are split over them is ``input_partition_dims`` (``estimax.parallel.layouts``).
       input_partition_dims: ``[features_dims, labels_dims]`` as TPUEstimator's: how each input
         is split over a replica's cores (spatial partitioning), e.g. ``[[1, 2, 2, 1], None]``
         splits NHWC images in 2 x 2 tiles over 4 cores and gives every core the whole labels.
@@ -326,9 +328,13 @@ class RunConfig:
     num_cores_per_replica: int = 1
     input_partition_dims: Sequence[Any] | None = None
     shard_parameters: float | None = None
+    # The layout the three fields above make (``estimax.parallel.layouts.Layout``): built once,
+    # here, and read by the step builder, the input transfer and the programs' checks.
+    layout: Layout = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_layout(self.num_cores_per_replica, self.input_partition_dims, self.shard_parameters)
+        object.__setattr__(self, "layout", Layout.from_config(self))  # frozen: set once here
         if self.iterations_per_loop < 1:
             raise ValueError(
                 f"RunConfig.iterations_per_loop must be >= 1, got {self.iterations_per_loop}."
@@ -446,23 +452,6 @@ class EvalSpec:
 
 # TPUConfig's values (tensorflow/estimator tpu_config.py): a replica spans a power of two cores.
 CORES_PER_REPLICA = (1, 2, 4, 8, 16, 32, 64, 128)
-
-
-def format_dims(dims: Any) -> str:
-    """``[1, 2, 2, 1]`` as the flag writes it (``1,2,2,1``); other structures as Python's."""
-    if isinstance(dims, list | tuple) and all(isinstance(d, int) for d in dims):
-        return ",".join(map(str, dims))
-    return repr(dims)
-
-
-def partition_lists(dims: Any) -> list[tuple[str, Sequence[int]]]:
-    """The int lists of one input's partition dims, each with where it is (``""`` for a
-    single array, ``"[key]"`` in a dict); None entries (inputs every core gets whole) left out."""
-    if dims is None:
-        return []
-    if isinstance(dims, Mapping):
-        return [(f"[{k!r}]", d) for k, d in dims.items() if d is not None]
-    return [("", dims)]
 
 
 def check_layout(cores: int, input_partition_dims: Any, shard_parameters: float | None) -> None:

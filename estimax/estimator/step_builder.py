@@ -3,7 +3,7 @@
 The builder holds what the steps close over (the ``model_fn``, its ``params``, the
 ``RunConfig``), never an Estimator; ``build`` places them on a mesh at given global batch sizes
 and returns a ``Steps`` record of jitted functions. ``Estimator`` builds its steps once on its
-own mesh; ``Estimator.compile_for`` builds them again on a slice's mesh.
+own mesh; ``estimax.compile`` builds them again on a slice's mesh.
 
 Inside ``shard_map`` each replica runs ``model_fn`` on its slice of the batch, so the model sees
 per-replica shapes (``params["batch_size"]`` is the per-replica batch).
@@ -31,10 +31,10 @@ import jax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from estimax.estimator import layouts
 from estimax.estimator import steps as steps_lib
-from estimax.estimator.replication import REPLICA_AXIS
 from estimax.estimator.spec import EstimatorSpec, ModeKeys, RunConfig
+from estimax.parallel import layouts, strategies
+from estimax.parallel.replication import REPLICA_AXIS
 
 _MODEL_FN_ARGS = ("features", "labels", "mode", "params", "config")
 
@@ -114,7 +114,7 @@ class StepBuilder:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_fn_args", check_model_fn(self.model_fn))
-        object.__setattr__(self, "layout", layouts.Layout.from_config(self.config))
+        object.__setattr__(self, "layout", self.config.layout)
 
     def make_mesh(self) -> Mesh:
         """The mesh of the config's replicas (``num_shards``) and cores per replica."""
@@ -319,11 +319,11 @@ class StepBuilder:
 
         def laid_out(variables, *rest):
             params = variables.get("params", {})
-            split = steps_lib.SplitParams(layout.param_dims(params, replicas), REPLICA_AXIS)
+            placed = strategies.for_params(layout.param_dims(params, replicas), REPLICA_AXIS)
 
             def per_replica(variables, *rest):
-                if split:
-                    variables = {**variables, "params": split.gather(variables["params"])}
+                if "params" in variables:  # FSDP's split ones whole (Replicated: as they are)
+                    variables = {**variables, "params": placed.gather(variables["params"])}
                 return fn(variables, *rest)
 
             return jax.shard_map(

@@ -29,7 +29,8 @@ from estimax.estimator import losses
 from estimax.estimator import metrics as metrics_lib
 from estimax.estimator import summary as summary_lib
 from estimax.estimator.spec import EstimatorSpec, ModeKeys
-from estimax.models import layers
+from estimax.parallel import strategies
+from estimax.state.train_state import TrainState
 
 _tracing = threading.local()
 
@@ -59,17 +60,6 @@ def global_step_scope(step: jax.Array) -> Iterator[None]:
         yield
     finally:
         _tracing.step = previous
-
-
-@struct.dataclass
-class TrainState:
-    """Everything a checkpoint holds besides the input position."""
-
-    step: jax.Array
-    params: Any
-    model_state: Any  # mutable collections other than params, e.g. batch_stats
-    opt_state: Any
-    ema_params: Any  # {} when the spec asks for no EMA
 
 
 class ModelFnModule(nn.Module):
@@ -288,21 +278,19 @@ def train_step(
       scalars, the label check and, with ``skip_nonfinite``, whether the step was skipped).
     """
     step = state.step
-    split = SplitParams(param_dims, axis_name)
+    placed = strategies.for_params(param_dims, axis_name)
     if accumulation_steps > 1:
         spec, loss, new_model_state, aux, grads = _accumulated_gradients(
-            model, state, batch, rng, axis_name, accumulation_steps, unroll_accumulation, split
+            model, state, batch, rng, axis_name, accumulation_steps, unroll_accumulation, placed
         )
     else:
         spec, loss, new_model_state, aux, grads = _gradients(
-            model, state, batch, rng, axis_name, split=split
+            model, state, batch, rng, axis_name, placed=placed
         )
     mean = (lambda x: x) if axis_name is None else (lambda x: lax.pmean(x, axis_name))
-    grads = split.mean_gradients(grads) if split else mean(grads)
-    if spec.gradient_clip_norm and split:
-        grads = split.clip_by_global_norm(grads, spec.gradient_clip_norm)
-    elif spec.gradient_clip_norm:
-        grads, _ = optax.clip_by_global_norm(spec.gradient_clip_norm).update(grads, None)
+    grads = placed.mean_gradients(grads)
+    if spec.gradient_clip_norm:
+        grads = placed.clip_by_global_norm(grads, spec.gradient_clip_norm)
     assert spec.optimizer is not None  # ModelFnModule refuses a TRAIN spec without one
     updates, opt_state = spec.optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -317,7 +305,7 @@ def train_step(
         signals = _label_signals(aux["label_checks"], axis_name)
     if skip_nonfinite:
         # The gradients are already averaged over replicas, so every replica decides alike.
-        finite = jnp.isfinite(loss) & (split.all_finite(grads) if split else _all_finite(grads))
+        finite = jnp.isfinite(loss) & placed.all_finite(grads)
         params, opt_state, new_model_state, ema = jax.tree.map(
             lambda new, old: jnp.where(finite, new, old),
             (params, opt_state, new_model_state, ema),
@@ -337,16 +325,18 @@ def _gradients(
     rng: jax.Array,
     axis_name: str | None,
     micro_batch: jax.Array | None = None,
-    split: SplitParams | None = None,
+    placed: strategies.ParamStrategy | None = None,
 ) -> tuple[EstimatorSpec, jax.Array, Any, dict[str, Any], Any]:
     """(spec, this replica's loss, new mutable collections, aux, this replica's gradients).
 
     ``aux``: ``scalars`` (the spec's), ``label_checks`` (``losses.label_checks``) and
     ``summaries`` (the spec's, this replica's: reduced outside the differentiated function).
     ``micro_batch``: the index of an accumulated micro-batch, folded into the dropout key.
-    ``split``: FSDP's split parameters, gathered inside the differentiated function so their
-    gradients come back as this replica's slices, summed over replicas.
+    ``placed``: how the replicas hold the parameters (``strategies.for_params``; None: whole
+    on each). Split ones are gathered inside the differentiated function so their gradients
+    come back as this replica's slices, summed over replicas.
     """
+    placed = placed or strategies.Replicated(axis_name)
     features, labels = batch
     step = state.step
     rng = jax.random.fold_in(rng, step)
@@ -358,28 +348,16 @@ def _gradients(
     captured: dict[str, EstimatorSpec] = {}
 
     def loss_fn(params):
-        # Under FSDP the model gets whole parameters, but remat_block's blocks under a --remat
-        # policy gather their own from the slices inside their rematerialised region (so only
-        # a block's are whole at a time): the whole ones given for them go unused (XLA drops
-        # their gathers).
-        in_blocks = (
-            layers.parameters_gathered_in_blocks(params, split.dims, cast(str, split.axis_name))
-            if split
-            else contextlib.nullcontext()
-        )
-        variables = {"params": split.gather(params) if split else params, **state.model_state}
-        with losses.label_checks() as checks, in_blocks:
+        variables = {"params": placed.gather(params), **state.model_state}
+        with losses.label_checks() as checks, placed.gathering_in_blocks(params):
             spec, new_model_state = model.apply(
                 variables, features, labels, step, rngs={"dropout": rng}, mutable=mutable
             )
         captured["spec"] = spec
         loss, _ = mean_loss(spec.loss)
-        if spec.weight_decay and split:
-            loss = loss + spec.weight_decay * split.l2_excluding_batch_norm(
-                params, state.model_state
-            )
-        elif spec.weight_decay:
-            loss = loss + spec.weight_decay * l2_excluding_batch_norm(params, state.model_state)
+        if spec.weight_decay:
+            l2 = l2_excluding_batch_norm(params, state.model_state, placed.l2_weights())
+            loss = loss + spec.weight_decay * l2
         aux = {
             "scalars": _scalars(spec.scalars),
             "label_checks": checks,
@@ -387,13 +365,8 @@ def _gradients(
         }
         return loss, (new_model_state, aux)
 
-    params = state.params
-    if split:
-        params = split.varying_whole(params)
-    elif axis_name is not None:
-        # Mark the (replicated) params as varying per replica before differentiating, so each
-        # replica's gradient is its own; otherwise shard_map's autodiff would already sum them.
-        params = lax.pcast(params, axis_name, to="varying")
+    # Each replica's gradient its own; otherwise shard_map's autodiff would already sum them.
+    params = placed.varying(state.params)
     (loss, (new_model_state, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     return captured["spec"], loss, new_model_state, aux, grads
 
@@ -406,7 +379,7 @@ def _accumulated_gradients(
     axis_name: str | None,
     k: int,
     unroll: bool = False,
-    split: SplitParams | None = None,
+    placed: strategies.ParamStrategy | None = None,
 ) -> tuple[EstimatorSpec, jax.Array, Any, dict[str, Any], Any]:
     """``_gradients`` of ``batch`` as the mean over k micro-batches of ``B / k`` rows.
 
@@ -431,11 +404,12 @@ def _accumulated_gradients(
       (spec, loss, new mutable collections, aux, gradients), as ``_gradients``, with
       ``aux["signals"]`` the step's label check already reduced over micro-batches and replicas.
     """
+    placed = placed or strategies.Replicated(axis_name)
     micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
     first_features, first_labels = jax.tree.map(lambda x: x[0], micro)
     mutable = list(state.model_state.keys())
     spec, _ = model.apply(
-        {"params": split.gather(state.params) if split else state.params, **state.model_state},
+        {"params": placed.gather(state.params), **state.model_state},
         first_features,
         first_labels,
         state.step,
@@ -458,7 +432,7 @@ def _accumulated_gradients(
             rng,
             axis_name,
             index,
-            split,
+            placed,
         )
         total = jax.tree.map(lambda t, g: t + g.astype(t.dtype), total, grads)
         outputs = (loss, aux["scalars"], _label_signals(aux["label_checks"], None))
@@ -490,87 +464,6 @@ def _accumulated_gradients(
         "summaries": jax.tree.map(lambda x: x[0], summaries),
     }
     return spec, jnp.mean(loss), model_state, aux, grads
-
-
-class SplitParams:
-    """FSDP inside ``shard_map``: the parameters split over ``axis_name`` and their collectives.
-
-    ``dims`` is a pytree like the parameters: the dimension each leaf is split on, -1 for a
-    leaf every replica holds whole. False (``bool``) when nothing is split, so callers keep
-    the data-parallel code path exactly.
-    """
-
-    def __init__(self, dims: Any, axis_name: str | None) -> None:
-        self.dims = dims
-        self.axis_name = axis_name
-        self._any = (
-            dims is not None
-            and axis_name is not None
-            and any(d >= 0 for d in jax.tree.leaves(dims))
-        )
-
-    def __bool__(self) -> bool:
-        return self._any
-
-    def gather(self, params: Any) -> Any:
-        """The whole parameters from this replica's slices (``all_gather``, tiled)."""
-        return jax.tree.map(
-            lambda p, d: p if d < 0 else lax.all_gather(p, self.axis_name, axis=d, tiled=True),
-            params,
-            self.dims,
-        )
-
-    def varying_whole(self, params: Any) -> Any:
-        """The whole leaves marked as varying per replica (as the data-parallel step does);
-        split leaves already are (each replica holds its own slice)."""
-        return jax.tree.map(
-            lambda p, d: lax.pcast(p, self.axis_name, to="varying") if d < 0 else p,
-            params,
-            self.dims,
-        )
-
-    def mean_gradients(self, grads: Any) -> Any:
-        """The gradients' means over replicas: ``pmean`` of whole leaves; a split leaf's
-        gradient is already the replicas' sum (the transpose of ``all_gather`` is a
-        reduce-scatter), so it is divided by the replica count (a parity test checks it)."""
-        replicas = lax.axis_size(self.axis_name)
-        return jax.tree.map(
-            lambda g, d: lax.pmean(g, self.axis_name) if d < 0 else g / replicas,
-            grads,
-            self.dims,
-        )
-
-    def l2_excluding_batch_norm(self, params: Any, model_state: Any) -> jax.Array:
-        """This replica's weight-decay term from its slices, no collective: a split leaf's
-        slice counts ``replicas`` times. The replicas' mean of it (the step's reported loss) is
-        the whole parameters' L2, and its gradient, divided by the replica count as
-        ``mean_gradients`` does, is the whole term's gradient on this slice."""
-        replicas = lax.axis_size(self.axis_name)
-        weights = jax.tree.map(lambda d: 1 if d < 0 else replicas, self.dims)
-        return l2_excluding_batch_norm(params, model_state, weights)
-
-    def _sum_over_leaves(self, tree: Any, fn: Callable[[jax.Array], jax.Array]) -> jax.Array:
-        """``sum(fn(leaf))`` over the whole tree: whole leaves once, split ones over replicas."""
-        whole, split = jnp.float32(0), jnp.float32(0)
-        for leaf, d in zip(jax.tree.leaves(tree), jax.tree.leaves(self.dims), strict=True):
-            if d < 0:
-                whole = whole + fn(leaf.astype(jnp.float32))
-            else:
-                split = split + fn(leaf.astype(jnp.float32))
-        return whole + lax.psum(split, self.axis_name)
-
-    def clip_by_global_norm(self, grads: Any, max_norm: float) -> Any:
-        """``optax.clip_by_global_norm`` with the norm over the whole (unsplit) gradients."""
-        norm = jnp.sqrt(self._sum_over_leaves(grads, lambda g: jnp.sum(jnp.square(g))))
-        trigger = norm < max_norm
-        return jax.tree.map(
-            lambda t: lax.select(trigger, t, (t / norm.astype(t.dtype)) * max_norm), grads
-        )
-
-    def all_finite(self, grads: Any) -> jax.Array:
-        """``_all_finite`` over the whole gradients: every replica decides alike."""
-        bad = self._sum_over_leaves(grads, lambda g: jnp.sum(~jnp.isfinite(g)).astype(jnp.float32))
-        return bad == 0
 
 
 def _after(tree: Any, total: Any) -> Any:
@@ -660,12 +553,6 @@ def _label_signals(checks: list[losses.LabelCheck], axis_name: str | None) -> Si
         invalid_label_example=example.astype(jnp.float32),
         label_classes=jnp.float32(checks[0].num_classes),
     )
-
-
-def _all_finite(tree: Any) -> jax.Array:
-    """A bool scalar: every element of every leaf of ``tree`` is finite."""
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
 
 
 @struct.dataclass

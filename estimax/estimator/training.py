@@ -19,11 +19,11 @@ from absl import logging
 
 from estimax import storage
 from estimax.estimator import best as best_lib
-from estimax.estimator import checkpoints as ckpt_lib
 from estimax.estimator import hooks as hooks_lib
 from estimax.estimator import periodic, summaries
 from estimax.estimator.hooks import SessionRunContext, SessionRunHook, SessionRunValues
 from estimax.estimator.spec import EvalSpec, TrainSpec
+from estimax.state import checkpoints as ckpt_lib
 
 if TYPE_CHECKING:
     from estimax.estimator.estimator import Estimator

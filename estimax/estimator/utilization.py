@@ -39,14 +39,22 @@ What the count is and is not:
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 from absl import logging
 
-from estimax.estimator import chips
-from estimax.estimator.compile import custom_call_targets
+from estimax.parallel import chips
+
+_CUSTOM_CALL = re.compile(r'custom_call @([\w.$-]+)|custom_call_target="([^"]+)"')
+
+
+def custom_call_targets(text: str) -> tuple[str, ...]:
+    """The custom-call targets named in StableHLO (``custom_call @t``) or HLO text, sorted."""
+    return tuple(sorted({a or b for a, b in _CUSTOM_CALL.findall(text)}))
+
 
 MFU_TAG = "MFU"
 TFLOPS_TAG = "TFLOP/s/device"
@@ -216,7 +224,7 @@ class StepUtilization:
         )
         if peak is None:
             self._once(
-                f"MFU unknown: no peak for {self._kind} (estimax.estimator.chips cites the "
+                f"MFU unknown: no peak for {self._kind} (estimax.parallel.chips cites the "
                 "chips it knows); TFLOP/s per device is logged"
             )
 

@@ -35,9 +35,9 @@ from absl import logging
 
 from estimax import storage
 from estimax.estimator import best as best_lib
-from estimax.estimator import checkpoints as ckpt_lib
 from estimax.estimator import summaries
 from estimax.export import artifact, publish, versions
+from estimax.state import checkpoints as ckpt_lib
 
 if TYPE_CHECKING:
     from estimax.estimator.estimator import Estimator

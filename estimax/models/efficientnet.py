@@ -46,7 +46,8 @@ import jax
 import jax.numpy as jnp
 
 from estimax import ops
-from estimax.models.layers import ModuleDef, conv_and_norm, remat_block
+from estimax.models.layers import ModuleDef, conv_and_norm
+from estimax.parallel.remat import remat_block
 
 # efficientnet_builder.efficientnet(): GlobalParams.
 BATCH_NORM_MOMENTUM = 0.99
@@ -294,7 +295,7 @@ class EfficientNet(nn.Module):
       bn_momentum: batch-norm moving-average decay (0.99). bn_epsilon: batch-norm epsilon (1e-3).
       remat: recompute each MBConv block's activations in the backward pass instead of keeping
         them (``--remat``): ``"none"``, ``"full"`` or a ``jax.checkpoint_policies`` name
-        (``layers.REMAT_CHOICES``); the parameters are the same under every choice.
+        (``remat.REMAT_CHOICES``); the parameters are the same under every choice.
     """
 
     width_coefficient: float = 1.0

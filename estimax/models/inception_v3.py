@@ -35,6 +35,7 @@ from estimax.models.layers import (
     scaled_depth,
 )
 from estimax.models.tf_names import Entry, TFNames, kernel_hw, slim_layer
+from estimax.parallel import remat
 
 # The original's constants (inception_v3.py BATCH_NORM_DECAY / BATCH_NORM_EPSILON).
 BATCH_NORM_DECAY = 0.996
@@ -215,7 +216,7 @@ class InceptionV3(nn.Module):
       bn_scale: learn a BN scale (slim: False; torchvision: True).
       remat: recompute each Inception block's activations (the ``Mixed_*`` blocks) in the
         backward pass instead of keeping them (``--remat``): ``"none"``, ``"full"`` or a
-        ``jax.checkpoint_policies`` name (``layers.REMAT_CHOICES``); the parameters are the same
+        ``jax.checkpoint_policies`` name (``remat.REMAT_CHOICES``); the parameters are the same
         under every choice.
     """
 
@@ -254,7 +255,7 @@ class InceptionV3(nn.Module):
         x = _v3_stem(kw, x)  # 35 x 35 x 192
         # The Mixed blocks under --remat (the same class, and so the same names, with "none").
         block_a, block_b, block_c, block_d, block_e = (
-            layers.remat_block(cls, self.remat)
+            remat.remat_block(cls, self.remat)
             for cls in (InceptionA, InceptionB, InceptionC, InceptionD, InceptionE)
         )
         x = block_a(**kw, pool_features=32, name="Mixed_5b")(x)  # 35 x 35 x 256

@@ -29,6 +29,7 @@ from estimax.models.layers import (
     same_avg_pool,
 )
 from estimax.models.tf_names import Entry, TFNames, slim_layer
+from estimax.parallel import remat
 
 # The original's constants (inception_v4.py BATCH_NORM_DECAY / BATCH_NORM_EPSILON).
 BATCH_NORM_DECAY = 0.995
@@ -202,7 +203,7 @@ class InceptionV4(nn.Module):
       bn_scale: learn a BN scale (the original: False; timm's port: True).
       remat: recompute each Inception block's activations (the stem and the ``Mixed_*``
         blocks) in the backward pass instead of keeping them (``--remat``): ``"none"``,
-        ``"full"`` or a ``jax.checkpoint_policies`` name (``layers.REMAT_CHOICES``); the
+        ``"full"`` or a ``jax.checkpoint_policies`` name (``remat.REMAT_CHOICES``); the
         parameters are the same under every choice.
       block_repeats: how many Inception-A, -B, -C blocks (4, 7, 3 as the paper); fewer only for
         thin test models.
@@ -242,7 +243,7 @@ class InceptionV4(nn.Module):
         kw = layers.inception_block_args(self, train, conv_kernel_init)
         # The blocks under --remat (the same class, and so the same names, with "none").
         stem, block_a, reduction_a, block_b, reduction_b, block_c = (
-            layers.remat_block(cls, self.remat)
+            remat.remat_block(cls, self.remat)
             for cls in (Stem, InceptionA, ReductionA, InceptionB, ReductionB, InceptionC)
         )
         x = stem(**kw, name="stem")(x)  # 35 x 35 x 384

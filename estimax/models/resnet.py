@@ -26,8 +26,9 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from estimax import ops
-from estimax.models.layers import ModuleDef, PoolFn, conv_and_norm, fixed_padding, remat_block
+from estimax.models.layers import ModuleDef, PoolFn, conv_and_norm, fixed_padding
 from estimax.models.tf_names import Entry, TFNames, has_path, numbered
+from estimax.parallel.remat import remat_block
 
 # The original's constants (resnet_model.py BATCH_NORM_DECAY / BATCH_NORM_EPSILON).
 BATCH_NORM_DECAY = 0.9
@@ -173,7 +174,7 @@ class ResNet(nn.Module):
         ``False`` skips it where the shapes already match (torchvision's ResNet-18/34 layout).
       remat: recompute each residual block's activations in the backward pass instead of
         keeping them (``--remat``): ``"none"``, ``"full"`` or a ``jax.checkpoint_policies``
-        name (``layers.REMAT_CHOICES``); the parameters are the same under every choice.
+        name (``remat.REMAT_CHOICES``); the parameters are the same under every choice.
     """
 
     stage_sizes: Sequence[int]

@@ -36,7 +36,8 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
-from estimax.models.layers import ModuleDef, remat_block
+from estimax.models.layers import ModuleDef
+from estimax.parallel.remat import remat_block
 
 __all__ = ["MODELS", "VIT_VARIANTS", "ViT", "ViTTiny", "posemb_sincos_2d"]
 
@@ -117,7 +118,7 @@ class Encoder1DBlock(nn.Module):
 
 class Encoder(nn.Module):
     """``depth`` blocks (``encoderblock_{i}``) and the final ``encoder_norm``; ``remat``: the
-    blocks' ``--remat`` policy (``layers.REMAT_CHOICES``)."""
+    blocks' ``--remat`` policy (``remat.REMAT_CHOICES``)."""
 
     depth: int
     mlp_dim: int
@@ -159,7 +160,7 @@ class ViT(nn.Module):
       conv: the patch embedding's convolution (``flax.linen.Conv``'s signature).
       remat: recompute each encoder block's activations in the backward pass instead of keeping
         them (``--remat``): ``"none"``, ``"full"`` or a ``jax.checkpoint_policies`` name
-        (``layers.REMAT_CHOICES``); the parameters are the same under every choice.
+        (``remat.REMAT_CHOICES``); the parameters are the same under every choice.
     """
 
     num_classes: int = 1000

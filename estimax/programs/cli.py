@@ -17,7 +17,7 @@
 * Many hosts (``define_cluster_flags``): ``--coordinator_address --num_processes --process_id``
   (or ``ESTIMAX_*``/``$JAX_COORDINATOR_ADDRESS``, a Vertex AI ``$CLUSTER_SPEC`` or a
   ``$TF_CONFIG``, or ``auto``) join JAX's multi-process runtime before anything touches the
-  devices (``estimax.estimator.launch``: what was found is logged, and the processes check
+  devices (``estimax.parallel.launch``: what was found is logged, and the processes check
   within ``--launch_timeout`` that they see the same job); then they compare their flags, data
   files and code (the pre-flight check) and any difference is one ``FATAL`` line on every
   process.
@@ -187,11 +187,12 @@ def _run(
 ) -> None:
     from estimax import storage
     from estimax.data import bigtable, loader, tfrecord
-    from estimax.estimator import checkpoints, preflight
     from estimax.estimator.estimator import Preempted
     from estimax.estimator.label_check import InvalidLabelError
     from estimax.estimator.loop import Interrupted
     from estimax.migrate.tf_checkpoint import TFCheckpointError
+    from estimax.parallel import preflight
+    from estimax.state import checkpoints, lock
 
     try:
         if len(argv) > 1:
@@ -207,7 +208,7 @@ def _run(
                 f"--eval_timeout={fv.eval_timeout} s: is it the training job's "
                 "--model_dir?"
             )
-    except (UsageError, app.UsageError) as e:
+    except (UsageError, app.UsageError, lock.LockError) as e:
         _fatal(str(e))
     except bigtable.BigtableError as e:
         # A table that cannot be read is a setup problem: its message, without a traceback.
@@ -246,7 +247,7 @@ def join_processes(fv: flags.FlagValues, program_flags: list[str]) -> None:
       UsageError: bad cluster flags (the message says which).
       PreflightError: the processes differ.
     """
-    from estimax.estimator import distributed, launch, preflight
+    from estimax.parallel import distributed, launch, preflight
 
     if "coordinator_address" not in fv:
         return

@@ -23,7 +23,7 @@ full evaluation, resuming where a previous run stopped.
 Each program is a model family (``estimax.programs.family``; listed in ``families``): it maps its
 flags to a ``Job`` (``Job.for_family`` takes the model, the recorded flags and the export from
 the family) and calls ``run(job)``, the tail they share: take the
-writer lock of ``model_dir`` (``estimax.programs.lock``), compare and record the model-shaping
+writer lock of ``model_dir`` (``estimax.state.lock``), compare and record the model-shaping
 flags (``model_dir/flags.json``), keep fake-data warnings in TensorBoard, build the Estimator,
 run the mode, export (``export``), close, print the result line. The checks that need no
 Estimator (locations, data, splits) run before it, in ``check_locations`` and ``check_data``.
@@ -36,10 +36,9 @@ import dataclasses
 import functools
 import os
 import posixpath
-import tempfile
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import fsspec
 import jax
@@ -47,13 +46,16 @@ import numpy as np
 from absl import flags, logging
 
 import estimax as ex
-from estimax.estimator import compile as compile_lib
-from estimax.estimator import gpu_compile, layouts, step_builder
+from estimax.compile import compile as compile_lib
+from estimax.compile import gpu_compile
+from estimax.compile import search as search_lib
 from estimax.estimator import spec as spec_lib
+from estimax.estimator import step_builder
 from estimax.models.layers import REMAT_CHOICES
-from estimax.programs import cli, flagspec, lock
+from estimax.programs import cli, flagspec
 from estimax.programs.cli import UsageError
 from estimax.programs.family import Family
+from estimax.state import lock
 
 # resnet_main.py's default --data_dir (2018-12): a public bucket of fake ImageNet records. It
 # cannot be reached here (no network), so it means local fake data (see resolve_data_dir).
@@ -83,7 +85,7 @@ TPU_FLAGS = (
     flagspec.Str("gcp_project", None, f"{UNUSED_HELP} (it located the Cloud TPU)."),
     flagspec.Str("tpu_zone", None, f"{UNUSED_HELP} (it located the Cloud TPU)."),
 )
-# Compile the steps for a TPU slice instead of running them (estimax.estimator.compile).
+# Compile the steps for a TPU slice instead of running them (estimax.compile.compile).
 COMPILE_FOR_FLAG = flagspec.Str(
     "compile_for",
     None,
@@ -94,7 +96,7 @@ COMPILE_FOR_FLAG = flagspec.Str(
     f"exit 2 naming the largest global batch that does. Topologies: "
     f"{compile_lib.known_topologies()}.",
 )
-# TPUConfig's model parallelism and FSDP (estimax.estimator.layouts; docs/layouts.md).
+# TPUConfig's model parallelism and FSDP (estimax.parallel.layouts; docs/layouts.md).
 LAYOUT_FLAGS = (
     flagspec.Int(
         "num_cores_per_replica",
@@ -272,7 +274,7 @@ COMMON_RUN_FLAGS = (
         "are NaN/Inf, instead of stopping at the first one with the last good checkpoint kept.",
     ),
     flagspec.Int("keep_checkpoint_max", 5, "Number of recent checkpoints kept.", lower=1),
-    # tf.estimator's warm_start_from (estimax.estimator.warm_start).
+    # tf.estimator's warm_start_from (estimax.state.warm_start).
     flagspec.Str(
         "warm_start_from",
         None,
@@ -287,7 +289,7 @@ COMMON_RUN_FLAGS = (
         "Use estimax.ops' convolution and max-pool, whose "
         "gradients XLA:CPU runs several times faster; identical ops on GPU/TPU.",
     ),
-    # Rematerialisation per block (estimax.models.layers.remat_block): not a model-shaping flag
+    # Rematerialisation per block (estimax.parallel.remat.remat_block): not a model-shaping flag
     # (the parameters are the same), so a run may resume under another policy.
     flagspec.Enum(
         "remat",
@@ -565,7 +567,7 @@ def check_layout(job: Job) -> None:
     if config.num_cores_per_replica == 1 and config.input_partition_dims is None:
         return
     try:
-        layout = layouts.Layout.from_config(config)
+        layout = config.layout
         layout.make_mesh(config.num_shards)
         features, _ = compile_inputs(job)
         shaped = jax.tree.map(
@@ -696,7 +698,7 @@ def _remat_variants(family: Family, recipe: Any) -> tuple[str, Callable[[str], C
 
 def checkpoint_path(model_dir: str, step: int) -> str:
     """The path ``Estimator.evaluate(checkpoint_path=...)`` takes for ``step`` in ``model_dir``."""
-    from estimax.estimator import checkpoints
+    from estimax.state import checkpoints
 
     return checkpoints.step_path(model_dir, step)
 
@@ -712,7 +714,8 @@ def evaluate_checkpoints(
     Returns:
       the last evaluation's results (None if no checkpoint appeared before the timeout).
     """
-    from estimax.estimator import checkpoints, training
+    from estimax.estimator import training
+    from estimax.state import checkpoints
 
     where = checkpoints.checkpoint_dir(est.model_dir)
     fs, fs_path = fsspec.core.url_to_fs(est.model_dir)
@@ -968,7 +971,7 @@ def for_cluster_role(loop: LoopConfig) -> LoopConfig:
     An evaluator task evaluates each checkpoint the training tasks write (``eval``); with an
     evaluator in the job, the training tasks only train, as TF's ``train_and_evaluate`` did.
     """
-    from estimax.estimator import launch
+    from estimax.parallel import launch
 
     evaluator = launch.evaluator_task()
     if evaluator is not None:
@@ -1075,10 +1078,12 @@ def compile_job(job: Job) -> list[Any]:
     """``--compile_for``: compiles the job's train and eval steps for a TPU slice or GPUs, one
     line each.
 
-    Nothing is read or written: no data, no ``model_dir`` (a temporary one if none is given).
+    Nothing is read or written: no data, no ``model_dir``. The steps are the ones a run's
+    ``StepBuilder`` builds; a train step that does not fit is compiled again under other
+    layouts (``estimax.compile.search``).
 
     Returns:
-      the ``estimax.estimator.compile.StepReport`` of each step.
+      the ``estimax.compile.compile.StepReport`` of each step.
 
     Raises:
       UsageError: an unknown topology, no libtpu, a batch that does not divide over the slice.
@@ -1088,37 +1093,17 @@ def compile_job(job: Job) -> list[Any]:
     assert topology is not None  # run() calls this for --compile_for only
     if gpu_compile.is_gpu_target(topology):
         gpu_compile.use_cpu_backend()  # nothing runs here: no CUDA start, no traceback
-    # The slice's devices replace this host's: the local Estimator holds no layout (this host
-    # may have fewer devices than a replica's cores), the steps are built under the run's.
-    local = dataclasses.replace(
-        config,
-        num_shards=1,
-        num_cores_per_replica=1,
-        input_partition_dims=None,
-        shard_parameters=None,
-    )
-    with contextlib.ExitStack() as stack:
-        if config.model_dir is None:
-            local = dataclasses.replace(
-                local, model_dir=stack.enter_context(tempfile.TemporaryDirectory())
-            )
-        est = ex.Estimator(
-            job.model_fn,
-            local,
-            params=job.params,
-            train_batch_size=job.batch_sizes[0],
-            eval_batch_size=job.batch_sizes[1],
+    # The steps a run builds, under the run's layout on the slice's devices (this host may
+    # have fewer devices than a replica's cores: nothing runs here).
+    builder = step_builder.StepBuilder(job.model_fn, dict(job.params or {}), config)
+    train_batch, eval_batch = job.batch_sizes
+    batch_sizes = {ex.ModeKeys.TRAIN: train_batch, ex.ModeKeys.EVAL: eval_batch}
+    try:
+        reports = search_lib.compile_steps(
+            builder, topology, compile_inputs(job), batch_sizes, search=True
         )
-        try:
-            reports = est.compile_for(
-                topology,
-                *compile_inputs(job),
-                num_shards=config.num_shards,
-                search=True,
-                layout_config=config,
-            )
-        except compile_lib.CompileForError as e:
-            raise UsageError(f"--compile_for={topology}: {e}") from None
+    except compile_lib.CompileForError as e:
+        raise UsageError(f"--compile_for={topology}: {e}") from None
     for report in reports:
         print(report.line(), flush=True)
     failed = [r for r in reports if not r.fits]
@@ -1126,108 +1111,10 @@ def compile_job(job: Job) -> list[Any]:
         message = " ".join(compile_lib.describe_failure(r) for r in failed)
         train = next((r for r in failed if r.step == "train"), None)
         if train is not None:
-            message += other_layouts(job, local, topology, train)
+            tries = search_lib.layout_alternatives(config, train, job.serving, job.remat)
+            message += search_lib.other_layouts(builder, topology, compile_inputs(job), tries)
         raise DoesNotFit(message, reports)
     return reports
-
-
-# FSDP's threshold that --compile_for tries (big_vision's and kauldron's usual 4 MiB).
-TRY_FSDP_MIN_SIZE_MB = 4.0
-
-
-class LayoutTry(NamedTuple):
-    """One layout ``--compile_for`` tries: its flags, its RunConfig, the global batch, and the
-    model_fn (None: the job's)."""
-
-    flags: str
-    config: Any
-    batch: int
-    model_fn: Callable | None
-    # Tried only when none of the tries before it fits (the pair of two that do not fit alone).
-    unless_one_fits: bool = False
-
-
-def layout_alternatives(job: Job, train: Any) -> list[LayoutTry]:
-    """The other layouts ``--compile_for`` tries for a train step that does not fit, in turn.
-
-    Recomputing activations (``--remat=full``) and FSDP, at the batch asked for, then both
-    together where neither fits alone (FSDP under ``--remat`` gathers one block's parameters at
-    a time: ViT-L/16 with Adam at a large batch fits only so). Spatial partitioning does not
-    lower a device's memory at the same global batch (each device still holds its share of the
-    batch's activations, and a replica's cores hold whole weights), so it is tried only where
-    no batch fits under data parallelism (``search.fits`` None): at a global batch of half the
-    devices, each image split over 2 cores, a batch smaller than data parallelism can run.
-    """
-    config, batch, devices = job.config, train.global_batch, train.num_devices
-    tries: list[LayoutTry] = []
-    remat = None
-    if job.remat is not None and job.remat[0] != "full":
-        remat = LayoutTry("--remat=full", config, batch, job.remat[1]("full"))
-        tries.append(remat)
-    if config.shard_parameters is None and devices // config.num_cores_per_replica > 1:
-        fsdp_flag = f"--fsdp_min_size_mb={TRY_FSDP_MIN_SIZE_MB:g}"
-        fsdp = dataclasses.replace(config, shard_parameters=TRY_FSDP_MIN_SIZE_MB)
-        tries.append(LayoutTry(fsdp_flag, fsdp, batch, None))
-        if remat is not None:
-            tries.append(LayoutTry(f"{remat.flags} {fsdp_flag}", fsdp, batch, remat.model_fn, True))
-    features = job.serving
-    if (
-        train.search is not None
-        and train.search.fits is None
-        and config.num_cores_per_replica == 1
-        and isinstance(features, ex.TensorSpec)
-        and len(features.shape) == 4
-        and features.shape[1] is not None
-        and features.shape[1] % 2 == 0
-        and devices % 2 == 0
-    ):
-        tries.append(
-            LayoutTry(
-                "--num_cores_per_replica=2 --input_partition_dims=1,2,1,1",
-                dataclasses.replace(
-                    config,
-                    num_shards=devices // 2,
-                    num_cores_per_replica=2,
-                    input_partition_dims=[[1, 2, 1, 1], None],
-                ),
-                devices // 2,
-                None,
-            )
-        )
-    return tries
-
-
-def other_layouts(job: Job, local: Any, topology: str, train: Any) -> str:
-    """The tail of ``--compile_for``'s message for a train step that does not fit: each of
-    ``layout_alternatives`` compiled (no search) and whether it fits, with its memory."""
-    parts, one_fits = [], False
-    for flags_text, config, batch, model_fn, unless_one_fits in layout_alternatives(job, train):
-        if unless_one_fits and one_fits:
-            continue
-        est = ex.Estimator(
-            model_fn or job.model_fn, local, params=job.params, train_batch_size=batch
-        )
-        try:
-            (report,) = est.compile_for(
-                topology,
-                *compile_inputs(job),
-                num_shards=config.num_shards,
-                search=False,
-                layout_config=config,
-            )
-        except compile_lib.CompileForError as e:
-            parts.append(f"with {flags_text}: not tried ({e})")
-            continue
-        needed = compile_lib.needed_bytes(report)
-        size = f"{compile_lib.size_text(needed)} per device" if needed else "its size unknown"
-        at = f"{batch:,}"
-        if report.fits:
-            one_fits = True
-            parts.append(f"{at} fits with {flags_text} ({size})")
-        else:
-            parts.append(f"{at} does not fit with {flags_text} either ({size})")
-        print(f"with {flags_text}: {report.line()}", flush=True)
-    return f" Other layouts: {'; '.join(parts)}." if parts else ""
 
 
 def imagenet_inputs(

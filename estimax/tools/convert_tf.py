@@ -226,7 +226,7 @@ def _zeros(spec: Any) -> np.ndarray:
 def _refuse_existing(model_dir: str) -> None:
     """Raises ``TFCheckpointError`` if ``model_dir`` already holds a checkpoint."""
     from estimax import storage
-    from estimax.estimator import checkpoints
+    from estimax.state import checkpoints
 
     if not storage.isdir(checkpoints.checkpoint_dir(model_dir)):
         return
@@ -244,8 +244,8 @@ def _refuse_existing(model_dir: str) -> None:
 
 def _write(model_dir: str, step: int, variables: dict, opt_state: Any, ema_params: Any) -> None:
     """Saves the converted state as ``model_dir``'s checkpoint at ``step`` (synchronously)."""
-    from estimax.estimator import checkpoints
-    from estimax.estimator.steps import TrainState
+    from estimax.state import checkpoints
+    from estimax.state.train_state import TrainState
 
     model_state = dict(variables)
     params = model_state.pop("params")

@@ -301,7 +301,7 @@ _SETUP: dict[str, Callable[[], None]] = {
 
 def _target_cluster_spec(data: bytes) -> None:
     """``data`` is ``$TF_CONFIG`` (and ``$CLUSTER_SPEC``): a Launch, or one LaunchError line."""
-    from estimax.estimator import launch
+    from estimax.parallel import launch
 
     text = data.decode("utf-8", "replace")
     for var, parse in (("TF_CONFIG", launch.parse_tf_config), ("CLUSTER_SPEC", None)):

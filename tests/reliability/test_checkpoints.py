@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 
-from estimax.estimator import checkpoints
+from estimax.state import checkpoints
 
 try:
     from . import ckpt_fixtures as fx  # tests/reliability as a package

@@ -18,7 +18,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from estimax.estimator import checkpoints
+from estimax.state import checkpoints
 
 try:
     from . import ckpt_fixtures as fx

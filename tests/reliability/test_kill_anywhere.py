@@ -184,7 +184,7 @@ def _args(data_dir: str, model_dir: str, export_dir: str, train_steps: int) -> l
 
 
 def _final_state(model_dir: str) -> dict:
-    from estimax.estimator import checkpoints
+    from estimax.state import checkpoints
 
     ckpt = checkpoints.Checkpointer(model_dir, None, read_only=True)
     step = ckpt.latest_step()

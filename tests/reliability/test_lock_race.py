@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-from estimax.programs import lock
+from estimax.state import lock
 
 from .conftest import scale
 
@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 
 WORKER = """
 import sys
-from estimax.programs import cli, lock
+from estimax.state import lock
 
 held = None
 for line in sys.stdin:
@@ -36,7 +36,7 @@ for line in sys.stdin:
         try:
             held.acquire()
             print("held", flush=True)
-        except cli.UsageError as e:
+        except lock.LockError as e:
             held = None
             print("refused", e, flush=True)
     else:

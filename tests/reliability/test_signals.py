@@ -17,8 +17,8 @@ import sys
 
 import pytest
 
-from estimax.estimator import checkpoints
 from estimax.ops import native
+from estimax.state import checkpoints
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -109,7 +109,7 @@ def test_native_code_replacing_sigterm_is_undone_at_the_next_loop(tmp_path):
     death would not take the test runner with it)."""
     code = """
 import ctypes, os, signal
-from estimax.estimator import distributed
+from estimax.parallel import distributed
 with distributed.PreemptionNotice() as notice:
     libc = ctypes.CDLL(None)
     libc.signal(signal.SIGTERM, 0)  # SIG_DFL, as native code would set it

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from estimax.programs import lock
+from estimax.state import lock
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))

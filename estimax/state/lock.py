@@ -55,7 +55,12 @@ from typing import Any
 from absl import logging
 
 from estimax import storage
-from estimax.programs.cli import UsageError
+
+
+class LockError(ValueError):
+    """The model_dir is another live trainer's, or cannot be written: one line saying what to
+    do (the programs show it as a usage error, without a traceback)."""
+
 
 LOCK_FILE = "writer.lock"
 _DISK_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
@@ -115,7 +120,7 @@ def _not_writable(model_dir: str, e: OSError) -> Exception:
             "space and run again)."
         )
     if e.errno in _NOT_WRITABLE:
-        return UsageError(
+        return LockError(
             f"--model_dir={model_dir} is not writable ({e.strerror or e}): a training run "
             "writes its checkpoints there. Give a writable --model_dir (copy this one to "
             "continue its training), or --mode=eval to evaluate it."
@@ -403,10 +408,10 @@ class WriterLock:
         return None
 
     def acquire(self) -> None:
-        """Takes the lock, or raises ``UsageError`` naming the trainer that holds it.
+        """Takes the lock, or raises ``LockError`` naming the trainer that holds it.
 
         Raises:
-          UsageError: another trainer holds it, or model_dir is read-only (one line each).
+          LockError: another trainer holds it, or model_dir is read-only (one line each).
           StorageError: the disk is full, or the object store failed (one line).
         """
         self._started = self._clock()
@@ -452,18 +457,18 @@ class WriterLock:
             }
         ).encode()
 
-    def _in_use(self, holder: dict[str, Any] | None, at_once: bool = False) -> UsageError:
+    def _in_use(self, holder: dict[str, Any] | None, at_once: bool = False) -> LockError:
         if not holder or "pid" not in holder:
-            return UsageError(
+            return LockError(
                 f"--model_dir is in use by another trainer that is starting now (see "
                 f"{self.path}). Stop it or use another --model_dir."
             )
         if at_once:
-            return UsageError(
+            return LockError(
                 f"--model_dir is in use by another trainer: pid {holder.get('pid')} "
                 f"on host {holder.get('host')} took {self.path} at the same time."
             )
-        return UsageError(
+        return LockError(
             f"--model_dir is in use by another trainer: pid {holder.get('pid')} on host "
             f"{holder.get('host')} (see {self.path}). Stop it or use another "
             f"--model_dir; a lock left by a process that died is taken over "

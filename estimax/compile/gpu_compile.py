@@ -42,7 +42,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from estimax.estimator.chips import GPU_CHIPS, ChipSpec
+from estimax.parallel.chips import GPU_CHIPS, ChipSpec
 
 GiB = 1 << 30
 
@@ -104,7 +104,7 @@ def check_gpu_target(name: str) -> tuple[str, int]:
 
 def target_config(gpu: str) -> str:
     """The ``GpuTargetConfigProto`` text of ``gpu`` (a ``KNOWN_GPUS`` name)."""
-    files = importlib.resources.files("estimax.estimator") / "gpu_specs"
+    files = importlib.resources.files("estimax.compile") / "gpu_specs"
     return (files / f"{gpu}.txtpb").read_text()
 
 

@@ -208,7 +208,7 @@ def _is_tf_checkpoint(path: str) -> bool:
 def _estimax_variables(path: str) -> tuple[dict[str, Any], str]:
     """The variables (``{"params": ..., <collection>: ...}``) of an estimax checkpoint at
     ``path``, and the checkpoint's directory."""
-    from estimax.estimator import checkpoints
+    from estimax.state import checkpoints
 
     path = path.rstrip("/")
     try:

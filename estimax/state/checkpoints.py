@@ -41,8 +41,8 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from estimax import storage
-from estimax.estimator import orbax_storage
-from estimax.estimator.steps import TrainState
+from estimax.state import orbax_storage
+from estimax.state.train_state import TrainState
 
 CHECKPOINT_SUBDIR = "checkpoints"
 MANIFEST_NAME = "estimax_manifest.json"

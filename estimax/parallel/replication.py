@@ -153,7 +153,7 @@ def pad_batch(tree: Any, size: int) -> tuple[Any, np.ndarray, int]:
     if n == size:
         return tree, mask, n
 
-    def pad(x):
+    def pad(x: Any) -> np.ndarray:
         x = np.asarray(x)
         fill = np.repeat(x[:1], size - n, axis=0)
         return np.concatenate([x, fill], axis=0)

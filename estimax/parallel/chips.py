@@ -1,7 +1,7 @@
 """Accelerator chips' published figures: memory, bandwidth and peak dense bf16 compute.
 
 One table for everything that divides by a chip's capacity: ``--compile_for``'s fit verdict
-and roofline (``estimax.estimator.compile``) and a training run's model FLOPs utilisation.
+and roofline (``estimax.compile.compile``) and a training run's model FLOPs utilisation.
 Every figure carries the public page it comes from. A peak is the **dense** bf16 (or fp16)
 tensor-core figure: NVIDIA's datasheets lead with the 2:4-sparsity figure (twice the dense
 one) and list TF32 beside it, and taking either for the dense bf16 peak is the usual way an

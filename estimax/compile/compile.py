@@ -55,13 +55,14 @@ from absl import logging
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from estimax.estimator import chips as chips_lib
-from estimax.estimator import gpu_compile
-from estimax.estimator import layouts as layouts_lib
-from estimax.estimator.chips import TPU_CHIPS, ChipSpec  # noqa: F401 (ChipSpec: re-exported)
+from estimax.compile import gpu_compile
 from estimax.estimator.export import TensorSpec, check_input_specs
-from estimax.estimator.replication import REPLICA_AXIS, per_replica_batch
-from estimax.estimator.step_builder import Steps, micro_batch
+from estimax.estimator.step_builder import StepBuilder, Steps, micro_batch
+from estimax.estimator.utilization import custom_call_targets  # noqa: F401 (re-exported)
+from estimax.parallel import chips as chips_lib
+from estimax.parallel import layouts as layouts_lib
+from estimax.parallel.chips import TPU_CHIPS, ChipSpec  # noqa: F401 (ChipSpec: re-exported)
+from estimax.parallel.replication import REPLICA_AXIS, per_replica_batch
 
 GiB = 1 << 30
 
@@ -631,14 +632,6 @@ def _measure_serialized(report: StepReport, compiled: Any) -> None:
     report.serialized_bytes = len(payload)
 
 
-_CUSTOM_CALL = re.compile(r'custom_call @([\w.$-]+)|custom_call_target="([^"]+)"')
-
-
-def custom_call_targets(text: str) -> tuple[str, ...]:
-    """The custom-call targets named in StableHLO (``custom_call @t``) or HLO text, sorted."""
-    return tuple(sorted({a or b for a, b in _CUSTOM_CALL.findall(text)}))
-
-
 def _fill(report: StepReport, compiled: Any) -> None:
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
@@ -941,3 +934,44 @@ def describe_failure(report: StepReport) -> str:
 def _percent_up(fraction: float) -> str:
     """``fraction`` as a percentage rounded up to 0.1% (a bound stays true when printed)."""
     return f"{math.ceil(fraction * 1000 - 1e-9) / 10:.1f}%"
+
+
+def compile_estimator(
+    estimator: Any, topology: str, features: Any, labels: Any = None, **options: Any
+) -> list[StepReport]:
+    """Compiles an Estimator's train and eval steps for a Cloud TPU slice (or a GPU target),
+    on any host (``compile_for``, with the Estimator's step builder and batch sizes).
+
+    The steps ``train``/``evaluate`` would run (this ``model_fn``, its EMA and precision,
+    the donated state, each batch size's per-replica shapes) on a mesh over the slice's devices.
+
+    Args:
+      estimator: the ``Estimator`` whose steps to compile.
+      topology: e.g. ``v5e:2x4`` (``KNOWN_TOPOLOGIES``).
+      features, labels: ``TensorSpec`` pytrees of a batch (batch dimension None).
+      **options: ``num_shards`` (default ``config.num_shards``), ``search`` (look for the
+        largest batch that fits when a step does not), ``accumulation_steps`` (default
+        ``config.gradient_accumulation_steps``: the train step's memory is a micro-batch's),
+        ``layout_config`` (a RunConfig whose ``num_cores_per_replica``,
+        ``input_partition_dims`` and ``shard_parameters`` the steps are built under,
+        default the Estimator's; the slice's layout need not fit this host's devices).
+
+    Returns:
+      a ``StepReport`` per step whose global batch size was given to the Estimator.
+    """
+    config = estimator.config
+    options.setdefault("num_shards", config.num_shards)
+    options.setdefault("accumulation_steps", config.gradient_accumulation_steps)
+    builder: StepBuilder = estimator.step_builder
+    layout_config = options.pop("layout_config", None)
+    if layout_config is not None:
+        # The slice's layout, which this host's devices need not be able to hold.
+        builder = StepBuilder(builder.model_fn, builder.params, layout_config)
+    options.setdefault("layout", builder.layout)  # the run's cores, splits, FSDP
+    all_sizes = estimator.batch_sizes
+    batches = {m: all_sizes[m] for m in ("train", "eval") if all_sizes[m] is not None}
+
+    def build(mesh: Any, mode: str, batch: int, accumulation_steps: int | None = None) -> Steps:
+        return builder.build(mesh, {**all_sizes, mode: batch}, accumulation_steps)
+
+    return compile_for(build, topology, (features, labels), batches, **options)

@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
-from typing import Any, cast
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, TypeVar, cast
 
 import jax
 import numpy as np
@@ -43,15 +43,43 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from estimax.estimator import replication
-from estimax.estimator.replication import REPLICA_AXIS
-from estimax.estimator.spec import RunConfig, format_dims, partition_lists
-from estimax.estimator.steps import TrainState
+from estimax.parallel import replication
+from estimax.parallel.replication import REPLICA_AXIS
 
 # The mesh axes of a replica's cores: the k-th split dimension of the inputs is split over
 # ``model{k}`` (``[1, 2, 2, 1]``: H over model0, W over model1).
 MODEL_AXIS_PREFIX = "model"
 _MIB = 2**20
+# A train state (``estimax.state.train_state.TrainState``: a flax struct, ``replace`` copies).
+_State = TypeVar("_State", bound=Any)
+
+
+class LayoutFields(Protocol):
+    """The fields of a ``RunConfig`` that make its layout (``Layout.from_config`` reads them)."""
+
+    @property
+    def num_cores_per_replica(self) -> int: ...
+    @property
+    def input_partition_dims(self) -> Any: ...
+    @property
+    def shard_parameters(self) -> float | None: ...
+
+
+def format_dims(dims: Any) -> str:
+    """``[1, 2, 2, 1]`` as the flag writes it (``1,2,2,1``); other structures as Python's."""
+    if isinstance(dims, list | tuple) and all(isinstance(d, int) for d in dims):
+        return ",".join(map(str, dims))
+    return repr(dims)
+
+
+def partition_lists(dims: Any) -> list[tuple[str, Sequence[int]]]:
+    """The int lists of one input's partition dims, each with where it is (``""`` for a
+    single array, ``"[key]"`` in a dict); None entries (inputs every core gets whole) left out."""
+    if dims is None:
+        return []
+    if isinstance(dims, Mapping):
+        return [(f"[{k!r}]", d) for k, d in dims.items() if d is not None]
+    return [("", dims)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +99,7 @@ class Layout:
     fsdp_min_bytes: int | None = None
 
     @classmethod
-    def from_config(cls, config: RunConfig) -> Layout:
+    def from_config(cls, config: LayoutFields) -> Layout:
         """The layout of ``config``'s ``num_cores_per_replica``, ``input_partition_dims`` and
         ``shard_parameters`` (checked there already, except what needs the inputs)."""
         dims = list(config.input_partition_dims or [])
@@ -209,13 +237,13 @@ class Layout:
                 "the size, or leave FSDP off."
             )
 
-    def state_specs(self, state: TrainState, replicas: int) -> TrainState:
+    def state_specs(self, state: _State, replicas: int) -> _State:
         """The ``PartitionSpec`` of each leaf of a train state (arrays, abstract or traced):
         split parameters, their optimizer state (leaves of the same path and shape) and their
         EMA over ``data``; everything else replicated."""
         dims = self.param_dims(state.params, replicas)
         param_specs = jax.tree.map(_split_spec, dims)
-        return TrainState(
+        return state.replace(
             step=cast(Any, P()),  # a TrainState of specs, as shard_map takes them
             params=param_specs,
             model_state=jax.tree.map(lambda _: P(), state.model_state),

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from estimax.estimator import checkpoints
 from estimax.migrate.assignment import model_variables
+from estimax.state import checkpoints
 
 __all__ = ["GLOBAL_STEP", "checkpoint_values", "get_variable_names", "get_variable_value"]
 

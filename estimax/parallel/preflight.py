@@ -20,8 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from estimax.estimator import distributed
-from estimax.estimator.spec import RunConfig
+from estimax.parallel import distributed
 
 
 class PreflightError(RuntimeError):
@@ -40,7 +39,7 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 @functools.cache
 def code_version() -> str:
     """A digest of estimax's own Python sources (what runs, whatever the version string says)."""
-    # The package's folder from this file's place (estimax/estimator/preflight.py), rather than
+    # The package's folder from this file's place (estimax/parallel/preflight.py), rather than
     # importing the package, which lists every layer.
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     digest = hashlib.sha256()
@@ -91,7 +90,7 @@ def check(facts: Mapping[str, Any]) -> None:
 
 
 def check_training(
-    config: RunConfig, batch_sizes: Mapping[str, int | None], params: Any, start: int
+    config: Any, batch_sizes: Mapping[str, int | None], params: Any, start: int
 ) -> None:
     """With many processes, before training: all must train the same ``RunConfig``, batch
     sizes and parameter shapes from the same step (``check``); with one it returns at once."""

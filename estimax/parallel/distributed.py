@@ -22,8 +22,8 @@ import jax
 import numpy as np
 from absl import logging
 
-from estimax.estimator import launch
 from estimax.ops import signals
+from estimax.parallel import launch
 
 AUTO = launch.AUTO
 
@@ -37,7 +37,7 @@ def initialize(
 ) -> bool:
     """Joins a multi-process JAX job when one is asked for; must run before JAX's first use.
 
-    Finds the job (``estimax.estimator.launch.detect``: the flags, ``$CLUSTER_SPEC``,
+    Finds the job (``estimax.parallel.launch.detect``: the flags, ``$CLUSTER_SPEC``,
     ``$TF_CONFIG``, ``$JAX_COORDINATOR_ADDRESS``, and with ``"auto"`` JAX's own detection), checks
     with every other process that they see the same job (``launch.rendezvous``, within
     ``timeout``), then calls ``jax.distributed.initialize`` with what was found.

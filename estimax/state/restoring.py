@@ -7,17 +7,29 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import jax
 import jax.numpy as jnp
 from absl import logging
 from jax.sharding import Mesh
 
-from estimax.estimator import checkpoints as ckpt_lib
-from estimax.estimator import layouts, replication
-from estimax.estimator.step_builder import Steps
-from estimax.estimator.steps import TrainState
+from estimax.parallel import layouts, replication
+from estimax.state import checkpoints as ckpt_lib
+from estimax.state.train_state import TrainState
+
+
+class StepsLike(Protocol):
+    """What restoring needs of a run's steps (``estimax.estimator.step_builder.Steps``): their
+    initialisers (for shapes), base key and layout."""
+
+    @property
+    def init(self) -> Callable[..., Any]: ...
+    @property
+    def rng(self) -> jax.Array: ...
+    @property
+    def layout(self) -> layouts.Layout: ...
+    def init_variables(self, mode: str) -> Callable[..., Any]: ...
 
 
 def open_checkpoint(
@@ -82,7 +94,7 @@ def training_start(
 
 
 def train_state(
-    steps: Steps,
+    steps: StepsLike,
     mesh: Mesh,
     checkpointer: ckpt_lib.Checkpointer,
     step: int,
@@ -97,7 +109,7 @@ def train_state(
         shardings = jax.tree.map(lambda s: s.sharding, abstract)
         state = replication.run_init(steps.init, mesh, steps.rng, *sample, out_shardings=shardings)
         if warm_start_from is not None:  # no checkpoint of our own yet
-            from estimax.estimator import warm_start
+            from estimax.state import warm_start
 
             # Placed as ``state`` is, leaf by leaf (FSDP's slices stay slices).
             state, _ = warm_start.warm_start(warm_start_from, state)
@@ -113,7 +125,7 @@ def train_state(
 
 
 def load_variables(
-    steps: Steps,
+    steps: StepsLike,
     mesh: Mesh,
     checkpointer: ckpt_lib.Checkpointer,
     step: int | None,
@@ -167,7 +179,7 @@ def _with_shardings(abstract: Any, shardings: Any) -> Any:
     )
 
 
-def _placed_state(abstract: TrainState, steps: Steps, mesh: Mesh) -> TrainState:
+def _placed_state(abstract: TrainState, steps: StepsLike, mesh: Mesh) -> TrainState:
     """``abstract`` (a train state's shapes) with the shardings of ``steps``' layout: whole
     arrays on every device by default; FSDP's split leaves as slices (``layouts``). Orbax
     restores each array into the sharding given, so a checkpoint of any layout or device
@@ -180,7 +192,7 @@ def _placed_state(abstract: TrainState, steps: Steps, mesh: Mesh) -> TrainState:
     return _with_shardings(abstract, layouts.shardings(specs, mesh))
 
 
-def _placed_variables(abstract: Any, steps: Steps, mesh: Mesh) -> dict[str, Any]:
+def _placed_variables(abstract: Any, steps: StepsLike, mesh: Mesh) -> dict[str, Any]:
     """``{"params": ..., <collection>: ...}`` shapes placed as ``_placed_state`` places them."""
     if steps.layout.is_default:
         return dict(_with_replicated_sharding(abstract, mesh))
