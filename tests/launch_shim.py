@@ -16,16 +16,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import flags  # noqa: E402
 
 from estimax import doctor  # noqa: E402
-from estimax.programs import common, resnet  # noqa: E402
+from estimax.programs import configs, modes, resnet  # noqa: E402
 
 
 def main() -> int:
     fv = flags.FlagValues()
     resnet.define_flags(fv)
     fv(sys.argv)
-    loop = common.LoopConfig(mode=fv.mode, train_steps=1, steps_per_eval=1)
+    loop = configs.LoopConfig(mode=fv.mode, train_steps=1, steps_per_eval=1)
     print(f"resnet: --data_dir={fv.data_dir} --model_dir={fv.model_dir}", flush=True)
-    print(f"resnet: mode {common.for_cluster_role(loop).mode}", flush=True)
+    print(f"resnet: mode {modes.for_cluster_role(loop).mode}", flush=True)
     return doctor.launch_report(fv.coordinator_address, fv.num_processes, fv.process_id, 60)
 
 

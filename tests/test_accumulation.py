@@ -20,7 +20,7 @@ import pytest
 import estimax as ex
 from estimax.estimator import steps as steps_lib
 from estimax.estimator.spec import ModeKeys
-from estimax.programs import common
+from estimax.programs import cli, configs
 
 # Measured on the parity run below (8 CPU devices, float32): the largest difference of a
 # parameter after 8 steps was 6e-8, of a step's loss 1e-7. The tolerance leaves room for
@@ -318,6 +318,6 @@ def test_k_that_does_not_divide_the_per_replica_batch_is_one_line(tmp_path, k, s
 
 def test_programs_check_k_before_anything_runs(tmp_path):
     config = ex.RunConfig(model_dir=str(tmp_path), gradient_accumulation_steps=3)
-    with pytest.raises(common.UsageError, match=r"^--gradient_accumulation_steps=3 .* use 2 or 4"):
-        common.check_accumulation(config, 64, 8)
-    common.check_accumulation(dataclasses.replace(config, gradient_accumulation_steps=4), 64, 8)
+    with pytest.raises(cli.UsageError, match=r"^--gradient_accumulation_steps=3 .* use 2 or 4"):
+        configs.check_accumulation(config, 64, 8)
+    configs.check_accumulation(dataclasses.replace(config, gradient_accumulation_steps=4), 64, 8)

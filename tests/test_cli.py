@@ -24,12 +24,16 @@ from estimax.data import tfrecord
 from estimax.programs import (
     cli,
     common,
+    configs,
     efficientnet,
     inception_v3,
     inception_v4,
+    inputs,
     mnist,
+    modes,
     resnet,
 )
+from estimax.programs.job import Job
 from estimax.state import lock
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -149,13 +153,13 @@ def test_fake_data_is_warned_at_start_and_in_tensorboard(tmp_path):
 
 
 def test_fake_data_values():
-    assert common.check_data("null", "train")[:2] == (None, "zeros")
-    assert common.check_data("fake", "train")[:2] == (None, "random")
-    assert common.check_data(common.FAKE_DATA_DIR, "train")[:2] == (None, "random")
-    _, _, notes = common.check_data("x", "train", use_fake=True)
+    assert inputs.check_data("null", "train")[:2] == (None, "zeros")
+    assert inputs.check_data("fake", "train")[:2] == (None, "random")
+    assert inputs.check_data(inputs.FAKE_DATA_DIR, "train")[:2] == (None, "random")
+    _, _, notes = inputs.check_data("x", "train", use_fake=True)
     assert notes and "--use_data=fake" in notes[0]
     with pytest.raises(cli.UsageError, match="--data_dir is not set"):
-        common.check_data(None, "train")
+        inputs.check_data(None, "train")
 
 
 # ------------------------------------------------- a missing split is found at start
@@ -174,7 +178,7 @@ def test_missing_split_is_found_at_start(tmp_path):
     )
     assert not (tmp_path / "m").exists()
     # --mode=train reads only train-*: the same data_dir passes the check.
-    assert common.check_data(str(data), "train") == (str(data), "random", [])
+    assert inputs.check_data(str(data), "train") == (str(data), "random", [])
 
 
 # ------------------------------------------------- one line for every user mistake
@@ -349,7 +353,7 @@ def test_console_scripts_list_their_flags(tmp_path, program):
     assert "ESTIMAX_" in proc.stdout  # the module docstring, standing on its own
 
 
-def _captured_job(monkeypatch, program: str, argv: list[str]) -> common.Job:
+def _captured_job(monkeypatch, program: str, argv: list[str]) -> Job:
     jobs = []
     monkeypatch.setattr(common, "run", jobs.append)
     fv = parse(program, argv)
@@ -405,7 +409,7 @@ def test_steps_per_device_call_reaches_every_programs_run_config(tmp_path, monke
 def test_gradient_accumulation_steps_reaches_every_programs_run_config(
     tmp_path, monkeypatch, module, argv
 ):
-    jobs: list[common.Job] = []
+    jobs: list[Job] = []
     monkeypatch.setattr(common, "run", jobs.append)
     fv = flags.FlagValues()
     module.define_flags(fv)
@@ -514,9 +518,9 @@ def test_eval_mode_says_where_it_waits_for_a_mistyped_model_dir(tmp_path, caplog
     class NoEstimator:  # evaluate is never reached: no checkpoint appears
         model_dir = str(tmp_path / "typo")
 
-    loop = common.LoopConfig(mode="eval", train_steps=10, steps_per_eval=1, eval_timeout=0)
+    loop = configs.LoopConfig(mode="eval", train_steps=10, steps_per_eval=1, eval_timeout=0)
     with caplog.at_level("INFO"):
-        assert common.evaluate_checkpoints(NoEstimator(), None, loop) is None
+        assert modes.evaluate_checkpoints(NoEstimator(), None, loop) is None
     assert (
         f"Waiting for checkpoints in {tmp_path}/typo/checkpoints (a training job's "
         f"--model_dir={tmp_path}/typo, which does not exist yet) and evaluating each new one "

@@ -20,6 +20,8 @@ from estimax.compile import compile as compile_lib
 from estimax.compile import gpu_compile
 from estimax.parallel import chips
 from estimax.programs import common
+from estimax.programs.configs import LoopConfig
+from estimax.programs.job import Job
 from tests.test_tpu_compile import CPU_ONLY, TINY, _fatal_lines, dense_model_fn, run_program
 
 HAS_PLUGIN = importlib.util.find_spec("jax_cuda12_plugin") is not None
@@ -69,14 +71,14 @@ def test_a_step_that_does_not_fit_a_gpu_still_compiles_and_the_search_finds_one_
     # 2**25 examples of 784 floats on 4 L4s: 24.5 GiB of input per GPU, more than the 12.9 GiB
     # usable there (75% of 22.5 GiB less 4 GiB), and XLA:GPU compiles it all the same.
     too_big = 2**25
-    job = common.Job(
+    job = Job(
         program="dense",
         model_flags={},
         model_fn=dense_model_fn,
         config=ex.RunConfig(model_dir=str(tmp_path), num_shards=None),
         batch_sizes=(too_big, 8),
         input_fn=lambda is_training: None,
-        loop=common.LoopConfig(mode="train", train_steps=1, steps_per_eval=1),
+        loop=LoopConfig(mode="train", train_steps=1, steps_per_eval=1),
         serving=ex.TensorSpec((None, 784), np.float32),
         metrics=(("accuracy",), "examples"),
         compile_for="l4:4",

@@ -386,9 +386,10 @@ def test_the_layout_flags_reach_every_programs_run_config(tmp_path, monkeypatch,
     from absl import flags
 
     from estimax.programs import common
+    from estimax.programs.job import Job
 
     module = importlib.import_module(f"estimax.programs.{program}")
-    jobs: list[common.Job] = []
+    jobs: list[Job] = []
     monkeypatch.setattr(common, "run", jobs.append)
     fv = flags.FlagValues()
     module.define_flags(fv)
@@ -409,20 +410,20 @@ def test_the_layout_flags_reach_every_programs_run_config(tmp_path, monkeypatch,
 def test_a_bad_layout_flag_is_a_usage_error():
     from absl import flags
 
-    from estimax.programs import common
+    from estimax.programs import cli, configs, shared_flags
 
     fv = flags.FlagValues()
-    common.define_tpu_flags(fv)
+    shared_flags.define_tpu_flags(fv)
     fv(["program", "--num_cores_per_replica=2", "--input_partition_dims=1,2,2,1"])
-    with pytest.raises(common.UsageError, match=r"^--input_partition_dims=1,2,2,1 .*multiply to 4"):
-        common.layout_fields(fv, 8)
+    with pytest.raises(cli.UsageError, match=r"^--input_partition_dims=1,2,2,1 .*multiply to 4"):
+        configs.layout_fields(fv, 8)
     fv(["program", "--num_cores_per_replica=2", "--input_partition_dims=1,x,1,1"])
-    with pytest.raises(common.UsageError, match=r"^--input_partition_dims=1,x,1,1: give integers"):
-        common.layout_fields(fv, 8)
+    with pytest.raises(cli.UsageError, match=r"^--input_partition_dims=1,x,1,1: give integers"):
+        configs.layout_fields(fv, 8)
     fv(["program", "--num_cores_per_replica=4", "--input_partition_dims=1,2,2,1"])
-    with pytest.raises(common.UsageError, match=r"^--num_cores_per_replica=4 does not divide .* 6"):
-        common.layout_fields(fv, 6)
-    assert common.layout_fields(fv, 8)["num_shards"] == 2
+    with pytest.raises(cli.UsageError, match=r"^--num_cores_per_replica=4 does not divide .* 6"):
+        configs.layout_fields(fv, 6)
+    assert configs.layout_fields(fv, 8)["num_shards"] == 2
 
 
 def _train_step_bytes(net, image, **layout):

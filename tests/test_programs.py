@@ -27,7 +27,17 @@ from absl import flags
 import estimax as ex
 from estimax.estimator import steps as steps_lib
 from estimax.models.resnet import ResNetTiny
-from estimax.programs import common, efficientnet, inception_v3, inception_v4, resnet
+from estimax.programs import (
+    cli,
+    configs,
+    efficientnet,
+    exports,
+    inception_v3,
+    inception_v4,
+    inputs,
+    resnet,
+    shared_flags,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
@@ -229,32 +239,32 @@ def test_help_lists_and_explains_the_tpu_flags(program):
 
 def test_num_cores_maps_to_replicas_or_warns(caplog):
     n = jax.device_count()
-    assert common.resolve_num_shards(1, "num_cores") == 1
-    assert common.resolve_num_shards(n, "num_cores") == n
+    assert shared_flags.resolve_num_shards(1, "num_cores") == 1
+    assert shared_flags.resolve_num_shards(n, "num_cores") == n
     with caplog.at_level(logging.WARNING):
-        assert common.resolve_num_shards(n + 8, "num_shards") is None  # all devices
+        assert shared_flags.resolve_num_shards(n + 8, "num_shards") is None  # all devices
     assert f"--num_shards={n + 8}" in caplog.text and f"has {n}" in caplog.text
     with pytest.raises(ValueError, match="--num_cores=0"):
-        common.resolve_num_shards(0, "num_cores")
+        shared_flags.resolve_num_shards(0, "num_cores")
 
 
 def test_data_dir_mapping():
-    assert common.resolve_data_dir(common.FAKE_DATA_DIR) == (None, "random")
-    assert common.resolve_data_dir(common.FAKE_DATA_DIR + "/") == (None, "random")
+    assert inputs.resolve_data_dir(inputs.FAKE_DATA_DIR) == (None, "random")
+    assert inputs.resolve_data_dir(inputs.FAKE_DATA_DIR + "/") == (None, "random")
     # Fake data only when asked for in so many words; '' (an unset $DATA_DIR) is refused.
-    with pytest.raises(common.UsageError, match="--data_dir is empty"):
-        common.resolve_data_dir("")
-    assert common.resolve_data_dir("null") == (None, "zeros")
-    assert common.resolve_data_dir("fake") == (None, "random")
-    assert common.resolve_data_dir("gs://b/data") == ("gs://b/data", "random")
-    assert common.resolve_data_dir("gs://b/data", use_fake=True) == (None, "random")
+    with pytest.raises(cli.UsageError, match="--data_dir is empty"):
+        inputs.resolve_data_dir("")
+    assert inputs.resolve_data_dir("null") == (None, "zeros")
+    assert inputs.resolve_data_dir("fake") == (None, "random")
+    assert inputs.resolve_data_dir("gs://b/data") == ("gs://b/data", "random")
+    assert inputs.resolve_data_dir("gs://b/data", use_fake=True) == (None, "random")
 
 
 def test_loop_config_rejects_bad_values():
     with pytest.raises(ValueError, match="--mode='predict'"):
-        common.LoopConfig(mode="predict", train_steps=1, steps_per_eval=1)
+        configs.LoopConfig(mode="predict", train_steps=1, steps_per_eval=1)
     with pytest.raises(ValueError, match="--train_steps=0"):
-        common.LoopConfig(mode="train", train_steps=0, steps_per_eval=1)
+        configs.LoopConfig(mode="train", train_steps=0, steps_per_eval=1)
 
 
 @pytest.mark.parametrize(
@@ -619,14 +629,14 @@ def test_manifest_class_names_follow_the_label_offset_and_the_models_classes(tmp
     manifest = {"format": MANIFEST_FORMAT, "label_map": {"ant": 1, "bee": 2, "cat": 3}}
     (tmp_path / MANIFEST_NAME).write_text(json.dumps(manifest))
     # ResNet/EfficientNet: the model sees label - 1; unnamed ids are "".
-    assert common.manifest_class_names(str(tmp_path), 1, 5) == ["ant", "bee", "cat", "", ""]
+    assert exports.manifest_class_names(str(tmp_path), 1, 5) == ["ant", "bee", "cat", "", ""]
     # Inception: id = label, id 0 the background logit.
-    assert common.manifest_class_names(str(tmp_path), 0, 4) == ["", "ant", "bee", "cat"]
+    assert exports.manifest_class_names(str(tmp_path), 0, 4) == ["", "ant", "bee", "cat"]
     # Names that cannot be this model's: exported without them, and the log says why.
-    assert common.manifest_class_names(str(tmp_path), 1, 2) is None
+    assert exports.manifest_class_names(str(tmp_path), 1, 2) is None
     assert "gives class 'cat' the label 3, outside the model's 2 classes" in caplog.text
-    assert common.manifest_class_names(str(tmp_path / "other"), 1, 5) is None  # no manifest
-    assert common.manifest_class_names(None, 1, 5) is None  # fake data
+    assert exports.manifest_class_names(str(tmp_path / "other"), 1, 5) is None  # no manifest
+    assert exports.manifest_class_names(None, 1, 5) is None  # fake data
 
 
 @pytest.mark.parametrize("label", [10**12, -(10**12), 0])
@@ -656,7 +666,7 @@ def test_a_manifest_label_outside_the_models_classes_stops_the_program_before_tr
             "--num_cores=1",
         ],
     )
-    with pytest.raises(common.UsageError) as e:
+    with pytest.raises(cli.UsageError) as e:
         resnet.run_from_flags(fv)
     assert f"gives class 'bee' the label {label}, outside the model's 10 classes" in str(e.value)
     assert "(labels 1..10)" in str(e.value) and "\n" not in str(e.value)
@@ -679,5 +689,5 @@ def test_a_damaged_manifest_exports_without_names_and_allocates_nothing_by_its_l
         path.write_text(content)
         caplog.clear()
         with caplog.at_level(logging.WARNING):
-            assert common.manifest_class_names(str(tmp_path), 1, 1000) is None
+            assert exports.manifest_class_names(str(tmp_path), 1, 1000) is None
         assert "Exporting without class names" in caplog.text

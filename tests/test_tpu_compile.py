@@ -34,6 +34,8 @@ from estimax.models.inception_v4 import InceptionV4Tiny
 from estimax.models.resnet import ResNetTiny
 from estimax.ops import native
 from estimax.programs import common, efficientnet, inception_v3, inception_v4, mnist, resnet, vit
+from estimax.programs.configs import LoopConfig
+from estimax.programs.job import Job
 
 REPO = Path(__file__).resolve().parents[1]
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
@@ -67,13 +69,13 @@ TINY = {
 }
 
 
-def run_program(program: str, argv: list[str], monkeypatch) -> tuple[object, list[common.Job]]:
+def run_program(program: str, argv: list[str], monkeypatch) -> tuple[object, list[Job]]:
     """Runs ``program``'s command line in-process with its tiny network; (result, jobs run)."""
     module, base = TINY[program]
     fv = flags.FlagValues()
     module.define_flags(fv)
     fv([program, *base, *argv])
-    jobs: list[common.Job] = []
+    jobs: list[Job] = []
     compile_job = common.compile_job
     monkeypatch.setattr(common, "compile_job", lambda job: jobs.append(job) or compile_job(job))
     if program == "resnet":
@@ -88,7 +90,7 @@ def run_program(program: str, argv: list[str], monkeypatch) -> tuple[object, lis
     return module.run_from_flags(fv), jobs
 
 
-def steps_on_cpu(job: common.Job) -> tuple[ex.Estimator, compile_lib.Steps]:
+def steps_on_cpu(job: Job) -> tuple[ex.Estimator, compile_lib.Steps]:
     """The job's Estimator on this host's 8 CPU devices, and its steps at its batch sizes."""
     est = ex.Estimator(
         job.model_fn,
@@ -100,7 +102,7 @@ def steps_on_cpu(job: common.Job) -> tuple[ex.Estimator, compile_lib.Steps]:
     return est, est.step_builder.build(est.mesh, est.batch_sizes)
 
 
-def lowered_text(job: common.Job, step: str, platform: str | None) -> str:
+def lowered_text(job: Job, step: str, platform: str | None) -> str:
     """The job's ``step`` lowered on the CPU mesh (``platform`` None), or exported for it."""
     est, steps = steps_on_cpu(job)
     io = common.compile_inputs(job)
@@ -117,7 +119,7 @@ def lowered_text(job: common.Job, step: str, platform: str | None) -> str:
 @pytest.mark.parametrize("program", sorted(TINY))
 def test_steps_lowered_for_cuda_have_no_cpu_only_custom_call(program, monkeypatch, tmp_path):
     monkeypatch.setattr(common, "compile_job", lambda job: jobs.append(job) or [])
-    jobs: list[common.Job] = []
+    jobs: list[Job] = []
     run_program(program, [f"--compile_for={TOPOLOGY}", f"--model_dir={tmp_path}"], monkeypatch)
     (job,) = jobs
     for step in ("train", "eval"):
@@ -174,14 +176,14 @@ def dense_model_fn(features, labels, mode, params):
 def test_a_step_that_does_not_fit_names_the_largest_batch_that_does(tmp_path):
     # 2**25 examples of 784 floats: 25 GiB of input per chip, more than a v5e chip's 16 GiB.
     too_big = 2**25
-    job = common.Job(
+    job = Job(
         program="dense",
         model_flags={},
         model_fn=dense_model_fn,
         config=ex.RunConfig(model_dir=str(tmp_path), num_shards=None),
         batch_sizes=(too_big, 8),
         input_fn=lambda is_training: None,
-        loop=common.LoopConfig(mode="train", train_steps=1, steps_per_eval=1),
+        loop=LoopConfig(mode="train", train_steps=1, steps_per_eval=1),
         serving=ex.TensorSpec((None, 784), np.float32),
         metrics=(("accuracy",), "examples"),
         compile_for=TOPOLOGY,
@@ -251,14 +253,14 @@ DEEP_BATCH = 2**21
 
 @needs_libtpu
 def test_a_step_that_does_not_fit_says_which_layouts_make_it_fit(tmp_path):
-    job = common.Job(
+    job = Job(
         program="deep_dense",
         model_flags={},
         model_fn=deep_dense_model_fn("none"),
         config=ex.RunConfig(model_dir=str(tmp_path), num_shards=None),
         batch_sizes=(DEEP_BATCH, 8),
         input_fn=lambda is_training: None,
-        loop=common.LoopConfig(mode="train", train_steps=1, steps_per_eval=1),
+        loop=LoopConfig(mode="train", train_steps=1, steps_per_eval=1),
         serving=ex.TensorSpec((None, 64), np.float32),
         metrics=(("accuracy",), "examples"),
         compile_for=TOPOLOGY,
@@ -301,15 +303,15 @@ def _report(batch: int, fits_somewhere: bool) -> compile_lib.StepReport:
     )
 
 
-def _image_job(**config) -> common.Job:
-    return common.Job(
+def _image_job(**config) -> Job:
+    return Job(
         program="images",
         model_flags={},
         model_fn=dense_model_fn,
         config=ex.RunConfig(model_dir="/tmp/unused", **config),
         batch_sizes=(64, 8),
         input_fn=lambda is_training: None,
-        loop=common.LoopConfig(mode="train", train_steps=1, steps_per_eval=1),
+        loop=LoopConfig(mode="train", train_steps=1, steps_per_eval=1),
         serving=ex.TensorSpec((None, 224, 224, 3), np.uint8),
         metrics=(("accuracy",), "examples"),
         remat=("none", lambda policy: dense_model_fn),

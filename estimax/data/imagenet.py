@@ -24,10 +24,11 @@ in file order that keeps a smaller last batch (the Estimator pads and masks it, 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import posixpath
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -297,91 +298,188 @@ def input_fn(
     del transpose_input  # documented no-op (see Args)
     if shard_by not in ("global", "file", "record"):
         raise ValueError(f"shard_by must be 'global', 'file' or 'record', got {shard_by!r}")
-    preprocess = preprocessing if callable(preprocessing) else None
-    if preprocess is None and preprocessing not in ("resnet", "inception"):
+    if not callable(preprocessing) and preprocessing not in ("resnet", "inception"):
         raise ValueError(
             f"preprocessing must be 'resnet', 'inception' or a callable, got {preprocessing!r}"
         )
+    records = RecordSettings(
+        data_dir,
+        is_training,
+        shard_by=shard_by,
+        verify_crc=verify_crc,
+        skip_bad_records=skip_bad_records,
+        bigtable=bigtable,
+        index_dir=index_dir,
+    )
+    transform = functools.partial(
+        image_transform,
+        preprocessing,
+        is_training,
+        image_size,
+        num_classes=num_classes,
+        use_annotated_bbox=use_annotated_bbox,
+        augment=augment,
+    )
+    fake_images = None
+    if bigtable is None and (use_fake_data or is_fake_data_dir(data_dir)):
+        fake_images = functools.partial(
+            fake.FakeImages,
+            image_size=image_size,
+            kind=fake_data,
+            dtype=np.float32 if preprocessing == "inception" else np.uint8,
+            num_examples=None if is_training else fake_eval_examples,
+            num_classes=num_classes,
+        )
+    return ImageNetBatches(
+        records,
+        transform,
+        fake_images,
+        is_training=is_training,
+        seed=seed,
+        num_classes=num_classes,
+        mixup_alpha=mixup_alpha,
+        num_parallel_calls=num_parallel_calls,
+        worker_type=worker_type,
+        prefetch=prefetch,
+        skip_bad_records=skip_bad_records,
+    )
 
-    def fn(params: dict[str, Any]) -> Any:
-        batches = batches_of(params)
-        if not (is_training and mixup_alpha > 0):
+
+class HostRecords(NamedTuple):
+    """The records one host reads: the source, and the ids of this host's records in it (None:
+    the Loader takes this host's share itself, from one order over all records for all hosts,
+    ``global_order``)."""
+
+    source: loader.RecordSource
+    record_ids: np.ndarray | None
+    global_order: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordSettings:
+    """Where a split's records come from (``input_fn``'s arguments of that name): TFRecord
+    shards under ``data_dir`` or the rows of a Bigtable table, and how hosts divide them."""
+
+    data_dir: str | None
+    is_training: bool
+    shard_by: str = "global"
+    verify_crc: bool = True
+    skip_bad_records: bool = False
+    bigtable: bigtable_lib.BigtableTable | None = None
+    index_dir: str | None = None
+
+    def for_host(self, host_index: int, num_hosts: int) -> HostRecords:
+        """The records host ``host_index`` of ``num_hosts`` reads."""
+        global_order = self.shard_by == "global" or num_hosts == 1
+        if self.bigtable is not None:
+            source = self.bigtable.source(self.is_training)
+            if global_order:
+                return HostRecords(source, None, True)
+            # Every host lists the keys and reads every num_hosts-th row.
+            rows = loader.host_shard(np.arange(len(source)), host_index, num_hosts)
+            return HostRecords(source, rows, False)
+        assert self.data_dir is not None
+        if not global_order:
+            tfrecords, ids = _tfrecord_source(
+                self.data_dir,
+                self.is_training,
+                self.shard_by,
+                host_index,
+                num_hosts,
+                self.verify_crc,
+                self.skip_bad_records,
+                self.index_dir,
+            )
+            return HostRecords(tfrecords, ids, False)
+        files = tfrecord.list_files(file_pattern(self.data_dir, self.is_training))
+        # Shards without index files are indexed once across the hosts, not by each.
+        tfrecords = loader.TFRecordSource(
+            files,
+            verify_crc=self.verify_crc,
+            skip_bad_records=self.skip_bad_records,
+            host_index=host_index,
+            num_hosts=num_hosts,
+            index_dir=self.index_dir,
+        )
+        return HostRecords(tfrecords, None, True)
+
+
+def image_transform(
+    preprocessing: str | Callable[..., np.ndarray],
+    is_training: bool,
+    image_size: int,
+    *,
+    num_classes: int = NUM_CLASSES,
+    use_annotated_bbox: bool = False,
+    augment: Callable[[np.ndarray, np.random.Generator], np.ndarray] | None = None,
+) -> ImageNetTransform:
+    """The preprocessing of ``input_fn``: record -> ``(image, label)`` with ``preprocessing``
+    (``'resnet'``, ``'inception'`` or a callable with their signature) and ``augment``."""
+    return ImageNetTransform(
+        preprocess=preprocessing if callable(preprocessing) else _preprocess_fn(preprocessing),
+        is_training=is_training,
+        image_size=image_size,
+        num_classes=num_classes,
+        use_annotated_bbox=use_annotated_bbox,
+        augment=augment,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageNetBatches:
+    """``input_fn(params)`` of ``input_fn``: per-host batches of a split's records, preprocessed
+    by ``transform()`` (built only for real data: it imports the JPEG stack), or fake images;
+    mixed with mixup when training with ``mixup_alpha`` > 0.
+
+    ``params["batch_size"]`` is the per-host batch; ``params["context"]`` (optional) has
+    ``host_index`` and ``num_hosts``.
+    """
+
+    records: RecordSettings
+    transform: Callable[[], ImageNetTransform]
+    # FakeImages(batch_size, seed=...) with the rest bound; None: real data.
+    fake_images: Callable[..., fake.FakeImages] | None
+    is_training: bool
+    seed: int = 0
+    num_classes: int = NUM_CLASSES
+    mixup_alpha: float = 0.0
+    num_parallel_calls: int | None = None
+    worker_type: str = "auto"
+    prefetch: int = 2
+    skip_bad_records: bool = False
+
+    def __call__(self, params: dict[str, Any]) -> Any:
+        batches = self.batches(int(params["batch_size"]), *_host(params))
+        if not (self.is_training and self.mixup_alpha > 0):
             return batches
         from estimax.data import augment as augment_lib
 
         return augment_lib.MixupBatches(
-            batches, mixup_alpha, num_classes, seed=seed, host_index=_host(params)[0]
+            batches, self.mixup_alpha, self.num_classes, seed=self.seed, host_index=_host(params)[0]
         )
 
-    def batches_of(params: dict[str, Any]) -> loader.Loader | fake.FakeImages:
-        batch_size = int(params["batch_size"])
-        host_index, num_hosts = _host(params)
-        if bigtable is None and (use_fake_data or is_fake_data_dir(data_dir)):
-            dtype = np.float32 if preprocessing == "inception" else np.uint8
-            return fake.FakeImages(
-                batch_size,
-                image_size,
-                kind=fake_data,
-                dtype=dtype,
-                num_examples=None if is_training else fake_eval_examples,
-                num_classes=num_classes,
-                seed=seed + host_index,
-            )
-        source: loader.RecordSource
-        record_ids: np.ndarray | None = None
-        global_order = shard_by == "global" or num_hosts == 1
-        if bigtable is not None:
-            source = bigtable.source(is_training)
-            if not global_order:  # every host lists the keys and reads every num_hosts-th row
-                record_ids = loader.host_shard(np.arange(len(source)), host_index, num_hosts)
-        elif global_order:
-            assert data_dir is not None
-            files = tfrecord.list_files(file_pattern(data_dir, is_training))
-            # Shards without index files are indexed once across the hosts, not by each.
-            source = loader.TFRecordSource(
-                files,
-                verify_crc=verify_crc,
-                skip_bad_records=skip_bad_records,
-                host_index=host_index,
-                num_hosts=num_hosts,
-                index_dir=index_dir,
-            )
-        else:
-            assert data_dir is not None
-            source, record_ids = _tfrecord_source(
-                data_dir,
-                is_training,
-                shard_by,
-                host_index,
-                num_hosts,
-                verify_crc,
-                skip_bad_records,
-                index_dir,
-            )
-        transform = ImageNetTransform(
-            preprocess=preprocess or _preprocess_fn(str(preprocessing)),
-            is_training=is_training,
-            image_size=image_size,
-            num_classes=num_classes,
-            use_annotated_bbox=use_annotated_bbox,
-            augment=augment,
-        )
+    def batches(
+        self, batch_size: int, host_index: int, num_hosts: int
+    ) -> loader.Loader | fake.FakeImages:
+        """Host ``host_index``'s batches of ``batch_size``: training shuffles, repeats forever
+        and drops the last partial batch; eval is one pass in order."""
+        if self.fake_images is not None:
+            return self.fake_images(batch_size, seed=self.seed + host_index)
+        records = self.records.for_host(host_index, num_hosts)
         return loader.Loader(
-            source,
-            transform,
+            records.source,
+            self.transform(),
             batch_size,
-            shuffle=is_training,
-            seed=seed,
-            num_epochs=None if is_training else 1,
-            drop_remainder=is_training,
-            num_workers=num_parallel_calls,
-            worker_type=worker_type,
-            prefetch=prefetch,
-            skip_bad_records=skip_bad_records,
-            record_ids=record_ids,
-            num_hosts=num_hosts if global_order else 1,
-            host_index=host_index if global_order else 0,
-            order_is_global=global_order,
+            shuffle=self.is_training,
+            seed=self.seed,
+            num_epochs=None if self.is_training else 1,
+            drop_remainder=self.is_training,
+            num_workers=self.num_parallel_calls,
+            worker_type=self.worker_type,
+            prefetch=self.prefetch,
+            skip_bad_records=self.skip_bad_records,
+            record_ids=records.record_ids,
+            num_hosts=num_hosts if records.global_order else 1,
+            host_index=host_index if records.global_order else 0,
+            order_is_global=records.global_order,
         )
-
-    return fn

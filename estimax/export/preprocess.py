@@ -145,6 +145,13 @@ def _check_image_params(p: dict[str, Any]) -> None:
     height, width = _size_hw(p["size"])
     if height <= 0 or width <= 0:
         raise ValueError(f"image preprocessing: size must be positive, got {p['size']!r}")
+    _check_crop(p, height, width)
+    _check_resize(p, height, width)
+    _check_output(p)
+
+
+def _check_crop(p: dict[str, Any], height: int, width: int) -> None:
+    """Raises ValueError naming the first crop parameter that is not valid for the size."""
     crop = p.get("crop", "none")
     if crop not in CROPS:
         raise ValueError(f"image preprocessing: crop must be one of {CROPS}, got {crop!r}")
@@ -166,6 +173,12 @@ def _check_image_params(p: dict[str, Any]) -> None:
         raise ValueError(f"image preprocessing: crop_padding must be >= 0, got {padding!r}")
     if padding is not None and height != width:
         raise ValueError("image preprocessing: crop_padding needs a square size")
+
+
+def _check_resize(p: dict[str, Any], height: int, width: int) -> None:
+    """Raises ValueError naming the first resize parameter (resize_shorter, resize, antialias,
+    grid) that is not valid."""
+    crop = p.get("crop", "none")
     shorter = p.get("resize_shorter")
     if shorter is not None:
         if isinstance(shorter, bool) or not isinstance(shorter, int | np.integer):
@@ -199,6 +212,11 @@ def _check_image_params(p: dict[str, Any]) -> None:
         raise ValueError(f"image preprocessing: grid must be one of {GRIDS}, got {grid!r}")
     if grid != "half_pixel" and p.get("resize", "bilinear") == "area":
         raise ValueError("image preprocessing: resize='area' has no grid other than half_pixel")
+
+
+def _check_output(p: dict[str, Any]) -> None:
+    """Raises ValueError naming the first output parameter (channels, dtype, the scaling) that is
+    not valid."""
     if p.get("channels", "rgb") not in CHANNELS:
         raise ValueError(
             f"image preprocessing: channels must be one of {CHANNELS}, got {p.get('channels')!r}"

@@ -56,7 +56,16 @@ import estimax as ex
 from estimax import export, ops
 from estimax.data import imagenet, preprocessing
 from estimax.models import efficientnet
-from estimax.programs import classifier, cli, common, flagspec, resnet, schedules
+from estimax.programs import (
+    classifier,
+    cli,
+    common,
+    flagspec,
+    inputs,
+    resnet,
+    schedules,
+    shared_flags,
+)
 from estimax.programs.family import Family
 
 # What the result line shows: "Eval results at step N: top_1_accuracy = ... on N images".
@@ -135,7 +144,7 @@ FROM_RESNET = flagspec.with_defaults(
         "label_smoothing": _C.label_smoothing,
     },
 )
-# main.py's own flags (the shared ones are common.TPU_FLAGS, common.run_flags and FROM_RESNET).
+# main.py's own flags (the shared ones are in shared_flags, and FROM_RESNET).
 EFFICIENTNET_FLAGS = (
     flagspec.Str(
         "model_name",
@@ -210,11 +219,11 @@ EFFICIENTNET_FLAGS = (
 
 def define_flags(fv: flags.FlagValues) -> None:
     """Defines the original EfficientNet main.py's flags (2019-06 names and defaults) on ``fv``."""
-    common.define_tpu_flags(fv, master=False)
+    shared_flags.define_tpu_flags(fv, master=False)
     flagspec.define(
         fv,
-        common.run_flags(
-            data_dir_default=common.FAKE_DATA_DIR,
+        shared_flags.run_flags(
+            data_dir_default=inputs.FAKE_DATA_DIR,
             steps_per_eval_flag="steps_per_eval",
             precision_default=_C.precision,
             data_dir_help=(
@@ -356,7 +365,7 @@ def serving_preprocessing(fv: flags.FlagValues) -> export.Preprocessing:
 def make_inputs(fv: flags.FlagValues) -> tuple[Any, str | None, list[str]]:
     """``(input_fn(is_training=...), data_dir, notes)`` of ``--data_dir`` (EfficientNet's
     preprocessing.py is ResNet's: see the module docstring)."""
-    return common.imagenet_inputs(fv, image_size(fv))
+    return inputs.imagenet_inputs(fv, image_size(fv))
 
 
 def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:

@@ -2,7 +2,7 @@
 
 The originals' command lines have 40-70 flags each; written as absl ``DEFINE_*`` calls they made
 200-line functions and three styles in three programs. Here each flag is one spec (name,
-default, help, type and bounds) in a tuple the program composes (``common.TPU_FLAGS``, its run
+default, help, type and bounds) in a tuple the program composes (``shared_flags.TPU_FLAGS``, its run
 flags, its own), and ``define`` turns them into absl flags: names, defaults, bounds and help are
 exactly what the ``DEFINE_*`` call would have made. A default of another family or variant is
 ``dataclasses.replace(spec, default=...)`` or ``with_defaults``.

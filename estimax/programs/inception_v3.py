@@ -48,8 +48,20 @@ from estimax import export, ops
 from estimax.data import imagenet
 from estimax.models import inception_v3 as inception_v3_model
 from estimax.models.inception_v3 import InceptionV3
-from estimax.programs import cli, common, flagspec, logs, schedules
+from estimax.programs import (
+    cli,
+    common,
+    configs,
+    exports,
+    flagspec,
+    logs,
+    schedules,
+    shared_flags,
+)
 from estimax.programs.family import Family
+from estimax.programs.inputs import check_data, shard_index_dir
+from estimax.programs.job import Job
+from estimax.programs.shared_flags import UNUSED_HELP
 
 # Constants of the original inception_v3.py / inception_v4.py.
 RMSPROP_DECAY = 0.9
@@ -157,12 +169,14 @@ INCEPTION_FLAGS = (
         lower=1,
     ),
     flagspec.Int(
-        "min_eval_interval", 180, f"{common.UNUSED_HELP} (defined but unused by the original too)."
+        "min_eval_interval",
+        180,
+        f"{UNUSED_HELP} (defined but unused by the original too).",
     ),
     flagspec.Bool(
         "per_host_input_for_training",
         True,
-        f"{common.UNUSED_HELP}: each host always feeds its own devices.",
+        f"{UNUSED_HELP}: each host always feeds its own devices.",
     ),
     flagspec.Enum(
         "use_data",
@@ -197,9 +211,9 @@ INCEPTION_FLAGS = (
     flagspec.Bool(
         "transpose_enabled",
         False,
-        f"{common.UNUSED_HELP}: it fed the TPU infeed in HWCN layout.",
+        f"{UNUSED_HELP}: it fed the TPU infeed in HWCN layout.",
     ),
-    flagspec.Bool("log_device_placement", False, f"{common.UNUSED_HELP} (a TF session option)."),
+    flagspec.Bool("log_device_placement", False, f"{UNUSED_HELP} (a TF session option)."),
     flagspec.Int("save_summary_steps", 100, "Write training summaries every N steps.", lower=1),
     flagspec.Int(
         "save_checkpoints_secs",
@@ -222,20 +236,22 @@ INCEPTION_FLAGS = (
     ),
     flagspec.Float("learning_rate_decay", 0.94, "Factor of the staircase learning-rate decay."),
     flagspec.Float("learning_rate_decay_epochs", 3, "Epochs between learning-rate decays."),
-    flagspec.Bool("display_tensors", False, f"{common.UNUSED_HELP} (a TPU debugging aid)."),
+    flagspec.Bool("display_tensors", False, f"{UNUSED_HELP} (a TPU debugging aid)."),
     flagspec.Bool(
         "clear_update_collections",
         True,
-        f"{common.UNUSED_HELP}: batch-norm statistics always update in the training step.",
+        f"{UNUSED_HELP}: batch-norm statistics always update in the training step.",
     ),
-    flagspec.Bool("prefetch_enabled", True, f"{common.UNUSED_HELP}: the loader always prefetches."),
+    flagspec.Bool("prefetch_enabled", True, f"{UNUSED_HELP}: the loader always prefetches."),
     flagspec.Int(
         "prefetch_dataset_buffer_size",
         8 * 1024 * 1024,
-        f"{common.UNUSED_HELP} (a tf.data read buffer).",
+        f"{UNUSED_HELP} (a tf.data read buffer).",
     ),
     flagspec.Int(
-        "num_files_infeed", 8, f"{common.UNUSED_HELP}: the loader reads every file of this host."
+        "num_files_infeed",
+        8,
+        f"{UNUSED_HELP}: the loader reads every file of this host.",
     ),
     flagspec.Int(
         "num_parallel_calls",
@@ -246,12 +262,12 @@ INCEPTION_FLAGS = (
     flagspec.Int(
         "initial_shuffle_buffer_size",
         1024,
-        f"{common.UNUSED_HELP}: the loader shuffles the whole epoch.",
+        f"{UNUSED_HELP}: the loader shuffles the whole epoch.",
     ),
     flagspec.Int(
         "followup_shuffle_buffer_size",
         1000,
-        f"{common.UNUSED_HELP}: the loader shuffles the whole epoch.",
+        f"{UNUSED_HELP}: the loader shuffles the whole epoch.",
     ),
 )
 _FLAG_BY_TYPE = {bool: flagspec.Bool, int: flagspec.Int, float: flagspec.Float}
@@ -259,10 +275,10 @@ _FLAG_BY_TYPE = {bool: flagspec.Bool, int: flagspec.Int, float: flagspec.Float}
 
 def define_flags(fv: flags.FlagValues, variant: Variant = V3) -> None:
     """Defines the original inception_v3.py / inception_v4.py flags on ``fv``."""
-    common.define_tpu_flags(fv)
+    shared_flags.define_tpu_flags(fv)
     flagspec.define(
         fv,
-        common.run_flags(
+        shared_flags.run_flags(
             data_dir_default="",
             steps_per_eval_flag="train_steps_per_eval",
             precision_default="float32",
@@ -399,7 +415,7 @@ def make_inputs(fv: flags.FlagValues) -> tuple[Any, str | None, list[str]]:
     """``(input_fn(is_training=...), data_dir, notes)`` of ``--data_dir`` / ``--use_data``."""
     # The original's default --data_dir is '': "not set" unless given (an unset $DATA_DIR).
     given = fv.data_dir if fv["data_dir"].present or fv.data_dir else None
-    data_dir, fake_kind, notes = common.check_data(
+    data_dir, fake_kind, notes = check_data(
         given,
         fv.mode,
         use_fake=fv.use_data == "fake",
@@ -418,7 +434,7 @@ def make_inputs(fv: flags.FlagValues) -> tuple[Any, str | None, list[str]]:
         # Files hold labels 1..num_classes-1 (class 0 is the background logit).
         num_classes=fv.num_classes - 1,
         use_annotated_bbox=fv.use_annotated_bbox,
-        index_dir=common.shard_index_dir(fv.model_dir),
+        index_dir=shard_index_dir(fv.model_dir),
     )
     return inputs, data_dir, notes
 
@@ -430,10 +446,10 @@ def eval_size(fv: flags.FlagValues) -> int:
 
 def run_config(fv: flags.FlagValues) -> ex.RunConfig:
     """The ``RunConfig`` of the original's flags."""
-    return common.run_config(
+    return configs.run_config(
         fv,
         "iterations",
-        num_shards=common.resolve_num_shards(
+        num_shards=shared_flags.resolve_num_shards(
             fv.num_shards, "num_shards", compile_only=bool(fv.compile_for)
         ),
         save_checkpoints_secs=fv.save_checkpoints_secs,
@@ -446,18 +462,18 @@ def run_config(fv: flags.FlagValues) -> ex.RunConfig:
 def run_from_flags(fv: flags.FlagValues, variant: Variant = V3) -> dict[str, Any] | None:
     """Flags -> config -> Estimator -> the mode loop. Returns the last eval results, if any."""
     logs.setup()
-    common.log_unused_tpu_flags(fv)
-    common.check_locations(fv)
+    shared_flags.log_unused_tpu_flags(fv)
+    shared_flags.check_locations(fv)
     check_flags(fv)
     inputs, data_dir, notes = make_inputs(fv)
-    loop = common.LoopConfig.from_flags(
+    loop = configs.LoopConfig.from_flags(
         fv,
         steps_per_eval=fv.train_steps_per_eval,
         eval_examples=eval_size(fv),
         train_examples=imagenet.NUM_TRAIN_IMAGES,
     )
     return common.run(
-        common.Job.for_family(
+        Job.for_family(
             family(variant),
             fv,
             config_from_flags(fv, variant),
@@ -467,7 +483,7 @@ def run_from_flags(fv: flags.FlagValues, variant: Variant = V3) -> dict[str, Any
             input_fn=inputs,
             batch_sizes=(fv.train_batch_size, fv.eval_batch_size),
             # Class id = the file's label (id 0 is the background logit).
-            **common.image_export(data_dir, 0, fv.num_classes, fv.precision),
+            **exports.image_export(data_dir, 0, fv.num_classes, fv.precision),
         )
     )
 

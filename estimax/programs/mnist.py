@@ -26,8 +26,9 @@ import estimax as ex
 from estimax import ops
 from estimax.data import example, tfrecord
 from estimax.models.mnist import MnistCNN
-from estimax.programs import cli, common, flagspec, logs, schedules
+from estimax.programs import cli, common, configs, flagspec, logs, schedules, shared_flags
 from estimax.programs.family import Family
+from estimax.programs.job import Job
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +111,7 @@ MNIST_FLAGS = (
 
 def define_flags(fv: flags.FlagValues) -> None:
     """Defines the original mnist_tpu.py flags (same names and defaults) on ``fv``."""
-    common.define_tpu_flags(fv)
+    shared_flags.define_tpu_flags(fv)
     flagspec.define(fv, MNIST_FLAGS)
 
 
@@ -241,18 +242,18 @@ def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
     if jax.default_backend() == "cpu":
         # Reuse large host buffers instead of mapping fresh pages each step (process-wide).
         ops.tune_cpu_allocator()
-    common.log_unused_tpu_flags(fv)
-    common.check_locations(fv)
+    shared_flags.log_unused_tpu_flags(fv)
+    shared_flags.check_locations(fv)
     files = data_files(fv)
     cfg = config_from_flags(fv)
-    config = common.run_config(
+    config = configs.run_config(
         fv,
         "iterations",
         num_shards=fv.num_shards,
         save_checkpoints_steps=fv.save_checkpoints_steps,
     )
     # Train to --train_steps, then one evaluation of --eval_steps batches (0: none).
-    loop = common.LoopConfig(
+    loop = configs.LoopConfig(
         mode="train_and_eval" if fv.eval_steps else "train",
         train_steps=fv.train_steps,
         steps_per_eval=fv.train_steps,
@@ -260,7 +261,7 @@ def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
         export_dir=fv.export_dir,
     )
     return common.run(
-        common.Job.for_family(
+        Job.for_family(
             FAMILY,
             fv,
             cfg,

@@ -32,8 +32,21 @@ from estimax import export, ops
 from estimax.data import bigtable, imagenet
 from estimax.models import resnet as resnet_model
 from estimax.models.resnet import RESNET_DEPTHS, resnet_v1
-from estimax.programs import classifier, cli, common, flagspec, logs, schedules
+from estimax.programs import (
+    classifier,
+    cli,
+    common,
+    configs,
+    exports,
+    flagspec,
+    logs,
+    schedules,
+    shared_flags,
+)
 from estimax.programs.family import Family
+from estimax.programs.inputs import FAKE_DATA_DIR, check_data, shard_index_dir
+from estimax.programs.job import Job
+from estimax.programs.shared_flags import UNUSED_HELP
 
 # What the result line shows: "Eval results at step N: top_1_accuracy = ... on N images".
 METRICS = (("top_1_accuracy", "top_5_accuracy"), "images")
@@ -61,7 +74,7 @@ class ResNetConfig:
 
 
 _C = ResNetConfig
-# resnet_main.py's own flags (the shared ones are common.TPU_FLAGS and common.run_flags).
+# resnet_main.py's own flags (the shared ones are in shared_flags).
 RESNET_FLAGS = (
     flagspec.Int(
         "resnet_depth",
@@ -122,17 +135,17 @@ RESNET_FLAGS = (
     flagspec.Str(
         "data_format",
         "channels_last",
-        f"{common.UNUSED_HELP}: the models are NHWC and XLA picks device layouts itself.",
+        f"{UNUSED_HELP}: the models are NHWC and XLA picks device layouts itself.",
     ),
     flagspec.Bool(
         "transpose_input",
         True,
-        f"{common.UNUSED_HELP}: it fed the TPU infeed in HWCN layout.",
+        f"{UNUSED_HELP}: it fed the TPU infeed in HWCN layout.",
     ),
     flagspec.Bool(
         "export_to_tpu",
         False,
-        f"{common.UNUSED_HELP}: every export is lowered for cpu, cuda and tpu.",
+        f"{UNUSED_HELP}: every export is lowered for cpu, cuda and tpu.",
     ),
     flagspec.Float(
         "base_learning_rate",
@@ -167,7 +180,7 @@ RESNET_FLAGS = (
     flagspec.Bool(
         "use_cache",
         True,
-        f"{common.UNUSED_HELP}: the loader re-reads the files "
+        f"{UNUSED_HELP}: the loader re-reads the files "
         "each epoch; the OS page cache does what tf.data's cache() did.",
     ),
     flagspec.Bool(
@@ -194,11 +207,11 @@ RESNET_FLAGS = (
 
 def define_flags(fv: flags.FlagValues) -> None:
     """Defines resnet_main.py's flags (2018-12 names and defaults) on ``fv``."""
-    common.define_tpu_flags(fv)
+    shared_flags.define_tpu_flags(fv)
     flagspec.define(
         fv,
-        common.run_flags(
-            data_dir_default=common.FAKE_DATA_DIR,
+        shared_flags.run_flags(
+            data_dir_default=FAKE_DATA_DIR,
             steps_per_eval_flag="steps_per_eval",
             precision_default=_C.precision,
             data_dir_help=(
@@ -328,7 +341,7 @@ def make_inputs(fv: flags.FlagValues) -> tuple[Any, str | None, list[str]]:
         fake_eval_examples=fv.num_eval_images,
         num_classes=fv.num_label_classes,
         skip_bad_records=fv.skip_bad_records,
-        index_dir=common.shard_index_dir(fv.model_dir),
+        index_dir=shard_index_dir(fv.model_dir),
     )
     cli.check_given(fv, tuple(name for name, _, _ in BIGTABLE_FLAGS))
     if fv.bigtable_instance:
@@ -337,27 +350,25 @@ def make_inputs(fv: flags.FlagValues) -> tuple[Any, str | None, list[str]]:
             "--data_dir is not used"
         )
         return functools.partial(inputs, None, bigtable=bigtable_table(fv)), None, []
-    data_dir, fake_kind, notes = common.check_data(
-        fv.data_dir, fv.mode, compile_only=bool(fv.compile_for)
-    )
+    data_dir, fake_kind, notes = check_data(fv.data_dir, fv.mode, compile_only=bool(fv.compile_for))
     return functools.partial(inputs, data_dir, fake_data=fake_kind), data_dir, notes
 
 
 def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
     """Flags -> config -> Estimator -> the mode loop. Returns the last eval results, if any."""
     logs.setup()
-    common.log_unused_tpu_flags(fv)
-    common.check_locations(fv)
+    shared_flags.log_unused_tpu_flags(fv)
+    shared_flags.check_locations(fv)
     check_flags(fv)
     inputs, data_dir, notes = make_inputs(fv)
-    config, loop = common.resnet_style_configs(
+    config, loop = configs.resnet_style_configs(
         fv,
-        num_shards=common.resolve_num_shards(
+        num_shards=shared_flags.resolve_num_shards(
             fv.num_cores, "num_cores", compile_only=bool(fv.compile_for)
         ),
     )
     return common.run(
-        common.Job.for_family(
+        Job.for_family(
             FAMILY,
             fv,
             config_from_flags(fv),
@@ -367,7 +378,7 @@ def run_from_flags(fv: flags.FlagValues) -> dict[str, Any] | None:
             input_fn=inputs,
             batch_sizes=(fv.train_batch_size, fv.eval_batch_size),
             # The input hands the model the file's label - 1.
-            **common.image_export(data_dir, 1, fv.num_label_classes, fv.precision),
+            **exports.image_export(data_dir, 1, fv.num_label_classes, fv.precision),
         )
     )
 

@@ -63,7 +63,16 @@ import estimax as ex
 from estimax import export
 from estimax.data import augment, imagenet, preprocessing
 from estimax.models import vit
-from estimax.programs import classifier, cli, common, flagspec, resnet, schedules
+from estimax.programs import (
+    classifier,
+    cli,
+    common,
+    flagspec,
+    inputs,
+    resnet,
+    schedules,
+    shared_flags,
+)
 from estimax.programs.family import Family
 
 METRICS = (("top_1_accuracy", "top_5_accuracy"), "images")
@@ -252,10 +261,10 @@ VIT_FLAGS = (
 
 def define_flags(fv: flags.FlagValues) -> None:
     """Defines the ViT program's flags on ``fv``."""
-    common.define_tpu_flags(fv, master=False)
+    shared_flags.define_tpu_flags(fv, master=False)
     flagspec.define(
         fv,
-        common.run_flags(
+        shared_flags.run_flags(
             data_dir_default="fake",
             steps_per_eval_flag="steps_per_eval",
             precision_default=_C.precision,
@@ -491,7 +500,7 @@ def make_inputs(fv: flags.FlagValues) -> tuple[Any, str | None, list[str]]:
     """``(input_fn(is_training=...), data_dir, notes)`` of ``--data_dir``: ResNet's random crop
     and flip (big_vision's decode_jpeg_and_inception_crop|flip_lr, with the original's area
     range 0.08..1), then RandAugment on the uint8 crop and mixup on the batch."""
-    return common.imagenet_inputs(
+    return inputs.imagenet_inputs(
         fv, image_size(fv), augment=augmentation(fv), mixup_alpha=fv.mixup_alpha
     )
 

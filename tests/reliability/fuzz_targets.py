@@ -321,16 +321,16 @@ def _target_cluster_spec(data: bytes) -> None:
 def _target_manifest(data: bytes) -> None:
     """``data`` is a converter's ``manifest.json``: names for the model's classes, None (a
     warning), or before training one UsageError line; never a list sized by a label."""
-    from estimax.programs import common
+    from estimax.programs import cli, exports
 
     os.makedirs(os.path.join(_SCRATCH, "data"), exist_ok=True)
     _scratch_file(data, "data/manifest.json")
     for offset in (0, 1):
-        names = common.manifest_class_names(os.path.join(_SCRATCH, "data"), offset, 10)
+        names = exports.manifest_class_names(os.path.join(_SCRATCH, "data"), offset, 10)
         assert names is None or len(names) == 10, names
         try:
-            common.manifest_class_names(os.path.join(_SCRATCH, "data"), offset, 10, strict=True)
-        except common.UsageError as e:
+            exports.manifest_class_names(os.path.join(_SCRATCH, "data"), offset, 10, strict=True)
+        except cli.UsageError as e:
             assert "\n" not in str(e) and len(str(e)) < 500, str(e)
 
 

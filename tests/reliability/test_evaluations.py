@@ -17,7 +17,7 @@ import pytest
 
 import estimax as ex
 from estimax.estimator import summaries
-from estimax.programs import common
+from estimax.programs import configs, modes
 
 try:
     from . import ckpt_fixtures as fx
@@ -126,12 +126,12 @@ def test_evaluation_cut_off_by_a_kill_is_redone_once(tmp_path, kill_at):
 def test_eval_mode_redoes_an_unrecorded_evaluation_and_skips_a_recorded_one(tmp_path, caplog):
     model_dir = str(tmp_path)
     fx.train(model_dir, 4)
-    loop = common.LoopConfig(mode="eval", train_steps=4, steps_per_eval=2, eval_timeout=0)
+    loop = configs.LoopConfig(mode="eval", train_steps=4, steps_per_eval=2, eval_timeout=0)
 
     def run_eval_mode() -> dict:
         est = fx.estimator(model_dir)
         try:
-            return common.evaluate_checkpoints(est, fx.eval_input_fn(), loop)
+            return modes.evaluate_checkpoints(est, fx.eval_input_fn(), loop)
         finally:
             est.close()
 

@@ -13,7 +13,7 @@ from absl import flags
 
 import estimax as ex
 from estimax.estimator import steps
-from estimax.programs import common
+from estimax.programs import shared_flags
 
 try:
     from . import ckpt_fixtures as fx
@@ -105,7 +105,7 @@ def test_skip_nonfinite_steps_trains_through_and_counts_them(tmp_path, caplog):
 
 def test_skip_nonfinite_steps_flag():
     fv = flags.FlagValues()
-    common.define_run_flags(
+    shared_flags.define_run_flags(
         fv,
         data_dir_default=None,
         data_dir_help="d",
