@@ -22,7 +22,7 @@ from __future__ import annotations
 import jax
 from absl import flags, logging
 
-from estimax.estimator import compile as compile_lib
+from estimax.compile import compile as compile_lib
 from estimax.models.layers import REMAT_CHOICES
 from estimax.programs import cli, flagspec
 from estimax.programs.cli import UsageError
