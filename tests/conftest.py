@@ -257,3 +257,26 @@ def object_store(request, monkeypatch):
     point_clients_at(monkeypatch, request.param, server.url)
     yield f"{request.param}://{bucket}", server
     clear_storage_clients()
+
+
+# ----------------------------------------------------- speed-b: serving and reliability set-up
+# Exports many test modules need alike, made once per test process and copied per use.
+
+
+@pytest.fixture(scope="session")
+def dense_export(tmp_path_factory):
+    """``dense_export(root)``: ``serving_fixtures.export_dense(root)``'s model base path (version
+    1 of the small raw-image model, with its stored check), exported once for the session and
+    copied under ``root`` for each use (the copy is the caller's to change)."""
+    import shutil
+
+    import serving_fixtures
+
+    source = serving_fixtures.export_dense(str(tmp_path_factory.mktemp("dense_export")))
+
+    def copy(root: str) -> str:
+        base = os.path.join(root, "serving")
+        shutil.copytree(source, base)
+        return base
+
+    return copy

@@ -80,9 +80,9 @@ def _export_array_model(root: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(dense_export):
     root = tempfile.mkdtemp()
-    img = fx.export_dense(os.path.join(root, "img"))
+    img = dense_export(os.path.join(root, "img"))
     arr = _export_array_model(root)
     config = os.path.join(root, "models.config")
     with open(config, "w") as f:

@@ -52,9 +52,9 @@ MAX_BODY = 200_000
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(tmp_path_factory, dense_export):
     root = tmp_path_factory.mktemp("protocols")
-    base = fx.export_dense(str(root))
+    base = dense_export(str(root))
     grpc_port = fx.free_port()
     args = [
         f"--model_base_path={base}",

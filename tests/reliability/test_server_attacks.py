@@ -49,12 +49,12 @@ SLACK_S = 10.0
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(tmp_path_factory, dense_export):
     """The server, under short limits and ``ulimit -n 256``, warmed up; its RSS then."""
     root = tmp_path_factory.mktemp("server_attacks")
     grpc_port = fx.free_port()
     args = fx.serve_flags(
-        fx.export_dense(str(root)),
+        dense_export(str(root)),
         NAME,
         grpc_port,
         f"--rest_api_header_timeout_in_ms={HEADER_S * 1000:.0f}",

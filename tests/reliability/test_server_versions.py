@@ -34,10 +34,10 @@ POLL = "--file_system_poll_wait_seconds=0.2"
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
+def exported(tmp_path_factory, dense_export):
     """Version 1 of the small raw-image model (with its stored check) and a few images."""
     root = tmp_path_factory.mktemp("server_versions")
-    base = fx.export_dense(str(root))
+    base = dense_export(str(root))
     images, _ = fx.make_jpegs(4, seed=11)
     return {"version": os.path.join(base, "1"), "images": images}
 
