@@ -49,73 +49,80 @@ __all__ = [
 ]
 
 
+_F = descriptor_pb2.FieldDescriptorProto
+
+
+def _field(
+    msg: descriptor_pb2.DescriptorProto,
+    name: str,
+    number: int,
+    ftype: int,
+    label: int = _F.LABEL_OPTIONAL,
+    type_name: str | None = None,
+    oneof: int | None = None,
+) -> descriptor_pb2.FieldDescriptorProto:
+    """Adds field ``name`` = ``number`` of type ``ftype`` to ``msg``."""
+    f = msg.field.add(name=name, number=number, type=ftype, label=label)
+    if type_name:
+        f.type_name = type_name
+    if oneof is not None:
+        f.oneof_index = oneof
+    return f
+
+
+def _map_message(
+    fd: descriptor_pb2.FileDescriptorProto, name: str, field_name: str, entry: str, value: str
+) -> None:
+    """Adds message ``name`` with one field ``field_name``: a map of strings to ``value``."""
+    msg = fd.message_type.add(name=name)
+    e = msg.nested_type.add(name=entry)
+    e.options.map_entry = True
+    _field(e, "key", 1, _F.TYPE_STRING)
+    _field(e, "value", 2, _F.TYPE_MESSAGE, type_name=value)
+    _field(
+        msg,
+        field_name,
+        1,
+        _F.TYPE_MESSAGE,
+        _F.LABEL_REPEATED,
+        type_name=f".tensorflow.{name}.{entry}",
+    )
+
+
 def _build_file() -> descriptor_pb2.FileDescriptorProto:
-    F = descriptor_pb2.FieldDescriptorProto
+    """TensorFlow's example.proto and feature.proto as one file descriptor."""
+    F = _F
     fd = descriptor_pb2.FileDescriptorProto(
         name="estimax/tensorflow_example.proto", package="tensorflow", syntax="proto3"
     )
-
-    def message(name: str) -> descriptor_pb2.DescriptorProto:
-        return fd.message_type.add(name=name)
-
-    def field(
-        msg: descriptor_pb2.DescriptorProto,
-        name: str,
-        number: int,
-        ftype: int,
-        label: int = F.LABEL_OPTIONAL,
-        type_name: str | None = None,
-        oneof: int | None = None,
-    ) -> descriptor_pb2.FieldDescriptorProto:
-        f = msg.field.add(name=name, number=number, type=ftype, label=label)
-        if type_name:
-            f.type_name = type_name
-        if oneof is not None:
-            f.oneof_index = oneof
-        return f
-
+    message, field = fd.message_type.add, _field
     for name, ftype in (
         ("BytesList", F.TYPE_BYTES),
         ("FloatList", F.TYPE_FLOAT),
         ("Int64List", F.TYPE_INT64),
     ):
-        f = field(message(name), "value", 1, ftype, F.LABEL_REPEATED)
+        f = field(message(name=name), "value", 1, ftype, F.LABEL_REPEATED)
         if ftype != F.TYPE_BYTES:
             f.options.packed = True  # proto3 default; explicit as in feature.proto
 
-    feature = message("Feature")
+    feature = message(name="Feature")
     feature.oneof_decl.add(name="kind")
     field(feature, "bytes_list", 1, F.TYPE_MESSAGE, type_name=".tensorflow.BytesList", oneof=0)
     field(feature, "float_list", 2, F.TYPE_MESSAGE, type_name=".tensorflow.FloatList", oneof=0)
     field(feature, "int64_list", 3, F.TYPE_MESSAGE, type_name=".tensorflow.Int64List", oneof=0)
 
-    def map_message(name: str, field_name: str, entry: str, value_type: str) -> None:
-        msg = message(name)
-        e = msg.nested_type.add(name=entry)
-        e.options.map_entry = True
-        field(e, "key", 1, F.TYPE_STRING)
-        field(e, "value", 2, F.TYPE_MESSAGE, type_name=value_type)
-        field(
-            msg,
-            field_name,
-            1,
-            F.TYPE_MESSAGE,
-            F.LABEL_REPEATED,
-            type_name=f".tensorflow.{name}.{entry}",
-        )
-
-    map_message("Features", "feature", "FeatureEntry", ".tensorflow.Feature")
+    _map_message(fd, "Features", "feature", "FeatureEntry", ".tensorflow.Feature")
     field(
-        message("FeatureList"),
+        message(name="FeatureList"),
         "feature",
         1,
         F.TYPE_MESSAGE,
         F.LABEL_REPEATED,
         type_name=".tensorflow.Feature",
     )
-    map_message("FeatureLists", "feature_list", "FeatureListEntry", ".tensorflow.FeatureList")
-    field(message("Example"), "features", 1, F.TYPE_MESSAGE, type_name=".tensorflow.Features")
-    seq = message("SequenceExample")
+    _map_message(fd, "FeatureLists", "feature_list", "FeatureListEntry", ".tensorflow.FeatureList")
+    field(message(name="Example"), "features", 1, F.TYPE_MESSAGE, type_name=".tensorflow.Features")
+    seq = message(name="SequenceExample")
     field(seq, "context", 1, F.TYPE_MESSAGE, type_name=".tensorflow.Features")
     field(seq, "feature_lists", 2, F.TYPE_MESSAGE, type_name=".tensorflow.FeatureLists")
     return fd
