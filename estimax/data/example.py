@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -296,6 +296,28 @@ class VarLenFeature:
     dtype: Any = "string"
 
 
+def _fixed_default(
+    name: str, spec: FixedLenFeature, dtype: str, shape: tuple[int, ...], present: Iterable[str]
+) -> Any:
+    """The flat values of a FixedLenFeature the example lacks: its ``default_value``.
+
+    Raises:
+      ValueError: it has no default (naming the features the example has, ``present``).
+    """
+    if spec.default_value is None:
+        raise ValueError(
+            f"tf.Example has no feature {name!r}, which the schema requires "
+            f"(FixedLenFeature without default_value); it has: "
+            f"{sorted(present)}"
+        )
+    default = spec.default_value
+    size = math.prod(shape)
+    if dtype == "bytes":
+        default = default.encode("utf-8") if isinstance(default, str) else default
+        return [default] * size if isinstance(default, bytes) else list(default)
+    return np.broadcast_to(np.asarray(default, dtype=dtype), shape).reshape(-1)
+
+
 def parse_example(
     serialized: bytes, schema: Mapping[str, FixedLenFeature | VarLenFeature]
 ) -> dict[str, Any]:
@@ -342,26 +364,13 @@ def parse_example(
                 f"got {type(spec).__name__}"
             )
         shape = tuple(spec.shape)
-        size = math.prod(shape)
-        if feature is not None:
-            if len(values) != size:
-                raise ValueError(
-                    f"feature {name!r} has {len(values)} values but the schema's "
-                    f"FixedLenFeature shape {shape} needs {size}"
-                )
-        elif spec.default_value is None:
+        if feature is None:
+            values = _fixed_default(name, spec, dtype, shape, fmap.keys())
+        elif len(values) != math.prod(shape):
             raise ValueError(
-                f"tf.Example has no feature {name!r}, which the schema requires "
-                f"(FixedLenFeature without default_value); it has: "
-                f"{sorted(fmap.keys())}"
+                f"feature {name!r} has {len(values)} values but the schema's "
+                f"FixedLenFeature shape {shape} needs {math.prod(shape)}"
             )
-        else:
-            default = spec.default_value
-            if dtype == "bytes":
-                default = default.encode("utf-8") if isinstance(default, str) else default
-                values = [default] * size if isinstance(default, bytes) else list(default)
-            else:
-                values = np.broadcast_to(np.asarray(default, dtype=dtype), shape).reshape(-1)
         if shape == ():  # the common case (image/encoded, image/class/label): no array
             out[name] = values[0] if dtype == "bytes" else _SCALAR[dtype](values[0])
         elif dtype == "bytes":
