@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -49,73 +49,80 @@ __all__ = [
 ]
 
 
+_F = descriptor_pb2.FieldDescriptorProto
+
+
+def _field(
+    msg: descriptor_pb2.DescriptorProto,
+    name: str,
+    number: int,
+    ftype: int,
+    label: int = _F.LABEL_OPTIONAL,
+    type_name: str | None = None,
+    oneof: int | None = None,
+) -> descriptor_pb2.FieldDescriptorProto:
+    """Adds field ``name`` = ``number`` of type ``ftype`` to ``msg``."""
+    f = msg.field.add(name=name, number=number, type=ftype, label=label)
+    if type_name:
+        f.type_name = type_name
+    if oneof is not None:
+        f.oneof_index = oneof
+    return f
+
+
+def _map_message(
+    fd: descriptor_pb2.FileDescriptorProto, name: str, field_name: str, entry: str, value: str
+) -> None:
+    """Adds message ``name`` with one field ``field_name``: a map of strings to ``value``."""
+    msg = fd.message_type.add(name=name)
+    e = msg.nested_type.add(name=entry)
+    e.options.map_entry = True
+    _field(e, "key", 1, _F.TYPE_STRING)
+    _field(e, "value", 2, _F.TYPE_MESSAGE, type_name=value)
+    _field(
+        msg,
+        field_name,
+        1,
+        _F.TYPE_MESSAGE,
+        _F.LABEL_REPEATED,
+        type_name=f".tensorflow.{name}.{entry}",
+    )
+
+
 def _build_file() -> descriptor_pb2.FileDescriptorProto:
-    F = descriptor_pb2.FieldDescriptorProto
+    """TensorFlow's example.proto and feature.proto as one file descriptor."""
+    F = _F
     fd = descriptor_pb2.FileDescriptorProto(
         name="estimax/tensorflow_example.proto", package="tensorflow", syntax="proto3"
     )
-
-    def message(name: str) -> descriptor_pb2.DescriptorProto:
-        return fd.message_type.add(name=name)
-
-    def field(
-        msg: descriptor_pb2.DescriptorProto,
-        name: str,
-        number: int,
-        ftype: int,
-        label: int = F.LABEL_OPTIONAL,
-        type_name: str | None = None,
-        oneof: int | None = None,
-    ) -> descriptor_pb2.FieldDescriptorProto:
-        f = msg.field.add(name=name, number=number, type=ftype, label=label)
-        if type_name:
-            f.type_name = type_name
-        if oneof is not None:
-            f.oneof_index = oneof
-        return f
-
+    message, field = fd.message_type.add, _field
     for name, ftype in (
         ("BytesList", F.TYPE_BYTES),
         ("FloatList", F.TYPE_FLOAT),
         ("Int64List", F.TYPE_INT64),
     ):
-        f = field(message(name), "value", 1, ftype, F.LABEL_REPEATED)
+        f = field(message(name=name), "value", 1, ftype, F.LABEL_REPEATED)
         if ftype != F.TYPE_BYTES:
             f.options.packed = True  # proto3 default; explicit as in feature.proto
 
-    feature = message("Feature")
+    feature = message(name="Feature")
     feature.oneof_decl.add(name="kind")
     field(feature, "bytes_list", 1, F.TYPE_MESSAGE, type_name=".tensorflow.BytesList", oneof=0)
     field(feature, "float_list", 2, F.TYPE_MESSAGE, type_name=".tensorflow.FloatList", oneof=0)
     field(feature, "int64_list", 3, F.TYPE_MESSAGE, type_name=".tensorflow.Int64List", oneof=0)
 
-    def map_message(name: str, field_name: str, entry: str, value_type: str) -> None:
-        msg = message(name)
-        e = msg.nested_type.add(name=entry)
-        e.options.map_entry = True
-        field(e, "key", 1, F.TYPE_STRING)
-        field(e, "value", 2, F.TYPE_MESSAGE, type_name=value_type)
-        field(
-            msg,
-            field_name,
-            1,
-            F.TYPE_MESSAGE,
-            F.LABEL_REPEATED,
-            type_name=f".tensorflow.{name}.{entry}",
-        )
-
-    map_message("Features", "feature", "FeatureEntry", ".tensorflow.Feature")
+    _map_message(fd, "Features", "feature", "FeatureEntry", ".tensorflow.Feature")
     field(
-        message("FeatureList"),
+        message(name="FeatureList"),
         "feature",
         1,
         F.TYPE_MESSAGE,
         F.LABEL_REPEATED,
         type_name=".tensorflow.Feature",
     )
-    map_message("FeatureLists", "feature_list", "FeatureListEntry", ".tensorflow.FeatureList")
-    field(message("Example"), "features", 1, F.TYPE_MESSAGE, type_name=".tensorflow.Features")
-    seq = message("SequenceExample")
+    _map_message(fd, "FeatureLists", "feature_list", "FeatureListEntry", ".tensorflow.FeatureList")
+    field(message(name="Example"), "features", 1, F.TYPE_MESSAGE, type_name=".tensorflow.Features")
+    seq = message(name="SequenceExample")
     field(seq, "context", 1, F.TYPE_MESSAGE, type_name=".tensorflow.Features")
     field(seq, "feature_lists", 2, F.TYPE_MESSAGE, type_name=".tensorflow.FeatureLists")
     return fd
@@ -289,6 +296,28 @@ class VarLenFeature:
     dtype: Any = "string"
 
 
+def _fixed_default(
+    name: str, spec: FixedLenFeature, dtype: str, shape: tuple[int, ...], present: Iterable[str]
+) -> Any:
+    """The flat values of a FixedLenFeature the example lacks: its ``default_value``.
+
+    Raises:
+      ValueError: it has no default (naming the features the example has, ``present``).
+    """
+    if spec.default_value is None:
+        raise ValueError(
+            f"tf.Example has no feature {name!r}, which the schema requires "
+            f"(FixedLenFeature without default_value); it has: "
+            f"{sorted(present)}"
+        )
+    default = spec.default_value
+    size = math.prod(shape)
+    if dtype == "bytes":
+        default = default.encode("utf-8") if isinstance(default, str) else default
+        return [default] * size if isinstance(default, bytes) else list(default)
+    return np.broadcast_to(np.asarray(default, dtype=dtype), shape).reshape(-1)
+
+
 def parse_example(
     serialized: bytes, schema: Mapping[str, FixedLenFeature | VarLenFeature]
 ) -> dict[str, Any]:
@@ -335,26 +364,13 @@ def parse_example(
                 f"got {type(spec).__name__}"
             )
         shape = tuple(spec.shape)
-        size = math.prod(shape)
-        if feature is not None:
-            if len(values) != size:
-                raise ValueError(
-                    f"feature {name!r} has {len(values)} values but the schema's "
-                    f"FixedLenFeature shape {shape} needs {size}"
-                )
-        elif spec.default_value is None:
+        if feature is None:
+            values = _fixed_default(name, spec, dtype, shape, fmap.keys())
+        elif len(values) != math.prod(shape):
             raise ValueError(
-                f"tf.Example has no feature {name!r}, which the schema requires "
-                f"(FixedLenFeature without default_value); it has: "
-                f"{sorted(fmap.keys())}"
+                f"feature {name!r} has {len(values)} values but the schema's "
+                f"FixedLenFeature shape {shape} needs {math.prod(shape)}"
             )
-        else:
-            default = spec.default_value
-            if dtype == "bytes":
-                default = default.encode("utf-8") if isinstance(default, str) else default
-                values = [default] * size if isinstance(default, bytes) else list(default)
-            else:
-                values = np.broadcast_to(np.asarray(default, dtype=dtype), shape).reshape(-1)
         if shape == ():  # the common case (image/encoded, image/class/label): no array
             out[name] = values[0] if dtype == "bytes" else _SCALAR[dtype](values[0])
         elif dtype == "bytes":

@@ -313,14 +313,7 @@ def plan(
       kind; the caller raises them.
     """
     names = set(checkpoint)
-    to_model = renamer(rename)
-    renamed: dict[str, str] = {}
-    clashes = []
-    for name in sorted(names):
-        theirs = to_model(name)
-        if theirs in renamed:
-            clashes.append(f"{renamed[theirs]} and {name} -> {theirs}")
-        renamed.setdefault(theirs, name)
+    renamed, clashes = _renamed(names, rename)
     pairs = assignment_pairs(assignment_map)
     prev = dict(prev_names or {})
     registered = registered or {}
@@ -333,44 +326,89 @@ def plan(
     mixed = [f"{c!r}: {m!r}" for c, m in others if c.endswith("/") != m.endswith("/")]
     lone = [f"{c!r}: {m!r}" for c, m in others if not c.endswith("/") and not m.endswith("/")]
 
-    def lookup(name: str, derived: bool) -> str | None:
-        # A derived name is in the model's convention (renamed first); a given one is the
-        # checkpoint's own.
-        order = (renamed.get(name), name if name in names else None)
-        found = order if derived else order[::-1]
-        return next((n for n in found if n is not None), None)
-
     planned = []
     for var in variables.values():
-        name = var.name
-        if name in prev:
-            planned.append(Planned(var, prev[name], lookup(prev[name], False), explicit=True))
-            continue
-        if name in exact:
-            planned.append(Planned(var, exact[name], lookup(exact[name], False), explicit=True))
-            continue
-        best: tuple[int, str] | None = None
-        for ckpt, current in scopes:
-            full = _scope_name(ckpt, current, name)
-            if full is None:
-                continue
-            covered[(ckpt, current)] += 1
-            if best is None or len(current) > best[0]:  # the innermost scope wins
-                best = (len(current), full)
-        if best is not None:
-            planned.append(Planned(var, best[1], lookup(best[1], True), explicit=True))
-        elif only_mapped:
-            planned.append(Planned(var, None, None))
-        elif name in registered:
-            tf_name, reshape = registered[name]
-            planned.append(Planned(var, tf_name, lookup(tf_name, False), reshape=reshape))
-        else:
-            planned.append(Planned(var, name, lookup(name, True)))
+        # A derived name is in the model's convention (renamed first); a given one is the
+        # checkpoint's own.
+        wanted, derived, explicit, reshape = _wanted(
+            var.name, prev, exact, scopes, covered, only_mapped, registered
+        )
+        order = (
+            (renamed.get(wanted), wanted if wanted in names else None) if wanted is not None else ()
+        )
+        found = next((n for n in (order if derived else order[::-1]) if n is not None), None)
+        planned.append(Planned(var, wanted, found, explicit=explicit, reshape=reshape))
 
-    problems = []
     nothing = [f"var_name_to_prev_var_name {n!r}" for n in sorted(prev) if n not in variables]
     nothing += [f"assignment_map {item}" for item in lone]
     nothing += [f"assignment_map {c!r}: {m!r}" for (c, m), n in covered.items() if n == 0]
+    return planned, _problems(nothing, mixed, clashes, purpose)
+
+
+def _wanted(
+    name: str,
+    prev: dict[str, str],
+    exact: dict[str, str],
+    scopes: list[tuple[str, str]],
+    covered: dict[tuple[str, str], int],
+    only_mapped: bool,
+    registered: Mapping[str, tuple[str, bool]],
+) -> tuple[str | None, bool, bool, bool]:
+    """``(wanted, derived, explicit, reshape)`` of model variable ``name``: the checkpoint name
+    looked for (the module docstring's order: prev_names, an exact map entry, the innermost
+    mapped scope, nothing with ``only_mapped``, a registered network's name, the name itself),
+    whether it is derived (in the model's convention) rather than given, ``Planned.explicit``
+    and ``Planned.reshape``."""
+    if name in prev:
+        return prev[name], False, True, False
+    if name in exact:
+        return exact[name], False, True, False
+    scoped = _innermost_scope(scopes, name, covered)
+    if scoped is not None:
+        return scoped, True, True, False
+    if only_mapped:
+        return None, True, False, False
+    if name in registered:
+        tf_name, reshape = registered[name]
+        return tf_name, False, False, reshape
+    return name, True, False, False
+
+
+def _renamed(names: set[str], rename: Rename | None) -> tuple[dict[str, str], list[str]]:
+    """``{name in the model's convention: checkpoint name}`` under ``rename`` (the first in
+    sorted order kept), and a line for each checkpoint name that renames onto a kept one."""
+    to_model = renamer(rename)
+    renamed: dict[str, str] = {}
+    clashes = []
+    for name in sorted(names):
+        theirs = to_model(name)
+        if theirs in renamed:
+            clashes.append(f"{renamed[theirs]} and {name} -> {theirs}")
+        renamed.setdefault(theirs, name)
+    return renamed, clashes
+
+
+def _innermost_scope(
+    scopes: list[tuple[str, str]], name: str, covered: dict[tuple[str, str], int]
+) -> str | None:
+    """The checkpoint name of model variable ``name`` under the innermost of ``scopes`` (pairs
+    of checkpoint scope, model scope) that holds it; None if none does. Counts in ``covered``
+    each scope that holds it (a scope that holds nothing is a problem)."""
+    best: tuple[int, str] | None = None
+    for ckpt, current in scopes:
+        full = _scope_name(ckpt, current, name)
+        if full is None:
+            continue
+        covered[(ckpt, current)] += 1
+        if best is None or len(current) > best[0]:  # the innermost scope wins
+            best = (len(current), full)
+    return None if best is None else best[1]
+
+
+def _problems(nothing: list[str], mixed: list[str], clashes: list[str], purpose: str) -> list[str]:
+    """``plan``'s problem lines, one per kind: map entries that match no variable, scopes
+    mapped to variables (or back), and checkpoint names ``rename`` merges."""
+    problems = []
     if nothing:
         problems.append(f"matches no variable {purpose}: {', '.join(nothing)}")
     if mixed:
@@ -380,7 +418,7 @@ def plan(
         )
     if clashes:
         problems.append(f"rename gives two checkpoint variables one name: {', '.join(clashes)}")
-    return planned, problems
+    return problems
 
 
 def registered_names(

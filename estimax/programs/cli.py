@@ -39,6 +39,8 @@ from typing import Any
 import fsspec
 from absl import app, flags, logging
 
+from estimax.programs import flagspec
+
 ENV_PREFIX = "ESTIMAX_"
 # Job runners' variables (the Paperspace Gradient README's $TPU_MODEL_DIR, $TPU_GRPC_URL, and the
 # Cloud TPU tools' $TPU_NAME), as the flag each stands for.
@@ -54,67 +56,60 @@ class UsageError(ValueError):
 PER_PROCESS_FLAGS = ("process_id",)
 
 
-def define_cluster_flags(fv: flags.FlagValues) -> None:
-    """Defines the many-hosts flags (``jax.distributed``) and the hang watchdog's on ``fv``."""
-    flags.DEFINE_string(
+# The many-hosts flags (jax.distributed) and the hang watchdog's, which every program has.
+CLUSTER_FLAGS = (
+    flagspec.Str(
         "coordinator_address",
         None,
         "Many hosts: HOST:PORT of process 0's coordination service, the same on every process "
         "(JAX's jax.distributed); 'auto' also lets JAX detect the cluster (Cloud TPU VM pods, "
         "SLURM, Open MPI 4, Kubernetes). Default: $CLUSTER_SPEC (Vertex AI) or $TF_CONFIG (Cloud "
         "ML Engine) if set, else $JAX_COORDINATOR_ADDRESS if set, else one process.",
-        flag_values=fv,
-    )
-    flags.DEFINE_float(
+    ),
+    flagspec.Float(
         "launch_timeout",
         300.0,
         "Many hosts: seconds for every process to reach the coordinator and agree on the job "
         "(kind, coordinator, process count, ids) before JAX joins them; a process that "
         "disagrees or never comes ends every process with one line.",
-        lower_bound=1.0,
-        flag_values=fv,
-    )
-    flags.DEFINE_integer(
+        lower=1.0,
+    ),
+    flagspec.Int(
         "num_processes",
         None,
         "Many hosts: how many processes the job has (one per host). Default: detected by JAX.",
-        lower_bound=1,
-        flag_values=fv,
-    )
-    flags.DEFINE_integer(
+        lower=1,
+    ),
+    flagspec.Int(
         "process_id",
         None,
         "Many hosts: this process's index, 0 .. num_processes - 1. Default: detected by JAX.",
-        lower_bound=0,
-        flag_values=fv,
-    )
-    flags.DEFINE_float(
+        lower=0,
+    ),
+    flagspec.Float(
         "watchdog_timeout",
         1800.0,
         "Seconds without a completed training step after which the process logs the stacks of "
         "all its threads and its last step and exits with status 75 (so a job runner restarts "
         "it from the last checkpoint); 0 disables the watchdog.",
-        lower_bound=0.0,
-        flag_values=fv,
-    )
-    flags.DEFINE_string(
+        lower=0.0,
+    ),
+    flagspec.Str(
         "profile_steps",
         None,
         "START,STOP: capture a jax.profiler trace of training steps START..STOP (with step "
         "markers) under --model_dir/plugins/profile/, where TensorBoard's profile plugin finds it.",
-        flag_values=fv,
-    )
-    flags.DEFINE_integer(
+    ),
+    flagspec.Int(
         "steps_per_device_call",
         1,
         "Training steps per device call: k > 1 runs k steps in one call on k stacked batches (a "
         "loop on the device, as TPUEstimator's iterations_per_loop did), for small models whose "
         "steps cost less than the host's dispatch; at most the steps per loop. 1: one call per "
         "step (XLA:CPU runs convolution gradients inside a device loop much slower).",
-        lower_bound=1,
-        flag_values=fv,
-    )
-    flags.DEFINE_integer(
+        lower=1,
+    ),
+    flagspec.Int(
         "gradient_accumulation_steps",
         1,
         "Split each replica's share of the train batch into this many micro-batches, run one "
@@ -123,9 +118,14 @@ def define_cluster_flags(fv: flags.FlagValues) -> None:
         "size stays the optimizer's batch, and steps, schedules and checkpoints count optimizer "
         "steps; it must divide the per-replica train batch. Batch-norm statistics are per "
         "micro-batch. 1: no accumulation.",
-        lower_bound=1,
-        flag_values=fv,
-    )
+        lower=1,
+    ),
+)
+
+
+def define_cluster_flags(fv: flags.FlagValues) -> None:
+    """Defines the many-hosts flags (``jax.distributed``) and the hang watchdog's on ``fv``."""
+    flagspec.define(fv, CLUSTER_FLAGS)
 
 
 def profile_steps(fv: flags.FlagValues) -> tuple[int, int] | None:

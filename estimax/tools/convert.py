@@ -373,6 +373,13 @@ def _add_tf_checkpoint(sub: Any) -> None:
         help="the program whose network the checkpoint holds: one with a TensorFlow original "
         "(resnet, inception_v3, inception_v4; another name lists the registered ones)",
     )
+    _add_own_model_arguments(p)
+    _add_loading_arguments(p)
+
+
+def _add_own_model_arguments(p: argparse.ArgumentParser) -> None:
+    """tf-checkpoint's arguments for a model_fn of the user's own and how its variables are found
+    in the checkpoint."""
     p.add_argument(
         "--model_fn",
         help="a model_fn of your own instead of --model: FILE.py:NAME or MODULE:NAME; its "
@@ -396,6 +403,11 @@ def _add_tf_checkpoint(sub: Any) -> None:
         help="checkpoint name parts -> the model's, as JSON or a JSON file: "
         '{"LayerNorm/gamma": "LayerNorm/scale", "LayerNorm/beta": "LayerNorm/bias"}',
     )
+
+
+def _add_loading_arguments(p: argparse.ArgumentParser) -> None:
+    """tf-checkpoint's arguments for what is loaded (optimizer slots, moving averages) and what
+    may be missing, of another shape or unmapped."""
     p.add_argument(
         "--optimizer_state",
         choices=("load", "fresh"),

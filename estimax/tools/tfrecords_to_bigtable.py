@@ -128,6 +128,39 @@ def _records(files: Sequence[str]) -> Iterable[bytes]:
         yield from tfrecord.read_records(path, verify_crc=True)
 
 
+def _split_files(data_dir: str, splits: Sequence[str]) -> dict[str, list[str]]:
+    """The TFRecord shards of each split (``train-*``, ``validation-*``) in ``data_dir``.
+
+    Raises:
+      FileNotFoundError: a split has none (naming ``--splits``).
+    """
+    files = {}
+    for split in splits:
+        try:
+            files[split] = tfrecord.list_files(imagenet.file_pattern(data_dir, split == "train"))
+        except FileNotFoundError as e:
+            raise FileNotFoundError(
+                f"no {split}-* TFRecord files in {data_dir} ({e}); pass "
+                "--splits to copy only some splits"
+            ) from e
+    return files
+
+
+def _log_written(path: str, split: str, rows: int, prefix: str, files: int, took: float) -> None:
+    """One line for a split copied: its rows, their keys, the files read and the rate."""
+    log.info(
+        "%s: wrote %d %s rows (%s%s..) from %d files in %.1f s (%.0f rows/s)",
+        path,
+        rows,
+        split,
+        prefix,
+        "0" * bt.INDEX_DIGITS,
+        files,
+        took,
+        rows / max(took, 1e-9),
+    )
+
+
 def tfrecords_to_bigtable(
     data_dir: str,
     project: str | None,
@@ -154,15 +187,7 @@ def tfrecords_to_bigtable(
     from google.api_core import exceptions as api
 
     prefixes = {"train": train_prefix, "validation": eval_prefix}
-    files = {}
-    for split in splits:
-        try:
-            files[split] = tfrecord.list_files(imagenet.file_pattern(data_dir, split == "train"))
-        except FileNotFoundError as e:
-            raise FileNotFoundError(
-                f"no {split}-* TFRecord files in {data_dir} ({e}); pass "
-                "--splits to copy only some splits"
-            ) from e
+    files = _split_files(data_dir, splits)
     ensure_table(project, instance, table, column_family)
     path = bt.table_path(project, instance, table)
     client = bt.data_client(project)
@@ -176,18 +201,7 @@ def tfrecords_to_bigtable(
             _clear_prefix(handle, project, instance, table, prefix, overwrite)
             start = time.perf_counter()
             n = copy_records(_records(split_files), handle, prefix, column_family, column_qualifier)
-            took = time.perf_counter() - start
-            log.info(
-                "%s: wrote %d %s rows (%s%s..) from %d files in %.1f s (%.0f rows/s)",
-                path,
-                n,
-                split,
-                prefix,
-                "0" * bt.INDEX_DIGITS,
-                len(split_files),
-                took,
-                n / max(took, 1e-9),
-            )
+            _log_written(path, split, n, prefix, len(split_files), time.perf_counter() - start)
             written[split] = n
     except api.GoogleAPIError as e:
         raise bt.explain(e, path, 60) from e

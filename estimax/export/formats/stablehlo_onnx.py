@@ -808,6 +808,43 @@ def _gather_as_slice(c: Converter, op: Any, dn: Any, xs: list[Any]) -> Any:
     return g.op("Squeeze", [out, np.asarray(collapsed, np.int64)]) if collapsed else out
 
 
+def _gather_indices(
+    g: Any,
+    indices: Any,
+    index_shape: list[Any],
+    ivd: int,
+    operand: Any,
+    operand_shape: list[Any],
+    starts: list[int],
+) -> Any:
+    """A gather's indices as GatherND takes them: ``[batch..., K]`` int64 (the index vector
+    last, ``ivd`` its axis), K = ``len(starts)``, clamped into ``[0, dim - 1]`` of the indexed
+    axes of ``operand`` (its shape read at run time where it is not known)."""
+    if _known(indices):
+        idx: Any = np.asarray(indices, np.int64)
+        idx = idx[..., None] if ivd == len(index_shape) else np.moveaxis(idx, ivd, -1)
+    else:
+        idx = g.int64(indices)
+        if ivd == len(index_shape):
+            idx = g.op("Unsqueeze", [idx, np.asarray([-1], np.int64)])
+        elif ivd != len(index_shape) - 1:
+            order = [a for a in range(len(index_shape)) if a != ivd] + [ivd]
+            idx = g.op("Transpose", [idx], perm=order)
+    dims = [operand_shape[d] for d in starts]
+    if None in dims:
+        shape = g.op("Shape", [operand])
+        high: Any = g.op(
+            "Sub", [g.op("Gather", [shape, np.asarray(starts, np.int64)]), np.int64(1)]
+        )
+    else:
+        high = np.asarray(dims, np.int64) - 1
+    if _known(idx, high):
+        idx = np.clip(idx, 0, high)
+    else:
+        idx = g.op("Min", [g.op("Max", [idx, np.zeros([1], np.int64)]), high])
+    return idx
+
+
 def _gather_points(c: Converter, op: Any, dn: Any, xs: list[Any]) -> Any:
     """A gather whose slices are one element along each indexed axis and whole along the others:
     GatherND on the operand with its indexed axes first; indices clamped into the operand as
@@ -836,30 +873,8 @@ def _gather_points(c: Converter, op: Any, dn: Any, xs: list[Any]) -> Any:
             if _known(operand)
             else g.op("Transpose", [operand], perm=perm)
         )
-    # Indices: [batch..., K] int64, K = len(starts), clamped into [0, dim - 1].
     ivd = int(dn.index_vector_dim)
-    if _known(indices):
-        idx: Any = np.asarray(indices, np.int64)
-        idx = idx[..., None] if ivd == len(index_shape) else np.moveaxis(idx, ivd, -1)
-    else:
-        idx = g.int64(indices)
-        if ivd == len(index_shape):
-            idx = g.op("Unsqueeze", [idx, np.asarray([-1], np.int64)])
-        elif ivd != len(index_shape) - 1:
-            order = [a for a in range(len(index_shape)) if a != ivd] + [ivd]
-            idx = g.op("Transpose", [idx], perm=order)
-    dims = [operand_shape[d] for d in starts]
-    if None in dims:
-        shape = g.op("Shape", [xs[0]])
-        high: Any = g.op(
-            "Sub", [g.op("Gather", [shape, np.asarray(starts, np.int64)]), np.int64(1)]
-        )
-    else:
-        high = np.asarray(dims, np.int64) - 1
-    if _known(idx, high):
-        idx = np.clip(idx, 0, high)
-    else:
-        idx = g.op("Min", [g.op("Max", [idx, np.zeros([1], np.int64)]), high])
+    idx = _gather_indices(g, indices, index_shape, ivd, xs[0], operand_shape, starts)
     if _known(operand, idx):
         out: Any = np.asarray(operand)[tuple(np.moveaxis(idx, -1, 0))]
     else:
