@@ -353,8 +353,8 @@ def test_lock_on_an_object_store_goes_stale_by_heartbeat():
 
 
 @pytest.mark.parametrize("program", ["resnet", "inception_v3", "efficientnet", "estimax-mnist"])
-def test_console_scripts_list_their_flags(tmp_path, program):
-    proc = run_program(program, "--help", cwd=tmp_path)
+def test_console_scripts_list_their_flags(program_help, program):
+    proc = program_help(program)  # one --help run per program, shared (conftest.py)
     assert "Traceback" not in proc.stderr  # (absl's --help exits with status 1)
     for name in ("--model_dir", "--data_dir", "--[no]skip_bad_records", "--export_dir"):
         assert name in proc.stdout, (program, name)

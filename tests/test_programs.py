@@ -214,13 +214,8 @@ def test_tpu_only_flags_are_accepted_and_explained_in_help(program):
 
 
 @pytest.mark.parametrize("program", sorted(PROGRAMS))
-def test_help_lists_and_explains_the_tpu_flags(program):
-    out = subprocess.run(
-        [sys.executable, "-m", f"estimax.programs.{program}", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    ).stdout
+def test_help_lists_and_explains_the_tpu_flags(program_help, program):
+    out = program_help(program).stdout  # one --help run per program, shared (conftest.py)
     for name in ("tpu", "master", "gcp_project", "tpu_zone", "use_tpu"):
         assert f"--{name}" in out or f"--[no]{name}" in out, name
     assert "Accepted for compatibility" in out
