@@ -280,3 +280,25 @@ def dense_export(tmp_path_factory):
         return base
 
     return copy
+
+
+# --------------------------------------------------------------- shared program runs
+# A program's command line that several tests read is run once per test session (per xdist
+# worker) and shared: one process per program's command line, not one per test.
+
+
+@pytest.fixture(scope="session")
+def program_help(tmp_path_factory):
+    """``program_help(program)``: the CompletedProcess of ``PROGRAM --help`` as a user runs it
+    (``test_cli.run_program``: its console script), run once per program and shared."""
+    from test_cli import run_program  # tests/ is on the path, as for the other helpers
+
+    cwd = tmp_path_factory.mktemp("program_help")
+    runs: dict[str, object] = {}
+
+    def get(program: str):
+        if program not in runs:
+            runs[program] = run_program(program, "--help", cwd=cwd)
+        return runs[program]
+
+    return get

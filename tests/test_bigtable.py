@@ -498,11 +498,14 @@ def test_resnet_command_line_missing_table_says_so_without_traceback(tmp_path):
     import subprocess
     import sys
 
+    # The program's own process and exit; the tests' tiny ResNet as its network
+    # (tests/tiny_resnet_shim.py): the missing table, not ResNet-18, is under test.
+    shim = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_resnet_shim.py")
     proc = subprocess.run(
         [
             sys.executable,
-            "-m",
-            "estimax.programs.resnet",
+            shim,
+            "resnet",
             f"--model_dir={tmp_path}",
             f"--bigtable_project={PROJECT}",
             f"--bigtable_instance={INSTANCE}",

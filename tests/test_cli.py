@@ -44,9 +44,18 @@ MODULES = {"resnet": resnet, "inception_v3": inception_v3, "estimax-mnist": mnis
 
 
 def run_program(
-    program: str, *args: str, cwd, env: dict[str, str] | None = None, timeout: int = 300
+    program: str,
+    *args: str,
+    cwd,
+    env: dict[str, str] | None = None,
+    timeout: int = 300,
+    tiny_resnet: bool = False,
 ) -> subprocess.CompletedProcess:
-    """Runs ``program`` as a user does: its console script, with this checkout first."""
+    """Runs ``program`` as a user does: its console script, with this checkout first.
+
+    ``tiny_resnet``: resnet with the tests' tiny ResNet as its network, whatever
+    --resnet_depth says (tests/tiny_resnet_shim.py), for a test of the command line, not of
+    the network."""
     base = {
         k: v
         for k, v in os.environ.items()
@@ -57,6 +66,9 @@ def run_program(
     script = shutil.which(program, path=os.path.dirname(sys.executable))
     module = {"estimax-mnist": "mnist"}.get(program, program)
     cmd = [script] if script else [sys.executable, "-m", f"estimax.programs.{module}"]
+    if tiny_resnet:
+        assert program == "resnet", program
+        cmd = [sys.executable, os.path.join(REPO, "tests", "tiny_resnet_shim.py"), "resnet"]
     return subprocess.run(
         [*cmd, *args],
         capture_output=True,
@@ -224,7 +236,7 @@ def test_user_mistakes_end_in_one_line(tmp_path, args, expected):
     assert last.startswith(expected)
 
 
-@pytest.mark.slow  # initialises a small ResNet before the warm start reads the path
+@pytest.mark.slow  # initialises a (tiny) ResNet before the warm start reads the path
 def test_a_warm_start_from_nowhere_ends_in_one_line(tmp_path):
     last = fatal_line(
         run_program(
@@ -237,6 +249,7 @@ def test_a_warm_start_from_nowhere_ends_in_one_line(tmp_path):
             "--train_steps=1",
             f"--warm_start_from={tmp_path / 'nowhere'}",
             cwd=tmp_path,
+            tiny_resnet=True,
         )
     )
     assert last.startswith(f"FATAL: --warm_start_from={tmp_path / 'nowhere'}: neither a TensorFlow")
@@ -344,8 +357,8 @@ def test_lock_on_an_object_store_goes_stale_by_heartbeat():
 
 
 @pytest.mark.parametrize("program", ["resnet", "inception_v3", "efficientnet", "estimax-mnist"])
-def test_console_scripts_list_their_flags(tmp_path, program):
-    proc = run_program(program, "--help", cwd=tmp_path)
+def test_console_scripts_list_their_flags(program_help, program):
+    proc = program_help(program)  # one --help run per program, shared (conftest.py)
     assert "Traceback" not in proc.stderr  # (absl's --help exits with status 1)
     for name in ("--model_dir", "--data_dir", "--[no]skip_bad_records", "--export_dir"):
         assert name in proc.stdout, (program, name)

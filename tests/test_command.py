@@ -16,9 +16,15 @@ from estimax.programs import families
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 
 
-def _estimax(*args, timeout=300):
+TINY_RESNET_SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_resnet_shim.py")
+
+
+def _estimax(*args, timeout=300, tiny_resnet=False):
+    """``python -m estimax ARGS``; ``tiny_resnet``: with the tests' tiny ResNet as the resnet
+    program's network (tests/tiny_resnet_shim.py)."""
+    command = [TINY_RESNET_SHIM, "estimax"] if tiny_resnet else ["-m", "estimax"]
     return subprocess.run(
-        [sys.executable, "-m", "estimax", *args],
+        [sys.executable, *command, *args],
         capture_output=True,
         text=True,
         env=ENV,
@@ -42,7 +48,8 @@ def test_train_without_a_known_family_is_one_line(args, message):
 
 def test_train_family_runs_the_program_as_its_own_script(tmp_path):
     # The seeds' `resnet` line through `estimax train --family=resnet` (fake data: no
-    # --data_dir): it trains, checkpoints, and records the program's name and flags.
+    # --data_dir): it trains, checkpoints, and records the program's name and flags. The
+    # network is the tests' tiny ResNet (the command, not ResNet-18, is under test here).
     model_dir = tmp_path / "model"
     proc = _estimax(
         "train",
@@ -55,6 +62,7 @@ def test_train_family_runs_the_program_as_its_own_script(tmp_path):
         "--train_steps=1",
         "--mode=train",
         timeout=600,
+        tiny_resnet=True,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     recorded = json.loads((model_dir / "flags.json").read_text())

@@ -35,6 +35,14 @@ TINY = [
 ]
 
 
+def _tiny_network(monkeypatch) -> None:
+    """The tests' tiny ResNet, whatever --resnet_depth says: the storage paths are under test
+    here, not the network (tests/test_models.py tests ResNet-18)."""
+    monkeypatch.setattr(
+        resnet, "resnet_v1", lambda depth, classes, **kw: ResNetTiny(num_classes=classes, **kw)
+    )
+
+
 def _resnet(argv: list[str]):
     fv = flags.FlagValues()
     resnet.define_flags(fv)
@@ -51,6 +59,7 @@ def _ls(path: str) -> list[str]:
 @pytest.mark.slow
 def test_convert_train_eval_export_resume_all_in_the_bucket(object_store, monkeypatch, capsys):
     monkeypatch.setenv("ESTIMAX_ONEDNN", "0")
+    _tiny_network(monkeypatch)
     root, _ = object_store
     data, model, export = f"{root}/data", f"{root}/model", f"{root}/export"
 
@@ -112,8 +121,11 @@ def _seed_001() -> str:
 
 
 def _run_program(program: str, argv: list[str], env: dict[str, str]) -> str:
+    """``program``'s command line in its own process; resnet with the tests' tiny ResNet as its
+    network (tests/tiny_resnet_shim.py), whatever --resnet_depth says."""
+    assert program == "resnet", program
     proc = subprocess.run(
-        [sys.executable, "-m", f"estimax.programs.{program}", *argv],
+        [sys.executable, os.path.join(ROOT, "tests", "tiny_resnet_shim.py"), program, *argv],
         check=False,
         env=env,
         cwd=ROOT,
@@ -150,9 +162,7 @@ def test_seed_001_line_with_tpu_model_dir_in_the_emulator_bucket(gcs_emulator, m
     point_clients_at(monkeypatch, "gs", gcs_emulator.url)
     monkeypatch.setenv("ESTIMAX_ONEDNN", "0")
     # The tiny variant of its network, as tests/test_programs.py runs the seed lines.
-    monkeypatch.setattr(
-        resnet, "resnet_v1", lambda depth, classes, **kw: ResNetTiny(num_classes=classes, **kw)
-    )
+    _tiny_network(monkeypatch)
     results = _resnet(argv)  # --mode=train_and_eval (the default), an evaluation every step
     assert results["global_step"] == 2 and "top_1_accuracy" in results
     assert _ls(f"{model_dir}/checkpoints") == ["1", "2"]
