@@ -137,9 +137,9 @@ venv-tf: $(TF_STAMP)
 venv-tpu: $(TPU_STAMP)
 venv-cuda: $(CUDA_STAMP)
 
-# scripts/test_phases.py runs, in order and timed: set-up of .venv (and `make native`), lint,
-# then for Beam, TF, libtpu and CUDA the set-up of the venv and its tests, then the main suite
-# (TEST_WORKERS processes). At the end a table: each phase's wall time and passed/failed/skipped,
+# scripts/test_phases.py runs, timed: set-up of .venv (and `make native`); then lint and, for
+# Beam, TF, libtpu and CUDA, the set-up of the venv and its tests, in two lanes side by side
+# (one process each); then the main suite alone (TEST_WORKERS processes). At the end a table: each phase's wall time and passed/failed/skipped,
 # the 15 slowest tests of all phases, and the sums as the last line. It stops at the first
 # failing phase. TEST_ARGS passes it more, e.g. TEST_ARGS="--only main -k layouts".
 TEST_ARGS ?=

@@ -1,13 +1,19 @@
 #!/usr/bin/env python3
-"""`make test`'s runner: each phase in order, timed, then one table of the run's budget.
+"""`make test`'s runner: the phases, timed, then one table of the run's budget.
 
 The phases are the environments' set-up (each `make` target of the Makefile; a no-op once its
 stamp is current), `make lint`, and the five pytest runs (Beam, TF, libtpu, CUDA in their own
-venvs, then the main suite in .venv). Every pytest writes JUnit XML under runs/test-report/; at
-the end the runner prints each phase's wall time and passed/failed/skipped counts, the 15
-slowest tests across all phases, and, as its very last line, the sums in pytest's closing form:
-``suite: N passed, N failed, N skipped``. It stops at the first failing phase (the table is
-still printed) and exits non-zero on any failure. It writes the same figures to
+venvs, then the main suite in .venv). After .venv's set-up the side phases run in two lanes side
+by side, one process each (lint, Beam and TF in one; libtpu and CUDA in the other), so a 2-core
+machine has both cores busy; then the main suite, alone, with its xdist workers. A phase run in a
+lane writes its output to runs/test-report/NAME.log, printed whole when the phase ends.
+
+Every pytest writes JUnit XML under runs/test-report/; at the end the runner prints each
+phase's wall time and passed/failed/skipped counts, the run's wall time, the 15 slowest tests
+across all phases, and, as its very last line, the sums in pytest's closing form:
+``suite: N passed, N failed, N skipped``. It stops at the first failing phase (a lane beside it
+finishes the phase it is in; the table is still printed) and exits non-zero on any failure.
+``--serial`` runs every phase alone, in order. It writes the same figures to
 runs/test-report/report.json for bench/suite.py.
 
 Stdlib only: it runs under any python3, before any venv exists.
@@ -24,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Sequence
@@ -38,13 +45,16 @@ XLA_FLAGS = "--xla_force_host_platform_device_count=8"
 
 @dataclasses.dataclass(frozen=True)
 class Phase:
-    """One step of the run: a command, the variables it adds to the environment, and whether
-    it is a pytest run (then it gets --junitxml and -k narrowing)."""
+    """One step of the run: a command, the variables it adds to the environment, whether it is
+    a pytest run (then it gets --junitxml and -k narrowing), and its lane: 0 runs alone; a run
+    of consecutive phases with lanes above 0 runs as one block, each lane's phases in order and
+    the lanes side by side."""
 
     name: str
     command: tuple[str, ...]
     env: tuple[tuple[str, str], ...] = ()
     pytest: bool = False
+    lane: int = 0
 
 
 @dataclasses.dataclass
@@ -76,21 +86,29 @@ class Case:
     outcome: str  # "passed" | "failed" | "skipped"
 
 
-def _pytest(name: str, python: str, args: Sequence[str], **env: str) -> Phase:
+def _pytest(name: str, python: str, args: Sequence[str], lane: int = 0, **env: str) -> Phase:
     return Phase(
         name,
         (python, "-m", "pytest", "-q", *args),
         tuple(env.items()),
         pytest=True,
+        lane=lane,
     )
+
+
+# The side phases' two lanes, balanced by the last full run on the 2-core AVX2 EPYC
+# (bench/results/suite.md): lint, Beam and TF about 7:10 with their set-ups; libtpu and CUDA 7:40.
+# Each is one process, so the two lanes keep two cores busy where the phases one after another
+# kept one (14:50 then); the main suite runs after them, alone, so its figure stays its own.
+SIDE_A, SIDE_B = 1, 2
 
 
 def phases(make: str, workers: str, require_onednn: str) -> list[Phase]:
     """The run, in order. Each venv is set up (by its Makefile target) just before its tests."""
     return [
         Phase("setup .venv", (make, "--no-print-directory", "venv", "native")),
-        Phase("lint", (make, "--no-print-directory", "lint")),
-        Phase("setup .venv-beam", (make, "--no-print-directory", "venv-beam")),
+        Phase("lint", (make, "--no-print-directory", "lint"), lane=SIDE_A),
+        Phase("setup .venv-beam", (make, "--no-print-directory", "venv-beam"), lane=SIDE_A),
         _pytest(
             "beam",
             ".venv-beam/bin/python",
@@ -102,17 +120,19 @@ def phases(make: str, workers: str, require_onednn: str) -> list[Phase]:
                 "-k",
                 "beam",
             ],
+            lane=SIDE_A,
             ESTIMAX_REQUIRE_BEAM="1",
         ),
-        Phase("setup .venv-tf", (make, "--no-print-directory", "venv-tf")),
+        Phase("setup .venv-tf", (make, "--no-print-directory", "venv-tf"), lane=SIDE_A),
         _pytest(
             "tf",
             ".venv-tf/bin/python",
             ["-p", "no:cacheprovider", "tests/test_migrate_tf.py", "tests/test_savedmodel_tf.py"],
+            lane=SIDE_A,
             XLA_FLAGS=XLA_FLAGS,
             ESTIMAX_REQUIRE_TF="1",
         ),
-        Phase("setup .venv-tpu", (make, "--no-print-directory", "venv-tpu")),
+        Phase("setup .venv-tpu", (make, "--no-print-directory", "venv-tpu"), lane=SIDE_B),
         _pytest(
             "libtpu",
             ".venv-tpu/bin/python",
@@ -123,10 +143,11 @@ def phases(make: str, workers: str, require_onednn: str) -> list[Phase]:
                 "-k",
                 "tpu_slice or does_not_fit",
             ],
+            lane=SIDE_B,
             XLA_FLAGS=XLA_FLAGS,
             ESTIMAX_REQUIRE_LIBTPU="1",
         ),
-        Phase("setup .venv-cuda", (make, "--no-print-directory", "venv-cuda")),
+        Phase("setup .venv-cuda", (make, "--no-print-directory", "venv-cuda"), lane=SIDE_B),
         _pytest(
             "cuda",
             ".venv-cuda/bin/python",
@@ -137,6 +158,7 @@ def phases(make: str, workers: str, require_onednn: str) -> list[Phase]:
                 "-k",
                 "(gpus and (mnist or resnet)) or does_not_fit",
             ],
+            lane=SIDE_B,
             XLA_FLAGS=XLA_FLAGS,
             JAX_PLATFORMS="cpu",
             ESTIMAX_REQUIRE_CUDA="1",
@@ -197,8 +219,14 @@ def _clock(seconds: float) -> str:
     return f"{m}:{s:02d}"
 
 
-def table(results: Sequence[Result], cases: Sequence[Case], slowest: int = SLOWEST) -> str:
-    """The run's budget as text: one row per phase (wall time, counts, status), the total, and
+def table(
+    results: Sequence[Result],
+    cases: Sequence[Case],
+    slowest: int = SLOWEST,
+    wall: float | None = None,
+) -> str:
+    """The run's budget as text: one row per phase (wall time, counts, status), the total (the
+    run's ``wall`` time when given: phases in lanes overlap, so it is less than their sum), and
     the ``slowest`` test cases across all phases, slowest first."""
     rows = [("phase", "wall", "passed", "failed", "skipped", "status")]
     for r in results:
@@ -209,9 +237,11 @@ def table(results: Sequence[Result], cases: Sequence[Case], slowest: int = SLOWE
         elif r.ran and r.returncode != 0:
             counts = ("", "1", "")  # what the closing line counts for it
         rows.append((r.name, _clock(r.seconds) if r.ran else "", *counts, status))
-    total = sum(r.seconds for r in results)
+    summed = sum(r.seconds for r in results)
+    total = summed if wall is None else wall
     p, f, s = totals(results)
-    rows.append(("total", _clock(total), str(p), str(f), str(s), ""))
+    note = "" if wall is None else f"phases summed: {_clock(summed)} (lanes overlap)"
+    rows.append(("total", _clock(total), str(p), str(f), str(s), note))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["", "=" * 20 + " make test: time per phase " + "=" * 20]
     for i, row in enumerate(rows):
@@ -243,14 +273,21 @@ def closing_line(results: Sequence[Result]) -> str:
     return f"suite: {p} passed, {f} failed, {s} skipped"
 
 
-def report(results: Sequence[Result], cases: Sequence[Case], slowest: int = SLOWEST) -> dict:
-    """The figures of the table as JSON-able data (runs/test-report/report.json)."""
+def report(
+    results: Sequence[Result],
+    cases: Sequence[Case],
+    slowest: int = SLOWEST,
+    wall: float | None = None,
+) -> dict:
+    """The figures of the table as JSON-able data (runs/test-report/report.json); ``total_s``
+    is the run's wall time when given, else the phases' sum."""
     top = sorted(cases, key=lambda c: c.seconds, reverse=True)[:slowest]
     p, f, s = totals(results)
     return {
         "phases": [dataclasses.asdict(r) for r in results],
         "slowest": [dataclasses.asdict(c) for c in top],
-        "total_s": sum(r.seconds for r in results),
+        "total_s": sum(r.seconds for r in results) if wall is None else wall,
+        "phases_summed_s": sum(r.seconds for r in results),
         "passed": p,
         "failed": f,
         "skipped": s,
@@ -258,11 +295,34 @@ def report(results: Sequence[Result], cases: Sequence[Case], slowest: int = SLOW
     }
 
 
-Runner = Callable[[Sequence[str], dict[str, str]], int]
+Runner = Callable[[Sequence[str], dict[str, str], "Path | None"], int]
 
 
-def _subprocess_run(command: Sequence[str], env: dict[str, str]) -> int:
-    return subprocess.run(list(command), env=env, check=False).returncode
+def _subprocess_run(command: Sequence[str], env: dict[str, str], log: Path | None) -> int:
+    if log is None:
+        return subprocess.run(list(command), env=env, check=False).returncode
+    with log.open("wb") as out:
+        return subprocess.run(
+            list(command), env=env, stdout=out, stderr=subprocess.STDOUT, check=False
+        ).returncode
+
+
+def blocks(plan: Sequence[Phase]) -> list[list[list[int]]]:
+    """``plan``'s phases (by index) as the run takes them: a list of blocks, each a list of
+    lanes, each the indices of its phases in order. A lane-0 phase is a block of its own."""
+    out: list[list[list[int]]] = []
+    lanes: dict[int, list[int]] = {}
+    for i, phase in enumerate(plan):
+        if phase.lane == 0:
+            if lanes:
+                out.append(list(lanes.values()))
+                lanes = {}
+            out.append([[i]])
+        else:
+            lanes.setdefault(phase.lane, []).append(i)
+    if lanes:
+        out.append(list(lanes.values()))
+    return out
 
 
 def run(
@@ -273,37 +333,68 @@ def run(
     env: dict[str, str] | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> tuple[list[Result], list[Case]]:
-    """Runs ``plan`` in order until a phase fails; the results of all phases (those after a
-    failure marked not run) and every test case the JUnit files recorded."""
+    """Runs ``plan`` (lanes side by side, see ``blocks``) until a phase fails: its lane stops
+    there, the other lanes finish the phase they are in and start no other, and no later block
+    runs. Returns the results of all phases (those never started marked not run) and every test
+    case the JUnit files recorded, in the plan's order."""
     env = dict(os.environ if env is None else env)
     shutil.rmtree(report_dir, ignore_errors=True)
     report_dir.mkdir(parents=True, exist_ok=True)
-    results: list[Result] = []
-    cases: list[Case] = []
-    failed = False
-    for phase in plan:
-        result = Result(phase.name, ran=not failed, pytest=phase.pytest)
-        results.append(result)
-        if failed:
-            continue
+    results = [Result(p.name, ran=False, pytest=p.pytest) for p in plan]
+    found: list[list[Case]] = [[] for _ in plan]
+    failed = threading.Event()
+    printing = threading.Lock()
+
+    def one(i: int, captured: bool) -> None:
+        phase, result = plan[i], results[i]
+        stem = phase.name.replace(" ", "_")
         command = list(phase.command)
-        junit = report_dir / f"{phase.name.replace(' ', '_')}.xml"
+        junit = report_dir / f"{stem}.xml"
         if phase.pytest:
             if keyword:
                 command = narrowed(command, keyword)
             command.append(f"--junitxml={junit}")
-        print(f"\n>>> {phase.name}: {shlex.join(command)}", flush=True)
+        log = report_dir / f"{stem}.log" if captured else None
+        with printing:
+            where = f" (in a lane; output to {log} when it ends)" if log else ""
+            print(f"\n>>> {phase.name}{where}: {shlex.join(command)}", flush=True)
+        result.ran = True
         start = clock()
-        result.returncode = runner(command, {**env, **dict(phase.env)})
+        result.returncode = runner(command, {**env, **dict(phase.env)}, log)
         result.seconds = clock() - start
+        if log is not None:
+            with printing:
+                print(
+                    f"\n<<< {phase.name}: exit {result.returncode} after {_clock(result.seconds)}"
+                )
+                print(log.read_text(errors="replace") if log.exists() else "", end="", flush=True)
         phase_cases = read_junit(junit, phase.name) if junit.exists() else []
         # pytest's exit 5 is "no tests collected": what a -k narrowing leaves of some phases.
         if keyword and phase.pytest and result.returncode == 5:
             result.returncode = 0
         count(result, phase_cases)
-        cases += phase_cases
-        failed = not result.ok
-    return results, cases
+        found[i] = phase_cases
+        if not result.ok:
+            failed.set()
+
+    def lane(indices: Sequence[int], captured: bool) -> None:
+        for i in indices:
+            if failed.is_set():
+                return
+            one(i, captured)
+
+    for block in blocks(plan):
+        if failed.is_set():
+            break
+        if len(block) == 1:
+            lane(block[0], captured=False)
+            continue
+        threads = [threading.Thread(target=lane, args=(ix, True)) for ix in block]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    return results, [c for cs in found for c in cs]
 
 
 def _compilation_cache(env: dict[str, str]) -> str | None:
@@ -333,9 +424,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("-k", dest="keyword", help="narrow every pytest phase by this -k")
     parser.add_argument("--report_dir", default=str(REPORT_DIR))
     parser.add_argument("--dry_run", action="store_true", help="print the phases, run nothing")
+    parser.add_argument(
+        "--serial", action="store_true", help="every phase alone, in order (no lanes side by side)"
+    )
     args = parser.parse_args(argv)
 
     plan = phases(args.make, args.workers, args.require_onednn)
+    if args.serial:
+        plan = [dataclasses.replace(p, lane=0) for p in plan]
     if args.only:
         wanted = [w.strip() for w in args.only.split(",") if w.strip()]
         unknown = sorted(set(wanted) - {p.name for p in plan})
@@ -345,7 +441,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dry_run:
         for p in plan:
             env = " ".join(f"{k}={v}" for k, v in p.env)
-            print(f"{p.name}: {env + ' ' if env else ''}{shlex.join(p.command)}")
+            lane = f" [lane {p.lane}]" if p.lane else ""
+            print(f"{p.name}: {env + ' ' if env else ''}{shlex.join(p.command)}{lane}")
         return 0
 
     meta = {
@@ -359,15 +456,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     env = dict(os.environ)
     cache = _compilation_cache(env)
+    start = time.monotonic()
     try:
         results, cases = run(plan, Path(args.report_dir), args.keyword, env=env)
     finally:
         if cache:
             shutil.rmtree(cache, ignore_errors=True)
+    wall = time.monotonic() - start
     Path(args.report_dir, "report.json").write_text(
-        json.dumps({**meta, **report(results, cases)}, indent=1) + "\n"
+        json.dumps({**meta, **report(results, cases, wall=wall)}, indent=1) + "\n"
     )
-    print(table(results, cases))
+    print(table(results, cases, wall=wall))
     print(closing_line(results), flush=True)
     return 0 if all(r.ok for r in results) else 1
 

@@ -4,6 +4,7 @@ slowest tests and a closing line CI reads; it stops at the first failing phase a
 import importlib.util
 import json
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -47,8 +48,9 @@ class FakeRunner:
         self.outcomes = outcomes
         self.calls: list[tuple[list[str], dict[str, str]]] = []
 
-    def __call__(self, command, env):
+    def __call__(self, command, env, log=None):
         self.calls.append((list(command), env))
+        self.logs = getattr(self, "logs", []) + [log]
         name = command[-1] if command[0] == "phase" else command[1]
         rc, cases = self.outcomes[name]
         junit = [c for c in command if c.startswith("--junitxml=")]
@@ -206,3 +208,103 @@ def test_only_runs_the_named_phases_and_rejects_unknown_ones(capsys):
     assert "-n 2" in lines[1] and "ESTIMAX_REQUIRE_ONEDNN=0" in lines[1]
     with pytest.raises(SystemExit):
         tp.main(["--only", "nope"])
+
+
+def _laned_plan():
+    return [
+        tp.Phase("setup", ("phase", "setup")),
+        tp.Phase("lint", ("phase", "lint"), lane=1),
+        tp.Phase("tf", ("py", "tf"), pytest=True, lane=1),
+        tp.Phase("tpu", ("py", "tpu"), pytest=True, lane=2),
+        tp.Phase("cuda", ("py", "cuda"), pytest=True, lane=2),
+        tp.Phase("main", ("py", "main"), pytest=True),
+    ]
+
+
+def test_blocks_put_consecutive_laned_phases_side_by_side():
+    assert tp.blocks(_laned_plan()) == [[[0]], [[1, 2], [3, 4]], [[5]]]
+    assert tp.blocks(_plan()) == [[[0]], [[1]], [[2]], [[3]]]
+    # The make-test plan: .venv first and main last, each alone; the side phases in two lanes.
+    plan = tp.phases("make", "2", "1")
+    shape = [[[plan[i].name for i in lane] for lane in block] for block in tp.blocks(plan)]
+    assert shape[0] == [["setup .venv"]] and shape[-1] == [["main"]]
+    assert len(shape) == 3 and len(shape[1]) == 2
+    side = {name for lane in shape[1] for name in lane}
+    assert {"lint", "beam", "tf", "libtpu", "cuda"} <= side
+
+
+class MeetingRunner(FakeRunner):
+    """The first phase of each lane waits until the other lane's first phase has started: the
+    run finishes only if the lanes really run side by side (one after the other, the first
+    would wait its whole timeout and fail)."""
+
+    def __init__(self, outcomes, meet=("lint", "tpu")):
+        super().__init__(outcomes)
+        self.started = {name: threading.Event() for name in meet}
+        self.met: dict[str, bool] = {}
+
+    def __call__(self, command, env, log=None):
+        name = command[-1] if command[0] == "phase" else command[1]
+        if name in self.started:
+            self.started[name].set()
+            other = next(n for n in self.started if n != name)
+            self.met[name] = self.started[other].wait(timeout=30)
+        return super().__call__(command, env, log)
+
+
+def test_lanes_run_side_by_side_with_their_output_captured(tmp_path):
+    ok = [("t", 1.0, "passed")]
+    runner = MeetingRunner(
+        {
+            n: (0, None if n in ("setup", "lint") else ok)
+            for n in ["setup", "lint", "tf", "tpu", "cuda", "main"]
+        }
+    )
+    results, cases = tp.run(_laned_plan(), tmp_path, runner=runner, env={})
+    assert runner.met == {"lint": True, "tpu": True}
+    assert all(r.ok for r in results) and len(cases) == 4
+    # Phases in a lane write to a log file; the ones alone stream to the terminal.
+    names = [c[0][-1] if c[0][0] == "phase" else c[0][1] for c in runner.calls]
+    logs = dict(zip(names, runner.logs, strict=True))
+    assert logs["setup"] is None and logs["main"] is None
+    assert logs["tpu"] == tmp_path / "tpu.log" and logs["lint"] == tmp_path / "lint.log"
+    # main runs only after both lanes ended.
+    assert names[-1] == "main"
+
+
+def test_a_failure_in_one_lane_stops_it_and_the_next_block_but_not_the_phase_beside_it(tmp_path):
+    ok = [("t", 1.0, "passed")]
+    runner = MeetingRunner(
+        {
+            "setup": (0, None),
+            "lint": (2, None),  # fails while tpu (the other lane) is running
+            "tf": (0, ok),
+            "tpu": (0, ok),
+            "cuda": (0, ok),
+            "main": (0, ok),
+        }
+    )
+    results, _ = tp.run(_laned_plan(), tmp_path, runner=runner, env={})
+    ran = {r.name: (r.ran, r.ok) for r in results}
+    assert ran["lint"] == (True, False) and ran["tpu"] == (True, True)
+    assert not ran["tf"][0] and not ran["main"][0]
+    # cuda starts only if tpu finished before lint's failure was recorded: either way, never
+    # main, and the closing line counts the failure.
+    assert tp.closing_line(results).endswith("1 failed, 0 skipped")
+
+
+def test_main_prints_a_lanes_output_and_the_wall_time(tmp_path, monkeypatch, capsys):
+    a = tp.Phase("a", (sys.executable, "-c", "print('from lane one')"), lane=1)
+    b = tp.Phase("b", (sys.executable, "-c", "print('from lane two')"), lane=2)
+    monkeypatch.setattr(tp, "phases", lambda *_: [a, b])
+    assert tp.main(["--report_dir", str(tmp_path / "rep")]) == 0
+    out = capsys.readouterr().out
+    assert "from lane one" in out and "from lane two" in out
+    assert "<<< a: exit 0" in out and "(lanes overlap)" in out
+    data = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert data["total_s"] <= data["phases_summed_s"] + 5
+    # --serial: every phase alone, its output on the terminal, no log file.
+    assert tp.main(["--serial", "--report_dir", str(tmp_path / "rep2")]) == 0
+    assert not (tmp_path / "rep2" / "a.log").exists()
+    assert tp.main(["--dry_run", "--serial"]) == 0
+    assert "[lane" not in capsys.readouterr().out
