@@ -381,18 +381,20 @@ def apply(
     return Effective(values, other)
 
 
-def _show(value: Any) -> str:
+def _show(name: str, value: Any) -> str:
+    if value is None:
+        return f"--{name} (unset)"  # not --name=, which would set an empty string
     if isinstance(value, bool):
-        return "true" if value else "false"
-    return "" if value is None else str(value)
+        return f"--{name}={'true' if value else 'false'}"
+    return f"--{name}={value}"
 
 
 def format_effective(effective: Effective) -> str:
-    """``--print_config``'s text: one ``--flag=value  # source`` line per flag, then the keys
-    that set no flag."""
-    lines = [(f"--{n}={_show(v)}", source) for n, (v, source) in effective.values.items()]
+    """``--print_config``'s text: one ``--flag=value  # source`` line per flag (``--flag
+    (unset)`` for None), then the keys that set no flag."""
+    lines = [(_show(n, v), source) for n, (v, source) in effective.values.items()]
     width = max((len(line) for line, _ in lines), default=0) + 2
     out = [f"{line:<{width}}# {source}" for line, source in lines]
     for key, (value, source, why) in effective.other_keys.items():
-        out.append(f"# {key}: {value!r} ({source}): not used by estimax: {why}")
+        out.append(f"# {key}: {_yaml(value)} ({source}): not used by estimax: {why}")
     return "\n".join(out)
