@@ -36,7 +36,9 @@ JPEG/PNG bytes (``image_bytes``) and declare their eval preprocessing as data, c
 bit against the input pipeline's before they are published. Not carried over: the
 ``--bigtable_*`` input (use ``resnet`` for Bigtable) and the copy of the best checkpoint into
 ``model_dir/archive``. Every flag can also come from ``ESTIMAX_<FLAG>`` in the environment
-(``ESTIMAX_MODEL_DIR``; a job runner's ``TPU_MODEL_DIR`` too), the command line winning.
+(``ESTIMAX_MODEL_DIR``; a job runner's ``TPU_MODEL_DIR`` too), the command line winning, or from
+a YAML file (``--config_file``, ``--params_override``: its flags' names, and the original's
+classification configs' ``train.train_batch_size`` nesting); ``--print_config`` shows them.
 """
 
 from __future__ import annotations

@@ -12,7 +12,10 @@ means local fake data, with a warning at start and in TensorBoard. With ``--bigt
 the tf.Examples come from the rows of a Cloud Bigtable table instead (``--bigtable_*`` flags,
 ``estimax.data.bigtable``). TPU-only flags are accepted and explained in their help. Every flag
 can also come from ``ESTIMAX_<FLAG>`` in the environment (``ESTIMAX_MODEL_DIR``; a job runner's
-``TPU_MODEL_DIR`` too), the command line winning.
+``TPU_MODEL_DIR`` too), the command line winning. The original's YAML configs run as they are:
+``--config_file=configs/cloud/v3-8.yaml`` (or ``--hparams_file``) and ``--params_override``, in its
+order (defaults < config file < override < environment < command line); ``--print_config`` shows
+each value and where it came from.
 """
 
 from __future__ import annotations
