@@ -145,6 +145,7 @@ def main(
     define_flags: Callable[[flags.FlagValues], None],
     run_from_flags: Callable[[flags.FlagValues], Any],
     doc: str | None,
+    config: tuple[str, Mapping[str, Any]] | None = None,
 ) -> None:
     """Console-script entry point of a program.
 
@@ -152,6 +153,8 @@ def main(
       define_flags: defines the program's flags on the ``FlagValues`` it is given.
       run_from_flags: runs the program from the parsed flags.
       doc: the program's module docstring (``--help`` shows it).
+      config: ``(program name, its config keys)`` where the program takes the original's
+        ``--config_file``/``--params_override`` (``estimax.programs.config_file``).
     """
     fv = flags.FLAGS
     before = set(fv)
@@ -165,7 +168,7 @@ def main(
     if not main_module.__doc__:
         main_module.__doc__ = doc
     app.run(
-        functools.partial(_run, run_from_flags, fv, program_flags),
+        functools.partial(_run, run_from_flags, fv, program_flags, config),
         flags_parser=functools.partial(_parse, fv),
     )
 
@@ -183,6 +186,7 @@ def _run(
     run_from_flags: Callable[[flags.FlagValues], Any],
     fv: flags.FlagValues,
     program_flags: list[str],
+    config: tuple[str, Mapping[str, Any]] | None,
     argv: list[str],
 ) -> None:
     from estimax import storage
@@ -199,7 +203,9 @@ def _run(
             raise UsageError(
                 f"unexpected arguments {argv[1:]}: every setting is a --flag (see --help)."
             )
-        apply_environment(fv, os.environ)
+        env_used = apply_environment(fv, os.environ)
+        if config is not None:
+            _apply_config(fv, program_flags, config, env_used)
         join_processes(fv, program_flags)
         results = run_from_flags(fv)
         if "mode" in fv and fv.mode == "eval" and results is None:
@@ -235,6 +241,23 @@ def _run(
         print(str(e), flush=True)
         sys.exit(130)
     sys.stdout.flush()
+
+
+def _apply_config(
+    fv: flags.FlagValues,
+    program_flags: list[str],
+    config: tuple[str, Mapping[str, Any]],
+    env_used: Mapping[str, str],
+) -> None:
+    """The original's ``--config_file``/``--params_override`` under the flags given (and the
+    environment); ``--print_config`` prints the result and exits 0 before any device is used."""
+    from estimax.programs import config_file
+
+    program, keys = config
+    effective = config_file.apply(fv, program, keys, env_used, program_flags)
+    if fv.print_config:
+        print(config_file.format_effective(effective), flush=True)
+        sys.exit(0)
 
 
 def join_processes(fv: flags.FlagValues, program_flags: list[str]) -> None:

@@ -36,7 +36,9 @@ JPEG/PNG bytes (``image_bytes``) and declare their eval preprocessing as data, c
 bit against the input pipeline's before they are published. Not carried over: the
 ``--bigtable_*`` input (use ``resnet`` for Bigtable) and the copy of the best checkpoint into
 ``model_dir/archive``. Every flag can also come from ``ESTIMAX_<FLAG>`` in the environment
-(``ESTIMAX_MODEL_DIR``; a job runner's ``TPU_MODEL_DIR`` too), the command line winning.
+(``ESTIMAX_MODEL_DIR``; a job runner's ``TPU_MODEL_DIR`` too), the command line winning, or from
+a YAML file (``--config_file``, ``--params_override``: its flags' names, and the original's
+classification configs' ``train.train_batch_size`` nesting); ``--print_config`` shows them.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from estimax.programs import (
     classifier,
     cli,
     common,
+    config_file,
     flagspec,
     inputs,
     resnet,
@@ -217,6 +220,87 @@ EFFICIENTNET_FLAGS = (
 )
 
 
+# --config_file/--params_override keys (docs/programs.md#the-originals-config-files). The
+# original's EfficientNet main.py took flags only, no params file: its hyperparameter flags are
+# the keys here (flat, as ResNet's params), with the nesting of the original's later
+# classification configs (detection/configs: train.train_batch_size...) for the keys they share;
+# the later main.py's keys for features estimax does not build take only their defaults.
+_FLAG_KEYS = (
+    "model_name",
+    "train_steps",
+    "input_image_size",
+    "train_batch_size",
+    "eval_batch_size",
+    "num_train_images",
+    "num_eval_images",
+    "steps_per_eval",
+    "skip_host_call",
+    "iterations_per_loop",
+    "num_parallel_calls",
+    "data_format",
+    "num_label_classes",
+    "batch_norm_momentum",
+    "batch_norm_epsilon",
+    "transpose_input",
+    "use_bfloat16",
+    "export_to_tpu",
+    "base_learning_rate",
+    "moving_average_decay",
+    "weight_decay",
+    "label_smoothing",
+    "dropout_rate",
+    "drop_connect_rate",
+    "use_cache",
+    "depth_coefficient",
+    "width_coefficient",
+    "use_async_checkpointing",
+    "log_step_count_steps",
+    "use_tpu",
+    "precision",
+    "momentum",
+)
+_NESTED_KEYS = {
+    "train.train_batch_size": "train_batch_size",
+    "train.total_steps": "train_steps",
+    "train.iterations_per_loop": "iterations_per_loop",
+    "train.label_smoothing": "label_smoothing",
+    "train.l2_weight_decay": "weight_decay",
+    "eval.eval_batch_size": "eval_batch_size",
+    "architecture.num_classes": "num_label_classes",
+    "batch_norm_activation.batch_norm_momentum": "batch_norm_momentum",
+    "batch_norm_activation.batch_norm_epsilon": "batch_norm_epsilon",
+}
+_NOT_BUILT = "estimax's EfficientNet is the original's 2019-06 recipe, without"
+CONFIG_KEYS: config_file.ConfigKeys = {
+    **{name: config_file.Flag(name) for name in _FLAG_KEYS},
+    **{key: config_file.Flag(name) for key, name in _NESTED_KEYS.items()},
+    "augment_name": config_file.OnlyDefault(None, f"{_NOT_BUILT} AutoAugment/RandAugment"),
+    "randaug_num_layers": config_file.Unused("read only with augment_name: randaugment"),
+    "randaug_magnitude": config_file.Unused("read only with augment_name: randaugment"),
+    "mixup_alpha": config_file.OnlyDefault(0.0, f"{_NOT_BUILT} mixup"),
+    "optimizer": config_file.OnlyDefault("rmsprop", f"{_NOT_BUILT} other optimizers"),
+    "lr_schedule": config_file.OnlyDefault("exponential", f"{_NOT_BUILT} other schedules"),
+    "lr_decay_factor": config_file.OnlyDefault(0.97, "the decay (x0.97) is built in"),
+    "lr_decay_epoch": config_file.OnlyDefault(2.4, "the decay period (2.4 epochs) is built in"),
+    "lr_warmup_epochs": config_file.OnlyDefault(5, "the warm-up (5 epochs) is built in"),
+    "lars_weight_decay": config_file.Unused("read only with optimizer: lars"),
+    "lars_epsilon": config_file.Unused("read only with optimizer: lars"),
+    "survival_prob": config_file.OnlyDefault(
+        None, "estimax takes the 2019-06 name: give drop_connect_rate (1 - survival_prob)"
+    ),
+    "holdout_shards": config_file.OnlyDefault(None, f"{_NOT_BUILT} held-out training shards"),
+    "batch_norm_batch_size": config_file.OnlyDefault(
+        None, f"{_NOT_BUILT} batch-norm groups across replicas"
+    ),
+    "archive_ckpt": config_file.Unused(
+        "the copy of the best checkpoint into model_dir/archive is not carried over"
+    ),
+    "num_replicas": config_file.Unused(
+        "estimax's replicas are the devices it finds, divided by --num_cores_per_replica"
+    ),
+}
+
+
 def define_flags(fv: flags.FlagValues) -> None:
     """Defines the original EfficientNet main.py's flags (2019-06 names and defaults) on ``fv``."""
     shared_flags.define_tpu_flags(fv, master=False)
@@ -235,6 +319,7 @@ def define_flags(fv: flags.FlagValues) -> None:
         ),
         FROM_RESNET,
         EFFICIENTNET_FLAGS,
+        config_file.FLAGS,
     )
 
 
@@ -386,6 +471,7 @@ FAMILY = Family(
     serving_preprocessing=serving_preprocessing,
     run_from_flags=run_from_flags,
     metrics=METRICS,
+    config_keys=CONFIG_KEYS,
 )
 
 

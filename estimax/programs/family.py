@@ -18,7 +18,7 @@ the registry.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -47,6 +47,8 @@ class Family:
       run_from_flags: parsed flags -> runs the program; returns the last eval results.
       metrics: the metrics of the result line and what its examples are called.
       tf_names: the TensorFlow original's names (``estimax.models.TF_NAMES``); None without one.
+      config_keys: the original's params keys its ``--config_file``/``--params_override`` take
+        (``estimax.programs.config_file``); None: the program has no such flags.
     """
 
     name: str
@@ -60,6 +62,7 @@ class Family:
     metrics: tuple[tuple[str, ...], str]
     serving_preprocessing: Callable[[flags.FlagValues], Any] | None = None
     tf_names: Any = None
+    config_keys: Mapping[str, Any] | None = None
 
     def recorded_flags(self, fv: flags.FlagValues) -> dict[str, Any]:
         """``{flag: value}`` of the model-shaping flags (``model_dir/flags.json``)."""
@@ -89,4 +92,5 @@ class Family:
         """The program's console-script entry point."""
         from estimax.programs import cli
 
-        cli.main(self.define_flags, self.run_from_flags, self.doc)
+        config = None if self.config_keys is None else (self.name, self.config_keys)
+        cli.main(self.define_flags, self.run_from_flags, self.doc, config)

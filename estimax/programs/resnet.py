@@ -12,7 +12,10 @@ means local fake data, with a warning at start and in TensorBoard. With ``--bigt
 the tf.Examples come from the rows of a Cloud Bigtable table instead (``--bigtable_*`` flags,
 ``estimax.data.bigtable``). TPU-only flags are accepted and explained in their help. Every flag
 can also come from ``ESTIMAX_<FLAG>`` in the environment (``ESTIMAX_MODEL_DIR``; a job runner's
-``TPU_MODEL_DIR`` too), the command line winning.
+``TPU_MODEL_DIR`` too), the command line winning. The original's YAML configs run as they are:
+``--config_file=configs/cloud/v3-8.yaml`` (or ``--hparams_file``) and ``--params_override``, in its
+order (defaults < config file < override < environment < command line); ``--print_config`` shows
+each value and where it came from.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from estimax.programs import (
     classifier,
     cli,
     common,
+    config_file,
     configs,
     exports,
     flagspec,
@@ -205,6 +209,73 @@ RESNET_FLAGS = (
 )
 
 
+# The keys of the original's params (configs/resnet_config.py's RESNET_CFG, 2019-06 on; the
+# 2019-04 configs/default.yaml had the same) that --config_file and --params_override take,
+# and what each does here (docs/programs.md#the-originals-config-files). Every other key is
+# refused, as the original's is_strict=True refused it.
+_NOT_BUILT = "estimax's ResNet is the original's 2018-12 ResNet v1, without"
+CONFIG_KEYS: config_file.ConfigKeys = {
+    # Keys that are flags of the same name (flags the original had as params too).
+    **{
+        name: config_file.Flag(name)
+        for name in (
+            "resnet_depth",
+            "train_batch_size",
+            "eval_batch_size",
+            "num_train_images",
+            "num_eval_images",
+            "train_steps",
+            "base_learning_rate",
+            "iterations_per_loop",
+            "use_tpu",
+            "num_cores",
+            "enable_lars",
+            "transpose_input",
+            "precision",
+            "num_label_classes",
+            "use_cache",
+            "use_async_checkpointing",
+            "image_size",
+            "momentum",
+            "weight_decay",
+            "label_smoothing",
+            "poly_rate",
+            "skip_host_call",
+            "num_parallel_calls",
+            "data_format",
+        )
+    },
+    "dropblock_groups": config_file.OnlyDefault("", f"{_NOT_BUILT} DropBlock"),
+    "dropblock_keep_prob": config_file.Unused(
+        "DropBlock's keep probability, read only with dropblock_groups (which must be empty)"
+    ),
+    "dropblock_size": config_file.Unused(
+        "DropBlock's block size, read only with dropblock_groups (which must be empty)"
+    ),
+    "pre_activation": config_file.OnlyDefault(False, f"{_NOT_BUILT} ResNet v2 (pre-activation)"),
+    "norm_act_layer": config_file.OnlyDefault("bn_relu", f"{_NOT_BUILT} other norm layers"),
+    "augment_name": config_file.OnlyDefault(
+        None, "estimax's ResNet input has no AutoAugment/RandAugment"
+    ),
+    "randaug_magnitude": config_file.Unused("read only with augment_name: randaugment"),
+    "randaug_num_layers": config_file.Unused("read only with augment_name: randaugment"),
+    "use_resnetd_stem": config_file.OnlyDefault(False, f"{_NOT_BUILT} the ResNet-D stem"),
+    "resnetd_shortcut": config_file.OnlyDefault(False, f"{_NOT_BUILT} the ResNet-D shortcut"),
+    "replace_stem_max_pool": config_file.OnlyDefault(
+        False, f"{_NOT_BUILT} a strided convolution in place of the stem's max pool"
+    ),
+    "se_ratio": config_file.OnlyDefault(None, f"{_NOT_BUILT} squeeze-and-excitation"),
+    "drop_connect_rate": config_file.OnlyDefault(None, f"{_NOT_BUILT} stochastic depth"),
+    "dropout_rate": config_file.OnlyDefault(None, f"{_NOT_BUILT} dropout"),
+    "moving_average_decay": config_file.OnlyDefault(
+        0, f"{_NOT_BUILT} a moving average of the weights"
+    ),
+    "bn_momentum": config_file.OnlyDefault(
+        0.9, "estimax's ResNet has the original's batch-norm momentum, 0.9, built in"
+    ),
+}
+
+
 def define_flags(fv: flags.FlagValues) -> None:
     """Defines resnet_main.py's flags (2018-12 names and defaults) on ``fv``."""
     shared_flags.define_tpu_flags(fv)
@@ -223,6 +294,7 @@ def define_flags(fv: flags.FlagValues) -> None:
             ),
         ),
         RESNET_FLAGS,
+        config_file.FLAGS,
         (
             flagspec.Str(name, default, f"Cloud Bigtable input: {text}")
             for name, default, text in BIGTABLE_FLAGS
@@ -397,6 +469,7 @@ FAMILY = Family(
     run_from_flags=run_from_flags,
     metrics=METRICS,
     tf_names=resnet_model.TF_NAMES,
+    config_keys=CONFIG_KEYS,
 )
 
 
