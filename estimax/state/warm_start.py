@@ -351,11 +351,12 @@ def _absent_lines(
         lines.append(f"  {shown}: {_hint(str(p.wanted), known)}")
     if len(absent) > SHOWN:
         lines.append(f"  and {len(absent) - SHOWN} more")
-    fixes = {
-        (f[1], f[2]) if f else None for f in (_prefix_fix(str(p.wanted), known) for p in absent)
-    }
-    if len(fixes) == 1 and None not in fixes and all(p.wanted == p.variable.name for p in absent):
-        verb, prefix = next(iter(fixes))  # type: ignore[misc]
+    # One prefix to strip from every one (looked up by the variables' own names): a map that
+    # loads them all.
+    fixes = [_prefix_fix(str(p.wanted), known) for p in absent]
+    kinds = {(f[1], f[2]) for f in fixes if f is not None}
+    if len(kinds) == 1 and None not in fixes and all(p.wanted == p.variable.name for p in absent):
+        verb, prefix = kinds.pop()
         if verb == "strip":
             scopes = sorted({p.variable.name[len(prefix) :].split("/")[0] for p in absent})
             mapping = {f"{s}/": f"{prefix}{s}/" for s in scopes}
