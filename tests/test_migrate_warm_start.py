@@ -9,10 +9,12 @@ import jax
 import numpy as np
 import optax
 import pytest
+from absl import flags
 
 import estimax as ex
 from estimax import migrate
 from estimax.models import ResNetTiny
+from estimax.programs import cli, resnet
 from estimax.state import warm_start
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "tf_checkpoints")
@@ -202,3 +204,25 @@ def test_warm_start_from_nothing_is_one_clear_error(tmp_path):
     with pytest.raises(migrate.TFCheckpointError, match="neither a TensorFlow checkpoint"):
         est.train(_input_fn, max_steps=1)
     est.close()
+
+
+@pytest.mark.slow  # the resnet program (tiny network) up to its warm start
+def test_a_program_refuses_with_a_fatal_message_not_a_traceback(tmp_path, monkeypatch, capsys):
+    # The resnet program (the tests' tiny network) warm-started from BERT's checkpoint: nothing
+    # would load, so it stops before step 0 with FATAL and status 2, as a user's mistake.
+    monkeypatch.setattr(
+        resnet, "resnet_v1", lambda depth, classes, **kw: ResNetTiny(num_classes=classes, **kw)
+    )
+    fv = flags.FlagValues()
+    resnet.define_flags(fv)
+    model_dir = tmp_path / "m"
+    argv = ["resnet", f"--model_dir={model_dir}", "--data_dir=fake", "--image_size=32"]
+    fv([*argv, "--train_batch_size=8", "--train_steps=1", f"--warm_start_from={BERT}"])
+    with pytest.raises(SystemExit) as e:
+        cli._run(resnet.run_from_flags, fv, [], ["resnet"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.startswith(f"FATAL: --warm_start_from={BERT} does not fit the model:\n")
+    assert "no variable would be loaded" in err
+    assert not [f for f in _files(model_dir) if os.sep + "checkpoints" + os.sep in f]
