@@ -2,6 +2,7 @@
 scripts/make_tf_checkpoints.py), warm-started into run_classifier.py's model_fn in Flax
 (examples/bert_classifier.py), converted, and read back by name."""
 
+import dataclasses
 import json
 import logging
 import os
@@ -147,10 +148,17 @@ def test_assignment_map_forms_and_renames():
         _leaf(loaded, "classifier/output_weights"),
         TF_VALUES["cls/seq_relationship/output_weights"],
     )
-    loaded, report = _warm(
-        vars_to_warm_start="classifier/.*",
-        var_name_to_prev_var_name={"classifier/output_bias": "cls/seq_relationship/output_bias"},
-    )
+    # A selected variable under its own name, not in the checkpoint: refused (as tf.estimator's
+    # "Tensor ... is not found"), with its closest names; allowed, it starts fresh.
+    half = {
+        "vars_to_warm_start": "classifier/.*",
+        "var_name_to_prev_var_name": {"classifier/output_bias": "cls/seq_relationship/output_bias"},
+    }
+    assert _problems(**half) == [
+        "not in the checkpoint: 1 of the 2 selected variables",
+        "classifier/output_weights: closest in the checkpoint: cls/seq_relationship/output_weights",
+    ]
+    loaded, report = _warm(**half, allow_missing=True)
     assert report.loaded == ["classifier/output_bias"]
     assert report.sources == {"classifier/output_bias": "cls/seq_relationship/output_bias"}
     assert report.missing == ["classifier/output_weights"]  # its own name: not in the checkpoint
@@ -184,8 +192,24 @@ def test_the_checkpoints_root_into_a_scope():
         np.testing.assert_array_equal(_leaf(loaded, f"trunk/{name}"), reader.get_tensor(name))
 
 
-def test_without_the_rename_the_layer_norms_stay_fresh_and_unused_is_reported(caplog):
-    loaded, report = _warm()  # all trainable variables, by their own names
+def test_without_the_rename_the_layer_norms_are_refused_with_their_names():
+    norms = [TO_FLAX(n) for n in BERT_NAMES if "LayerNorm" in n]
+    # All trainable variables, by their own names: Flax's scale/bias are TensorFlow's
+    # gamma/beta, so the norms are not in the checkpoint, each shown with its closest names.
+    problems = _problems()
+    # (and the new head's 2, also selected)
+    assert problems[0] == f"not in the checkpoint: {len(norms) + 2} of the 41 selected variables"
+    assert problems[1] == (
+        "bert/embeddings/LayerNorm/bias: closest in the checkpoint: "
+        "bert/embeddings/LayerNorm/beta, bert/embeddings/LayerNorm/gamma, "
+        "bert/embeddings/word_embeddings"
+    )
+    assert len(problems) == 1 + warm_start.SHOWN + 1
+    assert problems[-1] == f"and {len(norms) + 2 - warm_start.SHOWN} more"
+
+
+def test_allowed_missing_variables_stay_fresh_and_unused_is_reported():
+    loaded, report = _warm(allow_missing=True)
     norms = [TO_FLAX(n) for n in BERT_NAMES if "LayerNorm" in n]
     assert len(report.loaded) == 39 - len(norms)
     assert set(norms) < set(report.missing)
@@ -203,6 +227,35 @@ def test_without_the_rename_the_layer_norms_stay_fresh_and_unused_is_reported(ca
     assert len(missing) == 1 and "bert/embeddings/LayerNorm/scale" in missing[0]
 
 
+def test_an_unnamed_top_module_is_refused_with_the_prefix_to_strip():
+    # The model_fn's BERT inside a module of the user's own, left unnamed: Flax calls it
+    # Top_0, and ".*bert/.*" selects Top_0/bert/..., which the checkpoint has as bert/...
+    top = {"params": {"Top_0": _variables()["params"]}}
+    settings = ex.WarmStartSettings(BERT, ".*bert/.*", rename=bert.RENAME)
+    with pytest.raises(warm_start.WarmStartError) as e:
+        warm_start.warm_start_variables(settings, top)
+    lines = [line.strip() for line in str(e.value).splitlines()[1:]]
+    assert lines[0] == (
+        "no variable would be loaded (39 selected): a warm start that loads nothing is refused"
+    )
+    assert lines[1] == "not in the checkpoint: 39 of the 39 selected variables"
+    assert lines[2] == (
+        "Top_0/bert/embeddings/LayerNorm/bias: the checkpoint has bert/embeddings/LayerNorm/beta; "
+        "strip 'Top_0/'?"
+    )
+    assert lines[-2] == "and 29 more"
+    assert lines[-1] == (
+        "every one is in the checkpoint without 'Top_0/': "
+        "assignment_map={'bert/': 'Top_0/bert/'} loads them"
+    )
+    # The map it names loads every one, exactly.
+    fixed = dataclasses.replace(settings, assignment_map={"bert/": "Top_0/bert/"})
+    loaded, report = warm_start.warm_start_variables(fixed, top)
+    assert len(report.loaded) == 39 and not report.missing
+    for name in BERT_NAMES:
+        np.testing.assert_array_equal(_leaf(loaded, f"Top_0/{TO_FLAX(name)}"), TF_VALUES[name])
+
+
 def _problems(**settings):
     with pytest.raises(warm_start.WarmStartError) as e:
         _warm(**settings)
@@ -212,7 +265,7 @@ def _problems(**settings):
 
 
 def test_each_problem_is_one_line_listing_names():
-    assert _problems(vars_to_warm_start=["bret/.*", "bert/.*", "nothing"]) == [
+    assert _problems(vars_to_warm_start=["bret/.*", "bert/.*", "nothing"], rename=bert.RENAME) == [
         "vars_to_warm_start matches no variable: 'bret/.*', 'nothing'"
     ]
     assert _problems(vars_to_warm_start="bret/.*") == [
@@ -229,37 +282,47 @@ def test_each_problem_is_one_line_listing_names():
         "assignment_map maps a scope to a scope (both ending in '/', as 'bert/': 'bert/') or a "
         "variable to a variable, not one to the other: 'bert/': 'bert'"
     ]
-    # Mapped explicitly, a variable must be in the checkpoint and fit (init_from_checkpoint).
+    # Mapped explicitly, a variable must be in the checkpoint and fit (init_from_checkpoint),
+    # opt-outs or not.
     problems = _problems(
         assignment_map={
             "bert/": "bert/",
             "cls/nothing": "classifier/output_bias",
             "bert/pooler/dense/kernel": "classifier/output_weights",
-        }
+        },
+        rename=bert.RENAME,
+        allow_missing=True,
+        allow_shape_mismatch=True,
     )
-    assert problems[0].startswith(
-        "not in the checkpoint: bert/embeddings/LayerNorm/bias <- bert/embeddings/LayerNorm/bias,"
-    )
-    assert problems[0].endswith("classifier/output_bias <- cls/nothing")
-    assert problems[1:] == [
+    assert problems[:2] == [
+        "not in the checkpoint: 1 of the 41 selected variables",
+        "classifier/output_bias <- cls/nothing: nothing like it in the checkpoint",
+    ]
+    assert problems[2:] == [
         "other shape or dtype: classifier/output_weights [2, 8] float32 <- "
         "bert/pooler/dense/kernel [8, 8] float32"
     ]
 
 
-def test_another_dtype_is_fresh_by_name_and_an_error_when_mapped():
+def test_another_dtype_is_refused_unless_allowed_and_always_when_mapped():
     variables = _variables()
     variables["params"]["bert"]["pooler"]["dense"]["kernel"] = np.zeros((8, 8), np.float16)
     settings = ex.WarmStartSettings(BERT, "bert/.*", rename=bert.RENAME)
-    loaded, report = warm_start.warm_start_variables(settings, variables)
-    # float32 -> float16 would not be TensorFlow's value: kept as initialised, and said.
+    # float32 -> float16 would not be TensorFlow's value: refused, both named...
+    with pytest.raises(warm_start.WarmStartError, match=r"other shape or dtype: bert/pooler"):
+        warm_start.warm_start_variables(settings, variables)
+    # ...or, allowed, kept as initialised, and said.
+    allowed = dataclasses.replace(settings, allow_shape_mismatch=True)
+    loaded, report = warm_start.warm_start_variables(allowed, variables)
     assert report.mismatched == ["bert/pooler/dense/kernel"]
     assert report.lines == [
         "bert/pooler/dense/kernel [8, 8] float16 <- bert/pooler/dense/kernel [8, 8] float32"
     ]
     assert "initialised fresh (other shape or dtype): bert/pooler" in report.summary()
     assert not _leaf(loaded, "bert/pooler/dense/kernel").any()
-    mapped = ex.WarmStartSettings(BERT, assignment_map={"bert/": "bert/"}, rename=bert.RENAME)
+    mapped = ex.WarmStartSettings(
+        BERT, assignment_map={"bert/": "bert/"}, rename=bert.RENAME, allow_shape_mismatch=True
+    )
     with pytest.raises(warm_start.WarmStartError, match=r"other shape or dtype: bert/pooler"):
         warm_start.warm_start_variables(mapped, variables)
 

@@ -103,7 +103,14 @@ def run(job: Job) -> dict[str, Any] | None:
             train_batch_size=job.batch_sizes[0],
             eval_batch_size=job.batch_sizes[1],
             predict_batch_size=job.batch_sizes[1],
-            warm_start_from=job.warm_start_from,
+            # --warm_start_from: every variable, each of which the checkpoint must hold; one of
+            # another shape (a new head: another --num_label_classes) starts fresh, as the flag
+            # says (estimax.state.warm_start).
+            warm_start_from=(
+                ex.WarmStartSettings(job.warm_start_from, [".*"], allow_shape_mismatch=True)
+                if job.warm_start_from
+                else None
+            ),
         )
         try:
             results = run_mode(

@@ -11,14 +11,23 @@ a variable's Flax path written as TensorFlow wrote names, ``bert/encoder/layer_0
 by ``var_name_to_prev_var_name`` and ``assignment_map`` (``init_from_checkpoint``'s), and for the
 original ResNet and Inceptions by their registered TensorFlow names (``estimax.models.TF_NAMES``).
 The optimizer state and the step start fresh (as tf.estimator's warm start); an EMA starts from
-the loaded weights. A variable of another shape or dtype (a new head), or one the checkpoint
-lacks, keeps its initial value, unless it was named one by one or under a mapped scope (then it
-is an error, as ``init_from_checkpoint``'s). What was loaded, and what not and why, is logged.
+the loaded weights.
+
+As strict as ``tf.compat.v1.train.warm_start``: every variable ``vars_to_warm_start`` selects
+must be in the checkpoint (under the name the maps give it) with its shape and a dtype that holds
+its values exactly, or the run stops before step 0 with one error naming them (the first
+``SHOWN``, and how many more) and, for each, the closest checkpoint names (a prefix to strip or
+add, said so). ``WarmStartSettings(allow_missing=True)`` keeps the variables the checkpoint lacks
+as initialised, ``allow_shape_mismatch=True`` those of another shape or dtype (a new head), each
+listed in a WARNING; a variable named one by one or under a mapped scope is always an error (as
+``init_from_checkpoint``'s), and so is a warm start that loads nothing. What was loaded, and what
+not and why, is logged.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -42,6 +51,7 @@ from estimax.migrate.assignment import (
     model_variables,
     plan,
     registered_names,
+    renamer,
 )
 from estimax.migrate.load import copy_tree, set_path
 from estimax.migrate.tf_checkpoint import CheckpointReader, TFCheckpointError, resolve_checkpoint
@@ -49,6 +59,8 @@ from estimax.migrate.tf_checkpoint import CheckpointReader, TFCheckpointError, r
 __all__ = ["WarmStartError", "WarmStartReport", "WarmStartSettings", "warm_start"]
 
 ALL = ".*"
+# Variables an error lists one by one (with their closest checkpoint names); the rest counted.
+SHOWN = 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +88,12 @@ class WarmStartSettings:
         from a scope or a variable's own name are looked up: ``{"LayerNorm/gamma":
         "LayerNorm/scale", "LayerNorm/beta": "LayerNorm/bias"}`` (whole ``/``-separated parts)
         or a function of the checkpoint name.
+      allow_missing: a selected variable the checkpoint lacks keeps its initial value (listed in
+        a WARNING) instead of stopping the run, as tf.estimator's ``ValueError: Tensor ... is
+        not found`` did. Not for variables named one by one or under a mapped scope.
+      allow_shape_mismatch: likewise for a selected variable the checkpoint holds in another
+        shape or in a dtype that would not hold its values exactly (a new head: another number
+        of classes). A warm start that loads nothing is an error either way.
     """
 
     ckpt_to_initialize_from: str
@@ -84,6 +102,8 @@ class WarmStartSettings:
     var_name_to_prev_var_name: Mapping[str, str] | None = None
     assignment_map: AssignmentMap | None = None
     rename: Rename | None = None
+    allow_missing: bool = False
+    allow_shape_mismatch: bool = False
 
     def selects(self, variable: Variable, *other_names: str) -> bool:
         """True if ``vars_to_warm_start`` takes ``variable`` (by its name or ``other_names``)."""
@@ -278,6 +298,75 @@ def _fits(p: Planned, ours: np.ndarray, theirs: tuple[tuple[int, ...], np.dtype]
     return f"{p.variable.name} {list(ours.shape)} {ours.dtype} <- {p.source} {list(shape)} {dtype}"
 
 
+def _bounded(items: Sequence[str]) -> str:
+    """The first ``SHOWN`` of ``items``, comma-separated, and how many more."""
+    more = f" and {len(items) - SHOWN} more" if len(items) > SHOWN else ""
+    return ", ".join(items[:SHOWN]) + more
+
+
+def _prefix_fix(wanted: str, known: Mapping[str, str]) -> tuple[str, str, str] | None:
+    """``(checkpoint name, verb, prefix)`` if ``wanted`` is in the checkpoint (``known``: its
+    names, as they are and after ``rename``, to the real name) once a leading scope is stripped
+    (``("bert/x", "strip", "Top_0/")`` for ``Top_0/bert/x``) or added; None otherwise."""
+    parts = wanted.split("/")
+    for k in range(1, len(parts)):  # the longest tail first: the least stripped
+        tail = "/".join(parts[k:])
+        if tail in known:
+            return known[tail], "strip", "/".join(parts[:k]) + "/"
+    longer = sorted(n for n in known if n.endswith("/" + wanted))
+    if longer:
+        return known[longer[0]], "add", longer[0][: -len(wanted)]
+    return None
+
+
+def _hint(wanted: str, known: Mapping[str, str]) -> str:
+    """Where the checkpoint may hold ``wanted``: under another prefix, else its closest names."""
+    fix = _prefix_fix(wanted, known)
+    if fix is not None:
+        name, verb, prefix = fix
+        return f"the checkpoint has {name}; {verb} {prefix!r}?"
+    close = difflib.get_close_matches(wanted, list(known), n=3, cutoff=0.6)
+    if close:
+        return "closest in the checkpoint: " + ", ".join(dict.fromkeys(known[c] for c in close))
+    return "nothing like it in the checkpoint"
+
+
+def _absent_lines(
+    absent: Sequence[Planned],
+    selected: int,
+    tensors: Mapping[str, Any],
+    rename: Rename | None,
+) -> list[str]:
+    """The error's lines for selected variables the checkpoint lacks: a count, the first
+    ``SHOWN`` each with its hint, and the assignment map that loads them all when every one is
+    in the checkpoint under one other prefix (a model_fn's unnamed top module, ``Top_0/``)."""
+    to_model = renamer(rename)
+    names = [n for n in tensors if is_model_tensor(n)]
+    known = {n: n for n in names} | {to_model(n): n for n in names}
+    lines = [f"not in the checkpoint: {len(absent)} of the {selected} selected variables"]
+    for p in absent[:SHOWN]:
+        shown = (
+            p.variable.name if p.wanted == p.variable.name else f"{p.variable.name} <- {p.wanted}"
+        )
+        lines.append(f"  {shown}: {_hint(str(p.wanted), known)}")
+    if len(absent) > SHOWN:
+        lines.append(f"  and {len(absent) - SHOWN} more")
+    # One prefix to strip from every one (looked up by the variables' own names): a map that
+    # loads them all.
+    fixes = [_prefix_fix(str(p.wanted), known) for p in absent]
+    kinds = {(f[1], f[2]) for f in fixes if f is not None}
+    if len(kinds) == 1 and None not in fixes and all(p.wanted == p.variable.name for p in absent):
+        verb, prefix = kinds.pop()
+        if verb == "strip":
+            scopes = sorted({p.variable.name[len(prefix) :].split("/")[0] for p in absent})
+            mapping = {f"{s}/": f"{prefix}{s}/" for s in scopes}
+            lines.append(
+                f"every one is in the checkpoint without {prefix!r}: "
+                f"assignment_map={mapping} loads them"
+            )
+    return lines
+
+
 def warm_start_variables(
     settings: WarmStartSettings, variables: Mapping[str, Any]
 ) -> tuple[dict[str, Any], WarmStartReport]:
@@ -312,7 +401,9 @@ def warm_start_variables(
     problems += plan_problems
     report = WarmStartReport(source=source.location, asked_for_all=settings.asks_for_all())
     loaded = copy_tree(dict(variables))
-    absent, unfit, taken = [], [], set()
+    absent: list[Planned] = []
+    unfit: list[tuple[Planned, str]] = []
+    taken: set[str] = set()
     for p in planned:
         var = p.variable
         like = np.asarray(_inside(variables[var.collection], var.path))
@@ -322,15 +413,13 @@ def warm_start_variables(
         if p.wanted is None:
             report.fresh.append(var.name)
         elif p.source is None:
-            if p.explicit:
-                absent.append(f"{var.name} <- {p.wanted}")
+            absent.append(p)
             report.fresh.append(var.name)
             report.missing.append(var.name)
             if p.wanted != var.name:
                 report.sources[var.name] = p.wanted
         elif mismatch is not None:
-            if p.explicit:
-                unfit.append(mismatch)
+            unfit.append((p, mismatch))
             report.fresh.append(var.name)
             report.mismatched.append(var.name)
             report.lines.append(mismatch)
@@ -343,10 +432,21 @@ def warm_start_variables(
     report.fresh += sorted(set(ours) - set(chosen))
     report.fresh.sort()
     report.unused = sorted(n for n in tensors if is_model_tensor(n) and n not in taken)
-    if absent:
-        problems.append(f"not in the checkpoint: {', '.join(absent)}")
-    if unfit:
-        problems.append(f"other shape or dtype: {', '.join(unfit)}")
+    # Nothing loaded is never what was meant: every problem is then the error, opt-outs or not.
+    nothing = not report.loaded
+    refused = [p for p in absent if nothing or p.explicit or not settings.allow_missing]
+    wrong = [m for p, m in unfit if nothing or p.explicit or not settings.allow_shape_mismatch]
+    selected = sum(p.wanted is not None for p in planned)
+    if refused:
+        problems += _absent_lines(refused, selected, tensors, settings.rename)
+    if wrong:
+        problems.append(f"other shape or dtype: {_bounded(wrong)}")
+    if nothing and (selected or not problems):  # else the lines above say why
+        problems.insert(
+            0,
+            f"no variable would be loaded ({selected} selected): a warm start that loads "
+            "nothing is refused",
+        )
     if problems:
         raise WarmStartError(
             f"--warm_start_from={path} does not fit the model:\n  " + "\n  ".join(problems)
@@ -373,6 +473,14 @@ def warm_start(source: str | WarmStartSettings, state: Any) -> tuple[Any, WarmSt
         ema_params=_like(params, state.ema_params) if state.ema_params else state.ema_params,
     )
     for line in report.summary().splitlines():
-        warn = line.startswith(("  initialised fresh (other", "  checkpoint variables not used"))
+        # What was selected and not loaded (under an opt-out) is a warning, as is a checkpoint
+        # variable left over when all were asked for; the rest is the record of a good start.
+        warn = line.startswith(
+            (
+                "  initialised fresh (other",
+                "  initialised fresh (not in the checkpoint)",
+                "  checkpoint variables not used",
+            )
+        )
         (logging.warning if warn else logging.info)("%s", line)
     return new_state, report
