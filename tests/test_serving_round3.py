@@ -373,3 +373,23 @@ def test_the_duplicate_name_check_is_linear():
     config.model_config_list.config.append(config.model_config_list.config[7])
     with pytest.raises(registry.ConfigError, match="Illegal to list model model-7 multiple"):
         registry.models_of(config, "x")
+
+
+def test_an_unchanged_config_file_is_not_parsed_again(tmp_path, monkeypatch):
+    """A poll of the same text (nothing else applied meanwhile) costs a read, not a parse."""
+    old = _base(tmp_path, "old")
+    core, models = _registry(lambda path, version, sizes: _Servable(path))
+    path = tmp_path / "models.config"
+    path.write_text(_config_text({NAME: old}))
+    poller = registry.ConfigPoller(str(path), models, 60)
+    parsed = []
+    parse = registry.parse_config
+    monkeypatch.setattr(registry, "parse_config", lambda *a: parsed.append(1) or parse(*a))
+    for _ in range(3):
+        poller.poll()
+    assert len(parsed) == 1 and list(core.models) == [NAME]
+    other = model_server_config_pb2.ModelServerConfig()
+    other.model_config_list.config.add(name="other", base_path=old)
+    models.reload(other)  # HandleReloadConfigRequest: the file wins again at the next poll
+    poller.poll()
+    assert len(parsed) == 2 and list(core.models) == [NAME]
