@@ -393,3 +393,85 @@ def test_an_unchanged_config_file_is_not_parsed_again(tmp_path, monkeypatch):
     models.reload(other)  # HandleReloadConfigRequest: the file wins again at the next poll
     poller.poll()
     assert len(parsed) == 2 and list(core.models) == [NAME]
+
+
+# ----------------------------------------------------------------------------- fuzzed
+# The hostile inputs of this round, generated (hypothesis, in process: the pieces that take
+# them): names with control characters, non-positive timeouts, config files that are no regular
+# file.
+NAME_CHARS = ("Cc", "Zl", "Zp", "Cs", "Ll", "Lu", "Nd", "Zs")
+
+
+def test_fuzzed_model_names_are_served_printable_or_refused_in_one_line():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=100, deadline=None, database=None, derandomize=True)
+    @given(st.text(st.characters(codec=None, categories=NAME_CHARS), min_size=1, max_size=40))
+    def fuzz(name: str) -> None:
+        config = model_server_config_pb2.ModelServerConfig()
+        safe = name.encode("utf-8", errors="replace").decode()  # protobuf strings are UTF-8
+        config.model_config_list.config.add(name=safe, base_path="/m")
+        try:
+            (model,) = registry.models_of(config, "ReloadConfigRequest")
+        except registry.ConfigError as e:
+            assert not safe.isprintable() and str(e).isprintable(), (safe, str(e))
+        else:
+            assert model.name == safe and safe.isprintable()
+
+    fuzz()
+
+
+def test_fuzzed_timeouts_never_make_a_past_deadline():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    async def run(*args):
+        await asyncio.sleep(0)
+        return {"y": 1}
+
+    @settings(max_examples=50, deadline=None, database=None, derandomize=True)
+    @given(st.integers(max_value=0) | st.sampled_from([0, -1, -(2**63), -(10**30)]))
+    def fuzz(timeout_ms: int) -> None:
+        core = ServingCore([], ServerOptions(rest_api_timeout_in_ms=timeout_ms))
+        core._prepare_and_run = run  # type: ignore[method-assign]
+        assert asyncio.run(core.infer(None, {})) == {"y": 1}  # type: ignore[arg-type]
+
+    fuzz()
+
+
+def test_fuzzed_config_files_are_read_or_refused_in_one_line(tmp_path):
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    kinds = st.sampled_from(["file", "fifo", "zero", "folder", "dangling", "big"])
+
+    @settings(max_examples=60, deadline=None, database=None, derandomize=True)
+    @given(kinds, st.binary(max_size=200), st.integers(0, 10**9))
+    def fuzz(kind: str, data: bytes, n: int) -> None:
+        path = tmp_path / f"config-{n}"
+        if kind == "file":
+            path.write_bytes(data)
+        elif kind == "big":
+            path.write_bytes(b" " * 300 + data)
+        elif kind == "fifo":
+            os.mkfifo(path)
+        elif kind == "zero":
+            path.symlink_to("/dev/zero")
+        elif kind == "folder":
+            path.mkdir()
+        else:
+            path.symlink_to(tmp_path / "absent")
+        try:
+            result = _bounded(registry.read_config, str(path), 256)
+        finally:
+            if path.is_dir() and not path.is_symlink():
+                path.rmdir()
+            else:
+                path.unlink()
+        if isinstance(result, registry.ConfigError):
+            assert str(path) in str(result) and "\n" not in str(result), result
+        else:
+            assert kind == "file" and isinstance(result, list), (kind, result)
+
+    fuzz()
