@@ -54,6 +54,7 @@ def test_each_flag_sets_its_field():
         "--rest_api_num_threads": ("1", 1),
         "--no-access_log": (None, False),
         "--access_log_format": ("json", "json"),
+        "--readiness": ("any", "any"),
     }
     by_name = {n: f for f in cli.FLAGS for n in f.names}
     for name, (text, want) in given.items():

@@ -382,8 +382,10 @@ def test_client_strings_never_forge_or_break_a_log_line(served):
 
     from estimax.serving.protos.tensorflow_serving.apis import (
         get_model_status_pb2,
+        model_management_pb2,
         model_service_pb2_grpc,
     )
+    from estimax.serving.protos.tensorflow_serving.config import model_server_config_pb2
 
     url = served["url"]
     lines_before = len(_read(served["access"]).splitlines())
@@ -406,6 +408,20 @@ def test_client_strings_never_forge_or_break_a_log_line(served):
     )
     access = _read(served["access"]).splitlines()[lines_before:]
     assert len(access) == 3, access  # one request, one line
+    # A model named with CR/LF/ESC in HandleReloadConfigRequest (issue #54, cause 7): refused,
+    # the served model kept (listed too, so nothing else would change were it taken).
+    config = model_server_config_pb2.ModelServerConfig()
+    config.model_config_list.config.add(name=NAME, base_path=served["base"])
+    config.model_config_list.config.add(name=f"x\r\n{FORGED}\x1b[2J", base_path=served["base"])
+    with grpc.insecure_channel(served["grpc"]) as channel:
+        stub = model_service_pb2_grpc.ModelServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.HandleReloadConfigRequest(
+                model_management_pb2.ReloadConfigRequest(config=config), timeout=60
+            )
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "control character" in e.value.details() and e.value.details().isprintable()
+    assert requests.get(f"{url}/v1/models/{NAME}", timeout=30).status_code == 200
     for text in (_read(served["log"]), _read(served["access"])):
         assert not any(line.startswith(FORGED[:23]) for line in text.splitlines())
         assert "\x1b" not in text and "\r" not in text and "\x07" not in text

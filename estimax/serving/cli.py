@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import logging as std_logging
 import os
@@ -32,7 +33,7 @@ from typing import Any
 
 from estimax.export.cli import Defaults
 from estimax.serving.batching import BatchingOptions
-from estimax.serving.options import ServerOptions
+from estimax.serving.options import READINESS, ServerOptions
 from estimax.serving.transport import ConnectionLimits
 
 
@@ -170,8 +171,17 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         ("--rest_api_timeout_in_ms", "--rest_api_timeout_ms"),
-        "a request taking longer answers 504 (gRPC: DEADLINE_EXCEEDED)",
+        "a request taking longer answers 504 (gRPC: DEADLINE_EXCEEDED); 0 or less: no "
+        "deadline (as TF Serving)",
         field="rest_api_timeout_in_ms",
+    ),
+    Flag(
+        ("--readiness",),
+        "the server's readiness (gRPC health \"\", /v2/health/ready): all (TF Serving's: "
+        "every model has a version available) or any (one broken model does not make the "
+        "server unready; probe /v2/models/NAME/ready or gRPC health NAME per model)",
+        field="readiness",
+        choices=READINESS,
     ),
     Flag(
         ("--file_system_poll_wait_seconds",),
@@ -505,6 +515,27 @@ def _refuse_one_version(base: str) -> None:
         )
 
 
+def escape_controls(text: str) -> str:
+    """``text`` with each non-printable character (CR, LF, ESC...) written as ``repr`` would."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+class OneLineFormatter(std_logging.Formatter):
+    """A log line per record, whatever its message holds: control characters in the message
+    (a model name from a config file or a gRPC request, a path) are escaped, so they cannot
+    forge a log line (CR/LF) or drive a terminal (ESC). Tracebacks, formatted apart, keep their
+    lines."""
+
+    def formatMessage(self, record: std_logging.LogRecord) -> str:  # noqa: N802 - logging's
+        """The record's line, its message escaped (``escape_controls``)."""
+        if not record.message.isprintable():
+            record = copy.copy(record)  # other handlers see the message as logged
+            record.message = escape_controls(record.message)
+        return super().formatMessage(record)
+
+
 def _configure_logging(args: argparse.Namespace) -> std_logging.Handler:
     """The server's log (``--log_level``) and the access log (its own stream, bare lines).
 
@@ -512,11 +543,11 @@ def _configure_logging(args: argparse.Namespace) -> std_logging.Handler:
     moved or removed (``logrotate``'s default ``create``), it is reopened at the next line
     rather than written on unseen (``copytruncate`` needs nothing).
     """
-    std_logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        force=True,
-    )
+    std_logging.basicConfig(level=args.log_level.upper(), force=True)
+    for root_handler in std_logging.getLogger().handlers:
+        root_handler.setFormatter(
+            OneLineFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+        )
     access = std_logging.getLogger("estimax.serving.access")
     access.propagate = False
     handler: std_logging.Handler = (
@@ -653,6 +684,7 @@ def _model_configs(args: argparse.Namespace) -> list[Any]:
         )
     if args.num_versions < 1:
         raise ValueError("--num_versions must be >= 1")
+    registry.check_name(args.model_name, "--model_name")
     return [
         registry.ModelConfig(
             args.model_name, args.model_base_path, VersionPolicy("latest", args.num_versions)

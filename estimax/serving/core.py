@@ -214,6 +214,19 @@ class ServingCore:
 
         Called before the manager starts: its loads are measured and warmed up here.
         """
+        return self.publish(self.prepare(manager))
+
+    def publish(self, model: ServedModel) -> ServedModel:
+        """Serves ``model`` (``prepare``'s), replacing the model of its name at once."""
+        self.models = {**self.models, model.name: model}
+        return model
+
+    def prepare(self, manager: ModelManager) -> ServedModel:
+        """``manager``'s model, its loads measured and warmed, its queue made; not served yet.
+
+        A model whose ``base_path`` changes loads its new versions this way while the old
+        model serves on (``estimax.serving.registry``), then ``publish`` swaps them.
+        """
         manager.on_load = self.metrics.loaded
         if self.options.enable_model_warmup:
             manager.warmup = functools.partial(
@@ -222,9 +235,7 @@ class ServingCore:
         batcher = (
             Batcher(self.options.batching, self._run_pool) if self.options.enable_batching else None
         )
-        model = ServedModel(manager, batcher)
-        self.models = {**self.models, manager.name: model}
-        return model
+        return ServedModel(manager, batcher)
 
     def remove(self, name: str) -> ServedModel | None:
         """Stops serving ``name`` (new requests answer 404); returns it, to be closed."""
@@ -235,8 +246,13 @@ class ServingCore:
         return model
 
     def ready_all(self) -> bool:
-        """Whether every model served has ended its first poll with a version available."""
-        return all(m.manager.ready() for m in self.models.values())
+        """The server's readiness (gRPC health ``""``, ``/v2/health/ready``): whether every
+        model served (``--readiness=all``, TF Serving's) or at least one (``any``) has ended its
+        first poll with a version available."""
+        models = self.models.values()
+        if self.options.readiness == "any":
+            return any(m.manager.ready() for m in models)
+        return all(m.manager.ready() for m in models)
 
     def _served(self, name: str, version: str) -> tuple[bool, bool]:
         model = self.models.get(name)
@@ -463,10 +479,12 @@ class ServingCore:
         each step took (Triton's statistics).
         """
         cancelled = threading.Event()  # set: the threads working for the request stop
+        timeout_ms = self.options.rest_api_timeout_in_ms
         try:
             return await asyncio.wait_for(
                 self._prepare_and_run(servable, columns, tracking.current(), cancelled),
-                self.options.rest_api_timeout_in_ms / 1000,
+                # <= 0: no deadline, as TF Serving (not a deadline already past).
+                timeout_ms / 1000 if timeout_ms > 0 else None,
             )
         except TimeoutError:
             cancelled.set()

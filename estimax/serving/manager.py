@@ -342,9 +342,11 @@ class ModelManager:
         if self.on_load is not None:
             self.on_load(path, seconds, False)
 
-    def start(self) -> None:
-        """Polls once now, then every ``poll_wait_seconds`` in a thread (never if 0)."""
-        self.poll()
+    def start(self, poll_now: bool = True) -> None:
+        """Polls once now (unless ``poll_now`` is False: the caller has), then every
+        ``poll_wait_seconds`` in a thread (never if 0)."""
+        if poll_now:
+            self.poll()
         if self.poll_wait_seconds > 0:
             self._poller.interval = self.poll_wait_seconds
             self._poller.start()

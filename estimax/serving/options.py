@@ -11,7 +11,10 @@ import dataclasses
 from estimax.serving.batching import BatchingOptions
 from estimax.serving.transport import ConnectionLimits
 
-__all__ = ["ServerOptions"]
+__all__ = ["READINESS", "ServerOptions"]
+
+# The server's readiness policies (``ServerOptions.readiness``).
+READINESS = ("all", "any")
 
 
 @dataclasses.dataclass
@@ -21,7 +24,8 @@ class ServerOptions:
     Attributes:
       enable_batching: merge concurrent requests (``BatchingOptions``).
       batching: the batching knobs (also give the compiled batch sizes without batching).
-      rest_api_timeout_in_ms: a request taking longer answers 504 (gRPC: DEADLINE_EXCEEDED).
+      rest_api_timeout_in_ms: a request taking longer answers 504 (gRPC: DEADLINE_EXCEEDED);
+        0 or less: no deadline (TF Serving's meaning).
       max_body_bytes: larger bodies answer 413 (gRPC messages: RESOURCE_EXHAUSTED).
       max_body_bytes_in_flight: the HTTP request bodies held at once (received, not yet
         answered), at most; a body that would pass it answers 503 with Retry-After.
@@ -46,6 +50,11 @@ class ServerOptions:
         ``--grpc_max_threads``); past it a call answers RESOURCE_EXHAUSTED at once. 0: no bound.
       grpc_arguments: more gRPC server arguments (TF Serving's ``--grpc_channel_arguments``),
         ``(name, int or str)``; they replace estimax's own of the same name.
+      readiness: the server's readiness (gRPC health ``""`` and the services', v2's
+        ``/v2/health/ready``, ``ServerReady``, Vertex AI's health route): ``all`` (TF Serving's
+        and the default: every model has a version available) or ``any`` (at least one: a
+        broken model does not take the others out of a load balancer). Each model's own
+        readiness (gRPC health of its name, ``/v2/models/NAME/ready``) is always its own.
       json_workers: the processes that parse large HTTP bodies and write large answers
         (``estimax.serving.bodies``; TF Serving's ``--rest_api_num_threads``). 0: its default.
     """
@@ -72,9 +81,13 @@ class ServerOptions:
     grpc_max_concurrent_rpcs: int = 0
     grpc_arguments: tuple[tuple[str, int | str], ...] = ()
     json_workers: int = 0
+    readiness: str = "all"
 
     def validate(self) -> None:
-        """Raises ValueError naming the flag of a body limit that cannot hold."""
+        """Raises ValueError naming the flag of a body limit that cannot hold (or a readiness
+        policy that is not one)."""
+        if self.readiness not in READINESS:
+            raise ValueError(f"--readiness={self.readiness!r}: give one of {', '.join(READINESS)}")
         if self.max_body_bytes <= 0:
             raise ValueError("--max_body_bytes must be > 0")
         if self.max_body_bytes_in_flight < self.max_body_bytes:

@@ -24,8 +24,18 @@ Who owns what:
 
 Each model gets its own ``ModelManager`` (its versions polled every
 ``--file_system_poll_wait_seconds``, hot-reloaded as a single model is) and its own batching
-queue (``ServingCore.add``). A model whose ``base_path`` changes is replaced; one whose version
-policy changes keeps its loaded versions and follows the new policy at once.
+queue (``ServingCore.add``). A model whose ``base_path`` changes is replaced once the new path
+has a version available: its new versions load and warm while the old ones serve on, then the
+model is swapped in one step (no request finds it missing). A new path that is absent or has no
+version that loads keeps the old one serving and is refused as a bad file is (below), tried again
+at each poll. A model whose version policy changes keeps its loaded versions and follows the new
+policy at once.
+
+A file that is not a regular file (a FIFO, a device such as ``/dev/zero``, directly or through a
+symlink) or is larger than ``MAX_CONFIG_BYTES`` is refused unread. A model name holding a
+control character (CR, LF, ESC...) is refused, in the file and in ``HandleReloadConfigRequest``:
+it would forge the server's log lines. Reading a config is linear in its models (20,000 models:
+a fraction of a second).
 
 Version labels follow TF Serving's rule: a label may only name a version that is available
 (loaded, checked and warmed), unless ``--allow_version_labels_for_unavailable_models`` is given,
@@ -46,15 +56,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import stat
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from estimax.serving.core import ServingCore
+from estimax.export.versions import list_versions
+from estimax.serving.core import ServedModel, ServingCore
 from estimax.serving.manager import ModelManager, VersionPolicy
 from estimax.serving.poller import Poller
 
 log = logging.getLogger(__name__)
+
+# The largest --model_config_file read: 64 MiB holds some 500,000 models' configs.
+MAX_CONFIG_BYTES = 64 << 20
 
 
 class ConfigError(ValueError):
@@ -96,14 +112,17 @@ def models_of(config: Any, where: str) -> list[ModelConfig]:
     if config.WhichOneof("config") != "model_config_list":
         raise ConfigError(f"{where}: give model_config_list {{ config {{ ... }} }}")
     models: list[ModelConfig] = []
+    names: set[str] = set()  # a set: a config of 20,000 models is checked in linear time
     for i, model in enumerate(config.model_config_list.config):
         if not model.name or not model.base_path:
             raise ConfigError(f"{where}: config {i} needs a name and a base_path")
-        if any(m.name == model.name for m in models):
+        check_name(model.name, f"{where}: config {i}")
+        if model.name in names:
             # TF Serving's message (ValidateModelConfigList).
             raise ConfigError(
                 f"{where}: Illegal to list model {model.name} multiple times in config list"
             )
+        names.add(model.name)
         if model.model_platform not in ("", "tensorflow"):
             raise ConfigError(
                 f"{where}: model {model.name}: model_platform {model.model_platform!r} is not "
@@ -118,6 +137,19 @@ def models_of(config: Any, where: str) -> list[ModelConfig]:
             )
         )
     return models
+
+
+def check_name(name: str, where: str) -> None:
+    """Raises ConfigError (naming ``where``) for a model name holding a control character.
+
+    A name is printed in the server's log and in answers: CR/LF would forge log lines, ESC
+    drive the reader's terminal. Printable characters only (``str.isprintable``).
+    """
+    if not name.isprintable():
+        raise ConfigError(
+            f"{where}: model name {name!r} holds a control character (CR, LF, ESC or another "
+            "non-printable one); give a name of printable characters"
+        )
 
 
 def _policy(policy: Any, where: str) -> VersionPolicy:
@@ -135,17 +167,40 @@ def _policy(policy: Any, where: str) -> VersionPolicy:
     return VersionPolicy("latest", num_versions=num or 1)
 
 
-def read_config(path: str) -> list[ModelConfig]:
+def read_config(path: str, max_bytes: int = MAX_CONFIG_BYTES) -> list[ModelConfig]:
     """``--model_config_file`` -> its models; ConfigError (one line naming the flag) if bad."""
+    return parse_config(read_config_text(path, max_bytes), f"--model_config_file={path}")
+
+
+def read_config_text(path: str, max_bytes: int = MAX_CONFIG_BYTES) -> str:
+    """``--model_config_file``'s text; ConfigError (one line naming the flag) if unreadable.
+
+    A regular file of at most ``max_bytes`` only: a FIFO (whose open would wait for a writer
+    for ever), a device (``/dev/zero``, endless) or a socket, directly or through a symlink, is
+    refused unread, and so is a larger file. Opened without blocking, then checked again, so a
+    FIFO put in its place between the two checks cannot block either.
+    """
     flag = f"--model_config_file={path}"
     try:
-        with open(path) as f:
-            text = f.read()
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise ConfigError(f"{flag}: not a regular file (a FIFO, device, socket or folder)")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise ConfigError(f"{flag}: not a regular file (a FIFO, device or socket)")
+            data = f.read(max_bytes + 1)
     except OSError as e:
         raise ConfigError(f"{flag}: cannot read it: {e.strerror}") from None
+    if len(data) > max_bytes:
+        raise ConfigError(
+            f"{flag}: larger than {max_bytes} bytes; a model config is text of a few hundred "
+            "bytes per model"
+        )
+    try:
+        return data.decode()
     except UnicodeDecodeError:
         raise ConfigError(f"{flag}: not a text file") from None
-    return parse_config(text, flag)
 
 
 class ModelRegistry:
@@ -181,43 +236,85 @@ class ModelRegistry:
     def reload(self, config: Any) -> list[str]:
         """Applies a ``ModelServerConfig`` message (gRPC ``HandleReloadConfigRequest``)."""
         configs = models_of(config, "ReloadConfigRequest")
-        log.info("HandleReloadConfigRequest: serving %s", ", ".join(c.name for c in configs))
+        log.info("HandleReloadConfigRequest: serving %s", ", ".join(repr(c.name) for c in configs))
         return self.apply(configs)
 
     def _apply(self, new: dict[str, ModelConfig]) -> list[str]:
         changes: list[str] = []
+        refused: list[str] = []
         old = self.configs
-        for name, config in old.items():
-            if name not in new or new[name].base_path != config.base_path:
-                model = self.core.remove(name)
-                if model is not None:
-                    model.manager.close()  # after the requests holding its versions
-                    if model.batcher is not None:
-                        model.batcher.close_soon()  # its queue is empty: they have ended
-                if name not in new:
-                    changes.append(f"removed model {name}")
+        served = dict(new)  # what is served after this: a refused base_path keeps the old one
+        for name in old:
+            if name not in new:
+                self._close(self.core.remove(name))
+                changes.append(f"removed model {name}")
         for name, config in new.items():
             before = old.get(name)
-            if before is None or before.base_path != config.base_path:
+            if before is None:
                 manager = self._make(config)
                 self.core.add(manager)
                 manager.start()  # its first poll loads the policy's versions
                 self.core.name = self.core.name or name
-                changes.append(
-                    f"added model {name} from {config.base_path}"
-                    if before is None
-                    else f"model {name} now from {config.base_path}"
-                )
+                changes.append(f"added model {name} from {config.base_path}")
+            elif before.base_path != config.base_path:
+                why = self._replace(before, config)
+                if why:
+                    served[name] = before
+                    refused.append(why)
+                else:
+                    changes.append(f"model {name} now from {config.base_path}")
             elif before.policy != config.policy:
                 manager = self.core.models[name].manager
                 manager.policy = config.policy
                 manager.poll()  # now, not at its next poll (which may be never)
                 changes.append(f"model {name}: version policy {config.policy.json()}")
-        self.configs = new
+        self.configs = served
         self.labels_applied = False
-        changes += self._set_labels(new)
+        changes += self._set_labels(served)
         self.labels_applied = True
+        if refused:
+            if changes:
+                log.info("model config partly applied: %s", "; ".join(changes))
+            raise ConfigError("; ".join(refused))
         return changes
+
+    def _replace(self, before: ModelConfig, config: ModelConfig) -> str:
+        """Serves ``config``'s new ``base_path`` in place of ``before``'s, once it has a version
+        available; returns why not ("": done), the old model serving on.
+
+        The new versions load (and warm) while the old ones answer every request: the model
+        is swapped in one step, never absent (no 404 while the new path loads). A path with
+        no version that loads keeps the old one served; it is tried again at the next apply.
+        """
+        name = config.name
+        keeps = f"still serving model {name!r} from {before.base_path}"
+        try:
+            if not list_versions(config.base_path):
+                raise FileNotFoundError(f"{config.base_path} holds no version")
+        except (OSError, ValueError) as e:
+            return f"model {name!r}: new base_path {config.base_path}: {e}; {keeps}"
+        manager = self._make(config)
+        model = self.core.prepare(manager)
+        manager.poll()  # loads the new path's versions while the old ones serve
+        if not manager.ready():
+            errors = [f"version {s.version}: {s.error}" for s in manager.states() if s.error]
+            why = "; ".join(errors) or manager.last_poll_error or "no version became available"
+            self._close(model)
+            where = f"model {name!r}: new base_path {config.base_path}"
+            return f"{where}: no version loads ({why}); {keeps}"
+        replaced = self.core.models.get(name)
+        self.core.publish(model)  # from now on requests take the new versions
+        self._close(replaced)
+        manager.start(poll_now=False)  # its first poll has run
+        return ""
+
+    @staticmethod
+    def _close(model: ServedModel | None) -> None:
+        """Unloads a model no longer served (after the requests holding its versions)."""
+        if model is not None:
+            model.manager.close()
+            if model.batcher is not None:
+                model.batcher.close_soon()  # its queue is empty: they have ended
 
     def _set_labels(self, new: dict[str, ModelConfig]) -> list[str]:
         """Checks every label, then sets them all; ConfigError (nothing set) if one is refused."""
@@ -271,17 +368,28 @@ class ConfigPoller:
             logger=log,
         )
         self._last_error = ""
+        # The text last served whole, and the registry's configs it gave: the same text at the
+        # next poll, nothing else applied meanwhile (HandleReloadConfigRequest), is not parsed
+        # again (20,000 models: seconds of parsing at every poll otherwise).
+        self._served: tuple[str, dict[str, ModelConfig]] | None = None
 
     def poll(self) -> None:
         """Reads the file once; applies it if it changed (or its labels were refused)."""
+        registry = self.registry
         try:
-            configs = read_config(self.path)
-            if {c.name: c for c in configs} == self.registry.configs and (
-                self.registry.labels_applied
-            ):
+            text = read_config_text(self.path)
+            if self._served is not None and registry.labels_applied:
+                served_text, served_configs = self._served
+                if text == served_text and registry.configs is served_configs:
+                    self._last_error = ""
+                    return
+            configs = parse_config(text, f"--model_config_file={self.path}")
+            if {c.name: c for c in configs} == registry.configs and registry.labels_applied:
+                self._served = (text, registry.configs)
                 self._last_error = ""
                 return
-            changes = self.registry.apply(configs)
+            changes = registry.apply(configs)
+            self._served = (text, registry.configs)
         except ConfigError as e:
             if str(e) != self._last_error:  # once per distinct error, not every poll
                 log.error("%s; still serving the previous model config", e)

@@ -4,8 +4,11 @@ A version folder may hold ``assets.extra/tf_serving_warmup_requests``: a TFRecor
 ``tensorflow.serving.PredictionLog`` records. As TF Serving does, up to ``MAX_RECORDS`` (1,000)
 of them are replayed against the version after it loads (and after its stored check), before it
 is marked AVAILABLE; each ``--num_request_iterations_for_warmup`` times. A record that fails (a
-request the model refuses), a damaged file, or more than 1,000 records fail the load, as in TF
-Serving, and the version is not served.
+request the model refuses), a damaged file (a record cut short, or whose length or data CRC is
+wrong, as TensorFlow's ``RecordReader`` checks), or more than 1,000 records fail the load, as in
+TF Serving, and the version is not served. The file is read one record at a time, and a file
+over ``MAX_BYTES`` (1 GiB) or a record over ``--max_body_bytes`` fails the load before it is
+read: a huge (or sparse) file never fills the server's memory.
 
 Only ``predict_log`` records are replayed (estimax's exports have the Predict API's signature);
 a ``classify_log``, ``regress_log``, ``multi_inference_log`` or ``session_run_log`` record fails
@@ -17,6 +20,7 @@ with ``export_version(..., warmup_requests=...)`` (``estimax.export.warmup``).
 
 from __future__ import annotations
 
+import itertools
 import posixpath
 import struct
 from collections.abc import Iterator
@@ -24,12 +28,18 @@ from typing import Any
 
 import fsspec
 
+from estimax.data.tfrecord import masked_crc32c
 from estimax.export.record import check_regular
 from estimax.export.servable import Servable
 
 # TF Serving's names and limit, where the export writes them.
 from estimax.export.warmup import MAX_RECORDS, WARMUP_DIR, WARMUP_FILE
 from estimax.serving.tensors import Limits, tensor_to_column
+
+# The bytes of a warm-up file read, at most (TF Serving bounds the records, 1,000, not the
+# bytes): 1,000 requests of up to 1 MiB each. A record is also at most ``--max_body_bytes``, the
+# largest request the server would take. A larger file fails the load unread.
+MAX_BYTES = 1 << 30
 
 # PredictionLog's fields (tensorflow_serving/apis/prediction_log.proto).
 _KINDS = {
@@ -48,38 +58,75 @@ def warmup_path(version_path: str) -> str:
     return posixpath.join(version_path.rstrip("/"), WARMUP_DIR, WARMUP_FILE)
 
 
-def read_records(path: str, limit: int = MAX_RECORDS) -> list[bytes]:
-    """The records of the TFRecord file at ``path`` (ValueError: damaged, or over ``limit``).
+def iter_records(
+    path: str,
+    limit: int = MAX_RECORDS,
+    max_bytes: int = MAX_BYTES,
+    max_record_bytes: int | None = None,
+) -> Iterator[bytes]:
+    """The records of the TFRecord file at ``path``, one at a time, checked as TensorFlow does.
 
-    Each record is ``uint64 length, uint32 crc, data, uint32 crc`` (little-endian); lengths are
-    checked, CRCs are not (a truncated or mis-framed file is refused, not a flipped bit).
+    Each record is ``uint64 length, uint32 masked crc32c(length), data, uint32 masked
+    crc32c(data)`` (little-endian). As TF Serving's reader (``tensorflow::io::RecordReader``),
+    both CRCs are checked: a record whose length or data CRC is wrong raises ValueError naming
+    the file and the record's number, and so does a truncated record, a file over ``max_bytes``
+    (checked by its size before it is read), a record over ``max_record_bytes`` (checked by its
+    declared length before its data is read) and more than ``limit`` records. The file is read
+    record by record, so at most one record (``max_record_bytes``) is in memory, never the file.
     """
-    with fsspec.open(path, "rb") as f:
-        data = f.read()
-    records: list[bytes] = []
-    at = 0
-    while at < len(data):
-        if len(data) - at < 12:
-            raise ValueError(f"{path}: truncated TFRecord header at byte {at}")
-        (length,) = struct.unpack_from("<Q", data, at)
-        end = at + 12 + length + 4
-        if end > len(data):
-            raise ValueError(f"{path}: truncated TFRecord at byte {at} ({length} bytes declared)")
-        records.append(data[at + 12 : at + 12 + length])
-        at = end
-        if len(records) > limit:
-            raise ValueError(
-                f"{path}: more than {limit} warm-up records (TF Serving's limit); keep at most "
-                f"{limit}"
-            )
-    return records
+    fs, root = fsspec.core.url_to_fs(path)
+    size = fs.size(root)
+    if size is not None and size > max_bytes:
+        raise ValueError(
+            f"{path}: {size} bytes of warm-up records; at most {max_bytes} are read (keep "
+            f"at most {limit} small requests)"
+        )
+    per_record = max_bytes if max_record_bytes is None else min(max_bytes, max_record_bytes)
+    with fs.open(root, "rb") as f:
+        at = 0
+        for number in itertools.count():
+            header = f.read(12)
+            if not header:
+                return
+            if number >= limit:
+                raise ValueError(
+                    f"{path}: more than {limit} warm-up records (TF Serving's limit); keep at "
+                    f"most {limit}"
+                )
+            if len(header) < 12:
+                raise ValueError(f"{path}: record {number}: truncated header at byte {at}")
+            length, length_crc = struct.unpack("<QI", header)
+            if masked_crc32c(header[:8]) != length_crc:
+                raise ValueError(f"{path}: record {number}: corrupted record (length CRC)")
+            if length > per_record or at + 16 + length > max_bytes:
+                raise ValueError(
+                    f"{path}: record {number}: {length} bytes declared; a warm-up record is at "
+                    f"most {per_record} bytes and the file at most {max_bytes}"
+                )
+            data = f.read(length)
+            footer = f.read(4)
+            if len(data) < length or len(footer) < 4:
+                raise ValueError(
+                    f"{path}: record {number}: truncated at byte {at} ({length} bytes declared)"
+                )
+            if masked_crc32c(data) != struct.unpack("<I", footer)[0]:
+                raise ValueError(f"{path}: record {number}: corrupted record (data CRC)")
+            at += 16 + length
+            yield data
+
+
+def read_records(path: str, limit: int = MAX_RECORDS) -> list[bytes]:
+    """Every record of the TFRecord file at ``path`` (``iter_records``' checks; for tests)."""
+    return list(iter_records(path, limit))
 
 
 def write_records(path: str, records: list[bytes]) -> None:
-    """Writes ``records`` as a TFRecord file (CRCs zero: readers here do not check them)."""
+    """Writes ``records`` as a TFRecord file, with TFRecord's CRCs (TensorFlow reads it too)."""
     with fsspec.open(path, "wb") as f:
         for record in records:
-            f.write(struct.pack("<QI", len(record), 0) + record + struct.pack("<I", 0))
+            length = struct.pack("<Q", len(record))
+            f.write(length + struct.pack("<I", masked_crc32c(length)) + record)
+            f.write(struct.pack("<I", masked_crc32c(record)))
 
 
 def _varint(data: bytes, at: int) -> tuple[int, int]:
@@ -168,8 +215,10 @@ def replay(servable: Servable, version_path: str, core: Limits, iterations: int 
     if not fs.exists(root):
         return 0
     check_regular(fs, root, path)  # a FIFO there would block the load: refused unopened
-    records = read_records(path)
-    for i, record in enumerate(records):
+    count = 0
+    records = iter_records(path, max_record_bytes=core.options.max_body_bytes)
+    for i, record in enumerate(records):  # a damaged record raises here, naming itself
+        count += 1
         try:
             request = predict_request(record)
             if set(request.inputs) != set(servable.inputs):
@@ -182,4 +231,4 @@ def replay(servable: Servable, version_path: str, core: Limits, iterations: int 
                 servable.run(servable.prepare(columns, core.options.max_image_pixels))
         except Exception as e:  # noqa: BLE001 - any failure refuses the version, named
             raise ValueError(f"{path}: warm-up record {i} failed: {e}") from None
-    return len(records)
+    return count
