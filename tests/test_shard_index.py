@@ -381,9 +381,7 @@ def test_a_read_only_bucket_is_indexed_once_by_all_hosts_into_the_jobs_index_dir
         proxy.stop()
 
 
-def test_a_stale_bucket_index_is_rebuilt_into_the_jobs_index_dir(
-    gcs_emulator, monkeypatch, caplog
-):
+def test_a_stale_bucket_index_is_rebuilt_into_the_jobs_index_dir(gcs_emulator, monkeypatch, caplog):
     root = _bucket(gcs_emulator, monkeypatch)
     files = _write(root, index=True)
     fs, fs_idx = tfrecord._fs_and_path(_idx(files[0]))  # noqa: SLF001
@@ -415,3 +413,65 @@ def test_beam_index_runner_writes_the_same_indexes(tmp_path, capsys):
         np.testing.assert_array_equal(
             tfrecord.read_index(_idx(f)), tfrecord.record_offsets(f, verify_crc=False)
         )
+
+
+def _index_in_thread(argv: list[str]) -> tuple[threading.Thread, dict]:
+    """``estimax-convert index`` run in a thread: a FIFO it opened would block it for ever, so
+    the caller joins it with a timeout (the test fails; it does not hang)."""
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(rc=convert.main(argv)), daemon=True)
+    t.start()
+    t.join(timeout=60)
+    return t, out
+
+
+def _unblock(fifo: str) -> None:
+    """Opens the FIFO's other end, so that a reader stuck in its open (without the fix) goes."""
+    try:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:
+        pass  # nobody reading it: nothing stuck
+
+
+def test_index_command_refuses_a_fifo_shard_or_index_in_one_line(tmp_path, capsys):
+    # Issue #54 cause 9: a FIFO among the globbed shards (or as a shard's index) blocked the
+    # command for ever, silently.
+    files = _write(str(tmp_path))
+    fifo = f"{tmp_path}/data/train-00003-of-00004"
+    os.mkfifo(fifo)
+    try:
+        t, out = _index_in_thread(["index", f"{tmp_path}/data/train-*", "--no_progress"])
+        assert not t.is_alive(), "estimax-convert index hangs on a FIFO shard"
+    finally:
+        _unblock(fifo)
+    assert out["rc"] == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"estimax-convert index: error: {fifo}: not a regular file (a FIFO); "
+                   "give TFRecord shards and index files only"]  # fmt: skip
+    os.remove(fifo)
+    # A FIFO where a shard's index is looked up.
+    os.makedirs(os.path.dirname(_idx(files[0])))
+    os.mkfifo(_idx(files[0]))
+    try:
+        t, out = _index_in_thread(["index", files[0], "--no_progress"])
+        assert not t.is_alive(), "estimax-convert index hangs on a FIFO index"
+    finally:
+        _unblock(_idx(files[0]))
+    assert out["rc"] == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{_idx(files[0])}: not a regular file (a FIFO)" in err[0]
+
+
+def test_index_command_moves_old_indexes_out_of_the_shards_glob(tmp_path, capsys):
+    files = _write(str(tmp_path))
+    for f in files[:2]:
+        shard_index.write_index(f, f + ".idx")  # where earlier versions wrote them
+    want = open(files[0] + ".idx").read()
+    assert convert.main(["index", f"{tmp_path}/data/train-*", "--move", "--no_progress"]) == 0
+    out = capsys.readouterr().out
+    assert "indexed 1 shards" in out and "2 already had an index" in out
+    assert "moved 2 old <shard>.idx files into .estimax-index/" in out
+    names = [os.path.basename(f) for f in files]
+    assert sorted(os.listdir(tmp_path / "data")) == [".estimax-index", *names]
+    assert open(_idx(files[0])).read() == want
+    assert all(tfrecord.RecordFile(f).index_path == _idx(f) for f in files)
