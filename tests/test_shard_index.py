@@ -475,3 +475,25 @@ def test_index_command_moves_old_indexes_out_of_the_shards_glob(tmp_path, capsys
     assert sorted(os.listdir(tmp_path / "data")) == [".estimax-index", *names]
     assert open(_idx(files[0])).read() == want
     assert all(tfrecord.RecordFile(f).index_path == _idx(f) for f in files)
+
+
+def test_index_lookup_order_and_where_estimax_writes(tmp_path):
+    shard = "gs://data/imagenet/train-00000-of-01024"
+    explicit, job = "gs://mine/indexes", "gs://runs/r1/shard_indexes"
+    assert shard_index.index_candidates(shard, job, explicit) == [
+        shard_index.index_path_in(explicit, shard),
+        "gs://data/imagenet/.estimax-index/train-00000-of-01024.idx",
+        shard_index.index_path_in(job, shard),
+        "gs://data/imagenet/train-00000-of-01024.idx",  # earlier versions': still read
+    ]
+    assert shard_index.index_path_for(shard) == (
+        "gs://data/imagenet/.estimax-index/train-00000-of-01024.idx"
+    )
+    assert shard_index.index_path_for(shard, job) == shard_index.index_path_in(job, shard)
+    # A local folder: the first candidate that fits wins; none of them matches train-*.
+    files = _write(str(tmp_path))
+    shard_index.write_index(files[0], files[0] + ".idx")
+    shard_index.write_index(files[0])
+    rf, _, why = shard_index.open_indexed(files[0], False)
+    assert rf is not None and rf.index_path == _idx(files[0]) and why == ""
+    assert tfrecord.list_files(f"{tmp_path}/data/train-*") == files
