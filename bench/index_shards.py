@@ -203,8 +203,10 @@ def _index_run(url: str, delay: int, workers: int, tag: str) -> dict:
 def _drop_indexes(fs) -> None:
     fs.invalidate_cache()  # the children wrote indexes this process's listing has not seen
     for name in fs.ls("bench-data/imagenet"):
-        if name.endswith(".idx"):
+        if name.endswith(".idx"):  # written by earlier versions
             fs.rm(name)
+    if fs.exists("bench-data/imagenet/.estimax-index"):  # where indexes go now (issue #51)
+        fs.rm("bench-data/imagenet/.estimax-index", recursive=True)
 
 
 def main() -> None:

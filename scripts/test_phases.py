@@ -127,7 +127,13 @@ def phases(make: str, workers: str, require_onednn: str) -> list[Phase]:
         _pytest(
             "tf",
             ".venv-tf/bin/python",
-            ["-p", "no:cacheprovider", "tests/test_migrate_tf.py", "tests/test_savedmodel_tf.py"],
+            [
+                "-p",
+                "no:cacheprovider",
+                "tests/test_migrate_tf.py",
+                "tests/test_savedmodel_tf.py",
+                "tests/test_tf_reads_estimax_data.py",
+            ],
             lane=SIDE_A,
             XLA_FLAGS=XLA_FLAGS,
             ESTIMAX_REQUIRE_TF="1",

@@ -390,10 +390,15 @@ def test_skip_bad_records_and_export_dir_reach_the_inception_run(tmp_path, monke
     assert job.input_fn.keywords["skip_bad_records"] is True
     assert job.loop.export_dir == str(tmp_path / "e")
     assert job.serving.shape == (None, 107, 107, 3) and job.serving.dtype == np.float32
+    assert job.input_fn.keywords["index_beside_data"] is False  # issue #51: never, by default
     job = _captured_job(
-        monkeypatch, "resnet", ["--data_dir=fake", f"--model_dir={tmp_path}", "--skip_bad_records"]
+        monkeypatch,
+        "resnet",
+        ["--data_dir=fake", f"--model_dir={tmp_path}", "--skip_bad_records", "--index_beside_data"],
     )
     assert job.input_fn.keywords["skip_bad_records"] is True
+    assert job.input_fn.keywords["index_beside_data"] is True
+    assert job.input_fn.keywords["index_dir"] == f"{tmp_path}/shard_indexes"
 
 
 def test_steps_per_device_call_reaches_every_programs_run_config(tmp_path, monkeypatch):

@@ -98,7 +98,7 @@ def digests(out_dir) -> dict[str, str]:
     """{file name: SHA-256} of every shard and index file in out_dir."""
     out = str(out_dir)
     paths = tfrecord.list_files(os.path.join(out, "*-of-*"))
-    paths += tfrecord.list_files(os.path.join(out, "*-of-*.idx"))
+    paths += tfrecord.list_files(os.path.join(out, tfrecord.INDEX_DIR_NAME, "*-of-*.idx"))
     return {os.path.basename(p): hashlib.sha256(open(p, "rb").read()).hexdigest() for p in paths}
 
 
@@ -108,6 +108,10 @@ def assert_indexed(out_dir: str) -> None:
     assert shards
     for path in shards:
         assert convert_shards.index_problems(path) == [], path
+        # In the hidden folder: a TensorFlow glob of the shards (train-*) matches no index.
+        assert tfrecord.existing_index_path(path) == tfrecord.default_index_path(path)
+    fs, fs_dir = tfrecord._fs_and_path(out_dir)  # noqa: SLF001
+    assert not any(n.endswith(".idx") for n in fs.ls(fs_dir, detail=False))
 
 
 @pytest.fixture(scope="module")
@@ -238,9 +242,7 @@ def test_verify_passes_then_catches_a_deleted_record(converted, tmp_path):
     assert_indexed(str(out))
     assert convert_shards.verify(str(out), decode=True, num_workers=1) == []
     copy = tmp_path / "copy"
-    copy.mkdir()
-    for name in os.listdir(out):
-        (copy / name).write_bytes((out / name).read_bytes())
+    shutil.copytree(out, copy)
     shard = str(copy / "train-00001-of-00003")
     records = list(tfrecord.read_records(shard))
     with tfrecord.TFRecordWriter(shard) as w:
@@ -251,7 +253,8 @@ def test_verify_passes_then_catches_a_deleted_record(converted, tmp_path):
     assert any(
         f"{len(records) - 1} records, the manifest says {len(records)}" in p for p in problems
     )
-    assert f"{shard}.idx: lists {len(records)} records, the shard has {len(records) - 1}; " in (
+    idx = tfrecord.default_index_path(shard)
+    assert f"{idx}: lists {len(records)} records, the shard has {len(records) - 1}; " in (
         "\n".join(problems)
     )
     assert convert.main(["verify", f"--output_dir={copy}"]) == 1
@@ -261,12 +264,10 @@ def test_verify_checks_index_files_and_a_rerun_writes_missing_ones(raw, converte
     root, _ = raw
     out, _, _ = converted
     copy = tmp_path / "copy"
-    copy.mkdir()
-    for name in os.listdir(out):
-        (copy / name).write_bytes((out / name).read_bytes())
-    lost = copy / "train-00000-of-00003.idx"
+    shutil.copytree(out, copy)
+    lost = copy / ".estimax-index" / "train-00000-of-00003.idx"
     lost.unlink()
-    short = copy / "validation-00001-of-00002.idx"
+    short = copy / ".estimax-index" / "validation-00001-of-00002.idx"
     # Its last record's line dropped (and the trailer that records the shard's size, as an index
     # of an earlier estimax has none).
     lines = [x for x in short.read_text().splitlines(keepends=True) if not x.startswith("#")]
@@ -294,10 +295,9 @@ def test_verify_checks_index_files_and_a_rerun_writes_missing_ones(raw, converte
     # records the copy's own mtime).
     shards = lambda d: {k: v for k, v in digests(d).items() if not k.endswith(".idx")}
     assert shards(copy) == shards(out)
-    for name in os.listdir(out):
-        if name.endswith(".idx"):
-            records = lambda p: [x for x in p.read_text().splitlines() if not x.startswith("#")]
-            assert records(copy / name) == records(out / name), name
+    for name in os.listdir(out / ".estimax-index"):
+        records = lambda p: [x for x in p.read_text().splitlines() if not x.startswith("#")]
+        assert records(copy / ".estimax-index" / name) == records(out / ".estimax-index" / name)
 
 
 def _fake_args(out, *extra):
@@ -626,7 +626,10 @@ def test_a_different_conversion_in_the_same_output_dir_is_refused(tmp_path):
     manifest = _convert(root, tmp_path / "o", shards={"train": 3, "validation": 1}, overwrite=True)
     shards = ["validation-00000-of-00001"] + [f"train-0000{i}-of-00003" for i in range(3)]
     assert sorted(os.listdir(tmp_path / "o")) == sorted(
-        ["manifest.json", *shards, *(f"{name}.idx" for name in shards)]
+        ["manifest.json", *shards, ".estimax-index"]
+    )
+    assert sorted(os.listdir(tmp_path / "o" / ".estimax-index")) == sorted(
+        f"{name}.idx" for name in shards
     )
     assert manifest.complete
 

@@ -195,7 +195,7 @@ def test_a_bucket_backed_training_reads_no_shard_in_full_before_its_first_batch(
     from counting_proxy import CountingProxy
 
     from estimax import storage
-    from estimax.data import imagenet
+    from estimax.data import imagenet, tfrecord
     from estimax.tools import convert
 
     caplog.set_level(logging.INFO, logger="estimax.data.sources")
@@ -208,16 +208,22 @@ def test_a_bucket_backed_training_reads_no_shard_in_full_before_its_first_batch(
     args += ["--min_size=40", "--max_size=64", "--num_workers=1", "--no_progress"]
     assert convert.main(["fake-imagenet", f"--output_dir={data_dir}", *args]) == 0
     fs, root = storage.filesystem(data_dir)
-    sizes = {e["name"].split("/", 1)[1]: e["size"] for e in fs.ls(root, detail=True)}
-    shards = sorted(n for n in sizes if "/train-" in n and not n.endswith(".idx"))
-    assert len(shards) == 4 and all(f"{n}.idx" in sizes for n in shards)
+    listed = fs.ls(root, detail=True) + fs.ls(f"{root}/.estimax-index", detail=True)
+    sizes = {e["name"].split("/", 1)[1]: e["size"] for e in listed if e["type"] == "file"}
+    shards = sorted(n for n in sizes if n.startswith("imagenet/train-"))
+    idx = {n: tfrecord.hidden_index_path(n) for n in shards}  # in the hidden folder
+    assert len(shards) == 4 and all(idx[n] in sizes for n in shards)
+    # The job's own index folder (<model_dir>/shard_indexes), as the programs give it.
+    index_dir = f"gs://{bucket}/model/shard_indexes"
 
     def first_batch_reads() -> tuple[dict[str, int], dict[str, int]]:
         """Bytes and requests of each object until the first batch is out."""
         proxy = CountingProxy(gcs_emulator.url)
         point_clients_at(monkeypatch, "gs", proxy.url)
         try:
-            fn = imagenet.input_fn(data_dir, True, image_size=32, num_parallel_calls=2)
+            fn = imagenet.input_fn(
+                data_dir, True, image_size=32, num_parallel_calls=2, index_dir=index_dir
+            )
             it = iter(fn({"batch_size": 8}))
             images, _ = next(it)
             assert images.shape == (8, 32, 32, 3)
@@ -233,13 +239,14 @@ def test_a_bucket_backed_training_reads_no_shard_in_full_before_its_first_batch(
         # never the whole shard, nor a request per record to find them.
         assert read.get(name, 0) < sizes[name] / 2, (name, read.get(name), sizes[name])
         assert requests.get(name, 0) < 32, requests
-        assert read[f"{name}.idx"] == sizes[f"{name}.idx"]  # its index, read once
+        assert read[idx[name]] == sizes[idx[name]]  # its index, read once
     # Without the index files the same input reads each shard once, whole, to index it; keeps
-    # what it read for its own reads (nothing pulled twice); and writes the indexes back.
+    # what it read for its own reads (nothing pulled twice); and writes the indexes into the
+    # job's index folder (never into the data's).
     point_clients_at(monkeypatch, "gs", gcs_emulator.url)
     fs, _ = storage.filesystem(data_dir)
     for name in shards:
-        fs.rm(f"{bucket}/{name}.idx")
+        fs.rm(f"{bucket}/{idx[name]}")
     read, requests = first_batch_reads()
     assert all(read[name] == sizes[name] for name in shards), (read, sizes)
     said = [r for r in caplog.records if r.name == "estimax.data.sources"]
@@ -251,7 +258,12 @@ def test_a_bucket_backed_training_reads_no_shard_in_full_before_its_first_batch(
     assert f"({sum(sizes[n] for n in shards) / 1e6:.1f} MB" in line
     assert f"`estimax-convert index '{data_dir}/train-0000*'`" in line
     assert all(requests[name] < 32 for name in shards), requests
-    # The next start finds the indexes written back, and reads only what it needs.
+    point_clients_at(monkeypatch, "gs", gcs_emulator.url)
+    fs, _ = storage.filesystem(data_dir)
+    fs.invalidate_cache()
+    assert not fs.exists(f"{root}/.estimax-index") or not fs.ls(f"{root}/.estimax-index")
+    assert len(fs.ls(index_dir.removeprefix("gs://"))) == 4
+    # The next start finds the indexes in the job's folder, and reads only what it needs.
     caplog.clear()
     read, _ = first_batch_reads()
     assert not [r for r in caplog.records if r.name == "estimax.data.sources"]

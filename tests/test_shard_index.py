@@ -38,12 +38,17 @@ def _ids(record: bytes, rng: np.random.Generator) -> np.ndarray:
     return np.array([struct.unpack("<q", record[:8])[0]], np.int64)
 
 
-def _eval_ids(files: list[str]) -> list[int]:
+def _eval_ids(files: list[str], index_dir: str | None = None) -> list[int]:
     """Every record id an eval pass (one pass, file order) over ``files`` yields."""
-    source = L.TFRecordSource(files)
+    source = L.TFRecordSource(files, index_dir=index_dir)
     it = iter(L.Loader(source, _ids, 4, shuffle=False, num_epochs=1, drop_remainder=False,
                        num_workers=0))  # fmt: skip
     return [int(i) for batch in it for i in batch[:, 0]]
+
+
+def _idx(path: str) -> str:
+    """Where estimax writes a shard's index: the hidden folder beside it."""
+    return tfrecord.default_index_path(path)
 
 
 ALL_IDS = [f * 1000 + i for f, n in enumerate(PER_FILE) for i in range(n)]
@@ -52,7 +57,7 @@ ALL_IDS = [f * 1000 + i for f, n in enumerate(PER_FILE) for i in range(n)]
 def test_a_cut_index_is_named_and_rebuilt_never_fewer_records(tmp_path, caplog):
     # Issue #42 item 11: an index cut to a few lines made an eval pass read those records only.
     files = _write(str(tmp_path), index=True)
-    idx = files[1] + ".idx"
+    idx = _idx(files[1])
     lines = open(idx).read().splitlines()
     with open(idx, "w") as f:
         f.write("\n".join(lines[:5]) + "\n")  # 5 of its 14 records, and no trailer
@@ -75,18 +80,23 @@ def test_a_cut_index_is_named_and_rebuilt_never_fewer_records(tmp_path, caplog):
     assert _eval_ids(files) == ALL_IDS[: 9 + 14] + [2000, 2001, 2002]
 
 
-def test_an_old_index_without_its_trailer_is_accepted_when_it_fits(tmp_path, monkeypatch):
+def test_an_old_index_beside_its_shard_without_its_trailer_is_read_when_it_fits(
+    tmp_path, monkeypatch
+):
     files = _write(str(tmp_path))
     for path in files:
         shard_index.write_index(path)
-        lines = open(path + ".idx").read().splitlines()
+        lines = open(_idx(path)).read().splitlines()
         assert lines[-1].startswith("# estimax-index size=")
-        with open(path + ".idx", "w") as f:
-            f.write("\n".join(lines[:-1]) + "\n")  # as estimax wrote them before
+        os.remove(_idx(path))
+        with open(path + ".idx", "w") as f:  # where, and as, earlier versions wrote them
+            f.write("\n".join(lines[:-1]) + "\n")
     monkeypatch.setattr(tfrecord, "record_offsets", lambda *a, **k: 1 / 0)  # no rescan
     rf = tfrecord.RecordFile(files[0])
     assert rf.index_path == files[0] + ".idx" and len(rf) == PER_FILE[0]
     assert _eval_ids(files) == ALL_IDS
+    # estimax's own glob never takes one for a shard.
+    assert tfrecord.list_files(f"{tmp_path}/data/train-*") == files
 
 
 def test_a_copied_shard_keeps_its_index_a_same_size_rewrite_does_not(tmp_path):
@@ -95,7 +105,8 @@ def test_a_copied_shard_keeps_its_index_a_same_size_rewrite_does_not(tmp_path):
     os.makedirs(tmp_path / "b")
     copy = str(tmp_path / "b" / "shard")
     shutil.copyfile(files[0], copy)  # another mtime than the index records
-    shutil.copyfile(files[0] + ".idx", copy + ".idx")
+    os.makedirs(os.path.dirname(_idx(copy)))
+    shutil.copyfile(_idx(files[0]), _idx(copy))
     os.utime(copy, ns=(1, 1))
     assert len(tfrecord.RecordFile(copy)) == PER_FILE[0]  # its records are where it says
     # The same size, other records: 9 records of 100..108 bytes become one of the whole size.
@@ -112,13 +123,13 @@ def test_index_command_indexes_each_shard_once_resumes_and_verifies(object_store
     files = _write(root, payload=3000)
     shard_index.write_index(files[0])  # one already indexed: skipped
     want = {f: tfrecord.record_offsets(f, verify_crc=False) for f in files}
-    before = open_text(files[0] + ".idx")
+    before = open_text(_idx(files[0]))
     assert convert.main(["index", f"{root}/data/train-*", "--no_progress"]) == 0
     out = capsys.readouterr().out
     assert "indexed 2 shards (21 records," in out and "1 already had an index" in out
-    assert open_text(files[0] + ".idx") == before
+    assert open_text(_idx(files[0])) == before
     for f in files:
-        offsets, info = tfrecord.load_index(f + ".idx")
+        offsets, info = tfrecord.load_index(_idx(f))
         np.testing.assert_array_equal(offsets, want[f])
         assert info.size == want[f][-1] and info.version  # the generation or ETag
     assert convert.main(["index", *files, "--no_progress"]) == 0  # idempotent
@@ -128,12 +139,12 @@ def test_index_command_indexes_each_shard_once_resumes_and_verifies(object_store
     blob = bytearray(fs.cat_file(fs_path))
     blob[int(want[files[1]][3]) + 20] ^= 0xFF  # inside record 3's data
     fs.pipe_file(fs_path, bytes(blob))
-    fs.rm(fs_path + ".idx")
+    fs.rm(_idx(fs_path))
     argv = ["index", f"{root}/data/train-*", "--verify", "--force", "--no_progress"]
     assert convert.main(argv) == 1
     err = capsys.readouterr().err
     assert f"PROBLEM: {files[1]}: record at byte offset {want[files[1]][3]}: data CRC" in err
-    assert not fs.exists(fs_path + ".idx") and tfrecord.read_index(files[2] + ".idx").size
+    assert not fs.exists(_idx(fs_path)) and tfrecord.read_index(_idx(files[2])).size
 
 
 def open_text(path: str) -> str:
@@ -160,7 +171,7 @@ def test_index_command_on_two_processes(tmp_path, capsys):
     assert "indexed 3 shards (30 records" in capsys.readouterr().out
     for f in files:
         np.testing.assert_array_equal(
-            tfrecord.read_index(f + ".idx"), tfrecord.record_offsets(f, verify_crc=False)
+            tfrecord.read_index(_idx(f)), tfrecord.record_offsets(f, verify_crc=False)
         )
 
 
@@ -195,7 +206,8 @@ def test_a_job_over_unindexed_bucket_shards_pulls_each_once_and_serves_reads_fro
         proxy.stop()
     assert sorted(seen) == sorted(ALL_IDS * 2)  # two epochs
     assert read == sizes  # each shard pulled once, whole, in two epochs
-    assert all(tfrecord.RecordFile(f).index_path for f in files)  # written back
+    # Not asked to write anywhere (no index_dir): the data folder is left as it was.
+    assert all(shard_index.find_index(f) == [] for f in files)
     (copies,) = os.listdir(tmp_path)
     del source, it
     gc.collect()
@@ -252,7 +264,12 @@ def test_hosts_split_the_indexing_n_hosts_pull_each_shard_once_in_all(
 
         def host(h: int) -> None:
             sources[h] = L.TFRecordSource(
-                files, host_index=h, num_hosts=2, keep_copies=False, cache_dir=str(tmp_path)
+                files,
+                host_index=h,
+                num_hosts=2,
+                keep_copies=False,
+                cache_dir=str(tmp_path),
+                index_dir=f"{root}/model/shard_indexes",  # as the programs give it
             )
 
         threads = [threading.Thread(target=host, args=(h,)) for h in range(2)]
@@ -303,14 +320,14 @@ def test_a_read_only_bucket_is_indexed_once_by_all_hosts_into_the_jobs_index_dir
         for t in threads:
             t.join(timeout=120)
         read = {k: v for k, v in proxy.read.items() if not k.endswith(".idx")}
-        assert proxy.refused, "the bucket was not read-only"
-        assert read == sizes  # 1x in all, though no index could be written beside a shard
+        assert not proxy.refused  # the job never even tried to write into the data's bucket
+        assert read == sizes  # 1x in all
         for h in range(2):
             assert [sources[h][i] for i in range(len(sources[h]))] == [
                 sources[0][i] for i in range(len(sources[0]))
             ]
         said = [r.getMessage() for r in caplog.records]
-        assert any(f"they are in {index_dir}" in m for m in said), said
+        assert any(f"their indexes written to {index_dir}" in m for m in said), said
         assert not any("every host reads every shard" in m for m in said), said
         written = sorted(os.path.basename(p) for p in tfrecord.list_files(f"{index_dir}/*.idx"))
         assert written == sorted(
@@ -323,15 +340,31 @@ def test_a_read_only_bucket_is_indexed_once_by_all_hosts_into_the_jobs_index_dir
         assert [again[i] for i in range(len(again))] == [
             sources[0][i] for i in range(len(sources[0]))
         ]
-        # Without the index_dir nothing can be written anywhere: said, and every host would
-        # read every shard (here, the one host reads them all again).
+        # Without the index_dir nothing is written anywhere: said, and every host would read
+        # every shard (here, the one host reads them all again).
         caplog.clear()
         proxy.reset()
         L.TFRecordSource(files, keep_copies=False)
         assert sum(v for k, v in proxy.read.items() if not k.endswith(".idx")) == sum(
             sizes.values()
         )
-        assert any("or in an index_dir" in r.getMessage() for r in caplog.records)
+        assert any("their indexes kept nowhere" in r.getMessage() for r in caplog.records)
+        # Told to write beside the data (index_beside_data), the refusal sends them to
+        # index_dir: said in one line.
+        caplog.clear()
+        proxy.reset()
+        fs, _ = tfrecord._fs_and_path(index_dir)  # noqa: SLF001
+        fs.rm(index_dir, recursive=True)
+        L.TFRecordSource(files, keep_copies=False, index_dir=index_dir, index_beside_data=True)
+        assert proxy.refused  # the bucket is read-only: it refused the hidden index folder
+        assert any(f"they are in {index_dir}" in r.getMessage() for r in caplog.records)
+        assert not any(shard_index.find_index(f) for f in files) or all(
+            shard_index.find_index(f) == [shard_index.index_path_in(index_dir, f)] for f in files
+        )
+        # The command without --index_dir writes into the folder of the shards: refused, named.
+        proxy.reset()
+        argv = ["index", f"{root}/data/train-*", "--force", "--no_progress"]
+        assert convert.main(argv) == 1
         # The command with --index_dir: skips what is indexed there, indexes the rest there.
         gone = shard_index.index_path_in(index_dir, files[1])
         fs, fs_gone = tfrecord._fs_and_path(gone)  # noqa: SLF001
@@ -348,18 +381,24 @@ def test_a_read_only_bucket_is_indexed_once_by_all_hosts_into_the_jobs_index_dir
         proxy.stop()
 
 
-def test_a_stale_bucket_index_is_rebuilt_and_written_back(gcs_emulator, monkeypatch, caplog):
+def test_a_stale_bucket_index_is_rebuilt_into_the_jobs_index_dir(gcs_emulator, monkeypatch, caplog):
     root = _bucket(gcs_emulator, monkeypatch)
     files = _write(root, index=True)
-    fs, fs_idx = tfrecord._fs_and_path(files[0] + ".idx")  # noqa: SLF001
+    fs, fs_idx = tfrecord._fs_and_path(_idx(files[0]))  # noqa: SLF001
     lines = fs.cat_file(fs_idx).decode().splitlines()
-    fs.pipe_file(fs_idx, ("\n".join(lines[:2]) + "\n").encode())
+    stale = ("\n".join(lines[:2]) + "\n").encode()
+    fs.pipe_file(fs_idx, stale)
     caplog.set_level(logging.INFO)
-    assert _eval_ids(files) == ALL_IDS
-    assert any(f"{files[0]}.idx does not index {files[0]}" in r.getMessage()
+    index_dir = f"{root}/model/shard_indexes"
+    assert _eval_ids(files, index_dir) == ALL_IDS
+    assert any(f"{_idx(files[0])} does not index {files[0]}" in r.getMessage()
                for r in caplog.records)  # fmt: skip
     fs.invalidate_cache()
-    assert len(tfrecord.RecordFile(files[0])) == PER_FILE[0]  # rewritten, whole
+    assert fs.cat_file(fs_idx) == stale  # the data folder is not written
+    # The fresh one in the job's folder is found past the stale one: nothing read to index.
+    rf, _, why = shard_index.open_indexed(files[0], True, index_dir)
+    assert rf is not None and rf.index_path == shard_index.index_path_in(index_dir, files[0])
+    assert len(rf) == PER_FILE[0] and why == ""
 
 
 def test_beam_index_runner_writes_the_same_indexes(tmp_path, capsys):
@@ -372,5 +411,89 @@ def test_beam_index_runner_writes_the_same_indexes(tmp_path, capsys):
     assert "indexed 3 shards (30 records" in capsys.readouterr().out
     for f in files:
         np.testing.assert_array_equal(
-            tfrecord.read_index(f + ".idx"), tfrecord.record_offsets(f, verify_crc=False)
+            tfrecord.read_index(_idx(f)), tfrecord.record_offsets(f, verify_crc=False)
         )
+
+
+def _index_in_thread(argv: list[str]) -> tuple[threading.Thread, dict]:
+    """``estimax-convert index`` run in a thread: a FIFO it opened would block it for ever, so
+    the caller joins it with a timeout (the test fails; it does not hang)."""
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(rc=convert.main(argv)), daemon=True)
+    t.start()
+    t.join(timeout=60)
+    return t, out
+
+
+def _unblock(fifo: str) -> None:
+    """Opens the FIFO's other end, so that a reader stuck in its open (without the fix) goes."""
+    try:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:
+        pass  # nobody reading it: nothing stuck
+
+
+def test_index_command_refuses_a_fifo_shard_or_index_in_one_line(tmp_path, capsys):
+    # Issue #54 cause 9: a FIFO among the globbed shards (or as a shard's index) blocked the
+    # command for ever, silently.
+    files = _write(str(tmp_path))
+    fifo = f"{tmp_path}/data/train-00003-of-00004"
+    os.mkfifo(fifo)
+    try:
+        t, out = _index_in_thread(["index", f"{tmp_path}/data/train-*", "--no_progress"])
+        assert not t.is_alive(), "estimax-convert index hangs on a FIFO shard"
+    finally:
+        _unblock(fifo)
+    assert out["rc"] == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"estimax-convert index: error: {fifo}: not a regular file (a FIFO); "
+                   "give TFRecord shards and index files only"]  # fmt: skip
+    os.remove(fifo)
+    # A FIFO where a shard's index is looked up.
+    os.makedirs(os.path.dirname(_idx(files[0])))
+    os.mkfifo(_idx(files[0]))
+    try:
+        t, out = _index_in_thread(["index", files[0], "--no_progress"])
+        assert not t.is_alive(), "estimax-convert index hangs on a FIFO index"
+    finally:
+        _unblock(_idx(files[0]))
+    assert out["rc"] == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{_idx(files[0])}: not a regular file (a FIFO)" in err[0]
+
+
+def test_index_command_moves_old_indexes_out_of_the_shards_glob(tmp_path, capsys):
+    files = _write(str(tmp_path))
+    for f in files[:2]:
+        shard_index.write_index(f, f + ".idx")  # where earlier versions wrote them
+    want = open(files[0] + ".idx").read()
+    assert convert.main(["index", f"{tmp_path}/data/train-*", "--move", "--no_progress"]) == 0
+    out = capsys.readouterr().out
+    assert "indexed 1 shards" in out and "2 already had an index" in out
+    assert "moved 2 old <shard>.idx files into .estimax-index/" in out
+    names = [os.path.basename(f) for f in files]
+    assert sorted(os.listdir(tmp_path / "data")) == [".estimax-index", *names]
+    assert open(_idx(files[0])).read() == want
+    assert all(tfrecord.RecordFile(f).index_path == _idx(f) for f in files)
+
+
+def test_index_lookup_order_and_where_estimax_writes(tmp_path):
+    shard = "gs://data/imagenet/train-00000-of-01024"
+    explicit, job = "gs://mine/indexes", "gs://runs/r1/shard_indexes"
+    assert shard_index.index_candidates(shard, job, explicit) == [
+        shard_index.index_path_in(explicit, shard),
+        "gs://data/imagenet/.estimax-index/train-00000-of-01024.idx",
+        shard_index.index_path_in(job, shard),
+        "gs://data/imagenet/train-00000-of-01024.idx",  # earlier versions': still read
+    ]
+    assert shard_index.index_path_for(shard) == (
+        "gs://data/imagenet/.estimax-index/train-00000-of-01024.idx"
+    )
+    assert shard_index.index_path_for(shard, job) == shard_index.index_path_in(job, shard)
+    # A local folder: the first candidate that fits wins; none of them matches train-*.
+    files = _write(str(tmp_path))
+    shard_index.write_index(files[0], files[0] + ".idx")
+    shard_index.write_index(files[0])
+    rf, _, why = shard_index.open_indexed(files[0], False)
+    assert rf is not None and rf.index_path == _idx(files[0]) and why == ""
+    assert tfrecord.list_files(f"{tmp_path}/data/train-*") == files

@@ -83,12 +83,15 @@ def test_convert_train_eval_export_resume_all_in_the_bucket(object_store, monkey
         == 0
     )
     assert _ls(data) == [
+        ".estimax-index",  # the indexes: no glob of the shards (TF's train-*) matches them
         "manifest.json",
         "train-00000-of-00002",
-        "train-00000-of-00002.idx",
         "train-00001-of-00002",
-        "train-00001-of-00002.idx",
         "validation-00000-of-00001",
+    ]
+    assert _ls(f"{data}/.estimax-index") == [
+        "train-00000-of-00002.idx",
+        "train-00001-of-00002.idx",
         "validation-00000-of-00001.idx",
     ]
     capsys.readouterr()

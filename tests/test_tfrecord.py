@@ -150,12 +150,14 @@ def test_writer_writes_the_index_with_the_file_and_neither_on_error(tmp_path, mo
     with tfrecord.TFRecordWriter(path, index=True) as w:
         for r in records:
             w.write(r)
-    # The same index a scan writes, in place before the file takes its name.
-    assert renamed == [path + ".idx", path]
-    indexed = open(path + ".idx").read()
+    # The same index a scan writes, in place before the file takes its name, in the hidden
+    # folder beside it: no glob of the shards (TensorFlow's train-*) matches it.
+    idx = str(tmp_path / ".estimax-index" / "train-00000-of-00001.idx")
+    assert renamed == [idx, path]
+    indexed = open(idx).read()
     assert indexed == "0 16\n16 21\n37 316\n# estimax-index size=353\n"
-    assert tfrecord.RecordFile(path).index_path == path + ".idx"
-    os.remove(path + ".idx")
+    assert tfrecord.RecordFile(path).index_path == idx
+    os.remove(idx)
     # A scan also records the version it indexed (here the file's mtime).
     rescanned = open(shard_index.write_index(path)).read()
     assert rescanned.startswith(indexed.rstrip("\n") + " version=mtime_ns%3A")
@@ -165,12 +167,13 @@ def test_writer_writes_the_index_with_the_file_and_neither_on_error(tmp_path, mo
     with pytest.raises(ZeroDivisionError):
         with tfrecord.TFRecordWriter(other, index=True) as w:
             w.write(b"r")
-    assert not os.path.exists(other + ".idx") and not os.path.exists(other)
+    assert not os.path.exists(tfrecord.default_index_path(other)) and not os.path.exists(other)
     with pytest.raises(RuntimeError):
         with tfrecord.TFRecordWriter(other, index=True) as w:
             w.write(b"r")
             raise RuntimeError("crash")
-    assert sorted(os.listdir(tmp_path)) == ["train-00000-of-00001", "train-00000-of-00001.idx"]
+    assert sorted(os.listdir(tmp_path)) == [".estimax-index", "train-00000-of-00001"]
+    assert os.listdir(tmp_path / ".estimax-index") == ["train-00000-of-00001.idx"]
 
 
 def test_sharded_name_and_list_files(tmp_path):
@@ -236,6 +239,10 @@ def test_random_access_detects_corruption(tmp_path):
         rf[1]
 
 
+def _idx(path: object) -> str:
+    return tfrecord.default_index_path(str(path))
+
+
 def test_index_mismatch_reported(tmp_path):
     path = tmp_path / "f"
     path.write_bytes(_frame(b"abc"))
@@ -252,7 +259,7 @@ def test_random_access_on_memory_filesystem():
             w.write(r)
     shard_index.write_index(path)
     rf = tfrecord.RecordFile(path)
-    assert rf.index_path == path + ".idx"
+    assert rf.index_path == "memory://estimax-test-tfrecord/.estimax-index/ra.idx"
     assert [rf[i] for i in (3, 1, 0)] == [RECORDS[3], RECORDS[1], RECORDS[0]]
 
 
@@ -266,7 +273,7 @@ def test_stale_index_on_truncated_file(tmp_path):
                        r"shard of 47 bytes, the shard has 41"):  # fmt: skip
         tfrecord.RecordFile(str(path))
     # ... and a file read with those offsets anyway names the damage.
-    rf = tfrecord.RecordFile(str(path), offsets=tfrecord.read_index(str(path) + ".idx"))
+    rf = tfrecord.RecordFile(str(path), offsets=tfrecord.read_index(_idx(path)))
     assert rf[0] == b"first"
     with pytest.raises(CorruptRecordError, match=r"byte offset 21: truncated data \(8 of 10"):
         rf[1]

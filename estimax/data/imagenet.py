@@ -193,20 +193,29 @@ def _tfrecord_source(
     verify_crc: bool,
     skip_bad_records: bool,
     index_dir: str | None = None,
+    index_beside_data: bool = False,
 ) -> tuple[loader.TFRecordSource, np.ndarray | None]:
     """This host's TFRecord source and record ids (None: all of the source's records)."""
     files = tfrecord.list_files(file_pattern(data_dir, is_training))
     if shard_by == "file" and len(files) >= num_hosts:
         files = loader.host_shard(files, host_index, num_hosts)
         return loader.TFRecordSource(
-            files, verify_crc=verify_crc, skip_bad_records=skip_bad_records, index_dir=index_dir
+            files,
+            verify_crc=verify_crc,
+            skip_bad_records=skip_bad_records,
+            index_dir=index_dir,
+            index_beside_data=index_beside_data,
         ), None
     if shard_by == "file":
         log.warning(
             "%d files for %d hosts: sharding by record instead of by file", len(files), num_hosts
         )
     source = loader.TFRecordSource(
-        files, verify_crc=verify_crc, skip_bad_records=skip_bad_records, index_dir=index_dir
+        files,
+        verify_crc=verify_crc,
+        skip_bad_records=skip_bad_records,
+        index_dir=index_dir,
+        index_beside_data=index_beside_data,
     )
     return source, loader.host_shard(np.arange(len(source)), host_index, num_hosts)
 
@@ -239,6 +248,7 @@ def input_fn(
     augment: Callable[[np.ndarray, np.random.Generator], np.ndarray] | None = None,
     mixup_alpha: float = 0.0,
     index_dir: str | None = None,
+    index_beside_data: bool = False,
 ) -> Callable[[dict[str, Any]], Any]:
     """The ImageNet ``input_fn`` of the original, for the Estimator.
 
@@ -269,8 +279,8 @@ def input_fn(
         permutation and host ``h`` reads its block of it, so the batches, and the saved input
         position, do not depend on the number of hosts (a job resumes on any number). Every host
         needs every file's index: shards without ``.idx`` files are indexed at start, each by
-        one host, which writes the index beside it (``estimax-convert index`` writes them once
-        beforehand; see ``loader.TFRecordSource``). The legacy per-host
+        one host, which writes the index into ``index_dir`` (``estimax-convert index`` writes
+        them once beforehand; see ``loader.TFRecordSource``). The legacy per-host
         orders: ``'file'``: each host reads ``files[host_index::num_hosts]`` (the original's
         ``list_files().shard()``); ``'record'``: each host reads every num_hosts-th record of all
         files. ``'file'`` falls back to ``'record'`` when there are fewer files than hosts. With
@@ -285,9 +295,12 @@ def input_fn(
       mixup_alpha: training only, when > 0: mix each batch (``estimax.data.augment.
         MixupBatches``): the labels become float32 ``[B, num_classes]`` targets and the images
         float32.
-      index_dir: where the indexes of bucket shards that have none and cannot get one beside
-        them (a read-only bucket) are written and found again (``loader.TFRecordSource``); the
-        programs give ``<model_dir>/shard_indexes``.
+      index_dir: where the indexes of bucket shards that have none are written and found again
+        (``loader.TFRecordSource``); the programs give ``<model_dir>/shard_indexes``. Without
+        it (and ``index_beside_data``) they are written nowhere: a job never writes into the
+        data folder it reads unless told to.
+      index_beside_data: write them into ``<data_dir>/.estimax-index/`` instead (the
+        programs' ``--index_beside_data``), where no ``train-*`` glob matches them.
 
     Returns:
       ``input_fn(params)``: ``params["batch_size"]`` is the per-host batch, ``params["context"]``
@@ -310,6 +323,7 @@ def input_fn(
         skip_bad_records=skip_bad_records,
         bigtable=bigtable,
         index_dir=index_dir,
+        index_beside_data=index_beside_data,
     )
     transform = functools.partial(
         image_transform,
@@ -367,6 +381,7 @@ class RecordSettings:
     skip_bad_records: bool = False
     bigtable: bigtable_lib.BigtableTable | None = None
     index_dir: str | None = None
+    index_beside_data: bool = False
 
     def for_host(self, host_index: int, num_hosts: int) -> HostRecords:
         """The records host ``host_index`` of ``num_hosts`` reads."""
@@ -389,6 +404,7 @@ class RecordSettings:
                 self.verify_crc,
                 self.skip_bad_records,
                 self.index_dir,
+                self.index_beside_data,
             )
             return HostRecords(tfrecords, ids, False)
         files = tfrecord.list_files(file_pattern(self.data_dir, self.is_training))
@@ -400,6 +416,7 @@ class RecordSettings:
             host_index=host_index,
             num_hosts=num_hosts,
             index_dir=self.index_dir,
+            index_beside_data=self.index_beside_data,
         )
         return HostRecords(tfrecords, None, True)
 

@@ -8,11 +8,19 @@ fraction of a second of latency) to stream the whole shard. Streaming wins unles
 several MiB each; this module streams (``bench/results/index_shards.md`` has the figures).
 
 What reads a shard whole should not have to read it again: :func:`index_shard` can keep the bytes
-it streamed in a local file (``copy_to``) and write the index beside the shard (``write``), and
+it streamed in a local file (``copy_to``) and write its index (``write``), and
 :func:`index_for_job` (what :class:`~estimax.data.sources.TFRecordSource` does for shards without
 a usable index) does both, splitting the shards across hosts so that N hosts read the data set
 once in all, not N times. ``estimax-convert index`` (``estimax.tools.convert``) is the command
 that writes the indexes once for every later start.
+
+Where indexes go, so that no glob of the shards' names (TensorFlow's ``train-*``) ever matches
+one: the converters and ``estimax-convert index`` write ``<folder>/.estimax-index/<shard>.idx``
+(a hidden folder beside the shards), or, given an index folder, ``<index_dir>/<digest>-<shard>.idx``
+(:func:`index_path_in`); a job writes only into its own ``<model_dir>/shard_indexes``, never into
+a data folder it was asked to read, unless told to (``beside``). A reader looks in this order
+(:func:`index_candidates`): an explicit index folder, the hidden folder, the job's index folder,
+and ``<shard>.idx`` (written by earlier versions; still read).
 """
 
 from __future__ import annotations
@@ -37,7 +45,10 @@ from estimax.data import tfrecord
 
 __all__ = [
     "Indexed",
+    "find_index",
+    "index_candidates",
     "index_for_job",
+    "index_path_for",
     "index_path_in",
     "index_shard",
     "index_shards",
@@ -69,7 +80,7 @@ class Indexed:
       local_copy: a local file holding the shard's bytes, or None.
       error: the damage that stopped the scan (truncated record, bad CRC), or None.
       write_error: why the index could not be written, or None.
-      beside_error: why it could not be written beside the shard when it went to the job's
+      beside_error: why it could not be written in the shards' folder when it went to the job's
         ``index_dir`` instead, or None.
     """
 
@@ -214,9 +225,10 @@ def index_shard(
 
     Args:
       path: the shard.
-      index_path: where the index goes; default ``path + '.idx'``.
-      index_dir: where the index goes when it cannot be written beside the shard (a read-only
-        bucket): :func:`index_path_in` of it.
+      index_path: where the index goes; default :func:`index_path_for` ``(path, index_dir)``.
+      index_dir: the index folder: where the index goes (:func:`index_path_in` of it) unless
+        ``index_path`` is given; with ``index_path``, where it goes when ``index_path`` cannot be
+        written (a read-only bucket).
       verify_crc: check every record's data CRC on the way.
       write: write the index (else only return the offsets). A write that fails is reported in
         ``write_error``, not raised, when ``keep_partial``.
@@ -230,7 +242,8 @@ def index_shard(
       CorruptRecordError: the shard is damaged (unless ``keep_partial``).
       StorageError/OSError: the index cannot be written (unless ``keep_partial``).
     """
-    index_path = index_path or tfrecord.default_index_path(path)
+    fallback_dir = index_dir if index_path else None
+    index_path = index_path or index_path_for(path, index_dir)
     out = open(copy_to, "wb") if copy_to else None  # noqa: SIM115 - closed below
     error: tfrecord.CorruptRecordError | None = None
     try:
@@ -257,12 +270,12 @@ def index_shard(
                 tfrecord._put_text(index_path, text)  # noqa: SLF001
             done.index_path = index_path
         except (OSError, storage.StorageError) as e:
-            if index_dir is None:
+            if fallback_dir is None:
                 if not keep_partial:
                     raise
                 done.write_error = str(e)
                 return done
-            elsewhere = index_path_in(index_dir, path)
+            elsewhere = index_path_in(fallback_dir, path)
             try:
                 with storage.errors_named(elsewhere, "write it"):
                     tfrecord._put_text(elsewhere, text)  # noqa: SLF001
@@ -287,7 +300,8 @@ def write_index(path: str, index_path: str | None = None, verify_crc: bool = Fal
 
     Args:
       path: the TFRecord file.
-      index_path: where to write; default ``path + '.idx'``.
+      index_path: where to write; default :func:`~estimax.data.tfrecord.default_index_path`
+        (``<folder>/.estimax-index/<name>.idx``).
       verify_crc: also verify every record's data CRC while indexing.
 
     Returns:
@@ -296,6 +310,30 @@ def write_index(path: str, index_path: str | None = None, verify_crc: bool = Fal
     done = index_shard(path, index_path, verify_crc=verify_crc)
     assert done.index_path is not None  # written, or index_shard raised
     return done.index_path
+
+
+def index_path_for(path: str, index_dir: str | None = None) -> str:
+    """Where estimax writes the index of shard ``path``: in ``index_dir`` when given
+    (:func:`index_path_in`), else in the hidden folder beside the shard
+    (``<folder>/.estimax-index/<name>.idx``). Never a name a glob of the shards matches."""
+    if index_dir:
+        return index_path_in(index_dir, path)
+    return tfrecord.hidden_index_path(path)
+
+
+def index_candidates(
+    path: str, index_dir: str | None = None, explicit_dir: str | None = None
+) -> list[str]:
+    """Where the index of shard ``path`` may be, in the order a reader looks: ``explicit_dir``
+    (a folder the user named, ``estimax-convert index --index_dir``), the hidden folder beside
+    the shard, ``index_dir`` (the job's ``<model_dir>/shard_indexes``), and ``<shard>.idx``
+    (where earlier versions wrote it)."""
+    found = [index_path_in(explicit_dir, path)] if explicit_dir else []
+    found.append(tfrecord.hidden_index_path(path))
+    if index_dir and index_dir != explicit_dir:
+        found.append(index_path_in(index_dir, path))
+    found.append(tfrecord.legacy_index_path(path))
+    return found
 
 
 def index_path_in(index_dir: str, path: str) -> str:
@@ -318,13 +356,17 @@ def index_shards(
     on_bytes: Callable[[int], Any] | None = None,
     on_done: Callable[[Indexed], Any] | None = None,
     index_dir: str | None = None,
+    beside: bool = False,
 ) -> list[Indexed]:
     """:func:`index_shard` of every path, ``connections`` shards streamed at once.
 
     Args:
       copy_dir: keep each shard's bytes in a local file here while the disk keeps
         :func:`_room_kept` free (shards that do not fit are not kept).
-      index_dir: where indexes that cannot be written beside their shards go.
+      index_dir: the index folder the indexes go to (:func:`index_path_for`); with ``beside``,
+        where those that cannot be written beside their shards go.
+      beside: write each index in the hidden folder beside its shard
+        (``.estimax-index/<name>.idx``).
       on_done: called with each shard's result as it finishes (any thread).
 
     Returns:
@@ -339,6 +381,7 @@ def index_shards(
         try:
             done = index_shard(
                 path,
+                tfrecord.hidden_index_path(path) if beside else None,
                 verify_crc=verify_crc,
                 write=write,
                 copy_to=copy_to,
@@ -407,33 +450,49 @@ class _Room:
         return os.path.join(self.directory, f"{k:06d}-{os.path.basename(fs_path)}")
 
 
+def find_index(
+    path: str, index_dir: str | None = None, explicit_dir: str | None = None
+) -> list[str]:
+    """Those of :func:`index_candidates` that exist, in their order."""
+    found = []
+    for candidate in index_candidates(path, index_dir, explicit_dir):
+        fs, fs_index = tfrecord._fs_and_path(candidate)  # noqa: SLF001
+        fs.invalidate_cache(fs_index)  # another host (or a run just now) may have written it
+        if fs.exists(fs_index):
+            found.append(candidate)
+    return found
+
+
 def open_indexed(
-    path: str, verify_crc: bool, index_dir: str | None = None
+    path: str, verify_crc: bool, index_dir: str | None = None, explicit_dir: str | None = None
 ) -> tuple[tfrecord.RecordFile | None, int, str]:
-    """The shard with its index, if it has a usable one: beside it, else in ``index_dir``
-    (:func:`index_path_in`), where a job keeps the indexes of shards it may not write beside.
+    """The shard with its index, if it has a usable one, looked up in the order of
+    :func:`index_candidates`: ``explicit_dir``, the hidden folder beside it, ``index_dir``
+    (where a job keeps the indexes it builds), ``<shard>.idx``. The first that fits the shard
+    is used: a stale one in a folder the job may not write (the data's) does not hide the
+    fresh one it wrote in ``index_dir``.
 
     Returns:
       ``(record_file, size, why_not)``: the :class:`~estimax.data.tfrecord.RecordFile` (None
       without a usable index), the shard's size, and ``""``, ``"missing"`` or the line naming
-      both files when its index is stale or unreadable.
+      both files when its index is stale or unreadable (the first such one).
+
+    Raises:
+      NotRegularFileError: the shard or its index is a local FIFO, device or socket.
     """
-    index_path = tfrecord.default_index_path(path)
-    fs, fs_index = tfrecord._fs_and_path(index_path)  # noqa: SLF001
-    if not fs.exists(fs_index) and index_dir is not None:
-        index_path = index_path_in(index_dir, path)
-        fs, fs_index = tfrecord._fs_and_path(index_path)  # noqa: SLF001
-        fs.invalidate_cache(fs_index)  # another host may have just written it
-    if not fs.exists(fs_index):
-        fs_s, fs_path = tfrecord._fs_and_path(path)  # noqa: SLF001
-        return None, int(fs_s.size(fs_path)), "missing"
-    try:
-        rf = tfrecord.RecordFile(path, index_path=index_path, verify_crc=verify_crc)
-    except tfrecord.StaleIndexError as e:
-        return None, _size(path), str(e)
-    except ValueError as e:  # malformed: as stale, rebuilt
-        return None, _size(path), f"{index_path} cannot be read ({e}); it is rebuilt"
-    return rf, int(rf._identity["size"]), ""  # noqa: SLF001
+    tfrecord.check_regular(path)  # a FIFO would block its first read for ever (#54)
+    why = ""
+    for index_path in find_index(path, index_dir, explicit_dir):
+        try:
+            rf = tfrecord.RecordFile(path, index_path=index_path, verify_crc=verify_crc)
+        except tfrecord.StaleIndexError as e:
+            why = why or str(e)
+            continue
+        except ValueError as e:  # malformed: as stale, rebuilt
+            why = why or f"{index_path} cannot be read ({e}); it is rebuilt"
+            continue
+        return rf, int(rf._identity["size"]), ""  # noqa: SLF001
+    return None, _size(path), why or "missing"
 
 
 def _size(path: str) -> int:
@@ -453,19 +512,21 @@ def index_for_job(
     connections: int = CONNECTIONS,
     keep_partial: bool = False,
     index_dir: str | None = None,
+    beside: bool = False,
 ) -> tuple[dict[str, tfrecord.RecordFile], list[Indexed], str | None]:
     """Indexes the shards ``paths`` (which have no usable index) for a job reading them.
 
-    Each host streams its share, ``paths[host_index::num_hosts]``, once: it writes their
-    indexes beside them (``write``), or, where the job may not write there (a read-only
-    bucket), in ``index_dir`` (a folder every host of the job reads and writes: the programs
-    give ``<model_dir>/shard_indexes``), and keeps their bytes in local files (``keep_copies``,
-    in a new directory under ``cache_dir`` or the system's temporary directory, while the disk
-    has room) so that its reads of their records pull nothing again. It then waits for the
-    other hosts' indexes to appear (up to three times as long as its own share took, at least
-    two minutes) and indexes whatever did not appear itself. Only when it could write its
-    indexes nowhere does it not wait (nor could the others write theirs): then every host
-    indexes every shard, and that is logged.
+    Each host streams its share, ``paths[host_index::num_hosts]``, once: it writes their indexes
+    (``write``) in ``index_dir`` (a folder every host of the job reads and writes: the programs give
+    ``<model_dir>/shard_indexes``), never into the data folder it was asked to read, unless
+    ``beside`` (then in the hidden folder beside them, ``index_dir`` where that cannot be written: a
+    read-only bucket); without either nothing is written. It keeps their bytes in local files
+    (``keep_copies``, in a new directory under ``cache_dir`` or the system's temporary directory,
+    while the disk has room) so that its reads of their records pull nothing again. It then waits
+    for the other hosts' indexes to appear (up to three times as long as its own share took, at
+    least two minutes) and indexes whatever did not appear itself. Only when it could write its
+    indexes nowhere does it not wait (nor could the others write theirs): then every host indexes
+    every shard, and that is logged.
 
     Returns:
       ``(record_files, results, copy_dir)``: a RecordFile per path, the shards this host read,
@@ -474,6 +535,8 @@ def index_for_job(
     copy_dir = None
     if keep_copies and any(storage_is_remote(p) for p in paths):
         copy_dir = tempfile.mkdtemp(prefix=f"estimax-shards-{os.getpid()}-", dir=cache_dir)
+    write = write and (beside or index_dir is not None)  # nowhere to write: a job never writes
+    # into a data folder it was only asked to read (TensorFlow jobs glob that folder)
     mine = list(paths[host_index::num_hosts]) if num_hosts > 1 else list(paths)
     t0 = time.monotonic()
     results = index_shards(
@@ -484,12 +547,13 @@ def index_for_job(
         copy_dir=copy_dir,
         keep_partial=True,
         index_dir=index_dir,
+        beside=beside,
     )
     took = time.monotonic() - t0
     failed = [r for r in results if r.write_error]
     if failed:
         log.warning(
-            "could not write the index files of %d shards beside them or in an index_dir (%s): "
+            "could not write the index files of %d shards (%s): "
             "this job reads them whole again at its next start%s",
             len(failed),
             failed[0].write_error,
@@ -498,7 +562,7 @@ def index_for_job(
     elsewhere = [r for r in results if r.beside_error]
     if elsewhere:
         log.warning(
-            "could not write the index files of %d shards beside them (%s): they are in %s, "
+            "could not write the index files of %d shards in their folder (%s): they are in %s, "
             "where this job's later starts find them",
             len(elsewhere),
             elsewhere[0].beside_error,
@@ -521,6 +585,7 @@ def index_for_job(
             copy_dir=copy_dir,
             keep_partial=True,
             index_dir=index_dir,
+            beside=beside,
         )
     files: dict[str, tfrecord.RecordFile] = dict(waited)
     for r in results:
@@ -543,8 +608,6 @@ def _wait_for_indexes(
         for path in paths:
             if path in found:
                 continue
-            fs, fs_index = tfrecord._fs_and_path(tfrecord.default_index_path(path))  # noqa: SLF001
-            fs.invalidate_cache(fs_index)  # a cached listing would hide a new index
             rf, _, why = open_indexed(path, verify_crc, index_dir)
             if rf is not None:
                 found[path] = rf

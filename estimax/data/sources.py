@@ -92,7 +92,12 @@ def _common_pattern(paths: Sequence[str]) -> str:
 
 
 def _say_what_is_indexed(
-    missing: Sequence[str], stale: int, total: int, nbytes: int, num_hosts: int
+    missing: Sequence[str],
+    stale: int,
+    total: int,
+    nbytes: int,
+    num_hosts: int,
+    kept_in: str | None = None,
 ) -> None:
     """The one line at start: shards without a usable index, what reading them costs, and the
     command that writes their indexes once."""
@@ -109,7 +114,10 @@ def _say_what_is_indexed(
         f" ({stale} stale, named above)" if stale else "",
         nbytes / 1e6,
         share,
-        ", kept on local disk for this run's reads, indexes written beside them where allowed"
+        (
+            ", kept on local disk for this run's reads, "
+            + (f"their indexes written to {kept_in}" if kept_in else "their indexes kept nowhere")
+        )
         if remote
         else "",
         _common_pattern(missing),
@@ -119,14 +127,17 @@ def _say_what_is_indexed(
 class TFRecordSource:
     """The records of several TFRecord files, addressed by one index ``0..len-1`` in file order.
 
-    Record offsets come from each file's index (``<file>.idx``: the converters write them,
-    ``estimax-convert index`` writes them for existing shards), checked against the file (a
-    stale or cut index is named in one line and rebuilt, never trusted: no record is dropped).
+    Record offsets come from each file's index (``.estimax-index/<file>.idx`` beside it: the
+    converters write them, ``estimax-convert index`` writes them for existing shards; looked up
+    as ``shard_index.index_candidates`` lists, an earlier version's ``<file>.idx`` included),
+    checked against the file (a stale or cut index is named in one line and rebuilt, never
+    trusted: no record is dropped).
     Files without a usable index are indexed at construction, which is logged in one line
     naming how many, the bytes it reads and the command that writes their indexes once: local
     files by a scan of their headers; object-store files (``gs://``, ``s3://``) by reading each
-    once, several at a time (``estimax.data.shard_index``), writing its index beside it
-    (``write_indexes``) and keeping its bytes on local disk (``keep_copies``) so that this
+    once, several at a time (``estimax.data.shard_index``), writing its index into ``index_dir``
+    (``write_indexes``; never into the data folder it reads unless ``index_beside_data``) and
+    keeping its bytes on local disk (``keep_copies``) so that this
     run's reads of its records pull nothing again. With ``num_hosts`` > 1 each host reads its
     share of them and takes the others' indexes as they appear: N hosts read the shards once
     in all.
@@ -137,15 +148,20 @@ class TFRecordSource:
       skip_bad_records: a file whose scan hits damage (truncated, bad length CRC) keeps the
         records before the damage and counts one skipped record (``num_skipped_at_open``),
         instead of raising ``CorruptRecordError``.
-      write_indexes: write the index of an object-store shard that had none beside it.
+      write_indexes: write the index of an object-store shard that had none (in ``index_dir``,
+        or beside it with ``index_beside_data``; with neither, nowhere).
       keep_copies: keep the bytes of object-store shards read to index them on local disk for
         this source's reads (while the disk keeps a tenth, at least 2 GiB, free); removed when
         the source is garbage-collected or the process exits.
       cache_dir: where those copies go (default: the system's temporary directory).
       host_index, num_hosts: this host and how many share the indexing.
-      index_dir: a folder every host of the job reads and writes (local or a bucket) where the
-        indexes of object-store shards that cannot be written beside them go, and are found
-        again at the next start (``shard_index.index_path_in``); None: beside them only.
+      index_dir: a folder every host of the job reads and writes (local or a bucket, the
+        programs give ``<model_dir>/shard_indexes``) where the indexes this job builds go, and
+        are found again at the next start (``shard_index.index_path_in``).
+      index_beside_data: write them into the hidden folder beside the shards
+        (``<data_dir>/.estimax-index``, which a TensorFlow job's ``train-*`` never matches;
+        ``index_dir`` where that folder cannot be written) instead: a job never writes into a
+        folder it was only asked to read unless told so.
     """
 
     def __init__(
@@ -160,6 +176,7 @@ class TFRecordSource:
         host_index: int = 0,
         num_hosts: int = 1,
         index_dir: str | None = None,
+        index_beside_data: bool = False,
     ):
         if not files:
             raise ValueError("TFRecordSource needs at least one file")
@@ -175,8 +192,18 @@ class TFRecordSource:
         }
         if missing:
             sizes = dict(zip(self.files, (size for _, size, _ in opened), strict=True))
+            kept_in = None
+            if write_indexes and index_beside_data:
+                kept_in = f"{tfrecord.INDEX_DIR_NAME} beside them"
+            elif write_indexes and index_dir:
+                kept_in = index_dir
             _say_what_is_indexed(
-                missing, len(stale), len(self.files), sum(sizes[p] for p in missing), num_hosts
+                missing,
+                len(stale),
+                len(self.files),
+                sum(sizes[p] for p in missing),
+                num_hosts,
+                kept_in,
             )
             by_path.update(
                 self._index(
@@ -189,6 +216,7 @@ class TFRecordSource:
                     host_index,
                     num_hosts,
                     index_dir,
+                    index_beside_data,
                 )
             )
         self._record_files = [by_path[p] for p in self.files]
@@ -209,6 +237,7 @@ class TFRecordSource:
         host_index: int,
         num_hosts: int,
         index_dir: str | None = None,
+        index_beside_data: bool = False,
     ) -> dict[str, tfrecord.RecordFile]:
         """RecordFiles of the shards without a usable index (see the class docstring)."""
         out: dict[str, tfrecord.RecordFile] = {}
@@ -236,6 +265,7 @@ class TFRecordSource:
             num_hosts=num_hosts,
             keep_partial=True,
             index_dir=index_dir,
+            beside=index_beside_data,
         )
         if copy_dir is not None:
             # The copies live as long as this source (worker processes get pickled copies of

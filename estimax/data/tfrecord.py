@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import stat
 import struct
 import time
 import urllib.parse
@@ -39,13 +40,18 @@ from estimax import storage
 
 __all__ = [
     "CorruptRecordError",
+    "INDEX_DIR_NAME",
     "INDEX_SUFFIX",
+    "NotRegularFileError",
     "IndexInfo",
     "RecordFile",
     "ShardChangedError",
     "StaleIndexError",
     "TFRecordWriter",
     "default_index_path",
+    "existing_index_path",
+    "hidden_index_path",
+    "legacy_index_path",
     "index_problem",
     "list_files",
     "load_index",
@@ -64,9 +70,13 @@ _U32 = struct.Struct("<I")
 _HEADER = struct.Struct("<QI")  # length, masked CRC of the length
 _HEADER_SIZE = 12
 _FOOTER_SIZE = 4
-# Index files sit next to their shard with this suffix. list_files() leaves them out so the
-# original's patterns ("train-*") keep matching only the shards.
+# Index files end with this suffix. estimax writes them in a hidden folder beside the shards
+# (INDEX_DIR_NAME), where no glob of the original's ("train-*", "validation-*", a user's
+# --file_pattern) matches them: TensorFlow's TFRecordDataset fails on the first one it is given.
+# Earlier versions wrote them beside their shard ("<shard>.idx"); those are still read, and
+# list_files() leaves them out so that estimax never reads one as a shard.
 INDEX_SUFFIX = ".idx"
+INDEX_DIR_NAME = ".estimax-index"
 # Read-ahead for remote files: records of ~110 KB, 8 MiB like the original's TFRecordDataset
 # buffer_size, so a gs:// shard is fetched in few requests.
 _REMOTE_BLOCK_SIZE = 8 * 1024 * 1024
@@ -102,6 +112,46 @@ class ShardChangedError(RuntimeError):
             "finish) and run again: training resumes from its last checkpoint."
         )
         self.path = path
+
+
+class NotRegularFileError(OSError):
+    """A local shard or index is not a regular file (a FIFO, a device, a socket): opening it
+    could block for ever (a FIFO with no writer) or read without end (``/dev/zero``). The
+    message is one line naming it."""
+
+    def __init__(self, path: str, kind: str):
+        super().__init__(
+            f"{path}: not a regular file (a {kind}); give TFRecord shards and index files only"
+        )
+        self.path = path
+
+
+_FILE_KINDS = (
+    (stat.S_ISFIFO, "FIFO"),
+    (stat.S_ISCHR, "character device"),
+    (stat.S_ISBLK, "block device"),
+    (stat.S_ISSOCK, "socket"),
+    (stat.S_ISDIR, "directory"),
+)
+
+
+def check_regular(path: str) -> os.stat_result | None:
+    """``os.stat`` of a local ``path`` (links followed), refusing anything but a regular file
+    before it is opened (a FIFO would block the open). Object-store paths are always objects:
+    None, nothing asked.
+
+    Raises:
+      NotRegularFileError: a FIFO, device, socket or directory; names it.
+      FileNotFoundError: it does not exist.
+    """
+    fs, fs_path = _fs_and_path(path)
+    if not _is_local(fs):
+        return None
+    st = os.stat(fs_path)
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((k for test, k in _FILE_KINDS if test(st.st_mode)), "special file")
+        raise NotRegularFileError(path, kind)
+    return st
 
 
 class StaleIndexError(ValueError):
@@ -173,16 +223,17 @@ class TFRecordWriter:
     Local files are written under a temporary name in the same directory and renamed on a
     successful ``close()``, so a crash never leaves a half-written file under the final name
     (and a reader's ``train-*`` pattern cannot catch a partial shard: the temporary name starts
-    with ``.``). Object stores (``gs://``, ``s3://``) make an object visible only when its upload
-    completes, which is already atomic, so there the file is written directly. If the ``with``
-    block raises, the partial file is deleted (remote: the upload is discarded, never
+    with ``.``). Object stores (``gs://``, ``s3://``) make an object visible only when its
+    upload completes, which is already atomic, so there the file is written directly. If the
+    ``with`` block raises, the partial file is deleted (remote: the upload is discarded, never
     completed) and nothing appears under ``path``. A remote upload that still fails after the
     client's retries raises :class:`estimax.storage.StorageError` naming ``path``.
 
-    With ``index=True`` the file's index (``path + '.idx'``, see ``estimax.data.write_index``) is
-    written with it, from the offsets of the records as they are written (no second pass), and is in
-    place before the file appears under its final name: a reader that sees the file sees its
-    index. If the file cannot be finished, the index is removed again.
+    With ``index=True`` the file's index (:func:`default_index_path`:
+    ``.estimax-index/<name>.idx`` beside it, see ``estimax.data.write_index``; or the path
+    ``index`` names) is written with it, from the offsets of the records as they are written (no
+    second pass), and is in place before the file appears under its final name: a reader that
+    sees the file sees its index. If the file cannot be finished, the index is removed again.
 
     Example::
 
@@ -190,7 +241,7 @@ class TFRecordWriter:
             w.write(encode_example({...}))
     """
 
-    def __init__(self, path: str, index: bool = False):
+    def __init__(self, path: str, index: bool | str = False):
         self.path = path
         self._fs, fs_path = _fs_and_path(path)
         self._final_path = fs_path
@@ -204,8 +255,10 @@ class TFRecordWriter:
             self._file: IO[bytes] | None = self._fs.open(self._write_path, "wb")
         self.num_records = 0
         self.num_bytes = 0
-        self.index_path = default_index_path(path) if index else None
-        self._offsets: list[int] | None = [0] if index else None
+        self.index_path = (
+            index if isinstance(index, str) else default_index_path(path) if index else None
+        )
+        self._offsets: list[int] | None = [0] if self.index_path else None
 
     def write(self, record: bytes) -> None:
         """Appends one record (any bytes, e.g. a serialized tf.Example)."""
@@ -290,6 +343,7 @@ class TFRecordWriter:
 def _open_read(path: str) -> IO[bytes]:
     fs, fs_path = _fs_and_path(path)
     if _is_local(fs):
+        check_regular(path)  # a FIFO would block the open
         return open(fs_path, "rb", buffering=1024 * 1024)
     return fs.open(fs_path, "rb", block_size=_REMOTE_BLOCK_SIZE)
 
@@ -498,6 +552,7 @@ def record_offsets(path: str, verify_crc: bool = True) -> np.ndarray:
         offsets.append(fs.size(fs_path))
         return np.asarray(offsets, dtype=np.int64)
     fs, fs_path = _fs_and_path(path)
+    check_regular(path)  # before the open: a FIFO would block it for ever (#54)
     size = fs.size(fs_path)
     offsets = []
     if _is_local(fs):
@@ -534,8 +589,34 @@ def record_offsets(path: str, verify_crc: bool = True) -> np.ndarray:
 
 
 def default_index_path(path: str) -> str:
-    """Where ``estimax.data.write_index`` puts the index of ``path`` by default: ``path.idx``."""
+    """Where estimax writes the index of shard ``path`` by default (``estimax.data.write_index``,
+    the converters, ``estimax-convert index``): :func:`hidden_index_path`."""
+    return hidden_index_path(path)
+
+
+def hidden_index_path(path: str) -> str:
+    """``<folder>/.estimax-index/<name>.idx`` for shard ``<folder>/<name>``: in a hidden folder
+    beside the shards, which no glob of shard names (``train-*``) matches, so that TensorFlow
+    jobs reading the same folder never see it."""
+    folder, slash, name = path.rstrip("/").rpartition("/")
+    return f"{folder}{slash}{INDEX_DIR_NAME}/{name}{INDEX_SUFFIX}"
+
+
+def legacy_index_path(path: str) -> str:
+    """``<shard>.idx``: where earlier estimax versions wrote indexes (beside the shard, where a
+    TensorFlow glob ``train-*`` matched them). Still read; ``estimax-convert index --move``
+    moves them to :func:`hidden_index_path`."""
     return path + INDEX_SUFFIX
+
+
+def existing_index_path(path: str) -> str | None:
+    """The index file of shard ``path`` beside it, if any: :func:`hidden_index_path` first,
+    then :func:`legacy_index_path`; None when it has neither."""
+    for candidate in (hidden_index_path(path), legacy_index_path(path)):
+        fs, fs_path = _fs_and_path(candidate)
+        if fs.exists(fs_path):
+            return candidate
+    return None
 
 
 def index_trailer(identity: dict[str, Any]) -> str:
@@ -574,6 +655,8 @@ def _put_text(path: str, text: str) -> None:
     fs, fs_path = _fs_and_path(path)
     if _is_local(fs):
         directory, base = os.path.split(fs_path)
+        if directory:  # the hidden index folder is made by its first index
+            os.makedirs(directory, exist_ok=True)
         # A dot name with ".tmp-": the converters' clean-up of a killed run's files finds it.
         tmp = os.path.join(directory, f".{base}.tmp-{uuid.uuid4().hex[:12]}")
         with open(tmp, "w") as f:
@@ -582,6 +665,10 @@ def _put_text(path: str, text: str) -> None:
     else:
         with fs.open(fs_path, "w") as f:
             f.write(text)
+
+
+# An index line is ~20 bytes: 256 MiB is over ten million records, far past any shard's.
+_MAX_INDEX_BYTES = 256 * 1024 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -611,8 +698,13 @@ def load_index(index_path: str) -> tuple[np.ndarray, IndexInfo]:
       ValueError: a malformed line or non-contiguous records; names the file and line.
     """
     fs, fs_path = _fs_and_path(index_path)
+    check_regular(index_path)  # a FIFO would block the open, /dev/zero read without end
     with fs.open(fs_path, "rb") as f:
-        raw = f.read()
+        raw = f.read(_MAX_INDEX_BYTES + 1)
+    if len(raw) > _MAX_INDEX_BYTES:
+        raise ValueError(
+            f"{index_path}: over {_MAX_INDEX_BYTES >> 20} MiB, not an index file of one shard"
+        )
     try:
         text = raw.decode("ascii")
     except UnicodeDecodeError as e:
@@ -717,7 +809,9 @@ def _identity(fs: fsspec.AbstractFileSystem, fs_path: str) -> dict[str, Any]:
     """What tells this version of a file from another: size, mtime and inode on local disk;
     size and generation (GCS) or ETag (S3) on an object store."""
     if _is_local(fs):
-        return _local_identity(os.stat(fs_path))
+        st = check_regular(fs_path)  # before anything opens it: a FIFO would block (#54)
+        assert st is not None
+        return _local_identity(st)
     info = fs.info(fs_path)
     version = next(
         (info[k] for k in ("generation", "ETag", "VersionId", "mtime", "created") if k in info),
@@ -742,19 +836,19 @@ def _change(was: dict[str, Any], now: dict[str, Any]) -> str | None:
 class RecordFile(Sequence[bytes]):
     """Random access to the records of one TFRecord file: ``len(f)``, ``f[i]``.
 
-    Uses the index file (``path + '.idx'`` or ``index_path``) if present, checked against the file
-    (:func:`index_problem`: a stale index raises :class:`StaleIndexError`), else scans the file's
-    headers once. Reads are thread-safe and hold no open file, so a ``RecordFile`` can be shared
-    by threads and pickled to worker processes. A file that changes afterwards (its offsets then
-    point anywhere) raises ``ShardChangedError`` naming it: checked at every read of a local
-    file (its size, mtime and inode, from the ``fstat`` the read does anyway), and on an object
-    store (its size and generation or ETag: one request) when a read finds damage and at most
+    Uses the index file (``index_path``, else :func:`existing_index_path`) if present, checked
+    against the file (:func:`index_problem`: a stale index raises :class:`StaleIndexError`), else
+    scans the file's headers once. Reads are thread-safe and hold no open file, so a ``RecordFile``
+    can be shared by threads and pickled to worker processes. A file that changes afterwards (its
+    offsets then point anywhere) raises ``ShardChangedError`` naming it: checked at every read of a
+    local file (its size, mtime and inode, from the ``fstat`` the read does anyway), and on an
+    object store (its size and generation or ETag: one request) when a read finds damage and at most
     every ``RECHECK_SECS`` otherwise.
 
     Args:
       path: the TFRecord file (any fsspec path).
-      index_path: an index written by ``estimax.data.write_index``; default ``path + '.idx'`` if
-        it exists.
+      index_path: an index written by ``estimax.data.write_index``; default the one beside the
+        shard (``.estimax-index/<name>.idx``, or an earlier version's ``<name>.idx``) if any.
       verify_crc: check both CRCs on every read.
       offsets: [N + 1] record offsets, if already known (then no index is read, no scan done).
       local_copy: a local file with the same bytes as ``path``, read instead of it.
@@ -782,9 +876,7 @@ class RecordFile(Sequence[bytes]):
             self.offsets = np.asarray(offsets, dtype=np.int64)
             return
         if index_path is None:
-            fs, fs_path = _fs_and_path(default_index_path(path))
-            if fs.exists(fs_path):
-                index_path = default_index_path(path)
+            index_path = existing_index_path(path)
         self.index_path = index_path
         if not index_path:
             self.offsets = record_offsets(path, False)

@@ -435,6 +435,7 @@ def make_inputs(fv: flags.FlagValues) -> tuple[Any, str | None, list[str]]:
         num_classes=fv.num_classes - 1,
         use_annotated_bbox=fv.use_annotated_bbox,
         index_dir=shard_index_dir(fv.model_dir),
+        index_beside_data=fv.index_beside_data,
     )
     return inputs, data_dir, notes
 

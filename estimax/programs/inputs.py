@@ -142,6 +142,7 @@ def imagenet_inputs(
         num_classes=fv.num_label_classes,
         skip_bad_records=fv.skip_bad_records,
         index_dir=shard_index_dir(fv.model_dir),
+        index_beside_data=fv.index_beside_data,
         **preprocessing,
     )
     return inputs, data_dir, notes

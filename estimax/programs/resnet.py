@@ -414,6 +414,7 @@ def make_inputs(fv: flags.FlagValues) -> tuple[Any, str | None, list[str]]:
         num_classes=fv.num_label_classes,
         skip_bad_records=fv.skip_bad_records,
         index_dir=shard_index_dir(fv.model_dir),
+        index_beside_data=fv.index_beside_data,
     )
     cli.check_given(fv, tuple(name for name, _, _ in BIGTABLE_FLAGS))
     if fv.bigtable_instance:

@@ -230,6 +230,15 @@ COMMON_RUN_FLAGS = (
         "Skip (and count, with a warning) records "
         "that cannot be read or decoded instead of stopping.",
     ),
+    # Issue #51: TensorFlow jobs glob the same data folder (train-*); a job writes the indexes it
+    # builds into <model_dir>/shard_indexes unless this says otherwise.
+    flagspec.Bool(
+        "index_beside_data",
+        False,
+        "Write the index files of --data_dir shards that have none into the hidden folder "
+        "<data_dir>/.estimax-index/ (which no train-* glob matches), for every later job, instead "
+        "of <model_dir>/shard_indexes. Default: a job never writes into the data folder it reads.",
+    ),
     flagspec.Bool(
         "skip_nonfinite_steps",
         False,

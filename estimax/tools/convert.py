@@ -21,7 +21,8 @@ to Beam, e.g. ``--project --region --temp_location``). They resume an interrupte
 ``--output_dir`` and write ``manifest.json``, which ``verify`` checks. The library behind it:
 ``convert_sources`` (inputs -> labelled lists), ``convert_images`` (image -> tf.Example),
 ``convert_shards`` (shards, manifest, resume, verify), ``convert_beam``, ``fake_imagenet``.
-``index`` writes the ``.idx`` index files of existing shards (TensorFlow's tools write none),
+``index`` writes the index files of existing shards (TensorFlow's tools write none) in
+``.estimax-index/`` beside them,
 so that a job reading them from a bucket starts without reading them whole
 (``convert_index``). ``to-bigtable`` copies finished shards into Cloud Bigtable rows
 (``tfrecords_to_bigtable``), the layout ``resnet --bigtable_instance=...`` reads.
@@ -209,7 +210,8 @@ def _add_index(sub: Any) -> None:
     """The index subcommand."""
     p = sub.add_parser(
         "index",
-        help="write the .idx index file of each TFRecord shard that has none (read once each)",
+        help="write the index file of each TFRecord shard that has none (read once each) in "
+        "the hidden folder .estimax-index/ beside it, or --index_dir",
     )
     p.add_argument(
         "shards", nargs="+", metavar="PATH_OR_GLOB", help="shards (local, gs://, s3://) or globs"
@@ -237,9 +239,15 @@ def _add_index(sub: Any) -> None:
     )
     p.add_argument(
         "--index_dir",
-        help="where the indexes of shards whose folder cannot be written go (a read-only "
-        "bucket); a job finds them there when given the same folder (the programs use "
-        "<model_dir>/shard_indexes). Default: beside the shards only",
+        help="the folder the indexes go to, e.g. for shards whose folder cannot be written "
+        "(a read-only bucket); a job finds them there when given the same folder (the "
+        "programs use <model_dir>/shard_indexes). Default: <shards' folder>/.estimax-index",
+    )
+    p.add_argument(
+        "--move",
+        action="store_true",
+        help="first move the <shard>.idx files earlier versions wrote beside the shards "
+        "(which TensorFlow's train-* matches) into .estimax-index/",
     )
     p.add_argument("--no_progress", dest="progress", action="store_false", help="no progress bar")
 
@@ -264,6 +272,7 @@ def _index(args: argparse.Namespace, extra: list[str]) -> int:
             runner=args.runner,
             pipeline_args=extra,
             index_dir=args.index_dir,
+            move=args.move,
         )
     except (FileNotFoundError, ImportError, OSError, storage.StorageError) as e:
         print(f"estimax-convert index: error: {e}", file=sys.stderr)

@@ -137,7 +137,7 @@ def index_beam(
     """``estimax-convert index --runner=...``: each shard's index written by a Beam worker
     (``Create(shards) | Reshuffle | Map(index one shard)``), for many thousands of shards.
 
-    The workers write the indexes beside the shards (or in ``index_dir`` where they cannot);
+    The workers write the indexes in the hidden folder beside the shards (or in ``index_dir``);
     the driver then reads back which shards have an index that fits them (a runner such as
     Dataflow returns nothing else to it).
 
@@ -168,7 +168,7 @@ def index_beam(
         )
     rows = []
     for path in paths:
-        rf, size, why = shard_index.open_indexed(path, False, index_dir)
+        rf, size, why = shard_index.open_indexed(path, False, explicit_dir=index_dir)
         if rf is None:
             rows.append(
                 (path, 0, 0, f"{path}: no index written ({why}); index it locally to see why")

@@ -3,7 +3,8 @@
 A conversion is a list of shards (:class:`ShardTask`), each the unit of work: a worker reads its
 images, writes ``<split>-SSSSS-of-NNNNN`` through :class:`~estimax.data.tfrecord.TFRecordWriter`
 (temporary name, renamed when complete: a shard is never half-written under its final name) with
-its index file ``<shard>.idx`` (in place before the shard is: training hosts read a shard's
+its index file ``.estimax-index/<shard>.idx`` (in a hidden folder that TensorFlow's ``train-*``
+never matches; in place before the shard is: training hosts read a shard's
 records through it, never the whole shard to find them) and returns its count and SHA-256. The
 parent records finished shards in ``manifest.json``::
 
@@ -180,14 +181,22 @@ def write_shard(task: ShardTask) -> dict[str, Any]:
         ) from e
 
 
+def _temporary_dirs(output_dir: str) -> list[str]:
+    """The folders a shard's writer leaves temporaries in: the output folder and its index
+    folder (``shard_index.index_path_for``)."""
+    probe = shard_index.index_path_for(os.path.join(output_dir, "x"))
+    return [output_dir, os.path.dirname(probe)]
+
+
 def _remove_shard_temporaries(task: ShardTask) -> None:
     """Deletes the ``.<shard>[.idx].tmp-*`` files of one shard whose write failed (local only)."""
     if "://" in task.output_dir or not os.path.isdir(task.output_dir):
         return
-    for name in os.listdir(task.output_dir):
-        if name.startswith((f".{task.name}.tmp-", f".{task.name}{tfrecord.INDEX_SUFFIX}.tmp-")):
-            with contextlib.suppress(OSError):
-                os.remove(os.path.join(task.output_dir, name))
+    for folder in _temporary_dirs(task.output_dir):
+        for name in os.listdir(folder) if os.path.isdir(folder) else ():
+            if name.startswith((f".{task.name}.tmp-", f".{task.name}{tfrecord.INDEX_SUFFIX}.tmp-")):
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(folder, name))
 
 
 def _write_shard(task: ShardTask) -> dict[str, Any]:
@@ -333,10 +342,11 @@ def _remove_stale_temporaries(output_dir: str) -> None:
     """Deletes ``.<shard>[.idx].tmp-*`` files a killed run's writers left (local dirs only)."""
     if "://" in output_dir or not os.path.isdir(output_dir):
         return
-    for name in os.listdir(output_dir):
-        base = name[1:].split(".tmp-")[0].removesuffix(tfrecord.INDEX_SUFFIX)
-        if name.startswith(".") and ".tmp-" in name and _SHARD_RE.match(base):
-            os.remove(os.path.join(output_dir, name))
+    for folder in _temporary_dirs(output_dir):
+        for name in os.listdir(folder) if os.path.isdir(folder) else ():
+            base = name[1:].split(".tmp-")[0].removesuffix(tfrecord.INDEX_SUFFIX)
+            if name.startswith(".") and ".tmp-" in name and _SHARD_RE.match(base):
+                os.remove(os.path.join(folder, name))
 
 
 def prepare_manifest(
@@ -380,8 +390,10 @@ def prepare_manifest(
         fs, fs_dir = storage.filesystem(output_dir)
         for name in existing:
             fs.rm(posixpath.join(fs_dir, name))
-            with contextlib.suppress(FileNotFoundError):
-                fs.rm(posixpath.join(fs_dir, name + tfrecord.INDEX_SUFFIX))
+            shard = posixpath.join(fs_dir, name)
+            for index in (shard_index.index_path_for(shard), tfrecord.legacy_index_path(shard)):
+                with contextlib.suppress(FileNotFoundError):
+                    fs.rm(index)
         return fresh
     for name, entry in old.shards.items():
         path = posixpath.join(output_dir, name)
@@ -642,9 +654,10 @@ _FRAME_OVERHEAD = 16
 
 
 def index_problems(path: str, offsets: list[int] | None = None) -> list[str]:
-    """What is wrong with a shard's index file (``path + '.idx'``): missing, unreadable, or
-    not the shard's record offsets (``offsets``, [N + 1]; default: scanned from the shard)."""
-    index = tfrecord.default_index_path(path)
+    """What is wrong with a shard's index file (``.estimax-index/<shard>.idx``, or an earlier
+    version's ``<shard>.idx``): missing, unreadable, or not the shard's record offsets
+    (``offsets``, [N + 1]; default: scanned from the shard)."""
+    index = tfrecord.existing_index_path(path) or shard_index.index_path_for(path)
     fs, fs_path = storage.filesystem(index)
     fix = "rerun the same convert command to rewrite it"
     if not fs.exists(fs_path):

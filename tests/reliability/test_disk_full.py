@@ -169,7 +169,8 @@ def test_converter_shard_write(tmp_path):
     second_path = os.path.join(str(out_dir), "train-00001-of-00002")
     assert f"ERROR: [Errno 27] {second_path}: could not write the shard: File too large" in out
     # No partial shard or index, no temporary: the first shard and its index only.
-    assert sorted(os.listdir(out_dir)) == ["train-00000-of-00002", "train-00000-of-00002.idx"]
+    assert sorted(os.listdir(out_dir)) == [".estimax-index", "train-00000-of-00002"]
+    assert os.listdir(os.path.join(out_dir, ".estimax-index")) == ["train-00000-of-00002.idx"]
     from estimax.data import tfrecord
     from estimax.tools import convert_shards
 
