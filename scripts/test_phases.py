@@ -2,8 +2,8 @@
 """`make test`'s runner: each phase in order, timed, then one table of the run's budget.
 
 The phases are the environments' set-up (each `make` target of the Makefile; a no-op once its
-stamp is current), `make lint`, and the five pytest runs (Beam, TF, libtpu, CUDA in their own
-venvs, then the main suite in .venv). Every pytest writes JUnit XML under runs/test-report/; at
+stamp is current), `make lint`, and the six pytest runs (Beam, Spark, TF, libtpu, CUDA in their
+own venvs, then the main suite in .venv). Every pytest writes JUnit XML under runs/test-report/; at
 the end the runner prints each phase's wall time and passed/failed/skipped counts, the 15
 slowest tests across all phases, and, as its very last line, the sums in pytest's closing form:
 ``suite: N passed, N failed, N skipped``. It stops at the first failing phase (the table is
@@ -103,6 +103,15 @@ def phases(make: str, workers: str, require_onednn: str) -> list[Phase]:
                 "beam",
             ],
             ESTIMAX_REQUIRE_BEAM="1",
+        ),
+        Phase("setup .venv-spark", (make, "--no-print-directory", "venv-spark")),
+        # A standalone Spark cluster (master + 2 workers, JVMs) on 127.0.0.1; in .venv the
+        # cluster tests skip (no pyspark) and only the command-line errors run.
+        _pytest(
+            "spark",
+            ".venv-spark/bin/python",
+            ["-p", "no:cacheprovider", "tests/test_convert_spark.py"],
+            ESTIMAX_REQUIRE_SPARK="1",
         ),
         Phase("setup .venv-tf", (make, "--no-print-directory", "venv-tf")),
         _pytest(
