@@ -177,20 +177,28 @@ def _spark_conf(pyspark: Any, master: str, conf: dict[str, str]) -> Any:
     settings = {**defaults, **conf, "spark.master": master}
     for key, value in settings.items():
         spark_conf.set(key, value)
-    if "spark.pyspark.python" in settings:
-        # A driver started from Python (not spark-submit) tells the executors which Python to
-        # run from PYSPARK_PYTHON only; spark-submit would set it from this option.
-        os.environ["PYSPARK_PYTHON"] = settings["spark.pyspark.python"]
     return spark_conf
 
 
 def _run_tasks(pyspark: Any, master: str, conf: dict[str, str], todo: list[ShardTask]) -> list:
     """Runs ``todo`` on Spark; each task's result in plan order."""
     spark_conf = _spark_conf(pyspark, master, conf)
+    python = spark_conf.get("spark.pyspark.python")
+    saved = os.environ.get("PYSPARK_PYTHON")
     try:
+        if python:
+            # A driver started from Python (not spark-submit) tells the executors which Python
+            # to run from PYSPARK_PYTHON only, read when the context starts; spark-submit would
+            # set it from this option.
+            os.environ["PYSPARK_PYTHON"] = python
         sc = pyspark.SparkContext(conf=spark_conf)
     except Exception as e:  # py4j/JVM start-up failures come as several exception types
         raise SparkError(f"Spark did not start on {master}: {_last_line(e)}") from None
+    finally:
+        if saved is None:
+            os.environ.pop("PYSPARK_PYTHON", None)
+        else:
+            os.environ["PYSPARK_PYTHON"] = saved
     try:
         sc.setLogLevel(conf.get("spark.log.level", "WARN"))
         log.info(
