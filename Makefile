@@ -29,6 +29,13 @@ TF_VENV := .venv-tf
 TF_PINS := $(shell sed -n 's/^tf = \[\(.*\)\]$$/\1/p' pyproject.toml | tr -d '",')
 TF_STAMP := $(TF_VENV)/.installed-stamp
 
+# Apache Spark (the estimax[spark] extra: pyspark carries Spark's jars, py4j talks to its JVM) for
+# estimax-convert --engine=spark and tests/test_convert_spark.py, which start a standalone cluster
+# from it (a JDK 17+ on the machine runs it). .venv plus the two wheels, like .venv-tpu.
+SPARK_VENV := .venv-spark
+SPARK_STAMP := $(SPARK_VENV)/.installed-stamp
+SPARK_PINS := $(shell sed -n 's/^spark = \[\(.*\)\]$$/\1/p' pyproject.toml | tr -d '",')
+
 # XLA's TPU compiler (libtpu, the estimax[tpu] extra's pin) for --compile_for and
 # tests/test_tpu_compile.py: .venv plus libtpu (700 MB), kept out of the default venv. .venv-tpu
 # sees .venv's packages (a .pth that adds its site-packages), so only libtpu is installed.
@@ -47,7 +54,7 @@ CUDA_VENV := .venv-cuda
 CUDA_STAMP := $(CUDA_VENV)/.installed-stamp
 GPU_COMPILE_PINS := $(shell sed -n '/^gpu-compile = \[/,/^\]/s/^ *"\([^"]*\)",*$$/\1/p' pyproject.toml)
 
-.PHONY: demo test lint reliability venv venv-beam venv-tf venv-tpu venv-cuda native bench \
+.PHONY: demo test lint reliability venv venv-beam venv-spark venv-tf venv-tpu venv-cuda native bench \
 	bench-accelerator bench-accelerator-dry-run image image-test clean
 
 venv: $(STAMP)
@@ -107,6 +114,12 @@ $(TF_STAMP): $(STAMP) pyproject.toml constraints.txt Makefile
 	$(TF_VENV)/bin/pip install -q --disable-pip-version-check -c constraints.txt $(TF_PINS)
 	touch $(TF_STAMP)
 
+$(SPARK_STAMP): $(STAMP) pyproject.toml Makefile
+	$(PY) -m venv $(SPARK_VENV)
+	$(call LAYER_ON_VENV,$(SPARK_VENV))
+	$(SPARK_VENV)/bin/pip install -q --disable-pip-version-check --no-deps $(SPARK_PINS)
+	touch $(SPARK_STAMP)
+
 $(TPU_STAMP): $(STAMP) pyproject.toml Makefile
 	$(PY) -m venv $(TPU_VENV)
 	$(call LAYER_ON_VENV,$(TPU_VENV))
@@ -142,14 +155,16 @@ lint: $(STAMP)
 # .venv-beam is independent of .venv; the others build on it, so `make -j venv-beam venv-tf
 # venv-tpu venv-cuda` builds .venv once, then the four side by side.
 venv-beam: $(BEAM_STAMP)
+venv-spark: $(SPARK_STAMP)
 venv-tf: $(TF_STAMP)
 venv-tpu: $(TPU_STAMP)
 venv-cuda: $(CUDA_STAMP)
 
 # scripts/test_phases.py runs, timed: set-up of .venv (and `make native`); then lint and, for
-# Beam, TF, libtpu and CUDA, the set-up of the venv and its tests, in two lanes side by side
-# (one process each); then the main suite alone (TEST_WORKERS processes). At the end a table: each phase's wall time and passed/failed/skipped,
-# the 15 slowest tests of all phases, and the sums as the last line. It stops at the first
+# Beam, Spark, TF, libtpu and CUDA, the set-up of the venv and its tests, in two lanes side by
+# side (one process each); then the main suite alone (TEST_WORKERS processes). At the end a
+# table: each phase's wall time and passed/failed/skipped, the run's wall time, the 15 slowest
+# tests of all phases, and the sums as the last line. It stops at the first
 # failing phase. TEST_ARGS passes it more, e.g. TEST_ARGS="--only main -k layouts".
 TEST_ARGS ?=
 test:
@@ -199,4 +214,4 @@ image-test: image $(STAMP)
 	    $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_image.py
 
 clean:
-	rm -rf $(VENV) $(BEAM_VENV) $(TF_VENV) $(TPU_VENV) $(CUDA_VENV) runs
+	rm -rf $(VENV) $(BEAM_VENV) $(SPARK_VENV) $(TF_VENV) $(TPU_VENV) $(CUDA_VENV) runs

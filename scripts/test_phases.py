@@ -2,10 +2,10 @@
 """`make test`'s runner: the phases, timed, then one table of the run's budget.
 
 The phases are the environments' set-up (each `make` target of the Makefile; a no-op once its
-stamp is current), `make lint`, and the five pytest runs (Beam, TF, libtpu, CUDA in their own
-venvs, then the main suite in .venv). After .venv's set-up the side phases run in two lanes side
-by side, one process each (lint, Beam and TF in one; libtpu and CUDA in the other), so a 2-core
-machine has both cores busy; then the main suite, alone, with its xdist workers. A phase run in a
+stamp is current), `make lint`, and the six pytest runs (Beam, Spark, TF, libtpu, CUDA in their
+own venvs, then the main suite in .venv). After .venv's set-up the side phases run in two lanes
+side by side, one process each (lint, Beam, Spark and TF in one; libtpu and CUDA in the other),
+so a 2-core machine has both cores busy; then the main suite, alone, with its xdist workers. A phase run in a
 lane writes its output to runs/test-report/NAME.log, printed whole when the phase ends.
 
 Every pytest writes JUnit XML under runs/test-report/; at the end the runner prints each
@@ -97,7 +97,8 @@ def _pytest(name: str, python: str, args: Sequence[str], lane: int = 0, **env: s
 
 
 # The side phases' two lanes, balanced by the last full run on the 2-core AVX2 EPYC
-# (bench/results/suite.md): lint, Beam and TF about 7:10 with their set-ups; libtpu and CUDA 7:40.
+# (bench/results/suite.md): lint, Beam and TF about 7:10 with their set-ups, libtpu and CUDA
+# 7:40; Spark (newer) goes with the first.
 # Each is one process, so the two lanes keep two cores busy where the phases one after another
 # kept one (14:50 then); the main suite runs after them, alone, so its figure stays its own.
 SIDE_A, SIDE_B = 1, 2
@@ -122,6 +123,16 @@ def phases(make: str, workers: str, require_onednn: str) -> list[Phase]:
             ],
             lane=SIDE_A,
             ESTIMAX_REQUIRE_BEAM="1",
+        ),
+        Phase("setup .venv-spark", (make, "--no-print-directory", "venv-spark"), lane=SIDE_A),
+        # A standalone Spark cluster (master + 2 workers, JVMs) on 127.0.0.1; in .venv the
+        # cluster tests skip (no pyspark) and only the command-line errors run.
+        _pytest(
+            "spark",
+            ".venv-spark/bin/python",
+            ["-p", "no:cacheprovider", "tests/test_convert_spark.py"],
+            lane=SIDE_A,
+            ESTIMAX_REQUIRE_SPARK="1",
         ),
         Phase("setup .venv-tf", (make, "--no-print-directory", "venv-tf"), lane=SIDE_A),
         _pytest(

@@ -43,11 +43,18 @@ from collections.abc import Sequence
 from typing import Any
 
 from estimax import storage
-from estimax.tools import convert_images, convert_shards, convert_sources, fake_imagenet
+from estimax.tools import (
+    convert_images,
+    convert_shards,
+    convert_sources,
+    convert_spark,
+    fake_imagenet,
+)
 
 __all__ = ["main", "run"]
 
 RUNNERS = ("local", "DirectRunner", "DataflowRunner", "FlinkRunner", "SparkRunner")
+ENGINES = ("local", "beam", "spark")
 
 
 def _add_common(p: argparse.ArgumentParser, shards: tuple[int, int] = (1024, 128)) -> None:
@@ -82,7 +89,32 @@ def _add_common(p: argparse.ArgumentParser, shards: tuple[int, int] = (1024, 128
         default=None,
         help="worker processes (local and DirectRunner); default: all usable cores",
     )
+    _add_engine_options(p)
     _add_image_options(p)
+
+
+def _add_engine_options(p: argparse.ArgumentParser) -> None:
+    """Which engine distributes the shards: --engine and Spark's options."""
+    p.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default=None,
+        help="'local': a process pool here (default); 'beam': an Apache Beam pipeline "
+        "(--runner, default DirectRunner); 'spark': an Apache Spark job (--spark_master)",
+    )
+    p.add_argument(
+        "--spark_master",
+        default="local[*]",
+        help="with --engine=spark: local[N], spark://HOST:PORT, yarn or k8s://https://HOST:PORT "
+        "(default %(default)s)",
+    )
+    p.add_argument(
+        "--spark_conf",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="with --engine=spark: a Spark option, e.g. spark.executor.memory=4g (repeatable)",
+    )
 
 
 def _add_image_options(p: argparse.ArgumentParser) -> None:
@@ -601,7 +633,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "tf-checkpoint":
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         return _tf_checkpoint(args, extra)
-    if extra and (args.command in ("verify", "to-bigtable") or args.runner == "local"):
+    if args.command in _CONVERSIONS:
+        problem = _engine(args)
+        if problem:
+            parser.error(problem)
+    if extra and (args.command in ("verify", "to-bigtable") or args.runner in ("local", "spark")):
         parser.error(
             f"unrecognized arguments: {' '.join(extra)} (only Beam runners take "
             "extra pipeline options)"
@@ -620,6 +656,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (
         convert_sources.InputError,
         convert_images.BadImageError,
+        convert_spark.SparkError,
         ImportError,
         storage.StorageError,
     ) as e:
@@ -637,6 +674,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(_labels_line(manifest))
     return _no_class_emptied(args, dataset, manifest)
+
+
+_CONVERSIONS = ("imagenet", "folder", "csv", "fake-imagenet")
+
+
+def _engine(args: argparse.Namespace) -> str | None:
+    """Sets ``args.engine`` from ``--engine``/``--runner`` (``--runner`` alone picks Beam, as
+    before ``--engine`` existed); returns what is wrong with the combination, if anything."""
+    if args.engine is None:
+        args.engine = "local" if args.runner == "local" else "beam"
+    elif args.engine == "beam" and args.runner == "local":
+        args.runner = "DirectRunner"
+    elif args.engine != "beam" and args.runner != "local":
+        return f"--runner={args.runner} is a Beam runner: use it with --engine=beam"
+    if args.engine == "spark":
+        args.runner = "spark"  # not "local": extra arguments are refused below
+        if args.num_workers is not None:
+            return "--num_workers is for local and Beam; Spark's workers are its executors"
+    return None
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -669,7 +725,19 @@ def _convert(
         overwrite=args.overwrite,
         source=source,
     )
-    if args.runner == "local":
+    if args.engine == "spark":
+        manifest = convert_spark.convert_spark(
+            dataset,
+            args.output_dir,
+            num_shards,
+            master=args.spark_master,
+            conf=convert_spark.parse_conf(args.spark_conf),
+            check=args.check,
+            skip_bad=args.skip_bad,
+            overwrite=args.overwrite,
+            source=source,
+        )
+    elif args.runner == "local":
         manifest = convert_shards.convert_local(
             dataset,
             args.output_dir,

@@ -33,9 +33,9 @@ from typing import Any
 
 from estimax.tools.convert_shards import (
     Manifest,
+    finish_manifest,
     load_manifest,
-    plan_shards,
-    prepare_manifest,
+    plan_conversion,
     write_shard,
 )
 from estimax.tools.convert_sources import Dataset
@@ -45,17 +45,6 @@ __all__ = ["RUNNERS", "convert_beam", "index_beam"]
 RUNNERS = ("DirectRunner", "DataflowRunner", "FlinkRunner", "SparkRunner")
 
 log = logging.getLogger(__name__)
-
-
-def _write_final_manifest(
-    results: list[dict[str, Any]], base_json: str, output_dir: str, num_tasks: int
-) -> int:
-    manifest = Manifest.from_json(base_json, "<driver manifest>")
-    for r in results:
-        manifest.add_shard(r)
-    manifest.complete = len(manifest.shards) == num_tasks
-    manifest.save(output_dir)
-    return len(manifest.shards)
 
 
 def convert_beam(
@@ -86,11 +75,10 @@ def convert_beam(
 
     if runner not in RUNNERS:
         raise ValueError(f"--runner must be one of local, {', '.join(RUNNERS)}; got {runner!r}")
-    tasks = plan_shards(dataset, num_shards, output_dir, check, skip_bad)
-    options = {"check": check, "skip_bad": skip_bad}
-    manifest = prepare_manifest(tasks, dataset, output_dir, source or {}, options, overwrite)
-    manifest.save(output_dir)
-    todo = [t for t in tasks if t.name not in manifest.shards]
+    plan = plan_conversion(
+        dataset, output_dir, num_shards, check, skip_bad, overwrite=overwrite, source=source
+    )
+    tasks, manifest, todo = plan.tasks, plan.manifest, plan.todo
     workers = num_workers or len(os.sched_getaffinity(0))
     pipeline_runner, described = _runner(runner, workers)
     # multi_processing: one SDK worker process per core (the in-memory mode is one process).
@@ -109,7 +97,7 @@ def convert_beam(
             | "WriteShard" >> beam.Map(write_shard)
             | "Collect" >> beam.combiners.ToList()
             | "WriteManifest"
-            >> beam.Map(_write_final_manifest, manifest.to_json(), output_dir, len(tasks))
+            >> beam.Map(finish_manifest, manifest.to_json(), output_dir, len(tasks))
         )
     final = load_manifest(output_dir)
     assert final is not None

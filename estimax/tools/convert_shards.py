@@ -62,8 +62,11 @@ from estimax.tools.convert_sources import Dataset, InputError, Item
 __all__ = [
     "MANIFEST_NAME",
     "Manifest",
+    "Plan",
     "ShardTask",
     "convert_local",
+    "finish_manifest",
+    "plan_conversion",
     "plan_shards",
     "index_problems",
     "prepare_manifest",
@@ -413,6 +416,63 @@ def prepare_manifest(
     return fresh
 
 
+@dataclasses.dataclass
+class Plan:
+    """A conversion as the driver plans it, once, before any engine runs: every shard
+    (``tasks``), the manifest to continue from (already saved: shards still intact from an
+    earlier run are in it) and the shards left to write (``todo``), in plan order."""
+
+    tasks: list[ShardTask]
+    manifest: Manifest
+    todo: list[ShardTask]
+
+
+def plan_conversion(
+    dataset: Dataset,
+    output_dir: str,
+    num_shards: dict[str, int],
+    check: str = "scaled",
+    skip_bad: bool = False,
+    *,
+    overwrite: bool = False,
+    source: dict | None = None,
+) -> Plan:
+    """The driver's half of every engine: files -> shards, the manifest prepared and saved,
+    complete shards dropped. An engine then only distributes :func:`write_shard` over
+    ``plan.todo`` and hands the results to :func:`finish_manifest` (or ``Manifest.add_shard``).
+
+    Raises:
+      InputError: see :func:`plan_shards` and :func:`prepare_manifest`.
+    """
+    tasks = plan_shards(dataset, num_shards, output_dir, check, skip_bad)
+    options = {"check": check, "skip_bad": skip_bad}
+    manifest = prepare_manifest(tasks, dataset, output_dir, source or {}, options, overwrite)
+    todo = [t for t in tasks if t.name not in manifest.shards]
+    if len(todo) < len(tasks):
+        done = len(tasks) - len(todo)
+        log.info("resuming: %d of %d shards already complete in %s", done, len(tasks), output_dir)
+    manifest.save(output_dir)
+    return Plan(tasks, manifest, todo)
+
+
+def finish_manifest(
+    results: Iterable[dict[str, Any]], base_json: str, output_dir: str, num_tasks: int
+) -> int:
+    """Writes the final manifest: ``base_json`` (the plan's, :meth:`Manifest.to_json`) plus the
+    gathered :func:`write_shard` results, complete when every one of ``num_tasks`` shards is in
+    it. Runs wherever the engine gathers results (the driver, or a pipeline's last step).
+
+    Returns:
+      The number of shards the manifest lists.
+    """
+    manifest = Manifest.from_json(base_json, "<driver manifest>")
+    for r in results:
+        manifest.add_shard(r)
+    manifest.complete = len(manifest.shards) == num_tasks
+    manifest.save(output_dir)
+    return len(manifest.shards)
+
+
 def _mp_context() -> multiprocessing.context.BaseContext:
     """fork when it is safe, else spawn.
 
@@ -535,16 +595,12 @@ def convert_local(
         :func:`write_shard`. Shards finished before the error stay recorded, so rerunning the
         same command resumes.
     """
-    tasks = plan_shards(dataset, num_shards, output_dir, check, skip_bad)
-    options = {"check": check, "skip_bad": skip_bad}
-    manifest = prepare_manifest(tasks, dataset, output_dir, source or {}, options, overwrite)
-    todo = [t for t in tasks if t.name not in manifest.shards]
+    plan = plan_conversion(
+        dataset, output_dir, num_shards, check, skip_bad, overwrite=overwrite, source=source
+    )
+    tasks, manifest, todo = plan.tasks, plan.manifest, plan.todo
     total = sum(len(t.items) for t in tasks)
     done_items = total - sum(len(t.items) for t in todo)
-    if len(todo) < len(tasks):
-        done = len(tasks) - len(todo)
-        log.info("resuming: %d of %d shards already complete in %s", done, len(tasks), output_dir)
-    manifest.save(output_dir)
     _write_shards(
         todo,
         manifest,
