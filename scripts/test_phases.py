@@ -5,8 +5,8 @@ The phases are the environments' set-up (each `make` target of the Makefile; a n
 stamp is current), `make lint`, and the six pytest runs (Beam, Spark, TF, libtpu, CUDA in their
 own venvs, then the main suite in .venv). After .venv's set-up the side phases run in two lanes
 side by side, one process each (lint, Beam, Spark and TF in one; libtpu and CUDA in the other),
-so a 2-core machine has both cores busy; then the main suite, alone, with its xdist workers. A phase run in a
-lane writes its output to runs/test-report/NAME.log, printed whole when the phase ends.
+so a 2-core machine has both cores busy; then the main suite, alone, with its xdist workers. A
+phase run in a lane writes its output to runs/test-report/NAME.log, printed whole when it ends.
 
 Every pytest writes JUnit XML under runs/test-report/; at the end the runner prints each
 phase's wall time and passed/failed/skipped counts, the run's wall time, the 15 slowest tests
