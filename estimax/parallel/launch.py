@@ -97,8 +97,8 @@ _INDEX = re.compile(r"[0-9]{1,9}", re.ASCII)
 # (int() raises ValueError past 4,300 digits); 18 digits hold any count, id, job id or port.
 _NUMBER = re.compile(r"[0-9]{1,18}", re.ASCII)
 # The most processes one job may have. JAX runs one process per host (on GPUs at most one per
-# GPU); the largest TPU pod has 2,240 hosts (v5p: 8,960 chips), multislice jobs and the largest
-# GPU clusters (~100,000 GPUs) stay below 2**17 processes even at one per GPU. A count above
+# GPU); the largest TPU pod has 2,304 hosts (Ironwood: 9,216 chips), and multislice jobs and the
+# largest GPU clusters (~100,000 GPUs) stay below 2**17 processes even at one per GPU. A count above
 # 2**20 is therefore a typo or an attack, and is refused before anything is sized by it
 # ($JAX_NUM_PROCESSES=10**12 once made the launch check list every missing process until
 # MemoryError).
