@@ -200,6 +200,7 @@ def _run(
                 f"unexpected arguments {argv[1:]}: every setting is a --flag (see --help)."
             )
         apply_environment(fv, os.environ)
+        _keep_cuda_out(fv)
         join_processes(fv, program_flags)
         results = run_from_flags(fv)
         if "mode" in fv and fv.mode == "eval" and results is None:
@@ -235,6 +236,21 @@ def _run(
         print(str(e), flush=True)
         sys.exit(130)
     sys.stdout.flush()
+
+
+def _keep_cuda_out(fv: flags.FlagValues) -> None:
+    """``--compile_for`` naming a GPU runs nothing: JAX is kept from starting CUDA before
+    anything looks for devices (``gpu_compile.keep_cuda_out``: without a GPU, JAX's CUDA
+    plugin would fail its version check and take XLA's GPU compiler with it)."""
+    value = fv["compile_for"].value if "compile_for" in fv else None
+    if value:
+        from estimax.compile import gpu_compile
+
+        if gpu_compile.is_gpu_target(value):
+            try:
+                gpu_compile.keep_cuda_out(value)
+            except gpu_compile.GpuTargetError as e:
+                raise UsageError(f"--compile_for={value}: {e}") from None
 
 
 def join_processes(fv: flags.FlagValues, program_flags: list[str]) -> None:
