@@ -54,7 +54,7 @@ from estimax.parallel.chips import GPU_CHIPS, ChipSpec
 GiB = 1 << 30
 
 # The cards with a description in gpu_specs/, by GPU_CHIPS's names.
-KNOWN_GPUS = ("h100", "h200", "a100-80gb", "a100-40gb", "l4", "b200")
+KNOWN_GPUS = ("h100", "h200", "a100-80gb", "a100-40gb", "l4", "b200", "gb200")
 # One host's GPUs at most: a larger count is that many hosts of 8 (an HGX/DGX board's 8).
 GPUS_PER_HOST = 8
 GPU_INSTALL_HINT = (
@@ -84,9 +84,10 @@ def known_gpus() -> str:
 
 
 def is_gpu_target(name: str) -> bool:
-    """Whether ``name`` is meant as a GPU target (``NAME:COUNT`` with NAME not a TPU ``vN``)."""
+    """Whether ``name`` is meant as a GPU target (``NAME:COUNT`` with NAME not a TPU's ``vN``
+    or ``tpuN``: ``tpu7x:2x2x1`` is libtpu's name for TPU7x)."""
     match = _GPU.match(name.strip())
-    return match is not None and not re.match(r"^v\d", match.group(1))
+    return match is not None and not re.match(r"^(v|tpu)\d", match.group(1))
 
 
 def check_gpu_target(name: str) -> tuple[str, int]:
