@@ -49,7 +49,7 @@ LIBTPU_PIN := $(shell sed -n 's/^ *"\(libtpu==[^"]*\)",*$$/\1/p' pyproject.toml)
 # XLA's GPU compiler (the gpu-compile extra: JAX's CUDA plugin and ptxas) for --compile_for=h100:8
 # and tests/test_gpu_compile.py, the same way: .venv plus three wheels, 223 MB downloaded, 580 MB
 # installed, 13 s to install (measured; the whole jax-cuda12-plugin[with-cuda] is 3.2 GB and only
-# runs on a GPU). JAX_PLATFORMS=cpu: with the plugin and no driver JAX would try CUDA first.
+# runs on a GPU). No JAX_PLATFORMS: --compile_for keeps JAX off CUDA itself (gpu_compile.py).
 CUDA_VENV := .venv-cuda
 CUDA_STAMP := $(CUDA_VENV)/.installed-stamp
 GPU_COMPILE_PINS := $(shell sed -n '/^gpu-compile = \[/,/^\]/s/^ *"\([^"]*\)",*$$/\1/p' pyproject.toml)

@@ -2,15 +2,19 @@
 
 The tests that need XLA's GPU compiler (JAX's CUDA plugin and ptxas, the ``gpu-compile`` extra)
 run in ``make test``'s ``.venv-cuda`` (``ESTIMAX_REQUIRE_CUDA=1``: they fail there instead of
-skipping); in the default venv they skip, and the ones that need no plugin run (names, counts,
-the descriptions' facts, the fit verdict, and the line a user without the plugin sees).
+skipping), with no ``JAX_PLATFORMS`` set, as a user runs them; in the default venv they skip,
+and the ones that need no plugin run (names, counts, the descriptions' facts, the fit verdict,
+and the lines a user sees without the plugin or with one that did not load).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -22,7 +26,14 @@ from estimax.parallel import chips
 from estimax.programs import common
 from estimax.programs.configs import LoopConfig
 from estimax.programs.job import Job
-from tests.test_tpu_compile import CPU_ONLY, TINY, _fatal_lines, dense_model_fn, run_program
+from tests.test_tpu_compile import (
+    CPU_ONLY,
+    REPO,
+    TINY,
+    _fatal_lines,
+    dense_model_fn,
+    run_program,
+)
 
 HAS_PLUGIN = importlib.util.find_spec("jax_cuda12_plugin") is not None
 if os.environ.get("ESTIMAX_REQUIRE_CUDA") and not HAS_PLUGIN:
@@ -33,6 +44,41 @@ needs_plugin = pytest.mark.skipif(
 )
 # Four GPUs: batches below divide by 4 and by the 8 virtual CPU devices.
 TARGET = "h100:4"
+if HAS_PLUGIN:
+    # What the programs do as they parse --compile_for=GPU (cli._keep_cuda_out), before anything
+    # looks for devices; the in-process runs below start past that point (run_from_flags), and
+    # without it JAX's CUDA plugin would fail its CUDA version check here and not load.
+    gpu_compile.use_cpu_backend()
+
+
+@needs_plugin
+def test_the_documented_command_compiles_without_a_gpu_or_any_variable():
+    """docs/accelerators.md's ``mnist --compile_for=h100:8 --batch_size=1024``, in a fresh
+    process with no JAX_PLATFORMS: JAX's CUDA plugin once failed its version check there
+    ("Unable to load CUDA. Is it installed?") and estimax asked for the extra just installed."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "ESTIMAX_"))}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "estimax.programs.mnist",
+            "--compile_for=h100:8",
+            "--batch_size=1024",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        cwd=REPO,
+        env={**env, "PYTHONPATH": str(REPO)},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    for line, step in zip(lines, ("train", "eval"), strict=True):
+        assert line.startswith(
+            f"{step} step on NVIDIA H100 80GB HBM3 x8 (h100:8; global batch 1,024, f32): fits: "
+        ), line
+    assert "Unable to load CUDA" not in proc.stderr and "Traceback" not in proc.stderr
 
 
 @needs_plugin
@@ -128,6 +174,52 @@ def test_without_the_plugin_one_line_says_how_to_install_it():
         "FATAL: --compile_for=h100:8: compiling for h100:8 needs XLA's GPU compiler (JAX's "
         f"CUDA plugin): {gpu_compile.GPU_INSTALL_HINT}."
     ]
+
+
+def test_a_plugin_that_did_not_load_is_named_with_its_cause_not_an_install_hint(monkeypatch):
+    """The plugin installed but not loaded: the line says so, with what JAX logged and what to
+    change, never "pip install" the extra just installed."""
+    # What JAX logs when a plugin's initialize() raises (xla_bridge.discover_pjrt_plugins).
+    jax_log = logging.getLogger("jax._src.xla_bridge")
+    monkeypatch.setattr(gpu_compile._PLUGIN_ERRORS, "causes", [])
+    try:
+        raise RuntimeError("Unable to load CUDA. Is it installed?")
+    except RuntimeError:
+        jax_log.exception("Jax plugin configuration error: Exception when calling %s", "x")
+    assert gpu_compile._PLUGIN_ERRORS.causes == ["Unable to load CUDA. Is it installed?"]
+    cause = gpu_compile._PLUGIN_ERRORS.causes[-1]
+    plugin = "jax-cuda12-plugin 0.10.2"
+    head = (
+        "compiling for h100:8: JAX's CUDA plugin (jax-cuda12-plugin 0.10.2) is installed but did "
+        "not load (Unable to load CUDA. Is it installed?): "
+    )
+    for platforms, fix in [
+        ("cuda", "JAX_PLATFORMS=cuda asks JAX to start CUDA, which needs a GPU and its driver; "),
+        (None, "JAX looked for its devices before estimax could keep CUDA out"),
+        ("cpu", "reinstall the gpu-compile extra (the plugin's version must be jaxlib's, "),
+    ]:
+        line = str(gpu_compile.no_compiler("h100:8", plugin, cause, platforms))
+        assert line.startswith(head + fix) and "\n" not in line, line
+        assert "pip install" not in line
+    missing = str(gpu_compile.no_compiler("h100:8", None, None, None))
+    assert missing.endswith(f"(JAX's CUDA plugin): {gpu_compile.GPU_INSTALL_HINT}.")
+
+
+def test_jax_platforms_naming_cuda_without_a_gpu_is_one_line_else_jax_stays_on_cpu(monkeypatch):
+    kept: list[bool] = []
+    monkeypatch.setattr(gpu_compile, "_gpu_visible", lambda: False)
+    monkeypatch.setattr(gpu_compile, "use_cpu_backend", lambda: kept.append(True) or True)
+    with pytest.raises(gpu_compile.GpuTargetError) as e:
+        gpu_compile.keep_cuda_out("h100:8", platforms="cuda,cpu")
+    assert str(e.value) == (
+        "JAX_PLATFORMS=cuda,cpu asks JAX to start CUDA, which needs a GPU and its driver (this "
+        "machine shows none); compiling for h100:8 needs neither: unset JAX_PLATFORMS."
+    )
+    assert kept == []
+    gpu_compile.keep_cuda_out("h100:8", platforms="")
+    monkeypatch.setattr(gpu_compile, "_gpu_visible", lambda: True)
+    gpu_compile.keep_cuda_out("h100:8", platforms="cuda")  # a GPU here: JAX may start it
+    assert kept == [True, True]
 
 
 @pytest.mark.parametrize("gpu", gpu_compile.KNOWN_GPUS)

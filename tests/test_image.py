@@ -117,7 +117,8 @@ def test_the_image_runs_as_a_user_with_estimax_on_path_and_no_compiler():
 # a step is compiled for one (``--compile_for``), as a job would be checked before it is sent.
 # The plugin's distribution -> the slice compiled for and the environment it needs.
 COMPILE_FOR = {
-    "jax-cuda12-plugin": ("h100:8", ["--env=JAX_PLATFORMS=cpu"]),  # no GPU: CPU is the device
+    # No GPU and no variable set: --compile_for keeps JAX off CUDA itself (issue #51).
+    "jax-cuda12-plugin": ("h100:8", []),
     "libtpu": ("v5e:2x4", []),
 }
 

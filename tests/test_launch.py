@@ -17,6 +17,8 @@ import subprocess
 import sys
 import threading
 
+import hypothesis
+import hypothesis.strategies as st
 import multihost_helpers as mh
 import pytest
 
@@ -302,6 +304,84 @@ def test_kubeflow_jax_variables_are_one_job_and_flags_still_win():
             {"JAX_COORDINATOR_ADDRESS": "n:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "-1"},
             "$JAX_PROCESS_ID='-1' is not in 0 .. 1",
         ),
+        # Issue #54 cause 8: "²" passes str.isdigit() but not int(), 5,000 digits pass it but
+        # exceed int()'s 4,300: both were ValueError tracebacks. The value is cut to fit a line.
+        (
+            {
+                "JAX_COORDINATOR_ADDRESS": "n:1",
+                "JAX_NUM_PROCESSES": "\u00b2",
+                "JAX_PROCESS_ID": "0",
+            },
+            "$JAX_NUM_PROCESSES='\u00b2' is not a whole number of 1 or more",
+        ),
+        (
+            {
+                "JAX_COORDINATOR_ADDRESS": "n:1",
+                "JAX_NUM_PROCESSES": "2",
+                "JAX_PROCESS_ID": "\u00b9",
+            },
+            "$JAX_PROCESS_ID='\u00b9' is not in 0 .. 1",
+        ),
+        (
+            {
+                "JAX_COORDINATOR_ADDRESS": "n:1",
+                "JAX_NUM_PROCESSES": "9" * 5000,
+                "JAX_PROCESS_ID": "0",
+            },
+            f"$JAX_NUM_PROCESSES='{'9' * 56}... is not a whole number of 1 or more",
+        ),
+        (
+            {
+                "JAX_COORDINATOR_ADDRESS": "n:1",
+                "JAX_NUM_PROCESSES": "2",
+                "JAX_PROCESS_ID": "1" * 5000,
+            },
+            f"$JAX_PROCESS_ID='{'1' * 56}... is not in 0 .. 1",
+        ),
+        (
+            {"JAX_COORDINATOR_ADDRESS": "n:1", "JAX_NUM_PROCESSES": "-2", "JAX_PROCESS_ID": "0"},
+            "$JAX_NUM_PROCESSES='-2' is not a whole number of 1 or more",
+        ),
+        (
+            {"JAX_COORDINATOR_ADDRESS": "n:1", "JAX_NUM_PROCESSES": " ", "JAX_PROCESS_ID": "0"},
+            "$JAX_NUM_PROCESSES=' ' is not a whole number of 1 or more",
+        ),
+        (
+            {"JAX_COORDINATOR_ADDRESS": " ", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"},
+            "$JAX_COORDINATOR_ADDRESS=' ' is not HOST:PORT",
+        ),
+        # Issue #54 cause 5: 10**12 made the launch check list every missing process.
+        (
+            {"JAX_COORDINATOR_ADDRESS": "n:1", "JAX_NUM_PROCESSES": "1" + "0" * 12},
+            "$JAX_NUM_PROCESSES is set but $JAX_PROCESS_ID is not",
+        ),
+        (
+            {
+                "JAX_COORDINATOR_ADDRESS": "n:1",
+                "JAX_NUM_PROCESSES": "1" + "0" * 12,
+                "JAX_PROCESS_ID": "0",
+            },
+            "$JAX_NUM_PROCESSES='1000000000000' is more than 1,048,576 processes (estimax's limit "
+            "for one job, far above any real pod or GPU cluster)",
+        ),
+        (
+            {
+                "JAX_COORDINATOR_ADDRESS": "n:1",
+                "JAX_NUM_PROCESSES": "4",
+                "JAX_PROCESS_ID": "0",
+                "JAX_LOCAL_DEVICE_IDS": "0,\u00b2",
+            },
+            "$JAX_LOCAL_DEVICE_IDS='0,\u00b2' is not a comma-separated list of device ids",
+        ),
+        (
+            {
+                "JAX_COORDINATOR_ADDRESS": "n:1",
+                "JAX_NUM_PROCESSES": "4",
+                "JAX_PROCESS_ID": "0",
+                "JAX_COORDINATOR_PORT": "8" * 5000,
+            },
+            f"$JAX_COORDINATOR_PORT='{'8' * 56}... is not a whole number (the coordinator's port)",
+        ),
     ],
 )
 def test_a_bad_kubeflow_jax_variable_is_one_line_naming_it(env, message):
@@ -309,6 +389,88 @@ def test_a_bad_kubeflow_jax_variable_is_one_line_naming_it(env, message):
         with pytest.raises(LaunchError) as e:
             launch.detect(address, environ=env)
         assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_a_process_count_past_the_bound_is_one_line_from_flags_specs_and_jax(monkeypatch):
+    """Issue #54 cause 5: a count is bounded (launch.MAX_PROCESSES) wherever it comes from."""
+    big = launch.MAX_PROCESSES + 1
+    with pytest.raises(LaunchError, match=r"^--num_processes=1048577 processes: not in 1 \.\. "):
+        launch.detect("h:1", big, 0, environ={})
+    with pytest.raises(LaunchError, match=r"^--process_id=1000000000000 is not in 0 \.\. 1 "):
+        launch.detect("h:1", 2, 10**12, environ={})
+    assert launch.detect("h:1", launch.MAX_PROCESSES, 0, environ={}).num_processes == big - 1
+    # JAX's SLURM plugin reads its numbers with int(): each is checked first, by name.
+    for k in [k for k in os.environ if k.startswith(mh.CLUSTER_PREFIXES)]:
+        monkeypatch.delenv(k)
+    monkeypatch.delenv("JAX_COORDINATOR_PORT", raising=False)
+    slurm = {
+        "SLURM_JOB_ID": "4096",
+        "SLURM_STEP_NODELIST": "node[003-004]",
+        "SLURM_NTASKS": "2",
+        "SLURM_PROCID": "1",
+        "SLURM_LOCALID": "0",
+    }
+    for k, v in slurm.items():
+        monkeypatch.setenv(k, v)
+    for var, value, line in [
+        ("SLURM_NTASKS", "1" + "0" * 12, "$SLURM_NTASKS='1000000000000' is not in 1 .. 1,048,576"),
+        ("SLURM_PROCID", "\u00b2", "$SLURM_PROCID='\u00b2' is not a whole number (SLURM's task"),
+        ("SLURM_LOCALID", "", "$SLURM_LOCALID='' is not a whole number"),
+        ("SLURM_JOB_ID", "7" * 5000, f"$SLURM_JOB_ID='{'7' * 56}... is not a whole number"),
+    ]:
+        monkeypatch.setenv(var, value)
+        with pytest.raises(LaunchError) as e:
+            launch.detect("auto", environ={})
+        assert str(e.value).startswith(line) and "\n" not in str(e.value), str(e.value)
+        # Given every number by hand, JAX still reads SLURM's local rank at the join.
+        if var == "SLURM_LOCALID":
+            with pytest.raises(LaunchError, match=r"^\$SLURM_LOCALID='' is not a whole"):
+                launch.detect("h:1", 2, 0)
+        monkeypatch.setenv(var, slurm[var])
+
+
+def test_the_missing_processes_line_is_bounded_whatever_the_claimed_count():
+    """Issue #54 cause 5: the launch check named every absent process (a list of 10**12)."""
+    claimed = Launch("flags", "test", "h:1", 10**12, 0)
+    views = [{"process_id": 0}, {"process_id": 3}]
+    line = launch._missing(claimed, views, 5.0)
+    assert line == (
+        "launch check: only 2 of 1000000000000 processes reached the coordinator h:1 within 5 s "
+        "(missing: process 1, 2, 4, 5, 6, 7, 8, 9, ... (999,999,999,998 in all)); start them, or "
+        "give every process the same, correct --num_processes"
+    )
+    few = launch._missing(Launch("flags", "test", "h:1", 3, 0), views[:1], 5.0)
+    assert "(missing: process 1, 2); start them" in few
+
+
+_LAUNCH_NUMBER = st.one_of(
+    st.text(max_size=12),
+    st.sampled_from(
+        ["\u00b2", "\u0661", "\uff11", "9" * 5000, "-1", "1e3", " 3 ", "0x10", "+1", "1_0"]
+    ),
+    st.integers(-(10**20), 10**20).map(str),
+)
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(count=_LAUNCH_NUMBER, index=_LAUNCH_NUMBER)
+def test_any_jax_launch_variables_give_a_job_or_one_line_naming_them(count, index):
+    """Whatever Kubeflow-style variables hold: a job within the bounds, or one LaunchError line
+    that names a variable and stays short (never a ValueError, never a list sized by them)."""
+    environ = {
+        "JAX_COORDINATOR_ADDRESS": "n:1",
+        "JAX_NUM_PROCESSES": count,
+        "JAX_PROCESS_ID": index,
+    }
+    try:
+        found = launch.detect(None, environ=environ)
+    except LaunchError as e:
+        line = str(e)
+        assert "\n" not in line and len(line) < 300, line
+        assert line.startswith("$JAX_"), line
+    else:
+        assert 0 <= found.process_id < found.num_processes <= launch.MAX_PROCESSES
+        assert (found.num_processes, found.process_id) == (int(count), int(index))
 
 
 # ----------------------------------------------------------------------------- rendezvous
@@ -486,11 +648,12 @@ def test_doctor_launch_from_kubeflow_jax_variables_joins_and_a_bad_one_is_one_li
             f"process {i} of 2, coordinator localhost:{port}"
         )
         assert p.stdout.splitlines()[-1].startswith("launch: global mesh: 2 devices over 2 ")
-    [bad] = mh.finish([_doctor([], {**env, "JAX_PROCESS_ID": "x"})])
+    # "²" passes str.isdigit() but not int(): once a ValueError traceback (issue #54 cause 8).
+    [bad] = mh.finish([_doctor([], {**env, "JAX_PROCESS_ID": "\u00b2"})])
     assert bad.returncode == 1 and bad.stdout == ""
     assert bad.stderr.strip().splitlines() == [
-        "FATAL: $JAX_PROCESS_ID='x' is not in 0 .. 1 ($JAX_NUM_PROCESSES=2; a different one in "
-        "every process)"
+        "FATAL: $JAX_PROCESS_ID='\u00b2' is not in 0 .. 1 ($JAX_NUM_PROCESSES=2; a different one "
+        "in every process)"
     ]
 
 

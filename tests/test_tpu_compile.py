@@ -637,8 +637,19 @@ def test_the_report_line_says_fit_memory_work_and_roofline():
     )
 
 
+@needs_libtpu
+def test_tpu7x_is_a_tpu_slice_of_two_devices_to_a_chip():
+    """libtpu's name for Ironwood is tpu7x (not v7x): 4 chips, 8 TensorCores, each a device with
+    half the chip's figures (issue #51: it was not a --compile_for name)."""
+    assert compile_lib.check_topology("tpu7x:2x2x1") == "tpu7x"
+    devices = compile_lib.slice_devices("tpu7x:2x2x1")
+    assert len(devices) == 8 and {d.device_kind for d in devices} == {"TPU7x"}
+    assert compile_lib.devices_per_chip(devices) == 2
+    assert compile_lib.TPU_CHIPS["tpu7x"].bf16_tflops == 2307
+
+
 def test_chip_table_has_every_generation_with_its_source():
-    for gen in ("v2", "v3", "v4", "v5e", "v5p", "v6e"):
+    for gen in ("v2", "v3", "v4", "v5e", "v5p", "v6e", "tpu7x"):
         chip = compile_lib.TPU_CHIPS[gen]
         assert chip.source == f"https://cloud.google.com/tpu/docs/{gen}"
         assert chip.hbm_gib > 0 and chip.hbm_gbps > 0 and chip.bf16_tflops > 0

@@ -68,12 +68,20 @@ GiB = 1 << 30
 
 
 # One single-host slice of each generation (libtpu takes any GEN:AxB[xC] it knows).
-KNOWN_TOPOLOGIES = ("v2:2x2", "v3:2x2", "v4:2x2x1", "v5e:2x4", "v5p:2x2x1", "v6e:2x4")
+KNOWN_TOPOLOGIES = (
+    "v2:2x2",
+    "v3:2x2",
+    "v4:2x2x1",
+    "v5e:2x4",
+    "v5p:2x2x1",
+    "v6e:2x4",
+    "tpu7x:2x2x1",  # libtpu's name for TPU7x (Ironwood): 4 chips, 8 TensorCores
+)
 INSTALL_HINT = (
     "pip install -e '.[tpu]' in estimax's checkout (it is not on the package index), or run in "
     "the Makefile's .venv-tpu (make .venv-tpu/.installed-stamp)"
 )
-_TOPOLOGY = re.compile(r"^(v\d+[a-z]?):(\d+(?:x\d+){1,2})$")
+_TOPOLOGY = re.compile(r"^((?:v|tpu)\d+[a-z]?):(\d+(?:x\d+){1,2})$")
 
 
 class CompileForError(ValueError):

@@ -23,8 +23,12 @@ with a traceback, before it falls back to the CPU):
 | ``compiled.cost_analysis()`` is None             | ``step_costs``: XLA's HLO cost analysis   |
 | (UNIMPLEMENTED)                                  | through the CPU client                    |
 | convolution algorithms are chosen at run time    | the margin above                          |
-| JAX starts CUDA when it first looks for devices  | ``use_cpu_backend`` before that, in the   |
-| (``cuInit`` error 303 and a traceback, no GPU)   | programs' ``--compile_for``               |
+| JAX starts CUDA when it first looks for devices  | ``use_cpu_backend`` before that: as the   |
+| (``cuInit`` error 303 and a traceback, no GPU);  | programs parse ``--compile_for``, and in  |
+| before that, JAX's CUDA plugin checks the CUDA   | ``gpu_devices`` where no NVIDIA device is |
+| runtime's version and, without one, does not     | visible. The plugin skips its check when  |
+| load ("Unable to load CUDA. Is it installed?"),  | CUDA is not among JAX's platforms, and    |
+| so its compiler is gone too                      | still registers its compiler              |
 
 Installing the plugin: ``jax-cuda12-plugin`` and ``jax-cuda12-pjrt`` (182 MB of wheels, 480 MB
 installed) and ``nvidia-cuda-nvcc-cu12`` for ``ptxas`` (40 MB; a CUDA toolkit's ptxas on the
@@ -34,7 +38,10 @@ PATH or in /usr/local/cuda serves as well). cuDNN, cuBLAS, NCCL and the rest of
 
 from __future__ import annotations
 
+import glob
+import importlib.metadata
 import importlib.resources
+import logging
 import os
 import re
 from typing import Any
@@ -47,7 +54,7 @@ from estimax.parallel.chips import GPU_CHIPS, ChipSpec
 GiB = 1 << 30
 
 # The cards with a description in gpu_specs/, by GPU_CHIPS's names.
-KNOWN_GPUS = ("h100", "h200", "a100-80gb", "a100-40gb", "l4", "b200")
+KNOWN_GPUS = ("h100", "h200", "a100-80gb", "a100-40gb", "l4", "b200", "gb200")
 # One host's GPUs at most: a larger count is that many hosts of 8 (an HGX/DGX board's 8).
 GPUS_PER_HOST = 8
 GPU_INSTALL_HINT = (
@@ -77,9 +84,10 @@ def known_gpus() -> str:
 
 
 def is_gpu_target(name: str) -> bool:
-    """Whether ``name`` is meant as a GPU target (``NAME:COUNT`` with NAME not a TPU ``vN``)."""
+    """Whether ``name`` is meant as a GPU target (``NAME:COUNT`` with NAME not a TPU's ``vN``
+    or ``tpuN``: ``tpu7x:2x2x1`` is libtpu's name for TPU7x)."""
     match = _GPU.match(name.strip())
-    return match is not None and not re.match(r"^v\d", match.group(1))
+    return match is not None and not re.match(r"^(v|tpu)\d", match.group(1))
 
 
 def check_gpu_target(name: str) -> tuple[str, int]:
@@ -121,14 +129,121 @@ def chip(gpu: str) -> ChipSpec:
     return GPU_CHIPS[gpu]
 
 
-def use_cpu_backend() -> None:
-    """Keeps JAX from starting CUDA where nothing will run (``--compile_for`` runs nothing):
-    with the plugin installed and no driver, the first device lookup tries CUDA and logs a
-    traceback. No effect once JAX's backends are up, or when ``JAX_PLATFORMS`` says otherwise."""
+class _PluginErrors(logging.Handler):
+    """Keeps what JAX logged when a plugin failed to load (JAX logs it and goes on without the
+    plugin), so that a compile without XLA's GPU compiler can say why it is missing."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.causes: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "plugin configuration error" in str(record.msg) and record.exc_info:
+            error = record.exc_info[1]
+            self.causes.append(" ".join(str(error).split())[:200] or type(error).__name__)
+
+
+# Installed when this module is imported, which is before JAX looks for its plugins (at the
+# first device lookup) in every path to a GPU compile.
+_PLUGIN_ERRORS = _PluginErrors()
+logging.getLogger("jax._src.xla_bridge").addHandler(_PLUGIN_ERRORS)
+
+
+def use_cpu_backend() -> bool:
+    """Keeps JAX from starting CUDA where nothing will run (``--compile_for`` runs nothing).
+
+    With JAX's CUDA plugin installed and no GPU, JAX at its first device lookup (1) runs the
+    plugin's check of the CUDA runtime's version, which fails without the CUDA libraries (the
+    ``gpu-compile`` extra has none: "Unable to load CUDA. Is it installed?"), and then JAX drops
+    the plugin and with it XLA's GPU compiler; with them (the full ``cuda12`` extra) it (2)
+    starts CUDA, which fails at ``cuInit`` (error 303) with a logged traceback. With ``cpu`` as
+    JAX's only platform the plugin skips (1) (jax_plugins/xla_cuda12 ``initialize``: the check
+    runs only when "cuda" is among ``jax_platforms``) and still registers its compiler, and (2)
+    never happens. ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK`` skips (1) too, should a user's
+    ``JAX_PLATFORMS`` name CUDA.
+
+    Returns:
+      whether it took effect: not once JAX's backends are up, nor over a ``JAX_PLATFORMS`` the
+      user set.
+    """
     from jax._src import xla_bridge
 
-    if not xla_bridge.backends_are_initialized() and not getattr(jax.config, "jax_platforms", None):
-        jax.config.update("jax_platforms", "cpu")
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+    if xla_bridge.backends_are_initialized() or getattr(jax.config, "jax_platforms", None):
+        return False
+    jax.config.update("jax_platforms", "cpu")
+    return True
+
+
+def keep_cuda_out(name: str, platforms: str | None = None) -> None:
+    """``--compile_for=name`` with a GPU ``name``, before JAX's first device lookup: nothing runs,
+    so JAX is kept on its CPU backend (``use_cpu_backend``), with or without a GPU here.
+
+    Args:
+      name: the target (``h100:8``).
+      platforms: JAX's ``jax_platforms`` (None: read from JAX's config, i.e. ``JAX_PLATFORMS``).
+
+    Raises:
+      GpuTargetError: ``JAX_PLATFORMS`` names CUDA and this machine shows no GPU (JAX would stop
+        with a traceback when it fails to start CUDA); one line saying to unset it.
+    """
+    if platforms is None:
+        platforms = getattr(jax.config, "jax_platforms", None) or ""
+    if {p.strip() for p in platforms.split(",")} & {"cuda", "gpu"} and not _gpu_visible():
+        raise GpuTargetError(
+            f"JAX_PLATFORMS={platforms} asks JAX to start CUDA, which needs a GPU and its driver "
+            f"(this machine shows none); compiling for {name} needs neither: unset JAX_PLATFORMS."
+        )
+    use_cpu_backend()
+
+
+def _gpu_visible() -> bool:
+    """Whether this machine shows an NVIDIA GPU (its device files: ``/dev/nvidia0``...)."""
+    return bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def _cuda_plugin() -> str | None:
+    """The installed CUDA plugin's distribution and version (``jax-cuda12-plugin 0.10.2``)."""
+    for dist in ("jax-cuda12-plugin", "jax-cuda13-plugin"):
+        try:
+            return f"{dist} {importlib.metadata.version(dist)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def no_compiler(
+    name: str, plugin: str | None, cause: str | None, platforms: str | None
+) -> GpuTargetError:
+    """Why XLA's GPU compiler is missing, one line: not installed, or installed (``plugin``, its
+    distribution and version) but not loaded, with what JAX logged (``cause``) and what to
+    change given ``platforms`` (JAX's ``jax_platforms``)."""
+    if plugin is None:
+        return GpuTargetError(
+            f"compiling for {name} needs XLA's GPU compiler (JAX's CUDA plugin): "
+            f"{GPU_INSTALL_HINT}."
+        )
+    cause = cause or "no error was logged"
+    if platforms and platforms != "cpu":
+        fix = (
+            f"JAX_PLATFORMS={platforms} asks JAX to start CUDA, which needs a GPU and its "
+            "driver; a compile for a GPU needs neither: unset JAX_PLATFORMS"
+        )
+    elif platforms == "cpu":
+        fix = (
+            f"reinstall the gpu-compile extra (the plugin's version must be jaxlib's, "
+            f"{jax.__version__})"
+        )
+    else:
+        fix = (
+            "JAX looked for its devices before estimax could keep CUDA out (it does so when "
+            "--compile_for names a GPU); in your own code, call "
+            "estimax.compile.gpu_compile.use_cpu_backend() before JAX's first device lookup"
+        )
+    return GpuTargetError(
+        f"compiling for {name}: JAX's CUDA plugin ({plugin}) is installed but did not load "
+        f"({cause}): {fix}."
+    )
 
 
 def gpu_devices(name: str) -> list[Any]:
@@ -138,6 +253,8 @@ def gpu_devices(name: str) -> list[Any]:
       GpuTargetError: an unknown name, a malformed count, or no CUDA plugin installed.
     """
     gpu, count = check_gpu_target(name)
+    if not _gpu_visible():
+        use_cpu_backend()  # nothing runs here: JAX's CUDA plugin must not look for CUDA
     hosts, per_host = (
         (count // GPUS_PER_HOST, GPUS_PER_HOST) if count > GPUS_PER_HOST else (1, count)
     )
@@ -150,11 +267,10 @@ def gpu_devices(name: str) -> list[Any]:
             # Partitions x hosts x devices per host (xla/pjrt/c/pjrt_c_api_gpu_internal.cc).
             topology=f"1x{hosts}x{per_host}",
         )
-    except NotImplementedError:  # "topology not implemented for cuda": no plugin
-        raise GpuTargetError(
-            f"compiling for {name} needs XLA's GPU compiler (JAX's CUDA plugin): "
-            f"{GPU_INSTALL_HINT}."
-        ) from None
+    except NotImplementedError:  # "topology not implemented for cuda": no plugin loaded
+        causes = _PLUGIN_ERRORS.causes
+        platforms = getattr(jax.config, "jax_platforms", None)
+        raise no_compiler(name, _cuda_plugin(), causes[-1] if causes else None, platforms) from None
     except RuntimeError as e:
         first = str(e).strip().splitlines()[0]
         raise GpuTargetError(f"JAX's CUDA plugin refuses {name!r} ({first}).") from None

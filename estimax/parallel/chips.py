@@ -38,9 +38,10 @@ class ChipSpec:
     note: str = ""
 
 
-# Per chip, as Google publishes them. A "device" of a topology is a TensorCore on v2/v3/v4
-# (two per chip: libtpu's v4:2x2x1 has 8 devices) and a chip on v5e/v5p/v6e; per-device figures
-# divide by the devices per chip, counted from the topology itself.
+# Per chip, as Google publishes them. A "device" of a topology is a TensorCore on v2/v3/v4 and
+# TPU7x (two per chip: libtpu's v4:2x2x1 and tpu7x:2x2x1 have 8 devices, two to each chip's
+# coordinates) and a chip on v5e/v5p/v6e; per-device figures divide by the devices per chip,
+# counted from the topology itself.
 TPU_CHIPS: dict[str, ChipSpec] = {
     # The v2 page links its figures to Jouppi et al., "A Domain-Specific Supercomputer for
     # Training Deep Neural Networks", CACM 63(7), 2020, Table 3: 46 TFLOPS, 16 GiB, 700 GB/s.
@@ -50,6 +51,12 @@ TPU_CHIPS: dict[str, ChipSpec] = {
     "v5e": ChipSpec(16, 819, 197, "https://cloud.google.com/tpu/docs/v5e", ("TPU v5 lite",)),
     "v5p": ChipSpec(95, 2765, 459, "https://cloud.google.com/tpu/docs/v5p", ("TPU v5", "TPU v5p")),
     "v6e": ChipSpec(32, 1638, 918, "https://cloud.google.com/tpu/docs/v6e", ("TPU v6 lite",)),
+    # Ironwood. The page's table: 2,307 bf16 TFLOPs (4,614 is FP8), 192 GiB, 7,380 GB/s per
+    # chip; two TensorCores per chip, each its own JAX device ("TPU7x", as libtpu 0.0.42.1's
+    # tpu7x:2x2x1 names them).
+    "tpu7x": ChipSpec(
+        192, 7380, 2307, "https://cloud.google.com/tpu/docs/tpu7x", ("TPU7x", "TPU 7x")
+    ),
 }
 
 # Per GPU (SXM boards where there are several), from NVIDIA's product pages and datasheets.
@@ -108,6 +115,18 @@ GPU_CHIPS: dict[str, ChipSpec] = {
         "https://www.nvidia.com/en-us/data-center/hgx/",
         ("NVIDIA B200",),
         _HALVED + " (HGX B200, 4.5 PFLOPS sparse per GPU; 180 GB)",
+    ),
+    "gb200": ChipSpec(
+        # XLA's gb200.txtpb: 197,897,748,480 bytes (184.3 GiB; NVIDIA's "186 GB" per GPU, half of
+        # a superchip's 372 GB, as a process sees it). The page gives a Grace Blackwell
+        # superchip (one Grace CPU, two GPUs): 10 PFLOPS FP16/BF16 sparse, 16 TB/s.
+        184.3,
+        8000,
+        2500,
+        "https://www.nvidia.com/en-us/data-center/gb200-nvl72/",
+        ("NVIDIA GB200",),
+        _HALVED + " (a superchip's 10 PFLOPS sparse over its two GPUs: 5 sparse, 2.5 dense "
+        "PFLOPS per GPU; 16 TB/s over two: 8 TB/s)",
     ),
 }
 

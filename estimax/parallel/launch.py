@@ -52,6 +52,7 @@ lines over a TCP socket, from the standard library.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -65,6 +66,7 @@ from estimax import storage
 
 __all__ = [
     "AUTO",
+    "MAX_PROCESSES",
     "Launch",
     "LaunchError",
     "detect",
@@ -80,6 +82,8 @@ AUTO = "auto"
 _MAGIC = "estimax-launch/1 "
 # A view or a verdict is a few hundred bytes; a line longer than this is not ours.
 _MAX_LINE = 1 << 20
+# How many absent processes the launch check names (then how many in all).
+_SHOW_MISSING = 8
 _TF_TYPES = ("chief", "master", "worker", "evaluator", "ps")
 _VERTEX_POOLS = ("workerpool0", "workerpool1", "workerpool2", "workerpool3")
 # ASCII digits only: ``\d`` alone also matches other scripts' digits, which int() reads.
@@ -88,6 +92,18 @@ _MAX_PORT = 65535
 # A task index as a string ("1"): ASCII digits, as many as an index can have ("²" is a digit to
 # str.isdigit() but not to int()).
 _INDEX = re.compile(r"[0-9]{1,9}", re.ASCII)
+# A number in a launch variable ($JAX_NUM_PROCESSES, $SLURM_NTASKS...): ASCII digits only (int()
+# also reads other scripts' digits, and "²" passes str.isdigit() but not int()), and few of them
+# (int() raises ValueError past 4,300 digits); 18 digits hold any count, id, job id or port.
+_NUMBER = re.compile(r"[0-9]{1,18}", re.ASCII)
+# The most processes one job may have. JAX runs one process per host (on GPUs at most one per
+# GPU); the largest TPU pod has 2,304 hosts (Ironwood: 9,216 chips), and multislice jobs and the
+# largest GPU clusters (~100,000 GPUs) stay below 2**17 processes even at one per GPU. A count above
+# 2**20 is therefore a typo or an attack, and is refused before anything is sized by it
+# ($JAX_NUM_PROCESSES=10**12 once made the launch check list every missing process until
+# MemoryError).
+MAX_PROCESSES = 1 << 20
+_WHY_MAX = "estimax's limit for one job, far above any real pod or GPU cluster"
 
 
 class LaunchError(ValueError):
@@ -143,6 +159,98 @@ def _short(value: Any) -> str:
     """``repr(value)`` cut to what one line can hold (a spec is any size the job sets)."""
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _digits(text: str) -> int | None:
+    """``text`` (surrounding whitespace aside, as int() allows) as a whole number when it is
+    ASCII digits, at most 18 of them; None for anything else ("-1", "²", 5,000 digits, "")."""
+    text = text.strip()
+    return int(text) if _NUMBER.fullmatch(text) else None
+
+
+def _number(var: str, raw: str, lowest: int, highest: int, what: str) -> int:
+    """``$var``'s value ``raw`` as a whole number in ``lowest .. highest``, or one LaunchError
+    line naming the variable and its value (cut to fit the line)."""
+    value = _digits(raw)
+    if value is None:
+        raise LaunchError(f"${var}={_short(raw)} is not a whole number ({what})")
+    if not lowest <= value <= highest:
+        raise LaunchError(f"${var}={_short(raw)} is not in {lowest} .. {highest:,} ({what})")
+    return value
+
+
+# The numbers JAX's cluster plugins read with int() (jax 0.10.2, ``jax/_src/clusters``), checked
+# first so that a bad one is one line naming it, not a ValueError from inside JAX: for each plugin
+# (by its name), the variable, its range, whether empty means unset (MEGASCALE_* default to one
+# slice), and what it is. ``*_LOCAL*`` ones are read by ``jax.distributed.initialize`` itself.
+_PLUGIN_NUMBERS: dict[str, tuple[tuple[str, int, int, bool, str], ...]] = {
+    "ompi": (
+        ("OMPI_COMM_WORLD_SIZE", 1, MAX_PROCESSES, False, "Open MPI's process count"),
+        ("OMPI_COMM_WORLD_RANK", 0, MAX_PROCESSES - 1, False, "Open MPI's rank"),
+        ("OMPI_COMM_WORLD_LOCAL_RANK", 0, MAX_PROCESSES - 1, False, "Open MPI's local rank"),
+    ),
+    "slurm": (
+        ("SLURM_JOB_ID", 0, 10**18 - 1, False, "SLURM's job id"),
+        ("SLURM_NTASKS", 1, MAX_PROCESSES, False, "SLURM's task count"),
+        ("SLURM_PROCID", 0, MAX_PROCESSES - 1, False, "SLURM's task rank"),
+        ("SLURM_LOCALID", 0, MAX_PROCESSES - 1, False, "SLURM's local task rank"),
+    ),
+    "gketpu": (
+        ("TPU_WORKER_ID", 0, MAX_PROCESSES - 1, False, "GKE's TPU worker index"),
+        ("MEGASCALE_NUM_SLICES", 1, MAX_PROCESSES, True, "the TPU slices"),
+        ("MEGASCALE_SLICE_ID", 0, MAX_PROCESSES - 1, True, "this TPU slice's index"),
+    ),
+    "gcetpu": (
+        ("MEGASCALE_NUM_SLICES", 1, MAX_PROCESSES, True, "the TPU slices"),
+        ("MEGASCALE_SLICE_ID", 0, MAX_PROCESSES - 1, True, "this TPU slice's index"),
+    ),
+    "K8sCluster": (
+        ("JOB_COMPLETION_INDEX", 0, MAX_PROCESSES - 1, False, "the Kubernetes Job's index"),
+    ),
+}
+# The plugins whose job ``jax.distributed.initialize`` finds from variables alone (the first
+# present, in JAX's order), with the variables that say it is there and the local rank it then
+# reads even when given everything else.
+_PLUGIN_LOCAL = (
+    ("ompi", ("OMPI_MCA_orte_hnp_uri",), "OMPI_COMM_WORLD_LOCAL_RANK"),
+    (
+        "slurm",
+        ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID"),
+        "SLURM_LOCALID",
+    ),
+)
+
+
+def _check_plugin_numbers(name: str, environ: Mapping[str, str]) -> None:
+    """The numbers JAX's plugin ``name`` will read from ``environ``, each valid or one line."""
+    for var, lowest, highest, optional, what in _PLUGIN_NUMBERS.get(name, ()):
+        raw = environ.get(var)
+        if raw is None or (optional and not raw.strip()):
+            continue  # unset: the plugin says so (a KeyError, caught) or takes its default
+        _number(var, raw, lowest, highest, what)
+
+
+def check_jax_numbers(environ: Mapping[str, str] | None = None) -> None:
+    """Before ``jax.distributed.initialize``: the numbers it reads from the environment
+    (``$JAX_COORDINATOR_PORT``, ``$JAX_LOCAL_DEVICE_IDS``, and the local rank of the Open MPI or
+    SLURM job it finds), each a whole number in range, or one LaunchError line naming it."""
+    environ = os.environ if environ is None else environ
+    port = environ.get("JAX_COORDINATOR_PORT")
+    if port:
+        _number("JAX_COORDINATOR_PORT", port, 1, _MAX_PORT, "the coordinator's port")
+    ids = environ.get("JAX_LOCAL_DEVICE_IDS")
+    if ids:
+        for part in ids.split(",", 4096)[:4096]:  # more ids than devices: the first bad one
+            if _digits(part) is None:
+                raise LaunchError(
+                    f"$JAX_LOCAL_DEVICE_IDS={_short(ids)} is not a comma-separated list of "
+                    "device ids (whole numbers)"
+                )
+    for name, present, local in _PLUGIN_LOCAL:
+        if all(var in environ for var in present):
+            rule = next(r for r in _PLUGIN_NUMBERS[name] if r[0] == local)
+            _number(local, environ[local], *rule[1:3], rule[4])
+            return  # JAX reads the first present one only
 
 
 def _json_object(text: str, var: str) -> dict[str, Any]:
@@ -338,15 +446,19 @@ def _jax_cluster(timeout: float) -> Launch | None:
         if env.opt_in_only_method or not env.is_env_present():
             continue
         name = env.name or env.__name__
+        check_jax_numbers(os.environ)  # what the plugin reads is os.environ
+        _check_plugin_numbers(name, os.environ)
         try:
             coordinator = env.get_coordinator_address(
                 timeout_secs=int(timeout),
                 override_coordinator_port=os.environ.get("JAX_COORDINATOR_PORT"),
             )
-            count, index = env.get_process_count(), env.get_process_id()
-        except (RuntimeError, ValueError, KeyError) as e:
-            raise LaunchError(f"JAX's {name} cluster detection failed: {e}") from None
-        return Launch(name, f"JAX's {name} detection", coordinator, int(count), int(index))
+            count, index = int(env.get_process_count()), int(env.get_process_id())
+        except (RuntimeError, ValueError, KeyError, TypeError) as e:
+            # One line whatever the plugin says (a Kubernetes API error can span lines).
+            detail = " ".join(str(e).split())
+            raise LaunchError(f"JAX's {name} cluster detection failed: {detail[:300]}") from None
+        return Launch(name, f"JAX's {name} detection", coordinator, count, index)
     return None
 
 
@@ -396,7 +508,10 @@ def detect(
         )
     else:
         return Launch("single", "no cluster flags, spec or $JAX_COORDINATOR_ADDRESS")
-    return _with_numbers(found, num_processes, process_id, timeout)
+    found = _with_numbers(found, num_processes, process_id, timeout)
+    if found.joins:
+        check_jax_numbers(environ)  # read by jax.distributed.initialize: said now, in one line
+    return found
 
 
 def _with_numbers(
@@ -420,8 +535,15 @@ def _with_numbers(
             )
     count = found.num_processes if num_processes is None else num_processes
     index = found.process_id if process_id is None else process_id
+    if not 1 <= count <= MAX_PROCESSES:
+        where = f"{found.source} gives " if num_processes is None else "--num_processes="
+        raise LaunchError(
+            f"{where}{_short(count)} processes: not in 1 .. {MAX_PROCESSES:,} ({_WHY_MAX})"
+        )
     if not 0 <= index < count:
-        raise LaunchError(f"--process_id={index} is not in 0 .. {count - 1} (--num_processes)")
+        raise LaunchError(
+            f"--process_id={_short(index)} is not in 0 .. {count - 1} (--num_processes)"
+        )
     return dataclasses.replace(found, num_processes=count, process_id=index)
 
 
@@ -434,7 +556,9 @@ def jax_env_launch(environ: Mapping[str, str]) -> Launch:
     sets in every pod of a TrainJob (kind ``jax_env``). The address alone is kind ``env``: its
     numbers come from the flags or JAX's detection. A missing or malformed one is one line naming
     the variable."""
-    address, count, index = (environ.get(var, "").strip() for var in _JAX_ENV)
+    # Set means non-empty (a shell's VAR= unsets it for us); a value of only spaces is set, and
+    # refused below as what it is, not taken for unset.
+    address, count, index = (environ.get(var, "") for var in _JAX_ENV)
     where = "Kubeflow Trainer's JAX runtime sets all three"
     if not address:
         given = ", ".join(f"${v}" for v in _JAX_ENV[1:] if environ.get(v))
@@ -442,29 +566,38 @@ def jax_env_launch(environ: Mapping[str, str]) -> Launch:
             f"{given} set without $JAX_COORDINATOR_ADDRESS (HOST:PORT of process 0): set it too "
             f"({where}), or unset {given}"
         )
-    match = _HOST_PORT.match(address)
+    match = _HOST_PORT.match(address.strip())
     if match is None or not 0 < int(match.group(2)) < 65536:
         raise LaunchError(
-            f"$JAX_COORDINATOR_ADDRESS={address!r} is not HOST:PORT (process 0's host and a free "
-            "port, the same in every process)"
+            f"$JAX_COORDINATOR_ADDRESS={_short(address)} is not HOST:PORT (process 0's host and "
+            "a free port, the same in every process)"
         )
+    address = address.strip()
     if not count and not index:
         return Launch("env", "$JAX_COORDINATOR_ADDRESS", address)
     if not count or not index:
         have, lack = ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID")[:: 1 if count else -1]
         raise LaunchError(f"${have} is set but ${lack} is not: set both ({where}), or neither")
-    if not count.isdigit() or int(count) < 1:
+    # ASCII digits only, and few: "²" (a digit to str.isdigit()) or 5,000 digits made int()
+    # raise; 10**12 made the launch check size a list by it.
+    processes, process = _digits(count), _digits(index)
+    if processes is None or processes < 1:
         raise LaunchError(
-            f"$JAX_NUM_PROCESSES={count!r} is not a whole number of 1 or more (the job's "
+            f"$JAX_NUM_PROCESSES={_short(count)} is not a whole number of 1 or more (the job's "
             "processes, the same in every process)"
         )
-    if not index.isdigit() or int(index) >= int(count):
+    if processes > MAX_PROCESSES:
         raise LaunchError(
-            f"$JAX_PROCESS_ID={index!r} is not in 0 .. {int(count) - 1} "
-            f"($JAX_NUM_PROCESSES={count}; a different one in every process)"
+            f"$JAX_NUM_PROCESSES={_short(count)} is more than {MAX_PROCESSES:,} processes "
+            f"({_WHY_MAX}): give the job's real process count, the same in every process"
+        )
+    if process is None or process >= processes:
+        raise LaunchError(
+            f"$JAX_PROCESS_ID={_short(index)} is not in 0 .. {processes - 1} "
+            f"($JAX_NUM_PROCESSES={processes}; a different one in every process)"
         )
     source = "$JAX_COORDINATOR_ADDRESS, $JAX_NUM_PROCESSES, $JAX_PROCESS_ID"
-    return Launch("jax_env", source, address, int(count), int(index))
+    return Launch("jax_env", source, address, processes, process)
 
 
 def _nothing_found() -> Launch:
@@ -651,9 +784,13 @@ def _disagreements(views: list[dict[str, Any]]) -> list[str]:
 
 
 def _missing(launch: Launch, views: list[dict[str, Any]], timeout: float) -> str:
+    """The line for processes that never came: the first few absent ids and how many in all,
+    never a list sized by the claimed process count."""
     came = {v["process_id"] for v in views}
-    absent = [str(p) for p in range(launch.num_processes) if p not in came]
-    shown = ", ".join(absent[:8]) + (", ..." if len(absent) > 8 else "")
+    absent = (p for p in range(launch.num_processes) if p not in came)
+    first = [str(p) for p in itertools.islice(absent, _SHOW_MISSING)]
+    count = launch.num_processes - sum(1 for p in came if 0 <= p < launch.num_processes)
+    shown = ", ".join(first) + (f", ... ({count:,} in all)" if count > len(first) else "")
     return (
         f"launch check: only {len(views)} of {launch.num_processes} processes reached the "
         f"coordinator {launch.coordinator} within {timeout:g} s (missing: process {shown}); "

@@ -206,6 +206,7 @@ def _run(
         env_used = apply_environment(fv, os.environ)
         if config is not None:
             _apply_config(fv, program_flags, config, env_used)
+        _keep_cuda_out(fv)
         join_processes(fv, program_flags)
         results = run_from_flags(fv)
         if "mode" in fv and fv.mode == "eval" and results is None:
@@ -258,6 +259,21 @@ def _apply_config(
     if fv.print_config:
         print(config_file.format_effective(effective), flush=True)
         sys.exit(0)
+
+
+def _keep_cuda_out(fv: flags.FlagValues) -> None:
+    """``--compile_for`` naming a GPU runs nothing: JAX is kept from starting CUDA before
+    anything looks for devices (``gpu_compile.keep_cuda_out``: without a GPU, JAX's CUDA
+    plugin would fail its version check and take XLA's GPU compiler with it)."""
+    value = fv["compile_for"].value if "compile_for" in fv else None
+    if value:
+        from estimax.compile import gpu_compile
+
+        if gpu_compile.is_gpu_target(value):
+            try:
+                gpu_compile.keep_cuda_out(value)
+            except gpu_compile.GpuTargetError as e:
+                raise UsageError(f"--compile_for={value}: {e}") from None
 
 
 def join_processes(fv: flags.FlagValues, program_flags: list[str]) -> None:

@@ -300,10 +300,26 @@ _SETUP: dict[str, Callable[[], None]] = {
 
 
 def _target_cluster_spec(data: bytes) -> None:
-    """``data`` is ``$TF_CONFIG`` (and ``$CLUSTER_SPEC``): a Launch, or one LaunchError line."""
+    """``data`` is ``$TF_CONFIG`` (and ``$CLUSTER_SPEC``), then ``$JAX_NUM_PROCESSES`` and
+    ``$JAX_PROCESS_ID``: a Launch within the bounds, or one LaunchError line naming the variable
+    (issue #54: "²", 5,000 digits and 10**12 were a ValueError or a list sized by the count)."""
     from estimax.parallel import launch
 
     text = data.decode("utf-8", "replace")
+    for var, other, value in (
+        ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "0"),
+        ("JAX_PROCESS_ID", "JAX_NUM_PROCESSES", "4"),
+    ):
+        environ = {"JAX_COORDINATOR_ADDRESS": "h:1", var: text, other: value}
+        try:
+            found = launch.detect(None, environ=environ)
+        except launch.LaunchError as e:
+            line = str(e)
+            assert "\n" not in line and line.startswith("$JAX_"), line
+            assert len(line) < 400, len(line)
+        else:
+            assert 0 <= found.process_id < found.num_processes <= launch.MAX_PROCESSES, found
+
     for var, parse in (("TF_CONFIG", launch.parse_tf_config), ("CLUSTER_SPEC", None)):
         environ = {var: text}
         try:
@@ -755,6 +771,9 @@ def _gen_state(rng: random.Random) -> bytes:
 
 
 def _gen_cluster_spec(rng: random.Random) -> bytes:
+    if rng.random() < 0.2:  # a launch variable's number, as a job runner might set it
+        numbers = ("2", "0", "\u00b2", "\u0661", "\uff11", "9" * 5000, str(10**12), "-1", "")
+        return rng.choice((*numbers, " ", " 3 ", "1e3", "0x10", "1_0", str(2**20 + 1))).encode()
     types = ("chief", "worker", "evaluator", "ps", "workerpool0", "workerpool1", "workerpool3")
     cluster: dict[str, object] = {}
     for kind in rng.sample(types, rng.randint(0, 4)):
