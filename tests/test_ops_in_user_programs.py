@@ -50,10 +50,25 @@ def _mesh() -> Mesh:
     return Mesh(np.array(jax.devices()[:2]), ("data",))
 
 
+# Inputs from numpy and initial variables from one compile at XLA:CPU's optimisation level 0 (as
+# estimax's replication.run_init compiles initialisers): run eagerly, every jax.random call of a
+# new shape compiles its own threefry hashing, seconds of LLVM each at the default level.
+def _normal(seed: int, shape: tuple[int, ...]) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def _init(model: nn.Module, x: np.ndarray) -> Any:
+    key = jax.random.key(0)
+    init = jax.jit(lambda key, x: model.init(key, x, train=False)).lower(key, x)
+    return init.compile(compiler_options={"xla_backend_optimization_level": "0"})(key, x)
+
+
+@functools.cache
 def _setup(name: str):
+    """(model, the same with Flax's layers, params, a batch, loss), once per model."""
     model, standard, shape = MODELS[name]
-    x = jax.random.normal(jax.random.key(1), shape, jnp.float32)
-    variables = model.init(jax.random.key(0), x[:1], train=False)
+    x = _normal(1, shape)
+    variables = _init(model, x[:1])
 
     def loss(m, params, x):
         y = m.apply({**variables, "params": params}, x, train=False)
@@ -92,7 +107,7 @@ def test_models_in_shard_map_jit_and_grad_give_flax_values(name):
     # shard_map with check_vma=True (its default): traces, and gives the whole batch's values.
     _close(jax.jit(_shard_map_step(model, loss, mesh))(params, x), (ref_value, ref_grads))
     # The forward pass alone too.
-    variables = {**model.init(jax.random.key(0), x[:1], train=False), "params": params}
+    variables = {**_init(model, x[:1]), "params": params}
     forward = jax.shard_map(
         lambda v, x: model.apply(v, x, train=False),
         mesh=mesh,
@@ -129,8 +144,8 @@ def test_train_mode_batch_norm_in_shard_map_gives_flax_values():
     # moving averages updated from them, returned as the replicas' mean.
     ours = ConvBnPool(ops.FastConv, ops.max_pool)
     theirs = ConvBnPool(nn.Conv, nn.max_pool)
-    x = jax.random.normal(jax.random.key(1), (4, 8, 8, 3), jnp.float32)
-    variables = ours.init(jax.random.key(0), x[:1], train=False)
+    x = _normal(1, (4, 8, 8, 3))
+    variables = _init(ours, x[:1])
 
     def step(model):
         @functools.partial(
@@ -158,10 +173,10 @@ def test_ops_gradients_in_shard_map_sum_a_replicated_weight_over_the_batch():
     # The ops alone, with every combination of what varies: a sharded batch with replicated
     # filters, and filters that vary too (a per-device weight, e.g. a local update).
     mesh = _mesh()
-    x = jax.random.normal(jax.random.key(0), (4, 8, 8, 3))
-    w = jax.random.normal(jax.random.key(1), (3, 3, 3, 5))
+    x = _normal(0, (4, 8, 8, 3))
+    w = _normal(1, (3, 3, 3, 5))
 
-    depthwise = jax.random.normal(jax.random.key(2), (3, 3, 1, 5))  # EfficientNet's
+    depthwise = _normal(2, (3, 3, 1, 5))  # EfficientNet's
 
     def f(conv, pool, x, w):
         y = conv(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))

@@ -221,9 +221,21 @@ class FaultProxy:
 
 @pytest.fixture
 def faulty_gcs(gcs_emulator, monkeypatch):
-    """(bucket URL, proxy): the clients talk to the GCS emulator through a FaultProxy."""
+    """(bucket URL, proxy): the clients talk to the GCS emulator through a FaultProxy.
+
+    gcsfs's backoff between its retries is cut 50-fold (1, 2, 4, 8, 16 s -> 20-320 ms): the
+    tests check how many times it retries and what is left after, not how long it waits.
+    """
+    import asyncio
+    import types
     import uuid
 
+    import gcsfs.retry
+
+    real_sleep = asyncio.sleep
+    monkeypatch.setattr(
+        gcsfs.retry, "asyncio", types.SimpleNamespace(sleep=lambda s: real_sleep(s / 50))
+    )
     bucket = f"estimax-{uuid.uuid4().hex[:12]}"
     gcs_emulator.create_bucket(bucket)
     proxy = FaultProxy(gcs_emulator.port)
@@ -237,7 +249,7 @@ def _uploads(method: str, path: str) -> bool:
     return method in ("POST", "PUT") and "/upload/" in path
 
 
-@pytest.mark.slow  # gcsfs's own backoff: about 20 s before it gives up
+@pytest.mark.slow  # gcsfs retries 6 times before it gives up (its backoff cut in faulty_gcs)
 def test_shard_upload_retries_then_fails_clearly_and_leaves_no_shard(faulty_gcs):
     root, proxy = faulty_gcs
     proxy.fail(_uploads, times=2)  # transient: two 503s, then the emulator answers
@@ -261,7 +273,7 @@ def test_shard_upload_retries_then_fails_clearly_and_leaves_no_shard(faulty_gcs)
     assert tfrecord.list_files(f"{root}/data/train-*") == [f"{root}/data/train-00000-of-00002"]
 
 
-@pytest.mark.slow  # gcsfs's own backoff: about 20 s before it gives up
+@pytest.mark.slow  # gcsfs retries 6 times before it gives up (its backoff cut in faulty_gcs)
 def test_checkpoint_whose_commit_fails_is_never_listed(faulty_gcs):
     from estimax.state import checkpoints
 
