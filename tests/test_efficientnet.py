@@ -25,6 +25,9 @@ from test_programs import RESNET_DEFAULTS, _spec
 from estimax.data import preprocessing
 from estimax.programs import cli, efficientnet, families
 
+# XLA's level 0 (as tests/test_models.py): the same values, compiled several times faster.
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
 # main.py's flags (2019-06) and their defaults; the TPU and location flags are resnet_main.py's.
 ORIGINAL_DEFAULTS = {
     **{k: RESNET_DEFAULTS[k] for k in ("use_tpu", "tpu", "gcp_project", "tpu_zone", "data_dir")},
@@ -126,7 +129,9 @@ def test_model_fn_recipe():
         cpu_fast_ops=False,
     )
     images = np.random.default_rng(0).integers(0, 256, (2, 32, 32, 3)).astype(np.uint8)
-    spec, loss, scalars = _spec(efficientnet.make_model_fn(cfg), images, jnp.array([1, 2]))
+    spec, loss, scalars = _spec(
+        efficientnet.make_model_fn(cfg), images, jnp.array([1, 2]), compiler_options=FAST_COMPILE
+    )
     assert loss.shape == (2,)
     assert spec.weight_decay == 1e-5 and spec.ema_decay == 0.9999
     assert sorted(spec.eval_metrics) == ["top_1_accuracy", "top_5_accuracy"]
@@ -186,32 +191,36 @@ def _write_data(root: str) -> str:
     return data
 
 
-def test_command_line_trains_exports_and_the_export_serves(tmp_path):
+def test_command_line_trains_exports_and_the_export_serves(tmp_path, capsys):
     requests = pytest.importorskip("requests")
     data = _write_data(str(tmp_path))
     export_dir = tmp_path / "export"
-    # One device: the run compiles once and stays fast; replication is tested elsewhere.
-    proc = run_program(
-        "efficientnet",
-        "--model_name=efficientnet-tiny",
-        f"--data_dir={data}",
-        f"--model_dir={tmp_path / 'model'}",
-        f"--export_dir={export_dir}",
-        "--mode=train_and_eval",
-        "--train_steps=2",
-        "--steps_per_eval=2",
-        "--iterations_per_loop=1",
-        "--train_batch_size=8",
-        "--eval_batch_size=8",
-        "--num_train_images=16",
-        "--num_eval_images=8",
-        "--num_label_classes=10",
-        cwd=tmp_path,
-        env={"XLA_FLAGS": ""},
+    # The program's command line parsed and run in-process (its process boundary, the exit
+    # status and the one FATAL line, is the test below): the same flags, the same run, without
+    # a second JAX start and compile. The export is served by the server's own process.
+    results = efficientnet.run_from_flags(
+        parse(
+            [
+                "--model_name=efficientnet-tiny",
+                f"--data_dir={data}",
+                f"--model_dir={tmp_path / 'model'}",
+                f"--export_dir={export_dir}",
+                "--mode=train_and_eval",
+                "--train_steps=2",
+                "--steps_per_eval=2",
+                "--iterations_per_loop=1",
+                "--train_batch_size=8",
+                "--eval_batch_size=8",
+                "--num_train_images=16",
+                "--num_eval_images=8",
+                "--num_label_classes=10",
+            ]
+        )
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "Eval results at step 2: top_1_accuracy = " in proc.stdout
-    assert "on 8 images" in proc.stdout
+    stdout = capsys.readouterr().out
+    assert results is not None and results["global_step"] == 2
+    assert "Eval results at step 2: top_1_accuracy = " in stdout
+    assert "on 8 images" in stdout
     assert sorted(os.listdir(tmp_path / "model" / "checkpoints")) == ["2"]
     version = export_dir / "1"
     # The export declares its preprocessing as data (the eval input's: crop 32, bicubic, uint8);

@@ -290,9 +290,10 @@ def test_rmsprop_is_tf_rmsprop_with_eps_inside_sqrt_and_lr_inside_momentum(make,
     np.testing.assert_allclose(np.asarray(w), w_tf, rtol=1e-5)
 
 
-def _spec(model_fn, features, labels, mode="train", compute=True):
+def _spec(model_fn, features, labels, mode="train", compute=True, compiler_options=None):
     """Runs a model_fn once, jitted, as the Estimator traces it (``compute=False``: traced only,
-    for the spec's static fields; loss and scalars are then shapes).
+    for the spec's static fields; loss and scalars are then shapes). ``compiler_options``: XLA's
+    (e.g. level 0 as tests/test_models.py: the same values, compiled several times faster).
 
     Returns:
       (the EstimatorSpec, whose array fields are stale tracers: read only its static fields,
@@ -313,9 +314,11 @@ def _spec(model_fn, features, labels, mode="train", compute=True):
         captured["spec"] = spec
         return spec.loss, spec.scalars
 
-    loss, scalars = (jax.jit(run) if compute else functools.partial(jax.eval_shape, run))(
-        features, labels
-    )
+    if compute:
+        call = jax.jit(run).lower(features, labels).compile(compiler_options)
+    else:
+        call = functools.partial(jax.eval_shape, run)
+    loss, scalars = call(features, labels)
     return captured["spec"], loss, scalars
 
 
