@@ -60,6 +60,23 @@ STRATEGIES = [
 ]
 
 
+# LLVM at level 0 (as tests/test_models.py) for the jitted ops under test: XLA's HLO passes are
+# the default's, the machine code compiles several times faster, and the reference comparisons
+# hold at the tolerances above.
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def _jit(fn):
+    """``jax.jit(fn)`` whose calls compile at ``FAST_COMPILE`` (``.lower`` is jit's)."""
+    jitted = jax.jit(fn)
+
+    def call(*args):
+        return jitted.lower(*args).compile(FAST_COMPILE)(*args)
+
+    call.lower = jitted.lower
+    return call
+
+
 def _ref(x, w, strides, padding):
     return lax.conv_general_dilated(x, w, strides, padding, dimension_numbers=NHWC)
 
@@ -95,7 +112,7 @@ def test_conv_forward_and_grads_match_reference(case, use_onednn):
     want = _value_and_vjp(functools.partial(_ref, strides=strides, padding=padding), x, w, g)
     mine = lambda x, w: ops.conv_general_dilated(x, w, strides, padding, dimension_numbers=NHWC)
     with native.native_kernels(use_onednn):
-        got = jax.jit(lambda x, w, g: _value_and_vjp(mine, x, w, g))(x, w, g)
+        got = _jit(lambda x, w, g: _value_and_vjp(mine, x, w, g))(x, w, g)
     for a, b in zip(got, want, strict=False):
         _close(a, b, FP32_TOL)
 
@@ -137,7 +154,7 @@ def test_onednn_forward_and_grads_match_reference(case, dtype):
         dx=chosen[1],
         dw=chosen[2],
     )
-    fn = jax.jit(lambda x, w, g: _value_and_vjp(mine, x, w, g))
+    fn = _jit(lambda x, w, g: _value_and_vjp(mine, x, w, g))
     assert "estimax_onednn_conv" in fn.lower(x, w, g).as_text()  # really the oneDNN path
     for a, b in zip(fn(x, w, g), want, strict=False):
         assert a.dtype == x.dtype
@@ -160,9 +177,7 @@ def test_onednn_under_shard_map_on_8_devices_matches_one_device():
         w = lax.pcast(w, "data", to="varying")
         return lax.pmean(jax.grad(loss)(w, x), "data")
 
-    sharded = jax.jit(
-        jax.shard_map(per_replica, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
-    )
+    sharded = _jit(jax.shard_map(per_replica, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))
     want = jax.grad(ref_loss)(w, x)
     x = jax.device_put(x, NamedSharding(mesh, P("data")))
     assert "estimax_onednn_conv" in sharded.lower(w, x).as_text()
@@ -250,7 +265,7 @@ def test_every_strategy_matches_reference(case, strategy):
     mine = functools.partial(
         ops.conv_with_strategy, window_strides=strides, padding=padding, fwd=fwd, dx=dx, dw=dw
     )
-    got = jax.jit(lambda x, w, g: _value_and_vjp(mine, x, w, g))(x, w, g)
+    got = _jit(lambda x, w, g: _value_and_vjp(mine, x, w, g))(x, w, g)
     for a, b in zip(got, want, strict=False):
         _close(a, b, FP32_TOL)
 
@@ -267,7 +282,7 @@ def test_conv_bf16_within_looser_tolerance(case):
         functools.partial(_ref, strides=strides, padding=padding), f32(x), f32(w), f32(g)
     )
     mine = lambda x, w: ops.conv_general_dilated(x, w, strides, padding, dimension_numbers=NHWC)
-    got = jax.jit(lambda x, w, g: _value_and_vjp(mine, x, w, g))(x, w, g)
+    got = _jit(lambda x, w, g: _value_and_vjp(mine, x, w, g))(x, w, g)
     for a, b in zip(got, want, strict=False):
         assert a.dtype == jnp.bfloat16
         _close(a, b, BF16_TOL)
@@ -283,7 +298,7 @@ def test_conv_under_vmap_matches_reference():
         )
     )(xs, ws, gs)
     mine = lambda x, w: ops.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=NHWC)
-    got = jax.jit(jax.vmap(lambda x, w, g: _value_and_vjp(mine, x, w, g)))(xs, ws, gs)
+    got = _jit(jax.vmap(lambda x, w, g: _value_and_vjp(mine, x, w, g)))(xs, ws, gs)
     for a, b in zip(got, ref, strict=False):
         _close(a, b, FP32_TOL)
 
@@ -297,7 +312,7 @@ def test_flax_conv_takes_the_drop_in_and_gives_reference_param_grads():
     params = ref_m.init(jax.random.key(0), x)
     loss = lambda m: lambda p, x: jnp.sum(jnp.sin(m.apply(p, x)))
     want = jax.grad(loss(ref_m), argnums=(0, 1))(params, x)
-    got = jax.jit(jax.grad(loss(mine_m), argnums=(0, 1)))(params, x)
+    got = _jit(jax.grad(loss(mine_m), argnums=(0, 1)))(params, x)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=False):
         _close(a, b, FP32_TOL)
 
@@ -381,7 +396,7 @@ def test_max_pool_value_and_grad_match_flax_including_ties(case):
     mine = lambda x: ops.max_pool(x, window, strides=strides, padding=padding)
     y, vjp = jax.vjp(ref, x)
     g = jnp.asarray(rng.standard_normal(y.shape), jnp.float32)
-    got_y, got_dx = jax.jit(lambda x, g: (mine(x), jax.vjp(mine, x)[1](g)[0]))(x, g)
+    got_y, got_dx = _jit(lambda x, g: (mine(x), jax.vjp(mine, x)[1](g)[0]))(x, g)
     np.testing.assert_array_equal(got_y, y)
     # Each input's gradient is a sum of <= 9 cotangents; only the order may differ.
     np.testing.assert_allclose(got_dx, vjp(g)[0], rtol=1e-6, atol=1e-6)
@@ -435,7 +450,7 @@ def test_resnet_with_ops_gives_reference_gradients():
         max_pool=ops.max_pool,
         conv=functools.partial(nn.Conv, conv_general_dilated=ops.conv_general_dilated),
     )
-    variables = ref_m.init(jax.random.key(0), x, train=False)
+    variables = _jit(lambda x: ref_m.init(jax.random.key(0), x, train=False))(x)
     # The last BN of a block starts at gamma = 0, which would zero every gradient
     # inside the block; set all BN scales to 1 so each conv's gradient is exercised.
     variables = {
@@ -455,7 +470,7 @@ def test_resnet_with_ops_gives_reference_gradients():
 
         return f
 
-    want = jax.jit(jax.grad(loss(ref_m)))(variables["params"])
-    got = jax.jit(jax.grad(loss(mine_m)))(variables["params"])
+    want = _jit(jax.grad(loss(ref_m)))(variables["params"])
+    got = _jit(jax.grad(loss(mine_m)))(variables["params"])
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=False):
         _close(a, b, 1e-4)

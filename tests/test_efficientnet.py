@@ -25,6 +25,12 @@ from test_programs import RESNET_DEFAULTS, _spec
 from estimax.data import preprocessing
 from estimax.programs import cli, efficientnet, families
 
+# XLA's level 0 (as tests/test_models.py): the same values, compiled several times faster.
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+# The same for the program's and the server's processes, on their one device: a run compiles
+# its train, eval, predict and serving programs, and most of its time went to LLVM.
+FAST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
 # main.py's flags (2019-06) and their defaults; the TPU and location flags are resnet_main.py's.
 ORIGINAL_DEFAULTS = {
     **{k: RESNET_DEFAULTS[k] for k in ("use_tpu", "tpu", "gcp_project", "tpu_zone", "data_dir")},
@@ -126,7 +132,9 @@ def test_model_fn_recipe():
         cpu_fast_ops=False,
     )
     images = np.random.default_rng(0).integers(0, 256, (2, 32, 32, 3)).astype(np.uint8)
-    spec, loss, scalars = _spec(efficientnet.make_model_fn(cfg), images, jnp.array([1, 2]))
+    spec, loss, scalars = _spec(
+        efficientnet.make_model_fn(cfg), images, jnp.array([1, 2]), compiler_options=FAST_COMPILE
+    )
     assert loss.shape == (2,)
     assert spec.weight_decay == 1e-5 and spec.ema_decay == 0.9999
     assert sorted(spec.eval_metrics) == ["top_1_accuracy", "top_5_accuracy"]
@@ -207,7 +215,8 @@ def test_command_line_trains_exports_and_the_export_serves(tmp_path):
         "--num_eval_images=8",
         "--num_label_classes=10",
         cwd=tmp_path,
-        env={"XLA_FLAGS": ""},
+        env={"XLA_FLAGS": FAST_XLA_FLAGS},
+        timeout=600,  # a loaded 2-core machine (the vit program's run below allows as long)
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Eval results at step 2: top_1_accuracy = " in proc.stdout
@@ -222,10 +231,8 @@ def test_command_line_trains_exports_and_the_export_serves(tmp_path):
     check = json.loads((version / "export_check.json").read_text())
     assert len(check["inputs"]) == 8  # the validation images
     images = [base64.b64decode(x["b64"]) for x in check["inputs"]]
-    with fx.running_server([f"--model_base_path={export_dir}", "--model_name=efficientnet"]) as (
-        url,
-        _,
-    ):
+    serve = [f"--model_base_path={export_dir}", "--model_name=efficientnet"]
+    with fx.running_server(serve, env={"XLA_FLAGS": FAST_XLA_FLAGS}) as (url, _):
         r = requests.post(
             f"{url}/v1/models/efficientnet:predict",
             json={"instances": [{"b64": base64.b64encode(b).decode()} for b in images]},

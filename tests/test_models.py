@@ -111,10 +111,32 @@ PUBLISHED = {
 CHECKED_ELSEWHERE = {"vit_tiny": "tests/test_vit.py"}
 
 
+@functools.cache
+def _real_size_trace(name: str):
+    """(variable shapes, train-mode outputs) of the registry's ``name`` at its real size, batch
+    2, from one trace (``eval_shape``: nothing computed). Tracing a full-size model costs
+    seconds of Python; the count, formula and output-shape tests read this one trace."""
+    model = get_model(name)
+    size = _image_size(name)
+    x = jax.ShapeDtypeStruct((2, size, size, 3), jnp.float32)
+    rngs = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
+
+    def init_and_train_forward(x):
+        variables = model.init(rngs, x, train=False)
+        out = model.apply(variables, x, train=True, mutable=["batch_stats"], rngs=rngs)[0]
+        return variables, out
+
+    return jax.eval_shape(init_and_train_forward, x)
+
+
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_parameter_count_equals_published(name):
     overrides, expected = PUBLISHED[name]
-    assert _num(_shapes(get_model(name, **overrides), _image_size(name))["params"]) == expected
+    if overrides:
+        shapes = _shapes(get_model(name, **overrides), _image_size(name))
+    else:  # the registry's model as it is: the trace the output-shape test below reads too
+        shapes = _real_size_trace(name)[0]
+    assert _num(shapes["params"]) == expected
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -122,17 +144,8 @@ def test_every_registered_model_output_shapes_at_its_real_size(name):
     # Shapes only (eval_shape: traced, not run): [B, num_classes] float32 logits in train mode,
     # plus the aux logits for the Inceptions; the registry's default classes. (Eval mode runs
     # the same layers; it is checked numerically on the tiny variants below.)
-    model = get_model(name)
-    size = _image_size(name)
-    x = jax.ShapeDtypeStruct((2, size, size, 3), jnp.float32)
-    rngs = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
-
-    def train_forward(x):
-        variables = model.init(rngs, x, train=False)
-        return model.apply(variables, x, train=True, mutable=["batch_stats"], rngs=rngs)[0]
-
     num_classes = 1001 if name.startswith("inception") else 1000
-    out = jax.eval_shape(train_forward, x)
+    out = _real_size_trace(name)[1]
     outs = out if isinstance(out, tuple) else (out,)
     assert len(outs) == (2 if name.startswith("inception") else 1)
     for logits in outs:
@@ -163,7 +176,8 @@ def test_vit_recipe_heads_derived_from_published():
         expected = published - width + width * width + width
         if s16:
             expected -= 196 * width + width
-        assert _num(_shapes(get_model(name), 224)["params"]) == expected, name
+        assert _image_size(name) == 224  # the registry's trace is at 224 x 224
+        assert _num(_real_size_trace(name)[0]["params"]) == expected, name
 
 
 def test_inception_v3_keras_counts():
@@ -228,7 +242,8 @@ def _resnet_formula(stage_sizes, bottleneck, filters, num_classes, always_projec
 def test_resnet_count_matches_architecture_formula(name, stages, bottleneck, filters):
     # The formula reproduces the published counts (test above), so it vouches for the tiny ones.
     expected = _resnet_formula(stages, bottleneck, filters, 1000)
-    assert _num(_shapes(get_model(name), 224)["params"]) == expected
+    assert _image_size(name) == 224  # the trace below is at 224 x 224
+    assert _num(_real_size_trace(name)[0]["params"]) == expected
     if name == "resnet18":
         assert _resnet_formula(stages, False, 64, 1000, always_project=False) == 11_689_512
 

@@ -289,9 +289,10 @@ def test_rmsprop_is_tf_rmsprop_with_eps_inside_sqrt_and_lr_inside_momentum(make,
     np.testing.assert_allclose(np.asarray(w), w_tf, rtol=1e-5)
 
 
-def _spec(model_fn, features, labels, mode="train", compute=True):
+def _spec(model_fn, features, labels, mode="train", compute=True, compiler_options=None):
     """Runs a model_fn once, jitted, as the Estimator traces it (``compute=False``: traced only,
-    for the spec's static fields; loss and scalars are then shapes).
+    for the spec's static fields; loss and scalars are then shapes). ``compiler_options``: XLA's
+    (e.g. level 0 as tests/test_models.py: the same values, compiled several times faster).
 
     Returns:
       (the EstimatorSpec, whose array fields are stale tracers: read only its static fields,
@@ -315,15 +316,11 @@ def _spec(model_fn, features, labels, mode="train", compute=True):
     if not compute:
         loss, scalars = jax.eval_shape(run, features, labels)
         return captured["spec"], loss, scalars
-    # At XLA:CPU's optimisation level 0, as estimax compiles initialisers (replication.run_init):
-    # the default level spends ~25 s of LLVM on the unrolled threefry hashing of even ResNetTiny's
-    # initialisers; the random bits are the same.
-    compiled = (
-        jax.jit(run)
-        .lower(features, labels)
-        .compile(compiler_options={"xla_backend_optimization_level": "0"})
-    )
-    loss, scalars = compiled(features, labels)
+    # By default at XLA:CPU's optimisation level 0, as estimax compiles initialisers
+    # (replication.run_init): the default level spends ~25 s of LLVM on the unrolled threefry
+    # hashing of even ResNetTiny's initialisers; the random bits are the same.
+    options = compiler_options or {"xla_backend_optimization_level": "0"}
+    loss, scalars = jax.jit(run).lower(features, labels).compile(options)(features, labels)
     return captured["spec"], loss, scalars
 
 

@@ -115,9 +115,11 @@ def test_values_gradients_and_batch_stats_equal_the_plain_models(name, policy, m
 def test_the_compiled_train_step_recomputes_the_blocks_under_remat_full():
     # What --compile_for compiles and reads memory_analysis() from: a train step with a ResNet
     # of two groups of two basic blocks (XLA's convolutions: standard layers), 64x64, batch 8,
-    # the default XLA:CPU compiler. The recomputation survives XLA's simplifier (jax.checkpoint's
-    # optimization barrier): the compiled step has more convolutions. XLA:CPU's scheduler runs it
-    # early, though, so on a CPU the temporaries do not fall (measured 2026-12, jax 0.10.2:
+    # XLA:CPU's HLO passes (LLVM at level 0, FAST_COMPILE: it only generates the machine code,
+    # after the HLO passes have decided what runs). The recomputation survives XLA's simplifier
+    # (jax.checkpoint's optimization barrier): the compiled step has more convolutions.
+    # XLA:CPU's scheduler runs it early, though, so on a CPU the temporaries do not fall
+    # (measured 2026-12, jax 0.10.2, default compiler:
     # 5,292,288 -> 5,489,664 bytes here; 23.1 -> 23.6 MB at 128x128); TPU's and GPU's
     # memory-aware schedulers place it in the backward pass, where it saves memory.
     model_kw = {"stage_sizes": (2, 2), "block_cls": ResidualBlock, "num_filters": 16}
@@ -137,7 +139,8 @@ def test_the_compiled_train_step_recomputes_the_blocks_under_remat_full():
             return jnp.mean(logits**2), state
 
         step = jax.value_and_grad(loss_fn, has_aux=True)
-        compiled = jax.jit(step).lower(variables["params"], variables["batch_stats"]).compile()
+        lowered = jax.jit(step).lower(variables["params"], variables["batch_stats"])
+        compiled = lowered.compile(FAST_COMPILE)
         convolutions[policy] = compiled.as_text().count(" convolution(")
         temps[policy] = compiled.memory_analysis().temp_size_in_bytes
     # 9 block convolutions run again; the forward's own (stem, blocks) and the backward's stay.

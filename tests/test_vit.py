@@ -31,9 +31,20 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {
     **{k: v for k, v in os.environ.items() if not k.startswith(("ESTIMAX_", "TPU_"))},
     "PYTHONPATH": REPO,
-    "XLA_FLAGS": "",
+    # One device; LLVM at level 0 (FAST_COMPILE below): a program run compiles its train, eval
+    # and predict steps, and most of its time went to LLVM.
+    "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true",
 }
 TINY = vit.ViTConfig(model_name="vit-tiny", num_label_classes=10, train_steps=100, warmup_steps=10)
+
+
+# XLA's level 0 (as tests/test_models.py): the same values, compiled several times faster.
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def _fast(fn, *args):
+    """``fn`` jitted and compiled for ``args`` at XLA's level 0."""
+    return jax.jit(fn).lower(*args).compile(compiler_options=FAST_COMPILE)
 
 
 def parse(argv: list[str]):
@@ -114,12 +125,12 @@ def test_tiny_tree_names_shapes_and_zero_head():
     # when computing in bfloat16.
     bf16 = get_model("vit_tiny", num_classes=10, dtype=jnp.bfloat16)
 
-    @jax.jit
     def logits(x):
         variables = model.init(jax.random.key(1), x)
         return model.apply(variables, x), bf16.apply(variables, x)
 
-    f32, b16 = logits(jax.random.normal(jax.random.key(0), (2, 32, 32, 3)))
+    x = jax.random.normal(jax.random.key(0), (2, 32, 32, 3))
+    f32, b16 = _fast(logits, x)(x)
     assert f32.shape == (2, 10) and f32.dtype == jnp.float32 and b16.dtype == jnp.float32
     assert not np.asarray(f32).any()
 
@@ -128,7 +139,6 @@ def test_dropout_only_in_training():
     model = get_model("vit_tiny", num_classes=10, dropout=0.5, head_zeroinit=False)
     x = jax.random.normal(jax.random.key(0), (2, 32, 32, 3))
 
-    @jax.jit
     def outputs(x):
         variables = model.init(jax.random.key(1), x)
         run = lambda train, k: model.apply(  # noqa: E731
@@ -136,7 +146,7 @@ def test_dropout_only_in_training():
         )
         return run(False, 1), run(False, 2), run(True, 1), run(True, 2)
 
-    eval_a, eval_b, train_a, train_b = outputs(x)
+    eval_a, eval_b, train_a, train_b = _fast(outputs, x)(x)
     np.testing.assert_array_equal(eval_a, eval_b)
     assert not np.allclose(train_a, train_b)
 
@@ -276,7 +286,13 @@ def test_losses_are_big_visions_on_labels_and_mixed_targets():
 
 def test_model_fn_scales_to_unit_range_and_takes_mixed_labels():
     images = np.random.default_rng(0).integers(0, 256, (2, 32, 32, 3)).astype(np.uint8)
-    spec, loss, scalars = _spec(vit.make_model_fn(TINY), images, jnp.array([1, 2]), mode="eval")
+    spec, loss, scalars = _spec(
+        vit.make_model_fn(TINY),
+        images,
+        jnp.array([1, 2]),
+        mode="eval",
+        compiler_options=FAST_COMPILE,
+    )
     assert loss.shape == (2,) and sorted(spec.eval_metrics) == ["top_1_accuracy", "top_5_accuracy"]
     # The zero head: uniform logits, loss log(10), whatever the images.
     np.testing.assert_allclose(loss, np.log(10.0), rtol=1e-5)
@@ -306,7 +322,6 @@ def test_tiny_vit_learns_a_fixed_batch_with_the_recipe():
     params = model.init(jax.random.key(0), x)["params"]
     tx = vit.make_optimizer(cfg, vit.warmup_cosine(cfg.train_steps, cfg.warmup_steps))
 
-    @jax.jit
     def step(params, state):
         loss, grads = jax.value_and_grad(
             lambda p: vit.loss_fn(cfg, model.apply({"params": p}, x, train=True), labels).mean()
@@ -315,6 +330,7 @@ def test_tiny_vit_learns_a_fixed_batch_with_the_recipe():
         return optax.apply_updates(params, updates), state, loss
 
     state = tx.init(params)
+    step = _fast(step, params, state)
     losses = []
     for _ in range(30):
         params, state, loss = step(params, state)
