@@ -219,7 +219,7 @@ def test_a_program_refuses_with_a_fatal_message_not_a_traceback(tmp_path, monkey
     argv = ["resnet", f"--model_dir={model_dir}", "--data_dir=fake", "--image_size=32"]
     fv([*argv, "--train_batch_size=8", "--train_steps=1", f"--warm_start_from={BERT}"])
     with pytest.raises(SystemExit) as e:
-        cli._run(resnet.run_from_flags, fv, [], ["resnet"])
+        cli._run(resnet.run_from_flags, fv, [], None, ["resnet"])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
