@@ -194,6 +194,28 @@ def test_spark_cluster_writes_the_local_engines_bytes(cluster, local_output, tmp
     assert convert_shards.verify(str(out), num_workers=1) == []
 
 
+def test_index_on_the_cluster_writes_the_local_engines_indexes(cluster, local_output, tmp_path):
+    import shutil
+
+    shards = tmp_path / "shards"
+    shutil.copytree(local_output, shards, ignore=shutil.ignore_patterns(".estimax-index"))
+    pattern = str(shards / "*-of-*")
+    conf = [f"--spark_conf={c}" for c in CONF]
+    args = ["index", pattern, "--engine=spark", f"--spark_master={cluster.url}", "--verify"]
+    assert convert.main([*args, "--no_progress", *conf]) == 0
+    # The local engine on the same files (an index records its shard's size and version).
+    here = tmp_path / "local-index"
+    assert convert.main(["index", pattern, f"--index_dir={here}", "--force", "--no_progress"]) == 0
+    spark = {p.name: p.read_bytes() for p in (shards / ".estimax-index").iterdir()}
+    # --index_dir names each index after its shard's folder too (a hash before the name).
+    local = {re.sub(r"^[0-9a-f]{16}-", "", p.name): p.read_bytes() for p in here.iterdir()}
+    assert len(spark) == 10 and sorted(spark) == sorted(local)
+    assert [n for n in local if local[n] != spark[n]] == []
+    # Indexes that fit are kept: a second run has nothing to do and asks no master for workers.
+    closed = f"--spark_master=spark://127.0.0.1:{_closed_port()}"
+    assert convert.main(["index", pattern, "--engine=spark", closed, "--no_progress"]) == 0
+
+
 def test_a_failed_file_is_named_and_the_job_exits_non_zero(cluster, tmp_path, capsys):
     from PIL import Image
 
@@ -317,6 +339,22 @@ def test_no_java_names_the_package(tmp_path, capsys, monkeypatch):
     assert convert.main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "openjdk-17-jre-headless" in err[0] and "Java 17" in err[0], err
+
+
+def test_index_on_a_bad_master_fails_in_one_line(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert convert.main([*FAKE, f"--output_dir={out}", "--num_workers=1"]) == 0
+    for idx in (out / ".estimax-index").iterdir():
+        idx.unlink()
+    master = f"spark://127.0.0.1:{_closed_port()}"
+    args = ["index", str(out / "*-of-*"), "--engine=spark", f"--spark_master={master}"]
+    assert convert.main([*args, "--no_progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no Spark master answers" in err[0] and master in err[0], err
+    assert list((out / ".estimax-index").iterdir()) == []  # nothing written
+    with pytest.raises(SystemExit) as e:
+        convert.main([*args, "--num_workers=2"])
+    assert e.value.code == 2 and "--num_workers is for local and Beam" in capsys.readouterr().err
 
 
 def test_spark_options_are_checked_before_anything_runs(tmp_path, capsys):

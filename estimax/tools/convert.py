@@ -259,8 +259,8 @@ def _add_index(sub: Any) -> None:
     p.add_argument(
         "--num_workers",
         type=int,
-        default=1,
-        help="processes sharing the shards (default %(default)s: reading waits on the network; "
+        default=None,
+        help="processes sharing the shards (default 1: reading waits on the network; "
         "more help --verify, which checks CRCs on the CPU)",
     )
     p.add_argument(
@@ -269,6 +269,7 @@ def _add_index(sub: Any) -> None:
         default="local",
         help="'local': here; else an Apache Beam runner (one shard per element)",
     )
+    _add_engine_options(p)
     p.add_argument(
         "--index_dir",
         help="the folder the indexes go to, e.g. for shards whose folder cannot be written "
@@ -287,6 +288,8 @@ def _add_index(sub: Any) -> None:
 def _index(args: argparse.Namespace, extra: list[str]) -> int:
     from estimax.tools import convert_index
 
+    if args.num_workers is None:
+        args.num_workers = 1
     if args.connections < 1 or args.num_workers < 1:
         print(
             "estimax-convert index: error: --connections and --num_workers must be at least 1",
@@ -294,6 +297,7 @@ def _index(args: argparse.Namespace, extra: list[str]) -> int:
         )
         return 2
     try:
+        spark_conf = convert_spark.parse_conf(args.spark_conf)
         report = convert_index.index_command(
             args.shards,
             verify=args.verify,
@@ -305,8 +309,16 @@ def _index(args: argparse.Namespace, extra: list[str]) -> int:
             pipeline_args=extra,
             index_dir=args.index_dir,
             move=args.move,
+            spark_master=args.spark_master,
+            spark_conf=spark_conf,
         )
-    except (FileNotFoundError, ImportError, OSError, storage.StorageError) as e:
+    except (
+        FileNotFoundError,
+        ImportError,
+        OSError,
+        storage.StorageError,
+        convert_spark.SparkError,
+    ) as e:
         print(f"estimax-convert index: error: {e}", file=sys.stderr)
         return 2
     for problem in report.problems:
@@ -633,7 +645,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "tf-checkpoint":
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         return _tf_checkpoint(args, extra)
-    if args.command in _CONVERSIONS:
+    if args.command in (*_CONVERSIONS, "index"):
         problem = _engine(args)
         if problem:
             parser.error(problem)

@@ -130,14 +130,15 @@ def shards_to_index(
     return [p for p, rf in zip(paths, found, strict=True) if rf is None]
 
 
-def _index_share(
+def index_share(
     share: Sequence[str],
     connections: int,
     verify: bool,
     progress: Callable[[int], Any] | None,
     index_dir: str | None = None,
 ) -> list[tuple[str, int, int, str]]:
-    """Indexes ``share``: per shard ``(path, records, bytes_read, problem or "")``."""
+    """Indexes ``share`` here, ``connections`` shards at once: per shard ``(path, records,
+    bytes_read, problem or "")`` (an engine's task runs it on its part)."""
     out: list[tuple[str, int, int, str]] = []
 
     def done(r: shard_index.Indexed) -> None:
@@ -160,7 +161,7 @@ def _process_share(
     share: list[str], connections: int, verify: bool, progress: Any, index_dir: str | None
 ) -> list[tuple[str, int, int, str]]:
     """A worker process's share (its progress goes through the queue ``progress``)."""
-    return _index_share(share, connections, verify, progress.put, index_dir)
+    return index_share(share, connections, verify, progress.put, index_dir)
 
 
 def index_command(
@@ -175,6 +176,8 @@ def index_command(
     pipeline_args: list[str] | None = None,
     index_dir: str | None = None,
     move: bool = False,
+    spark_master: str | None = None,
+    spark_conf: dict[str, str] | None = None,
 ) -> IndexReport:
     """Writes the index of every shard ``patterns`` name that has none that fits it.
 
@@ -186,13 +189,16 @@ def index_command(
       num_workers: processes (local runner); each reads ``connections / num_workers`` shards
         at once.
       progress: show a progress bar of the bytes read.
-      runner: ``local`` or a Beam runner (``estimax.tools.convert_beam.index_beam``).
+      runner: ``local``, ``spark`` (``estimax.tools.convert_spark.index_spark`` on
+        ``spark_master`` with the options ``spark_conf``) or a Beam runner
+        (``estimax.tools.convert_beam.index_beam``).
       index_dir: the folder the indexes go to (``shard_index.index_path_in``); default the
         hidden folder beside each shard, ``<folder>/.estimax-index/<shard>.idx``.
       move: first move earlier versions' ``<shard>.idx`` files into ``.estimax-index/``.
 
     Raises:
       FileNotFoundError: a pattern matches nothing.
+      SparkError: with ``runner="spark"``: see ``convert_spark.index_spark``.
       NotRegularFileError: a local shard or index is a FIFO, device or socket.
     """
     t0 = time.monotonic()
@@ -203,7 +209,17 @@ def index_command(
     if not todo:
         report.seconds = time.monotonic() - t0
         return report
-    if runner != "local":
+    if runner == "spark":
+        from estimax.tools import convert_spark
+
+        rows = convert_spark.index_spark(
+            todo,
+            master=spark_master or "local[*]",
+            conf=spark_conf,
+            verify=verify,
+            index_dir=index_dir,
+        )
+    elif runner != "local":
         from estimax.tools import convert_beam
 
         rows = convert_beam.index_beam(
@@ -241,7 +257,7 @@ def _index_local(
 
     with tqdm(total=total, unit="B", unit_scale=True, desc="indexing", disable=not progress) as bar:
         if workers == 1 or len(todo) == 1:
-            return _index_share(todo, connections, verify, bar.update, index_dir)
+            return index_share(todo, connections, verify, bar.update, index_dir)
         # Spawned, not forked: the storage clients' threads and event loops do not survive a
         # fork.
         ctx = multiprocessing.get_context("spawn")

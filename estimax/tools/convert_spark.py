@@ -32,6 +32,7 @@ import re
 import shutil
 import socket
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from estimax.tools.convert_images import BadImageError
@@ -182,6 +183,18 @@ def _spark_conf(pyspark: Any, master: str, conf: dict[str, str]) -> Any:
 
 def _run_tasks(pyspark: Any, master: str, conf: dict[str, str], todo: list[ShardTask]) -> list:
     """Runs ``todo`` on Spark; each task's result in plan order."""
+    return _run(pyspark, master, conf, todo, _write_task, f"writing {len(todo)} shards")
+
+
+def _run(
+    pyspark: Any,
+    master: str,
+    conf: dict[str, str],
+    items: list,
+    task: Callable[[Any], Any],
+    what: str,
+) -> list:
+    """Runs ``task`` on each of ``items`` as one Spark task each; the results in order."""
     spark_conf = _spark_conf(pyspark, master, conf)
     python = spark_conf.get("spark.pyspark.python")
     saved = os.environ.get("PYSPARK_PYTHON")
@@ -202,19 +215,52 @@ def _run_tasks(pyspark: Any, master: str, conf: dict[str, str], todo: list[Shard
     try:
         sc.setLogLevel(conf.get("spark.log.level", "WARN"))
         log.info(
-            "Spark: writing %d shards on %s (application %s, Spark UI %s)",
-            len(todo),
+            "Spark: %s on %s (application %s, Spark UI %s)",
+            what,
             master,
             sc.applicationId,
             sc.uiWebUrl or "off",
         )
-        sc.setJobDescription(f"estimax-convert: {len(todo)} shards")
+        sc.setJobDescription(f"estimax-convert: {what}")
         try:
-            return sc.parallelize(todo, len(todo)).map(_write_task).collect()
+            return sc.parallelize(items, len(items)).map(task).collect()
         except Exception as e:  # Py4JJavaError: a task failed spark.task.maxFailures times
             raise SparkError(f"the Spark job failed: {_task_error(e)}") from None
     finally:
         sc.stop()
+
+
+def _index_task(job: tuple[str, bool, str | None]) -> tuple[str, int, int, str]:
+    """One Spark task of ``index``: one shard's index, as ``convert_index`` reports it."""
+    from estimax.tools import convert_index
+
+    path, verify, index_dir = job
+    rows = convert_index.index_share([path], 1, verify, None, index_dir)
+    return rows[0] if rows else (path, 0, 0, "")
+
+
+def index_spark(
+    todo: list[str],
+    *,
+    master: str,
+    conf: dict[str, str] | None = None,
+    verify: bool = False,
+    index_dir: str | None = None,
+) -> list[tuple[str, int, int, str]]:
+    """Indexes the shards ``todo`` on Spark, one task per shard (``estimax-convert index
+    --engine=spark``); per shard ``(path, records, bytes_read, problem or "")``.
+
+    The index file is written whole under its final name by ``shard_index`` (a retried task
+    rewrites the same bytes), so a lost executor leaves no partial index.
+
+    Raises:
+      SparkError: no pyspark, no Java, a master that cannot be reached, a failed job.
+    """
+    check_master(master)
+    pyspark = _pyspark()
+    _check_java()
+    jobs = [(p, verify, index_dir) for p in todo]
+    return _run(pyspark, master, conf or {}, jobs, _index_task, f"indexing {len(todo)} shards")
 
 
 def _last_line(e: BaseException) -> str:
