@@ -609,7 +609,16 @@ def serve(args: argparse.Namespace) -> int:
     if args.grpc_port and args.grpc_port == args.port:
         raise ValueError(f"{grpc_flag}={args.grpc_port} is also {http_flag}; give two ports")
     for config in configs:
-        if not list_versions(config.base_path):  # fails early, naming the path, if absent
+        try:
+            versions = list_versions(config.base_path)  # fails early, naming the path
+        except FileNotFoundError:
+            if not args.model_config_file:
+                raise  # the one model asked for: nothing would be served
+            # One model of several whose folder is missing does not stop the others: it waits
+            # for versions (its manager logs why; the v2 repository index says it), as an empty
+            # one does, and requests to it answer 404 (TF Serving's way for an empty one).
+            continue
+        if not versions:
             _refuse_one_version(config.base_path)
     access_handler = _configure_logging(args)
     options = _fit_connections(options, ports=2 if args.grpc_port else 1)

@@ -57,6 +57,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import stat
 import threading
 from collections.abc import Callable, Sequence
@@ -140,16 +141,28 @@ def models_of(config: Any, where: str) -> list[ModelConfig]:
 
 
 def check_name(name: str, where: str) -> None:
-    """Raises ConfigError (naming ``where``) for a model name holding a control character.
+    """Raises ConfigError (naming ``where``) for a model name that is not URL-safe.
 
     A name is printed in the server's log and in answers: CR/LF would forge log lines, ESC
-    drive the reader's terminal. Printable characters only (``str.isprintable``).
+    drive the reader's terminal (refused as a control character). A name is also a path
+    segment (``/v1/models/NAME``, ``/v2/models/NAME``): ``../../etc``, ``a/b`` or ``a?b``
+    would be served under a name no URL can address, so a name is letters, digits and
+    ``_ . - ~`` only (RFC 3986's unreserved characters), and never ``.`` or ``..``.
     """
     if not name.isprintable():
         raise ConfigError(
             f"{where}: model name {name!r} holds a control character (CR, LF, ESC or another "
             "non-printable one); give a name of printable characters"
         )
+    if not _URL_SAFE.fullmatch(name) or name in (".", ".."):
+        raise ConfigError(
+            f"{where}: model name {name!r} is not URL-safe (it is a path segment of "
+            "/v1/models/NAME); give letters, digits, '_', '.', '-' or '~', not '.' or '..' alone"
+        )
+
+
+# A model name: RFC 3986's unreserved characters (a URL path segment with nothing to escape).
+_URL_SAFE = re.compile(r"[A-Za-z0-9._~-]+")
 
 
 def _policy(policy: Any, where: str) -> VersionPolicy:
