@@ -329,6 +329,30 @@ class ModelRegistry:
             if model.batcher is not None:
                 model.batcher.close_soon()  # its queue is empty: they have ended
 
+    # One model at a time, for model control (``estimax.serving.control``).
+    close_model = _close
+
+    def new_manager(self, config: ModelConfig) -> ModelManager:
+        """A new (not started) manager for ``config``."""
+        return self._make(config)
+
+    def put(self, config: ModelConfig, model: ServedModel) -> ServedModel | None:
+        """Serves ``model`` (``ServingCore.prepare``'s, loaded) as ``config``'s model in one
+        step, its labels set; returns the model it replaced (to be closed), if any."""
+        with self._lock:
+            model.labels = dict(config.labels)
+            replaced = self.core.models.get(config.name)
+            self.core.publish(model)
+            self.core.name = self.core.name or config.name
+            self.configs = {**self.configs, config.name: config}
+            return replaced
+
+    def drop(self, name: str) -> ServedModel | None:
+        """Stops serving model ``name`` (404 from now on); returns it, to be closed."""
+        with self._lock:
+            self.configs = {n: c for n, c in self.configs.items() if n != name}
+            return self.core.remove(name)
+
     def _set_labels(self, new: dict[str, ModelConfig]) -> list[str]:
         """Checks every label, then sets them all; ConfigError (nothing set) if one is refused."""
         maps: dict[str, dict[str, int]] = {}
