@@ -270,6 +270,8 @@ def test_unload_drains_the_requests_in_flight(tmp_path, dense_export):
         unloading.start()
         fx.wait_until(lambda: "m" not in core.models, "m to stop taking requests", 60)
         assert unloading.is_alive() and not done  # waiting for the request
+        (entry,) = control.index()
+        assert entry["state"] == "UNLOADING" and entry["version"] == "1"
         features = servable.prepare({"image_bytes": [IMAGES[0]]})
         assert servable.run(features)["classes"].shape == (1,)  # it completes
     unloading.join(60)

@@ -97,6 +97,8 @@ class ModelControl:
         self.repository: dict[str, ModelConfig] = {c.name: c for c in repository}
         # Model -> (version, why) of its last load that failed (shown by the index).
         self.failures: dict[str, tuple[str, str]] = {}
+        # Models unloading: out of service, their requests in flight draining.
+        self.unloading: dict[str, Any] = {}
         # One load or unload at a time per model; other models' calls run meanwhile.
         self._locks: dict[str, threading.Lock] = {}
         self._locks_lock = threading.Lock()
@@ -104,7 +106,12 @@ class ModelControl:
     # ---------------------------------------------------------------- the index
     def known(self) -> list[str]:
         """The models the index lists: served, configured, or whose load failed; sorted."""
-        names = set(self.core.models) | set(self.registry.configs) | set(self.failures)
+        names = (
+            set(self.core.models)
+            | set(self.registry.configs)
+            | set(self.failures)
+            | set(self.unloading)
+        )
         if self.mode == "explicit":
             names |= set(self.repository)
         return sorted(names)
@@ -119,7 +126,13 @@ class ModelControl:
         entries: list[dict[str, str]] = []
         for name in self.known():
             model = self.core.models.get(name)
-            if model is None:
+            draining = self.unloading.get(name)
+            if model is None and draining is not None:
+                for s in draining.manager.states():
+                    if s.state == "AVAILABLE":
+                        reason = "unloading: its requests in flight end first"
+                        entries.append(_entry(name, str(s.version), "UNLOADING", reason))
+            elif model is None:
                 entries.append(_entry(name, "", "UNAVAILABLE", "unloaded"))
             else:
                 states = model.manager.states()
@@ -193,11 +206,13 @@ class ModelControl:
             self.registry.close_model(model)
             self.failures[name] = (failed[0] if failed else "", f"load failed: {why}")
             self.core.metrics.control(action, name, ok=False)
-            kept = (
-                f"still serving it from {self.registry.configs[name].base_path}"
-                if reloaded and name in self.registry.configs
-                else "it is not served"
-            )
+            served = self.core.models.get(name)
+            if served is not None and served.manager.ready():
+                kept = f"still serving it from {served.manager.base_path}"
+            elif served is not None:
+                kept = f"it still waits for versions in {served.manager.base_path}"
+            else:
+                kept = "it is not served"
             log.warning("model control: %s of model %r failed: %s; %s", action, name, why, kept)
             raise ApiError(400, f"failed to load {name!r}: {why}; {kept}")
         replaced = self.registry.put(config, model)  # requests take the new versions from now
@@ -251,17 +266,15 @@ class ModelControl:
             if model is None:
                 return f"model {name!r} is not loaded"
             model.manager.stop()
+            self.unloading[name] = model
             servables = [s.servable for s in model.manager.states() if s.servable is not None]
             deadline = time.monotonic() + self.unload_drain_s
             drained = all(s.drain(max(0.0, deadline - time.monotonic())) for s in servables)
             if drained:
-                self.registry.close_model(model)
+                self._close(name, model)
             else:  # freed once the last request ends, not under it
                 threading.Thread(
-                    target=self.registry.close_model,
-                    args=(model,),
-                    name=f"unload-{name}",
-                    daemon=True,
+                    target=self._close, args=(name, model), name=f"unload-{name}", daemon=True
                 ).start()
         self.core.metrics.control("unload", name, ok=True)
         done = (
@@ -273,6 +286,12 @@ class ModelControl:
         )
         log.info("model control: %s", done)
         return done
+
+    def _close(self, name: str, model: Any) -> None:
+        """Frees an unloaded model's versions (after their requests) and forgets it."""
+        self.registry.close_model(model)
+        if self.unloading.get(name) is model:
+            del self.unloading[name]
 
     def reload_config(self, config: Any) -> list[str]:
         """gRPC ``HandleReloadConfigRequest``: the registry applies it; its models join the
