@@ -365,3 +365,36 @@ def test_load_model_needs_explicit_mode_and_a_known_model(tmp_path, capsys, dens
         assert command.main(argv, env={}) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and why in err[0], err
+
+
+def test_the_control_mode_decides_what_loads_at_start_and_what_is_polled():
+    import argparse
+
+    from estimax.serving import cli
+
+    configs = [registry.ModelConfig(n, f"/m/{n}") for n in ("a", "b")]
+
+    def mode(**flags):
+        args = argparse.Namespace(
+            **{
+                "model_config_file": "models.config",
+                "model_config_file_poll_wait_seconds": 0.0,
+                "file_system_poll_wait_seconds": 2.0,
+                "unload_drain_secs": 30.0,
+                "load_model": None,
+                **flags,
+            }
+        )
+        name, loaded, poll = cli._control_mode(args, configs)
+        return name, [c.name for c in loaded], poll
+
+    assert mode(model_control_mode="none") == ("none", ["a", "b"], 0.0)  # today's
+    assert mode(model_control_mode="poll") == ("poll", ["a", "b"], 2.0)  # the file watched
+    assert mode(model_control_mode="poll", model_config_file_poll_wait_seconds=5.0)[2] == 5.0
+    assert mode(model_control_mode="explicit") == ("explicit", [], 0.0)
+    assert mode(model_control_mode="explicit", load_model=["b"])[1] == ["b"]
+    assert mode(model_control_mode="explicit", load_model=["*"])[1] == ["a", "b"]
+    with pytest.raises(ValueError, match="a poll would undo the load and unload calls"):
+        mode(model_control_mode="explicit", model_config_file_poll_wait_seconds=1.0)
+    with pytest.raises(ValueError, match="--unload_drain_secs must be >= 0"):
+        mode(model_control_mode="explicit", unload_drain_secs=-1.0)

@@ -732,16 +732,17 @@ class V2Rest:
         @app.post("/v2/repository/models/{name}/load", name="repository_load", **kw)
         async def v2_repository_load(name: str, request: Request) -> Response:
             control = self._control()
-            control.check_allowed("load", name)  # before the body: one line, no load
+            # The body is read first, whatever the answer: the connection stays usable.
             parameters = _parameters(await self._control_body(request), "load request")
+            control.check_allowed("load", name)
             await asyncio.get_running_loop().run_in_executor(None, control.load, name, parameters)
             return Response(status_code=200)
 
         @app.post("/v2/repository/models/{name}/unload", name="repository_unload", **kw)
         async def v2_repository_unload(name: str, request: Request) -> Response:
             control = self._control()
-            control.check_allowed("unload", name)
             parameters = _parameters(await self._control_body(request), "unload request")
+            control.check_allowed("unload", name)
             await asyncio.get_running_loop().run_in_executor(None, control.unload, name, parameters)
             return Response(status_code=200)
 
