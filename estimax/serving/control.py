@@ -14,9 +14,9 @@ the HTTP routes (``POST /v2/repository/index``, ``/v2/repository/models/NAME/loa
 the gRPC methods (``RepositoryIndex``, ``RepositoryModelLoad``, ``RepositoryModelUnload``):
 
 * A load builds the model aside (``ServingCore.prepare``), loads, checks and warms its versions
-  in the caller's thread (a worker thread of the routes: the event loop and every other model
-  keep answering), then swaps it in in one step (``ModelRegistry.put``), as a ``base_path``
-  change of the config file is. A load that fails leaves the previous state serving (the old
+  in one of the control's own threads (``call``: the event loop and every other model keep
+  answering), then swaps it in in one step (``ModelRegistry.put``), as a ``base_path`` change
+  of the config file is. A load that fails leaves the previous state serving (the old
   model, or none) and is kept, with its reason, for the index until the model's next load or
   unload.
 * An unload removes the model at once (new requests answer 404), waits for the requests in
@@ -30,12 +30,14 @@ access-log lines name the action (``repository_load``...).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from estimax.serving.batching import BatchingOptions
@@ -99,6 +101,9 @@ class ModelControl:
         self.failures: dict[str, tuple[str, str]] = {}
         # Models unloading: out of service, their requests in flight draining.
         self.unloading: dict[str, Any] = {}
+        # Loads and unloads run here, never on the event loop nor on the default executor
+        # (which walks large request bodies): a minutes-long load delays no request.
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="control")
         # One load or unload at a time per model; other models' calls run meanwhile.
         self._locks: dict[str, threading.Lock] = {}
         self._locks_lock = threading.Lock()
@@ -152,6 +157,11 @@ class ModelControl:
         return entries
 
     # ---------------------------------------------------------------- load and unload
+    async def call(self, action: str, name: str, parameters: dict[str, Any]) -> str:
+        """``load`` or ``unload`` (``action``) of model ``name``, in a control thread."""
+        work = self.load if action == "load" else self.unload
+        return await asyncio.get_running_loop().run_in_executor(self._pool, work, name, parameters)
+
     def check_allowed(self, action: str, name: str) -> None:
         """400 naming the mode when load and unload calls are refused (not ``explicit``)."""
         if self.mode != "explicit":

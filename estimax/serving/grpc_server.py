@@ -492,8 +492,7 @@ class InferenceService(grpc_v2.GRPCInferenceServiceServicer):
             if key.startswith("file:") or kind == "bytes_param" and key != "config":
                 raise ApiError(400, f"failed to {action}: parameter {echo(key)} is not taken")
             parameters[key] = getattr(p, kind) if kind else None
-        call = control.load if action == "load" else control.unload
-        await asyncio.get_running_loop().run_in_executor(None, call, request.model_name, parameters)
+        await control.call(action, request.model_name, parameters)
         if action == "load":
             return pb_v2.RepositoryModelLoadResponse()
         return pb_v2.RepositoryModelUnloadResponse()

@@ -37,7 +37,6 @@ connections' timeouts, header size limit and cap are the transport's
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import contextlib
 import json
@@ -735,7 +734,7 @@ class V2Rest:
             # The body is read first, whatever the answer: the connection stays usable.
             parameters = _parameters(await self._control_body(request), "load request")
             control.check_allowed("load", name)
-            await asyncio.get_running_loop().run_in_executor(None, control.load, name, parameters)
+            await control.call("load", name, parameters)
             return Response(status_code=200)
 
         @app.post("/v2/repository/models/{name}/unload", name="repository_unload", **kw)
@@ -743,7 +742,7 @@ class V2Rest:
             control = self._control()
             parameters = _parameters(await self._control_body(request), "unload request")
             control.check_allowed("unload", name)
-            await asyncio.get_running_loop().run_in_executor(None, control.unload, name, parameters)
+            await control.call("unload", name, parameters)
             return Response(status_code=200)
 
     def _control(self) -> Any:
