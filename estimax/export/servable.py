@@ -279,6 +279,12 @@ class Servable:
             self._in_flight -= 1
             self._cond.notify_all()
 
+    def drain(self, timeout: float) -> bool:
+        """Waits at most ``timeout`` seconds for the requests in flight to end; whether they
+        have (model control's bounded unload, ``estimax.serving.control``)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._in_flight == 0, timeout)
+
     def retire(self) -> None:
         """Refuses new requests, waits for those in flight, then frees the device memory."""
         with self._cond:

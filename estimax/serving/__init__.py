@@ -5,6 +5,8 @@
 | one server's lifetime: the REST app, gRPC services and JSON workers, together | ``server`` |
 | polling, load + warm before unload, failed loads reported | ``manager`` |
 | the one polling thread (a model's versions, the model config file) | ``poller`` |
+| several models: ``--model_config_file``, ``HandleReloadConfigRequest`` | ``registry`` |
+| model control: v2 repository index/load/unload, ``--model_control_mode`` | ``control`` |
 | dynamic batching (TF Serving's knobs), 429 on a full queue | ``batching`` |
 | one model manager, limits, batching for every protocol | ``core`` |
 | the server's limits and behaviour (``ServerOptions``, one field per flag) | ``options`` |

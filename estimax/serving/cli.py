@@ -155,6 +155,21 @@ FLAGS: tuple[Flag, ...] = (
         bool,
         False,
     ),
+    Flag(
+        ("--model_control_mode",),
+        "who loads models: none (all at start; load/unload calls refused), poll (as none, "
+        "and the config file watched) or explicit (only --load_model at start, the others "
+        "by the v2 repository extension's load/unload calls)",
+        default="none",
+        choices=("none", "poll", "explicit"),
+    ),
+    Flag(
+        ("--unload_drain_secs",),
+        "an unload call waits this long at most for the model's requests in flight; past "
+        "it, it answers and the versions are freed when they end",
+        float,
+        30.0,
+    ),
     Flag(("--host",), "address to bind (0.0.0.0 for all interfaces)", default="127.0.0.1"),
     Flag(
         ("--port", "--rest_api_port"),
@@ -390,6 +405,13 @@ def add_parser(sub: Any, env: Mapping[str, str]) -> None:
         if flag.choices:
             kwargs["choices"] = flag.choices
         serve.add_argument(*flag.names, dest=flag.dest, **kwargs)
+    serve.add_argument(
+        "--load_model",
+        action="append",
+        metavar="NAME",
+        help="with --model_control_mode=explicit: load this model of the config at start "
+        "(repeat it; '*': all) (default: none)",
+    )
     _vertex_defaults(serve, env)
 
 
@@ -590,12 +612,14 @@ def serve(args: argparse.Namespace) -> int:
     from estimax.export.servable import default_batch_sizes
     from estimax.export.versions import list_versions
     from estimax.serving import memory, registry
+    from estimax.serving.control import ModelControl
     from estimax.serving.manager import ModelManager
     from estimax.serving.server import Server
 
     memory.keep_freed_memory()  # a served model's buffers are reused, not faulted anew (memory.py)
     _check_vertex(args)
     configs = _model_configs(args)
+    mode, loaded, poll_seconds = _control_mode(args, configs)
     options = _server_options(args)
     if not args.version_load_timeout_seconds > 0:
         raise ValueError("--version_load_timeout_seconds must be > 0")
@@ -609,7 +633,16 @@ def serve(args: argparse.Namespace) -> int:
     if args.grpc_port and args.grpc_port == args.port:
         raise ValueError(f"{grpc_flag}={args.grpc_port} is also {http_flag}; give two ports")
     for config in configs:
-        if not list_versions(config.base_path):  # fails early, naming the path, if absent
+        try:
+            versions = list_versions(config.base_path)  # fails early, naming the path
+        except FileNotFoundError:
+            if not args.model_config_file:
+                raise  # the one model asked for: nothing would be served
+            # One model of several whose folder is missing does not stop the others: it waits
+            # for versions (its manager logs why; the v2 repository index says it), as an empty
+            # one does, and requests to it answer 404 (TF Serving's way for an empty one).
+            continue
+        if not versions:
             _refuse_one_version(config.base_path)
     access_handler = _configure_logging(args)
     options = _fit_connections(options, ports=2 if args.grpc_port else 1)
@@ -630,17 +663,18 @@ def serve(args: argparse.Namespace) -> int:
     models = registry.ModelRegistry(
         server.core, make_manager, args.allow_version_labels_for_unavailable_models
     )
+    control = ModelControl(models, configs, mode, args.unload_drain_secs)
     # Loads and warms every model's versions before the ports open; a label refused here is
     # one line and no server (as TF Serving).
-    models.apply(configs)
-    server.core.reload_config = models.reload
-    if args.model_config_file and args.model_config_file_poll_wait_seconds > 0:
-        poller = registry.ConfigPoller(
-            args.model_config_file, models, args.model_config_file_poll_wait_seconds
-        )
+    models.apply(loaded)
+    server.core.control = control
+    server.core.reload_config = control.reload_config
+    if poll_seconds > 0:
+        poller = registry.ConfigPoller(args.model_config_file, models, poll_seconds)
         poller.start()
         server.on_stop.append(poller.stop)
-    names = ", ".join(repr(c.name) for c in configs)
+    configs = loaded
+    names = ", ".join(repr(c.name) for c in configs) or "none yet (--model_control_mode=explicit)"
     where = args.model_config_file or args.model_base_path
     print(
         f"Serving model{'s' if len(configs) > 1 else ''} {names} from {where} on "
@@ -660,6 +694,41 @@ def serve(args: argparse.Namespace) -> int:
     else:
         server.run_grpc_only()
     return 0
+
+
+def _control_mode(args: argparse.Namespace, configs: list[Any]) -> tuple[str, list[Any], float]:
+    """``--model_control_mode``: the mode, the models to load at start, and how often the
+    config file is polled (0: never); ValueError naming the flag that does not fit."""
+    mode = getattr(args, "model_control_mode", "none")
+    wanted = getattr(args, "load_model", None) or []
+    poll = args.model_config_file_poll_wait_seconds if args.model_config_file else 0.0
+    if not getattr(args, "unload_drain_secs", 30.0) >= 0:
+        raise ValueError("--unload_drain_secs must be >= 0")
+    if mode != "explicit":
+        if wanted:
+            raise ValueError("--load_model needs --model_control_mode=explicit")
+        if mode == "poll" and args.model_config_file and poll <= 0:
+            poll = (
+                args.file_system_poll_wait_seconds
+                if args.file_system_poll_wait_seconds > 0
+                else 1.0
+            )
+        return mode, configs, poll
+    if poll > 0:
+        raise ValueError(
+            "--model_config_file_poll_wait_seconds with --model_control_mode=explicit: a poll "
+            "would undo the load and unload calls; give --model_control_mode=poll to watch "
+            "the file, or no poll"
+        )
+    names = {c.name for c in configs}
+    unknown = [n for n in wanted if n != "*" and n not in names]
+    if unknown:
+        raise ValueError(
+            f"--load_model={unknown[0]}: no such model in "
+            f"{args.model_config_file or '--model_name'} (it has {', '.join(sorted(names))})"
+        )
+    loaded = configs if "*" in wanted else [c for c in configs if c.name in wanted]
+    return mode, loaded, 0.0
 
 
 def _model_configs(args: argparse.Namespace) -> list[Any]:

@@ -39,7 +39,7 @@ import numpy as np
 from estimax.export.servable import InvalidInput, RequestCancelled, Servable
 from estimax.export.versions import MAX_VERSION, version_number
 from estimax.serving import memory, tracking, warmup
-from estimax.serving.batching import Batcher, QueueFullError
+from estimax.serving.batching import Batcher, BatchingOptions, QueueFullError
 from estimax.serving.manager import ModelManager, VersionPolicy, VersionState
 from estimax.serving.metrics import ServingMetrics
 
@@ -207,6 +207,10 @@ class ServingCore:
         # Applies a ModelServerConfig message (gRPC HandleReloadConfigRequest); returns what
         # changed, raises ValueError for a config refused. None: not offered.
         self.reload_config: Callable[[Any], list[str]] | None = None
+        # Model control (``estimax.serving.control.ModelControl``: the v2 repository
+        # extension); None: its calls answer as --model_control_mode=none. Typed Any: the
+        # control module sits above this one.
+        self.control: Any = None
 
     # ---------------------------------------------------------------- the models
     def add(self, manager: ModelManager) -> ServedModel:
@@ -221,11 +225,15 @@ class ServingCore:
         self.models = {**self.models, model.name: model}
         return model
 
-    def prepare(self, manager: ModelManager) -> ServedModel:
+    def prepare(
+        self, manager: ModelManager, batching: BatchingOptions | None = None
+    ) -> ServedModel:
         """``manager``'s model, its loads measured and warmed, its queue made; not served yet.
 
         A model whose ``base_path`` changes loads its new versions this way while the old
         model serves on (``estimax.serving.registry``), then ``publish`` swaps them.
+        ``batching``: the model's own batching options (a load's config override,
+        ``estimax.serving.control``); None: the server's.
         """
         manager.on_load = self.metrics.loaded
         if self.options.enable_model_warmup:
@@ -233,7 +241,9 @@ class ServingCore:
                 warmup.replay, core=self, iterations=self.options.warmup_iterations
             )
         batcher = (
-            Batcher(self.options.batching, self._run_pool) if self.options.enable_batching else None
+            Batcher(batching or self.options.batching, self._run_pool)
+            if self.options.enable_batching
+            else None
         )
         return ServedModel(manager, batcher)
 

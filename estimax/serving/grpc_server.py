@@ -15,8 +15,10 @@ A ``ModelSpec`` names a model of the server and a version, a version label
   ``grpc_predict_v2.proto``; what ``tritonclient.grpc`` calls): ``ServerLive``, ``ServerReady``,
   ``ModelReady``, ``ServerMetadata``, ``ModelMetadata``, ``ModelInfer`` (typed ``contents`` or
   ``raw_input_contents`` in; ``raw_output_contents`` out; the ``classification`` output
-  parameter), and Triton's ``ModelStatistics`` and ``ModelConfig``; the others (repository,
-  shared memory, trace, logging) answer UNIMPLEMENTED.
+  parameter), and Triton's ``ModelStatistics``, ``ModelConfig`` and model repository
+  (``RepositoryIndex``, ``RepositoryModelLoad``, ``RepositoryModelUnload``:
+  ``estimax.serving.control``); the others (shared memory, trace, logging) answer
+  UNIMPLEMENTED.
 
 Every call goes through ``ServingCore`` as the HTTP routes do (same versions, batching queue,
 limits and errors); errors are answered with the gRPC code of the HTTP status TF Serving gives
@@ -457,6 +459,50 @@ class InferenceService(grpc_v2.GRPCInferenceServiceServicer):
             return json_format.ParseDict({"config": model}, pb_v2.ModelConfigResponse())
 
         return await _answer(context, config())
+
+    async def RepositoryIndex(  # noqa: N802
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> Any:
+        """Triton's repository index (``estimax.serving.control``)."""
+
+        async def index() -> Any:
+            entries = _control(self.core).index(request.ready)
+            return json_format.ParseDict({"models": entries}, pb_v2.RepositoryIndexResponse())
+
+        return await _answer(context, index())
+
+    async def RepositoryModelLoad(  # noqa: N802
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> Any:
+        """Loads (or reloads) a model, with ``parameters["config"]``'s override."""
+        return await _answer(context, self._control_call("load", request))
+
+    async def RepositoryModelUnload(  # noqa: N802
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> Any:
+        """Unloads a model (its requests in flight end first, within --unload_drain_secs)."""
+        return await _answer(context, self._control_call("unload", request))
+
+    async def _control_call(self, action: str, request: Any) -> Any:
+        control = _control(self.core)
+        control.check_allowed(action, request.model_name)
+        parameters = {}
+        for key, p in request.parameters.items():
+            kind = p.WhichOneof("parameter_choice")
+            if key.startswith("file:") or kind == "bytes_param" and key != "config":
+                raise ApiError(400, f"failed to {action}: parameter {echo(key)} is not taken")
+            parameters[key] = getattr(p, kind) if kind else None
+        await control.call(action, request.model_name, parameters)
+        if action == "load":
+            return pb_v2.RepositoryModelLoadResponse()
+        return pb_v2.RepositoryModelUnloadResponse()
+
+
+def _control(core: ServingCore) -> Any:
+    """The server's model control (``estimax.serving.control.ModelControl``)."""
+    if core.control is None:
+        raise ApiError(501, "the model repository extension is not offered by this server")
+    return core.control
 
 
 def _parameter(p: Any) -> Any:

@@ -189,9 +189,17 @@ class ModelManager:
             on_disk = list_versions(self.base_path)
             self.last_poll_error = ""
         except (OSError, ValueError) as e:
-            if self.last_poll_error != str(e):
-                log.error("Model %s: cannot list versions: %s", self.name, e)
-            self.last_poll_error = str(e)
+            # A missing folder is named as the model's base_path: list_versions' message names
+            # --model_base_path, a flag a --model_config_file user never gave.
+            why = (
+                f"base_path {self.base_path} does not exist or is not a directory; the model "
+                "waits for versions"
+                if isinstance(e, FileNotFoundError)
+                else str(e)
+            )
+            if self.last_poll_error != why:
+                log.error("Model %s: cannot list versions: %s", self.name, why)
+            self.last_poll_error = why
             return
         wanted = self.policy.wanted(on_disk)
         for version in wanted:

@@ -30,6 +30,9 @@ does; latencies in microseconds with TF Serving's buckets):
 * ``estimax_serving_connections_closed_total{reason}``: HTTP connections the server closed on a
   limit (``estimax.serving.transport``): ``header_timeout``, ``body_timeout``,
   ``keep_alive_timeout``, ``header_too_large``, ``max_connections``.
+* ``estimax_serving_model_control_total{action, model_name, outcome}``: model control calls
+  (``estimax.serving.control``): ``load``, ``reload``, ``unload``, ``reload_config``; ``OK`` or
+  ``failed``.
 * ``estimax_serving_model_version_state{model_name, version, state}``: 1 for each version's
   current state (``LOADING``, ``AVAILABLE``, ``UNLOADING``, ``END``).
 * ``estimax_serving_batch_queue_instances{model_name}``: instances waiting to be batched.
@@ -321,6 +324,12 @@ class ServingMetrics:
             ["model_name", "version", "reason"],
             registry=r,
         )
+        self.model_control = Counter(
+            "estimax_serving_model_control",
+            "Model control actions (load, reload, unload, reload_config) by outcome.",
+            ["action", "model_name", "outcome"],
+            registry=r,
+        )
         self.connections_closed = Counter(
             "estimax_serving_connections_closed",
             "HTTP connections closed by a limit (a timeout, the header size, the cap).",
@@ -403,6 +412,11 @@ class ServingMetrics:
     def connection_closed(self, reason: str) -> None:
         """The HTTP port closed a connection on a limit (``estimax.serving.transport``)."""
         self.connections_closed.labels(reason).inc()
+
+    def control(self, action: str, model: str, ok: bool) -> None:
+        """A model control action (``estimax.serving.control``) ended; ``model`` is one the
+        server knows (its repository), so the label values stay bounded."""
+        self.model_control.labels(action, model, "OK" if ok else "failed").inc()
 
     def loaded(self, path: str, seconds: float, ok: bool) -> None:
         """A version was loaded and compiled (or failed to) in ``seconds``."""

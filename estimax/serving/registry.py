@@ -140,16 +140,39 @@ def models_of(config: Any, where: str) -> list[ModelConfig]:
 
 
 def check_name(name: str, where: str) -> None:
-    """Raises ConfigError (naming ``where``) for a model name holding a control character.
+    """Raises ConfigError (naming ``where``) for a model name no URL can address, or one
+    holding a control character.
 
     A name is printed in the server's log and in answers: CR/LF would forge log lines, ESC
-    drive the reader's terminal. Printable characters only (``str.isprintable``).
+    drive the reader's terminal (refused as a control character). A name is also a path
+    segment (``/v1/models/NAME:predict``, ``/v2/models/NAME/infer``): one holding ``/`` (even
+    sent as ``%2F``, the server decodes it before routing) or ``\\`` (which URL parsers turn
+    into ``/``), such as ``../../etc``, or ``.``/``..`` alone (dot segments, which URL clients
+    resolve away), would be served under a name no URL addresses. Other printable names
+    (letters of any script, spaces, ``?``, ``#``...) are served: clients percent-encode them.
     """
     if not name.isprintable():
         raise ConfigError(
             f"{where}: model name {name!r} holds a control character (CR, LF, ESC or another "
             "non-printable one); give a name of printable characters"
         )
+    # No comparison of the name itself (a config of 20,000 names is checked in linear time).
+    bad = sorted(set(name) & set(_NOT_URL_SAFE))
+    if bad or (len(name) <= 2 and not name.strip(".")):
+        raise ConfigError(
+            f"{where}: model name {name!r} is not URL-safe (a name is a segment of "
+            "/v1/models/NAME:predict): "
+            + (
+                f"it holds {', '.join(repr(c) for c in bad)}"
+                if bad
+                else "'.' and '..' are no segment a URL keeps"
+            )
+            + "; give a name of letters, digits, '_', '.', '-' or '~'"
+        )
+
+
+# What a model name may not hold: what splits a URL path into segments.
+_NOT_URL_SAFE = "/\\"
 
 
 def _policy(policy: Any, where: str) -> VersionPolicy:
@@ -315,6 +338,30 @@ class ModelRegistry:
             model.manager.close()
             if model.batcher is not None:
                 model.batcher.close_soon()  # its queue is empty: they have ended
+
+    # One model at a time, for model control (``estimax.serving.control``).
+    close_model = _close
+
+    def new_manager(self, config: ModelConfig) -> ModelManager:
+        """A new (not started) manager for ``config``."""
+        return self._make(config)
+
+    def put(self, config: ModelConfig, model: ServedModel) -> ServedModel | None:
+        """Serves ``model`` (``ServingCore.prepare``'s, loaded) as ``config``'s model in one
+        step, its labels set; returns the model it replaced (to be closed), if any."""
+        with self._lock:
+            model.labels = dict(config.labels)
+            replaced = self.core.models.get(config.name)
+            self.core.publish(model)
+            self.core.name = self.core.name or config.name
+            self.configs = {**self.configs, config.name: config}
+            return replaced
+
+    def drop(self, name: str) -> ServedModel | None:
+        """Stops serving model ``name`` (404 from now on); returns it, to be closed."""
+        with self._lock:
+            self.configs = {n: c for n, c in self.configs.items() if n != name}
+            return self.core.remove(name)
 
     def _set_labels(self, new: dict[str, ModelConfig]) -> list[str]:
         """Checks every label, then sets them all; ConfigError (nothing set) if one is refused."""

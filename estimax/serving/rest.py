@@ -716,6 +716,54 @@ class V2Rest:
         async def v2_config_version(name: str, version: str) -> Response:
             return _json(self.core.model_config(name, version))
 
+        self._add_repository_routes(app, kw)
+
+    def _add_repository_routes(self, app: FastAPI, kw: dict[str, Any]) -> None:
+        """Triton's model repository extension (``estimax.serving.control``): each route's
+        name is its action in the access log and the metrics."""
+
+        @app.post("/v2/repository/index", name="repository_index", **kw)
+        async def v2_repository_index(request: Request) -> Response:
+            body = await self._control_body(request)
+            ready = _flag(body, "ready", "repository index request")
+            return _json(self._control().index(ready))
+
+        @app.post("/v2/repository/models/{name}/load", name="repository_load", **kw)
+        async def v2_repository_load(name: str, request: Request) -> Response:
+            control = self._control()
+            # The body is read first, whatever the answer: the connection stays usable.
+            parameters = _parameters(await self._control_body(request), "load request")
+            control.check_allowed("load", name)
+            await control.call("load", name, parameters)
+            return Response(status_code=200)
+
+        @app.post("/v2/repository/models/{name}/unload", name="repository_unload", **kw)
+        async def v2_repository_unload(name: str, request: Request) -> Response:
+            control = self._control()
+            parameters = _parameters(await self._control_body(request), "unload request")
+            control.check_allowed("unload", name)
+            await control.call("unload", name, parameters)
+            return Response(status_code=200)
+
+    def _control(self) -> Any:
+        """The server's model control (``estimax.serving.control.ModelControl``)."""
+        if self.core.control is None:
+            raise ApiError(501, "the model repository extension is not offered by this server")
+        return self.core.control
+
+    async def _control_body(self, request: Request) -> dict[str, Any]:
+        """A repository call's JSON body (none: ``{}``); 400 unless an object."""
+        raw = await read_body(request, self.core.options.max_body_bytes, self.core.bodies_in_flight)
+        if not raw.strip():
+            return {}
+        try:
+            body = json.loads(bytes(raw))
+        except ValueError as e:
+            raise ApiError(400, f"The request body is not JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "The request body must be a JSON object")
+        return body
+
 
 def _binary_slices(inputs: list, binary: bytearray | None) -> list[bytearray | None]:
     """Each input's raw bytes (binary tensor data extension), None for one given as ``data``."""
