@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from estimax.serving.batching import rank
 from estimax.serving.protocol import ApiError
 
 __all__ = [
@@ -175,14 +176,6 @@ def grpc_ticket(time_remaining: float | None) -> Ticket:
 def level_of(priority: int, default_level: int) -> int:
     """The level a request waits at: its priority, or the default level for 0."""
     return priority or default_level
-
-
-def rank(level: int, arrived: float, now: float, aging_s: float) -> float:
-    """The effective level of a request of ``level`` waiting since ``arrived`` (lower goes
-    first): one level better per ``aging_s`` waited (the module docstring's rule)."""
-    if aging_s <= 0:
-        return level
-    return level - (now - arrived) // aging_s
 
 
 @dataclasses.dataclass(order=True)

@@ -6,8 +6,8 @@ lone request waits at most the timeout. At most ``max_enqueued_batches`` batches
 instances wait; past that a request is refused at once (429), never left to hang.
 ``num_batch_threads`` batches run at the same time (fewer with a per-model cap, ``slots``).
 Batches are padded to allowed sizes by ``Servable.run``. Waiting requests are ordered by their
-priority level, aged (``estimax.serving.admission.rank``), then by arrival: with every request at
-one level that is first come, first served.
+priority level, aged (``rank``, the rule of ``estimax.serving.admission``), then by arrival:
+with every request at one level that is first come, first served.
 
 Hand-written because the knobs must be TF Serving's and the device call runs in a thread
 pool under one asyncio loop; no maintained Python batcher offers both (``ray.serve`` batching
@@ -26,7 +26,13 @@ from typing import Any
 
 import numpy as np
 
-from estimax.serving.admission import rank
+
+def rank(level: int, arrived: float, now: float, aging_s: float) -> float:
+    """The effective level of a request of ``level`` waiting since ``arrived`` (lower goes
+    first): one level better per ``aging_s`` waited (``estimax.serving.admission``'s rule)."""
+    if aging_s <= 0:
+        return level
+    return level - (now - arrived) // aging_s
 
 
 class QueueFullError(RuntimeError):
