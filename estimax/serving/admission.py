@@ -17,8 +17,9 @@ integer, negative, or above ``N`` is refused (400 / ``INVALID_ARGUMENT``, one li
 an out-of-range priority to the default silently, which hides a client's mistake). The level
 orders each model's batching queue and each model's wait for its share of the run threads.
 **No starvation (aging):** a waiting request's effective level rises one level per
-``--priority_aging_ms`` waited, and ties go to the older request, so a request of the lowest
-level waits at most ``(N - 1) x --priority_aging_ms`` behind requests that arrived after it.
+``--priority_aging_ms`` waited, and ties go to the older request, so no request arriving more
+than ``(N - 1) x --priority_aging_ms`` after a request of the lowest level goes ahead of it: only
+the finitely many that came before then can, and it is never starved.
 
 **Sharing between models** (Triton's rate limiter, simplified): ``--max_concurrent_per_model=K``
 lets each model hold at most ``K`` of the shared run threads (``--num_batch_threads``) at once,
