@@ -242,6 +242,55 @@ def test_grpc_deadlines_and_the_timeout_parameter_end_a_queued_request_unrun(ser
     pool.shutdown()
 
 
+def test_a_tf_serving_predict_call_past_its_grpc_deadline_never_runs(served):
+    """The gRPC deadline bounds every service's calls, TF Serving's PredictionService too."""
+    from estimax.serving.protos.tensorflow.core.framework import (
+        tensor_pb2,
+        tensor_shape_pb2,
+        types_pb2,
+    )
+    from estimax.serving.protos.tensorflow_serving.apis import (
+        predict_pb2,
+        prediction_service_pb2_grpc,
+    )
+
+    def predict(n: int):
+        request = predict_pb2.PredictRequest()
+        request.model_spec.name = "a"
+        shape = tensor_shape_pb2.TensorShapeProto(
+            dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=n)]
+        )
+        request.inputs["image_bytes"].CopyFrom(
+            tensor_pb2.TensorProto(
+                dtype=types_pb2.DT_STRING, tensor_shape=shape, string_val=served.images[:n]
+            )
+        )
+        return request
+
+    stub = prediction_service_pb2_grpc.PredictionServiceStub(served.channel)
+    before = metric(
+        served, "estimax_serving_deadline_exceeded_total", model_name="a", stage="queued"
+    )
+    valve, pool, first = hold(served, "a")
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Predict(predict(6), timeout=0.2)
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        # The server counts it when its own timer (or gRPC's cancellation) ends the call.
+        name = "estimax_serving_deadline_exceeded_total"
+        wait(
+            lambda: metric(served, name, model_name="a", stage="queued") == before + 1,
+            "the server to count the expired call",
+        )
+        assert valve.sizes[-1] == 1  # still held
+    finally:
+        valve.open.set()
+    assert first.result().status_code == 200
+    assert stub.Predict(predict(5), timeout=60).model_spec.name == "a"
+    assert valve.sizes[-2:] == [1, 5] and 6 not in valve.sizes
+    pool.shutdown()
+
+
 # ----------------------------------------------------------------------------- priorities
 def test_priorities_reorder_a_saturated_queue(served):
     valve, pool, first = hold(served, "b")
