@@ -10,7 +10,9 @@ published). The server, ``estimax predict``/``export-check`` and the format expo
       "preprocessing": {...} | null,   # Preprocessing.to_json(): clients send encoded images as
                                        # "image_bytes", the server decodes and preprocesses them
       "top_k": 5,                      # optional: the server adds top_k_classes/_probabilities
-      "class_names": ["cat", "dog"]    # optional: class_names[i] names served class id i
+      "class_names": ["cat", "dog"],   # optional: class_names[i] names served class id i
+      "random": true                   # optional: answers are drawn (sampling, dropout at
+                                       # serving): the server never caches them
     }
 
 **Class names.** ``class_names[i]`` is the name of the class the model answers as id ``i``: the
@@ -67,11 +69,13 @@ class ExportRecord:
       preprocessing: the recorded ``Preprocessing.to_json()``, or None (the export takes arrays).
       top_k: how many top classes the server adds, or None.
       class_names: ``class_names[i]`` names served class id ``i``; None: no names.
+      random: the version's answers are drawn, not computed: never served from a cache.
     """
 
     preprocessing: dict[str, Any] | None = None
     top_k: int | None = None
     class_names: tuple[str, ...] | None = None
+    random: bool = False
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object written as ``serving.json``."""
@@ -80,6 +84,8 @@ class ExportRecord:
             out["top_k"] = int(self.top_k)
         if self.class_names is not None:
             out["class_names"] = list(self.class_names)
+        if self.random:
+            out["random"] = True
         return out
 
     @classmethod
@@ -97,6 +103,7 @@ class ExportRecord:
             preprocessing=data.get("preprocessing"),
             top_k=data.get("top_k"),
             class_names=tuple(names) if names is not None else None,
+            random=data.get("random") is True,
         )
 
 

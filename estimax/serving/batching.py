@@ -4,8 +4,10 @@ Concurrent requests are merged into one device call: a batch closes when it hold
 ``max_batch_size`` instances or ``batch_timeout_micros`` after its first request arrived, so a
 lone request waits at most the timeout. At most ``max_enqueued_batches`` batches' worth of
 instances wait; past that a request is refused at once (429), never left to hang.
-``num_batch_threads`` batches run at the same time. Batches are padded to allowed sizes by
-``Servable.run``.
+``num_batch_threads`` batches run at the same time (fewer with a per-model cap, ``slots``).
+Batches are padded to allowed sizes by ``Servable.run``. Waiting requests are ordered by their
+priority level, aged (``rank``, the rule of ``estimax.serving.admission``), then by arrival:
+with every request at one level that is first come, first served.
 
 Hand-written because the knobs must be TF Serving's and the device call runs in a thread
 pool under one asyncio loop; no maintained Python batcher offers both (``ray.serve`` batching
@@ -23,6 +25,14 @@ from concurrent.futures import Executor
 from typing import Any
 
 import numpy as np
+
+
+def rank(level: int, arrived: float, now: float, aging_s: float) -> float:
+    """The effective level of a request of ``level`` waiting since ``arrived`` (lower goes
+    first): one level better per ``aging_s`` waited (``estimax.serving.admission``'s rule)."""
+    if aging_s <= 0:
+        return level
+    return level - (now - arrived) // aging_s
 
 
 class QueueFullError(RuntimeError):
@@ -75,6 +85,7 @@ class _Task:
     arrived: float
     future: asyncio.Future
     on_start: Callable[[float], None] | None = None
+    level: int = 0  # its priority level (lower first), aged while it waits
 
 
 class Batcher:
@@ -85,10 +96,18 @@ class Batcher:
         options: BatchingOptions,
         executor: Executor,
         clock: Callable[[], float] = time.monotonic,
+        slots: int = 0,
+        aging_s: float = 0.0,
     ):
-        """Starts nothing until the first ``submit`` (it needs the running loop)."""
+        """Starts nothing until the first ``submit`` (it needs the running loop).
+
+        ``slots``: batches of this queue run at once, at most (0: ``num_batch_threads``);
+        ``aging_s``: a waiting request's level improves by one per this many seconds.
+        """
         options.validate()
         self.options = options
+        self._slot_count = min(slots or options.num_batch_threads, options.num_batch_threads)
+        self._aging_s = aging_s
         self._executor = executor
         self._clock = clock
         self._tasks: collections.deque[_Task] = collections.deque()
@@ -114,17 +133,19 @@ class Batcher:
         run: Callable[[dict], dict],
         features: dict[str, np.ndarray],
         on_start: Callable[[float], None] | None = None,
+        level: int = 0,
     ) -> dict[str, np.ndarray]:
         """Queues one request's instances; returns its rows of the batch's outputs.
 
-        ``on_start(seconds waited)`` is called when the request's batch starts running.
+        ``on_start(seconds waited)`` is called when the request's batch starts running;
+        ``level``: its priority level (lower goes first).
 
         Raises:
           QueueFullError: the queue holds ``capacity`` instances already.
         """
         if self._wakeup is None:
             self._wakeup = asyncio.Event()
-            self._slots = asyncio.Semaphore(self.options.num_batch_threads)
+            self._slots = asyncio.Semaphore(self._slot_count)
             self._loop_task = asyncio.get_running_loop().create_task(self._loop())
         size = int(next(iter(features.values())).shape[0])
         if self._queued + size > self.capacity:
@@ -135,7 +156,7 @@ class Batcher:
                 f"{self.options.max_batch_size}); retry later"
             )
         future = asyncio.get_running_loop().create_future()
-        self._tasks.append(_Task(key, run, features, size, self._clock(), future, on_start))
+        self._tasks.append(_Task(key, run, features, size, self._clock(), future, on_start, level))
         self._queued += size
         self._wakeup.set()
         return await future
@@ -179,6 +200,14 @@ class Batcher:
         if any(t.future.done() for t in self._tasks):
             self._queued -= sum(t.size for t in self._tasks if t.future.done())
             self._tasks = collections.deque(t for t in self._tasks if not t.future.done())
+        if len(self._tasks) > 1:  # the best effective level first, then the oldest
+            now = self._clock()
+            self._tasks = collections.deque(
+                sorted(
+                    self._tasks,
+                    key=lambda t: (rank(t.level, t.arrived, now, self._aging_s), t.arrived),
+                )
+            )
         return bool(self._tasks)
 
     def _fill(self) -> int:

@@ -117,6 +117,10 @@ def _grpc_arguments(flag: str, value: str) -> tuple[tuple[str, int | str], ...]:
     return grpc_arguments(value)
 
 
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(n.strip() for n in text.split(",") if n.strip())
+
+
 def _sizes(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(",") if x.strip())
@@ -384,6 +388,42 @@ FLAGS: tuple[Flag, ...] = (
         "with their cause)",
         default="info",
         choices=("debug", "info", "warning", "error", "critical"),
+    ),
+    # Admission and the response cache (estimax.serving.admission, .response_cache).
+    Flag(
+        ("--priority_levels",),
+        "request priority levels (v2 parameters.priority: 1 the highest; 0 the default level)",
+        field="priority_levels",
+    ),
+    Flag(
+        ("--default_priority_level",),
+        "the level of a request that gives no priority",
+        field="default_priority_level",
+    ),
+    Flag(
+        ("--priority_aging_ms",),
+        "a waiting request rises one priority level per this many ms (low ones never starve); "
+        "0: no aging",
+        field="priority_aging_ms",
+    ),
+    Flag(
+        ("--max_concurrent_per_model",),
+        "run threads (--num_batch_threads) one model may hold at once, running or queued; "
+        "a flooded model's other requests wait in its own queue. 0: no cap",
+        field="max_concurrent_per_model",
+    ),
+    Flag(
+        ("--response_cache_models",),
+        "comma-separated models whose answers are cached (identical inputs, same version); "
+        'a version declaring "random": true in serving.json is never cached',
+        _names,
+        field="response_cache_models",
+    ),
+    Flag(
+        ("--response_cache_bytes",),
+        "the response cache's bound for the whole server, in bytes (least recently used "
+        "answers evicted)",
+        field="response_cache_bytes",
     ),
 )
 

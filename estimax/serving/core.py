@@ -35,10 +35,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+from prometheus_client import Counter
 
 from estimax.export.servable import InvalidInput, RequestCancelled, Servable
 from estimax.export.versions import MAX_VERSION, version_number
-from estimax.serving import memory, tracking, warmup
+from estimax.serving import admission, memory, response_cache, tracking, warmup
 from estimax.serving.batching import Batcher, BatchingOptions, QueueFullError
 from estimax.serving.manager import ModelManager, VersionPolicy, VersionState
 from estimax.serving.metrics import ServingMetrics
@@ -150,11 +151,14 @@ class ServedModel:
       manager: loads and swaps its versions.
       batcher: its own batching queue (None without ``--enable_batching``).
       labels: version label -> version (TF Serving's ``version_labels``); replaced whole.
+      gate: its share of the run threads without batching (``--max_concurrent_per_model``;
+        None: no cap).
     """
 
     manager: ModelManager
     batcher: Batcher | None
     labels: dict[str, int] = dataclasses.field(default_factory=dict)
+    gate: admission.Gate | None = None
 
     @property
     def name(self) -> str:
@@ -199,6 +203,17 @@ class ServingCore:
                 for m in self.models.values()
             ],
         )
+        # Admission (estimax.serving.admission) and the response cache, counted beside the rest.
+        self.response_cache = response_cache.ResponseCache(
+            options.response_cache_models, options.response_cache_bytes, self.metrics.registry
+        )
+        self.deadlines_exceeded = Counter(
+            "estimax_serving_deadline_exceeded",
+            "Requests answered with the deadline error, by stage (queued: the model never ran "
+            "for it; running: it ran, too late).",
+            ["model_name", "stage"],
+            registry=self.metrics.registry,
+        )
         managers = [manager] if isinstance(manager, ModelManager) else list(manager)
         for m in managers:
             self.add(m)
@@ -240,12 +255,24 @@ class ServingCore:
             manager.warmup = functools.partial(
                 warmup.replay, core=self, iterations=self.options.warmup_iterations
             )
+        options = self.options
+        aging_s = options.priority_aging_ms / 1000
         batcher = (
-            Batcher(batching or self.options.batching, self._run_pool)
-            if self.options.enable_batching
+            Batcher(
+                batching or options.batching,
+                self._run_pool,
+                slots=options.max_concurrent_per_model,
+                aging_s=aging_s,
+            )
+            if options.enable_batching
             else None
         )
-        return ServedModel(manager, batcher)
+        gate = (
+            admission.Gate(options.max_concurrent_per_model, aging_s)
+            if options.max_concurrent_per_model and batcher is None
+            else None
+        )
+        return ServedModel(manager, batcher, gate=gate)
 
     def remove(self, name: str) -> ServedModel | None:
         """Stops serving ``name`` (new requests answer 404); returns it, to be closed."""
@@ -489,15 +516,34 @@ class ServingCore:
         each step took (Triton's statistics).
         """
         cancelled = threading.Event()  # set: the threads working for the request stop
+        started = threading.Event()  # set: the model started running for the request
         timeout_ms = self.options.rest_api_timeout_in_ms
+        # <= 0: no deadline, as TF Serving (not a deadline already past).
+        limit = timeout_ms / 1000 if timeout_ms > 0 else None
+        # The request's own deadline (v2 parameters.timeout, a gRPC deadline), if earlier.
+        ticket = admission.current()
+        own = False
+        if ticket.deadline is not None:
+            left = ticket.deadline - time.monotonic()
+            if limit is None or left < limit:
+                limit, own = left, True
+        record = tracking.current()
         try:
+            if limit is not None and limit <= 0:  # past already: not even decoded
+                raise TimeoutError
             return await asyncio.wait_for(
-                self._prepare_and_run(servable, columns, tracking.current(), cancelled),
-                # <= 0: no deadline, as TF Serving (not a deadline already past).
-                timeout_ms / 1000 if timeout_ms > 0 else None,
+                self._prepare_and_run(servable, columns, record, cancelled, started), limit
             )
         except TimeoutError:
             cancelled.set()
+            stage = "running" if started.is_set() else "queued"
+            self.deadlines_exceeded.labels(record.model, stage).inc()
+            if own:
+                raise ApiError(
+                    504,
+                    f"{admission.DEADLINE_MESSAGE} ({ticket.source}"
+                    + (", before the model ran)" if stage == "queued" else ")"),
+                ) from None
             raise ApiError(
                 504,
                 "Request timed out after "
@@ -505,6 +551,10 @@ class ServingCore:
             ) from None
         except asyncio.CancelledError:  # the server stops, or the client went away
             cancelled.set()
+            if ticket.deadline is not None and time.monotonic() >= ticket.deadline:
+                # gRPC ended the call at the client's deadline before our timer fired.
+                stage = "running" if started.is_set() else "queued"
+                self.deadlines_exceeded.labels(record.model, stage).inc()
             raise
 
     async def _prepare_and_run(
@@ -513,11 +563,23 @@ class ServingCore:
         columns: dict[str, Any],
         record: RequestRecord,
         cancelled: threading.Event,
+        started: threading.Event | None = None,
     ) -> dict[str, np.ndarray]:
         loop = asyncio.get_running_loop()
         start = time.perf_counter()
+        started = started if started is not None else threading.Event()
         model = self.models.get(record.model)
-        if (model is None or model.batcher is None) and self._claim_run_thread():
+        level = admission.level_of(
+            admission.current().priority, self.options.default_priority_level
+        )
+        # A cached model's answer may come from memory, a capped model waits for its share
+        # first: neither takes a run thread before it knows it runs.
+        cached = self.response_cache.caches(record.model, servable)
+        if (
+            (model is None or (model.batcher is None and model.gate is None))
+            and not cached
+            and self._claim_run_thread()
+        ):
             # Unbatched with a run thread free: decode and run there, one hand-off from the
             # event loop instead of two. Each is a thread's wake-up, milliseconds apiece on a
             # loaded machine (measured: 4.4-5.9 ms for the decoding's at load 12 on 2 cores,
@@ -525,7 +587,7 @@ class ServingCore:
             try:
                 return await self._on_run_thread(
                     functools.partial(
-                        self._prepare_then_run, servable, columns, record, cancelled, start
+                        self._prepare_then_run, servable, columns, record, cancelled, start, started
                     )
                 )
             except InvalidInput as e:
@@ -545,6 +607,14 @@ class ServingCore:
         except InvalidInput as e:
             raise ApiError(400, str(e)) from None
         record.prepare_s = time.perf_counter() - start
+        key = None
+        if cached:
+            key = response_cache.request_key(
+                record.model, servable.version, servable.path, features
+            )
+            hit = self.response_cache.get(record.model, key)
+            if hit is not None:
+                return hit
         submitted = time.perf_counter()
         # The model is the one the request named (``servable`` noted it); one removed since
         # runs its last requests unbatched.
@@ -555,11 +625,14 @@ class ServingCore:
             size = int(next(iter(features.values())).shape[0])
 
             def dequeued(wait: float) -> None:
+                started.set()
                 record.queue_s = wait
                 self.metrics.dequeued(wait, size)
 
             try:
-                outputs = await batcher.submit(servable, run, features, on_start=dequeued)
+                outputs = await batcher.submit(
+                    servable, run, features, on_start=dequeued, level=level
+                )
             except QueueFullError as e:
                 raise ApiError(429, str(e)) from None
         else:
@@ -568,13 +641,19 @@ class ServingCore:
                 record.queue_s = time.perf_counter() - submitted  # waiting for a run thread
                 if cancelled.is_set():  # timed out while waiting: nobody reads the answer
                     return _stoppable(_never_run, record)
+                started.set()
                 return run(features)
 
+            gate = model.gate if model is not None else None
+            if gate is not None:  # cancelled while waiting: it leaves, holding nothing
+                await gate.enter(level)
             with self._unbatched_lock:
                 self._unbatched += 1
-            outputs = await self._on_run_thread(direct)
+            outputs = await self._on_run_thread(direct, gate)
         record.run_end = time.perf_counter()
         record.run_s = record.run_end - submitted - record.queue_s
+        if key is not None:
+            self.response_cache.put(record.model, key, outputs)
         return outputs
 
     def _claim_run_thread(self) -> bool:
@@ -585,11 +664,17 @@ class ServingCore:
             self._unbatched += 1
             return True
 
-    async def _on_run_thread(self, work: Callable[[], dict[str, np.ndarray]]) -> dict:
+    async def _on_run_thread(
+        self, work: Callable[[], dict[str, np.ndarray]], gate: admission.Gate | None = None
+    ) -> dict:
         """``work()`` on a run thread, an unbatched run counted in (``_claim_run_thread``) until
-        it ends, or is cancelled before it starts (its request timed out or went away)."""
+        it ends, or is cancelled before it starts (its request timed out or went away); then
+        ``gate`` (entered by the caller) is left, on the loop."""
         future = self._run_pool.submit(work)
         future.add_done_callback(lambda _: self._release_run_thread())
+        if gate is not None:
+            loop = asyncio.get_running_loop()
+            future.add_done_callback(lambda _: loop.call_soon_threadsafe(gate.leave))
         return await asyncio.wrap_future(future)
 
     def _release_run_thread(self) -> None:
@@ -603,6 +688,7 @@ class ServingCore:
         record: RequestRecord,
         cancelled: threading.Event,
         start: float,
+        started: threading.Event,
     ) -> dict[str, np.ndarray]:
         """A request decoded and run on one run thread (``_prepare_and_run``), timed as the
         two steps are."""
@@ -613,6 +699,7 @@ class ServingCore:
         submitted = time.perf_counter()
         if cancelled.is_set():  # timed out while decoding: nobody reads the answer
             return _stoppable(_never_run, record)
+        started.set()
         outputs = self._execute(record.model, False, servable, features)
         record.run_end = time.perf_counter()
         record.run_s = record.run_end - submitted

@@ -41,7 +41,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from estimax.export.servable import Servable
-from estimax.serving import classes, tracking, v2
+from estimax.serving import admission, classes, tracking, v2
 from estimax.serving.core import PREDICT_METHOD, RETRY_AFTER_SECONDS, SIGNATURE_NAME, ServingCore
 from estimax.serving.protocol import (
     HTTP_STATUS,
@@ -398,7 +398,17 @@ class InferenceService(grpc_v2.GRPCInferenceServiceServicer):
                 f"{len(raw)} raw_input_contents for {len(request.inputs)} inputs: raw contents "
                 "must be given for every input or none",
             )
-        with self.core.servable(request.model_name, request.model_version or None) as servable:
+        # Its deadline and priority (estimax.serving.admission), checked before any work.
+        parameters = {
+            k: _parameter(request.parameters[k])
+            for k in ("priority", "timeout")
+            if k in request.parameters
+        }
+        ticket = admission.v2_ticket(parameters, self.core.options.priority_levels)
+        with (
+            admission.use(ticket),
+            self.core.servable(request.model_name, request.model_version or None) as servable,
+        ):
             columns: dict[str, Any] = {}
             for i, tensor in enumerate(request.inputs):
                 where = f"inputs[{i}]"
@@ -586,7 +596,9 @@ def _checked(
                 if isinstance(request, _Malformed):
                     message = f"The request is not a valid message: {request.error}"
                     return _fail(context, grpc.StatusCode.INVALID_ARGUMENT, message)
-                return await behavior(request, context)
+                # The call's deadline bounds its wait and run (estimax.serving.admission).
+                with admission.use(admission.grpc_ticket(context.time_remaining())):
+                    return await behavior(request, context)
             finally:
                 _outcome(record, context)
 

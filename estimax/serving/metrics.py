@@ -36,6 +36,11 @@ does; latencies in microseconds with TF Serving's buckets):
 * ``estimax_serving_model_version_state{model_name, version, state}``: 1 for each version's
   current state (``LOADING``, ``AVAILABLE``, ``UNLOADING``, ``END``).
 * ``estimax_serving_batch_queue_instances{model_name}``: instances waiting to be batched.
+* ``estimax_serving_deadline_exceeded_total{model_name, stage}``: requests answered with the
+  deadline error (``queued``: the model never ran for them), and
+  ``estimax_serving_response_cache_total{model_name, result}``,
+  ``..._response_cache_evictions_total{model_name}``, ``..._response_cache_bytes``: registered
+  here by ``estimax.serving.core`` (``estimax.serving.admission``, ``.response_cache``).
 * ``process_*``, ``python_*``: the process (CPU, memory, file descriptors, GC), from
   ``prometheus_client``'s own collectors.
 

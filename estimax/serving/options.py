@@ -57,6 +57,12 @@ class ServerOptions:
         readiness (gRPC health of its name, ``/v2/models/NAME/ready``) is always its own.
       json_workers: the processes that parse large HTTP bodies and write large answers
         (``estimax.serving.bodies``; TF Serving's ``--rest_api_num_threads``). 0: its default.
+      priority_levels, default_priority_level, priority_aging_ms: a request's priority levels
+        (1 the highest), the level of one that gives none, and the aging step that keeps low
+        levels from starving (``estimax.serving.admission``).
+      max_concurrent_per_model: run threads one model may hold at once (0: no cap).
+      response_cache_models, response_cache_bytes: the models whose answers are cached, and
+        the cache's bound for the server (``estimax.serving.response_cache``).
     """
 
     enable_batching: bool = False
@@ -82,12 +88,27 @@ class ServerOptions:
     grpc_arguments: tuple[tuple[str, int | str], ...] = ()
     json_workers: int = 0
     readiness: str = "all"
+    priority_levels: int = 3
+    default_priority_level: int = 2
+    priority_aging_ms: int = 100
+    max_concurrent_per_model: int = 0
+    response_cache_models: tuple[str, ...] = ()
+    response_cache_bytes: int = 64 << 20
 
     def validate(self) -> None:
         """Raises ValueError naming the flag of a body limit that cannot hold (or a readiness
         policy that is not one)."""
         if self.readiness not in READINESS:
             raise ValueError(f"--readiness={self.readiness!r}: give one of {', '.join(READINESS)}")
+        if self.priority_levels < 1 or not 1 <= self.default_priority_level <= self.priority_levels:
+            raise ValueError(
+                f"--default_priority_level={self.default_priority_level} must be from 1 to "
+                f"--priority_levels={self.priority_levels} (and that at least 1)"
+            )
+        if self.priority_aging_ms < 0 or self.max_concurrent_per_model < 0:
+            raise ValueError("--priority_aging_ms and --max_concurrent_per_model must be >= 0")
+        if self.response_cache_bytes < 0:
+            raise ValueError("--response_cache_bytes must be >= 0")
         if self.max_body_bytes <= 0:
             raise ValueError("--max_body_bytes must be > 0")
         if self.max_body_bytes_in_flight < self.max_body_bytes:

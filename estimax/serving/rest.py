@@ -52,7 +52,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from estimax.export.servable import Servable
-from estimax.serving import bodies, classes, metrics, tracking, transport, v2
+from estimax.serving import admission, bodies, classes, metrics, tracking, transport, v2
 from estimax.serving.core import (
     PREDICT_METHOD,
     RETRY_AFTER_SECONDS,
@@ -567,7 +567,9 @@ class V2Rest:
             raise ApiError(400, "The request body must be an object with an 'inputs' list")
         parameters = _parameters(body, "request")
         binary_default = _flag(parameters, "binary_data_output", "request parameters")
-        with self.core.servable(name, version) as servable:
+        # Its deadline and priority (estimax.serving.admission), checked before any work.
+        ticket = admission.v2_ticket(parameters, self.core.options.priority_levels)
+        with admission.use(ticket), self.core.servable(name, version) as servable:
             columns = await self.bodies.walk(large, self._columns, servable, body["inputs"], binary)
             wanted, as_binary, counts = self._wanted(servable, body.get("outputs"), binary_default)
             outputs = await self.core.infer(servable, columns)
