@@ -16,6 +16,8 @@ is off by ~1e-1).
 
 from __future__ import annotations
 
+import os
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -243,3 +245,64 @@ def test_mean_of_two_stages_is_the_mean_over_every_replica():
         )
     )
     assert float(reduce(values)[0]) == 3.5
+
+
+# ------------------------------------------------------------------ 8 processes
+
+
+@pytest.mark.slow
+def test_two_slices_over_eight_processes_equal_one_slice(tmp_path, monkeypatch):
+    """The MNIST program over 8 processes x 1 CPU device (a process is a host of a slice): 2
+    slices of 4 hosts, told by the flag and by a TPU job's MEGASCALE_* variables, train and
+    evaluate as 1 slice of 8. The pod-scale check of #50, run once, on 64 digits and 6 steps."""
+    import multihost_helpers as mh
+
+    # Fast XLA compiles in the children (tiny model: the machine code's speed is not tested).
+    job_env = mh._job_env
+    monkeypatch.setattr(
+        mh,
+        "_job_env",
+        lambda data_dir, devices: {
+            **job_env(data_dir, devices),
+            # The session's cache (conftest): the 8 processes and any rerun compile once.
+            **{k: os.environ[k] for k in ("JAX_COMPILATION_CACHE_DIR",) if k in os.environ},
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} "
+            "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true",
+        },
+    )
+    data_dir = mh.write_data(str(tmp_path / "data"))
+
+    def kubeflow(slices):
+        def env(process, port):
+            found = {
+                "JAX_COORDINATOR_ADDRESS": f"localhost:{port}",
+                "JAX_NUM_PROCESSES": "8",
+                "JAX_PROCESS_ID": str(process),
+            }
+            if slices > 1:
+                found.update(MEGASCALE_NUM_SLICES=str(slices), MEGASCALE_SLICE_ID=str(process // 4))
+            return found
+
+        return env
+
+    results = {}
+    for slices in (1, 2):
+        procs = mh.run_job(
+            8,
+            data_dir,
+            str(tmp_path / f"slices{slices}"),
+            f"--num_slices={slices}",
+            devices=8,
+            cluster_env=kubeflow(slices),
+            timeout=600,
+        )
+        mh.assert_ok(procs)
+        results[slices] = mh.eval_results(procs[0].stderr)
+    one, two = results[1], results[2]
+    assert two["num_examples"] == one["num_examples"] == mh.NUM_EVAL
+    assert two["accuracy"] == one["accuracy"]
+    # The gradient's two-stage sum groups float32 additions differently (module docstring).
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    mh.assert_same_params(
+        mh.params(str(tmp_path / "slices2")), mh.params(str(tmp_path / "slices1"))
+    )

@@ -106,8 +106,8 @@ def hybrid_devices(num_slices: int, cores: tuple[int, ...], devices: list[Any]) 
     DCN across (``mesh_utils.create_hybrid_device_mesh``).
 
     TPU devices of a multi-slice job carry their ``slice_index``; JAX's hybrid mesh lays each
-    slice's devices out by its physical ICI topology. Devices without one (CPU processes, GPUs)
-    are grouped into simulated slices: the processes in order, ``processes / slices`` hosts to a
+    slice's devices out by its physical ICI topology. Other devices (CPU processes, GPUs: a
+    multi-process CPU job's all say slice 0) are grouped into simulated slices: the processes in order, ``processes / slices`` hosts to a
     slice (one process, as in tests: its devices in order, ``devices / slices`` to a slice).
 
     Raises:
@@ -129,7 +129,8 @@ def hybrid_devices(num_slices: int, cores: tuple[int, ...], devices: list[Any]) 
             f"{devices[0].platform} devices into equal slices of whole replicas."
         )
     per_slice = len(devices) // num_slices // per_replica
-    if all(getattr(d, "slice_index", None) is not None for d in devices):
+    # Only TPU slices are real ones: CPU devices of a multi-process job say slice_index 0.
+    if devices[0].platform == "tpu":
         slices = {d.slice_index for d in devices}
         if len(slices) != num_slices:
             raise ValueError(
