@@ -683,6 +683,7 @@ _MEGASCALE = re.compile(
     r"=\s*(?P<shape>.*?)\s+send\(.*_xla_megascale_transfer_type=\"(?P<kind>\w+)\""
 )
 _GROUPS = re.compile(r"replica_groups=(\{[\d,{}]*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
+_IOTA = re.compile(r"\[(?P<shape>[\d,]+)\]<=\[(?P<dims>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?")
 _PAIRS = re.compile(r"source_target_pairs=(\{[\d,{}]*\})")
 
 
@@ -693,12 +694,17 @@ def replica_groups(text: str) -> list[list[int]]:
     if text.startswith("{"):
         groups = re.findall(r"\{([\d,]+)\}", text)
         return [[int(i) for i in g.split(",") if i] for g in groups]
-    shape, dims, perm = re.fullmatch(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text).groups()
-    ints = lambda t: [int(i) for i in t.split(",")]  # noqa: E731
-    ids = np.arange(math.prod(ints(dims))).reshape(ints(dims))
-    if perm:
-        ids = ids.transpose(ints(perm))
-    return ids.reshape(ints(shape)).tolist()
+    iota = _IOTA.fullmatch(text)
+    if iota is None:
+        raise ValueError(f"not HLO replica groups: {text[:80]!r}")
+
+    def ints(t: str) -> list[int]:
+        return [int(i) for i in t.split(",")]
+
+    ids = np.arange(math.prod(ints(iota["dims"]))).reshape(ints(iota["dims"]))
+    if iota["perm"]:
+        ids = ids.transpose(ints(iota["perm"]))
+    return ids.reshape(ints(iota["shape"])).tolist()
 
 
 def _crosses_slices(line: str, slice_of: list[int]) -> bool:

@@ -107,8 +107,9 @@ def hybrid_devices(num_slices: int, cores: tuple[int, ...], devices: list[Any]) 
 
     TPU devices of a multi-slice job carry their ``slice_index``; JAX's hybrid mesh lays each
     slice's devices out by its physical ICI topology. Other devices (CPU processes, GPUs: a
-    multi-process CPU job's all say slice 0) are grouped into simulated slices: the processes in order, ``processes / slices`` hosts to a
-    slice (one process, as in tests: its devices in order, ``devices / slices`` to a slice).
+    multi-process CPU job's all say slice 0) are grouped into simulated slices: the processes
+    in order, ``processes / slices`` hosts to a slice (one process, as in tests: its devices
+    in order, ``devices / slices`` to a slice).
 
     Raises:
       ValueError: one line naming ``--num_slices`` when it does not divide the processes (a
