@@ -157,6 +157,7 @@ def phases(make: str, workers: str, require_onednn: str) -> list[Phase]:
                 "-p",
                 "no:cacheprovider",
                 "tests/test_tpu_compile.py",
+                "tests/test_tpu_compile_slices.py",
                 "-k",
                 "tpu_slice or does_not_fit",
             ],

@@ -61,6 +61,7 @@ from estimax.estimator.step_builder import StepBuilder, Steps, micro_batch
 from estimax.estimator.utilization import custom_call_targets  # noqa: F401 (re-exported)
 from estimax.parallel import chips as chips_lib
 from estimax.parallel import layouts as layouts_lib
+from estimax.parallel import replication
 from estimax.parallel.chips import TPU_CHIPS, ChipSpec  # noqa: F401 (ChipSpec: re-exported)
 from estimax.parallel.replication import REPLICA_AXIS, per_replica_batch
 
@@ -110,8 +111,10 @@ def check_topology(name: str) -> str:
     return match.group(1)
 
 
-def slice_devices(name: str) -> list[Any]:
-    """The (compile-only) devices of the TPU slice ``name``, e.g. ``v5e:2x4``: 8 chips.
+def slice_devices(name: str, num_slices: int = 1) -> list[Any]:
+    """The (compile-only) devices of the TPU slice ``name``, e.g. ``v5e:2x4``: 8 chips; with
+    ``num_slices`` S, of S such slices (libtpu's topology takes the count, as MaxText's
+    ahead-of-time compile does), each device with its ``slice_index``.
 
     Raises:
       CompileForError: an unknown name, one libtpu refuses, or no libtpu installed.
@@ -128,7 +131,8 @@ def slice_devices(name: str) -> list[Any]:
     # compile-only slice drives none, so processes compiling at once need not wait for it.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
-        return list(topologies.get_topology_desc(name.strip(), platform="tpu").devices)
+        extra = {"num_slices": num_slices} if num_slices > 1 else {}
+        return list(topologies.get_topology_desc(name.strip(), platform="tpu", **extra).devices)
     except RuntimeError as e:  # JaxRuntimeError is one too
         if "not installed" in str(e):
             raise CompileForError(
@@ -186,6 +190,10 @@ class StepReport:
     layout: str = ""  # the run's layout (layouts.Layout), "" for the data-parallel default
     # The compiled step's collectives: op -> [count, bytes of their results] per step.
     collectives: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    # Over several slices (--num_slices): each slice named ("slice 0: devices 0-7 (8)"), and
+    # the collectives whose replica groups cross slices (over DCN), as ``collectives``.
+    slices: tuple[str, ...] = ()
+    dcn_collectives: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
     @property
     def micro_batch(self) -> int:
@@ -270,8 +278,16 @@ class StepReport:
             f"{_duration(t)}/step = {self.examples_per_s:,.0f} examples/s "
             f"({self.examples_per_s / self.num_devices:,.0f} per device) at a dense bf16 peak of "
             f"{self.peak_flops / 1e12:g} TFLOP/s per device ({self.peak_source}); "
-            f"{_collectives(self.collectives)}; compiled in {self.compile_s:.0f} s"
+            f"{_collectives(self.collectives)}{self._over_slices()}; compiled in "
+            f"{self.compile_s:.0f} s"
         )
+
+    def _over_slices(self) -> str:
+        """``; 2 slices (slice 0: ..., slice 1: ...), over DCN: ...`` ("" on one slice)."""
+        if not self.slices:
+            return ""
+        dcn = _collectives(self.dcn_collectives).replace("collectives ", "", 1)
+        return f"; {len(self.slices)} slices ({', '.join(self.slices)}), over DCN: {dcn}"
 
 
 def _collectives(found: dict[str, list[int]]) -> str:
@@ -323,6 +339,7 @@ def _inputs(
     features, labels = io
     layout, replicas = steps.layout, layouts_lib.num_replicas(mesh)
     rows = batch // replicas
+    replicas = layouts_lib.replicas_per_slice(mesh)  # what FSDP splits over
     sample = (_abstract_batch(features, rows), _abstract_batch(labels, rows))
     replicated = NamedSharding(mesh, P())
     shapes = jax.eval_shape(init, steps.rng, *sample)
@@ -368,7 +385,7 @@ def eval_args(steps: Steps, mesh: Mesh, io: tuple[Any, Any], batch: int) -> tupl
     """Abstract ``(totals, variables, step, features, labels, mask)`` of ``steps.eval``."""
     variables, features, labels, replicated = _inputs(steps, mesh, io, batch, steps.init_eval)
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
-    sharded = NamedSharding(mesh, P(REPLICA_AXIS))
+    sharded = NamedSharding(mesh, P(replication.data_axes(mesh)))
     inputs = (features, labels, jax.ShapeDtypeStruct((batch,), jnp.float32, sharding=sharded))
     # The steady state: the running totals (donated) are what the first batch returns.
     totals, _ = jax.eval_shape(steps.eval, None, variables, step, *inputs)
@@ -440,14 +457,29 @@ def compile_for(
     check_inputs(features, labels)
     layout = layout or layouts_lib.Layout()
     cores = layout.cores_per_replica
-    devices = slice_devices(topology)
-    if len(devices) % cores:
+    slices = layout.num_slices
+    if slices > 1 and gpu_compile.is_gpu_target(topology):
+        raise CompileForError(
+            f"--num_slices={slices} is for TPU slices (over DCN); {topology} is a GPU target."
+        )
+    devices = slice_devices(topology, slices)
+    if len(devices) % (cores * slices):
         raise CompileForError(
             f"on {topology}: --num_cores_per_replica={cores} (RunConfig.num_cores_per_replica) "
-            f"does not divide its {len(devices)} devices: use a divisor of {len(devices)}."
+            f"does not divide its {len(devices) // slices} devices: use a divisor of "
+            f"{len(devices) // slices}."
         )
     if num_shards and num_shards * cores < len(devices):
-        devices = devices[: num_shards * cores]
+        if slices > 1:  # the same number of replicas from each slice
+            try:
+                mesh = replication.make_mesh(
+                    num_shards, layout.cores, layout.model_axes, slices, devices
+                )
+            except ValueError as e:
+                raise CompileForError(f"on {topology}: {e}") from None
+            devices = list(mesh.devices.flat)
+        else:
+            devices = devices[: num_shards * cores]
     replicas = len(devices) // cores
     reports = []
     for step, batch in batch_sizes.items():
@@ -543,8 +575,13 @@ def compile_step(
       io: ``features``, ``labels`` (``TensorSpec`` pytrees, batch dim None) and ``batch``.
     """
     layout = layout or layouts_lib.Layout()
-    grid = np.array(devices).reshape(len(devices) // layout.cores_per_replica, *layout.cores)
-    mesh = Mesh(grid, (REPLICA_AXIS, *layout.model_axes))
+    if layout.num_slices > 1:  # ("dcn", "data", *model axes): JAX's hybrid mesh
+        mesh = replication.make_mesh(
+            None, layout.cores, layout.model_axes, layout.num_slices, devices
+        )
+    else:
+        grid = np.array(devices).reshape(len(devices) // layout.cores_per_replica, *layout.cores)
+        mesh = Mesh(grid, (REPLICA_AXIS, *layout.model_axes))
     batch = io["batch"]
     gpu = gpu_compile.is_gpu_target(topology)
     name = check_topology(topology)
@@ -592,6 +629,11 @@ def compile_step(
     text = compiled.as_text()
     report.custom_calls = custom_call_targets(stablehlo + text)
     report.collectives = collectives(text)
+    if layout.num_slices > 1:
+        # Replica groups name devices by their place in the mesh (its device assignment).
+        slice_of = [d.slice_index for d in mesh.devices.flat]
+        report.slices = slice_names(slice_of)
+        report.dcn_collectives = collectives(text, slice_of)
     _measure_serialized(report, compiled)
     return report
 
@@ -604,13 +646,29 @@ _COLLECTIVE = re.compile(
 _ARRAY = re.compile(r"\b(pred|[a-z]+\d+(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
 
 
-def collectives(hlo: str) -> dict[str, list[int]]:
+def collectives(hlo: str, slice_of: list[int] | None = None) -> dict[str, list[int]]:
     """``{op: [count, bytes]}`` of the collectives in compiled HLO text: each op's count per
-    step (a loop body's once) and the bytes of the arrays it produces."""
+    step (a loop body's once) and the bytes of the arrays it produces. With ``slice_of`` (the
+    slice of each device, by its id in the replica groups): only those that go over DCN:
+    XLA:TPU compiles each slice's program with its collectives inside the slice and hands what
+    crosses slices to the Megascale runtime (a ``send`` per collective, its kind and payload
+    named), and another compiler's collectives whose groups (or a permute's pairs) cross."""
     found: dict[str, list[int]] = {}
     for line in hlo.splitlines():
+        dcn = _MEGASCALE.search(line) if slice_of is not None else None
+        if dcn is not None:
+            entry = found.setdefault(dcn["kind"].lower().replace("_", "-"), [0, 0])
+            entry[0] += 1
+            first = _ARRAY.search(dcn["shape"])
+            if first is not None:
+                dtype, dims = first.groups()
+                size = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+                entry[1] += size * _dtype_bytes(dtype)
+            continue
         m = _COLLECTIVE.search(line)
         if m is None:
+            continue
+        if slice_of is not None and not _crosses_slices(line, slice_of):
             continue
         entry = found.setdefault(m["op"], [0, 0])
         entry[0] += 1
@@ -618,6 +676,58 @@ def collectives(hlo: str) -> dict[str, list[int]]:
             size = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
             entry[1] += size * _dtype_bytes(dtype)
     return found
+
+
+# A DCN collective in XLA:TPU's multi-slice HLO: its payload handed to the Megascale runtime.
+_MEGASCALE = re.compile(
+    r"=\s*(?P<shape>.*?)\s+send\(.*_xla_megascale_transfer_type=\"(?P<kind>\w+)\""
+)
+_GROUPS = re.compile(r"replica_groups=(\{[\d,{}]*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
+_IOTA = re.compile(r"\[(?P<shape>[\d,]+)\]<=\[(?P<dims>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?")
+_PAIRS = re.compile(r"source_target_pairs=(\{[\d,{}]*\})")
+
+
+def replica_groups(text: str) -> list[list[int]]:
+    """HLO's ``replica_groups`` as lists of device ids: ``{{0,1},{2,3}}``, or the iota form
+    ``[2,8]<=[16]`` / ``[8,2]<=[2,8]T(1,0)`` (an iota of the bracketed shape, transposed,
+    reshaped to groups); ``{}`` (every device in one group) is ``[]``."""
+    if text.startswith("{"):
+        groups = re.findall(r"\{([\d,]+)\}", text)
+        return [[int(i) for i in g.split(",") if i] for g in groups]
+    iota = _IOTA.fullmatch(text)
+    if iota is None:
+        raise ValueError(f"not HLO replica groups: {text[:80]!r}")
+
+    def ints(t: str) -> list[int]:
+        return [int(i) for i in t.split(",")]
+
+    ids = np.arange(math.prod(ints(iota["dims"]))).reshape(ints(iota["dims"]))
+    if iota["perm"]:
+        ids = ids.transpose(ints(iota["perm"]))
+    return ids.reshape(ints(iota["shape"])).tolist()
+
+
+def _crosses_slices(line: str, slice_of: list[int]) -> bool:
+    """Whether the collective on ``line`` moves data between slices (over DCN)."""
+    pairs = _PAIRS.search(line)
+    if pairs:
+        return any(slice_of[a] != slice_of[b] for a, b in replica_groups(pairs.group(1)))
+    groups = _GROUPS.search(line)
+    found = replica_groups(groups.group(1)) if groups else []
+    if not found:  # no groups, or {}: one group of every device
+        return len(set(slice_of)) > 1
+    return any(len({slice_of[i] for i in g}) > 1 for g in found)
+
+
+def slice_names(slice_of: list[int]) -> tuple[str, ...]:
+    """Each slice as a report names it: ``slice 0: devices 0-7 (8)``, by the devices' places in
+    the mesh."""
+    names = []
+    for s in sorted(set(slice_of)):
+        ids = [i for i, x in enumerate(slice_of) if x == s]
+        span = f"{ids[0]}-{ids[-1]}" if ids == list(range(ids[0], ids[-1] + 1)) else str(ids)
+        names.append(f"slice {s}: devices {span} ({len(ids)})")
+    return tuple(names)
 
 
 def _dtype_bytes(name: str) -> int:

@@ -17,7 +17,6 @@ from jax.sharding import PartitionSpec as P
 from estimax.estimator import feeding
 from estimax.estimator.spec import InputContext, ModeKeys, RunConfig
 from estimax.parallel import layouts, replication
-from estimax.parallel.replication import REPLICA_AXIS
 from estimax.state import checkpoints as ckpt_lib
 
 
@@ -128,7 +127,8 @@ def restore_input_position(
 def _transfer(mesh: Mesh, layout: layouts.Layout, mode: str, block: bool) -> Callable[[Any], Any]:
     """``host batch -> device batch``: rows over the replicas; with cores per replica, each
     core also gets only its tile of a split input (``layouts.Layout.input_specs``)."""
-    rows = P(None, REPLICA_AXIS) if block else P(REPLICA_AXIS)
+    axes = replication.data_axes(mesh)
+    rows = P(None, axes) if block else P(axes)
     if not layout.cores:
         return lambda b: replication.to_device(b, mesh, rows)
     specs: list[Any] = []  # of the first batch: every batch of a run has its structure

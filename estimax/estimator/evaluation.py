@@ -26,7 +26,6 @@ from estimax.estimator import summaries as summaries_lib
 from estimax.estimator.spec import RunConfig
 from estimax.estimator.step_builder import Steps
 from estimax.parallel import distributed, replication
-from estimax.parallel.replication import REPLICA_AXIS
 
 
 class EvaluationRun:
@@ -181,7 +180,9 @@ class EvaluationRun:
         """A whole eval batch on the devices that counts nothing (its mask is all zeros)."""
         per_host = replication.per_host_batch(self.global_batch)
         host, mask, _ = replication.pad_batch(sample, per_host)
-        return replication.to_device((*host, np.zeros_like(mask)), self.mesh, P(REPLICA_AXIS))
+        return replication.to_device(
+            (*host, np.zeros_like(mask)), self.mesh, P(replication.data_axes(self.mesh))
+        )
 
 
 def _metric_values(totals: steps_lib.EvalOutput) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 import optax
 
+from estimax.parallel import replication
 from estimax.parallel.layouts import Layout, format_dims, partition_lists
 
 _T = TypeVar("_T")
@@ -301,6 +302,12 @@ class RunConfig:
         dimension that divides by their number (its gradient, optimizer state and EMA with
         it), and gathered whole for the forward and backward passes; smaller ones stay
         replicated. None (default): every replica holds everything.
+      num_slices: the TPU slices (or simulated slices of hosts) the replicas are spread over:
+        data parallel across slices over the data-center network, a leading ``dcn`` mesh axis
+        (``mesh_utils.create_hybrid_device_mesh``), gradients reduced inside each slice before
+        they cross it; cores per replica and FSDP stay inside a slice. None (default):
+        ``$MEGASCALE_NUM_SLICES`` where the job sets it, else 1. Must divide the processes and
+        the devices; a ``MEGASCALE_*`` value that disagrees is refused.
 
     Mutable collections such as ``batch_stats`` are computed per replica, as on TPU, and
     averaged over replicas after each step (one consistent copy to checkpoint); pass
@@ -328,12 +335,15 @@ class RunConfig:
     num_cores_per_replica: int = 1
     input_partition_dims: Sequence[Any] | None = None
     shard_parameters: float | None = None
+    num_slices: int | None = None
     # The layout the three fields above make (``estimax.parallel.layouts.Layout``): built once,
     # here, and read by the step builder, the input transfer and the programs' checks.
     layout: Layout = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_layout(self.num_cores_per_replica, self.input_partition_dims, self.shard_parameters)
+        # Resolved once (flag, else $MEGASCALE_NUM_SLICES, else 1): the layout reads a count.
+        object.__setattr__(self, "num_slices", replication.num_slices_from(self.num_slices))
         object.__setattr__(self, "layout", Layout.from_config(self))  # frozen: set once here
         if self.iterations_per_loop < 1:
             raise ValueError(

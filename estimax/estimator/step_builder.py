@@ -33,8 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from estimax.estimator import steps as steps_lib
 from estimax.estimator.spec import EstimatorSpec, ModeKeys, RunConfig
-from estimax.parallel import layouts, strategies
-from estimax.parallel.replication import REPLICA_AXIS
+from estimax.parallel import layouts, replication, strategies
 
 _MODEL_FN_ARGS = ("features", "labels", "mode", "params", "config")
 
@@ -168,7 +167,7 @@ class StepBuilder:
 
     def _check_mesh(self, mesh: Mesh) -> None:
         """Refuses a mesh without the layout's model axes (one not made by ``make_mesh``)."""
-        wanted = (REPLICA_AXIS, *self.layout.model_axes)
+        wanted = self.layout.mesh_axes
         if tuple(mesh.axis_names) != wanted:
             raise ValueError(
                 f"The steps of num_cores_per_replica={self.layout.cores_per_replica} need a "
@@ -196,13 +195,14 @@ class StepBuilder:
         step = functools.partial(
             steps_lib.train_step,
             module,
-            axis_name=REPLICA_AXIS,
+            axis_name=replication.data_axes(mesh),
             skip_nonfinite=self.config.skip_nonfinite_steps,
             accumulation_steps=accumulation_steps,
             unroll_accumulation=accumulation_unrolled(mesh),
         )
 
-        batch = P(None, REPLICA_AXIS) if block else P(REPLICA_AXIS)
+        axes = replication.data_axes(mesh)
+        batch = P(None, axes) if block else P(axes)
         if self.layout.is_default:
 
             def per_replica(state, rng, features, labels):
@@ -220,7 +220,8 @@ class StepBuilder:
                 out_specs=(P(), P()),
             )
             return jax.jit(sharded, donate_argnums=(0,))
-        layout, replicas = self.layout, layouts.num_replicas(mesh)
+        # FSDP splits parameters over one slice's replicas, never over the slices (DCN).
+        layout, replicas = self.layout, layouts.replicas_per_slice(mesh)
 
         def laid_out_step(dims, state, batch, rng):
             features, labels = layout.constrain(*batch)
@@ -246,7 +247,7 @@ class StepBuilder:
                 mesh=mesh,
                 in_specs=(specs, P(), batch, batch),
                 out_specs=(specs, P()),
-                axis_names={REPLICA_AXIS},
+                axis_names=set(layout.mesh_axes) - set(layout.model_axes),
             )(state, rng, features, labels)
 
         return jax.jit(laid_out, donate_argnums=(0,))
@@ -256,14 +257,14 @@ class StepBuilder:
         step_fn = functools.partial(
             steps_lib.eval_step,
             module,
-            axis_name=REPLICA_AXIS,
+            axis_name=replication.data_axes(mesh),
             exclude_invalid_labels=self.config.allow_invalid_labels,
         )
 
         def per_replica(variables, step, features, labels, mask):
             return step_fn(variables, step, (features, labels), mask)
 
-        batch = P(REPLICA_AXIS)
+        batch = P(replication.data_axes(mesh))
         sharded = jax.shard_map(
             per_replica, mesh=mesh, in_specs=(P(), P(), batch, batch, batch), out_specs=P()
         )
@@ -296,16 +297,16 @@ class StepBuilder:
                         variables, step, constrain(features, None)[0]
                     ),
                     mesh,
-                    in_specs=(P(), P(REPLICA_AXIS)),
-                    out_specs=P(REPLICA_AXIS),
+                    in_specs=(P(), P(replication.data_axes(mesh))),
+                    out_specs=P(replication.data_axes(mesh)),
                 )
             )
         return jax.jit(
             jax.shard_map(
                 step_fn,
                 mesh=mesh,
-                in_specs=(P(), P(), P(REPLICA_AXIS)),
-                out_specs=P(REPLICA_AXIS),
+                in_specs=(P(), P(), P(replication.data_axes(mesh))),
+                out_specs=P(replication.data_axes(mesh)),
             )
         )
 
@@ -315,11 +316,12 @@ class StepBuilder:
         """``fn(variables, *rest)`` per replica under the layout: the variables placed by it
         (FSDP's split parameters gathered whole before ``fn``), manual over the replicas only.
         ``in_specs``: those of ``rest``."""
-        layout, replicas = self.layout, layouts.num_replicas(mesh)
+        layout, replicas = self.layout, layouts.replicas_per_slice(mesh)
+        axes = replication.data_axes(mesh)
 
         def laid_out(variables, *rest):
             params = variables.get("params", {})
-            placed = strategies.for_params(layout.param_dims(params, replicas), REPLICA_AXIS)
+            placed = strategies.for_params(layout.param_dims(params, replicas), axes)
 
             def per_replica(variables, *rest):
                 if "params" in variables:  # FSDP's split ones whole (Replicated: as they are)
@@ -331,7 +333,7 @@ class StepBuilder:
                 mesh=mesh,
                 in_specs=(layout.variables_specs(variables, replicas), *in_specs),
                 out_specs=out_specs,
-                axis_names={REPLICA_AXIS},
+                axis_names=set(layout.mesh_axes) - set(layout.model_axes),
             )(variables, *rest)
 
         return laid_out

@@ -237,7 +237,7 @@ def train_step(
     batch: tuple[Any, Any],
     rng: jax.Array,
     *,
-    axis_name: str | None = None,
+    axis_name: strategies.AxisName = None,
     skip_nonfinite: bool = False,
     accumulation_steps: int = 1,
     unroll_accumulation: bool = False,
@@ -323,7 +323,7 @@ def _gradients(
     state: TrainState,
     batch: tuple[Any, Any],
     rng: jax.Array,
-    axis_name: str | None,
+    axis_name: strategies.AxisName,
     micro_batch: jax.Array | None = None,
     placed: strategies.ParamStrategy | None = None,
 ) -> tuple[EstimatorSpec, jax.Array, Any, dict[str, Any], Any]:
@@ -376,7 +376,7 @@ def _accumulated_gradients(
     state: TrainState,
     batch: tuple[Any, Any],
     rng: jax.Array,
-    axis_name: str | None,
+    axis_name: strategies.AxisName,
     k: int,
     unroll: bool = False,
     placed: strategies.ParamStrategy | None = None,
@@ -496,7 +496,7 @@ def _after(tree: Any, total: Any) -> Any:
     return jax.tree.map(tied, tree)
 
 
-def _accumulated_signals(signals: Signals, axis_name: str | None) -> Signals:
+def _accumulated_signals(signals: Signals, axis_name: strategies.AxisName) -> Signals:
     """The label checks of k micro-batches (``[k]`` each) as one step's, over all replicas."""
     if signals.invalid_labels is None or signals.invalid_label_example is None:
         return Signals()
@@ -539,7 +539,7 @@ def _scalars(scalars: Any) -> dict[str, Any]:
     return out
 
 
-def _label_signals(checks: list[losses.LabelCheck], axis_name: str | None) -> Signals:
+def _label_signals(checks: list[losses.LabelCheck], axis_name: strategies.AxisName) -> Signals:
     """The step's label check over all losses and replicas: the invalid count, the largest
     invalid label and the class count (all None when no loss took integer labels)."""
     if not checks:
@@ -597,7 +597,7 @@ def eval_step(
     batch: tuple[Any, Any],
     mask: jax.Array,
     *,
-    axis_name: str | None = None,
+    axis_name: strategies.AxisName = None,
     exclude_invalid_labels: bool = False,
 ) -> EvalOutput:
     """The eval metrics of one (padded) batch, reduced under ``mask``, and its label check.

@@ -30,7 +30,7 @@ from jax import lax
 __all__ = ["Histogram", "Image", "Text", "histogram", "image", "text"]
 
 
-def _gather(x: jax.Array, axis_name: str) -> jax.Array:
+def _gather(x: jax.Array, axis_name: str | tuple[str, ...]) -> jax.Array:
     """Every replica's ``x`` [k, ...] concatenated in replica order, the same on all replicas.
 
     A psum of one-hot slots rather than ``all_gather``, whose result shard_map does not know to
@@ -49,7 +49,7 @@ class Image:
     images: jax.Array
     max_outputs: int = struct.field(pytree_node=False, default=3)
 
-    def reduce(self, axis_name: str | None) -> Image:
+    def reduce(self, axis_name: str | tuple[str, ...] | None) -> Image:
         """The first ``max_outputs`` images of the global batch (replica 0's first)."""
         x = self.images[: self.max_outputs]
         if axis_name is not None:
@@ -81,7 +81,7 @@ class Histogram:
     values: jax.Array
     buckets: int = struct.field(pytree_node=False, default=30)
 
-    def reduce(self, axis_name: str | None) -> HistogramCounts:
+    def reduce(self, axis_name: str | tuple[str, ...] | None) -> HistogramCounts:
         """Bucket counts, min, max, count, sum and sum of squares over all replicas."""
         v = jnp.ravel(self.values).astype(jnp.float32)
         lo, hi = jnp.min(v), jnp.max(v)
@@ -128,7 +128,7 @@ class Text:
     vocabulary: tuple[str, ...] | None = struct.field(pytree_node=False, default=None)
     max_outputs: int = struct.field(pytree_node=False, default=8)
 
-    def reduce(self, axis_name: str | None) -> Text:
+    def reduce(self, axis_name: str | tuple[str, ...] | None) -> Text:
         """The first ``max_outputs`` values of the global batch."""
         x = jnp.asarray(self.values)[: self.max_outputs]
         if axis_name is not None:
@@ -199,6 +199,6 @@ def check(summaries: Mapping[str, Any] | None) -> dict[str, Any]:
     return out
 
 
-def reduce(summaries: Mapping[str, Any], axis_name: str | None) -> dict[str, Any]:
+def reduce(summaries: Mapping[str, Any], axis_name: str | tuple[str, ...] | None) -> dict[str, Any]:
     """Each summary reduced over the replicas (inside the traced step)."""
     return {name: value.reduce(axis_name) for name, value in summaries.items()}

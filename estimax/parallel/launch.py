@@ -179,6 +179,12 @@ def _number(var: str, raw: str, lowest: int, highest: int, what: str) -> int:
     return value
 
 
+def slice_number(var: str, raw: str, lowest: int, what: str) -> int:
+    """A ``MEGASCALE_*`` value (``$MEGASCALE_NUM_SLICES``, ``$MEGASCALE_SLICE_ID``) as a whole
+    number from ``lowest``, or one LaunchError line naming it (``replication.num_slices_from``)."""
+    return _number(var, raw, lowest, MAX_PROCESSES - 1 + lowest, what)
+
+
 # The numbers JAX's cluster plugins read with int() (jax 0.10.2, ``jax/_src/clusters``), checked
 # first so that a bad one is one line naming it, not a ValueError from inside JAX: for each plugin
 # (by its name), the variable, its range, whether empty means unset (MEGASCALE_* default to one

@@ -44,7 +44,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from estimax.parallel import replication
-from estimax.parallel.replication import REPLICA_AXIS
+from estimax.parallel.replication import DCN_AXIS, REPLICA_AXIS
 
 # The mesh axes of a replica's cores: the k-th split dimension of the inputs is split over
 # ``model{k}`` (``[1, 2, 2, 1]``: H over model0, W over model1).
@@ -63,6 +63,8 @@ class LayoutFields(Protocol):
     def input_partition_dims(self) -> Any: ...
     @property
     def shard_parameters(self) -> float | None: ...
+    @property
+    def num_slices(self) -> int | None: ...
 
 
 def format_dims(dims: Any) -> str:
@@ -91,12 +93,15 @@ class Layout:
         (their product is ``num_cores_per_replica``); () for one core per replica.
       features_dims, labels_dims: ``RunConfig.input_partition_dims``' two entries.
       fsdp_min_bytes: FSDP's threshold in bytes (``shard_parameters`` MiB), or None.
+      num_slices: the slices the replicas are spread over (``RunConfig.num_slices``): data
+        parallel over a leading ``dcn`` mesh axis; cores and FSDP stay inside a slice.
     """
 
     cores: tuple[int, ...] = ()
     features_dims: Any = None
     labels_dims: Any = None
     fsdp_min_bytes: int | None = None
+    num_slices: int = 1
 
     @classmethod
     def from_config(cls, config: LayoutFields) -> Layout:
@@ -120,16 +125,20 @@ class Layout:
             # No input split: one model axis the user's model_fn may constrain arrays over.
             cores = (config.num_cores_per_replica,)
         mb = config.shard_parameters
-        return cls(cores, features, labels, None if mb is None else int(mb * _MIB))
+        fsdp = None if mb is None else int(mb * _MIB)
+        return cls(cores, features, labels, fsdp, config.num_slices or 1)
 
     @property
     def is_default(self) -> bool:
-        """One core per replica, no FSDP: the data-parallel steps, exactly as without layouts."""
+        """One core per replica, no FSDP: the data-parallel steps, exactly as without layouts
+        (over one slice or several: the batch split over ``data_axes`` either way)."""
         return not self.cores and self.fsdp_min_bytes is None
 
     def describe(self) -> str:
         """The layout as its flags write it (``""`` for the default): what a report names."""
         parts = []
+        if self.num_slices > 1:
+            parts.append(f"--num_slices={self.num_slices}")
         if self.cores:
             parts.append(f"--num_cores_per_replica={self.cores_per_replica}")
         if self.features_dims is not None:
@@ -148,9 +157,21 @@ class Layout:
         """The mesh axes of a replica's cores (``model0``, ...)."""
         return tuple(f"{MODEL_AXIS_PREFIX}{k}" for k in range(len(self.cores)))
 
+    @property
+    def data_axes(self) -> str | tuple[str, str]:
+        """The mesh axes the batch is split over: ``data``, or ``("dcn", "data")`` over slices."""
+        return (DCN_AXIS, REPLICA_AXIS) if self.num_slices > 1 else REPLICA_AXIS
+
+    @property
+    def mesh_axes(self) -> tuple[str, ...]:
+        """The axes of this layout's mesh: (``dcn``,) ``data``, then the model axes."""
+        dcn = (DCN_AXIS,) if self.num_slices > 1 else ()
+        return (*dcn, REPLICA_AXIS, *self.model_axes)
+
     def make_mesh(self, num_shards: int | None) -> Mesh:
-        """The mesh of ``num_shards`` replicas (None: all devices / cores) x the model axes."""
-        return replication.make_mesh(num_shards, self.cores, self.model_axes)
+        """The mesh of ``num_shards`` replicas (None: all devices / cores) x the model axes
+        (over ``num_slices`` slices: a leading ``dcn`` axis, ``replication.hybrid_devices``)."""
+        return replication.make_mesh(num_shards, self.cores, self.model_axes, self.num_slices)
 
     # ------------------------------------------------------------------ inputs
 
@@ -163,9 +184,10 @@ class Layout:
             split dimension's size does not fit its dims.
         """
         lead = (None,) if block else ()
+        rows = self.data_axes
         return (
-            _spec_tree(features, self.features_dims, "features", self.model_axes, lead, True),
-            _spec_tree(labels, self.labels_dims, "labels", self.model_axes, lead, True),
+            _spec_tree(features, self.features_dims, "features", self.model_axes, lead, rows),
+            _spec_tree(labels, self.labels_dims, "labels", self.model_axes, lead, rows),
         )
 
     def constrain(self, features: Any, labels: Any) -> tuple[Any, Any]:
@@ -174,7 +196,7 @@ class Layout:
             return features, labels
 
         def constrained(tree: Any, dims: Any, what: str) -> Any:
-            specs = _spec_tree(tree, dims, what, self.model_axes, (), False)
+            specs = _spec_tree(tree, dims, what, self.model_axes, (), None)
             return jax.tree.map(
                 lambda x, s: x if s is None else lax.with_sharding_constraint(x, s),
                 tree,
@@ -262,7 +284,12 @@ class Layout:
 
 
 def num_replicas(mesh: Mesh) -> int:
-    """The replicas of ``mesh``: the size of its ``data`` axis."""
+    """The replicas of ``mesh``: the size of its ``data`` axis (times its slices, ``dcn``)."""
+    return int(mesh.shape[REPLICA_AXIS]) * int(dict(mesh.shape).get(DCN_AXIS, 1))
+
+
+def replicas_per_slice(mesh: Mesh) -> int:
+    """The replicas of one slice: what FSDP splits parameters over (never over ``dcn``)."""
     return int(mesh.shape[REPLICA_AXIS])
 
 
@@ -302,12 +329,12 @@ def _like_params(opt_state: Any, params: Any, dims: Any) -> Any:
 
 
 def _spec_tree(
-    tree: Any, dims: Any, what: str, axes: tuple[str, ...], lead: tuple[None, ...], data: bool
+    tree: Any, dims: Any, what: str, axes: tuple[str, ...], lead: tuple[None, ...], data: Any
 ) -> Any:
-    """Each leaf of one input's ``PartitionSpec``: with ``data``, the batch dimension over the
-    replicas (the transfer's, global); without, the per-replica constraint (None where a leaf
-    is not split)."""
-    batch: tuple[Any, ...] = (REPLICA_AXIS,) if data else ()
+    """Each leaf of one input's ``PartitionSpec``: with ``data`` (the batch's mesh axes), the
+    batch dimension over the replicas (the transfer's, global); None: the per-replica
+    constraint (None where a leaf is not split)."""
+    batch: tuple[Any, ...] = (data,) if data is not None else ()
     whole = P(*lead, *batch) if data else None
     if tree is None:
         return None
@@ -353,7 +380,12 @@ def _spec_tree(
                     f"equal parts over the replica's cores: use a size divisible by {d} "
                     f"(e.g. {size - size % d or d}) or another split."
                 )
-            names = (*names, axes[k])
+            names = (*_flat(names), axes[k])
             k += 1
         spec.append(names[0] if len(names) == 1 else (names or None))
     return P(*lead, *spec)
+
+
+def _flat(names: tuple[Any, ...]) -> tuple[str, ...]:
+    """Mesh axis names with a tuple of them (the batch's ``("dcn", "data")``) spread out."""
+    return tuple(n for name in names for n in (name if isinstance(name, tuple) else (name,)))

@@ -4,29 +4,60 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from estimax.parallel import launch
 
 # The mesh axis replicas are laid along. Pass it as ``axis_name`` to ``nn.BatchNorm`` (or to any
 # ``lax`` collective) inside a ``model_fn`` for cross-replica batch norm.
 REPLICA_AXIS = "data"
+# The mesh axis of a multi-slice job's slices (``RunConfig.num_slices`` > 1): data parallel over
+# the data-center network (DCN), ahead of ``data`` (the replicas of one slice, over its ICI).
+# The batch is split over both; parameters never are over this one (MaxText's rule: FSDP and
+# spatial partitioning stay inside a slice, where the links are fast).
+DCN_AXIS = "dcn"
+
+
+def data_axes(mesh: Mesh) -> str | tuple[str, str]:
+    """The axes a batch is split over on ``mesh``: ``data``, or ``("dcn", "data")`` when the
+    mesh spans slices (a collective over the pair is over every replica, slice-major)."""
+    return (DCN_AXIS, REPLICA_AXIS) if DCN_AXIS in mesh.axis_names else REPLICA_AXIS
+
+
+def slice_and_dcn(axis_name: Any) -> tuple[Any, str | None]:
+    """``(axis inside a slice, DCN axis or None)`` of a step's replica axis name (``data``,
+    ``("dcn", "data")`` or None)."""
+    if isinstance(axis_name, tuple):
+        dcn, inner = axis_name
+        return inner, dcn
+    return axis_name, None
 
 
 def make_mesh(
-    num_shards: int | None = None, cores: tuple[int, ...] = (), axes: tuple[str, ...] = ()
+    num_shards: int | None = None,
+    cores: tuple[int, ...] = (),
+    axes: tuple[str, ...] = (),
+    num_slices: int = 1,
+    devices: list[Any] | None = None,
 ) -> Mesh:
     """Returns the mesh of ``num_shards`` replicas (None: as many as the devices make).
 
     Without ``cores``: 1-D, one device per replica. With ``cores`` (a replica's devices as the
     sizes of the model ``axes``, ``layouts.Layout``): ``(replicas, *cores)``, each replica's
-    cores neighbours in device order.
+    cores neighbours in device order. With ``num_slices`` S > 1: ``(S, replicas / S, *cores)``
+    with a leading ``dcn`` axis (``hybrid_devices``); ``devices`` default to ``jax.devices()``.
     """
-    devices = jax.devices()
+    devices = list(jax.devices() if devices is None else devices)
+    if num_slices > 1:
+        return _hybrid_mesh(num_shards, cores, axes, num_slices, devices)
     per_replica = math.prod(cores)
     if num_shards is None:
         if len(devices) % per_replica:
@@ -47,6 +78,124 @@ def make_mesh(
         return Mesh(np.array(devices[:num_shards]), (REPLICA_AXIS,))
     grid = np.array(devices[: num_shards * per_replica]).reshape(num_shards, *cores)
     return Mesh(grid, (REPLICA_AXIS, *axes))
+
+
+def _hybrid_mesh(
+    num_shards: int | None,
+    cores: tuple[int, ...],
+    axes: tuple[str, ...],
+    num_slices: int,
+    devices: list[Any],
+) -> Mesh:
+    """The ``("dcn", "data", *axes)`` mesh of ``num_slices`` slices (``make_mesh``)."""
+    grid = hybrid_devices(num_slices, cores, devices)
+    per_slice = grid.shape[1]
+    if num_shards is not None:
+        if num_shards % num_slices or not 1 <= num_shards // num_slices <= per_slice:
+            raise ValueError(
+                f"num_shards={num_shards} (--num_shards) over --num_slices={num_slices} "
+                f"(RunConfig.num_slices): use a multiple of {num_slices} up to "
+                f"{per_slice * num_slices} replicas (the same number in every slice)."
+            )
+        grid = grid[:, : num_shards // num_slices]
+    return Mesh(grid, (DCN_AXIS, REPLICA_AXIS, *axes))
+
+
+def hybrid_devices(num_slices: int, cores: tuple[int, ...], devices: list[Any]) -> np.ndarray:
+    """``devices`` as a ``(slices, replicas per slice, *cores)`` array: ICI inside a slice,
+    DCN across (``mesh_utils.create_hybrid_device_mesh``).
+
+    TPU devices of a multi-slice job carry their ``slice_index``; JAX's hybrid mesh lays each
+    slice's devices out by its physical ICI topology. Other devices (CPU processes, GPUs: a
+    multi-process CPU job's all say slice 0) are grouped into simulated slices: the processes
+    in order, ``processes / slices`` hosts to a slice (one process, as in tests: its devices
+    in order, ``devices / slices`` to a slice).
+
+    Raises:
+      ValueError: one line naming ``--num_slices`` when it does not divide the processes (a
+        host belongs to one slice) or the devices into slices of whole replicas.
+    """
+    per_replica = math.prod(cores)
+    flag = f"--num_slices={num_slices} (RunConfig.num_slices)"
+    processes = len({d.process_index for d in devices})
+    if processes > 1 and processes % num_slices:
+        raise ValueError(
+            f"{flag} does not divide this job's {processes} processes: every slice has the "
+            f"same number of hosts; use a divisor of {processes}."
+        )
+    if len(devices) % (num_slices * per_replica):
+        cores_note = f" x {per_replica} cores per replica" if cores else ""
+        raise ValueError(
+            f"{flag}{cores_note} does not divide this job's {len(devices)} "
+            f"{devices[0].platform} devices into equal slices of whole replicas."
+        )
+    per_slice = len(devices) // num_slices // per_replica
+    # Only TPU slices are real ones: CPU devices of a multi-process job say slice_index 0.
+    if devices[0].platform == "tpu":
+        slices = {d.slice_index for d in devices}
+        if len(slices) != num_slices:
+            raise ValueError(
+                f"{flag} but this job's devices are in {len(slices)} TPU slice(s) "
+                "($MEGASCALE_NUM_SLICES): give the number of slices the job has."
+            )
+        ones = (1,) * len(cores)
+        return np.asarray(
+            mesh_utils.create_hybrid_device_mesh(
+                (1, per_slice, *cores), (num_slices, 1, *ones), devices
+            )
+        )
+    ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+    if processes > 1:
+        check_slice_id(jax.process_index() // (processes // num_slices))
+    return np.array(ordered, dtype=object).reshape(num_slices, per_slice, *cores)
+
+
+def num_slices_from(requested: int | None, environ: Mapping[str, str] | None = None) -> int:
+    """The job's slices: ``requested`` (``--num_slices`` / ``RunConfig.num_slices``), else
+    ``$MEGASCALE_NUM_SLICES`` (what a multi-slice TPU job's hosts get: xpk, GKE, queued
+    resources), else 1.
+
+    Raises:
+      ValueError: one line when ``requested`` is not a positive count, a ``MEGASCALE_*`` value
+        is not a number in range, or ``$MEGASCALE_NUM_SLICES`` disagrees with ``requested``.
+    """
+    environ = os.environ if environ is None else environ
+    if requested is not None and (isinstance(requested, bool) or not requested >= 1):
+        raise ValueError(
+            f"--num_slices={requested} (RunConfig.num_slices) must be a count of slices >= 1."
+        )
+    raw = (environ.get("MEGASCALE_NUM_SLICES") or "").strip()
+    found = None
+    if raw:
+        found = launch.slice_number("MEGASCALE_NUM_SLICES", raw, 1, "the TPU slices")
+    slices = requested or found or 1
+    if found is not None and found != slices:
+        raise ValueError(
+            f"--num_slices={slices} (RunConfig.num_slices) disagrees with this job's "
+            f"$MEGASCALE_NUM_SLICES={found}: leave the flag out or give the job's number."
+        )
+    raw_id = (environ.get("MEGASCALE_SLICE_ID") or "").strip()
+    if raw_id:
+        slice_id = launch.slice_number("MEGASCALE_SLICE_ID", raw_id, 0, "this TPU slice's index")
+        if slice_id >= slices:
+            raise ValueError(
+                f"$MEGASCALE_SLICE_ID={slice_id} is not a slice of --num_slices={slices} "
+                f"(RunConfig.num_slices): slices are 0 .. {slices - 1}."
+            )
+    return slices
+
+
+def check_slice_id(slice_of_process: int, environ: Mapping[str, str] | None = None) -> None:
+    """Simulated slices: ``$MEGASCALE_SLICE_ID``, where set, names this process's slice
+    (processes in order, an equal share per slice), else one ValueError line."""
+    environ = os.environ if environ is None else environ
+    raw = (environ.get("MEGASCALE_SLICE_ID") or "").strip()
+    if raw and launch.slice_number("MEGASCALE_SLICE_ID", raw, 0, "") != slice_of_process:
+        raise ValueError(
+            f"$MEGASCALE_SLICE_ID={raw} but process {jax.process_index()} of "
+            f"{jax.process_count()} is in slice {slice_of_process} (processes in order, an "
+            "equal share to each slice): give each host its own slice's id."
+        )
 
 
 def per_replica_batch(global_batch: int, num_replicas: int, what: str) -> int:

@@ -6,6 +6,11 @@ whole parameters, the gradients of ``varying``'s come back as this replica's, an
 ``mean_gradients``, ``clip_by_global_norm``, ``all_finite`` and ``l2_weights`` make them the
 replicas' mean, clipped by the whole gradients' norm, checked alike on every replica, and
 weighted so the weight decay counts each parameter once. ``for_params`` picks the strategy.
+
+Over several slices (``RunConfig.num_slices``) the replica axis is the pair ``("dcn", "data")``:
+the gradients are summed inside each slice (``data``, its ICI) before the slices' sums cross
+the data-center network (``dcn``), so DCN carries one slice-reduced gradient per slice, and
+FSDP splits parameters over ``data`` only (replicated over ``dcn``: MaxText's rule).
 """
 
 from __future__ import annotations
@@ -20,6 +25,10 @@ import optax
 from jax import lax
 
 from estimax.parallel import remat
+from estimax.parallel.replication import slice_and_dcn
+
+# A step's replica axis: ``data``, ``("dcn", "data")`` over slices, or None on one device.
+AxisName = str | tuple[str, str] | None
 
 
 class ParamStrategy(Protocol):
@@ -66,7 +75,7 @@ class Replicated:
     """Every replica holds the whole parameters (data parallelism; ``axis_name`` None: one
     device, no collectives)."""
 
-    def __init__(self, axis_name: str | None) -> None:
+    def __init__(self, axis_name: AxisName) -> None:
         self.axis_name = axis_name
 
     def gather(self, params: Any) -> Any:
@@ -81,8 +90,12 @@ class Replicated:
         return lax.pcast(params, self.axis_name, to="varying")
 
     def mean_gradients(self, grads: Any) -> Any:
-        """``pmean`` over the replicas."""
-        return grads if self.axis_name is None else lax.pmean(grads, self.axis_name)
+        """``pmean`` over the replicas; over slices in two stages, inside each slice first."""
+        if self.axis_name is None:
+            return grads
+        inner, dcn = slice_and_dcn(self.axis_name)
+        grads = lax.pmean(grads, inner)
+        return grads if dcn is None else lax.pmean(grads, dcn)
 
     def clip_by_global_norm(self, grads: Any, max_norm: float) -> Any:
         """``optax.clip_by_global_norm``: every replica holds the whole gradients."""
@@ -109,9 +122,11 @@ class Sharded:
     leaf every replica holds whole (``layouts.Layout.param_dims``).
     """
 
-    def __init__(self, dims: Any, axis_name: str) -> None:
+    def __init__(self, dims: Any, axis_name: str | tuple[str, str]) -> None:
         self.dims = dims
-        self.axis_name = axis_name
+        # Split over one slice's replicas (``data``); with slices, replicated over ``dcn``.
+        self.axis_name, self.dcn = slice_and_dcn(axis_name)
+        self.all_axes = axis_name
 
     def gather(self, params: Any) -> Any:
         """The whole parameters from this replica's slices (``all_gather``, tiled)."""
@@ -124,22 +139,26 @@ class Sharded:
     def varying(self, params: Any) -> Any:
         """The whole leaves marked as varying per replica (as the data-parallel step does);
         split leaves already are (each replica holds its own slice)."""
-        return jax.tree.map(
-            lambda p, d: lax.pcast(p, self.axis_name, to="varying") if d < 0 else p,
-            params,
-            self.dims,
-        )
+
+        def mark(p: Any, d: int) -> Any:
+            if d < 0:
+                return lax.pcast(p, self.all_axes, to="varying")
+            return p if self.dcn is None else lax.pcast(p, self.dcn, to="varying")
+
+        return jax.tree.map(mark, params, self.dims)
 
     def mean_gradients(self, grads: Any) -> Any:
         """The gradients' means over replicas: ``pmean`` of whole leaves; a split leaf's
         gradient is already the replicas' sum (the transpose of ``all_gather`` is a
-        reduce-scatter), so it is divided by the replica count (a parity test checks it)."""
+        reduce-scatter), so it is divided by the replica count (a parity test checks it).
+        Over slices, each slice's result is then averaged over ``dcn``."""
         replicas = lax.axis_size(self.axis_name)
-        return jax.tree.map(
+        grads = jax.tree.map(
             lambda g, d: lax.pmean(g, self.axis_name) if d < 0 else g / replicas,
             grads,
             self.dims,
         )
+        return grads if self.dcn is None else lax.pmean(grads, self.dcn)
 
     def l2_weights(self) -> Any:
         """A split leaf's slice counts ``replicas`` times, so this replica's weight-decay term
@@ -179,7 +198,7 @@ class Sharded:
         return remat.parameters_gathered_in_blocks(params, self.dims, self.axis_name)
 
 
-def for_params(dims: Any, axis_name: str | None) -> ParamStrategy:
+def for_params(dims: Any, axis_name: AxisName) -> ParamStrategy:
     """``Sharded`` where ``dims`` (``layouts.Layout.param_dims``; None: every leaf whole) splits
     some leaf over the replica axis ``axis_name``, else ``Replicated`` (exactly the
     data-parallel step)."""

@@ -40,14 +40,19 @@ from estimax.state import lock
 
 def check_layout(job: Job) -> None:
     """The layout's checks that need the devices and the image size, before anything runs:
-    ``--num_cores_per_replica`` dividing the devices, each split image side dividing by its
+    ``--num_cores_per_replica`` and ``--num_slices`` dividing the devices (and the processes),
+    each split image side dividing by its
     entry (the served image; training batches are checked again when the first arrives).
 
     Raises:
       UsageError: one line naming the flag.
     """
     config = job.config
-    if config.num_cores_per_replica == 1 and config.input_partition_dims is None:
+    if (
+        config.num_cores_per_replica == 1
+        and config.input_partition_dims is None
+        and config.num_slices == 1
+    ):
         return
     try:
         layout = config.layout

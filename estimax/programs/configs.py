@@ -11,6 +11,7 @@ from absl import flags
 import estimax as ex
 from estimax.estimator import spec as spec_lib
 from estimax.estimator import step_builder
+from estimax.parallel import replication
 from estimax.programs import cli
 from estimax.programs.cli import UsageError
 from estimax.programs.shared_flags import MODES
@@ -124,6 +125,8 @@ def layout_fields(fv: flags.FlagValues, num_cores: int | None) -> dict[str, Any]
             ) from None
     try:
         spec_lib.check_layout(cores, dims, fv.fsdp_min_size_mb)
+        # --num_slices against $MEGASCALE_*: one line before anything starts.
+        slices = replication.num_slices_from(fv.num_slices)
     except ValueError as e:
         raise UsageError(str(e)) from None
     if num_cores is not None and num_cores % cores:
@@ -136,6 +139,7 @@ def layout_fields(fv: flags.FlagValues, num_cores: int | None) -> dict[str, Any]
         "num_cores_per_replica": cores,
         "input_partition_dims": dims,
         "shard_parameters": fv.fsdp_min_size_mb,
+        "num_slices": slices,
     }
 
 

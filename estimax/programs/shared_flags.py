@@ -88,6 +88,17 @@ LAYOUT_FLAGS = (
         "for each step. Checkpoints restore under any layout. Default: off.",
         lower=0.0,
     ),
+    flagspec.Int(
+        "num_slices",
+        None,
+        "Multi-slice data parallelism (MaxText's dcn_data_parallelism, xpk --num-slices): the "
+        "TPU slices the replicas are spread over, a leading 'dcn' mesh axis; gradients are "
+        "reduced inside each slice before they cross the data-center network, and "
+        "--num_cores_per_replica and FSDP stay inside a slice. Default: $MEGASCALE_NUM_SLICES "
+        "where the job sets it, else 1. Must divide the processes and the devices. With "
+        "--compile_for: compile for this many slices of that topology.",
+        lower=1,
+    ),
 )
 # The older programs' way to name the TPU.
 MASTER_FLAG = flagspec.Str(

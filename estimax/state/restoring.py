@@ -186,7 +186,7 @@ def _placed_state(abstract: TrainState, steps: StepsLike, mesh: Mesh) -> TrainSt
     count restores into this one."""
     if steps.layout.is_default:
         return _with_replicated_sharding(abstract, mesh)
-    replicas = layouts.num_replicas(mesh)
+    replicas = layouts.replicas_per_slice(mesh)  # FSDP splits inside a slice only
     steps.layout.check_fsdp(abstract.params, replicas)
     specs = steps.layout.state_specs(abstract, replicas)
     return _with_shardings(abstract, layouts.shardings(specs, mesh))
@@ -196,7 +196,7 @@ def _placed_variables(abstract: Any, steps: StepsLike, mesh: Mesh) -> dict[str, 
     """``{"params": ..., <collection>: ...}`` shapes placed as ``_placed_state`` places them."""
     if steps.layout.is_default:
         return dict(_with_replicated_sharding(abstract, mesh))
-    specs = steps.layout.variables_specs(abstract, layouts.num_replicas(mesh))
+    specs = steps.layout.variables_specs(abstract, layouts.replicas_per_slice(mesh))
     return dict(_with_shardings(abstract, layouts.shardings(specs, mesh)))
 
 
