@@ -158,10 +158,13 @@ _process_start_used = False  # the process's start-up is charged to its first re
 
 
 def _on_duration(event: str, duration_secs: float, **_: str | int) -> None:
-    if event.startswith(_COMPILE_EVENT_PREFIX):
-        for rec in list(_recorders.values()):
-            if rec.active:
-                rec.move(duration_secs, "compile")
+    if not event.startswith(_COMPILE_EVENT_PREFIX) or not _recorders:
+        return
+    recorders = list(_recorders.values())
+    # The records with an open phase are the ones compiling; with none open (the model's
+    # initialisation before the loop) the newest record's time ("other") is.
+    for rec in [r for r in recorders if r.active] or recorders[-1:]:
+        rec.move(duration_secs, "compile")
 
 
 def recorder(model_dir: str) -> Recorder:
