@@ -10,6 +10,7 @@ import flax.linen as nn
 import numpy as np
 import optax
 import pytest
+from tensorboard.backend.event_processing import event_accumulator
 
 import estimax as ex
 from estimax import command
@@ -64,6 +65,12 @@ def test_a_job_with_a_restart_from_an_earlier_checkpoint(tmp_path, capsys):
         assert first.buckets[bucket] > 0, bucket
     assert (first.steps, first.runs, first.lost_steps, first.lost_secs) == (6, 1, 0, 0.0)
     assert first.ratio == pytest.approx(first.buckets["productive"] / first.wall)
+    # TensorBoard: the process's buckets at every loop's end.
+    acc = event_accumulator.EventAccumulator(model_dir, size_guidance={"scalars": 0})
+    acc.Reload()
+    ratios = {e.step: e.value for e in acc.Scalars("goodput/ratio")}
+    assert sorted(ratios) == [2, 4, 6] and all(0 < r < 1 for r in ratios.values())
+    assert acc.Scalars("goodput/compile_secs")[-1].value > 0
 
     # The job "crashed" after step 6 before checkpoints 4 and 6 were durable: the restarted
     # job starts from step 2 and trains 3..6 again: 4 steps lost, with their time.
