@@ -286,7 +286,10 @@ def evaluate_once(
     record = goodput.recorder(str(estimator.model_dir))
     with record.phase("eval"):
         results = run()
-    record.flush()  # the evaluation's line: a job killed later keeps it
+    if not record.active:
+        # The evaluation's line, so a job killed later keeps it; an evaluation run by a saving
+        # listener is inside a training loop, whose line (with its steps) follows.
+        record.flush()
     if jax.process_index() == 0:
         summaries.record_evaluation(logdir, results)
     return results
