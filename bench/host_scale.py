@@ -234,6 +234,9 @@ def report(result: dict[str, Any]) -> str:
             f"{a['save_secs_per_checkpoint']} | {b['restore_secs']} | "
             f"{a['eval_secs']} / {b['eval_secs']} |"
         )
+    notes = [f"{r['processes']} processes: {r['note']}" for r in rows if r.get("note")]
+    if notes:
+        lines += [""] + [f"Note: {n}." for n in notes]
     if result.get("not_run"):
         lines += ["", f"Not run: {result['not_run']}"]
     lines += ["", "## Reading", "", result.get("reading", "(see bench/README.md)")]
