@@ -6,6 +6,7 @@ The parser is here; each subcommand is its package's:
     estimax train --family=NAME ...  a reference program (estimax.programs.families)
     estimax serve ...                the server (estimax.serving.cli)
     estimax predict | export-check | export-savedmodel | export-onnx ...  (estimax.export.cli)
+    estimax goodput MODEL_DIR        where a job's time went (estimax.state.goodput)
 
 Bad flags or paths print one line and exit 2; a failed parity check exits 1.
 """
@@ -21,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from estimax.export import cli as export_cli
 from estimax.export.versions import ExportCheckError
 from estimax.serving import cli as serving_cli
+from estimax.state import goodput
 
 EXIT_USAGE = 2
 
@@ -38,7 +40,15 @@ def _parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
     sub.add_parser("train", help="a program by family: --family=NAME, then its flags")
     serving_cli.add_parser(sub, os.environ if env is None else env)
     export_cli.add_parsers(sub)
+    p = sub.add_parser("goodput", help="where a job's time went: buckets, ratio, step times")
+    p.add_argument("model_dir", help="the job's model_dir (its goodput/ record)")
     return parser
+
+
+def _goodput(args: argparse.Namespace) -> int:
+    """``estimax goodput MODEL_DIR``: prints the job's goodput table."""
+    print(goodput.table(goodput.summarize(args.model_dir), args.model_dir))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
@@ -46,7 +56,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     args = _parser(env).parse_args(argv)
     std_logging.basicConfig(level=std_logging.WARNING)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
-    commands = {**serving_cli.COMMANDS, **export_cli.COMMANDS}
+    commands = {**serving_cli.COMMANDS, **export_cli.COMMANDS, "goodput": _goodput}
     try:
         return commands[args.command](args)
     except ExportCheckError as e:

@@ -22,6 +22,8 @@ checkpoint write, a NaN, a hook's error, ``Preempted``).
 | ``Hooks`` (the user's) | before/after a loop  | may request a stop               | trace        |
 | ``Saver``            | every loop             | saves when due, last, on a stop; | waits for    |
 |                      |                        | listeners (may request a stop)   | the write    |
+| ``GoodputReport``    | every loop             | the goodput record's interval,   | last line    |
+|                      |                        | ``goodput/*`` scalars            |              |
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from estimax.estimator.steps import Signals, StepOutput
 from estimax.parallel import distributed
 from estimax.parallel.watchdog import Watchdog
 from estimax.state import checkpoints as ckpt_lib
+from estimax.state import goodput
 
 # The share of a loop the devices may sit idle waiting for input before we warn.
 INPUT_BOUND_WARNING_FRACTION = 0.1
@@ -422,6 +425,37 @@ class Saver:
         return stop
 
 
+class GoodputReport:
+    """Writes the goodput record's line for each loop (``state/goodput.py``) and its buckets
+    as TensorBoard scalars. The run's time is ``productive`` unless a phase inside it (a
+    compile, a save, an evaluation) takes it; the input waits of the loop are moved out."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        start: int,
+        feeder: feeding.DevicePrefetcher,
+        summaries: summaries_lib.Summaries | None,
+        stack: contextlib.ExitStack,
+    ):
+        self._record = goodput.recorder(model_dir)
+        self._record.train_start(start)  # the reader counts steps past it as lost
+        self._feeder = feeder
+        self._waited = feeder.input_wait_secs  # waits before the run are not the loop's
+        self._summaries = summaries
+        stack.callback(self._record.flush)  # last: the run's end (the final save's wait)
+        stack.enter_context(self._record.phase("productive"))
+
+    def after_loop(self, loop: LoopEnd) -> None:
+        """Closes the loop's interval (called after the save, which it includes)."""
+        waited = self._feeder.input_wait_secs
+        self._record.move(waited - self._waited, "input")
+        self._waited = waited
+        self._record.interval(loop.begin, loop.end)
+        if self._summaries is not None:
+            self._summaries.scalars(loop.end, self._record.scalars())
+
+
 @dataclasses.dataclass
 class Setup:
     """What a training run needs from the Estimator.
@@ -474,6 +508,8 @@ class TrainingRun:
         self.state, self.step = s.state, s.start
         self._blocks = isinstance(s.feeder, feeding.BlockPrefetcher)
         stack.callback(s.hooks.close)
+        # Before the checkpointer's wait below: its cleanup (the last line) runs after it.
+        self.goodput = GoodputReport(s.model_dir, s.start, s.feeder, s.summaries, stack)
         self.logger = StepLogger(
             s.config, s.global_batch, s.clock, s.start, s.target, s.summaries, s.utilization
         )
@@ -520,6 +556,7 @@ class TrainingRun:
             more = not (self.preempted or self.stopped) and self.setup.feeder.has_next()
             final = not more
             self.stopped = self.saver.after_loop(loop, self.state, final) or self.stopped
+            self.goodput.after_loop(loop)
         if self.step < target and not (self.preempted or self.stopped):
             feeder = self.setup.feeder
             logging.warning(

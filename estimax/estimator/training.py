@@ -24,6 +24,7 @@ from estimax.estimator import periodic, summaries
 from estimax.estimator.hooks import SessionRunContext, SessionRunHook, SessionRunValues
 from estimax.estimator.spec import EvalSpec, TrainSpec
 from estimax.state import checkpoints as ckpt_lib
+from estimax.state import goodput
 
 if TYPE_CHECKING:
     from estimax.estimator.estimator import Estimator
@@ -282,7 +283,13 @@ def evaluate_once(
         if done is not None:
             logging.info("The evaluation at step %d is already recorded in %s.", step, logdir)
             return done
-    results = run()
+    record = goodput.recorder(str(estimator.model_dir))
+    with record.phase("eval"):
+        results = run()
+    if not record.active:
+        # The evaluation's line, so a job killed later keeps it; an evaluation run by a saving
+        # listener is inside a training loop, whose line (with its steps) follows.
+        record.flush()
     if jax.process_index() == 0:
         summaries.record_evaluation(logdir, results)
     return results

@@ -41,7 +41,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from estimax import storage
-from estimax.state import orbax_storage
+from estimax.state import goodput, orbax_storage
 from estimax.state.train_state import TrainState
 
 CHECKPOINT_SUBDIR = "checkpoints"
@@ -380,6 +380,10 @@ class Checkpointer:
         """
         self.model_dir = model_dir
         self._read_only = read_only
+        if not read_only:
+            # A training writer opens this process's goodput record, so the restore before
+            # the first step is in it (a read-only reader records into one only if open).
+            goodput.recorder(model_dir)
         _quiet_late_tensorstore_callbacks()
         _split_only_large_arrays()
         self._unsealed: list[int] = []  # saved by us, manifest not yet written
@@ -537,6 +541,7 @@ class Checkpointer:
         with (
             storage.errors_named(checkpoint_dir(self.model_dir), f"save checkpoint {step}"),
             self._write_errors(step),
+            goodput.phase(self.model_dir, "save"),  # the blocking part; the write is async
         ):
             self._manager.save(step, args=ocp.args.Composite(**items), force=True)
         self._unsealed.append(step)
@@ -584,7 +589,7 @@ class Checkpointer:
         Raises:
           CorruptCheckpointError: Orbax could not read it (the step is set aside).
         """
-        with self._readable(step):
+        with self._readable(step), goodput.phase(self.model_dir, "restore"):
             restored = self._manager.restore(
                 step, args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()})
             )
@@ -600,7 +605,7 @@ class Checkpointer:
           CorruptCheckpointError: Orbax could not read it (the step is set aside).
         """
         try:
-            with self._readable(step):
+            with self._readable(step), goodput.phase(self.model_dir, "restore"):
                 restored = self._manager.restore(
                     step,
                     args=ocp.args.Composite(
@@ -677,7 +682,7 @@ class Checkpointer:
 
     def restore_numpy(self, step: int, name: str = MODEL_ITEM) -> Any:
         """Restores item ``name`` at ``step`` as host numpy arrays, whatever devices saved it."""
-        with self._readable(step):
+        with self._readable(step), goodput.phase(self.model_dir, "restore"):
             metadata = self._manager.item_metadata(step)[name]
             tree = getattr(metadata, "tree", metadata)
             # numpy leaves in the target make the standard handler restore host arrays.
@@ -706,12 +711,14 @@ class Checkpointer:
     def wait_until_finished(self) -> None:
         """Blocks until pending async saves are durable, then writes their manifests."""
         pending = self._unsealed[-1] if self._unsealed else None
-        with (
-            storage.errors_named(checkpoint_dir(self.model_dir), "finish saving a checkpoint"),
-            self._write_errors(pending),
-        ):
-            self._manager.wait_until_finished()
-        self._seal()
+        # The loop waits for an async write here, then for its manifest: checkpoint time.
+        with goodput.phase(self.model_dir, "save"):
+            with (
+                storage.errors_named(checkpoint_dir(self.model_dir), "finish saving a checkpoint"),
+                self._write_errors(pending),
+            ):
+                self._manager.wait_until_finished()
+            self._seal()
 
     @contextlib.contextmanager
     def _write_errors(self, step: int | None) -> Iterator[None]:
