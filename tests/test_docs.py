@@ -1,9 +1,9 @@
 """The manual (README.md and docs/) says what the code does, and every document cited exists.
 
-- Every ``python`` block of a page runs: the blocks of one page in order, in one process and one
-  namespace (so a page's examples build on each other), in a fresh directory. A block preceded
-  by ``<!-- skip: REASON -->`` (the reason naming the test that runs the same thing) cannot run
-  here: it is compiled and its imports are run, nothing else. Keep such skips rare.
+- Every ``python`` block of a page runs: the blocks of one page in order, in one namespace (so a
+  page's examples build on each other), in a fresh directory; every page in one process. A block
+  preceded by ``<!-- skip: REASON -->`` (the reason naming the test that runs the same thing)
+  cannot run here: it is compiled and its imports are run, nothing else. Keep such skips rare.
 - After some blocks the suite checks what they did (``CHECKS``), as a reader would.
 - Every ``python -m estimax...`` a page names is a module that exists.
 - Every page is in mkdocs.yml's nav (``mkdocs build --strict`` in ``make lint`` also fails on a
@@ -82,46 +82,58 @@ CHECKS = {
     """,
 }
 
+# One process runs every page (one import of JAX and estimax, not one per page): each page in
+# a fresh directory and a fresh namespace; a page that fails prints its traceback and the next
+# page runs.
 RUNNER = """
-import ast, json, os, sys
-blocks = json.load(open(sys.argv[1]))
-namespace = {"__name__": "__main__"}
-for b in blocks:
-    code = compile(b["code"], b["where"], "exec")
-    if b["skip"] is not None:
-        body = ast.parse(b["code"]).body
-        imports = [n for n in body if isinstance(n, (ast.Import, ast.ImportFrom))]
-        exec(compile(ast.Module(imports, []), b["where"], "exec"), {})
-    else:
-        exec(code, namespace)
-    if b["check"]:
-        exec(compile("import os\\n" + b["check"], b["where"] + " (check)", "exec"), namespace)
-    print("ran", b["where"], "(skipped: imports only)" if b["skip"] is not None else "", flush=True)
+import ast, json, os, sys, traceback
+for page in json.load(open(sys.argv[1])):
+    os.chdir(page["dir"])
+    namespace = {"__name__": "__main__"}
+    try:
+        for b in page["blocks"]:
+            code = compile(b["code"], b["where"], "exec")
+            if b["skip"] is not None:
+                body = ast.parse(b["code"]).body
+                imports = [n for n in body if isinstance(n, (ast.Import, ast.ImportFrom))]
+                exec(compile(ast.Module(imports, []), b["where"], "exec"), {})
+            else:
+                exec(code, namespace)
+            if b["check"]:
+                check = compile("import os\\n" + b["check"], b["where"] + " (check)", "exec")
+                exec(check, namespace)
+            skipped = "(skipped: imports only)" if b["skip"] is not None else ""
+            print("ran", b["where"], skipped, flush=True)
+    except BaseException:
+        print("FAILED", page["page"], flush=True)
+        traceback.print_exc(file=sys.stdout)
+        print("END", page["page"], flush=True)
 """
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("page", _python_pages())
-def test_the_python_blocks_of_a_page_run_as_written(page, tmp_path):
+def test_the_python_blocks_of_every_page_run_as_written(tmp_path):
     import json
 
-    python = [b for b in _blocks(page) if b[0] == "python"]
-    for _, line, code, skip in python:
-        if skip is None:
-            assert "..." not in code, f"{page}:{line}: something left for the reader to fill in"
-    (tmp_path / "blocks.json").write_text(
-        json.dumps(
-            [
-                {
-                    "where": f"{page}:{line}",
-                    "code": code,
-                    "skip": skip,
-                    "check": textwrap.dedent(CHECKS.get((page, k), "")),
-                }
-                for k, (_, line, code, skip) in enumerate(python)
-            ]
-        )
-    )
+    pages = []
+    for page in _python_pages():
+        python = [b for b in _blocks(page) if b[0] == "python"]
+        for _, line, code, skip in python:
+            if skip is None:
+                assert "..." not in code, f"{page}:{line}: something left for the reader to fill in"
+        cwd = tmp_path / page.replace("/", "_")  # a fresh directory for each page
+        cwd.mkdir()
+        blocks = [
+            {
+                "where": f"{page}:{line}",
+                "code": code,
+                "skip": skip,
+                "check": textwrap.dedent(CHECKS.get((page, k), "")),
+            }
+            for k, (_, line, code, skip) in enumerate(python)
+        ]
+        pages.append({"page": page, "dir": str(cwd), "blocks": blocks})
+    (tmp_path / "pages.json").write_text(json.dumps(pages))
     (tmp_path / "runner.py").write_text(RUNNER)
     # One CPU device, as on a reader's machine: on the suite's eight virtual devices each of the
     # contract page's thousands of tiny steps is a cross-device all-reduce, and the page took
@@ -134,11 +146,20 @@ def test_the_python_blocks_of_a_page_run_as_written(page, tmp_path):
         ),
     }
     out = subprocess.run(
-        [sys.executable, "runner.py", "blocks.json"], cwd=tmp_path, env=env, capture_output=True,
-        text=True, timeout=1200,
+        [sys.executable, str(tmp_path / "runner.py"), str(tmp_path / "pages.json")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    assert out.stdout.count("ran ") == len(python)
+    for page in pages:
+        # Every block of every page ran (a failed page names itself, its traceback after it).
+        failed = re.search(
+            rf"^FAILED {re.escape(page['page'])}$(.*?)^END {re.escape(page['page'])}$",
+            out.stdout,
+            re.M | re.S,
+        )
+        assert failed is None, f"{page['page']} failed:{failed.group(1)[-4000:]}"
+        ran = re.findall(rf"^ran {re.escape(page['page'])}:\d+ ", out.stdout, re.M)
+        assert len(ran) == len(page["blocks"]), (page["page"], out.stdout[-2000:])
 
 
 def test_the_checks_name_python_blocks_that_exist():

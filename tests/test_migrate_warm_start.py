@@ -125,8 +125,13 @@ def test_a_new_head_is_refused_before_step_0_unless_allowed(tmp_path, caplog):
 
 def _resnet_variables(num_classes=10):
     model = ResNetTiny(num_classes=num_classes)
-    variables = model.init(jax.random.PRNGKey(0), np.zeros((1, 32, 32, 3), np.float32), train=False)
-    return jax.tree.map(np.asarray, dict(variables))
+    # One compile at XLA:CPU's optimisation level 0 (as replication.run_init compiles
+    # initialisers): run eagerly, each jax.random call of a new shape compiled its own threefry
+    # hashing at the default level, most of this test's ~27 s.
+    init = jax.jit(lambda key, x: model.init(key, x, train=False))
+    args = (jax.random.PRNGKey(0), np.zeros((1, 32, 32, 3), np.float32))
+    compiled = init.lower(*args).compile(compiler_options={"xla_backend_optimization_level": "0"})
+    return jax.tree.map(np.asarray, dict(compiled(*args)))
 
 
 def test_warm_start_settings_take_the_trainable_variables_unless_given_a_list():

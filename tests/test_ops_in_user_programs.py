@@ -63,6 +63,16 @@ def _init(model: nn.Module, x: np.ndarray) -> Any:
     return init.compile(compiler_options={"xla_backend_optimization_level": "0"})(key, x)
 
 
+# What these tests compare is values, not optimised code: their jitted programs compile at
+# XLA:CPU's optimisation level 0 too (the ResNet's gradient took seconds of LLVM at the default).
+FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def _run_fast(f, *args):
+    """``jax.jit(f)(*args)``, compiled at optimisation level 0."""
+    return jax.jit(f).lower(*args).compile(compiler_options=FAST)(*args)
+
+
 @functools.cache
 def _setup(name: str):
     """(model, the same with Flax's layers, params, a batch, loss), once per model."""
@@ -97,15 +107,17 @@ def _close(a, b):
 def test_models_in_shard_map_jit_and_grad_give_flax_values(name):
     model, standard, params, x, loss = _setup(name)
     mesh = _mesh()
-    ref_value, ref_grads = jax.jit(jax.value_and_grad(functools.partial(loss, standard)))(params, x)
+    ref_value, ref_grads = _run_fast(
+        jax.value_and_grad(functools.partial(loss, standard)), params, x
+    )
     # jax.grad alone, and jit over NamedShardings (the batch split over 2 devices).
     _close(jax.value_and_grad(functools.partial(loss, model))(params, x), (ref_value, ref_grads))
     sharded = jax.device_put(x, NamedSharding(mesh, P("data")))
     replicated = jax.device_put(params, NamedSharding(mesh, P()))
-    in_jit = jax.jit(jax.value_and_grad(functools.partial(loss, model)))(replicated, sharded)
+    in_jit = _run_fast(jax.value_and_grad(functools.partial(loss, model)), replicated, sharded)
     _close(in_jit, (ref_value, ref_grads))
     # shard_map with check_vma=True (its default): traces, and gives the whole batch's values.
-    _close(jax.jit(_shard_map_step(model, loss, mesh))(params, x), (ref_value, ref_grads))
+    _close(_run_fast(_shard_map_step(model, loss, mesh), params, x), (ref_value, ref_grads))
     # The forward pass alone too.
     variables = {**_init(model, x[:1]), "params": params}
     forward = jax.shard_map(
@@ -114,7 +126,8 @@ def test_models_in_shard_map_jit_and_grad_give_flax_values(name):
         in_specs=(P(), P("data")),
         out_specs=P("data"),
     )
-    _close(jax.jit(forward)(variables, x), standard.apply(variables, x, train=False))
+    reference = _run_fast(functools.partial(standard.apply, train=False), variables, x)
+    _close(_run_fast(forward, variables, x), reference)
 
 
 def test_vit_in_shard_map_gives_flax_values():
@@ -122,8 +135,8 @@ def test_vit_in_shard_map_gives_flax_values():
     # GELU trace with check_vma=True). EfficientNet's own op, the depthwise convolution, is in
     # the ops test below (the whole tiny EfficientNet compiles for ~20 s here).
     model, standard, params, x, loss = _setup("vit")
-    ref = jax.jit(jax.value_and_grad(functools.partial(loss, standard)))(params, x)
-    _close(jax.jit(_shard_map_step(model, loss, _mesh()))(params, x), ref)
+    ref = _run_fast(jax.value_and_grad(functools.partial(loss, standard)), params, x)
+    _close(_run_fast(_shard_map_step(model, loss, _mesh()), params, x), ref)
 
 
 class ConvBnPool(nn.Module):
@@ -161,7 +174,7 @@ def test_train_mode_batch_norm_in_shard_map_gives_flax_values():
             (value, new), grads = jax.value_and_grad(loss, has_aux=True)(variables["params"])
             return jax.lax.psum(value, "data"), grads, jax.lax.pmean(new, "data")
 
-        return jax.jit(run)(variables, x)
+        return _run_fast(run, variables, x)
 
     got, want = step(ours), step(theirs)
     _close(got, want)
@@ -203,7 +216,7 @@ def test_ops_gradients_in_shard_map_sum_a_replicated_weight_over_the_batch():
                 dx, dw = jax.grad(fn, argnums=(0, 1))(x, w1)
                 return dx, (dw if w_spec == P() else dw[None])
 
-            return jax.jit(step)(x, ws)
+            return _run_fast(step, x, ws)
 
         _close(grads(ours), grads(theirs))
 

@@ -10,6 +10,7 @@ import asyncio
 import base64
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -451,37 +452,54 @@ def test_predict_and_export_check_run_without_the_model_code(trained, tmp_path, 
         image_files.append(str(tmp_path / f"{i}.jpg"))
         with open(image_files[-1], "wb") as f:
             f.write(data)
+    # A wrong expectation (as if the export had changed) must fail loudly: a second copy.
+    bad = tmp_path / "changed"
+    shutil.copytree(base, bad)
+    check = bad / "1" / export.versions.CHECK_FILE
+    record = json.loads(check.read_text())
+    record["expected"]["probabilities"][1][0] += 0.01
+    check.write_text(json.dumps(record))
+    # One guarded process runs the three command lines in turn (one import of JAX, not three);
+    # after each it writes its exit code and a marker to stdout and stderr.
     guard = (
-        "import sys\n"
+        "import json, sys\n"
         "for m in ('estimax.models', 'estimax.programs', 'estimax.estimator',"
         " 'optax', 'orbax'):\n    sys.modules[m] = None\n"
-        "from estimax import command\nsys.exit(command.main(sys.argv[1:]))\n"
+        "from estimax import command\n"
+        "for argv in json.loads(sys.argv[1]):\n"
+        "    rc = command.main(argv)\n"
+        "    for f in (sys.stdout, sys.stderr):\n"
+        "        print('=== exit', rc, file=f, flush=True)\n"
     )
-    run = lambda *a: subprocess.run(
-        [sys.executable, "-c", guard, *a],
-        env=fx.server_env(),  # noqa
+    commands = [
+        ["predict", f"--model_base_path={base}", "--top_k=2", *image_files],
+        ["export-check", f"--model_base_path={base}"],
+        ["export-check", f"--model_base_path={bad}"],
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", guard, json.dumps(commands)],
+        env=fx.server_env(),
         capture_output=True,
         text=True,
         timeout=300,
     )
-    proc = run("predict", f"--model_base_path={base}", "--top_k=2", *image_files)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    lines = [json.loads(x) for x in proc.stdout.splitlines()]
+    outs = re.split(r"=== exit (-?\d+)\n", proc.stdout)
+    errs = re.split(r"=== exit -?\d+\n", proc.stderr)
+    assert len(outs) == 2 * len(commands) + 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (predicted, predict_rc), (checked, check_rc), (_, bad_rc) = zip(
+        outs[0:-1:2], map(int, outs[1::2]), strict=True
+    )
+    assert predict_rc == 0, errs[0][-2000:]
+    lines = [json.loads(x) for x in predicted.splitlines()]
     assert [x["classes"] for x in lines] == trained["expected"]["classes"].tolist()
     for line, probs in zip(lines, trained["expected"]["probabilities"], strict=False):
         top = np.argsort(-probs)[:2]
         assert [c for c, _ in line["top_k"]] == top.tolist()
         np.testing.assert_allclose([p for _, p in line["top_k"]], probs[top], rtol=1e-5)
 
-    proc = run("export-check", f"--model_base_path={base}")
-    assert proc.returncode == 0 and "3 examples match" in proc.stdout, proc.stderr[-2000:]
-    # A wrong expectation (as if the export had changed) fails loudly.
-    check = base / "1" / export.versions.CHECK_FILE
-    record = json.loads(check.read_text())
-    record["expected"]["probabilities"][1][0] += 0.01
-    check.write_text(json.dumps(record))
-    proc = run("export-check", f"--model_base_path={base}")
-    assert proc.returncode == 1 and "FAILED" in proc.stderr and "example #1" in proc.stderr
+    assert check_rc == 0 and "3 examples match" in checked, errs[1][-2000:]
+    assert bad_rc == 1 and "FAILED" in errs[2] and "example #1" in errs[2], errs[2]
     # Bad command lines: one line, non-zero exit, no traceback (in this process: cheaper).
     from estimax import command
 

@@ -312,18 +312,22 @@ def test_checkpoint_whose_commit_fails_is_never_listed(faulty_gcs):
     assert list(checkpoints.checkpoints_iterator(model_dir, timeout=0)) == [1]
 
 
+# One writer process for both saves (one JAX import, not two): it saves each step it reads
+# from stdin and says so on stdout.
 _WRITER = """
 import sys
 import numpy as np
 from estimax.state import checkpoints
 w = checkpoints.Checkpointer(sys.argv[1], async_save=False)
-w.save(int(sys.argv[2]), {"w": np.ones(2)}, {}, {}, None)
-w.wait_until_finished()
+for line in sys.stdin:
+    w.save(int(line), {"w": np.ones(2)}, {}, {}, None)
+    w.wait_until_finished()
+    print("saved", int(line), flush=True)
 w.close()
 """
 
 
-def test_a_follower_sees_checkpoints_another_process_writes(object_store):
+def test_a_follower_sees_checkpoints_another_process_writes(object_store, tmp_path):
     """--mode=eval beside a training job: fsspec's listing cache must not hide new steps."""
     import subprocess
     import sys
@@ -333,22 +337,35 @@ def test_a_follower_sees_checkpoints_another_process_writes(object_store):
     root, _ = object_store
     model_dir = f"{root}/run"
     root_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root_dir, "JAX_PLATFORMS": "cpu"}
+    # Its log goes to a file: a pipe nobody reads would stop a chatty writer.
+    log = open(tmp_path / "writer.log", "w+")
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, model_dir],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+    )
 
     def train_job_saves(step: int) -> None:
-        env = {**os.environ, "PYTHONPATH": root_dir, "JAX_PLATFORMS": "cpu"}
-        subprocess.run(
-            [sys.executable, "-c", _WRITER, model_dir, str(step)],
-            env=env,
-            check=True,
-            capture_output=True,
-            timeout=300,
-        )
+        writer.stdin.write(f"{step}\n")
+        writer.stdin.flush()
+        said = writer.stdout.readline()  # returns once saved ("" if the writer died)
+        assert said == f"saved {step}\n", said + (tmp_path / "writer.log").read_text()[-3000:]
 
-    train_job_saves(1)
-    polls = []
-    follower = checkpoints.checkpoints_iterator(
-        model_dir, timeout=3, sleep=polls.append, clock=lambda: len(polls)
-    )
-    assert next(follower) == 1
-    train_job_saves(2)
-    assert list(follower) == [2]
+    try:
+        train_job_saves(1)
+        polls = []
+        follower = checkpoints.checkpoints_iterator(
+            model_dir, timeout=3, sleep=polls.append, clock=lambda: len(polls)
+        )
+        assert next(follower) == 1
+        train_job_saves(2)
+        assert list(follower) == [2]
+    finally:
+        writer.stdin.close()
+        writer.wait(timeout=300)
+        log.close()
+    assert writer.returncode == 0, (tmp_path / "writer.log").read_text()[-3000:]
