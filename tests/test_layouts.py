@@ -176,7 +176,9 @@ def test_spatial_partitioning_gives_estimax_models_data_parallel_step(model):
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_fsdp_gives_the_data_parallel_step(model):
     got = one_step(model, shard_parameters=0.001)  # ~1 KiB: the kernels are split
-    assert_same_step(got, data_parallel(model, 8))
+    # Under --remat, against the plain model's data-parallel step: remat recomputes the same
+    # values (tests/test_remat.py), so one reference step serves both and compiles once.
+    assert_same_step(got, data_parallel(model.removesuffix("_remat"), 8))
     state = got[3]
     specs = [leaf.sharding.spec for leaf in jax.tree.leaves(state.params)]
     assert P() in specs and any("data" in tuple(s) for s in specs)
