@@ -32,6 +32,9 @@ def ref():
     return np.load(os.path.join(DATA, "reference.npz"))
 
 
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
 def _zeros_like_init(model, images):
     """The model's variables as zeros: every one is then loaded from the checkpoint (asserted),
     and no initialiser is compiled (over a minute for Inception on a loaded 2-core machine)."""
@@ -268,9 +271,11 @@ def _at(tree, path):
 
 def test_missing_and_mismatch_give_one_line_each(tmp_path):
     model = ResNetTiny(num_classes=7)  # another head
-    variables = jax.jit(lambda x: model.init(jax.random.PRNGKey(0), x, train=False))(
-        np.zeros((1, 32, 32, 3))
-    )
+    x = np.zeros((1, 32, 32, 3))
+    # Real initial values (a fresh variable keeps them), compiled at XLA's level 0: the same
+    # values, compiled several times faster (as tests/test_models.py).
+    init = jax.jit(lambda x: model.init(jax.random.PRNGKey(0), x, train=False))
+    variables = init.lower(x).compile(FAST_COMPILE)(x)
     path = os.path.join(DATA, "resnet_tiny")
     with pytest.raises(migrate_load.MappingError) as e:
         migrate_load.load_tf_state(path, "resnet", variables)

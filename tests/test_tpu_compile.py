@@ -9,6 +9,7 @@ lowering, and the line a user without libtpu sees).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import math
 import os
@@ -252,7 +253,17 @@ DEEP_BATCH = 2**21
 
 
 @needs_libtpu
-def test_a_step_that_does_not_fit_says_which_layouts_make_it_fit(tmp_path):
+def test_a_step_that_does_not_fit_says_which_layouts_make_it_fit(tmp_path, monkeypatch):
+    # The batch search is the test above's: here it stops after one try and tries no
+    # micro-batches (the real search, with its own limits set lower), so the compiles are the
+    # ones this test checks, the other layouts; each fitting try at this batch is a full
+    # compile (a failing one stops at memory assignment).
+    monkeypatch.setattr(
+        compile_lib, "largest_batch", functools.partial(compile_lib.largest_batch, max_compiles=1)
+    )
+    monkeypatch.setattr(
+        compile_lib, "accumulated_fit", functools.partial(compile_lib.accumulated_fit, tries=0)
+    )
     job = Job(
         program="deep_dense",
         model_flags={},
