@@ -87,6 +87,16 @@ CLUSTER_FLAGS = (
         lower=0,
     ),
     flagspec.Float(
+        "peer_timeout",
+        60.0,
+        "Many hosts: seconds without a heartbeat from another process (killed, hung, "
+        "unreachable) after which every other process prints one line naming it and the last "
+        "checkpoint step and exits with status 75 (EX_TEMPFAIL: restart the same command to "
+        "resume from that checkpoint), within this many seconds plus 5; 0 leaves it to JAX "
+        "(which aborts them after 100 s).",
+        lower=0.0,
+    ),
+    flagspec.Float(
         "watchdog_timeout",
         1800.0,
         "Seconds without a completed training step after which the process logs the stacks of "
@@ -292,7 +302,11 @@ def join_processes(fv: flags.FlagValues, program_flags: list[str]) -> None:
         return
     try:
         many = distributed.initialize(
-            fv.coordinator_address, fv.num_processes, fv.process_id, timeout=fv.launch_timeout
+            fv.coordinator_address,
+            fv.num_processes,
+            fv.process_id,
+            timeout=fv.launch_timeout,
+            peer_timeout=fv.peer_timeout if "peer_timeout" in fv else 60.0,
         )
     except launch.LaunchError as e:
         raise UsageError(f"could not join the multi-process job: {e}") from None
@@ -303,6 +317,9 @@ def join_processes(fv: flags.FlagValues, program_flags: list[str]) -> None:
         ) from None
     if not many:
         return
+    model_dir = fv["model_dir"].value if "model_dir" in fv else None
+    if model_dir:
+        distributed.watch_peers(None, last_checkpoint=lambda: _last_checkpoint(model_dir))
     compared = {
         name: fv[name].value
         for name in program_flags
@@ -313,6 +330,32 @@ def join_processes(fv: flags.FlagValues, program_flags: list[str]) -> None:
     if data_dir:
         facts["data_files"] = _file_sizes(data_dir)
     preflight.check(facts)
+
+
+def _last_checkpoint(model_dir: str) -> int | None:
+    """The newest complete checkpoint's step in ``model_dir`` (for the lost-peer line).
+
+    A listing, not Orbax's manager (seconds to open, while the line waits): Orbax names a
+    step's directory by its step once the step is complete (locally, by a rename; on an object
+    store, with ``commit_success.txt`` inside it).
+    """
+    from estimax import storage
+    from estimax.state import checkpoints
+
+    root = checkpoints.checkpoint_dir(model_dir)
+    fs, path = storage.filesystem(root)
+    steps = sorted(
+        (
+            int(name)
+            for name in (posixpath.basename(p.rstrip("/")) for p in fs.ls(path, False))
+            if name.isdigit()
+        ),
+        reverse=True,
+    )
+    for step in steps:
+        if not storage.is_remote(root) or fs.exists(f"{path}/{step}/commit_success.txt"):
+            return step
+    return None
 
 
 def _file_sizes(data_dir: str) -> dict[str, Any]:
