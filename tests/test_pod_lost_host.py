@@ -92,6 +92,21 @@ def test_done_peers_are_never_lost_and_a_silent_coordinator_is_process_0():
     assert watch.overdue() == []
 
 
+def test_process_0_exits_last_once_the_others_say_they_exit():
+    # Process 0 hosts the coordination service: ending first would abort the others (JAX).
+    watch, clock, exits = _watch(n=3)
+    watch.observe([("estimax/peer_watch/1", "1 run"), ("estimax/peer_watch/2", "1 run")])
+    clock.now += 11
+    watch.observe([("estimax/peer_watch/2", "2 exit")])
+    assert watch.overdue() == [1]  # process 2 is exiting, not lost
+    watch._fire([1])  # returns: every peer that is not lost has said it exits
+    assert exits == [75]
+    other, _, other_exits = _watch(process_id=2, n=3)
+    other._fire([1])
+    assert other_exits == [75]
+    assert other._client.values["estimax/peer_watch/2"].endswith(" exit")
+
+
 def test_the_line_names_a_few_of_many_lost_processes_and_does_not_wait_for_storage():
     stuck = threading.Event()
     watch, _, _ = _watch(n=40, last_checkpoint=lambda: stuck.wait() and None)

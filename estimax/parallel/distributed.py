@@ -15,6 +15,7 @@ knows (its input position) -- a ``process_allgather`` of the JSON's bytes.
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import math
 import os
@@ -28,6 +29,7 @@ import jax
 import numpy as np
 from absl import logging
 
+from estimax import storage
 from estimax.ops import signals
 from estimax.parallel import launch, watchdog
 
@@ -240,6 +242,8 @@ DEFAULT_PEER_TIMEOUT = 60.0
 _BEATS = "estimax/peer_watch/"
 # Seconds the lost-peer line waits for the last checkpoint's step.
 _CHECKPOINT_READ_SECS = 5.0
+# At most how long process 0, having seen a lost peer, waits for the others to say they exit.
+_LINGER_SECS = 30.0
 # The most lost processes one line names (then how many in all).
 _SHOW_LOST = 4
 
@@ -305,9 +309,10 @@ class PeerWatch:
         self._exit_fn, self._clock = exit_fn, clock
         self._cond = threading.Condition()
         now = clock()
-        # Per peer: its last counter, when it last moved, whether it is done.
-        self._seen: dict[int, tuple[str, float, bool]] = {
-            p: ("", now, False) for p in range(num_processes) if p != process_id
+        # Per peer: its last counter, when it last moved, whether it is done, whether it is
+        # exiting (it saw a lost peer too).
+        self._seen: dict[int, tuple[str, float, bool, bool]] = {
+            p: ("", now, False, False) for p in range(num_processes) if p != process_id
         }
         self._answered = now  # when the coordination service last answered
         self._beat = 0
@@ -332,7 +337,7 @@ class PeerWatch:
     def _beat_loop(self) -> None:
         while True:
             with self._cond:
-                if self._stopped:
+                if self._stopped or self.lost is not None:  # exiting: "exit" is the last word
                     return
                 self._beat += 1
                 done = self._done
@@ -362,9 +367,14 @@ class PeerWatch:
                 peer = key.rsplit("/", 1)[-1]
                 if not peer.isdigit() or int(peer) not in self._seen:
                     continue
-                last, moved, _ = self._seen[int(peer)]
+                last, moved, _, _ = self._seen[int(peer)]
                 count, _, state = value.partition(" ")
-                self._seen[int(peer)] = (count, now if count != last else moved, state == "done")
+                self._seen[int(peer)] = (
+                    count,
+                    now if count != last else moved,
+                    state in ("done", "exit"),  # an exiting peer is not lost: it saw the loss
+                    state == "exit",
+                )
             self._cond.notify_all()
 
     def _judge_loop(self) -> None:
@@ -385,7 +395,7 @@ class PeerWatch:
         now = self._clock()
         lost = [
             p
-            for p, (_, moved, done) in sorted(self._seen.items())
+            for p, (_, moved, done, _) in sorted(self._seen.items())
             if not done and now - moved > self.timeout
         ]
         if not lost and self._id != 0 and now - self._answered > self.timeout:
@@ -432,7 +442,38 @@ class PeerWatch:
     def _fire(self, lost: list[int]) -> None:
         self.lost = lost
         print(self.message(lost), file=sys.stderr, flush=True)
+        if self._id == 0:
+            # Process 0 hosts the coordination service: when it ends, JAX's client in every
+            # other process aborts at once (a C++ dump). So it waits until the others have
+            # said they are exiting (or the linger passes), and ends last.
+            self._linger(lost)
+        else:
+            self._say_exiting()
         self._exit_fn(LOST_PEER_EXIT_CODE)
+
+    def _say_exiting(self) -> None:
+        """Writes "exiting" as this process's heartbeat (bounded: the service may be gone)."""
+
+        def write() -> None:
+            try:
+                self._client.key_value_set(
+                    f"{_BEATS}{self._id}", f"{self._beat + 1} exit", allow_overwrite=True
+                )
+            except Exception:  # noqa: BLE001 (the service is gone: nobody waits for this)
+                return
+
+        writer = threading.Thread(target=write, daemon=True)
+        writer.start()
+        writer.join(_CHECKPOINT_READ_SECS)
+
+    def _linger(self, lost: list[int]) -> None:
+        deadline = self._clock() + min(self.timeout, _LINGER_SECS) + 2 * self.interval
+        with self._cond:
+            while self._clock() < deadline:
+                waiting = [p for p, seen in self._seen.items() if p not in lost and not seen[3]]
+                if not waiting:
+                    return
+                self._cond.wait(min(self.interval, max(0.0, deadline - self._clock())))
 
     # -- the way out
 
@@ -446,7 +487,7 @@ class PeerWatch:
             self._done = True
             self._cond.notify_all()
             while not self._stopped and self.lost is None:
-                if self._done_written and all(done for _, _, done in self._seen.values()):
+                if self._done_written and all(seen[2] for seen in self._seen.values()):
                     return True
                 left = deadline - self._clock()
                 if left <= 0:
@@ -468,20 +509,25 @@ class PeerWatch:
 _WATCH: PeerWatch | None = None
 
 
-def watch_peers(
-    timeout: float | None,
-    last_checkpoint: Callable[[], int | None] | None = None,
-) -> PeerWatch | None:
-    """Starts this process's ``PeerWatch`` in a multi-process job (once; later calls only set
-    ``last_checkpoint``); None with one process or a ``timeout`` of 0/None.
+def watch_peers(timeout: float | None, checkpoint_dir: str | None = None) -> PeerWatch | None:
+    """Starts this process's ``PeerWatch`` in a multi-process job; None with one process or a
+    ``timeout`` of 0/None and no watch yet. ``initialize`` starts it; a later call (the training
+    loop's, with ``RunConfig.peer_timeout_secs``) changes its timeout when given one and names
+    the checkpoints the line reports, if none are named yet.
 
     Args:
-      timeout: seconds without a peer's heartbeat before it is lost (``--peer_timeout``).
-      last_checkpoint: returns the last checkpoint's step (None: none yet), for the line.
+      timeout: seconds without a peer's heartbeat before it is lost (``--peer_timeout``); keep
+        it under JAX's heartbeat timeout (``jax_heartbeat_timeout``, set at ``initialize``).
+      checkpoint_dir: where the job's step checkpoints are (for the line's last step).
     """
     global _WATCH
+    last_checkpoint = (
+        None if checkpoint_dir is None else functools.partial(last_checkpoint_step, checkpoint_dir)
+    )
     if _WATCH is not None:
-        if last_checkpoint is not None:
+        if timeout:
+            _WATCH.timeout = timeout
+        if _WATCH.last_checkpoint is None:
             _WATCH.last_checkpoint = last_checkpoint
         return _WATCH
     if not timeout or jax.process_count() == 1:
@@ -513,6 +559,21 @@ def watch_peers(
     # first out), whose barrier would otherwise wait for a lost peer until JAX's abort.
     atexit.register(_settle_at_exit, watch)
     return watch
+
+
+def last_checkpoint_step(checkpoint_dir: str) -> int | None:
+    """The newest complete step checkpoint's step in ``checkpoint_dir``, by a listing.
+
+    Not Orbax's manager (seconds to open, while the lost-peer line waits): Orbax names a step's
+    directory by its step once the step is complete (locally by a rename; on an object store
+    with ``commit_success.txt`` inside it).
+    """
+    fs, path = storage.filesystem(checkpoint_dir)
+    names = (p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, False))
+    for step in sorted((int(n) for n in names if n.isdigit()), reverse=True):
+        if not storage.is_remote(checkpoint_dir) or fs.exists(f"{path}/{step}/commit_success.txt"):
+            return step
+    return None
 
 
 def _settle_at_exit(watch: PeerWatch) -> None:

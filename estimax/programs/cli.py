@@ -319,7 +319,9 @@ def join_processes(fv: flags.FlagValues, program_flags: list[str]) -> None:
         return
     model_dir = fv["model_dir"].value if "model_dir" in fv else None
     if model_dir:
-        distributed.watch_peers(None, last_checkpoint=lambda: _last_checkpoint(model_dir))
+        from estimax.state import checkpoints
+
+        distributed.watch_peers(None, checkpoint_dir=checkpoints.checkpoint_dir(model_dir))
     compared = {
         name: fv[name].value
         for name in program_flags
@@ -330,32 +332,6 @@ def join_processes(fv: flags.FlagValues, program_flags: list[str]) -> None:
     if data_dir:
         facts["data_files"] = _file_sizes(data_dir)
     preflight.check(facts)
-
-
-def _last_checkpoint(model_dir: str) -> int | None:
-    """The newest complete checkpoint's step in ``model_dir`` (for the lost-peer line).
-
-    A listing, not Orbax's manager (seconds to open, while the line waits): Orbax names a
-    step's directory by its step once the step is complete (locally, by a rename; on an object
-    store, with ``commit_success.txt`` inside it).
-    """
-    from estimax import storage
-    from estimax.state import checkpoints
-
-    root = checkpoints.checkpoint_dir(model_dir)
-    fs, path = storage.filesystem(root)
-    steps = sorted(
-        (
-            int(name)
-            for name in (posixpath.basename(p.rstrip("/")) for p in fs.ls(path, False))
-            if name.isdigit()
-        ),
-        reverse=True,
-    )
-    for step in steps:
-        if not storage.is_remote(root) or fs.exists(f"{path}/{step}/commit_success.txt"):
-            return step
-    return None
 
 
 def _file_sizes(data_dir: str) -> dict[str, Any]:
