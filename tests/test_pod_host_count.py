@@ -59,3 +59,26 @@ def test_eight_to_sixteen_to_eight_processes_continue_one_run(tmp_path_factory, 
     pod = mh.eval_results(results[0].stderr)
     assert pod["accuracy"] == pytest.approx(one["accuracy"], abs=1e-6)
     assert pod["loss"] == pytest.approx(one["loss"], rel=1e-4)
+
+
+def test_a_batch_this_host_count_cannot_split_is_one_line(tmp_path_factory, tmp_path, capsys):
+    # The test process has 8 CPU devices (tests/conftest.py): a global batch of 12, such as a
+    # run started on 4 or 12 devices resumed here, does not split over 8 replicas.
+    from absl import flags
+
+    from estimax.programs import cli, mnist
+
+    data_dir = mh.write_data(str(tmp_path_factory.getbasetemp() / "multihost_data"))
+    fv = flags.FlagValues()
+    mnist.define_flags(fv)
+    argv = ["mnist", f"--data_dir={data_dir}", f"--model_dir={tmp_path / 'm'}"]
+    fv([*argv, "--batch_size=12", "--train_steps=1"])
+    with pytest.raises(SystemExit) as e:
+        cli._run(mnist.run_from_flags, fv, [], None, ["mnist"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("FATAL:")]
+    assert len(lines) == 1, err
+    assert "train_batch_size=12 is not divisible by the number of replicas (8)" in lines[0]
+    assert "This job: 1 process(es), 8 device(s)" in lines[0]

@@ -205,7 +205,7 @@ def _run(
     from estimax.estimator.label_check import InvalidLabelError
     from estimax.estimator.loop import Interrupted
     from estimax.migrate.tf_checkpoint import TFCheckpointError
-    from estimax.parallel import preflight
+    from estimax.parallel import preflight, replication
     from estimax.state import checkpoints, lock
 
     try:
@@ -239,6 +239,14 @@ def _run(
         _fatal(str(e))
     except (preflight.PreflightError, checkpoints.ModelMismatchError) as e:
         _fatal(str(e))
+    except replication.BatchSplitError as e:
+        # A batch size, or a checkpoint resumed on a host/device count that does not divide it.
+        import jax
+
+        _fatal(
+            f"{e} This job: {jax.process_count()} process(es), {jax.device_count()} device(s); "
+            "a run resumes on any number of hosts and devices that divides its global batch."
+        )
     except (InvalidLabelError, TFCheckpointError) as e:
         # TFCheckpointError: --warm_start_from names no readable checkpoint, or one whose
         # variables do not map (the message names the path or the variables).
