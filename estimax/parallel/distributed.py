@@ -242,6 +242,8 @@ DEFAULT_PEER_TIMEOUT = 60.0
 _BEATS = "estimax/peer_watch/"
 # Seconds the lost-peer line waits for the last checkpoint's step.
 _CHECKPOINT_READ_SECS = 5.0
+# Seconds between heartbeats once a process is done (its peers wait to see it).
+_SETTLE_INTERVAL = 0.2
 # At most how long process 0, having seen a lost peer, waits for the others to say they exit.
 _LINGER_SECS = 30.0
 # The most lost processes one line names (then how many in all).
@@ -354,7 +356,10 @@ class PeerWatch:
                 self.observe(entries, done_written=done)
             with self._cond:
                 if not self._stopped:
-                    self._cond.wait(self.interval)
+                    # Once done, beat fast: the others wait for this "done" to exit.
+                    self._cond.wait(
+                        min(self.interval, _SETTLE_INTERVAL) if self._done else self.interval
+                    )
 
     def observe(self, entries: list[tuple[str, str]], done_written: bool = False) -> None:
         """Records the heartbeats read from the store (``[(key, "COUNT run|done")]``), after
