@@ -219,3 +219,22 @@ def test_sixteen_processes_one_killed_the_rest_exit_75_with_one_line_and_the_rer
     assert f"Restored checkpoint at step {step}" in rerun[0].stderr
     assert mh.params(model_dir)["step"] == 12
     assert mh.eval_results(rerun[0].stderr)["num_examples"] == mh.NUM_EVAL
+
+
+def test_the_run_config_sets_the_watchs_timeout_and_checkpoints(monkeypatch, tmp_path):
+    import estimax as ex
+
+    with pytest.raises(ValueError, match="peer_timeout_secs must be >= 0"):
+        ex.RunConfig(str(tmp_path), peer_timeout_secs=-1)
+    watch, _, _ = _watch()
+    monkeypatch.setattr(distributed, "_WATCH", watch)
+    # What the training loop does with RunConfig(peer_timeout_secs=20): the running watch (the
+    # one distributed.initialize started) takes the timeout and reads the checkpoints' steps.
+    (tmp_path / "checkpoints" / "4").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "6.orbax-checkpoint-tmp-1").mkdir()  # a save under way
+    assert distributed.watch_peers(20.0, str(tmp_path / "checkpoints")) is watch
+    assert watch.timeout == 20.0
+    assert "last checkpoint: step 4;" in watch.message([1])
+    # No timeout and no watch (one process, or --peer_timeout=0): nothing starts.
+    monkeypatch.setattr(distributed, "_WATCH", None)
+    assert distributed.watch_peers(None, str(tmp_path)) is None
