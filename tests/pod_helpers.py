@@ -51,11 +51,12 @@ class Job:
     logs: list[tuple[str, str]]
 
 
-def job_env(data_dir: str) -> dict[str, str]:
+def job_env(data_dir: str, devices: int = 1) -> dict[str, str]:
     """Each process's environment: ``multihost_helpers``' (this checkout, no inherited job
-    variables) with one device, the fast compile and the session's compilation cache."""
-    env = mh._job_env(data_dir, 1)  # noqa: SLF001 (the shared test harness)
-    env["XLA_FLAGS"] = XLA_FLAGS
+    variables) with ``devices`` CPU devices, the fast compile and the session's compilation
+    cache."""
+    env = mh._job_env(data_dir, devices)  # noqa: SLF001 (the shared test harness)
+    env["XLA_FLAGS"] = XLA_FLAGS.replace("count=1 ", f"count={devices} ")
     # tests/conftest.py sets the session's cache; processes started outside pytest get their own.
     env["JAX_COMPILATION_CACHE_DIR"] = os.environ.get(
         "JAX_COMPILATION_CACHE_DIR", env["JAX_COMPILATION_CACHE_DIR"]
@@ -71,6 +72,7 @@ def start(
     *flags: str,
     faults: dict[int, str] | None = None,
     env: dict[str, str] | None = None,
+    devices: int = 1,
 ) -> Job:
     """Starts ``num_processes`` processes of the MNIST program joined on a free loopback port.
 
@@ -79,9 +81,10 @@ def start(
         and the cluster flags are added).
       faults: ``{process: "kind:N[:S]"}`` (tests/multihost_worker.py).
       env: extra variables for every process.
+      devices: CPU devices of each process (a reference run: one process with a pod's many).
     """
     os.makedirs(log_dir, exist_ok=True)
-    base = job_env(data_dir)
+    base = job_env(data_dir, devices)
     base.update(env or {})
     port = mh._free_port()  # noqa: SLF001
     procs, logs = [], []
@@ -161,9 +164,11 @@ def run(
     log_dir: str,
     *flags: str,
     timeout: float = 600,
+    devices: int = 1,
 ) -> list[PodProc]:
     """``start`` then ``finish``: a whole job's results."""
-    return finish(start(num_processes, data_dir, model_dir, log_dir, *flags), timeout)
+    job = start(num_processes, data_dir, model_dir, log_dir, *flags, devices=devices)
+    return finish(job, timeout)
 
 
 def assert_ok(results: list[PodProc]) -> None:

@@ -25,12 +25,7 @@ FLAGS = (
 @pytest.mark.slow
 def test_eight_to_sixteen_to_eight_processes_continue_one_run(tmp_path_factory, tmp_path):
     data_dir = mh.write_data(str(tmp_path_factory.getbasetemp() / "multihost_data"))
-    reference_dir = str(tmp_path / "one")
-    reference = ph.run(
-        1, data_dir, reference_dir, str(tmp_path / "logs_one"), *FLAGS, "--train_steps=18"
-    )
-    ph.assert_ok(reference)
-    model_dir = str(tmp_path / "pod")
+    reference_dir, model_dir = str(tmp_path / "one"), str(tmp_path / "pod")
     previous = 0
     for leg, (processes, steps) in enumerate(((8, 6), (16, 12), (8, 18))):
         results = ph.run(
@@ -51,9 +46,21 @@ def test_eight_to_sixteen_to_eight_processes_continue_one_run(tmp_path_factory, 
         for proc in results:
             # Every held-out digit evaluated once, on every host count.
             assert mh.eval_results(proc.stderr)["num_examples"] == mh.NUM_EVAL
+        # The reference: one process with as many devices (the same replicas, so the same
+        # dropout masks: the model's dropout is keyed by replica), resumed the same way.
+        reference = ph.run(
+            1,
+            data_dir,
+            reference_dir,
+            str(tmp_path / f"logs_one{leg}"),
+            *FLAGS,
+            f"--train_steps={steps}",
+            devices=processes,
+        )
+        ph.assert_ok(reference)
         previous = steps
     # The chain trained on the batches the one process did, in its order: the same parameters
-    # (up to the order of the cross-replica gradient sum: 8 or 16 replicas against 1).
+    # (up to the order of the cross-replica gradient sum: across processes against inside one).
     mh.assert_same_params(mh.params(model_dir), mh.params(reference_dir), rtol=1e-4, atol=1e-5)
     one = mh.eval_results(reference[0].stderr)
     pod = mh.eval_results(results[0].stderr)
