@@ -516,6 +516,11 @@ class TrainingRun:
         stack.callback(self.logger.close)
         self.watchdog = stack.enter_context(Watchdog(s.config.watchdog_timeout_secs))
         self.watchdog.start(s.start)
+        # Many hosts: a lost peer ends this process with one line and status 75 (not JAX's abort).
+        distributed.watch_peers(
+            s.config.peer_timeout_secs,
+            ckpt_lib.checkpoint_dir(s.config.model_dir) if s.config.model_dir else None,
+        )
         stack.callback(s.checkpointer.wait_until_finished)
         self.idle = feeding.DeviceIdle()
         self.notice = stack.enter_context(distributed.PreemptionNotice())

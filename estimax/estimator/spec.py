@@ -243,6 +243,12 @@ class RunConfig:
         (``estimax.parallel.watchdog.HANG_EXIT_CODE``) so a job runner restarts the job from
         its last checkpoint. Generous by default (30 min: compiling a large model's first step
         takes minutes); None or 0 disables it.
+      peer_timeout_secs: many hosts: seconds without a heartbeat from another process (killed,
+        hung, unreachable) after which this one prints one line naming it and the last
+        checkpoint step and exits with status 75, so the job runner restarts the job and it
+        resumes from that checkpoint (``estimax.parallel.distributed.PeerWatch``). None: what
+        ``distributed.initialize`` set (``--peer_timeout``, 60 s by default). Above 45 s give
+        it to ``distributed.initialize`` too: JAX's own heartbeat timeout is set there.
       skip_nonfinite_steps: a step whose loss or gradients are NaN/Inf makes no update (params,
         optimizer state, batch statistics and EMA stay as they were) instead of stopping
         training with ``NanLossError``; skipped steps are counted (TensorBoard scalar
@@ -327,6 +333,7 @@ class RunConfig:
     seed: int = 0
     device_prefetch: int = 2
     watchdog_timeout_secs: float | None = 1800.0
+    peer_timeout_secs: float | None = None
     skip_nonfinite_steps: bool = False
     profile_steps: tuple[int, int] | None = None
     allow_invalid_labels: bool = False
@@ -374,6 +381,10 @@ class RunConfig:
             raise ValueError(
                 "RunConfig.watchdog_timeout_secs must be >= 0 (0 or None disables it), got "
                 f"{self.watchdog_timeout_secs}."
+            )
+        if self.peer_timeout_secs is not None and self.peer_timeout_secs < 0:
+            raise ValueError(
+                f"RunConfig.peer_timeout_secs must be >= 0, got {self.peer_timeout_secs}."
             )
         if self.profile_steps is not None and not (
             len(self.profile_steps) == 2 and 1 <= self.profile_steps[0] <= self.profile_steps[1]

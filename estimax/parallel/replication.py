@@ -198,12 +198,17 @@ def check_slice_id(slice_of_process: int, environ: Mapping[str, str] | None = No
         )
 
 
+class BatchSplitError(ValueError):
+    """A global batch does not split evenly over this job's replicas or hosts (a batch size, or
+    a run resumed on another number of hosts or devices that does not divide it)."""
+
+
 def per_replica_batch(global_batch: int, num_replicas: int, what: str) -> int:
     """Returns the per-replica batch size, or raises naming the batch size and replica count."""
     if global_batch is None or global_batch < 1:
         raise ValueError(f"{what} must be a positive global batch size, got {global_batch}.")
     if global_batch % num_replicas:
-        raise ValueError(
+        raise BatchSplitError(
             f"{what}={global_batch} is not divisible by the number of replicas "
             f"({num_replicas}): each replica must get the same number of examples. "
             f"Use a multiple of {num_replicas}, e.g. "
@@ -216,7 +221,9 @@ def per_host_batch(global_batch: int) -> int:
     """Returns how many examples of a global batch this host's input_fn must produce."""
     hosts = jax.process_count()
     if global_batch % hosts:
-        raise ValueError(f"Global batch size {global_batch} is not divisible by the {hosts} hosts.")
+        raise BatchSplitError(
+            f"Global batch size {global_batch} is not divisible by the {hosts} hosts."
+        )
     return global_batch // hosts
 
 

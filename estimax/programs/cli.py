@@ -87,6 +87,16 @@ CLUSTER_FLAGS = (
         lower=0,
     ),
     flagspec.Float(
+        "peer_timeout",
+        60.0,
+        "Many hosts: seconds without a heartbeat from another process (killed, hung, "
+        "unreachable) after which every other process prints one line naming it and the last "
+        "checkpoint step and exits with status 75 (EX_TEMPFAIL: restart the same command to "
+        "resume from that checkpoint), within this many seconds plus 5; 0 leaves it to JAX "
+        "(which aborts them after 100 s).",
+        lower=0.0,
+    ),
+    flagspec.Float(
         "watchdog_timeout",
         1800.0,
         "Seconds without a completed training step after which the process logs the stacks of "
@@ -195,7 +205,7 @@ def _run(
     from estimax.estimator.label_check import InvalidLabelError
     from estimax.estimator.loop import Interrupted
     from estimax.migrate.tf_checkpoint import TFCheckpointError
-    from estimax.parallel import preflight
+    from estimax.parallel import preflight, replication
     from estimax.state import checkpoints, lock
 
     try:
@@ -229,6 +239,14 @@ def _run(
         _fatal(str(e))
     except (preflight.PreflightError, checkpoints.ModelMismatchError) as e:
         _fatal(str(e))
+    except replication.BatchSplitError as e:
+        # A batch size, or a checkpoint resumed on a host/device count that does not divide it.
+        import jax
+
+        _fatal(
+            f"{e} This job: {jax.process_count()} process(es), {jax.device_count()} device(s); "
+            "a run resumes on any number of hosts and devices that divides its global batch."
+        )
     except (InvalidLabelError, TFCheckpointError) as e:
         # TFCheckpointError: --warm_start_from names no readable checkpoint, or one whose
         # variables do not map (the message names the path or the variables).
@@ -292,7 +310,11 @@ def join_processes(fv: flags.FlagValues, program_flags: list[str]) -> None:
         return
     try:
         many = distributed.initialize(
-            fv.coordinator_address, fv.num_processes, fv.process_id, timeout=fv.launch_timeout
+            fv.coordinator_address,
+            fv.num_processes,
+            fv.process_id,
+            timeout=fv.launch_timeout,
+            peer_timeout=fv.peer_timeout if "peer_timeout" in fv else 60.0,
         )
     except launch.LaunchError as e:
         raise UsageError(f"could not join the multi-process job: {e}") from None
@@ -303,6 +325,11 @@ def join_processes(fv: flags.FlagValues, program_flags: list[str]) -> None:
         ) from None
     if not many:
         return
+    model_dir = fv["model_dir"].value if "model_dir" in fv else None
+    if model_dir:
+        from estimax.state import checkpoints
+
+        distributed.watch_peers(None, checkpoint_dir=checkpoints.checkpoint_dir(model_dir))
     compared = {
         name: fv[name].value
         for name in program_flags

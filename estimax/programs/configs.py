@@ -98,6 +98,7 @@ def run_config(fv: flags.FlagValues, iterations_flag: str, **fields: Any) -> ex.
         model_dir=fv.model_dir,
         iterations_per_loop=iterations,
         watchdog_timeout_secs=fv.watchdog_timeout,
+        peer_timeout_secs=fv.peer_timeout if "peer_timeout" in fv else None,
         profile_steps=cli.profile_steps(fv),
         steps_per_device_call=fv.steps_per_device_call,
         gradient_accumulation_steps=fv.gradient_accumulation_steps,
