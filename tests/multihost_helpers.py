@@ -247,3 +247,33 @@ def reference(num_processes: int, tmp_path_factory) -> tuple[str, str, list[Proc
         _REFERENCE[num_processes] = (model_dir, results)
     model_dir, results = _REFERENCE[num_processes]
     return data_dir, model_dir, results
+
+
+def run_mnist_here(tmp_path: str, *args: str, env: dict[str, str], monkeypatch, capsys) -> Proc:
+    """``run_mnist`` in this process, for a run that stops before joining a job: the program's
+    console-script path (``cli._parse``, ``cli._run``) with ``env`` as the job's variables (the
+    test's own job variables removed). A traceback would be an exception raised here."""
+    from absl import flags
+
+    from estimax.programs import cli, mnist
+
+    for name in list(os.environ):
+        if name.startswith(("JAX_", "ESTIMAX_", *CLUSTER_PREFIXES)) or name in CLUSTER_VARS:
+            monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    data_dir = write_data(os.path.join(tmp_path, "data"))
+    argv = ["mnist", f"--data_dir={data_dir}", f"--model_dir={os.path.join(tmp_path, 'model')}"]
+    family = mnist.FAMILY
+    config = None if family.config_keys is None else (family.name, family.config_keys)
+    fv = flags.FlagValues()
+    family.define_flags(fv)
+    capsys.readouterr()
+    code = 0
+    try:
+        rest = cli._parse(fv, [*argv, *args])
+        cli._run(family.run_from_flags, fv, sorted(fv), config, rest)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    out = capsys.readouterr()
+    return Proc(code, out.out, out.err)

@@ -668,8 +668,14 @@ def test_doctor_launch_from_kubeflow_jax_variables_joins_and_a_bad_one_is_one_li
         ('{"task": ' * 5000 + "1" + "}" * 5000, "$TF_CONFIG is not a cluster spec: it is nested"),
     ],
 )
-def test_a_program_given_a_malformed_tf_config_stops_in_one_line(tmp_path, bad, line):
-    proc = mh.run_mnist(str(tmp_path), env={**CLEAN, "TF_CONFIG": bad, "JAX_PLATFORMS": "cpu"})
+def test_a_program_given_a_malformed_tf_config_stops_in_one_line(
+    tmp_path, monkeypatch, capsys, bad, line
+):
+    # In-process: the spec is refused before the program joins a job or touches JAX's devices
+    # (test_multihost's last test runs such a refusal as its own process).
+    proc = mh.run_mnist_here(
+        str(tmp_path), env={"TF_CONFIG": bad}, monkeypatch=monkeypatch, capsys=capsys
+    )
     assert proc.returncode == 2
     assert f"FATAL: could not join the multi-process job: {line}" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -822,13 +828,19 @@ def test_mpirun_starts_the_same_job(tmp_path_factory):
     _assert_bitwise(mh.params(model_dir), mh.params(one_dir))
 
 
-def test_the_estimax_command_runs_doctor_launch():
+def test_the_estimax_command_runs_doctor_launch(monkeypatch, capsys):
+    # In-process: the console script's entry point on its command line (the doctor's own
+    # processes are the tests above).
+    from estimax import command
+
+    for name in os.environ.keys() - CLEAN.keys():
+        monkeypatch.delenv(name)
     port = _free_port()
-    proc = subprocess.run(
+    monkeypatch.setattr(
+        sys,
+        "argv",
         [
-            sys.executable,
-            "-c",
-            "from estimax.command import run; run()",
+            "estimax",
             "doctor",
             "--launch",
             f"--coordinator_address=localhost:{port}",
@@ -836,13 +848,11 @@ def test_the_estimax_command_runs_doctor_launch():
             "--process_id=1",
             "--timeout=1",
         ],
-        env={**CLEAN, "JAX_PLATFORMS": "cpu"},
-        capture_output=True,
-        text=True,
-        timeout=120,
     )
-    assert proc.returncode == 1
-    assert proc.stderr.startswith(
+    with pytest.raises(SystemExit) as e:
+        command.run()
+    assert e.value.code == 1
+    assert capsys.readouterr().err.startswith(
         f"FATAL: launch check: process 1 got no answer from the coordinator localhost:{port} "
         "(process 0) within 1 s"
     )
