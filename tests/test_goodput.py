@@ -132,6 +132,23 @@ def test_lost_steps_and_per_process_step_times_from_the_lines(tmp_path):
     assert s.wall == pytest.approx(sum(s.buckets.values()))
 
 
+def test_a_process_ending_on_a_lost_peer_writes_its_interval_in_progress_as_lost(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(goodput, "_recorders", {})
+    rec = goodput.recorder(str(tmp_path))
+    with rec.phase("productive"):
+        rec.interval(0, 2)  # a loop's line: kept
+        # ... the next loop is in flight when a peer is lost; the watch's callback runs:
+        goodput.abandon_all("lost process 3")
+    lines = [json.loads(x) for x in open(rec.path)]  # noqa: SIM115 - read whole at once
+    assert lines[-1]["event"] == "failed" and lines[-1]["reason"] == "lost process 3"
+    assert set(lines[-1]["secs"]) == {"lost"}
+    s = goodput.summarize(str(tmp_path))
+    assert s.lost_secs == pytest.approx(lines[-1]["secs"]["lost"]) and s.lost_secs >= 0
+    assert s.steps == 2 and s.wall == pytest.approx(sum(s.buckets.values()))
+
+
 def test_a_torn_last_line_is_skipped(tmp_path):
     folder = tmp_path / goodput.SUBDIR
     _write(folder, "a-p0.jsonl", [_loop(0, 2, 1.0)])

@@ -153,6 +153,44 @@ def test_settle_returns_once_every_peer_is_done_and_this_ones_done_is_written():
     assert store.values["estimax/peer_watch/0"].endswith(" done")  # the peer can see it
 
 
+def test_an_error_raised_while_process_0_lingers_waits_for_the_exit_not_its_traceback():
+    # A peer killed mid-step fails this process's collective at once (Gloo: connection
+    # closed), and the excepthook settles while the judge, having printed the line, lingers
+    # (process 0): settle must not return before the exit, or the traceback follows the line.
+    store = FakeStore()
+    store.values["estimax/peer_watch/2"] = "1 run"  # never says "exit": process 0 lingers
+    release = threading.Event()
+    order: list[str] = []
+
+    def exit_fn(code: int) -> None:
+        release.wait(30)
+        order.append(f"exit {code}")
+
+    watch = distributed.PeerWatch(store, 0, 3, timeout=0.3, exit_fn=exit_fn, interval=0.05)
+    watch.start()
+    try:
+        while watch.lost is None:  # processes 1 and 2 stop beating; the judge fires
+            time.sleep(0.01)  # polls the watch's own threads, not a wait for time
+        settled = threading.Thread(target=lambda: order.append(f"settle {watch.settle()}"))
+        settled.start()
+        settled.join(0.5)
+        assert settled.is_alive() and order == []  # settle waits for the judge's exit
+        release.set()
+        settled.join(30)
+    finally:
+        watch.stop()
+    assert order == ["exit 75", "settle False"]
+
+
+def test_the_lost_peer_callbacks_run_before_the_exit():
+    watch, clock, exits = _watch(process_id=1, n=3)
+    seen: list[tuple[list[int], list[int]]] = []
+    watch.on_lost.append(lambda lost: seen.append((lost, list(exits))))
+    watch.on_lost.insert(0, lambda lost: 1 / 0)  # a failing callback stops neither
+    watch._fire([2])
+    assert seen == [([2], [])] and exits == [75]
+
+
 def test_jax_heartbeat_timeout_comes_after_the_watch():
     assert distributed.jax_heartbeat_timeout(None) == 100
     assert distributed.jax_heartbeat_timeout(10) == 100
@@ -219,6 +257,13 @@ def test_sixteen_processes_one_killed_the_rest_exit_75_with_one_line_and_the_rer
     assert f"Restored checkpoint at step {step}" in rerun[0].stderr
     assert mh.params(model_dir)["step"] == 12
     assert mh.eval_results(rerun[0].stderr)["num_examples"] == mh.NUM_EVAL
+    # The goodput record counts the time of the steps past the checkpoint as lost.
+    from estimax.state import goodput
+
+    record = goodput.summarize(model_dir)
+    assert record.processes == NUM_PROCESSES and record.runs >= 2
+    assert record.lost_secs > 0, record  # the survivors' steps in flight (their "failed" lines)
+    assert record.steps == 12 and record.buckets["lost"] == pytest.approx(record.lost_secs)
 
 
 def test_the_run_config_sets_the_watchs_timeout_and_checkpoints(monkeypatch, tmp_path):

@@ -425,6 +425,10 @@ class Saver:
         return stop
 
 
+def _abandon_goodput(lost: list[int]) -> None:
+    goodput.abandon_all(f"lost process {', '.join(map(str, lost))}")
+
+
 class GoodputReport:
     """Writes the goodput record's line for each loop (``state/goodput.py``) and its buckets
     as TensorBoard scalars. The run's time is ``productive`` unless a phase inside it (a
@@ -517,10 +521,13 @@ class TrainingRun:
         self.watchdog = stack.enter_context(Watchdog(s.config.watchdog_timeout_secs))
         self.watchdog.start(s.start)
         # Many hosts: a lost peer ends this process with one line and status 75 (not JAX's abort).
-        distributed.watch_peers(
+        watch = distributed.watch_peers(
             s.config.peer_timeout_secs,
             ckpt_lib.checkpoint_dir(s.config.model_dir) if s.config.model_dir else None,
         )
+        if watch is not None and _abandon_goodput not in watch.on_lost:
+            # The steps in flight when a peer is lost are in no checkpoint: the record says so.
+            watch.on_lost.append(_abandon_goodput)
         stack.callback(s.checkpointer.wait_until_finished)
         self.idle = feeding.DeviceIdle()
         self.notice = stack.enter_context(distributed.PreemptionNotice())

@@ -15,6 +15,7 @@ knows (its input position) -- a ``process_allgather`` of the JSON's bytes.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import json
 import math
@@ -324,6 +325,9 @@ class PeerWatch:
         self._done_written = False
         self._stopped = False
         self.lost: list[int] | None = None
+        self._fired = False  # the judge's exit returned (only a test's exit_fn returns)
+        # Called with the lost processes before the exit (the goodput record's last line).
+        self.on_lost: list[Callable[[list[int]], None]] = []
         self._threads: list[threading.Thread] = []
 
     # -- the threads
@@ -447,6 +451,16 @@ class PeerWatch:
     def _fire(self, lost: list[int]) -> None:
         self.lost = lost
         print(self.message(lost), file=sys.stderr, flush=True)
+        if self.on_lost:
+            # Bounded, in its own thread: the exit must come whatever a callback's storage does.
+            def run() -> None:
+                for callback in self.on_lost:
+                    with contextlib.suppress(Exception):
+                        callback(lost)
+
+            note = threading.Thread(target=run, daemon=True)
+            note.start()
+            note.join(_CHECKPOINT_READ_SECS)
         if self._id == 0:
             # Process 0 hosts the coordination service: when it ends, JAX's client in every
             # other process aborts at once (a C++ dump). So it waits until the others have
@@ -455,6 +469,9 @@ class PeerWatch:
         else:
             self._say_exiting()
         self._exit_fn(LOST_PEER_EXIT_CODE)
+        with self._cond:
+            self._fired = True
+            self._cond.notify_all()
 
     def _say_exiting(self) -> None:
         """Writes "exiting" as this process's heartbeat (bounded: the service may be gone)."""
@@ -498,6 +515,13 @@ class PeerWatch:
                 if left <= 0:
                     return False
                 self._cond.wait(min(left, self.interval))
+            # The judge has printed the line and is ending the process (process 0 lingers
+            # first, up to the linger bound): wait for it, or a caller's traceback would follow
+            # the one line.
+            linger = min(self.timeout, _LINGER_SECS) + 4 * self.interval + _CHECKPOINT_READ_SECS
+            end = self._clock() + linger
+            while self.lost is not None and not self._fired and self._clock() < end:
+                self._cond.wait(self.interval)
         return False
 
     def stop(self) -> None:

@@ -14,6 +14,8 @@ The buckets (seconds of wall time; they sum to ``wall``):
 - ``lost``: training steps recomputed after a failure. A run that starts from checkpoint step C
   after a previous run of the job had reached step L > C trains C..L again: the previous run's
   productive time for those steps is moved here (``lost_steps = L - C``, summed over restarts).
+  A process that ends on a failure it sees (a lost peer: ``parallel.distributed.PeerWatch``)
+  first writes the interval in progress here too (a ``failed`` line): its steps were in flight.
 - ``compile``: JAX tracing, lowering and XLA compiles (or reads from the persistent compilation
   cache), from ``jax.monitoring``'s ``/jax/core/compile/*`` durations.
 - ``input``: the training loop waiting for its ``input_fn`` (``DevicePrefetcher.input_wait_secs``).
@@ -136,6 +138,15 @@ class Recorder:
             self.totals[bucket] += value
         self._write({**(fields or {}), "secs": {k: round(v, 6) for k, v in secs.items() if v}})
 
+    def abandon(self, reason: str) -> None:
+        """Writes the interval in progress as ``lost`` (a failure ends it: its steps are not
+        in any checkpoint) with ``reason``, before the process exits."""
+        with self._lock:
+            self._charge()
+            secs, self._interval = self._interval, dict.fromkeys(BUCKETS, 0.0)
+        total = sum(secs.values())
+        self._write({"event": "failed", "reason": reason, "secs": {"lost": round(total, 6)}})
+
     def _write(self, line: dict[str, Any]) -> None:
         if self.path is None:
             return
@@ -183,6 +194,13 @@ def recorder(model_dir: str) -> Recorder:
         startup = max(0.0, time.time() - start) if start is not None else 0.0
         rec = _recorders[key] = Recorder(key, jax.process_index(), jax.process_count(), startup)
     return rec
+
+
+def abandon_all(reason: str) -> None:
+    """Every open record's interval in progress is lost (``Recorder.abandon``): the process
+    ends on a failure (a lost peer) before its loop's line."""
+    for rec in list(_recorders.values()):
+        rec.abandon(reason)
 
 
 def forget(model_dir: str) -> None:
