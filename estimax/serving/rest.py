@@ -730,22 +730,21 @@ class V2Rest:
             ready = _flag(body, "ready", "repository index request")
             return _json(self._control().index(ready))
 
-        @app.post("/v2/repository/models/{name}/load", name="repository_load", **kw)
-        async def v2_repository_load(name: str, request: Request) -> Response:
+        async def act(action: str, name: str, request: Request) -> Response:
             control = self._control()
             # The body is read first, whatever the answer: the connection stays usable.
-            parameters = _parameters(await self._control_body(request), "load request")
-            control.check_allowed("load", name)
-            await control.call("load", name, parameters)
+            parameters = _parameters(await self._control_body(request), f"{action} request")
+            control.check_allowed(action, name)
+            await control.call(action, name, parameters)
             return Response(status_code=200)
+
+        @app.post("/v2/repository/models/{name}/load", name="repository_load", **kw)
+        async def v2_repository_load(name: str, request: Request) -> Response:
+            return await act("load", name, request)
 
         @app.post("/v2/repository/models/{name}/unload", name="repository_unload", **kw)
         async def v2_repository_unload(name: str, request: Request) -> Response:
-            control = self._control()
-            parameters = _parameters(await self._control_body(request), "unload request")
-            control.check_allowed("unload", name)
-            await control.call("unload", name, parameters)
-            return Response(status_code=200)
+            return await act("unload", name, request)
 
     def _control(self) -> Any:
         """The server's model control (``estimax.serving.control.ModelControl``)."""
