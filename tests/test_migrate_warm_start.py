@@ -58,8 +58,14 @@ def _estimator(model_dir, num_classes, warm_start_from, extra=False):
 
 
 def _files(model_dir):
-    """Every file under ``model_dir`` (a checkpoint's included)."""
-    return [os.path.join(root, f) for root, _, files in os.walk(model_dir) for f in files]
+    """Every file under ``model_dir`` (a checkpoint's included) but the goodput record, which
+    notes the run's start and time, not a step."""
+    return [
+        os.path.join(root, f)
+        for root, _, files in os.walk(model_dir)
+        for f in files
+        if os.path.basename(root) != "goodput"
+    ]
 
 
 def _refused(model_dir, num_classes, warm_start_from, extra=False):
