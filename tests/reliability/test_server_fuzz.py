@@ -901,7 +901,12 @@ def test_hostile_strings_and_declared_bodies_answer_4xx_in_one_log_line_each(
         assert growth < DECLARED_RSS_BOUND_MIB, f"{growth:.0f} MiB for one-byte bodies"
         assert (rss[1] - rss[0]) / 2**20 < RSS_GROWTH_LIMIT_MIB, rss
         access_lines = _lines(access)
-        assert len(access_lines) == expected, (len(access_lines), expected)
+        assert len(access_lines) == expected, (
+            len(access_lines),
+            expected,
+            dict(http=http_sent[0], grpc=grpc_sent[0], refused=refused[0], before=lines_before),
+            _tally(access_lines[lines_before:]),  # which kind of line is one too many or few
+        )
         records = [json.loads(line) for line in access_lines]  # each a whole record
         assert sum(r["status"] == 499 for r in records) >= DECLARED_CONNECTIONS
         assert all(len(line) < 8000 for line in access_lines)
@@ -952,6 +957,17 @@ RAW_HEADER_LINES = [
     (b"X-Long: " + b"a" * 70_000, True),  # past --max_header_bytes: 431
     (b"X-Long-Name" * 7_000 + b": 1", True),
 ]
+
+
+def _tally(lines: list[str]) -> dict:
+    """Access lines counted by (transport, api, status): what a count that is off names."""
+    import collections
+
+    return dict(
+        collections.Counter(
+            (r.get("transport"), r.get("api"), r.get("status")) for r in map(json.loads, lines)
+        )
+    )
 
 
 def _raw_exchange(url: str, head: bytes, body: bytes) -> bytes:
