@@ -385,6 +385,17 @@ def test_a_bad_config_json_fails_the_load_in_one_line_and_the_index_says_why(ser
     requests.post(f"{served['url']}/v2/repository/models/bad/unload")  # forgets the failure
 
 
+def test_a_bad_config_json_at_start_is_one_line_naming_the_file(tmp_path, capsys, dense_export):
+    base = dense_export(str(tmp_path))
+    with open(os.path.join(base, "config.json"), "w") as f:
+        f.write('{"response_cache": {"enable": "yes"}}')
+    argv = ["serve", f"--model_base_path={base}", f"--port={fx.free_port()}"]
+    assert command.main(argv, env={}) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert f"{base}/config.json: response_cache.enable must be true or false" in err[0], err
+
+
 # ----------------------------------------------------------------------------- in-process
 def _control(base: str, mode: str, drain_s: float = 60.0):
     """A real core, registry and control over the dense export at ``base`` (model "m")."""

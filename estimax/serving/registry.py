@@ -277,7 +277,12 @@ class ModelRegistry:
             before = old.get(name)
             if before is None:
                 manager = self._make(config)
-                self.core.add(manager)
+                try:
+                    self.core.add(manager)
+                except ValueError as e:  # its config.json (estimax.serving.model_settings)
+                    del served[name]
+                    refused.append(f"model {name!r} not added: {e}")
+                    continue
                 manager.start()  # its first poll loads the policy's versions
                 self.core.name = self.core.name or name
                 changes.append(f"added model {name} from {config.base_path}")
@@ -319,7 +324,10 @@ class ModelRegistry:
         except (OSError, ValueError) as e:
             return f"model {name!r}: new base_path {config.base_path}: {e}; {keeps}"
         manager = self._make(config)
-        model = self.core.prepare(manager)
+        try:
+            model = self.core.prepare(manager)
+        except ValueError as e:  # its config.json (estimax.serving.model_settings)
+            return f"model {name!r}: new base_path {config.base_path}: {e}; {keeps}"
         manager.poll()  # loads the new path's versions while the old ones serve
         if not manager.ready():
             errors = [f"version {s.version}: {s.error}" for s in manager.states() if s.error]
