@@ -385,7 +385,24 @@ def test_a_bad_config_json_fails_the_load_in_one_line_and_the_index_says_why(ser
     requests.post(f"{served['url']}/v2/repository/models/bad/unload")  # forgets the failure
 
 
-def test_a_bad_config_json_at_start_is_one_line_naming_the_file(tmp_path, capsys, dense_export):
+@pytest.fixture
+def kept_logging():
+    """The logging set-up as it was after the test: a start that got as far as configuring the
+    server's logging leaves handlers on capsys's stream, closed once the test ends."""
+    import logging
+
+    root, access = logging.getLogger(), logging.getLogger("estimax.serving.access")
+    saved = (root.handlers[:], root.level, access.handlers[:], access.propagate, access.level)
+    yield
+    root.handlers[:], access.handlers[:] = saved[0], saved[2]
+    root.setLevel(saved[1])
+    access.propagate = saved[3]
+    access.setLevel(saved[4])
+
+
+def test_a_bad_config_json_at_start_is_one_line_naming_the_file(
+    tmp_path, capsys, dense_export, kept_logging
+):
     base = dense_export(str(tmp_path))
     with open(os.path.join(base, "config.json"), "w") as f:
         f.write('{"response_cache": {"enable": "yes"}}')
