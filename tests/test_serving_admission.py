@@ -15,6 +15,7 @@ import asyncio
 import base64
 import concurrent.futures
 import dataclasses
+import json
 import os
 import shutil
 import threading
@@ -312,6 +313,113 @@ def test_priorities_reorder_a_saturated_queue(served):
     pool.shutdown()
 
 
+@pytest.fixture(scope="module")
+def own_levels(served, tmp_path_factory, dense_export):
+    """Model d, 5 levels of its own and its default the lowest, from its base path's
+    config.json (Triton's JSON names); a, b and c keep the server's 3 levels, default 2."""
+    base = dense_export(str(tmp_path_factory.mktemp("own_levels")))
+    with open(os.path.join(base, "config.json"), "w") as f:
+        json.dump({"dynamic_batching": {"priority_levels": 5, "default_priority_level": 5}}, f)
+    manager = ModelManager("d", base, [1], poll_wait_seconds=0)
+    served.core.add(manager)
+    manager.start()
+    served.valves["d"] = Valve()
+    servable = manager.get()
+    servable.run = served.valves["d"].wrap(servable.run)
+    yield "d"
+    manager.stop()
+
+
+def test_a_models_own_priority_levels_order_its_queue_and_the_others_keep_the_server_default(
+    served, own_levels
+):
+    config = requests.get(f"{served.url}/v2/models/d/config", timeout=30).json()
+    assert config["parameters"]["priority_levels"] == {"string_value": "5"}
+    assert config["parameters"]["default_priority_level"] == {"string_value": "5"}
+    other = requests.get(f"{served.url}/v2/models/b/config", timeout=30).json()
+    assert other["parameters"]["priority_levels"] == {"string_value": "3"}
+    assert other["parameters"]["default_priority_level"] == {"string_value": "2"}
+    # Level 5 is d's own: b (3 levels) refuses it, over REST and gRPC, before any work.
+    refused = post(served, "b", 1, priority=5)
+    assert refused.status_code == 400 and "give 1 (highest) to 3" in refused.json()["error"]
+    pb, stub = grpc_v2(served)
+    request = grpc_request(pb, "b", served.images[:1])
+    request.parameters["priority"].int64_param = 5
+    with pytest.raises(grpc.RpcError) as e:
+        stub.ModelInfer(request, timeout=60)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert post(served, "d", 1, priority=6).status_code == 400
+    valve, pool, first = hold(served, "d")
+    try:
+        queued = []
+        # A request of level 5, one of no priority (d's default: 5), then levels 4 and 1.
+        for n, parameters in ((2, {"priority": 5}), (3, {}), (4, {"priority": 4})):
+            queued.append(pool.submit(post, served, "d", n, **parameters))
+            wait(lambda n=n: waiting(served, "d") == n - 1, f"request {n} to queue")
+        request = grpc_request(pb, "d", served.images[:5])
+        request.parameters["priority"].int64_param = 1  # gRPC takes d's levels too
+        queued.append(pool.submit(stub.ModelInfer, request, timeout=120))
+        wait(lambda: waiting(served, "d") == 4, "the level-1 request to queue")
+    finally:
+        valve.open.set()
+    assert first.result().status_code == 200
+    assert [f.result().status_code for f in queued[:3]] == [200] * 3
+    assert queued[3].result().model_name == "d"
+    # Level 1, then 4, then the two of level 5 (the default one among them) as they came.
+    assert valve.sizes[-5:] == [1, 5, 4, 2, 3]
+    pool.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{not json", "config.json: not JSON"),
+        ('{"bogus": 1}', "config.json: unknown fields ['bogus']"),
+        ('{"response_cache": {"enable": 1}}', "response_cache.enable must be true or false"),
+        ('{"response_cache": true}', 'response_cache must be {"enable": true}'),
+        ('{"dynamic_batching": {"priority_levels": 0}}', "priority_levels must be an integer >= 1"),
+        ('{"dynamic_batching": {"priority_levels": "x"}}', "priority_levels must be an integer"),
+        (
+            '{"dynamic_batching": {"priority_levels": 2, "default_priority_level": 3}}',
+            "default_priority_level=3 is outside its priority_levels=2",
+        ),
+    ],
+)
+def test_a_bad_config_json_in_a_base_path_is_one_line_naming_it(tmp_path, text, message):
+    from estimax.serving.core import ServingCore
+
+    (tmp_path / "config.json").write_text(text)
+    core = ServingCore([], ServerOptions(access_log=False))
+    with pytest.raises(ValueError) as e:
+        core.prepare(ModelManager("m", str(tmp_path), [1], poll_wait_seconds=0))
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert str(tmp_path / "config.json") in str(e.value) or "model 'm'" in str(e.value)
+
+
+def test_the_settings_sources_override_in_order():
+    from estimax.serving import model_settings
+
+    options = ServerOptions(
+        priority_levels=3, default_priority_level=2, response_cache_models=("m",)
+    )
+    assert model_settings.resolve("m", options) == model_settings.ModelSettings(True, 3, 2)
+    assert not model_settings.resolve("n", options).response_cache
+    file = {"response_cache": False, "priority_levels": 5}
+    override = {"response_cache": True}
+    # The override's field wins over the file's, the file's over the server's flags.
+    assert model_settings.resolve("m", options, {}, file) == model_settings.ModelSettings(
+        False, 5, 2
+    )
+    assert model_settings.resolve("m", options, override, file).response_cache
+    # Levels alone: the server's default level, or the model's lowest if that is beyond them.
+    assert model_settings.resolve("m", options, {"priority_levels": 1}).default_priority_level == 1
+    # Triton's JSON writes uint64 as strings; a config read back parses again.
+    parsed = model_settings.parse(
+        {"dynamic_batching": {"priority_levels": "4", "default_priority_level": "1"}}, "x"
+    )
+    assert parsed == {"priority_levels": 4, "default_priority_level": 1}
+
+
 def test_aging_lets_a_low_request_overtake_newer_high_ones():
     """The no-starvation rule: one level better per aging step waited (stand-in clock)."""
     now = [0.0]
@@ -443,15 +551,18 @@ def test_the_cache_key_is_the_inputs_content_and_random_models_are_never_cached(
         response_cache.request_key("m", 1, "/p/1", {"x": x["x"] + 1}),
     ):
         assert other != key
-    cache = response_cache.ResponseCache(("m",), max_bytes=200)
+    cache = response_cache.ResponseCache(max_bytes=200)
     drawn = record_lib.ExportRecord.from_json(
         {"format": record_lib.SERVING_FORMAT, "random": True}, "serving.json"
     )
     assert drawn.random and drawn.to_json()["random"] is True
-    assert not cache.caches("m", types.SimpleNamespace(record=drawn))
+    assert not cache.caches(True, types.SimpleNamespace(record=drawn))  # enabled: still not
     plain = dataclasses.replace(drawn, random=False)
-    assert cache.caches("m", types.SimpleNamespace(record=plain))
-    assert not cache.caches("other", types.SimpleNamespace(record=plain))
+    assert cache.caches(True, types.SimpleNamespace(record=plain))
+    assert not cache.caches(False, types.SimpleNamespace(record=plain))  # not enabled
+    assert not response_cache.ResponseCache(max_bytes=0).caches(
+        True, types.SimpleNamespace(record=plain)
+    )
     # The bound: the least recently used answer goes first.
     for i in range(3):
         cache.put("m", bytes([i]), {"y": np.zeros(10, np.float32)})  # 40 + 64 bytes each

@@ -220,6 +220,18 @@ def test_a_failed_load_keeps_the_old_state_and_the_index_says_why(served):
         ('{"name": "other"}', "name 'other' is not 'b'"),
         ('{"version_policy": {"latest": {"num_versions": 0}}}', "must be an integer >= 1"),
         ('{"version_policy": {"newest": {}}}', "version_policy must be one of"),
+        ('{"dynamic_batching": {"priority_levels": 0}}', "priority_levels must be an integer >= 1"),
+        ('{"dynamic_batching": {"priority_levels": "x"}}', "priority_levels must be an integer"),
+        (
+            '{"dynamic_batching": {"priority_levels": 2, "default_priority_level": 3}}',
+            "default_priority_level=3 is outside its priority_levels=2",
+        ),
+        (  # the server's 3 levels, when the override gives none
+            '{"dynamic_batching": {"default_priority_level": 4}}',
+            "default_priority_level=4 is outside its priority_levels=3",
+        ),
+        ('{"response_cache": {"enable": "yes"}}', "response_cache.enable must be true or false"),
+        ('{"response_cache": true}', 'response_cache must be {"enable": true}'),
     ],
 )
 def test_an_invalid_config_override_is_one_line(served, config, why):
@@ -241,6 +253,164 @@ def test_loading_an_unknown_model_is_not_found(served):
         triton_grpc.InferenceServerClient(served["grpc"]).load_model("nope")
     r = requests.post(f"{served['url']}/v2/repository/models/nope/unload")
     assert r.status_code == 404 and "no such model" in r.json()["error"]
+
+
+def _metric(served, name: str, **labels) -> float:
+    """A Prometheus sample's value from /metrics (0 if absent)."""
+    text = requests.get(served["url"] + "/metrics", timeout=30).text
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{{want}}} "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def _config_of(served, name: str) -> dict:
+    return requests.get(f"{served['url']}/v2/models/{name}/config", timeout=30).json()
+
+
+CACHE = "estimax_serving_response_cache_total"
+
+
+def test_a_load_override_turns_one_models_cache_on_and_sets_its_levels(served):
+    http = triton_http.InferenceServerClient(served["url"][7:])
+    rpc = triton_grpc.InferenceServerClient(served["grpc"])
+    override = {
+        "response_cache": {"enable": True},
+        "dynamic_batching": {"priority_levels": 4, "default_priority_level": 1},
+    }
+    http.load_model("c", config=json.dumps(override))
+    try:
+        config = _config_of(served, "c")
+        assert config["response_cache"] == {"enable": True}
+        assert config["parameters"]["response_cache"] == {"string_value": "on"}
+        assert config["parameters"]["priority_levels"] == {"string_value": "4"}
+        assert config["parameters"]["default_priority_level"] == {"string_value": "1"}
+        other = _config_of(served, "a")  # the server's defaults: no cache, 3 levels
+        assert not other["response_cache"].get("enable", False)
+        assert other["parameters"]["response_cache"]["string_value"].startswith("off: not enabled")
+        assert other["parameters"]["priority_levels"] == {"string_value": "3"}
+        # Over REST, then gRPC: the repeat is a hit with the same bytes.
+        for client, module in ((http, triton_http), (rpc, triton_grpc)):
+            hits = _metric(served, CACHE, model_name="c", result="hit")
+            x = module.InferInput("image_bytes", [1], "BYTES")
+            x.set_data_from_numpy(np.array([IMAGES[1]], dtype=object))
+            one = client.infer("c", [x]).as_numpy("probabilities")
+            two = client.infer("c", [x]).as_numpy("probabilities")
+            assert one.tobytes() == two.tobytes()
+            assert _metric(served, CACHE, model_name="c", result="hit") >= hits + 1
+        for _ in range(2):
+            _infer(http, "a", triton_http)
+        assert _metric(served, CACHE, model_name="a", result="miss") == 0  # never looked up
+        # c's 4th level is its own; a keeps the server's 3.
+        x = triton_http.InferInput("image_bytes", [1], "BYTES")
+        x.set_data_from_numpy(np.array([IMAGES[0]], dtype=object))
+        assert http.infer("c", [x], priority=4).as_numpy("classes").shape == (1,)
+        with pytest.raises(InferenceServerException, match="give 1 .highest. to 3"):
+            http.infer("a", [x], priority=4)
+        # A load without an override takes the repository's config again (Triton's way).
+        http.load_model("c")
+        assert not _config_of(served, "c")["response_cache"].get("enable", False)
+    finally:
+        http.unload_model("c")
+
+
+class _Copied:
+    """Stands in for a trained Estimator whose export is ``source`` (a real export's folder):
+    ``export_version`` publishes it, writing its own ``serving.json``."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def export_saved_model(self, parent, serving_input_fn, checkpoint_path=None, platforms=None):
+        import shutil
+
+        out = os.path.join(parent, "export")
+        shutil.copytree(self.source, out)
+        return out
+
+
+def test_a_version_declaring_random_answers_is_never_cached(served, tmp_path):
+    from estimax import export
+    from estimax.export import record as record_lib
+
+    base = str(tmp_path / "drawn")
+    path = export.export_version(
+        _Copied(os.path.join(served["models"]["a"], "1")),
+        base,
+        preprocessing=export.resnet_eval(fx.IMAGE_SIZE),
+        random=True,
+    )
+    assert record_lib.read(path).random
+    http = triton_http.InferenceServerClient(served["url"][7:])
+    override = {"base_path": base, "response_cache": {"enable": True}}
+    http.load_model("drawn", config=json.dumps(override))  # asks for the cache: refused
+    try:
+        for _ in range(2):
+            _infer(http, "drawn", triton_http)
+        for result in ("hit", "miss"):
+            assert _metric(served, CACHE, model_name="drawn", result=result) == 0
+        config = _config_of(served, "drawn")
+        assert not config["response_cache"].get("enable", False)
+        reason = "off: this version declares random answers (serving.json)"
+        assert config["parameters"]["response_cache"] == {"string_value": reason}
+        for over in ("http", "grpc"):
+            (entry,) = _index(served, over)["drawn"]
+            assert entry["state"] == "READY" and entry["reason"] == f"response cache {reason}"
+        with open(served["log"]) as f:
+            lines = [line for line in f if "declares random answers" in line]
+        assert len(lines) == 1 and "Model drawn: version 1" in lines[0], lines
+    finally:
+        http.unload_model("drawn")
+
+
+def test_a_bad_config_json_fails_the_load_in_one_line_and_the_index_says_why(served, tmp_path):
+    import shutil
+
+    base = tmp_path / "bad"
+    shutil.copytree(os.path.join(served["models"]["a"], "1"), base / "1")
+    (base / "config.json").write_text('{"dynamic_batching": {"priority_levels": 0}}')
+    override = json.dumps({"base_path": str(base)})
+    r = requests.post(
+        f"{served['url']}/v2/repository/models/bad/load", json={"parameters": {"config": override}}
+    )
+    error = r.json()["error"]
+    assert r.status_code == 400 and "\n" not in error
+    assert f"{base}/config.json: dynamic_batching.priority_levels must be an integer" in error
+    entries = _index(served)["bad"]
+    assert all(e["state"] == "UNAVAILABLE" for e in entries)
+    assert any(
+        e["reason"].startswith("load failed: ") and "config.json" in e["reason"] for e in entries
+    )
+    requests.post(f"{served['url']}/v2/repository/models/bad/unload")  # forgets the failure
+
+
+@pytest.fixture
+def kept_logging():
+    """The logging set-up as it was after the test: a start that got as far as configuring the
+    server's logging leaves handlers on capsys's stream, closed once the test ends."""
+    import logging
+
+    root, access = logging.getLogger(), logging.getLogger("estimax.serving.access")
+    saved = (root.handlers[:], root.level, access.handlers[:], access.propagate, access.level)
+    yield
+    root.handlers[:], access.handlers[:] = saved[0], saved[2]
+    root.setLevel(saved[1])
+    access.propagate = saved[3]
+    access.setLevel(saved[4])
+
+
+def test_a_bad_config_json_at_start_is_one_line_naming_the_file(
+    tmp_path, capsys, dense_export, kept_logging
+):
+    base = dense_export(str(tmp_path))
+    with open(os.path.join(base, "config.json"), "w") as f:
+        f.write('{"response_cache": {"enable": "yes"}}')
+    argv = ["serve", f"--model_base_path={base}", f"--port={fx.free_port()}"]
+    assert command.main(argv, env={}) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert f"{base}/config.json: response_cache.enable must be true or false" in err[0], err
 
 
 # ----------------------------------------------------------------------------- in-process
@@ -346,11 +516,48 @@ def test_serve_refuses_a_model_name_that_is_not_url_safe_naming_the_entry(tmp_pa
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "config 1: model name '../../etc' is not URL-safe" in err[0], err
     assert "it holds '/'" in err[0]
-    for bad in ("a/b", "a\\b", "/", ".", ".."):
+    for bad in (*BAD_NAMES, "a/b", "a\\b", "/", ".", "..", "...", "-x", "", "a\nb"):
         with pytest.raises(registry.ConfigError, match="not URL-safe"):
             registry.check_name(bad, "x")
-    for good in ("efficientnet-b1.v2_x~", "modèle 2", "a?b", "..."):  # clients escape them
+    for good in ("efficientnet-b1.v2_x~", "a", "9", "Model_2.1"):
         registry.check_name(good, "x")
+
+
+BAD_NAMES = ("../../etc", "a b", "a?b", "a%2Fb", "modèle")
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--model_base_path={base}", "--model_name=a b"],
+        ["--model_config_file={config}", "--model_control_mode=explicit", "--load_model=a?b"],
+        ["--model_config_file={config}", "--model_control_mode=explicit", "--load_model=modèle"],
+    ],
+)
+def test_every_flag_naming_a_model_takes_the_one_name_rule(tmp_path, capsys, flags):
+    config = tmp_path / "models.config"
+    config.write_text(_config({"ok": str(tmp_path)}))
+    argv = ["serve", "--port=0", *(f.format(base=tmp_path, config=config) for f in flags)]
+    assert command.main(argv, env={}) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not URL-safe" in err[0], err
+    assert "--model_name: model name 'a b'" in err[0] or "--load_model: model name" in err[0]
+
+
+def test_a_v2_load_of_a_name_that_is_not_url_safe_is_refused(served):
+    grpc_client = triton_grpc.InferenceServerClient(served["grpc"])
+    config = json.dumps({"base_path": served["models"]["a"]})
+    for name in BAD_NAMES:  # gRPC carries the name as it is
+        with pytest.raises(InferenceServerException, match="INVALID_ARGUMENT") as e:
+            grpc_client.load_model(name, config=config)
+        assert "is not URL-safe" in str(e.value), (name, str(e.value))
+    for escaped in ("a%20b", "a%3Fb", "mod%C3%A8le", "a%252Fb"):  # REST: the name decoded
+        r = requests.post(
+            f"{served['url']}/v2/repository/models/{escaped}/load",
+            json={"parameters": {"config": config}},
+        )
+        assert r.status_code == 400 and "is not URL-safe" in r.json()["error"], (escaped, r.text)
+    assert not set(BAD_NAMES) & set(_index(served))  # none was served
 
 
 def test_load_model_needs_explicit_mode_and_a_known_model(tmp_path, capsys, dense_export):

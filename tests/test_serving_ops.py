@@ -329,6 +329,8 @@ def test_triton_statistics_and_model_config_over_http_and_grpc(served):
     assert config["dynamic_batching"] == {
         "preferred_batch_size": [1, 2],
         "max_queue_delay_microseconds": 2000,
+        "priority_levels": 3,  # the model's effective levels (#53): the server's defaults
+        "default_priority_level": 2,
     }
     extensions = http.get_server_metadata()["extensions"]
     assert {"statistics", "model_configuration", "classification"} <= set(extensions)

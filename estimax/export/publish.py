@@ -63,6 +63,7 @@ def export_version(
     class_names: Sequence[str] | None = None,
     pixel_tolerance: float = skew.DEFAULT_PIXEL_TOLERANCE,
     warmup_requests: Sequence[Any] | None = None,
+    random: bool = False,
 ) -> str:
     """Exports ``estimator``'s model as the next version under ``model_base_path``.
 
@@ -110,6 +111,9 @@ def export_version(
         input name). Each is run through the export first (one the export refuses is a
         ValueError naming it, and nothing is published); the file is published with the
         version, never after it.
+      random: the model's answers are drawn (sampling, dropout kept at serving): written as
+        ``"random": true`` in ``serving.json``, and a server never answers it from its response
+        cache, whatever the model's config asks (``estimax.serving.response_cache``).
 
     Returns:
       The published version directory.
@@ -147,6 +151,7 @@ def export_version(
             preprocessing=preprocessing.to_json() if preprocessing else None,
             top_k=int(top_k) if top_k is not None else None,
             class_names=_checked_names(export_dir, class_names),
+            random=bool(random),
         )
         # serving.json marks a version published: in the staging directory (not a numeric
         # name, so never listed) it is harmless; uploads to object stores send it last.

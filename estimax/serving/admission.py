@@ -11,15 +11,17 @@ never ran for it, or ``running``, it ran but the answer came too late). Triton a
 timeout ``UNAVAILABLE``; TF Serving, whose shapes the issue asks for, answers a deadline 504 /
 ``DEADLINE_EXCEEDED``, which is also what a gRPC client's own deadline reports.
 
-**Priorities.** Triton's levels: ``--priority_levels=N`` levels, 1 the highest; a request's
-``parameters.priority`` 0 (or none) takes ``--default_priority_level``. A value that is not an
-integer, negative, or above ``N`` is refused (400 / ``INVALID_ARGUMENT``, one line; Triton maps
-an out-of-range priority to the default silently, which hides a client's mistake). The level
-orders each model's batching queue and each model's wait for its share of the run threads.
+**Priorities.** Triton's levels: ``N`` levels, 1 the highest, per model (its config's
+``dynamic_batching.priority_levels``, else ``--priority_levels``;
+``estimax.serving.model_settings``); a request's ``parameters.priority`` 0 (or none) takes the
+model's default level (``default_priority_level``, else ``--default_priority_level``). A value that
+is not an integer, negative, or above ``N`` is refused (400 / ``INVALID_ARGUMENT``, one line;
+Triton maps an out-of-range priority to the default silently, which hides a client's mistake). The
+level orders each model's batching queue and each model's wait for its share of the run threads.
 **No starvation (aging):** a waiting request's effective level rises one level per
-``--priority_aging_ms`` waited, and ties go to the older request, so no request arriving more
-than ``(N - 1) x --priority_aging_ms`` after a request of the lowest level goes ahead of it: only
-the finitely many that came before then can, and it is never starved.
+``--priority_aging_ms`` waited, and ties go to the older request, so no request arriving more than
+``(N - 1) x --priority_aging_ms`` after a request of the lowest level goes ahead of it: only the
+finitely many that came before then can, and it is never starved.
 
 **Sharing between models** (Triton's rate limiter, simplified): ``--max_concurrent_per_model=K``
 lets each model hold at most ``K`` of the shared run threads (``--num_batch_threads``) at once,
@@ -132,7 +134,7 @@ def parse_priority(value: Any, levels: int) -> int:
         raise ApiError(
             400,
             f"parameters.priority={priority} is out of range: give 1 (highest) to {levels} "
-            "(--priority_levels), or 0 for the model's default level",
+            "(the model's priority_levels), or 0 for the model's default level",
         )
     return priority
 

@@ -392,12 +392,14 @@ FLAGS: tuple[Flag, ...] = (
     # Admission and the response cache (estimax.serving.admission, .response_cache).
     Flag(
         ("--priority_levels",),
-        "request priority levels (v2 parameters.priority: 1 the highest; 0 the default level)",
+        "request priority levels (v2 parameters.priority: 1 the highest; 0 the default level); "
+        "the default of models whose config gives no dynamic_batching.priority_levels",
         field="priority_levels",
     ),
     Flag(
         ("--default_priority_level",),
-        "the level of a request that gives no priority",
+        "the level of a request that gives no priority (a model's "
+        "dynamic_batching.default_priority_level wins)",
         field="default_priority_level",
     ),
     Flag(
@@ -414,8 +416,10 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         ("--response_cache_models",),
-        "comma-separated models whose answers are cached (identical inputs, same version); "
-        'a version declaring "random": true in serving.json is never cached',
+        "comma-separated models whose answers are cached (identical inputs, same version), "
+        "unless a model's config (BASE_PATH/config.json, a load's override) sets "
+        'response_cache.enable; a version declaring "random": true in serving.json is never '
+        "cached",
         _names,
         field="response_cache_models",
     ),
@@ -760,7 +764,12 @@ def _control_mode(args: argparse.Namespace, configs: list[Any]) -> tuple[str, li
             "would undo the load and unload calls; give --model_control_mode=poll to watch "
             "the file, or no poll"
         )
+    from estimax.serving.registry import check_name
+
     names = {c.name for c in configs}
+    for name in wanted:
+        if name != "*":
+            check_name(name, "--load_model")
     unknown = [n for n in wanted if n != "*" and n not in names]
     if unknown:
         raise ValueError(

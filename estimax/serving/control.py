@@ -40,9 +40,11 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from estimax.serving import model_settings
 from estimax.serving.batching import BatchingOptions
 from estimax.serving.core import ServingCore
 from estimax.serving.manager import VersionPolicy
+from estimax.serving.options import ServerOptions
 from estimax.serving.protocol import ApiError, cut
 from estimax.serving.registry import ConfigError, ModelConfig, ModelRegistry, check_name
 
@@ -62,7 +64,14 @@ _STATES = {
 }
 # The config override's fields: ours, then those ``GET /v2/models/NAME/config`` answers
 # (accepted and ignored, so that a config read back can be sent again).
-_OVERRIDE_FIELDS = ("name", "base_path", "version_policy", "version_labels", "dynamic_batching")
+_OVERRIDE_FIELDS = (
+    "name",
+    "base_path",
+    "version_policy",
+    "version_labels",
+    "dynamic_batching",
+    "response_cache",
+)
 _IGNORED_FIELDS = ("platform", "backend", "max_batch_size", "input", "output", "parameters")
 
 
@@ -73,10 +82,13 @@ class Override:
     Attributes:
       config: the model's config with the override's fields applied.
       batch_timeout_micros: ``dynamic_batching.max_queue_delay_microseconds``, if given.
+      settings: the per-model settings it gives (``model_settings.parse``: ``response_cache``,
+        ``priority_levels``, ``default_priority_level``), over the model's ``config.json``.
     """
 
     config: ModelConfig
     batch_timeout_micros: int | None = None
+    settings: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class ModelControl:
@@ -142,7 +154,11 @@ class ModelControl:
             else:
                 states = model.manager.states()
                 for s in states:
-                    entries.append(_entry(name, str(s.version), _STATES[s.state], s.error))
+                    reason = s.error
+                    if s.state == "AVAILABLE" and model.settings.response_cache:
+                        cache = self.core.cache_state(model, s.servable)
+                        reason = reason or ("" if cache == "on" else f"response cache {cache}")
+                    entries.append(_entry(name, str(s.version), _STATES[s.state], reason))
                 if not states:
                     why = model.manager.last_poll_error or (
                         f"no version in base_path {model.manager.base_path} yet; the model "
@@ -187,7 +203,9 @@ class ModelControl:
         """
         self.check_allowed("load", name)
         parameters = parameters or {}
-        override = parse_override(name, parameters.get("config"), self._base(name))
+        override = parse_override(
+            name, parameters.get("config"), self._base(name), self.core.options
+        )
         with self._lock_of(name):
             return self._load(name, override)
 
@@ -201,7 +219,14 @@ class ModelControl:
         action = "reload" if reloaded else "load"
         start = time.perf_counter()
         manager = self.registry.new_manager(config)
-        model = self.core.prepare(manager, _batching(self.core, override))
+        try:
+            model = self.core.prepare(manager, _batching(self.core, override), override.settings)
+        except ValueError as e:  # its config.json, or its levels with the override's
+            self.failures[name] = ("", f"load failed: {e}")
+            self.core.metrics.control(action, name, ok=False)
+            kept = "the previous state serves on" if reloaded else "it is not served"
+            log.warning("model control: %s of model %r failed: %s; %s", action, name, e, kept)
+            raise ApiError(400, f"failed to load {name!r}: {e}; {kept}") from None
         manager.poll()  # reads, compiles, checks and warms while the served model answers
         labels = self._labels(config, manager)
         if not manager.ready() or labels:
@@ -331,13 +356,20 @@ def _batching(core: ServingCore, override: Override) -> BatchingOptions | None:
     )
 
 
-def parse_override(name: str, text: Any, base: ModelConfig | None) -> Override:
-    """A load's ``parameters.config`` (JSON text of a model config, Triton's) over ``base``.
+def parse_override(
+    name: str, text: Any, base: ModelConfig | None, options: ServerOptions | None = None
+) -> Override:
+    """A load's ``parameters.config`` (JSON text of a model config, Triton's) over ``base``;
+    ``options``: the server's (their priority levels are the defaults of the override's).
 
     Raises:
       ApiError: 400 for an override that is not a JSON object of known fields of the right
         types; 404 for a model with no ``base`` and no ``base_path`` in the override.
     """
+    try:
+        check_name(name, "failed to load")  # one rule for every name (registry.check_name)
+    except ConfigError as e:
+        raise ApiError(400, str(e)) from None
     where = f"failed to load {cut(name)!r}: parameters.config"
     fields: dict[str, Any] = {}
     if text is not None:
@@ -370,10 +402,6 @@ def parse_override(name: str, text: Any, base: ModelConfig | None) -> Override:
                 f"failed to load {cut(name)!r}: no such model in the repository (give its "
                 "base_path in parameters.config to add it)",
             )
-        try:
-            check_name(name, "failed to load")
-        except ConfigError as e:
-            raise ApiError(400, str(e)) from None
         base = ModelConfig(name, base_path)
     config = base
     if base_path is not None:
@@ -383,23 +411,22 @@ def parse_override(name: str, text: Any, base: ModelConfig | None) -> Override:
     if "version_labels" in fields:
         config = dataclasses.replace(config, labels=_labels(fields["version_labels"], where))
     timeout = None
+    try:
+        settings = model_settings.parse(
+            fields, where, batching_also=("max_queue_delay_microseconds", "preferred_batch_size")
+        )
+        # Its levels must fit together, or with the server's (the file's: at the load).
+        model_settings.resolve(name, options or ServerOptions(), settings)
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
     if "dynamic_batching" in fields:
-        batching = fields["dynamic_batching"]
-        if not isinstance(batching, dict) or set(batching) - {
-            "max_queue_delay_microseconds",
-            "preferred_batch_size",
-        }:
-            raise ApiError(
-                400,
-                f"{where}: dynamic_batching takes max_queue_delay_microseconds (an integer "
-                ">= 0); preferred_batch_size is ignored",
-            )
+        batching = fields["dynamic_batching"]  # a dict: parse checked it
         if "max_queue_delay_microseconds" in batching:
             timeout = _integer(
                 batching["max_queue_delay_microseconds"],
                 f"{where}: dynamic_batching.max_queue_delay_microseconds",
             )
-    return Override(config, timeout)
+    return Override(config, timeout, settings)
 
 
 def _integer(value: Any, where: str, least: int = 0) -> int:

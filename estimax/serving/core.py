@@ -39,7 +39,7 @@ from prometheus_client import Counter
 
 from estimax.export.servable import InvalidInput, RequestCancelled, Servable
 from estimax.export.versions import MAX_VERSION, version_number
-from estimax.serving import admission, memory, response_cache, tracking, warmup
+from estimax.serving import admission, memory, model_settings, response_cache, tracking, warmup
 from estimax.serving.batching import Batcher, BatchingOptions, QueueFullError
 from estimax.serving.manager import ModelManager, VersionPolicy, VersionState
 from estimax.serving.metrics import ServingMetrics
@@ -153,12 +153,14 @@ class ServedModel:
       labels: version label -> version (TF Serving's ``version_labels``); replaced whole.
       gate: its share of the run threads without batching (``--max_concurrent_per_model``;
         None: no cap).
+      settings: its response cache and priority levels (``estimax.serving.model_settings``).
     """
 
     manager: ModelManager
     batcher: Batcher | None
     labels: dict[str, int] = dataclasses.field(default_factory=dict)
     gate: admission.Gate | None = None
+    settings: model_settings.ModelSettings = model_settings.ModelSettings()
 
     @property
     def name(self) -> str:
@@ -205,7 +207,7 @@ class ServingCore:
         )
         # Admission (estimax.serving.admission) and the response cache, counted beside the rest.
         self.response_cache = response_cache.ResponseCache(
-            options.response_cache_models, options.response_cache_bytes, self.metrics.registry
+            options.response_cache_bytes, self.metrics.registry
         )
         self.deadlines_exceeded = Counter(
             "estimax_serving_deadline_exceeded",
@@ -241,16 +243,30 @@ class ServingCore:
         return model
 
     def prepare(
-        self, manager: ModelManager, batching: BatchingOptions | None = None
+        self,
+        manager: ModelManager,
+        batching: BatchingOptions | None = None,
+        overrides: dict[str, Any] | None = None,
     ) -> ServedModel:
         """``manager``'s model, its loads measured and warmed, its queue made; not served yet.
 
         A model whose ``base_path`` changes loads its new versions this way while the old
         model serves on (``estimax.serving.registry``), then ``publish`` swaps them.
         ``batching``: the model's own batching options (a load's config override,
-        ``estimax.serving.control``); None: the server's.
+        ``estimax.serving.control``); None: the server's. ``overrides``: the settings a
+        load's config override gives (``model_settings.parse``), over those of the model's
+        ``config.json`` and the server's flags.
+
+        Raises:
+          ValueError: the model's ``config.json`` or its settings are not valid (one line).
         """
-        manager.on_load = self.metrics.loaded
+        settings = model_settings.resolve(
+            manager.name,
+            self.options,
+            overrides or {},
+            model_settings.read_file(manager.base_path),
+        )
+        manager.on_load = functools.partial(self._loaded, manager, settings)
         if self.options.enable_model_warmup:
             manager.warmup = functools.partial(
                 warmup.replay, core=self, iterations=self.options.warmup_iterations
@@ -272,7 +288,44 @@ class ServingCore:
             if options.max_concurrent_per_model and batcher is None
             else None
         )
-        return ServedModel(manager, batcher, gate=gate)
+        return ServedModel(manager, batcher, gate=gate, settings=settings)
+
+    def _loaded(
+        self,
+        manager: ModelManager,
+        settings: model_settings.ModelSettings,
+        path: str,
+        seconds: float,
+        ok: bool,
+    ) -> None:
+        """A version's load ended: counted; one line if its model asks the cache of a version
+        that declares random answers (which is never cached)."""
+        self.metrics.loaded(path, seconds, ok)
+        if not ok or not settings.response_cache:
+            return
+        for state in manager.states():
+            if state.path == path and self.response_cache.random(state.servable):
+                log.warning(
+                    "Model %s: version %d declares random answers (serving.json): its answers "
+                    "are never cached, though the model's config enables response_cache",
+                    manager.name,
+                    state.version,
+                )
+
+    def priority_levels(self, name: str) -> int:
+        """Model ``name``'s priority levels (the server's for a model not served)."""
+        model = self.models.get(name)
+        return model.settings.priority_levels if model else self.options.priority_levels
+
+    def cache_state(self, model: ServedModel, servable: Any) -> str:
+        """Whether ``model``'s ``servable``'s answers are cached: ``"on"``, or ``"off: why"``."""
+        if not model.settings.response_cache:
+            return "off: not enabled for this model (response_cache, --response_cache_models)"
+        if self.response_cache.max_bytes <= 0:
+            return "off: --response_cache_bytes=0"
+        if self.response_cache.random(servable):
+            return "off: this version declares random answers (serving.json)"
+        return "on"
 
     def remove(self, name: str) -> ServedModel | None:
         """Stops serving ``name`` (new requests answer 404); returns it, to be closed."""
@@ -486,7 +539,8 @@ class ServingCore:
 
     def model_config(self, name: str, version: str | None) -> dict[str, Any]:
         """Triton's model configuration (``ModelConfig`` as JSON) of the model or one version."""
-        manager = self.model(name, f"Servable not found for request: Latest({cut(name)})").manager
+        model = self.model(name, f"Servable not found for request: Latest({cut(name)})")
+        manager = model.manager
         with self.servable(name, version) as servable:
             config: dict[str, Any] = {
                 "name": name,
@@ -500,11 +554,27 @@ class ServingCore:
                 "output": [_config_tensor(n, s) for n, s in servable.outputs.items()],
                 "parameters": {"global_step": {"string_value": str(servable.global_step)}},
             }
+            # The model's effective settings (estimax.serving.model_settings). Triton's
+            # config has them under dynamic_batching, given with batching only; the
+            # parameters say them in any case, and why the cache is off.
+            settings = model.settings
+            config["response_cache"] = {"enable": self.cache_state(model, servable) == "on"}
+            config["parameters"].update(
+                {
+                    "response_cache": {"string_value": self.cache_state(model, servable)},
+                    "priority_levels": {"string_value": str(settings.priority_levels)},
+                    "default_priority_level": {
+                        "string_value": str(settings.default_priority_level)
+                    },
+                }
+            )
         if self.options.enable_batching:
-            batching = self.options.batching
+            batching = model.batcher.options if model.batcher else self.options.batching
             config["dynamic_batching"] = {
                 "preferred_batch_size": list(manager.batch_sizes),
                 "max_queue_delay_microseconds": batching.batch_timeout_micros,
+                "priority_levels": settings.priority_levels,
+                "default_priority_level": settings.default_priority_level,
             }
         return config
 
@@ -569,12 +639,11 @@ class ServingCore:
         start = time.perf_counter()
         started = started if started is not None else threading.Event()
         model = self.models.get(record.model)
-        level = admission.level_of(
-            admission.current().priority, self.options.default_priority_level
-        )
+        settings = model.settings if model is not None else model_settings.ModelSettings()
+        level = admission.level_of(admission.current().priority, settings.default_priority_level)
         # A cached model's answer may come from memory, a capped model waits for its share
         # first: neither takes a run thread before it knows it runs.
-        cached = self.response_cache.caches(record.model, servable)
+        cached = self.response_cache.caches(settings.response_cache, servable)
         if (
             (model is None or (model.batcher is None and model.gate is None))
             and not cached

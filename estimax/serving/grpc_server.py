@@ -404,7 +404,7 @@ class InferenceService(grpc_v2.GRPCInferenceServiceServicer):
             for k in ("priority", "timeout")
             if k in request.parameters
         }
-        ticket = admission.v2_ticket(parameters, self.core.options.priority_levels)
+        ticket = admission.v2_ticket(parameters, self.core.priority_levels(request.model_name))
         with (
             admission.use(ticket),
             self.core.servable(request.model_name, request.model_version or None) as servable,

@@ -32,10 +32,10 @@ at each poll. A model whose version policy changes keeps its loaded versions and
 policy at once.
 
 A file that is not a regular file (a FIFO, a device such as ``/dev/zero``, directly or through a
-symlink) or is larger than ``MAX_CONFIG_BYTES`` is refused unread. A model name holding a
-control character (CR, LF, ESC...) is refused, in the file and in ``HandleReloadConfigRequest``:
-it would forge the server's log lines. Reading a config is linear in its models (20,000 models:
-a fraction of a second).
+symlink) or is larger than ``MAX_CONFIG_BYTES`` is refused unread. A model name that is not
+URL-safe (``check_name``: ASCII letters, digits, ``_.-~``, beginning with a letter or a digit) is
+refused in one line naming its config entry, in the file and in ``HandleReloadConfigRequest``.
+Reading a config is linear in its models (20,000 models: a fraction of a second).
 
 Version labels follow TF Serving's rule: a label may only name a version that is available
 (loaded, checked and warmed), unless ``--allow_version_labels_for_unavailable_models`` is given,
@@ -57,6 +57,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import stat
 import threading
 from collections.abc import Callable, Sequence
@@ -140,39 +141,40 @@ def models_of(config: Any, where: str) -> list[ModelConfig]:
 
 
 def check_name(name: str, where: str) -> None:
-    """Raises ConfigError (naming ``where``) for a model name no URL can address, or one
-    holding a control character.
+    """Raises ConfigError (naming ``where``) for a model name that is not URL-safe.
 
-    A name is printed in the server's log and in answers: CR/LF would forge log lines, ESC
-    drive the reader's terminal (refused as a control character). A name is also a path
-    segment (``/v1/models/NAME:predict``, ``/v2/models/NAME/infer``): one holding ``/`` (even
-    sent as ``%2F``, the server decodes it before routing) or ``\\`` (which URL parsers turn
-    into ``/``), such as ``../../etc``, or ``.``/``..`` alone (dot segments, which URL clients
-    resolve away), would be served under a name no URL addresses. Other printable names
-    (letters of any script, spaces, ``?``, ``#``...) are served: clients percent-encode them.
+    The one rule for every name (``--model_config_file``, ``--model_name``, ``--load_model``,
+    ``HandleReloadConfigRequest``, a v2 load): ``NAME_RULE``, RFC 3986's unreserved characters
+    (ASCII letters, digits, ``_``, ``.``, ``-``, ``~``), beginning with a letter or a digit.
+    A name is a path segment (``/v1/models/NAME:predict``, ``/v2/models/NAME/infer``) that
+    every client writes unescaped: ``/`` or ``\\`` (even sent as ``%2F``: the server decodes it
+    before routing), ``.``/``..`` (dot segments URL clients resolve away) would serve a model
+    no URL addresses (``../../etc``); a space, ``?``, ``#``, ``%``, a control character (which
+    would forge the server's log lines) or a letter outside ASCII must be escaped by each
+    client, and some do not. Kubernetes' and Triton's model names fit the rule.
     """
-    if not name.isprintable():
-        raise ConfigError(
-            f"{where}: model name {name!r} holds a control character (CR, LF, ESC or another "
-            "non-printable one); give a name of printable characters"
-        )
-    # No comparison of the name itself (a config of 20,000 names is checked in linear time).
-    bad = sorted(set(name) & set(_NOT_URL_SAFE))
-    if bad or (len(name) <= 2 and not name.strip(".")):
-        raise ConfigError(
-            f"{where}: model name {name!r} is not URL-safe (a name is a segment of "
-            "/v1/models/NAME:predict): "
-            + (
-                f"it holds {', '.join(repr(c) for c in bad)}"
-                if bad
-                else "'.' and '..' are no segment a URL keeps"
-            )
-            + "; give a name of letters, digits, '_', '.', '-' or '~'"
-        )
+    if _NAME.fullmatch(name):
+        return
+    bad = sorted({c for c in name if not _NAME_CHAR.fullmatch(c)})
+    if not name:
+        why = "it is empty"
+    elif not name.isprintable():  # CR/LF would forge the log's lines, ESC drive a terminal
+        why = "it holds a control character (CR, LF, ESC or another non-printable one)"
+    elif bad:
+        why = "it holds " + ", ".join(repr(c) for c in bad[:8])
+    else:
+        why = f"it begins with {name[0]!r}"
+    raise ConfigError(
+        f"{where}: model name {name[:80]!r} is not URL-safe (a name is a segment of "
+        f"/v1/models/NAME:predict): {why}; give a name of ASCII letters, digits, '_', '.', "
+        "'-' or '~', beginning with a letter or a digit"
+    )
 
 
-# What a model name may not hold: what splits a URL path into segments.
-_NOT_URL_SAFE = "/\\"
+# The model name rule (``check_name``).
+NAME_RULE = r"[A-Za-z0-9][A-Za-z0-9_.~-]*"
+_NAME = re.compile(NAME_RULE)
+_NAME_CHAR = re.compile(r"[A-Za-z0-9_.~-]")
 
 
 def _policy(policy: Any, where: str) -> VersionPolicy:
@@ -275,7 +277,12 @@ class ModelRegistry:
             before = old.get(name)
             if before is None:
                 manager = self._make(config)
-                self.core.add(manager)
+                try:
+                    self.core.add(manager)
+                except ValueError as e:  # its config.json (estimax.serving.model_settings)
+                    del served[name]
+                    refused.append(f"model {name!r} not added: {e}")
+                    continue
                 manager.start()  # its first poll loads the policy's versions
                 self.core.name = self.core.name or name
                 changes.append(f"added model {name} from {config.base_path}")
@@ -317,7 +324,10 @@ class ModelRegistry:
         except (OSError, ValueError) as e:
             return f"model {name!r}: new base_path {config.base_path}: {e}; {keeps}"
         manager = self._make(config)
-        model = self.core.prepare(manager)
+        try:
+            model = self.core.prepare(manager)
+        except ValueError as e:  # its config.json (estimax.serving.model_settings)
+            return f"model {name!r}: new base_path {config.base_path}: {e}; {keeps}"
         manager.poll()  # loads the new path's versions while the old ones serve
         if not manager.ready():
             errors = [f"version {s.version}: {s.error}" for s in manager.states() if s.error]

@@ -1,14 +1,18 @@
 """The response cache: identical requests to an opted-in model answered from memory.
 
-Opt-in per model with ``--response_cache_models=a,b`` (TF Serving's ``--model_config_file`` is a
-fixed text proto: a per-model field there would need a proto change every TF Serving client
-would then refuse), bounded for the whole server by ``--response_cache_bytes`` (least recently
-used answers evicted first). Triton's key, by content: the model, the version, and every input
+Opt-in per model, Triton's ``response_cache { enable: true }`` in the model's config: a load's
+config override or ``<base_path>/config.json`` (``estimax.serving.model_settings``), else
+``--response_cache_models=a,b`` (TF Serving's ``--model_config_file`` is a fixed text proto: a
+per-model field there would need a proto change every TF Serving client would then refuse).
+Bounded for the whole server by ``--response_cache_bytes`` (least recently used answers evicted
+first). Triton's key, by content: the model, the version, and every input
 after decoding (its name, dtype, shape and bytes, hashed with BLAKE2b); the request's
 ``priority`` and ``timeout`` change when a request runs, not what it answers, and are not part of
 the key. Never across versions (the version and its directory are in the key). A version whose
 ``serving.json`` declares ``"random": true`` (its answers are drawn, not computed) is never
-cached. Counted in Prometheus: ``estimax_serving_response_cache_total{model_name, result}``
+cached, whatever its model's config asks (said in one log line at its load, and in the
+repository index and the model's config). Counted in Prometheus:
+``estimax_serving_response_cache_total{model_name, result}``
 (``hit``, ``miss``), ``estimax_serving_response_cache_evictions_total{model_name}`` and
 ``estimax_serving_response_cache_bytes``.
 """
@@ -50,11 +54,8 @@ def _size(outputs: dict[str, np.ndarray]) -> int:
 class ResponseCache:
     """A server's answers by ``request_key``, at most ``max_bytes`` of them (LRU)."""
 
-    def __init__(
-        self, models: tuple[str, ...], max_bytes: int, registry: CollectorRegistry | None = None
-    ) -> None:
-        """Caches the answers of ``models`` only; counts in ``registry`` (Prometheus)."""
-        self.models = frozenset(models)
+    def __init__(self, max_bytes: int, registry: CollectorRegistry | None = None) -> None:
+        """Holds at most ``max_bytes`` of answers; counts in ``registry`` (Prometheus)."""
         self.max_bytes = max_bytes
         self.bytes = 0
         self._entries: collections.OrderedDict[bytes, tuple[str, dict[str, np.ndarray]]] = (
@@ -79,12 +80,15 @@ class ResponseCache:
             registry=registry,
         )
 
-    def caches(self, model: str, servable: Any) -> bool:
-        """Whether answers of ``model``'s ``servable`` are cached (opted in, not random)."""
-        if model not in self.models or self.max_bytes <= 0:
-            return False
-        record = getattr(servable, "record", None)
-        return not getattr(record, "random", False)
+    def caches(self, enabled: bool, servable: Any) -> bool:
+        """Whether answers of ``servable`` are cached: its model's config ``enabled`` the
+        cache, the cache has room, and the version does not declare random answers."""
+        return enabled and self.max_bytes > 0 and not self.random(servable)
+
+    @staticmethod
+    def random(servable: Any) -> bool:
+        """Whether ``servable`` (a version) declares random answers (``serving.json``)."""
+        return bool(getattr(getattr(servable, "record", None), "random", False))
 
     def get(self, model: str, key: bytes) -> dict[str, np.ndarray] | None:
         """The answer stored under ``key`` (counted as a hit or a miss)."""

@@ -568,7 +568,7 @@ class V2Rest:
         parameters = _parameters(body, "request")
         binary_default = _flag(parameters, "binary_data_output", "request parameters")
         # Its deadline and priority (estimax.serving.admission), checked before any work.
-        ticket = admission.v2_ticket(parameters, self.core.options.priority_levels)
+        ticket = admission.v2_ticket(parameters, self.core.priority_levels(name))
         with admission.use(ticket), self.core.servable(name, version) as servable:
             columns = await self.bodies.walk(large, self._columns, servable, body["inputs"], binary)
             wanted, as_binary, counts = self._wanted(servable, body.get("outputs"), binary_default)
