@@ -376,7 +376,7 @@ def report(rows: list[dict], driver: dict, args) -> str:
         f"{max(r['load_after'] for r in measured):.1f} during the runs. One run each; the "
         "default check (`--check=scaled`).",
         "",
-        f"Command: `{_command()}`" + (f" (Beam: `{args.beam_python}`)" if beam else ""),
+        f"Command: `{_command()}`" + (f" (Beam: `{_shown(args.beam_python)}`)" if beam else ""),
         "",
         "| engine | wall s | img/s | fixed cost s (2 images) | marginal img/s | CPU s | "
         "CPU s per image | marginal CPU s per image |",
@@ -460,6 +460,14 @@ def _command() -> str:
     """This run's command line, its Python named by its environment (``.venv-spark/...``)."""
     python = Path(sys.executable)
     return shlex.join([f"{python.parent.parent.name}/bin/{python.name}", *sys.argv])
+
+
+def _shown(path: str) -> str:
+    """``path`` relative to the repository when it is inside it (``.venv-beam/bin/python``)."""
+    try:
+        return str(Path(path).relative_to(ROOT))
+    except ValueError:
+        return path
 
 
 def _resolved(row: dict, key: str) -> bool:
