@@ -2,8 +2,9 @@
 
 The cluster (a master and two workers of one core each, JVMs started from the pyspark wheel's
 jars) is shared by this module's tests; `make test` runs them in .venv-spark (the `spark`
-phase). The command-line errors (a bad master, no pyspark, no Java) need no JVM and run in
-every venv.
+phase). It writes to local folders and to the session's GCS emulator and S3 server
+(tests/conftest.py), its workers started without their endpoints (the driver passes them on).
+The command-line errors (a bad master, no pyspark, no Java) need no JVM and run in every venv.
 """
 
 from __future__ import annotations
