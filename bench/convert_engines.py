@@ -1,5 +1,6 @@
 """estimax-convert's engines on one machine: images/s and CPU-seconds per image for the local
-process pool, Beam's FnApiRunner (when .venv-beam exists) and Spark (a standalone cluster on
+process pool, Beam's FnApiRunner (1 and 2 SDK worker processes, run with .venv-beam's Python:
+Beam's pins and JAX's do not share one environment) and Spark (a standalone cluster on
 127.0.0.1 of 1 and 2 workers, 1 core each); the driver's own cost (plan, fingerprint, manifest,
 the tasks Spark ships) at ImageNet's 1.28 M files from a synthetic listing; and from these a
 projection of ImageNet's wall time on N workers.
@@ -12,6 +13,7 @@ Python workers), sampled from /proc every 0.1 s (each process's own user+system 
 <0.1 s missed).
 
     .venv-spark/bin/python bench/convert_engines.py          # from the repository root
+    # Beam's interpreter: --beam_python (default .venv-beam/bin/python; `make venv-beam`)
 
 Writes bench/results/convert_engines.json and .md (a section per CPU kind).
 """
@@ -22,6 +24,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -228,14 +231,22 @@ def engine_rows(args, tmp: Path) -> list[dict]:
             f"spark.pyspark.python={sys.executable}",
         )
     ]
-    beam_py = ROOT / ".venv-beam" / "bin" / "python"
+    beam_py = Path(args.beam_python)
     runs = [
         ("local, 1 process", sys.executable, ["--num_workers=1"], None),
         ("local, 2 processes", sys.executable, ["--num_workers=2"], None),
     ]
     if beam_py.exists():
-        beam = ["--engine=beam", "--runner=DirectRunner", "--num_workers=2"]
-        runs.append(("Beam FnApiRunner, 2 workers", str(beam_py), beam, None))
+        beam = ["--engine=beam", "--runner=DirectRunner"]
+        runs += [
+            (
+                f"Beam FnApiRunner, {w} worker{'s' * (w > 1)}",
+                str(beam_py),
+                [*beam, f"--num_workers={w}"],
+                None,
+            )
+            for w in (1, 2)
+        ]
     runs += [
         (
             f"Spark standalone, {w} worker{'s' * (w > 1)} x 1 core",
@@ -275,7 +286,7 @@ def engine_rows(args, tmp: Path) -> list[dict]:
         )
         print(rows[-1], flush=True)
     if not beam_py.exists():
-        rows.append({"engine": "Beam FnApiRunner", "missing": "no .venv-beam (make venv-beam)"})
+        rows.append({"engine": "Beam FnApiRunner", "missing": f"no {beam_py} (make venv-beam)"})
     return rows
 
 
@@ -356,6 +367,7 @@ def _now() -> tuple[float, float]:
 
 def report(rows: list[dict], driver: dict, args) -> str:
     measured = [r for r in rows if "missing" not in r]
+    beam = any(r["engine"].startswith("Beam") for r in measured)
     lines = [
         f"# estimax-convert engines: {args.images} JPEGs (~470x354 q90) into {args.shards} shards",
         "",
@@ -363,6 +375,8 @@ def report(rows: list[dict], driver: dict, args) -> str:
         f"load average {min(r['load_before'] for r in measured):.1f}-"
         f"{max(r['load_after'] for r in measured):.1f} during the runs. One run each; the "
         "default check (`--check=scaled`).",
+        "",
+        f"Command: `{_command()}`" + (f" (Beam: `{_shown(args.beam_python)}`)" if beam else ""),
         "",
         "| engine | wall s | img/s | fixed cost s (2 images) | marginal img/s | CPU s | "
         "CPU s per image | marginal CPU s per image |",
@@ -442,6 +456,20 @@ def report(rows: list[dict], driver: dict, args) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _command() -> str:
+    """This run's command line, its Python named by its environment (``.venv-spark/...``)."""
+    python = Path(sys.executable)
+    return shlex.join([f"{python.parent.parent.name}/bin/{python.name}", *sys.argv])
+
+
+def _shown(path: str) -> str:
+    """``path`` relative to the repository when it is inside it (``.venv-beam/bin/python``)."""
+    try:
+        return str(Path(path).relative_to(ROOT))
+    except ValueError:
+        return path
+
+
 def _resolved(row: dict, key: str) -> bool:
     """Whether the full run cost more than the 2-image run (else the marginal is noise)."""
     return row[key] > row["fixed_" + key]
@@ -460,6 +488,11 @@ def main() -> None:
         "--reuse_engines",
         action="store_true",
         help="measure the driver again, keep this machine's last engine rows",
+    )
+    p.add_argument(
+        "--beam_python",
+        default=str(ROOT / ".venv-beam" / "bin" / "python"),
+        help="the Python of an environment with apache-beam (`make venv-beam`)",
     )
     args = p.parse_args()
     key = result_sections.slug(result_sections.cpu_kind())

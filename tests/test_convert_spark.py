@@ -2,8 +2,9 @@
 
 The cluster (a master and two workers of one core each, JVMs started from the pyspark wheel's
 jars) is shared by this module's tests; `make test` runs them in .venv-spark (the `spark`
-phase). The command-line errors (a bad master, no pyspark, no Java) need no JVM and run in
-every venv.
+phase). It writes to local folders and to the session's GCS emulator and S3 server
+(tests/conftest.py), its workers started without their endpoints (the driver passes them on).
+The command-line errors (a bad master, no pyspark, no Java) need no JVM and run in every venv.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import pytest
 
 from estimax.data import tfrecord
 from estimax.data.example import decode_example
-from estimax.tools import convert, convert_shards
+from estimax.tools import convert, convert_shards, convert_spark
 
 REPO = Path(__file__).resolve().parent.parent
 # A few hundred tiny images: 10 shards, so two workers share them and one can be lost mid-job.
@@ -85,6 +86,10 @@ class Cluster:
             # The executors' Python imports this tree's estimax.
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
         }
+        # No object-store settings in the workers' own environment: their executors get them
+        # from the driver (spark.executorEnv.*), as on a cluster started without them.
+        for name in (*convert_spark.FORWARDED_ENV, "TENSORSTORE_GCS_HTTP_URL"):
+            self.env.pop(name, None)
         self.procs: list[subprocess.Popen] = []
         self.logs: list[Path] = []
         log = self._start("master", "org.apache.spark.deploy.master.Master", "--port", "0")
@@ -178,7 +183,7 @@ def _files(root: Path) -> dict[str, bytes]:
     }
 
 
-def _spark(cluster, out: Path, *args: str) -> list[str]:
+def _spark(cluster, out: Path | str, *args: str) -> list[str]:
     conf = [f"--spark_conf={c}" for c in CONF]
     return [*args, f"--output_dir={out}", "--engine=spark", f"--spark_master={cluster.url}", *conf]
 
@@ -192,6 +197,48 @@ def test_spark_cluster_writes_the_local_engines_bytes(cluster, local_output, tmp
     different = [name for name in local if local[name] != spark[name]]
     assert different == []
     assert convert_shards.verify(str(out), num_workers=1) == []
+
+
+# Fewer images for the object stores (each object a request to a local server).
+SMALL = [
+    "fake-imagenet",
+    "--train_examples=24",
+    "--validation_examples=8",
+    "--num_classes=3",
+    "--min_size=12",
+    "--max_size=16",
+    "--train_shards=2",
+    "--validation_shards=1",
+    "--no_progress",
+]
+
+
+@pytest.fixture(scope="module")
+def small_local_output(tmp_path_factory):
+    out = tmp_path_factory.mktemp("small") / "out"
+    assert convert.main([*SMALL, f"--output_dir={out}", "--num_workers=1"]) == 0
+    return out
+
+
+def test_spark_cluster_writes_the_local_engines_bytes_to_gs_and_s3(
+    cluster, small_local_output, object_store
+):
+    """The driver's STORAGE_EMULATOR_HOST / AWS_ENDPOINT_URL reach the executors, whose own
+    environment has neither; every object equals the local engine's file of the same name."""
+    root, _ = object_store
+    out = f"{root}/spark"
+    assert convert.main(_spark(cluster, out, *SMALL)) == 0
+    from estimax import storage
+
+    fs, base = storage.filesystem(out)
+    remote = {
+        path.removeprefix(base.rstrip("/") + "/"): fs.cat_file(path) for path in fs.find(base)
+    }
+    local = _files(small_local_output)
+    assert sorted(remote) == sorted(local)
+    assert sum(n.endswith(tfrecord.INDEX_SUFFIX) for n in remote) == 3  # an index per shard
+    assert "manifest.json" in remote
+    assert [n for n in local if local[n] != remote[n]] == []
 
 
 def test_index_on_the_cluster_writes_the_local_engines_indexes(cluster, local_output, tmp_path):
@@ -355,6 +402,21 @@ def test_index_on_a_bad_master_fails_in_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         convert.main([*args, "--num_workers=2"])
     assert e.value.code == 2 and "--num_workers is for local and Beam" in capsys.readouterr().err
+
+
+def test_the_executors_get_the_drivers_object_store_settings():
+    env = {
+        "STORAGE_EMULATOR_HOST": "http://127.0.0.1:4443",
+        "AWS_ENDPOINT_URL": "http://minio:9000",
+        "AWS_SECRET_ACCESS_KEY": "s",
+        "AWS_REGION": "",  # unset in effect: not passed on
+        "HOME": "/home/me",  # not a storage setting
+    }
+    conf = {"spark.executorEnv.AWS_ENDPOINT_URL": "http://minio.internal:9000"}  # theirs wins
+    assert convert_spark.executor_env(conf, env) == {
+        "spark.executorEnv.STORAGE_EMULATOR_HOST": "http://127.0.0.1:4443",
+        "spark.executorEnv.AWS_SECRET_ACCESS_KEY": "s",
+    }
 
 
 def test_spark_options_are_checked_before_anything_runs(tmp_path, capsys):

@@ -21,6 +21,13 @@ workers must import estimax (installed in their Python, or shipped with ``spark-
 --py-files``) and read the inputs and write ``--output_dir`` (``gs://``, ``s3://`` or a shared
 file system at scale). The Spark UI runs on the driver as usual (its address is logged).
 
+The executors get the driver's object-store settings: each of :data:`FORWARDED_ENV` set in the
+driver's environment (the endpoint of a GCS emulator or an S3-compatible store, AWS keys and
+region, estimax's storage retries) is passed on as ``spark.executorEnv.NAME``, unless a
+``--spark_conf spark.executorEnv.NAME=...`` sets it. A job on Dataproc writing to ``gs://`` or
+on EMR writing to ``s3://`` sets none of them and needs nothing: the executors use their
+machines' own credentials. Spark's UI hides the secret ones (``spark.redaction.regex``).
+
 Requires the optional extra ``estimax[spark]`` (``pyspark``) and Java 17 or newer.
 """
 
@@ -46,7 +53,14 @@ from estimax.tools.convert_shards import (
 )
 from estimax.tools.convert_sources import Dataset
 
-__all__ = ["SparkError", "check_master", "convert_spark", "parse_conf"]
+__all__ = [
+    "FORWARDED_ENV",
+    "SparkError",
+    "check_master",
+    "convert_spark",
+    "executor_env",
+    "parse_conf",
+]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +73,22 @@ _MASTER_RE = re.compile(
 # A test-only hold: with this set to a directory, the first attempt at the first shard waits
 # there for a file named "release" (tests/test_convert_spark.py kills its worker meanwhile).
 _HOLD_ENV = "ESTIMAX_CONVERT_TEST_HOLD"
+# What the driver's environment passes on to the executors (spark.executorEnv.*): where the
+# object stores are and how to reach them (estimax.storage.configure derives the rest, such as
+# TensorStore's variables, from these on each executor). Paths to files (GOOGLE_APPLICATION_
+# CREDENTIALS, AWS_SHARED_CREDENTIALS_FILE) are not: the executors' machines have their own.
+FORWARDED_ENV = (
+    "STORAGE_EMULATOR_HOST",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "ESTIMAX_STORAGE_RETRIES",
+    "ESTIMAX_STORAGE_TIMEOUT_S",
+)
 
 
 class SparkError(RuntimeError):
@@ -165,6 +195,14 @@ def _hold(folder: str) -> None:
         time.sleep(0.05)
 
 
+def executor_env(conf: dict[str, str], environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The ``spark.executorEnv.NAME`` options the driver adds: each of :data:`FORWARDED_ENV`
+    set (non-empty) in ``environ`` (``os.environ`` by default), except those ``conf`` sets."""
+    env = os.environ if environ is None else environ
+    options = {f"spark.executorEnv.{name}": env[name] for name in FORWARDED_ENV if env.get(name)}
+    return {key: value for key, value in options.items() if key not in conf}
+
+
 def _spark_conf(pyspark: Any, master: str, conf: dict[str, str]) -> Any:
     defaults = {
         "spark.app.name": "estimax-convert",
@@ -174,8 +212,14 @@ def _spark_conf(pyspark: Any, master: str, conf: dict[str, str]) -> Any:
     if master.startswith("local"):
         # Executors are this machine's: the Python that runs this driver runs them.
         defaults["spark.pyspark.python"] = sys.executable
+    forwarded = executor_env(conf)
+    if forwarded:
+        log.info(
+            "Spark: the executors get %s from this environment",
+            ", ".join(k.removeprefix("spark.executorEnv.") for k in forwarded),
+        )
     spark_conf = pyspark.SparkConf()
-    settings = {**defaults, **conf, "spark.master": master}
+    settings = {**defaults, **forwarded, **conf, "spark.master": master}
     for key, value in settings.items():
         spark_conf.set(key, value)
     return spark_conf
