@@ -1,47 +1,77 @@
 """A checkpoint written by N processes resumes on M (estimax's global input order at pod scale).
 
 One job of the MNIST program (tests/pod_helpers.py: 1 CPU device per process, loopback) trains
-on 8 processes to step 6, resumes on 16 to step 12, then on 8 again to step 18 (8 -> 16 and
-16 -> 8 in one chain), against one process training straight to step 18 on the same global
-batches. Each leg evaluates every held-out digit once.
+on 8 processes to step 4, resumes on 16 to step 8, on 8 again to step 12, on 32 to step 16 and
+on 4 to step 20: 8 -> 16, 16 -> 8 and 32 -> 4 in one chain of five launches (the fewest that
+hold the three), against one process resumed the same way with as many devices, on the same
+global batches. Each leg evaluates every held-out digit once; each resumed leg then predicts
+them (the same processes' Estimator.predict): every row once, in the data's order.
 """
 
 from __future__ import annotations
+
+import json
+import os
 
 import multihost_helpers as mh
 import pod_helpers as ph
 import pytest
 
+# A global batch of 32 splits over every host count of the chain (1 to 32 replicas).
 FLAGS = (
-    "--batch_size=16",
+    "--batch_size=32",
     "--iterations=2",
     "--save_checkpoints_steps=2",
     "--eval_steps=-1",
     "--dense_units=8",
     "--learning_rate=0.1",
 )
+# (processes, the step the leg trains to).
+CHAIN = ((8, 4), (16, 8), (8, 12), (32, 16), (4, 20))
+
+
+def predicted_rows(out_dir: str, processes: int) -> list[list]:
+    """Each process's predicted rows ``[id, label, class]`` (tests/multihost_worker.py)."""
+    rows = []
+    for i in range(processes):
+        with open(os.path.join(out_dir, f"predict_{i}.json")) as f:
+            rows.append(json.load(f))
+    return rows
 
 
 @pytest.mark.slow
-def test_eight_to_sixteen_to_eight_processes_continue_one_run(tmp_path_factory, tmp_path):
+def test_host_counts_8_16_8_32_4_continue_one_run(tmp_path_factory, tmp_path):
+    from estimax.programs import mnist
+
     data_dir = mh.write_data(str(tmp_path_factory.getbasetemp() / "multihost_data"))
+    labels = mnist.load_tfrecords(os.path.join(data_dir, "validation.tfrecords"))[1].tolist()
     reference_dir, model_dir = str(tmp_path / "one"), str(tmp_path / "pod")
     previous = 0
-    for leg, (processes, steps) in enumerate(((8, 6), (16, 12), (8, 18))):
-        results = ph.run(
+    for leg, (processes, steps) in enumerate(CHAIN):
+        predict_dir = str(tmp_path / f"predict{leg}")
+        os.makedirs(predict_dir)
+        job = ph.start(
             processes,
             data_dir,
             model_dir,
             str(tmp_path / f"logs{leg}"),
             *FLAGS,
             f"--train_steps={steps}",
+            # The first leg has nothing resumed to predict with.
+            env={"ESTIMAX_TEST_PREDICT": predict_dir} if previous else None,
         )
+        results = ph.finish(job, timeout=900)
         ph.assert_ok(results)
         chief = results[0].stderr
         if previous:
             # Resumed where the other host count stopped, at the saved global input position.
             assert f"Restored checkpoint at step {previous}" in chief, chief[-3000:]
             assert "input restarts" not in chief
+            # Every held-out digit predicted once, in the data's order, on process 0 (the
+            # others yield nothing: their rows went to process 0).
+            rows = predicted_rows(predict_dir, processes)
+            assert [r[:2] for r in rows[0]] == [[i, labels[i]] for i in range(mh.NUM_EVAL)]
+            assert all(r == [] for r in rows[1:])
         assert mh.params(model_dir)["step"] == steps
         for proc in results:
             # Every held-out digit evaluated once, on every host count.
@@ -66,6 +96,10 @@ def test_eight_to_sixteen_to_eight_processes_continue_one_run(tmp_path_factory, 
     pod = mh.eval_results(results[0].stderr)
     assert pod["accuracy"] == pytest.approx(one["accuracy"], abs=1e-6)
     assert pod["loss"] == pytest.approx(one["loss"], rel=1e-4)
+    # The last leg's predicted classes are the model's: as accurate as its evaluation says.
+    classes = [r[2] for r in rows[0]]
+    correct = sum(c == y for c, y in zip(classes, labels, strict=True))
+    assert correct / mh.NUM_EVAL == pytest.approx(pod["accuracy"], abs=1e-6)
 
 
 def test_a_batch_this_host_count_cannot_split_is_one_line(tmp_path_factory, tmp_path, capsys):
