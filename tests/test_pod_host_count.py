@@ -102,20 +102,31 @@ def test_host_counts_8_16_8_32_4_continue_one_run(tmp_path_factory, tmp_path):
     assert correct / mh.NUM_EVAL == pytest.approx(pod["accuracy"], abs=1e-6)
 
 
-def test_a_batch_this_host_count_cannot_split_is_one_line(tmp_path_factory, tmp_path, capsys):
-    # The test process has 8 CPU devices (tests/conftest.py): a global batch of 12, such as a
-    # run started on 4 or 12 devices resumed here, does not split over 8 replicas.
+def test_a_checkpoint_this_host_count_cannot_resume_is_one_line(tmp_path_factory, tmp_path, capsys):
+    # The test process has 8 CPU devices (tests/conftest.py). A run on 4 of them with a global
+    # batch of 12 writes a checkpoint; resumed on all 8, the batch does not split over 8
+    # replicas (as a run of 4 or 12 hosts resumed on 8): one line, and the checkpoint is kept.
     from absl import flags
 
     from estimax.programs import cli, mnist
 
     data_dir = mh.write_data(str(tmp_path_factory.getbasetemp() / "multihost_data"))
-    fv = flags.FlagValues()
-    mnist.define_flags(fv)
-    argv = ["mnist", f"--data_dir={data_dir}", f"--model_dir={tmp_path / 'm'}"]
-    fv([*argv, "--batch_size=12", "--train_steps=1"])
+    model_dir = str(tmp_path / "m")
+    small = ("--batch_size=12", "--dense_units=8", "--iterations=1")
+
+    def mnist_flags(*args: str) -> flags.FlagValues:
+        fv = flags.FlagValues()
+        mnist.define_flags(fv)
+        fv(["mnist", f"--data_dir={data_dir}", f"--model_dir={model_dir}", *small, *args])
+        return fv
+
+    cli._run(
+        mnist.run_from_flags, mnist_flags("--num_shards=4", "--train_steps=1"), [], None, ["mnist"]
+    )
+    assert mh.params(model_dir)["step"] == 1
+    capsys.readouterr()
     with pytest.raises(SystemExit) as e:
-        cli._run(mnist.run_from_flags, fv, [], None, ["mnist"])
+        cli._run(mnist.run_from_flags, mnist_flags("--train_steps=2"), [], None, ["mnist"])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
@@ -123,3 +134,4 @@ def test_a_batch_this_host_count_cannot_split_is_one_line(tmp_path_factory, tmp_
     assert len(lines) == 1, err
     assert "train_batch_size=12 is not divisible by the number of replicas (8)" in lines[0]
     assert "This job: 1 process(es), 8 device(s)" in lines[0]
+    assert mh.params(model_dir)["step"] == 1
