@@ -17,7 +17,10 @@ bench's own clock (launch to every process's exit) and the CPU seconds of all th
 (``RUSAGE_CHILDREN``): on a machine with fewer cores than processes, wall time is CPU time over
 the cores, so the CPU seconds per process say which work is per process and which per job.
 
-    .venv/bin/python bench/host_scale.py [--hosts 1 2 4 8 16 32] [--steps 6]
+    .venv/bin/python bench/host_scale.py [--hosts 1 2 4 8 16 32] [--steps 6] [--merge]
+
+``--merge`` keeps the rows of the result file for the host counts not run this time (each row
+run apart says when, and at what load), so a host count can be rerun alone on a quieter machine.
 
 Child processes get fast XLA compiles (optimisation level 0) and one shared persistent
 compilation cache, as the test suite's pod tests do. Writes ``bench/results/host_scale.md`` and
@@ -218,7 +221,20 @@ def report(result: dict[str, Any]) -> str:
         "means over the processes (the goodput record), except wall (launch to every exit) and "
         "launch-to-loop (launch to the last process starting its training loop).",
         "",
-        f"Command: `{result['command']}`",
+        *(
+            [f"Command: `{result['command']}`"]
+            if len(result.get("runs", [])) < 2
+            else [
+                "Runs (each row's note says which; the header's date and load are the first's):",
+                "",
+                *(
+                    f"- {run['hosts']} processes: {run['date_utc']} UTC, load "
+                    f"{run['load_start']} at the start, {run['load_end']} at the end; "
+                    f"`{run.get('command', result['command'])}`"
+                    for run in result["runs"]
+                ),
+            ]
+        ),
         "",
         "| processes | wall run 1 / 2 (s) | CPU s per process, run 1 | launch to loop (s) | "
         "start-up (s) | compile (s) | ms per step | slowest / fastest process | save per "
@@ -243,6 +259,59 @@ def report(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _previous(out: str) -> dict[str, Any] | None:
+    """The result file in ``out`` (None if there is none)."""
+    try:
+        with open(os.path.join(out, "host_scale.json")) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
+def merged(previous: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
+    """``result``'s rows with ``previous``'s of the host counts it did not run, in host order.
+
+    Rows run at different times are not under the same load: each row of this run says when
+    and at what load it ran, the file's header keeps the earlier runs' own, and ``runs`` lists
+    every run (hosts, date, load, command). The reading (written by hand) is kept.
+    """
+    ran = {r["processes"] for r in result["rows"]}
+    note = (
+        f"run at {result['date_utc']} UTC with {sorted(ran)}, load {result['load_start']} at "
+        f"the start and {result['load_end']} at the end, {result['num_eval']} eval digits"
+    )
+    rows = [r for r in previous["rows"] if r["processes"] not in ran]
+    rows += [{**r, "note": note} for r in result["rows"]]
+    runs = previous.get("runs") or [
+        {
+            "hosts": [r["processes"] for r in previous["rows"]],
+            "date_utc": previous["date_utc"],
+            "load_start": previous["load_start"],
+            "load_end": previous["load_end"],
+            "command": previous["command"],
+        }
+    ]
+    runs = [
+        *runs,
+        {
+            "hosts": sorted(ran),
+            "date_utc": result["date_utc"],
+            "load_start": result["load_start"],
+            "load_end": result["load_end"],
+            "command": result["command"],
+        },
+    ]
+    not_run = sorted(set(previous.get("not_run_hosts", [])) - ran - {r["processes"] for r in rows})
+    return {
+        **previous,
+        "rows": sorted(rows, key=lambda r: r["processes"]),
+        "runs": runs,
+        "not_run": f"{not_run} processes" if not_run else "",
+        "not_run_hosts": not_run,
+        "total_secs": result["total_secs"],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--hosts", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
@@ -254,6 +323,11 @@ def main() -> None:
         help="start no host count after this many seconds (the rest is reported as not run)",
     )
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the result file's rows of the host counts not run now (and its reading)",
+    )
     args = parser.parse_args()
     began = time.time()
     load_start = [round(x, 2) for x in os.getloadavg()]
@@ -268,13 +342,17 @@ def main() -> None:
             continue
         rows.append(measure(n, args.steps, work, cache_dir))
     shutil.rmtree(work, ignore_errors=True)
+    load_end = [round(x, 2) for x in os.getloadavg()]
+    date_utc = time.strftime("%Y-%m-%d %H:%M", time.gmtime(began))
+    command = "python bench/host_scale.py " + " ".join(sys.argv[1:])
+    previous = _previous(args.out) if args.merge else None
     result = {
         "machine": f"{cpu_model()}, {os.cpu_count()} cores, "
         f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB",
-        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime(began)),
+        "date_utc": date_utc,
         "load_start": load_start,
-        "load_end": [round(x, 2) for x in os.getloadavg()],
-        "command": "python bench/host_scale.py " + " ".join(sys.argv[1:]),
+        "load_end": load_end,
+        "command": command,
         "steps": args.steps,
         "num_eval": num_eval,
         "total_secs": round(time.time() - began, 1),
@@ -283,6 +361,8 @@ def main() -> None:
             f"{not_run} processes: past --deadline_secs={args.deadline_secs}" if not_run else ""
         ),
     }
+    if previous is not None:
+        result = merged(previous, result)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "host_scale.json"), "w") as f:
         json.dump(result, f, indent=2)

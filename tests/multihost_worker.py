@@ -8,10 +8,18 @@ stepping) or hand over to the test (``wait``: print ``FAULT_READY`` and read a l
 while the test sends signals). ``kill:N:S`` first waits until the checkpoint of step S is
 complete (saves are asynchronous: without it the kill could come before any checkpoint exists).
 Without a fault this is ``python -m estimax.programs.mnist``.
+
+``ESTIMAX_TEST_PREDICT=DIR``: once the program's run (train, evaluate) is done, the same
+Estimator predicts every held-out digit (``Estimator.predict``, every process taking part) and
+this process writes the rows it yielded to ``DIR/predict_<process>.json`` as
+``[[row id, label, class], ...]``: the model's predictions carry each row's id and label through
+(``features`` then hold them beside the image; training and evaluation are unchanged).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import signal
 import sys
@@ -20,7 +28,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from estimax.programs import mnist  # noqa: E402
+from estimax.programs import common, mnist  # noqa: E402
 
 
 class FaultyIterator:
@@ -74,7 +82,58 @@ def wait_for_checkpoint(step: int) -> None:
     raise RuntimeError(f"checkpoint {done} never appeared")
 
 
+def with_row_ids(make_model_fn: Any) -> Any:
+    """``make_model_fn`` whose model also predicts each row's ``id`` and ``label`` when its
+    features are ``{"image", "id", "label"}`` (the prediction's input); arrays as before."""
+
+    def make(cfg: Any) -> Any:
+        model_fn = make_model_fn(cfg)
+
+        def wrapped(features: Any, labels: Any, mode: str, params: Any) -> Any:
+            if not isinstance(features, dict):
+                return model_fn(features, labels, mode, params)
+            spec = model_fn(features["image"], labels, mode, params)
+            rows = {"id": features["id"], "label": features["label"]}
+            return dataclasses.replace(spec, predictions={**spec.predictions, **rows})
+
+        return wrapped
+
+    return make
+
+
+def predict_after_run(out_dir: str) -> None:
+    """Makes the program's run end with a prediction of every held-out digit, written to
+    ``out_dir/predict_<process>.json`` (the rows this process yielded, in order)."""
+    import jax
+    import numpy as np
+
+    import estimax as ex
+
+    mnist.FAMILY = dataclasses.replace(
+        mnist.FAMILY, make_model_fn=with_row_ids(mnist.FAMILY.make_model_fn)
+    )
+    run_mode = common.run_mode
+
+    def run_then_predict(est: Any, train_input_fn: Any, eval_input_fn: Any, *a: Any) -> Any:
+        results = run_mode(est, train_input_fn, eval_input_fn, *a)
+        data_dir = next(f.split("=", 1)[1] for f in sys.argv if f.startswith("--data_dir="))
+        images, labels = mnist.load_tfrecords(os.path.join(data_dir, "validation.tfrecords"))
+        rows = ex.numpy_input_fn(
+            {"image": images, "id": np.arange(len(labels), dtype=np.int32), "label": labels},
+            shuffle=False,
+            num_epochs=1,
+        )
+        yielded = [[int(p["id"]), int(p["label"]), int(p["classes"])] for p in est.predict(rows)]
+        with open(os.path.join(out_dir, f"predict_{jax.process_index()}.json"), "w") as f:
+            json.dump(yielded, f)
+        return results
+
+    common.run_mode = run_then_predict
+
+
 def main() -> None:
+    if os.environ.get("ESTIMAX_TEST_PREDICT"):
+        predict_after_run(os.environ["ESTIMAX_TEST_PREDICT"])
     fault = os.environ.get("ESTIMAX_TEST_FAULT")
     if fault:
         kind, at, *after = fault.split(":")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import os
+import types
 
 import flax.linen as nn
 import jax
@@ -236,6 +237,52 @@ def test_the_num_slices_flag_reaches_the_run_config_and_bad_values_are_usage_err
     monkeypatch.setenv("MEGASCALE_NUM_SLICES", "4")
     with pytest.raises(cli.UsageError, match=r"^--num_slices=2 .* disagrees with"):
         configs.layout_fields(fv, None)
+
+
+def test_slices_that_do_not_divide_the_processes_are_one_line():
+    # The devices of an 8-process job, one each (a process is a host of a slice): 3 slices
+    # would split a host's share unevenly; 2 slices are 4 hosts each.
+    devices = [types.SimpleNamespace(process_index=i, id=i, platform="cpu") for i in range(8)]
+    with pytest.raises(ValueError, match=r"^--num_slices=3 .* does not divide this job's 8 proc"):
+        replication.hybrid_devices(3, (), devices)
+    grid = replication.hybrid_devices(2, (), devices)
+    assert [[d.process_index for d in row] for row in grid] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+@pytest.mark.parametrize(
+    "flags,env,line",
+    [
+        (["--num_slices=3"], {}, "FATAL: --num_slices=3 (RunConfig.num_slices) does not divide"),
+        (
+            ["--num_slices=2"],
+            {"MEGASCALE_NUM_SLICES": "4", "MEGASCALE_SLICE_ID": "0"},
+            "FATAL: --num_slices=2 (RunConfig.num_slices) disagrees with",
+        ),
+    ],
+)
+def test_the_program_says_bad_slices_in_one_line_and_exits_2(
+    flags, env, line, tmp_path_factory, tmp_path, monkeypatch, capsys
+):
+    # The MNIST program on this process's 8 devices, stopped before anything is built.
+    import multihost_helpers as mh
+    from absl import flags as absl_flags
+
+    from estimax.programs import cli, mnist
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    data_dir = mh.write_data(str(tmp_path_factory.getbasetemp() / "multihost_data"))
+    fv = absl_flags.FlagValues()
+    mnist.define_flags(fv)
+    fv(["mnist", f"--data_dir={data_dir}", f"--model_dir={tmp_path / 'm'}", *flags])
+    with pytest.raises(SystemExit) as e:
+        cli._run(mnist.run_from_flags, fv, [], None, ["mnist"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    fatal = [x for x in err.splitlines() if x.startswith("FATAL:")]
+    assert len(fatal) == 1 and fatal[0].startswith(line), err
+    assert not (tmp_path / "m").exists()  # refused before the model_dir was touched
 
 
 def test_mean_of_two_stages_is_the_mean_over_every_replica():
