@@ -71,7 +71,7 @@ def optimised_compiles():
     anew."""
     import jax
 
-    was = jax.config.jax_disable_most_optimizations
+    was = jax.config.read("jax_disable_most_optimizations")
     jax.config.update("jax_disable_most_optimizations", False)
     try:
         yield
