@@ -4,8 +4,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 DEMO_DIR ?= runs/mnist_demo
-# Eight virtual CPU devices so replication is tested on one machine.
-TEST_ENV := XLA_FLAGS=--xla_force_host_platform_device_count=8
+# Eight virtual CPU devices so replication is tested on one machine; fast XLA compiles, as the
+# main phase of `make test` has them (tests/conftest.py says why and what they do not change).
+TEST_ENV := XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_DISABLE_MOST_OPTIMIZATIONS=1
 # Test processes (pytest-xdist): most of the suite's time is XLA compiling on one core, so two
 # workers use both cores of a small machine. `make test TEST_WORKERS=0` runs in one process.
 TEST_WORKERS ?= 2

@@ -186,6 +186,10 @@ def phases(make: str, workers: str, require_onednn: str) -> list[Phase]:
             ".venv/bin/python",
             ["--durations=15", "-n", workers, "--dist", "worksteal"],
             XLA_FLAGS=XLA_FLAGS,
+            # Fast compiles (tests/conftest.py's default too; it says why and what they do not
+            # change). The side phases keep XLA's defaults: libtpu's and CUDA's compilers are
+            # what they check.
+            JAX_DISABLE_MOST_OPTIMIZATIONS="1",
             ESTIMAX_REQUIRE_ONEDNN=require_onednn,
         ),
     ]

@@ -4,6 +4,17 @@ import os
 
 # Must happen before JAX initialises its backend (`make test` sets it too).
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# Fast compiles (before JAX is imported: it reads this once; `make test`'s main phase sets it
+# too): most of the suite's CPU time is XLA compiling tiny programs that then run a few steps, so
+# each compile skips LLVM's optimisation of the machine code XLA:CPU emits (JAX's switch for XLA's
+# --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true): 7-16% less CPU
+# on the estimator-heavy files whose compiles were not already fast. What it does not change:
+# the HLO passes (the same optimised HLO: fusion, layouts, buffer assignment, so the same memory
+# figures) and the rules of the numerics (no fast-math; results agree to rounding, not bit for
+# bit: unoptimised code adds in another order). Only the machine code is slower: a test of its
+# speed takes the `optimised_compiles` fixture. Unlike XLA_FLAGS, the programs the tests start
+# inherit it even where they set their own XLA_FLAGS.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 
 def _compilation_cache_dir() -> str:
@@ -50,6 +61,22 @@ def no_compilation_cache():
     finally:
         jax.config.update("jax_enable_compilation_cache", was)
         compilation_cache.reset_cache()
+
+
+@pytest.fixture
+def optimised_compiles():
+    """XLA's optimised machine code for one test (the suite compiles fast; conftest.py says why):
+    for a test whose assertion depends on how fast the compiled step runs. Functions jitted
+    before it (jit's in-memory cache) keep their code; an Estimator built in the test compiles
+    anew."""
+    import jax
+
+    was = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", was)
 
 
 @pytest.fixture(scope="session")
