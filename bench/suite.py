@@ -3,7 +3,7 @@
     python3 bench/suite.py                              # runs `make test`'s phases, then records
     python3 bench/suite.py --report runs/test-report/report.json   # records a `make test` run
 
-Runs scripts/test_phases.py (what `make test` runs: set-up, lint, the Beam, TF, libtpu, CUDA
+Runs scripts/test_phases.py (what `make test` runs: set-up, lint, the Beam, Spark, TF, libtpu, CUDA
 and main test phases, each timed) or takes the report.json an earlier run wrote, and keeps its
 figures in ``bench/results/suite.json``, one row per CPU kind: the CPU's model (with its family
 and model numbers: VMs often name only "AMD EPYC"), its widest vector ISA (AVX2, AVX-512,
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 RUNNER = ROOT / "scripts" / "test_phases.py"
 # The table's columns: set-up phases are summed into one, the others shown as they are.
-PHASE_COLUMNS = ("lint", "beam", "tf", "libtpu", "cuda", "main")
+PHASE_COLUMNS = ("lint", "beam", "spark", "tf", "libtpu", "cuda", "main")
 
 
 def _cpuinfo() -> dict[str, str]:
