@@ -430,12 +430,10 @@ def parse_override(
 
 
 def _integer(value: Any, where: str, least: int = 0) -> int:
-    # Triton's JSON writes 64-bit integers as strings; both are taken.
-    if isinstance(value, str) and value.isascii() and value.isdigit():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ApiError(400, f"{where} must be an integer >= {least}, not {cut(json.dumps(value))}")
-    return value
+    try:
+        return model_settings.integer(value, where, least)
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
 
 
 def _policy(policy: Any, where: str) -> VersionPolicy:

@@ -31,6 +31,7 @@ from typing import Any
 import fsspec
 
 from estimax.serving.options import ServerOptions
+from estimax.serving.protocol import cut
 
 __all__ = ["FILE", "ModelSettings", "parse", "read_file", "resolve"]
 
@@ -71,12 +72,17 @@ class ModelSettings:
     default_priority_level: int = 2
 
 
-def _integer(value: Any, where: str) -> int:
+def integer(value: Any, where: str, least: int = 1) -> int:
+    """``value``, a config's integer field, checked ``>= least``.
+
+    Raises:
+      ValueError: one line naming ``where``.
+    """
     # Triton's JSON writes its uint64 fields as strings: both are taken.
     if isinstance(value, str) and value.isascii() and value.isdigit():
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{where} must be an integer >= 1, not {json.dumps(value)[:40]}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{where} must be an integer >= {least}, not {cut(json.dumps(value))}")
     return value
 
 
@@ -113,7 +119,7 @@ def parse(fields: dict[str, Any], where: str, batching_also: tuple[str, ...] = (
             )
         for name in _BATCHING:
             if name in batching:
-                out[name] = _integer(batching[name], f"{where}: dynamic_batching.{name}")
+                out[name] = integer(batching[name], f"{where}: dynamic_batching.{name}")
     return out
 
 
