@@ -107,7 +107,7 @@ SIDE_A, SIDE_B = 1, 2
 def phases(make: str, workers: str, require_onednn: str) -> list[Phase]:
     """The run, in order. Each venv is set up (by its Makefile target) just before its tests."""
     return [
-        Phase("setup .venv", (make, "--no-print-directory", "venv", "native")),
+        Phase("setup .venv", (make, "--no-print-directory", "venv", "native", "bytecode")),
         Phase("lint", (make, "--no-print-directory", "lint"), lane=SIDE_A),
         Phase("setup .venv-beam", (make, "--no-print-directory", "venv-beam"), lane=SIDE_A),
         _pytest(
@@ -419,17 +419,133 @@ def run(
     return results, [c for cs in found for c in cs]
 
 
-def _compilation_cache(env: dict[str, str]) -> str | None:
+# The compilation cache of `make test`, kept between runs (like uv's wheel cache): most of the
+# suite's CPU time is XLA compiling the same tiny programs, run after run, and JAX's persistent
+# cache keys each executable by its HLO, the compile options and flags, the backend and
+# jax/jaxlib's versions, so a changed program, flag or jaxlib only misses, never gets a stale
+# executable. Measured on the 2-core AVX2 EPYC (tests/test_programs.py + tests/test_layouts.py,
+# 2 workers): 231 CPU-s with an empty cache, 110 with the last run's.
+CACHE_MAX_MB = 2048
+# JAX stores an entry zlib- or zstd-compressed (its compilation_cache.py picks by what is
+# installed): a write cut short (a test kills a process while it writes) fails to decompress.
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+_CACHE_SUFFIX = "-cache"
+
+
+@dataclasses.dataclass
+class CacheState:
+    """The run's compilation cache: where, and what it held when the run started (``kept``:
+    whether it is kept after the run) and what tidying removed."""
+
+    path: str
+    kept: bool
+    entries: int = 0
+    megabytes: float = 0.0
+    removed_damaged: int = 0
+    removed_oldest: int = 0
+
+    def line(self) -> str:
+        """The table's line about it: warm or cold, so every run's figure says which."""
+        if not self.kept:
+            return f"JAX compilation cache: {self.path}, this run's only (cold; removed after)"
+        state = "warm" if self.entries else "cold"
+        tidied = ""
+        if self.removed_damaged or self.removed_oldest:
+            tidied = (
+                f"; removed {self.removed_damaged} damaged and {self.removed_oldest} oldest "
+                "entries first"
+            )
+        return (
+            f"JAX compilation cache: {self.path}, {self.entries} entries, "
+            f"{self.megabytes:.0f} MB at the start ({state}{tidied}); "
+            "ESTIMAX_TEST_COMPILATION_CACHE=run for a cold run"
+        )
+
+
+def kept_cache_dir(env: dict[str, str]) -> str:
+    """Where the kept cache lives: ESTIMAX_TEST_CACHE_DIR, else $XDG_CACHE_HOME (~/.cache)
+    /estimax/test-jax-cache."""
+    if env.get("ESTIMAX_TEST_CACHE_DIR"):
+        return env["ESTIMAX_TEST_CACHE_DIR"]
+    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "estimax", "test-jax-cache")
+
+
+def _decompresses(data: bytes) -> bool:
+    """Whether a cache entry is whole. An entry in a format this Python cannot read (zstd
+    without a zstd module) counts as whole: it is JAX's to judge."""
+    try:
+        if data.startswith(_ZSTD_MAGIC):
+            try:
+                from compression import zstd  # Python 3.14+
+            except ImportError:
+                return True
+            zstd.decompress(data)
+        else:
+            import zlib
+
+            zlib.decompress(data)
+    except Exception:  # noqa: BLE001 (any decoder error is a damaged entry)
+        return False
+    return True
+
+
+def tidy_cache(path: str, max_mb: float = CACHE_MAX_MB) -> CacheState:
+    """Removes the kept cache's damaged entries (JAX would warn on each read and never write
+    them again), then its oldest entries while it holds more than ``max_mb``; what it holds."""
+    state = CacheState(path, kept=True)
+    os.makedirs(path, exist_ok=True)
+    entries = []
+    for entry in os.scandir(path):
+        if not entry.name.endswith(_CACHE_SUFFIX) or not entry.is_file():
+            continue
+        try:
+            with open(entry.path, "rb") as f:
+                whole = _decompresses(f.read())
+            stat = entry.stat()
+        except OSError:
+            continue
+        if not whole:
+            _remove_entry(entry.path)
+            state.removed_damaged += 1
+            continue
+        entries.append((stat.st_mtime, stat.st_size, entry.path))
+    total = sum(size for _, size, _ in entries)
+    for _, size, entry_path in sorted(entries):
+        if total <= max_mb * 2**20:
+            break
+        _remove_entry(entry_path)
+        total -= size
+        state.removed_oldest += 1
+    state.entries = len(entries) - state.removed_oldest
+    state.megabytes = total / 2**20
+    return state
+
+
+def _remove_entry(entry_path: str) -> None:
+    """An entry and JAX's access-time file beside it (written where eviction is on)."""
+    for p in (entry_path, entry_path[: -len(_CACHE_SUFFIX)] + "-atime"):
+        try:
+            os.remove(p)
+        except OSError:
+            pass
+
+
+def _compilation_cache(env: dict[str, str]) -> CacheState | None:
     """One JAX persistent compilation cache for every phase (keys carry jax/jaxlib's versions
-    and the backend, so phases with another jaxlib or compiler only miss). None when the
-    caller chose one or turned it off (ESTIMAX_TEST_COMPILATION_CACHE=0, tests/conftest.py)."""
-    if env.get("ESTIMAX_TEST_COMPILATION_CACHE", "1") == "0" or env.get(
-        "JAX_COMPILATION_CACHE_DIR"
-    ):
+    and the backend, so phases with another jaxlib or compiler only miss): the kept one,
+    tidied (``tidy_cache``), or with ESTIMAX_TEST_COMPILATION_CACHE=run a new one for this run
+    only, removed after it. None when the caller chose one or turned it off
+    (ESTIMAX_TEST_COMPILATION_CACHE=0, tests/conftest.py)."""
+    mode = env.get("ESTIMAX_TEST_COMPILATION_CACHE", "1")
+    if mode == "0" or env.get("JAX_COMPILATION_CACHE_DIR"):
         return None
-    path = tempfile.mkdtemp(prefix="estimax-test-jax-cache-")
-    env["JAX_COMPILATION_CACHE_DIR"] = path
-    return path
+    if mode == "run":
+        state = CacheState(tempfile.mkdtemp(prefix="estimax-test-jax-cache-"), kept=False)
+    else:
+        state = tidy_cache(kept_cache_dir(env))
+    env["JAX_COMPILATION_CACHE_DIR"] = state.path
+    return state
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -478,17 +594,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     env = dict(os.environ)
     cache = _compilation_cache(env)
+    if cache:
+        print(cache.line(), flush=True)
+        meta["compilation_cache"] = dataclasses.asdict(cache)
     start = time.monotonic()
     try:
         results, cases = run(plan, Path(args.report_dir), args.keyword, env=env)
     finally:
-        if cache:
-            shutil.rmtree(cache, ignore_errors=True)
+        if cache and not cache.kept:
+            shutil.rmtree(cache.path, ignore_errors=True)
     wall = time.monotonic() - start
     Path(args.report_dir, "report.json").write_text(
         json.dumps({**meta, **report(results, cases, wall=wall)}, indent=1) + "\n"
     )
     print(table(results, cases, wall=wall))
+    if cache:
+        print(cache.line())
     print(closing_line(results), flush=True)
     return 0 if all(r.ok for r in results) else 1
 

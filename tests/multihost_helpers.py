@@ -84,8 +84,10 @@ def _job_env(data_dir: str, devices: int) -> dict[str, str]:
         XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
         ESTIMAX_REQUIRE_ONEDNN="0",
         JAX_PLATFORMS="cpu",
-        # Every run compiles the same few programs: the second and later take them from here.
-        JAX_COMPILATION_CACHE_DIR=os.path.join(os.path.dirname(data_dir), "jax_cache"),
+        # Every run compiles the same few programs: the second and later take them from the
+        # test run's cache (tests/conftest.py; `make test` keeps it between runs), else here.
+        JAX_COMPILATION_CACHE_DIR=os.environ.get("JAX_COMPILATION_CACHE_DIR")
+        or os.path.join(os.path.dirname(data_dir), "jax_cache"),
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
         JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
     )

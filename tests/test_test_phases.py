@@ -3,8 +3,10 @@ slowest tests and a closing line CI reads; it stops at the first failing phase a
 
 import importlib.util
 import json
+import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -180,19 +182,80 @@ def test_main_prints_the_table_last_line_and_exit_status(tmp_path, monkeypatch, 
     bad = tp.Phase("three", (sys.executable, "-c", "raise SystemExit(4)"))
     monkeypatch.setattr(tp, "phases", lambda *a: [ok, record, bad])
     monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
-    monkeypatch.delenv("ESTIMAX_TEST_COMPILATION_CACHE", raising=False)
+    monkeypatch.setenv("ESTIMAX_TEST_COMPILATION_CACHE", "run")  # this run's own, removed
 
     assert tp.main(["--report_dir", str(tmp_path / "rep")]) == 1
     out = capsys.readouterr().out
     assert out.rstrip("\n").splitlines()[-1] == "suite: 0 passed, 1 failed, 0 skipped"
     cache = Path(seen.read_text())
     assert cache.name.startswith("estimax-test-jax-cache-") and not cache.exists()
+    assert f"JAX compilation cache: {cache}, this run's only (cold" in out
     data = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert [p["name"] for p in data["phases"]] == ["one", "two", "three"]
     assert data["ok"] is False and data["phases"][2]["returncode"] == 4
 
     monkeypatch.setattr(tp, "phases", lambda *a: [ok])
     assert tp.main(["--report_dir", str(tmp_path / "rep")]) == 0
+
+
+def _entry(path: Path, name: str, payload: bytes, age_s: float = 0.0) -> Path:
+    """A cache entry as JAX writes one (zlib-compressed, '-cache' suffix), ``age_s`` old."""
+    import zlib
+
+    entry = path / f"jit_step-{name}-cache"
+    entry.write_bytes(zlib.compress(payload))
+    when = time.time() - age_s
+    os.utime(entry, (when, when))
+    return entry
+
+
+def test_the_kept_cache_outlives_the_run_and_the_next_run_says_it_is_warm(
+    tmp_path, monkeypatch, capsys
+):
+    seen = tmp_path / "seen"
+    kept = tmp_path / "kept"
+    write = tp.Phase(
+        "one",
+        (
+            sys.executable,
+            "-c",
+            "import os; d = os.environ['JAX_COMPILATION_CACHE_DIR']; "
+            f"open({str(seen)!r}, 'w').write(d); "
+            "open(os.path.join(d, 'jit_f-1-cache'), 'wb').write(__import__('zlib').compress(b'x'))",
+        ),
+    )
+    monkeypatch.setattr(tp, "phases", lambda *a: [write])
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    monkeypatch.delenv("ESTIMAX_TEST_COMPILATION_CACHE", raising=False)
+    monkeypatch.setenv("ESTIMAX_TEST_CACHE_DIR", str(kept))
+
+    assert tp.main(["--report_dir", str(tmp_path / "rep")]) == 0
+    assert Path(seen.read_text()) == kept and (kept / "jit_f-1-cache").exists()
+    assert f"JAX compilation cache: {kept}, 0 entries, 0 MB at the start (cold)" in (
+        capsys.readouterr().out
+    )
+    assert tp.main(["--report_dir", str(tmp_path / "rep")]) == 0
+    out = capsys.readouterr().out
+    assert f"JAX compilation cache: {kept}, 1 entries, 0 MB at the start (warm)" in out
+    report = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert report["compilation_cache"]["entries"] == 1
+
+
+def test_tidying_removes_damaged_entries_then_the_oldest_over_the_limit(tmp_path):
+    whole_old = _entry(tmp_path, "old", os.urandom(3 << 20), age_s=300)
+    whole_new = _entry(tmp_path, "new", os.urandom(3 << 20))
+    cut = _entry(tmp_path, "cut", b"a compiled step" * 1000)
+    cut.write_bytes(cut.read_bytes()[:-40])  # a write cut short by a kill
+    (tmp_path / "jit_step-cut-atime").write_bytes(b"\0" * 8)
+    other = tmp_path / "not-an-entry.txt"
+    other.write_text("left alone")
+
+    state = tp.tidy_cache(str(tmp_path), max_mb=5)
+    assert (state.removed_damaged, state.removed_oldest, state.entries) == (1, 1, 1)
+    assert not cut.exists() and not (tmp_path / "jit_step-cut-atime").exists()
+    assert not whole_old.exists() and whole_new.exists() and other.exists()
+    assert 2.9 < state.megabytes < 3.1
+    assert "removed 1 damaged and 1 oldest entries first" in state.line()
 
 
 def test_compilation_cache_off_or_chosen_is_left_alone():
