@@ -5,7 +5,9 @@
 
 Runs scripts/test_phases.py (what `make test` runs: set-up, lint, the Beam, Spark, TF, libtpu, CUDA
 and main test phases, each timed) or takes the report.json an earlier run wrote, and keeps its
-figures in ``bench/results/suite.json``, one row per CPU kind: the CPU's model (with its family
+figures in ``bench/results/suite.json``, one row per CPU kind and compilation cache (warm: the
+run found the JAX compilation cache that `make test` keeps between runs filled; cold: empty, or
+a run of its own with ``ESTIMAX_TEST_COMPILATION_CACHE=run``): the CPU's model (with its family
 and model numbers: VMs often name only "AMD EPYC"), its widest vector ISA (AVX2, AVX-512,
 AVX512-BF16, AMX) and its core count. A new kind adds a row; a rerun on a kind replaces its row.
 ``bench/results/suite.md`` is rewritten from the JSON each time: per kind, each phase's wall
@@ -78,9 +80,16 @@ def machine() -> dict[str, Any]:
     }
 
 
-def kind(row: dict[str, Any]) -> tuple[str, str, int]:
-    """What one row stands for: a rerun with the same kind replaces it."""
-    return (row["cpu"], row["isa"], row["cores"])
+def kind(row: dict[str, Any]) -> tuple[str, str, int, str]:
+    """What one row stands for: a rerun with the same CPU kind and cache state replaces it."""
+    return (row["cpu"], row["isa"], row["cores"], row.get("cache", "cold"))
+
+
+def cache_state(report: dict[str, Any]) -> str:
+    """ "warm" when the run started with the kept compilation cache holding entries, else
+    "cold" (an empty or per-run cache; reports from before the kept cache had a per-run one)."""
+    cache = report.get("compilation_cache") or {}
+    return "warm" if cache.get("kept") and cache.get("entries") else "cold"
 
 
 def merge(rows: list[dict[str, Any]], row: dict[str, Any]) -> list[dict[str, Any]]:
@@ -94,6 +103,7 @@ def row_from_report(report: dict[str, Any], command: str, subset: bool) -> dict[
     phases = {p["name"]: p for p in report["phases"]}
     return {
         **machine(),
+        "cache": cache_state(report),
         "load_start": report.get("load_start"),
         "date": report.get("date") or datetime.date.today().isoformat(),
         "command": command,
@@ -123,13 +133,15 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
         "",
         "`bench/suite.py`: `make test`'s phases (scripts/test_phases.py), wall time m:ss, fresh "
         "or existing environments as the command says (set-up is the environments' build; near "
-        "0 when their stamps are current). One row per CPU kind; a rerun on a kind replaces it. "
+        "0 when their stamps are current). One row per CPU kind and compilation cache (warm: the "
+        "JAX compilation cache `make test` keeps between runs was filled at the start; cold: "
+        "empty); a rerun of both replaces its row. "
         "A subset row (`--only`, `-k`) is not the suite's figure.",
         "",
-        "| CPU | ISA | cores | load at start | total | set-up | "
+        "| CPU | ISA | cores | cache | load at start | total | set-up | "
         + " | ".join(PHASE_COLUMNS)
         + " | passed / failed / skipped | date | command |",
-        "|---|---|---|---|---|---|" + "---|" * len(PHASE_COLUMNS) + "---|---|---|",
+        "|---|---|---|---|---|---|---|" + "---|" * len(PHASE_COLUMNS) + "---|---|---|",
     ]
     for r in rows:
         phases = r["phases"]
@@ -140,14 +152,20 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
         load = "" if r["load_start"] is None else f"{r['load_start']:.2f}"
         note = " (subset)" if r["subset"] else ("" if r["ok"] else " (failed)")
         out.append(
-            f"| {r['cpu']} | {r['isa']} | {r['cores']} | {load} | {_clock(r['total_s'])}{note} | "
+            f"| {r['cpu']} | {r['isa']} | {r['cores']} | {r.get('cache', 'cold')} | {load} | "
+            f"{_clock(r['total_s'])}{note} | "
             f"{_clock(r['setup_s'])} | "
             + " | ".join(cells)
             + f" | {r['passed']} / {r['failed']} / {r['skipped']} | {r['date']} | "
             f"`{r['command']}` |"
         )
     for r in rows:
-        out += ["", f"## Slowest tests: {r['cpu']}, {r['isa']}, {r['cores']} cores", ""]
+        out += [
+            "",
+            f"## Slowest tests: {r['cpu']}, {r['isa']}, {r['cores']} cores, "
+            f"{r.get('cache', 'cold')} cache",
+            "",
+        ]
         out += ["| s | phase | test |", "|---|---|---|"]
         out += [f"| {c['seconds']:.1f} | {c['phase']} | `{c['nodeid']}` |" for c in r["slowest"]]
     return "\n".join(out) + "\n"
@@ -187,7 +205,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     subset = bool({"--only", "-k"} & set(runner_args)) or bool(report.get("subset"))
     row = row_from_report(report, args.command or report.get("command") or recorded, subset)
     save(args.out, row)
-    print(f"bench/suite.py: {row['cpu']}, {row['isa']}, {row['cores']} cores -> {args.out}")
+    print(
+        f"bench/suite.py: {row['cpu']}, {row['isa']}, {row['cores']} cores, {row['cache']} "
+        f"cache -> {args.out}"
+    )
     return status
 
 

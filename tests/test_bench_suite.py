@@ -67,10 +67,37 @@ def test_rows_are_kept_per_cpu_kind_and_a_rerun_replaces_its_kind(tmp_path, monk
     table = [line for line in md.splitlines() if line.startswith("| AMD")]
     assert len(table) == 2
     avx2 = [c.strip() for c in table[0].split("|")]
-    assert avx2[1:7] == ["AMD EPYC (family 23 model 49)", "AVX2", "2", "1.25", "24:10", "6:00"]
-    assert avx2[7:9] == ["1:30", ""]  # lint; beam did not run in this report
+    assert avx2[1:8] == [
+        "AMD EPYC (family 23 model 49)",
+        "AVX2",
+        "2",
+        "cold",
+        "1.25",
+        "24:10",
+        "6:00",
+    ]
+    assert avx2[8:10] == ["1:30", ""]  # lint; beam did not run in this report
     assert "13:20" in avx2 and "1310 / 0 / 3" in avx2
     assert md.count("tests.test_a::test_slow") == 2
+
+
+def test_a_warm_cache_run_is_a_row_of_its_own_beside_the_cold_one(tmp_path, monkeypatch):
+    out = tmp_path / "suite.json"
+    _as(monkeypatch, "AMD EPYC (family 23 model 49)", "AVX2")
+    cold = {**_report(2000.0, 1500), "compilation_cache": {"kept": True, "entries": 0}}
+    warm = {**_report(900.0, 1500), "compilation_cache": {"kept": True, "entries": 812}}
+    per_run = {**_report(1900.0, 1500), "compilation_cache": {"kept": False, "entries": 0}}
+    suite.save(out, suite.row_from_report(cold, "make test", subset=False))
+    suite.save(out, suite.row_from_report(warm, "make test", subset=False))
+    rows = suite.save(out, suite.row_from_report(per_run, "make test", subset=False))
+    # The per-run cache's run replaced the cold row; the warm one stands beside it.
+    assert [(r["cache"], r["phases"]["main"]["seconds"]) for r in rows] == [
+        ("cold", 1900.0),
+        ("warm", 900.0),
+    ]
+    md = out.with_suffix(".md").read_text()
+    assert "| AVX2 | 2 | warm | 1.25 | 25:50 |" in md and "| AVX2 | 2 | cold | 1.25 | 42:30 |" in md
+    assert "## Slowest tests: AMD EPYC (family 23 model 49), AVX2, 2 cores, warm cache" in md
 
 
 def test_subset_and_failed_runs_are_labelled(tmp_path, monkeypatch):
