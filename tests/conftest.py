@@ -29,7 +29,9 @@ def _compilation_cache_dir() -> str:
 # Most of the suite's time is XLA compiling the same tiny programs again: each test builds its
 # own Estimator, whose new jitted closures miss jit's in-memory cache, but their HLO is the
 # same, so JAX's persistent cache (keyed by the HLO, the XLA flags and the compiler) serves the
-# executable instead. ESTIMAX_TEST_COMPILATION_CACHE=0 turns it off; tests that count XLA's
+# executable instead. A run of pytest alone has its own cache, removed at its end; `make test`
+# gives every phase the one it keeps between runs (scripts/test_phases.py), which this leaves
+# as it is. ESTIMAX_TEST_COMPILATION_CACHE=0 turns it off; tests that count XLA's
 # compilations take the `no_compilation_cache` fixture.
 if os.environ.get("ESTIMAX_TEST_COMPILATION_CACHE", "1") != "0":
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _compilation_cache_dir())
