@@ -56,6 +56,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from estimax.compile import gpu_compile
+from estimax.compile.topologies import KNOWN_TOPOLOGIES, known_topologies  # noqa: F401 (re-exported)
 from estimax.estimator.export import TensorSpec, check_input_specs
 from estimax.estimator.step_builder import StepBuilder, Steps, micro_batch
 from estimax.estimator.utilization import custom_call_targets  # noqa: F401 (re-exported)
@@ -68,16 +69,6 @@ from estimax.parallel.replication import REPLICA_AXIS, per_replica_batch
 GiB = 1 << 30
 
 
-# One single-host slice of each generation (libtpu takes any GEN:AxB[xC] it knows).
-KNOWN_TOPOLOGIES = (
-    "v2:2x2",
-    "v3:2x2",
-    "v4:2x2x1",
-    "v5e:2x4",
-    "v5p:2x2x1",
-    "v6e:2x4",
-    "tpu7x:2x2x1",  # libtpu's name for TPU7x (Ironwood): 4 chips, 8 TensorCores
-)
 INSTALL_HINT = (
     "pip install -e '.[tpu]' in estimax's checkout (it is not on the package index), or run in "
     "the Makefile's .venv-tpu (make .venv-tpu/.installed-stamp)"
@@ -87,14 +78,6 @@ _TOPOLOGY = re.compile(r"^((?:v|tpu)\d+[a-z]?):(\d+(?:x\d+){1,2})$")
 
 class CompileForError(ValueError):
     """A topology that cannot be used here (unknown, malformed, or no libtpu): one line."""
-
-
-def known_topologies() -> str:
-    """The topology names to offer a user, as one phrase."""
-    return (
-        f"{', '.join(KNOWN_TOPOLOGIES)} (or any GEN:AxB[xC] slice of "
-        f"{', '.join(TPU_CHIPS)} that libtpu knows), or GPUs: {gpu_compile.known_gpus()}"
-    )
 
 
 def check_topology(name: str) -> str:

@@ -16,28 +16,59 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import flax.linen as nn
-
-from estimax.models.efficientnet import EFFICIENTNETS, EfficientNet, EfficientNetTiny
-from estimax.models.inception_v3 import InceptionV3, InceptionV3Tiny
-from estimax.models.inception_v4 import InceptionV4, InceptionV4Tiny
-from estimax.models.resnet import (
-    BottleneckBlock,
-    ResidualBlock,
-    ResNet,
-    ResNet18,
-    ResNet34,
-    ResNet50,
-    ResNet101,
-    ResNet152,
-    ResNet200,
-    ResNetTiny,
-    ResNetTinyBottleneck,
-    resnet_v1,
-)
 from estimax.models.tf_names import TFNames, register_tf_names
+
+if TYPE_CHECKING:
+    import flax.linen as nn
+
+    from estimax.models.efficientnet import EFFICIENTNETS, EfficientNet, EfficientNetTiny
+    from estimax.models.inception_v3 import InceptionV3, InceptionV3Tiny
+    from estimax.models.inception_v4 import InceptionV4, InceptionV4Tiny
+    from estimax.models.resnet import (
+        BottleneckBlock,
+        ResidualBlock,
+        ResNet,
+        ResNet18,
+        ResNet34,
+        ResNet50,
+        ResNet101,
+        ResNet152,
+        ResNet200,
+        ResNetTiny,
+        ResNetTinyBottleneck,
+        resnet_v1,
+    )
+
+    MODELS: dict[str, Callable[..., nn.Module]]
+    TF_NAMES: tuple[TFNames, ...]
+
+# Public name -> the model file that defines it, imported on first use: a program imports only
+# its own network's file (the MNIST program's processes leave ResNet, the Inceptions and
+# EfficientNet out; tests/test_import_cost.py), and the registry is read when first asked for.
+_EXPORTS = {
+    **dict.fromkeys(("EFFICIENTNETS", "EfficientNet", "EfficientNetTiny"), "efficientnet"),
+    **dict.fromkeys(("InceptionV3", "InceptionV3Tiny"), "inception_v3"),
+    **dict.fromkeys(("InceptionV4", "InceptionV4Tiny"), "inception_v4"),
+    **dict.fromkeys(
+        (
+            "BottleneckBlock",
+            "ResidualBlock",
+            "ResNet",
+            "ResNet18",
+            "ResNet34",
+            "ResNet50",
+            "ResNet101",
+            "ResNet152",
+            "ResNet200",
+            "ResNetTiny",
+            "ResNetTinyBottleneck",
+            "resnet_v1",
+        ),
+        "resnet",
+    ),
+}
 
 
 def _registry() -> tuple[dict[str, Callable[..., nn.Module]], tuple[TFNames, ...]]:
@@ -59,9 +90,25 @@ def _registry() -> tuple[dict[str, Callable[..., nn.Module]], tuple[TFNames, ...
     return found, tuple(names)
 
 
-# Name -> constructor of every registered network; and the networks whose TensorFlow
-# original's checkpoints estimax reads (warm starts, conversion), each map beside its model.
-MODELS, TF_NAMES = _registry()
+def _registered() -> tuple[dict[str, Callable[..., nn.Module]], tuple[TFNames, ...]]:
+    """``MODELS`` and ``TF_NAMES`` (name -> constructor of every registered network; the
+    networks whose TensorFlow original's checkpoints estimax reads, each map beside its model),
+    found the first time either is asked for; later assignments (``register_tf_names``) stand."""
+    if "MODELS" not in globals():
+        found, names = _registry()
+        globals().update(MODELS=found, TF_NAMES=names)
+    return globals()["MODELS"], globals()["TF_NAMES"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("MODELS", "TF_NAMES"):
+        models, names = _registered()
+        return names if name == "TF_NAMES" else models
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def tf_names(name: str) -> TFNames:
@@ -70,12 +117,13 @@ def tf_names(name: str) -> TFNames:
     Raises:
       KeyError: no model of that name has a TensorFlow original (the message lists those that do).
     """
-    for names in TF_NAMES:
+    registered = _registered()[1]
+    for names in registered:
         if names.name == name:
             return names
     raise KeyError(
         f"{name!r} has no TensorFlow original whose checkpoints estimax reads; those that do: "
-        f"{', '.join(n.name for n in TF_NAMES)}"
+        f"{', '.join(n.name for n in registered)}"
     )
 
 
@@ -89,10 +137,13 @@ def get_model(name: str, **kwargs: Any) -> nn.Module:
     Returns:
       The (unbound) Flax module.
     """
+    registered = _registered()[0]
     try:
-        constructor = MODELS[name]
+        constructor = registered[name]
     except KeyError:
-        raise ValueError(f"unknown model {name!r}; registered models: {sorted(MODELS)}") from None
+        raise ValueError(
+            f"unknown model {name!r}; registered models: {sorted(registered)}"
+        ) from None
     return constructor(**kwargs)
 
 

@@ -23,10 +23,6 @@ import numpy as np
 from absl import flags
 
 import estimax as ex
-from estimax.compile import compile as compile_lib
-from estimax.compile import gpu_compile
-from estimax.compile import search as search_lib
-from estimax.estimator import step_builder
 from estimax.programs import cli
 from estimax.programs.cli import UsageError
 from estimax.programs.configs import check_accumulation, resnet_style_configs
@@ -169,6 +165,13 @@ def compile_job(job: Job) -> list[Any]:
       UsageError: an unknown topology, no libtpu, a batch that does not divide over the slice.
       DoesNotFit: a step does not fit (after searching for the largest batch that does).
     """
+    # Imported here, not at the top: only --compile_for needs the compiler, and every process
+    # of every run imports this module (tests/test_import_cost.py keeps it so).
+    from estimax.compile import compile as compile_lib
+    from estimax.compile import gpu_compile
+    from estimax.compile import search as search_lib
+    from estimax.estimator import step_builder
+
     config, topology = job.config, job.compile_for
     assert topology is not None  # run() calls this for --compile_for only
     if gpu_compile.is_gpu_target(topology):

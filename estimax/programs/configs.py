@@ -10,7 +10,6 @@ from absl import flags
 
 import estimax as ex
 from estimax.estimator import spec as spec_lib
-from estimax.estimator import step_builder
 from estimax.parallel import replication
 from estimax.programs import cli
 from estimax.programs.cli import UsageError
@@ -174,6 +173,10 @@ def resnet_style_configs(
 def check_accumulation(config: ex.RunConfig, train_batch: int, replicas: int) -> None:
     """A ``UsageError`` line when ``--gradient_accumulation_steps`` does not divide each
     replica's train batch (naming the flag and the values that do)."""
+    # Here, not at the top: a program's flags (its --help, a bad flag's one line) need no step
+    # builder (tests/test_import_cost.py).
+    from estimax.estimator import step_builder
+
     try:
         step_builder.micro_batch(train_batch, replicas, config.gradient_accumulation_steps)
     except ValueError as e:

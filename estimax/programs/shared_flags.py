@@ -22,7 +22,7 @@ from __future__ import annotations
 import jax
 from absl import flags, logging
 
-from estimax.compile import compile as compile_lib
+from estimax.compile.topologies import known_topologies
 from estimax.models.layers import REMAT_CHOICES
 from estimax.programs import cli, flagspec
 from estimax.programs.cli import UsageError
@@ -58,7 +58,7 @@ COMPILE_FOR_FLAG = flagspec.Str(
     "or for GPUs JAX's CUDA plugin: pip install -e '.[gpu-compile]') and print per step "
     "whether it fits, its memory, work and roofline speed per device; if a step does not fit, "
     f"exit 2 naming the largest global batch that does. Topologies: "
-    f"{compile_lib.known_topologies()}.",
+    f"{known_topologies()}.",
 )
 # TPUConfig's model parallelism and FSDP (estimax.parallel.layouts; docs/layouts.md).
 LAYOUT_FLAGS = (
