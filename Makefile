@@ -22,12 +22,21 @@ BEAM_PINS := apache-beam==2.77.0 protobuf==6.33.6 pillow==12.3.0 numpy==2.4.6 \
 # TensorFlow (the estimax[tf] extra: SavedModels, tests/test_savedmodel_tf.py, and the TF-written
 # checkpoints of tests/test_migrate_tf.py) is never a core or default-test dependency: it lives in
 # its own venv. Like .venv-tpu below, .venv-tf sees .venv's packages (estimax, JAX, the test deps)
-# through a .pth, and pip, resolving against what it sees under constraints.txt, installs only
-# TF's own packages and the dependencies .venv lacks (14 wheels, 2.0 GB), not a second copy of
-# every wheel .venv holds (TF 2.21 pairs with jax 0.10.2 and protobuf 7; `pip check` there finds
-# only what it finds in .venv: mlxtend's and tritonclient's declared deps, left out on purpose).
+# through a .pth, and only TF's own packages and the dependencies .venv lacks go into it: the
+# extra's pins and TF_DEPS, the rest of their tree (TF 2.21 pairs with jax 0.10.2 and protobuf 7).
+# uv installs them with --no-deps (a resolver would not see .venv's packages and would install
+# them all again), so TF_DEPS is the exact list, and `pip check` proves it: it fails the set-up on
+# anything missing or mismatched but what .venv has left out on purpose (mlxtend's and
+# tritonclient's declared deps) and tf-keras's `tensorflow`, which tensorflow-cpu is (resolving
+# that name, pip installed the 1.9 GB GPU-capable `tensorflow` wheel over tensorflow-cpu's files).
+# Measured on the 2-core EPYC, loaded: 24 CPU-s from uv's cache against pip's 73 (both wheels).
 TF_VENV := .venv-tf
 TF_PINS := $(shell sed -n 's/^tf = \[\(.*\)\]$$/\1/p' pyproject.toml | tr -d '",')
+TF_DEPS := astunparse==1.6.3 gast==0.7.0 google-pasta==0.2.0 h5py==3.14.0 keras==3.15.1 \
+	libclang==18.1.1 namex==0.1.0 optree==0.20.0 termcolor==3.3.0 wheel==0.48.0
+# pip check's lines that are known and accepted (above).
+TF_CHECK_KNOWN := -e '^mlxtend 0.25.0 requires' -e '^tritonclient 2.73.0 has requirement' \
+	-e '^tf-keras [0-9.]* requires tensorflow, which is not installed'
 TF_STAMP := $(TF_VENV)/.installed-stamp
 
 # Apache Spark (the estimax[spark] extra: pyspark carries Spark's jars, py4j talks to its JVM) for
@@ -64,10 +73,9 @@ venv: $(STAMP)
 # installs from its cache in parallel where pip unpacks one wheel after another. Measured on the
 # 2-core AVX2 EPYC with 8 other jobs running: .venv's 169 packages in 27 s from a warm cache
 # (57 s cold). pip puts uv into the venv first, so nothing is needed outside it. The venvs that
-# layer on .venv and resolve against it (TF) keep pip: it sees .venv's packages through the .pth
-# and adds only the missing ones; uv sees the venv's own site-packages only and would install all
-# again. Those that add wheels with --no-deps (Spark, libtpu, CUDA) resolve nothing, so .venv's uv
-# installs them (pyspark: 45 CPU-s against pip's 58 on the 2-core EPYC).
+# layer on .venv add wheels with --no-deps (Spark, TF, libtpu, CUDA): uv sees the venv's own
+# site-packages only and, resolving, would install .venv's packages all again; so they resolve
+# nothing, and .venv's uv installs them (pyspark: 45 CPU-s against pip's 58 on the 2-core EPYC).
 # --compile-bytecode: pip writes each module's .pyc as it installs, uv by default does not, and
 # where PYTHONDONTWRITEBYTECODE is set (these machines set it) no process would ever write them:
 # every Python process would compile JAX and the rest from source. Without it the main test
@@ -120,7 +128,9 @@ LAYER_ON_VENV = echo "import site; site.addsitedir('$$($(BIN)/python -c 'import 
 $(TF_STAMP): $(STAMP) pyproject.toml constraints.txt Makefile
 	$(PY) -m venv $(TF_VENV)
 	$(call LAYER_ON_VENV,$(TF_VENV))
-	$(TF_VENV)/bin/pip install -q --disable-pip-version-check -c constraints.txt $(TF_PINS)
+	$(call UV_INSTALL_INTO,$(TF_VENV)) --no-deps $(TF_PINS) $(TF_DEPS)
+	@! $(TF_VENV)/bin/python -m pip check | grep -v $(TF_CHECK_KNOWN) || \
+	    { echo "make: $(TF_VENV): TF_DEPS misses what pip check names above"; exit 1; }
 	touch $(TF_STAMP)
 
 $(SPARK_STAMP): $(STAMP) pyproject.toml Makefile

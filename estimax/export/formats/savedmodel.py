@@ -89,9 +89,16 @@ def _network(export: dict[str, Any]) -> tuple[Any, Any]:
         tf.Variable(np.asarray(x), trainable=False) for x in tf.nest.flatten(export["variables"])
     ]
     variables = export["variables"]
-    return (
-        lambda feats: network(tf.nest.pack_sequence_as(variables, list(module.weights)), feats)
-    ), module
+
+    # Not AutoGraph's to convert: the serving tf.function would otherwise rewrite JAX's own
+    # Python (jax2tf, jax.export: hundreds of functions, AST by AST) the first time a process
+    # exports, about 100 s of CPU for the one XlaCallModule op that comes out the same (jax2tf's
+    # own advice is autograph=False). What estimax writes around it is still converted.
+    @tf.autograph.experimental.do_not_convert
+    def call(feats: Any) -> Any:
+        return network(tf.nest.pack_sequence_as(variables, list(module.weights)), feats)
+
+    return call, module
 
 
 def _answers(export: dict[str, Any], outputs: Any) -> dict[str, Any]:
