@@ -44,10 +44,10 @@ class Summaries:
         self._written: set[tuple[str, int]] | None = None  # (tag, step) already in the files
 
     def _open(self) -> Any:
+        storage.register_summary_writers()  # before tensorboardX: its clients stay out
         from tensorboardX.event_file_writer import EventsWriter
 
         storage.makedirs(self.logdir)
-        storage.register_summary_writers()  # gs:// and s3:// event files through fsspec
         with self._errors("open an event file"):
             # tensorboardX names a file by the second and truncates an existing one: the name
             # must be unique (a second writer in the same second) and sort in time order.
@@ -62,6 +62,7 @@ class Summaries:
         Raises:
           OSError: the event file could not be written (names the directory).
         """
+        storage.register_summary_writers()  # before tensorboardX: its clients stay out
         from tensorboardX import summary as tbx_summary
         from tensorboardX.proto import event_pb2
 
@@ -94,6 +95,7 @@ class Summaries:
         Raises:
           OSError: the event file could not be written (names the directory).
         """
+        storage.register_summary_writers()  # before tensorboardX: its clients stay out
         from tensorboardX.proto import event_pb2
 
         if self._writer is None:
@@ -111,6 +113,7 @@ class Summaries:
         Raises:
           OSError: the event file could not be written (names the directory).
         """
+        storage.register_summary_writers()  # before tensorboardX: its clients stay out
         from tensorboardX import summary as tbx_summary
         from tensorboardX.proto import event_pb2
 
@@ -184,6 +187,7 @@ def scalar_values(logdir: str) -> dict[int, dict[str, float]]:
     writer killed mid-write) ends a file's events, as in TensorBoard. Text summaries (confusion
     matrices) are included with the value NaN: their tag and step are known, not a number.
     """
+    storage.register_summary_writers()  # before tensorboardX: its clients stay out
     from tensorboardX.proto import event_pb2
 
     from estimax.data import tfrecord

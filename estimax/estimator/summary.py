@@ -27,6 +27,8 @@ import numpy as np
 from flax import struct
 from jax import lax
 
+from estimax import storage
+
 __all__ = ["Histogram", "Image", "Text", "histogram", "image", "text"]
 
 
@@ -58,6 +60,7 @@ class Image:
 
     def events(self, name: str) -> list[Any]:
         """tensorboardX ``Summary`` protos: one image per tag ``name/i`` (as tf.summary)."""
+        storage.register_summary_writers()  # before tensorboardX: its clients stay out
         from tensorboardX import summary as tbx_summary
 
         out = []
@@ -107,6 +110,7 @@ class HistogramCounts:
 
     def events(self, name: str) -> list[Any]:
         """One tensorboardX histogram ``Summary``."""
+        storage.register_summary_writers()  # before tensorboardX: its clients stay out
         from tensorboardX import summary as tbx_summary
 
         counts = np.asarray(self.counts, np.float64)
@@ -137,6 +141,7 @@ class Text:
 
     def events(self, name: str) -> list[Any]:
         """One tensorboardX text ``Summary``: a line per value."""
+        storage.register_summary_writers()  # before tensorboardX: its clients stay out
         from tensorboardX import summary as tbx_summary
 
         lines = []

@@ -16,6 +16,7 @@ import fsspec
 from absl import logging
 
 import estimax as ex
+from estimax import storage
 from estimax.programs.configs import LoopConfig
 
 
@@ -124,6 +125,7 @@ def run_mode(
 
 def write_run_description(model_dir: str, notes: list[str] | tuple[str, ...]) -> None:
     """Keeps ``notes`` as a text summary (``run_description``) in TensorBoard's run."""
+    storage.register_summary_writers()  # before tensorboardX: its clients stay out
     from tensorboardX import SummaryWriter
 
     writer = SummaryWriter(model_dir, filename_suffix=".description")
