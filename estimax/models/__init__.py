@@ -147,6 +147,8 @@ def get_model(name: str, **kwargs: Any) -> nn.Module:
     return constructor(**kwargs)
 
 
+# A literal list, though _EXPORTS holds the model files' names too: linters and type checkers
+# read __all__ statically to see the TYPE_CHECKING imports above as re-exports.
 __all__ = [
     "MODELS",
     "TF_NAMES",
