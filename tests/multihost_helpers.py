@@ -11,12 +11,15 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 
 import numpy as np
+import zygote
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multihost_worker.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -117,7 +120,8 @@ def run_job(
     base = _job_env(data_dir, devices // num_processes)
     cluster: tuple[str, ...] = ()
     port = _free_port()
-    procs = []
+    out_dir = tempfile.mkdtemp(prefix="estimax-job-")
+    specs = []
     for i in range(num_processes):
         env = dict(base)
         if faults and i in faults:
@@ -130,8 +134,7 @@ def run_job(
                 f"--num_processes={num_processes}",
                 f"--process_id={i}",
             )
-        args = [
-            sys.executable,
+        argv = (
             WORKER,
             f"--data_dir={data_dir}",
             f"--model_dir={model_dir}",
@@ -139,13 +142,40 @@ def run_job(
             *cluster,
             *extra,
             *((per_process or {}).get(i, ())),
-        ]
-        procs.append(
-            subprocess.Popen(
-                args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-            )
         )
-    return finish(procs, timeout)
+        out = os.path.join(out_dir, str(i))
+        specs.append(zygote.Spec(argv, env, out + ".out", out + ".err"))
+    try:
+        return _finish_launched(launch(base, specs), specs, timeout)
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def launch(
+    base: dict[str, str], specs: list[zygote.Spec]
+) -> list[subprocess.Popen | zygote.Forked]:
+    """Starts a job's processes (``tests/multihost_worker.py`` each): forked from one zygote
+    (tests/zygote.py says why) unless a process's variables differ in what JAX reads at import
+    or ``ESTIMAX_TEST_FORK=0``; else each one its own interpreter. Output goes to the specs'
+    files."""
+    if os.environ.get("ESTIMAX_TEST_FORK", "1") != "0" and zygote.can_fork(
+        base, [s.env for s in specs]
+    ):
+        return zygote.start(base, specs)
+    procs = []
+    for spec in specs:
+        with open(spec.stdout, "w") as out, open(spec.stderr, "w") as err:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, *spec.argv],
+                    env=dict(spec.env),
+                    stdout=out,
+                    stderr=err,
+                    stdin=subprocess.DEVNULL,
+                    text=True,
+                )
+            )
+    return procs
 
 
 def finish(procs: list[subprocess.Popen], timeout: float = 300) -> list[Proc]:
@@ -155,6 +185,24 @@ def finish(procs: list[subprocess.Popen], timeout: float = 300) -> list[Proc]:
         for p in procs:
             out, err = p.communicate(timeout=timeout)
             results.append(Proc(p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return results
+
+
+def _finish_launched(
+    procs: list[subprocess.Popen | zygote.Forked], specs: list[zygote.Spec], timeout: float
+) -> list[Proc]:
+    """``finish`` for ``launch``'s processes: their output is in their specs' files."""
+    results = []
+    try:
+        for p, spec in zip(procs, specs, strict=True):
+            p.wait(timeout=timeout)
+            with open(spec.stdout) as out, open(spec.stderr) as err:
+                results.append(Proc(p.returncode, out.read(), err.read()))
     finally:
         for p in procs:
             if p.poll() is None:

@@ -15,11 +15,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import subprocess
-import sys
 import threading
 import time
 
 import multihost_helpers as mh
+import zygote
 
 # One CPU device per process, and XLA's fastest compile: the pod tests check coordination, not
 # the speed of the tiny model.
@@ -47,7 +47,7 @@ class PodProc:
 class Job:
     """A started job: its processes (in process order) and where their output goes."""
 
-    procs: list[subprocess.Popen]
+    procs: list[subprocess.Popen | zygote.Forked]
     logs: list[tuple[str, str]]
 
 
@@ -87,7 +87,7 @@ def start(
     base = job_env(data_dir, devices)
     base.update(env or {})
     port = mh._free_port()  # noqa: SLF001
-    procs, logs = [], []
+    specs = []
     for i in range(num_processes):
         proc_env = dict(base)
         if faults and i in faults:
@@ -101,27 +101,15 @@ def start(
             if num_processes > 1
             else ()
         )
-        out, err = os.path.join(log_dir, f"{i}.out"), os.path.join(log_dir, f"{i}.err")
-        with open(out, "w") as o, open(err, "w") as e:
-            procs.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        mh.WORKER,
-                        f"--data_dir={data_dir}",
-                        f"--model_dir={model_dir}",
-                        *flags,
-                        *cluster,
-                    ],
-                    env=proc_env,
-                    stdout=o,
-                    stderr=e,
-                    stdin=subprocess.DEVNULL,
-                    text=True,
-                )
+        specs.append(
+            zygote.Spec(
+                (mh.WORKER, f"--data_dir={data_dir}", f"--model_dir={model_dir}", *flags, *cluster),
+                proc_env,
+                os.path.join(log_dir, f"{i}.out"),
+                os.path.join(log_dir, f"{i}.err"),
             )
-        logs.append((out, err))
-    return Job(procs, logs)
+        )
+    return Job(mh.launch(base, specs), [(s.stdout, s.stderr) for s in specs])
 
 
 def finish(job: Job, timeout: float, since: float | None = None) -> list[PodProc]:

@@ -105,7 +105,15 @@ def test_a_host_that_stops_stepping_trips_its_watchdog_and_the_job_ends(tmp_path
     data_dir, _, _ = mh.reference(2, tmp_path_factory)
     # Process 1's input blocks at its 4th batch; process 0 then waits in the step's collective.
     procs = mh.run_job(
-        2, data_dir, str(tmp_path), "--watchdog_timeout=15", faults={1: "hang:4"}, timeout=240
+        2,
+        data_dir,
+        str(tmp_path),
+        "--watchdog_timeout=15",
+        # The peer's end comes sooner than the default 60 s of the peer watch would give it;
+        # either way out is checked below.
+        "--peer_timeout=10",
+        faults={1: "hang:4"},
+        timeout=240,
     )
     dump = "estimax watchdog: no training step completed in 15 s; last completed step:"
     # The stuck host dumps its stacks (showing where it is stuck) and exits with the watchdog's
