@@ -552,7 +552,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs the phases; prints the table and the closing line; 0 only if every phase passed."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--make", default="make", help="the make to call for set-up and lint")
-    parser.add_argument("--workers", default="2", help="pytest-xdist workers for the main phase")
+    parser.add_argument("--workers", default="3", help="pytest-xdist workers for the main phase")
     parser.add_argument("--require_onednn", default="0", help="ESTIMAX_REQUIRE_ONEDNN for main")
     parser.add_argument(
         "--only",

@@ -3,8 +3,10 @@
 One process per simulated host (``tests/multihost_worker.py``, so a process can be given a
 fault), each with ONE CPU device and XLA's cheapest compile (the steps are tiny: optimising them
 costs more than running them), all sharing one persistent compilation cache so that the 16 or 32
-processes compile each program once between them. Output goes to files, not pipes: 16 processes
-writing to pipes that the test drains one at a time would block on a full pipe.
+processes compile each program once between them, and forked from one interpreter that has
+imported the program (tests/zygote.py: the import is a third of a process's CPU). Output goes
+to files, not pipes: 16 processes writing to pipes that the test drains one at a time would
+block on a full pipe.
 
 ``start`` returns the running processes (a test may kill one); ``finish`` waits for them with a
 bound and returns each one's status, output and how long after ``since`` it ended.

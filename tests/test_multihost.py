@@ -108,14 +108,15 @@ def test_a_host_that_stops_stepping_trips_its_watchdog_and_the_job_ends(tmp_path
         2,
         data_dir,
         str(tmp_path),
-        "--watchdog_timeout=15",
+        # Long enough for the first step's compile on a loaded machine (3 test workers).
+        "--watchdog_timeout=30",
         # The peer's end comes sooner than the default 60 s of the peer watch would give it;
         # either way out is checked below.
         "--peer_timeout=10",
         faults={1: "hang:4"},
         timeout=240,
     )
-    dump = "estimax watchdog: no training step completed in 15 s; last completed step:"
+    dump = "estimax watchdog: no training step completed in 30 s; last completed step:"
     # The stuck host dumps its stacks (showing where it is stuck) and exits with the watchdog's
     # status.
     assert procs[1].returncode == 75, procs[1].stderr[-3000:]

@@ -268,7 +268,7 @@ def test_only_runs_the_named_phases_and_rejects_unknown_ones(capsys):
     assert tp.main(["--dry_run", "--only", "lint,main"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines] == ["lint", "main"]
-    assert "-n 2" in lines[1] and "ESTIMAX_REQUIRE_ONEDNN=0" in lines[1]
+    assert "-n 3" in lines[1] and "ESTIMAX_REQUIRE_ONEDNN=0" in lines[1]
     with pytest.raises(SystemExit):
         tp.main(["--only", "nope"])
 
