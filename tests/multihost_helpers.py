@@ -186,10 +186,7 @@ def finish(procs: list[subprocess.Popen], timeout: float = 300) -> list[Proc]:
             out, err = p.communicate(timeout=timeout)
             results.append(Proc(p.returncode, out, err))
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        _kill_running(procs)
     return results
 
 
@@ -204,11 +201,15 @@ def _finish_launched(
             with open(spec.stdout) as out, open(spec.stderr) as err:
                 results.append(Proc(p.returncode, out.read(), err.read()))
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        _kill_running(procs)
     return results
+
+
+def _kill_running(procs: list[subprocess.Popen] | list[subprocess.Popen | zygote.Forked]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
 
 
 def assert_ok(results: list[Proc]) -> None:
