@@ -93,9 +93,6 @@ class Forked:
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
         """Waits for the end (``TimeoutExpired`` after ``timeout``); the process's output."""
         self.wait(timeout)
