@@ -28,6 +28,8 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import job_cache  # noqa: E402
+
 from estimax.programs import common, mnist  # noqa: E402
 
 
@@ -132,6 +134,7 @@ def predict_after_run(out_dir: str) -> None:
 
 
 def main() -> None:
+    job_cache.share_compiled_programs()  # tests/job_cache.py says why
     if os.environ.get("ESTIMAX_TEST_PREDICT"):
         predict_after_run(os.environ["ESTIMAX_TEST_PREDICT"])
     fault = os.environ.get("ESTIMAX_TEST_FAULT")
