@@ -11,10 +11,11 @@ other N-1 compile every program again on every run, however warm the cache. Meas
 ``share_compiled_programs()`` keys a CPU program by its device assignment instead (platform,
 kind, id and process of each device: what every process of the job agrees on), so process 0's
 entry is every process's. A CPU executable holds no per-process state (the collectives go
-through the client), so another process loads process 0's as its own, as JAX's
-``jax_share_binary_between_hosts`` does on TPU, whose topology is already the same in every
-process. Only test jobs do this (``tests/multihost_worker.py`` and the zygote import it); the
-programs under test are unchanged, and other platforms keep JAX's key.
+through the client), so another process loads process 0's as its own (JAX's
+``jax_share_binary_between_hosts`` also assumes one key per program across processes). Only
+test jobs do this: each process of a job calls it as ``tests/multihost_worker.py`` starts,
+forked from the zygote or not; the programs under test are unchanged, and other platforms keep
+JAX's key.
 """
 
 from __future__ import annotations
