@@ -67,7 +67,7 @@ CUDA_VENV := .venv-cuda
 CUDA_STAMP := $(CUDA_VENV)/.installed-stamp
 GPU_COMPILE_PINS := $(shell sed -n '/^gpu-compile = \[/,/^\]/s/^ *"\([^"]*\)",*$$/\1/p' pyproject.toml)
 
-.PHONY: demo test lint reliability bytecode venv venv-beam venv-spark venv-tf venv-tpu venv-cuda native bench \
+.PHONY: demo test lint reliability bytecode test-bytecode venv venv-beam venv-spark venv-tf venv-tpu venv-cuda native bench \
 	bench-accelerator bench-accelerator-dry-run image image-test clean
 
 venv: $(STAMP)
@@ -161,6 +161,15 @@ $(CUDA_STAMP): $(STAMP) pyproject.toml Makefile
 # process takes to import (2-core AVX2 EPYC, 3 runs each). compileall rewrites only stale ones.
 bytecode: $(STAMP)
 	$(BIN)/python -m compileall -q -j 0 estimax tests scripts bench examples
+
+# The same for pytest's assertion rewriting: it rewrites each test module, and each module of a
+# package that registers a pytest plugin (hypothesis...), and keeps the result in a .pyc of its
+# own, which with PYTHONDONTWRITEBYTECODE set it never writes, so every pytest process of `make
+# test` rewrote about 400 modules: 9 of the 16 CPU-s a worker took to collect the suite (Intel
+# Xeon, 2 cores). One collection with the writing on, in the set-up, leaves them for the rest.
+test-bytecode: bytecode
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -p no:cacheprovider --collect-only \
+	    tests > /dev/null
 
 demo: $(STAMP) $(NATIVE_STAMP) bytecode
 	$(BIN)/python -m estimax.tools.mnist_data --output_dir=$(DEMO_DIR)/data

@@ -107,7 +107,7 @@ SIDE_A, SIDE_B = 1, 2
 def phases(make: str, workers: str, require_onednn: str) -> list[Phase]:
     """The run, in order. Each venv is set up (by its Makefile target) just before its tests."""
     return [
-        Phase("setup .venv", (make, "--no-print-directory", "venv", "native", "bytecode")),
+        Phase("setup .venv", (make, "--no-print-directory", "venv", "native", "test-bytecode")),
         Phase("lint", (make, "--no-print-directory", "lint"), lane=SIDE_A),
         Phase("setup .venv-beam", (make, "--no-print-directory", "venv-beam"), lane=SIDE_A),
         _pytest(
